@@ -1,0 +1,543 @@
+//! The cluster config: one JSON file, every section with defaults, unknown fields rejected, and
+//! validation whose messages name the bad field (`apiserver.placement.k: ...`).
+//!
+//! One file describes the whole cluster; each daemon reads its own section, and
+//! `opendsecctl cluster up` reads them all. Durations are humantime strings ("1s", "250ms").
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Placeholders a config may still hold from an example; a token containing one is refused.
+pub const PLACEHOLDERS: [&str; 3] = ["change-me", "changeme", "replace-me"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("failed to read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config {path}: {field}: {message}")]
+    Parse { path: String, field: String, message: String },
+    #[error("config: {field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.to_string(), message: message.into() }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where every component keeps its state (IAM store, edge records, audit log, tokens).
+    pub state_dir: PathBuf,
+    /// Shared secret between components (development mode until mTLS lands). Empty: `cluster up`
+    /// generates one and keeps it in `<state_dir>/service.token`.
+    pub service_token: String,
+    pub iam: IamConfig,
+    pub apiserver: ApiserverConfig,
+    pub watcher: WatcherConfig,
+    /// Settings shared by every edge.
+    pub edge: EdgeConfig,
+    /// Edges the watcher knows from the start (besides those that register themselves).
+    pub edges: Vec<EdgeEndpoint>,
+    /// How many sim edges `cluster up` starts (overridden by `--sim-edges`).
+    pub sim_edges: u32,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            state_dir: PathBuf::from("opendsec-state"),
+            service_token: String::new(),
+            iam: IamConfig::default(),
+            apiserver: ApiserverConfig::default(),
+            watcher: WatcherConfig::default(),
+            edge: EdgeConfig::default(),
+            edges: Vec::new(),
+            sim_edges: 4,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EdgeEndpoint {
+    pub name: String,
+    pub address: String,
+}
+
+impl Default for EdgeEndpoint {
+    fn default() -> Self {
+        EdgeEndpoint { name: String::new(), address: String::new() }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct IamConfig {
+    pub listen: String,
+    /// Addresses other components use to reach IAM (filled by `cluster up`).
+    pub addrs: Vec<String>,
+    /// The administrator's token, `dsk.<id>.<secret>`. Empty: `cluster up` generates one and
+    /// writes it to `<state_dir>/admin.token`.
+    pub admin_token: String,
+    pub admin_principal: String,
+    /// Default `<state_dir>/iam`.
+    pub data_dir: Option<PathBuf>,
+    /// Reconciliation never releases a lease younger than this.
+    #[serde(with = "humantime_serde")]
+    pub reconcile_min_age: Duration,
+    /// Most commands applied in one durable store transaction (group commit).
+    pub commit_batch_max: usize,
+}
+
+impl Default for IamConfig {
+    fn default() -> Self {
+        IamConfig {
+            listen: "127.0.0.1:0".into(),
+            addrs: Vec::new(),
+            admin_token: String::new(),
+            admin_principal: "admin".into(),
+            data_dir: None,
+            reconcile_min_age: Duration::from_secs(60),
+            commit_batch_max: 4096,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiserverConfig {
+    pub listen: String,
+    /// `/metrics`, `/healthz`, `/readyz`; empty: not served.
+    pub metrics_listen: String,
+    pub watcher_addrs: Vec<String>,
+    /// Authentication and authorization results are cached this long (never past a token's expiry).
+    #[serde(with = "humantime_serde")]
+    pub auth_cache_ttl: Duration,
+    /// How often IAM's security epoch is polled; a change clears the caches.
+    #[serde(with = "humantime_serde")]
+    pub epoch_poll_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    pub snapshot_refresh: Duration,
+    /// /readyz fails after this long without an IAM answer or a watcher snapshot.
+    #[serde(with = "humantime_serde")]
+    pub readiness_grace: Duration,
+    pub ttl: TtlConfig,
+    /// Token bucket per principal: creations per second and burst.
+    pub rate_per_principal: f64,
+    pub burst_per_principal: f64,
+    /// Creations in flight on this apiserver; more are refused with `rate_limited` (single
+    /// creations) or queued (batches).
+    pub max_inflight_creations: usize,
+    /// Creations of one `CreateSandboxes` call run this many at a time.
+    pub batch_concurrency: usize,
+    pub placement: PlacementConfig,
+    pub audit: AuditConfig,
+    /// Timeout of one call to an edge.
+    #[serde(with = "humantime_serde")]
+    pub edge_call_timeout: Duration,
+}
+
+impl Default for ApiserverConfig {
+    fn default() -> Self {
+        ApiserverConfig {
+            listen: "127.0.0.1:7000".into(),
+            metrics_listen: "127.0.0.1:0".into(),
+            watcher_addrs: Vec::new(),
+            auth_cache_ttl: Duration::from_secs(30),
+            epoch_poll_interval: Duration::from_secs(1),
+            snapshot_refresh: Duration::from_secs(1),
+            readiness_grace: Duration::from_secs(15),
+            ttl: TtlConfig::default(),
+            rate_per_principal: 10_000.0,
+            burst_per_principal: 40_000.0,
+            max_inflight_creations: 2048,
+            batch_concurrency: 512,
+            placement: PlacementConfig::default(),
+            audit: AuditConfig::default(),
+            edge_call_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TtlConfig {
+    #[serde(with = "humantime_serde")]
+    pub default_running_stop: Duration,
+    #[serde(with = "humantime_serde")]
+    pub default_max: Duration,
+    #[serde(with = "humantime_serde")]
+    pub default_paused: Duration,
+    /// No TTL may be longer than this.
+    #[serde(with = "humantime_serde")]
+    pub max: Duration,
+}
+
+impl Default for TtlConfig {
+    fn default() -> Self {
+        TtlConfig {
+            default_running_stop: Duration::from_secs(600),
+            default_max: Duration::from_secs(3600),
+            default_paused: Duration::from_secs(3600),
+            max: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementConfig {
+    /// Candidates drawn for power-of-k.
+    pub k: usize,
+    /// Actual use below this share does not count towards load.
+    pub usage_floor: f64,
+    /// Edges tried for one creation.
+    pub max_attempts: usize,
+    /// How long an edge that refused stays a last choice.
+    #[serde(with = "humantime_serde")]
+    pub penalty: Duration,
+}
+
+impl Default for PlacementConfig {
+    fn default() -> Self {
+        PlacementConfig { k: 2, usage_floor: 0.2, max_attempts: 3, penalty: Duration::from_secs(10) }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuditConfig {
+    pub enabled: bool,
+    /// Default `<state_dir>/audit/apiserver.log`.
+    pub path: Option<PathBuf>,
+    /// Rotated past this size.
+    pub max_bytes: u64,
+    /// Rotated files kept (`.1` newest).
+    pub keep: u32,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        AuditConfig { enabled: true, path: None, max_bytes: 64 << 20, keep: 5 }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct WatcherConfig {
+    pub listen: String,
+    pub addrs: Vec<String>,
+    #[serde(with = "humantime_serde")]
+    pub probe_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    pub probe_timeout: Duration,
+    /// Consecutive failed probes that make an edge unhealthy.
+    pub failure_threshold: u32,
+    #[serde(with = "humantime_serde")]
+    pub reconcile_interval: Duration,
+    /// An edge unhealthy this long is reconciled as empty (its quota released).
+    #[serde(with = "humantime_serde")]
+    pub lost_edge_grace: Duration,
+    /// Leases bound to edges no watcher knows are released after this long.
+    #[serde(with = "humantime_serde")]
+    pub sweep_unbound_after: Duration,
+    /// TTL of the IAM lock that elects the reconciling watcher.
+    #[serde(with = "humantime_serde")]
+    pub lock_ttl: Duration,
+}
+
+impl Default for WatcherConfig {
+    fn default() -> Self {
+        WatcherConfig {
+            listen: "127.0.0.1:0".into(),
+            addrs: Vec::new(),
+            probe_interval: Duration::from_secs(1),
+            probe_timeout: Duration::from_secs(2),
+            failure_threshold: 3,
+            reconcile_interval: Duration::from_secs(30),
+            lost_edge_grace: Duration::from_secs(120),
+            sweep_unbound_after: Duration::from_secs(600),
+            lock_ttl: Duration::from_secs(15),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EdgeConfig {
+    /// This edge's name (`opendsec edge`); sim edges of `cluster up` are named `sim-NNN`.
+    pub name: String,
+    pub listen: String,
+    /// The address others reach this edge at (default: the bound listen address).
+    pub advertise: String,
+    /// Default `<state_dir>/edges/<name>`.
+    pub state_dir: Option<PathBuf>,
+    pub backends: Vec<String>,
+    pub capacity: CapacityConfig,
+    pub max_sandboxes: u32,
+    /// How often TTLs are checked.
+    #[serde(with = "humantime_serde")]
+    pub ttl_check_interval: Duration,
+    /// Ended leases are released in batches of this many, or after `release_interval`.
+    pub release_batch: usize,
+    #[serde(with = "humantime_serde")]
+    pub release_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    pub register_interval: Duration,
+    /// Refuse creations when MemAvailable is below this share of RAM (at least 128 MiB).
+    pub memory_reserve_fraction: f64,
+    /// Refuse creations when the file system holding the state has less free space than this.
+    pub disk_reserve_mb: u64,
+    /// Leave sandboxes running when the edge exits, and adopt them again on start.
+    pub keep_sandboxes_on_exit: bool,
+    /// Stopped and failed records are kept this long for `get`, then removed.
+    #[serde(with = "humantime_serde")]
+    pub ended_retention: Duration,
+}
+
+impl Default for EdgeConfig {
+    fn default() -> Self {
+        EdgeConfig {
+            name: String::new(),
+            listen: "127.0.0.1:0".into(),
+            advertise: String::new(),
+            state_dir: None,
+            backends: vec!["sim".into()],
+            capacity: CapacityConfig::default(),
+            max_sandboxes: 3200,
+            ttl_check_interval: Duration::from_secs(1),
+            release_batch: 1000,
+            release_interval: Duration::from_millis(50),
+            register_interval: Duration::from_secs(10),
+            memory_reserve_fraction: 0.1,
+            disk_reserve_mb: 1024,
+            keep_sandboxes_on_exit: true,
+            ended_retention: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What an edge offers. For real backends, zero means "measure the host".
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CapacityConfig {
+    pub cpu_millis: u32,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub gpus: u32,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        // A typical sim node: 64 cores, 512 GiB, 4 TiB.
+        CapacityConfig { cpu_millis: 64_000, memory_mb: 512 * 1024, disk_mb: 4 * 1024 * 1024, gpus: 0 }
+    }
+}
+
+pub const KNOWN_BACKENDS: [&str; 5] = ["sim", "container", "fncall", "microvm", "fullvm"];
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates config text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_str(text);
+        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let field = e.path().to_string();
+            ConfigError::Parse {
+                path: origin.to_string(),
+                field: if field == "." { "(top level)".into() } else { field },
+                message: e.into_inner().to_string(),
+            }
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn iam_data_dir(&self) -> PathBuf {
+        self.iam.data_dir.clone().unwrap_or_else(|| self.state_dir.join("iam"))
+    }
+
+    pub fn edge_state_dir(&self, name: &str) -> PathBuf {
+        self.edge.state_dir.clone().unwrap_or_else(|| self.state_dir.join("edges")).join(name)
+    }
+
+    pub fn audit_path(&self) -> PathBuf {
+        self.apiserver.audit.path.clone().unwrap_or_else(|| self.state_dir.join("audit/apiserver.log"))
+    }
+
+    /// Checks every value a component would otherwise trip over later.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.state_dir.as_os_str().is_empty() {
+            return Err(invalid("state_dir", "must not be empty"));
+        }
+        check_secret("service_token", &self.service_token)?;
+        check_secret("iam.admin_token", &self.iam.admin_token)?;
+        if !self.iam.admin_token.is_empty() && parse_token_shape(&self.iam.admin_token).is_none() {
+            return Err(invalid("iam.admin_token", "must look like dsk.<id>.<secret> (id [a-z0-9], secret at least 16 characters)"));
+        }
+        crate::ids::validate_principal(&self.iam.admin_principal)
+            .map_err(|e| invalid("iam.admin_principal", e.message))?;
+        if self.iam.commit_batch_max == 0 {
+            return Err(invalid("iam.commit_batch_max", "must be at least 1"));
+        }
+        let a = &self.apiserver;
+        positive("apiserver.auth_cache_ttl", a.auth_cache_ttl)?;
+        positive("apiserver.epoch_poll_interval", a.epoch_poll_interval)?;
+        positive("apiserver.snapshot_refresh", a.snapshot_refresh)?;
+        positive("apiserver.edge_call_timeout", a.edge_call_timeout)?;
+        if a.ttl.max.is_zero() {
+            return Err(invalid("apiserver.ttl.max", "must be positive"));
+        }
+        for (f, d) in [
+            ("apiserver.ttl.default_running_stop", a.ttl.default_running_stop),
+            ("apiserver.ttl.default_max", a.ttl.default_max),
+            ("apiserver.ttl.default_paused", a.ttl.default_paused),
+        ] {
+            positive(f, d)?;
+            if d > a.ttl.max {
+                return Err(invalid(f, format!("{} is above apiserver.ttl.max ({})", humantime::format_duration(d), humantime::format_duration(a.ttl.max))));
+            }
+        }
+        if !(a.rate_per_principal > 0.0 && a.rate_per_principal.is_finite()) {
+            return Err(invalid("apiserver.rate_per_principal", "must be a positive number"));
+        }
+        if !(a.burst_per_principal >= 1.0 && a.burst_per_principal.is_finite()) {
+            return Err(invalid("apiserver.burst_per_principal", "must be at least 1"));
+        }
+        if a.max_inflight_creations == 0 {
+            return Err(invalid("apiserver.max_inflight_creations", "must be at least 1"));
+        }
+        if a.batch_concurrency == 0 {
+            return Err(invalid("apiserver.batch_concurrency", "must be at least 1"));
+        }
+        if a.placement.k == 0 {
+            return Err(invalid("apiserver.placement.k", "must be at least 1"));
+        }
+        if !(0.0..1.0).contains(&a.placement.usage_floor) {
+            return Err(invalid("apiserver.placement.usage_floor", "must be in [0, 1)"));
+        }
+        if a.placement.max_attempts == 0 {
+            return Err(invalid("apiserver.placement.max_attempts", "must be at least 1"));
+        }
+        if a.audit.enabled && a.audit.max_bytes < 4096 {
+            return Err(invalid("apiserver.audit.max_bytes", "must be at least 4096"));
+        }
+        let w = &self.watcher;
+        positive("watcher.probe_interval", w.probe_interval)?;
+        positive("watcher.probe_timeout", w.probe_timeout)?;
+        positive("watcher.reconcile_interval", w.reconcile_interval)?;
+        positive("watcher.lock_ttl", w.lock_ttl)?;
+        if w.failure_threshold == 0 {
+            return Err(invalid("watcher.failure_threshold", "must be at least 1"));
+        }
+        let e = &self.edge;
+        if !e.name.is_empty() {
+            crate::ids::validate_edge(&e.name).map_err(|err| invalid("edge.name", err.message))?;
+        }
+        if e.backends.is_empty() {
+            return Err(invalid("edge.backends", "must name at least one backend"));
+        }
+        for (i, b) in e.backends.iter().enumerate() {
+            if !KNOWN_BACKENDS.contains(&b.as_str()) {
+                return Err(invalid(&format!("edge.backends[{i}]"), format!("unknown backend {b:?}; known: {}", KNOWN_BACKENDS.join(", "))));
+            }
+        }
+        if e.max_sandboxes == 0 {
+            return Err(invalid("edge.max_sandboxes", "must be at least 1"));
+        }
+        positive("edge.ttl_check_interval", e.ttl_check_interval)?;
+        positive("edge.release_interval", e.release_interval)?;
+        positive("edge.register_interval", e.register_interval)?;
+        if e.release_batch == 0 {
+            return Err(invalid("edge.release_batch", "must be at least 1"));
+        }
+        if !(0.0..0.9).contains(&e.memory_reserve_fraction) {
+            return Err(invalid("edge.memory_reserve_fraction", "must be in [0, 0.9)"));
+        }
+        for (i, ep) in self.edges.iter().enumerate() {
+            crate::ids::validate_edge(&ep.name).map_err(|err| invalid(&format!("edges[{i}].name"), err.message))?;
+            if ep.address.is_empty() {
+                return Err(invalid(&format!("edges[{i}].address"), "must not be empty"));
+            }
+        }
+        if self.sim_edges > 1000 {
+            return Err(invalid("sim_edges", "at most 1000"));
+        }
+        Ok(())
+    }
+}
+
+fn positive(field: &str, d: Duration) -> Result<(), ConfigError> {
+    if d.is_zero() { Err(invalid(field, "must be positive")) } else { Ok(()) }
+}
+
+fn check_secret(field: &str, value: &str) -> Result<(), ConfigError> {
+    let lower = value.to_ascii_lowercase();
+    if let Some(p) = PLACEHOLDERS.iter().find(|p| lower.contains(*p)) {
+        return Err(invalid(field, format!("still holds the placeholder {p:?}: set a real secret, or leave it empty to have one generated")));
+    }
+    Ok(())
+}
+
+/// Splits `dsk.<id>.<secret>` (id `[a-z0-9]{1,32}`, secret `[A-Za-z0-9_-]{16,128}`).
+pub fn parse_token_shape(token: &str) -> Option<(&str, &str)> {
+    let rest = token.strip_prefix("dsk.")?;
+    let (id, secret) = rest.split_once('.')?;
+    let id_ok = !id.is_empty() && id.len() <= 32 && id.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let secret_ok = (16..=128).contains(&secret.len())
+        && secret.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-');
+    (id_ok && secret_ok).then_some((id, secret))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_object_gives_defaults() {
+        let c = Config::parse("{}", "test").unwrap();
+        assert_eq!(c, Config::default());
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected_with_their_path() {
+        let err = Config::parse(r#"{"apiserver": {"placement": {"kk": 3}}}"#, "test").unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("apiserver.placement"), "{msg}");
+        assert!(msg.contains("kk"), "{msg}");
+    }
+
+    #[test]
+    fn bad_values_name_their_field() {
+        for (text, field) in [
+            (r#"{"apiserver": {"placement": {"k": 0}}}"#, "apiserver.placement.k"),
+            (r#"{"watcher": {"probe_interval": "0s"}}"#, "watcher.probe_interval"),
+            (r#"{"edge": {"backends": ["kvm"]}}"#, "edge.backends[0]"),
+            (r#"{"iam": {"admin_token": "dsk.admin.change-me-please-now"}}"#, "iam.admin_token"),
+            (r#"{"iam": {"admin_token": "not-a-token"}}"#, "iam.admin_token"),
+            (r#"{"apiserver": {"ttl": {"default_max": "30d"}}}"#, "apiserver.ttl.default_max"),
+            (r#"{"watcher": {"probe_interval": "soon"}}"#, "watcher.probe_interval"),
+            (r#"{"sim_edges": -1}"#, "sim_edges"),
+        ] {
+            let msg = Config::parse(text, "test").unwrap_err().to_string();
+            assert!(msg.contains(field), "{text}: {msg}");
+        }
+    }
+
+    #[test]
+    fn token_shape() {
+        assert!(parse_token_shape("dsk.abc123.0123456789abcdefXYZ").is_some());
+        for bad in ["", "dsk.", "dsk.a.short", "xsk.a.0123456789abcdef", "dsk.A.0123456789abcdef", "dsk.a.0123456789abcdef!"] {
+            assert!(parse_token_shape(bad).is_none(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! Pieces every opendsec process shares: the error reasons and their one mapping to gRPC, the
+//! cluster config, id validation, gRPC serving and channels with the shared service token, and
+//! the `/metrics` `/healthz` `/readyz` endpoint.
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod grpc;
+pub mod http;
+pub mod ids;
+pub mod reason;
+pub mod time;
+
+pub use reason::{ApiError, Reason};
+
+/// Sets up `tracing` for a binary: `RUST_LOG` filter (default `info`), plain text on stderr.
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

@@ -1,0 +1,12 @@
+//! Compiles the protos with protox (there is no protoc on our machines).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let files = ["opendsec/v1/opendsec.proto", "opendsec/v1/iam.proto", "opendsec/v1/cluster.proto"];
+    for f in &files {
+        println!("cargo:rerun-if-changed={}", root.join(f).display());
+    }
+    let fds = protox::compile(files, [&root])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}
