@@ -112,7 +112,6 @@ pub struct ApiserverConfig {
     pub listen: String,
     /// `/metrics`, `/healthz`, `/readyz`; empty: not served.
     pub metrics_listen: String,
-    pub watcher_addrs: Vec<String>,
     /// Authentication and authorization results are cached this long (never past a token's expiry).
     #[serde(with = "humantime_serde")]
     pub auth_cache_ttl: Duration,
@@ -145,7 +144,6 @@ impl Default for ApiserverConfig {
         ApiserverConfig {
             listen: "127.0.0.1:7000".into(),
             metrics_listen: "127.0.0.1:0".into(),
-            watcher_addrs: Vec::new(),
             auth_cache_ttl: Duration::from_secs(30),
             epoch_poll_interval: Duration::from_secs(1),
             snapshot_refresh: Duration::from_secs(1),
@@ -229,6 +227,7 @@ impl Default for AuditConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct WatcherConfig {
     pub listen: String,
+    /// Addresses other components use to reach the watchers (filled by `cluster up`).
     pub addrs: Vec<String>,
     #[serde(with = "humantime_serde")]
     pub probe_interval: Duration,
