@@ -1,1 +1,6 @@
-//! placeholder
+//! `opendsecctl` and `opendsec`: thin binaries over the libraries. This crate holds their
+//! command parsing, output formatting (human and `--json`) and the benchmark.
+
+pub mod bench;
+pub mod ctl;
+pub mod json;

@@ -1,1 +1,400 @@
-//! placeholder
+//! Assembles opendsec components from one config: `opendsecctl cluster up` (IAM, a watcher, an
+//! apiserver and N sim edges in one process, all talking real gRPC over loopback) and the
+//! single-component daemons of the `opendsec` binary.
+//!
+//! Each component runs on its own listener with its own shutdown trigger, so tests can stop
+//! and restart one edge or the apiserver while the rest keeps running.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use opendsec_common::config::{Config, EdgeEndpoint};
+use opendsec_common::grpc;
+use opendsec_edge::backend::Backend;
+use opendsec_edge::backend::sim::SimBackend;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub mod tokens;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("failed to bind {what} on {addr}: {source}")]
+    Bind { what: String, addr: String, source: std::io::Error },
+    #[error("failed to prepare state directory {path}: {source}")]
+    StateDir { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    Tokens(#[from] tokens::TokenError),
+    #[error("iam: {0}")]
+    Iam(#[from] opendsec_iam::IamError),
+    #[error("edge {name}: {source}")]
+    Edge { name: String, source: opendsec_edge::EdgeError },
+    #[error("watcher: {0}")]
+    Watcher(#[from] opendsec_watcher::WatcherError),
+    #[error("no such component: {0}")]
+    NoSuchComponent(String),
+    #[error("component {0} is already running")]
+    AlreadyRunning(String),
+    #[error("cluster did not become ready within {0:?}: {1}")]
+    NotReady(Duration, String),
+}
+
+/// One running component: its address, its shutdown trigger and its task.
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<(), String>>,
+}
+
+impl Running {
+    async fn stop(self) -> Result<(), String> {
+        let _ = self.stop.send(());
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(format!("task failed: {e}")),
+        }
+    }
+}
+
+fn spawn<F>(f: impl FnOnce(oneshot::Receiver<()>) -> F) -> Running
+where
+    F: std::future::Future<Output = Result<(), String>> + Send + 'static,
+{
+    let (stop, rx) = oneshot::channel();
+    Running { stop, task: tokio::spawn(f(rx)) }
+}
+
+async fn bind(what: &str, addr: &str) -> Result<TcpListener, ClusterError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ClusterError::Bind { what: what.into(), addr: addr.into(), source })
+}
+
+fn local(l: &TcpListener) -> SocketAddr {
+    l.local_addr().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+}
+
+struct EdgeSlot {
+    addr: SocketAddr,
+    backend: Arc<SimBackend>,
+    running: Option<Running>,
+}
+
+/// An in-process cluster.
+pub struct Cluster {
+    /// The config with every address and token filled in.
+    pub config: Config,
+    pub apiserver_addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub admin_token: String,
+    pub admin_token_path: PathBuf,
+    iam: Option<Running>,
+    watcher: Option<Running>,
+    apiserver: Option<Running>,
+    edges: BTreeMap<String, EdgeSlot>,
+}
+
+/// Overrides `cluster up` takes from the command line.
+#[derive(Clone, Debug, Default)]
+pub struct UpOptions {
+    pub state_dir: Option<PathBuf>,
+    pub sim_edges: Option<u32>,
+}
+
+pub fn sim_edge_name(i: u32) -> String {
+    format!("sim-{i:03}")
+}
+
+impl Cluster {
+    /// Starts IAM, a watcher, `sim_edges` sim edges and an apiserver.
+    pub async fn up(mut config: Config, opts: UpOptions) -> Result<Cluster, ClusterError> {
+        if let Some(d) = opts.state_dir {
+            config.state_dir = d;
+        }
+        if let Some(n) = opts.sim_edges {
+            config.sim_edges = n;
+        }
+        std::fs::create_dir_all(&config.state_dir)
+            .map_err(|source| ClusterError::StateDir { path: config.state_dir.clone(), source })?;
+        let toks = tokens::resolve(&config)?;
+        config.service_token = toks.service_token.clone();
+        config.iam.admin_token = toks.admin_token.clone();
+
+        // Bind every listener first so each component knows the others' addresses.
+        let iam_l = bind("iam", &config.iam.listen).await?;
+        let watcher_l = bind("watcher", &config.watcher.listen).await?;
+        let api_l = bind("apiserver", &config.apiserver.listen).await?;
+        let metrics_l = if config.apiserver.metrics_listen.is_empty() {
+            None
+        } else {
+            Some(bind("apiserver metrics", &config.apiserver.metrics_listen).await?)
+        };
+        config.iam.addrs = vec![local(&iam_l).to_string()];
+        config.watcher.addrs = vec![local(&watcher_l).to_string()];
+        let mut edge_ls = Vec::new();
+        for i in 0..config.sim_edges {
+            let name = sim_edge_name(i);
+            let l = bind(&format!("edge {name}"), &config.edge.listen).await?;
+            config.edges.push(EdgeEndpoint { name: name.clone(), address: local(&l).to_string() });
+            edge_ls.push((name, l));
+        }
+
+        let mut cluster = Cluster {
+            apiserver_addr: local(&api_l),
+            metrics_addr: metrics_l.as_ref().map(local),
+            admin_token: toks.admin_token,
+            admin_token_path: toks.admin_token_path,
+            iam: None,
+            watcher: None,
+            apiserver: None,
+            edges: BTreeMap::new(),
+            config,
+        };
+        cluster.iam = Some(start_iam(&cluster.config, iam_l)?);
+        cluster.watcher = Some(start_watcher(&cluster.config, watcher_l));
+        for (name, l) in edge_ls {
+            let backend = Arc::new(SimBackend::new());
+            let addr = local(&l);
+            let running = start_edge(&cluster.config, &name, addr, backend.clone(), l).await?;
+            cluster.edges.insert(name, EdgeSlot { addr, backend, running: Some(running) });
+        }
+        cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l));
+        Ok(cluster)
+    }
+
+    pub fn edge_names(&self) -> Vec<String> {
+        self.edges.keys().cloned().collect()
+    }
+
+    /// The sim backend of an edge (tests use it to inject faults).
+    pub fn sim_backend(&self, name: &str) -> Option<Arc<SimBackend>> {
+        self.edges.get(name).map(|e| e.backend.clone())
+    }
+
+    /// Waits until the watcher sees every edge healthy and the apiserver had time to fetch
+    /// that snapshot.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<(), ClusterError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let token = grpc::AttachServiceToken::new(&self.config.service_token)
+            .map_err(|e| ClusterError::NotReady(timeout, e.message))?;
+        let ch = grpc::channel(&self.config.watcher.addrs[0]).map_err(|e| ClusterError::NotReady(timeout, e.message))?;
+        let mut client = opendsec_proto::v1::watcher_client::WatcherClient::new(grpc::service_channel(ch, &token));
+        let running: Vec<&String> = self.edges.iter().filter(|(_, e)| e.running.is_some()).map(|(n, _)| n).collect();
+        let mut last = String::from("no snapshot yet");
+        loop {
+            if let Ok(snap) = client.get_snapshot(opendsec_proto::v1::GetSnapshotRequest {}).await {
+                let snap = snap.into_inner();
+                let healthy = running
+                    .iter()
+                    .filter(|n| snap.edges.iter().any(|e| &&e.name == *n && e.healthy))
+                    .count();
+                if healthy == running.len() {
+                    tokio::time::sleep(self.config.apiserver.snapshot_refresh + Duration::from_millis(300)).await;
+                    return Ok(());
+                }
+                last = format!("{healthy} of {} edges healthy", running.len());
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(ClusterError::NotReady(timeout, last));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops one edge (its sandboxes stay, as with `keep_sandboxes_on_exit`).
+    pub async fn stop_edge(&mut self, name: &str) -> Result<(), ClusterError> {
+        let slot = self.edges.get_mut(name).ok_or_else(|| ClusterError::NoSuchComponent(name.into()))?;
+        if let Some(r) = slot.running.take()
+            && let Err(e) = r.stop().await
+        {
+            tracing::warn!(edge = %name, error = %e, "edge stopped with an error");
+        }
+        Ok(())
+    }
+
+    /// Starts a stopped edge again on its old address, with the same state directory.
+    pub async fn start_edge(&mut self, name: &str) -> Result<(), ClusterError> {
+        let slot = self.edges.get_mut(name).ok_or_else(|| ClusterError::NoSuchComponent(name.into()))?;
+        if slot.running.is_some() {
+            return Err(ClusterError::AlreadyRunning(name.into()));
+        }
+        let l = bind(&format!("edge {name}"), &slot.addr.to_string()).await?;
+        let running = start_edge(&self.config, name, slot.addr, slot.backend.clone(), l).await?;
+        slot.running = Some(running);
+        Ok(())
+    }
+
+    pub async fn stop_apiserver(&mut self) {
+        if let Some(r) = self.apiserver.take()
+            && let Err(e) = r.stop().await
+        {
+            tracing::warn!(error = %e, "apiserver stopped with an error");
+        }
+    }
+
+    pub async fn start_apiserver(&mut self) -> Result<(), ClusterError> {
+        if self.apiserver.is_some() {
+            return Err(ClusterError::AlreadyRunning("apiserver".into()));
+        }
+        let l = bind("apiserver", &self.apiserver_addr.to_string()).await?;
+        self.apiserver = Some(start_apiserver(&self.config, l, None));
+        Ok(())
+    }
+
+    /// Stops everything: apiserver, edges, watcher, IAM.
+    pub async fn shutdown(mut self) {
+        self.stop_apiserver().await;
+        let names = self.edge_names();
+        for n in names {
+            let _ = self.stop_edge(&n).await;
+        }
+        for r in [self.watcher.take(), self.iam.take()].into_iter().flatten() {
+            if let Err(e) = r.stop().await {
+                tracing::warn!(error = %e, "component stopped with an error");
+            }
+        }
+    }
+}
+
+fn start_iam(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
+    let iam = opendsec_iam::Iam::open(opendsec_iam::IamOptions::from_config(config))?;
+    let token = config.service_token.clone();
+    Ok(spawn(move |rx| async move {
+        opendsec_iam::serve(iam, l, &token, async move {
+            let _ = rx.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    }))
+}
+
+fn start_watcher(config: &Config, l: TcpListener) -> Running {
+    let opts = opendsec_watcher::WatcherOptions {
+        id: format!("watcher-{}", local(&l)),
+        config: config.watcher.clone(),
+        edges: config.edges.clone(),
+        iam_addrs: config.iam.addrs.clone(),
+        service_token: config.service_token.clone(),
+    };
+    spawn(move |rx| async move {
+        opendsec_watcher::serve(opts, l, async move {
+            let _ = rx.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    })
+}
+
+async fn start_edge(
+    config: &Config,
+    name: &str,
+    addr: SocketAddr,
+    backend: Arc<SimBackend>,
+    l: TcpListener,
+) -> Result<Running, ClusterError> {
+    let mut ecfg = config.edge.clone();
+    ecfg.name = name.to_string();
+    let opts = opendsec_edge::EdgeOptions {
+        name: name.to_string(),
+        state_dir: config.edge_state_dir(name),
+        config: ecfg,
+        iam_addrs: config.iam.addrs.clone(),
+        watcher_addrs: config.watcher.addrs.clone(),
+        service_token: config.service_token.clone(),
+        advertise: addr.to_string(),
+    };
+    let backends: Vec<Arc<dyn Backend>> = vec![backend];
+    let edge = opendsec_edge::Edge::start(opts, backends)
+        .await
+        .map_err(|source| ClusterError::Edge { name: name.to_string(), source })?;
+    Ok(spawn(move |rx| async move {
+        edge.serve(l, async move {
+            let _ = rx.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    }))
+}
+
+fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>) -> Running {
+    let opts = opendsec_apiserver::ApiserverOptions {
+        config: config.apiserver.clone(),
+        iam_addrs: config.iam.addrs.clone(),
+        watcher_addrs: config.watcher.addrs.clone(),
+        service_token: config.service_token.clone(),
+        audit_path: config.audit_path(),
+    };
+    spawn(move |rx| async move {
+        opendsec_apiserver::serve(opts, l, metrics, async move {
+            let _ = rx.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    })
+}
+
+/// Runs one component of `config` as a daemon until `shutdown` (the `opendsec` binary).
+pub async fn run_daemon(
+    role: Role,
+    config: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), ClusterError> {
+    if config.service_token.is_empty() {
+        return Err(tokens::TokenError::Missing("service_token: daemons need the shared service token in the config".into()).into());
+    }
+    let (tx, rx) = oneshot::channel::<()>();
+    let running = match role {
+        Role::Iam => {
+            if config.iam.admin_token.is_empty() && !config.iam_data_dir().exists() {
+                return Err(tokens::TokenError::Missing("iam.admin_token: the first start of IAM needs the administrator's token".into()).into());
+            }
+            start_iam(&config, bind("iam", &config.iam.listen).await?)?
+        }
+        Role::Watcher => start_watcher(&config, bind("watcher", &config.watcher.listen).await?),
+        Role::Apiserver => {
+            let l = bind("apiserver", &config.apiserver.listen).await?;
+            let m = if config.apiserver.metrics_listen.is_empty() {
+                None
+            } else {
+                Some(bind("apiserver metrics", &config.apiserver.metrics_listen).await?)
+            };
+            start_apiserver(&config, l, m)
+        }
+        Role::Edge => {
+            let name = config.edge.name.clone();
+            if name.is_empty() {
+                return Err(ClusterError::NoSuchComponent("edge.name is empty: every edge needs a name".into()));
+            }
+            let l = bind("edge", &config.edge.listen).await?;
+            let addr = local(&l);
+            let mut cfg = config.clone();
+            if !cfg.edge.advertise.is_empty() {
+                // The advertised address is what others dial; the bound one is only ours.
+                cfg.edges.push(EdgeEndpoint { name: name.clone(), address: cfg.edge.advertise.clone() });
+            }
+            start_edge(&cfg, &name, addr, Arc::new(SimBackend::new()), l).await?
+        }
+    };
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = tx.send(());
+    });
+    let _ = rx.await;
+    running.stop().await.map_err(|e| ClusterError::NoSuchComponent(format!("{role:?} stopped with an error: {e}")))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Iam,
+    Watcher,
+    Apiserver,
+    Edge,
+}
+
+/// The admin token file of a state directory.
+pub fn admin_token_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("admin.token")
+}

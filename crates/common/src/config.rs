@@ -540,3 +540,20 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod doc {
+    use super::Config;
+
+    /// docs/configuration.md shows the defaults; this keeps it true.
+    #[test]
+    fn the_configuration_doc_shows_the_defaults() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/configuration.md")).unwrap();
+        let start = doc.find("```json\n").expect("a json block") + 8;
+        let end = start + doc[start..].find("```").expect("end of the json block");
+        let shown: serde_json::Value = serde_json::from_str(&doc[start..end]).expect("the block parses");
+        let defaults = serde_json::to_value(Config::default()).unwrap();
+        assert_eq!(shown, defaults, "update docs/configuration.md:\n{}", serde_json::to_string_pretty(&defaults).unwrap());
+        assert_eq!(Config::parse(&doc[start..end], "doc").unwrap(), Config::default());
+    }
+}

@@ -12,6 +12,13 @@ pub mod time;
 
 pub use reason::{ApiError, Reason};
 
+/// Sets up `tracing` for a command-line tool: warnings only unless `RUST_LOG` says otherwise.
+pub fn init_tracing_quiet() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
 /// Sets up `tracing` for a binary: `RUST_LOG` filter (default `info`), plain text on stderr.
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

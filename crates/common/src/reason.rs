@@ -257,3 +257,27 @@ mod tests {
         assert_eq!(ApiError::from_status(&s).reason, Reason::Unavailable);
     }
 }
+
+#[cfg(test)]
+mod catalogue {
+    use super::Reason;
+
+    /// docs/errors.md lists every reason, in order, with its gRPC code and exit code.
+    #[test]
+    fn the_error_doc_matches_the_catalogue() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/errors.md")).unwrap();
+        let rows: Vec<Vec<String>> = doc
+            .lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+            .collect();
+        assert_eq!(rows.len(), Reason::ALL.len(), "one row per reason");
+        for (row, r) in rows.iter().zip(Reason::ALL) {
+            assert_eq!(row[1], format!("`{}`", r.as_str()));
+            let code = format!("{:?}", r.code()).to_uppercase();
+            let doc_code = row[2].replace('_', "");
+            assert_eq!(doc_code, code, "{r}");
+            assert_eq!(row[5], r.exit_code().to_string(), "{r}");
+        }
+    }
+}

@@ -1,1 +1,388 @@
-//! placeholder
+//! The watcher: probes every edge's Status each `probe_interval`, serves the versioned cluster
+//! snapshot apiservers place from, and drives quota reconciliation.
+//!
+//! It keeps no durable state: after a restart its view is rebuilt from the config's edge list,
+//! the edges' periodic registrations and its own probes. Several watchers may run; all probe
+//! and serve snapshots, but only the one holding IAM's `watcher-reconcile` lock reconciles, and
+//! it counts itself leader only until `request time + lock TTL - 2 s` by its own clock, so
+//! clock skew never lets two reconcile at once.
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opendsec_common::config::{EdgeEndpoint, WatcherConfig};
+use opendsec_common::grpc::{self, AttachServiceToken, ChannelPool, RequireServiceToken, ServiceChannel};
+use opendsec_common::time::now_ms;
+use opendsec_common::{ApiError, ids};
+use opendsec_proto::v1 as pb;
+use pb::edge_client::EdgeClient;
+use pb::iam_client::IamClient;
+use pb::watcher_server::{Watcher as WatcherRpc, WatcherServer};
+use tonic::{Request, Response, Status};
+
+/// Name of the IAM lock that elects the reconciling watcher.
+pub const RECONCILE_LOCK: &str = "watcher-reconcile";
+
+#[derive(Debug, thiserror::Error)]
+pub enum WatcherError {
+    #[error("invalid watcher setup: {0}")]
+    Setup(ApiError),
+    #[error("watcher server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+pub struct WatcherOptions {
+    /// Unique per watcher instance (lock holder name).
+    pub id: String,
+    pub config: WatcherConfig,
+    pub edges: Vec<EdgeEndpoint>,
+    pub iam_addrs: Vec<String>,
+    pub service_token: String,
+}
+
+#[derive(Clone, Debug, Default)]
+struct EdgeEntry {
+    address: String,
+    healthy: bool,
+    failures: u32,
+    status: Option<pb::EdgeStatus>,
+    last_seen_ms: i64,
+    /// When it last turned unhealthy; for an edge never seen healthy, when it became known.
+    unhealthy_since_ms: i64,
+}
+
+/// What one reconciliation round did (for tests and logs).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReconcileReport {
+    pub leader: bool,
+    pub edges_reconciled: u32,
+    pub edges_emptied: u32,
+    pub adopted: u32,
+    pub released: u32,
+    pub swept: u32,
+    pub errors: u32,
+}
+
+/// A running watcher's shared state.
+#[derive(Clone)]
+pub struct Watcher {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    opts: WatcherOptions,
+    edges: Mutex<BTreeMap<String, EdgeEntry>>,
+    snapshot: Mutex<Arc<pb::ClusterSnapshot>>,
+    pool: ChannelPool,
+    token: AttachServiceToken,
+    iam: Vec<String>,
+}
+
+impl Watcher {
+    pub fn new(opts: WatcherOptions) -> Result<Watcher, WatcherError> {
+        let token = AttachServiceToken::new(&opts.service_token).map_err(WatcherError::Setup)?;
+        let now = now_ms();
+        let mut edges = BTreeMap::new();
+        for e in &opts.edges {
+            ids::validate_edge(&e.name).map_err(WatcherError::Setup)?;
+            edges.insert(
+                e.name.clone(),
+                EdgeEntry { address: e.address.clone(), unhealthy_since_ms: now, ..EdgeEntry::default() },
+            );
+        }
+        let iam = opts.iam_addrs.clone();
+        Ok(Watcher {
+            inner: Arc::new(Inner {
+                opts,
+                edges: Mutex::new(edges),
+                snapshot: Mutex::new(Arc::new(pb::ClusterSnapshot::default())),
+                pool: ChannelPool::default(),
+                token,
+                iam,
+            }),
+        })
+    }
+
+    fn edges(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, EdgeEntry>> {
+        self.inner.edges.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn snapshot(&self) -> Arc<pb::ClusterSnapshot> {
+        self.inner.snapshot.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Adds or updates an edge (registration). A changed address resets its health.
+    pub fn register(&self, name: &str, address: &str) -> Result<(), ApiError> {
+        ids::validate_edge(name)?;
+        if address.is_empty() || address.len() > 256 {
+            return Err(ApiError::invalid("edge address must be 1..=256 characters"));
+        }
+        let mut edges = self.edges();
+        let entry = edges.entry(name.to_string()).or_insert_with(|| EdgeEntry {
+            address: address.to_string(),
+            unhealthy_since_ms: now_ms(),
+            ..EdgeEntry::default()
+        });
+        if entry.address != address {
+            self.inner.pool.forget(&entry.address);
+            entry.address = address.to_string();
+            entry.failures = 0;
+        }
+        Ok(())
+    }
+
+    fn edge_client(&self, addr: &str) -> Result<EdgeClient<ServiceChannel>, ApiError> {
+        let ch = self.inner.pool.get(addr)?;
+        Ok(EdgeClient::new(grpc::service_channel(ch, &self.inner.token))
+            .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES))
+    }
+
+    fn iam_client(&self) -> Result<IamClient<ServiceChannel>, ApiError> {
+        let n = self.inner.iam.len();
+        if n == 0 {
+            return Err(ApiError::unavailable("no IAM address configured"));
+        }
+        let addr = &self.inner.iam[rand::random::<u32>() as usize % n];
+        let ch = self.inner.pool.get(addr)?;
+        Ok(IamClient::new(grpc::service_channel(ch, &self.inner.token))
+            .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES))
+    }
+
+    async fn status_of(&self, name: &str, addr: &str, include_leases: bool) -> Result<pb::EdgeStatus, ApiError> {
+        let mut client = self.edge_client(addr)?;
+        let mut req = Request::new(pb::StatusRequest { include_leases });
+        req.set_timeout(self.inner.opts.config.probe_timeout);
+        let status = client.status(req).await.map_err(|s| ApiError::from_status(&s))?.into_inner();
+        if status.edge != name {
+            return Err(ApiError::unavailable(format!("edge at {addr} answered as {:?}, expected {name:?}", status.edge)));
+        }
+        Ok(status)
+    }
+
+    /// One probe round: every edge concurrently, then a new snapshot version.
+    pub async fn probe_round(&self) {
+        let targets: Vec<(String, String)> =
+            self.edges().iter().map(|(n, e)| (n.clone(), e.address.clone())).collect();
+        let results = futures::future::join_all(targets.iter().map(|(name, addr)| async move {
+            (name.clone(), addr.clone(), self.status_of(name, addr, false).await)
+        }))
+        .await;
+        let now = now_ms();
+        let threshold = self.inner.opts.config.failure_threshold;
+        let mut edges = self.edges();
+        for (name, addr, result) in results {
+            let Some(e) = edges.get_mut(&name) else { continue };
+            if e.address != addr {
+                continue; // re-registered at another address meanwhile
+            }
+            match result {
+                Ok(status) => {
+                    if !e.healthy {
+                        tracing::info!(edge = %name, "edge healthy");
+                    }
+                    e.healthy = true;
+                    e.failures = 0;
+                    e.status = Some(status);
+                    e.last_seen_ms = now;
+                    e.unhealthy_since_ms = 0;
+                }
+                Err(err) => {
+                    e.failures = e.failures.saturating_add(1);
+                    if e.healthy && e.failures >= threshold {
+                        tracing::warn!(edge = %name, reason = %err.reason, error = %err.message, "edge unhealthy");
+                        e.healthy = false;
+                        e.unhealthy_since_ms = now;
+                    }
+                }
+            }
+        }
+        let mut snap = self.inner.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let version = snap.version + 1;
+        *snap = Arc::new(pb::ClusterSnapshot {
+            version,
+            taken_at_ms: now,
+            edges: edges
+                .iter()
+                .map(|(name, e)| pb::EdgeInfo {
+                    name: name.clone(),
+                    address: e.address.clone(),
+                    healthy: e.healthy,
+                    status: e.status.clone(),
+                    last_seen_ms: e.last_seen_ms,
+                    unhealthy_since_ms: e.unhealthy_since_ms,
+                })
+                .collect(),
+        });
+    }
+
+    /// One reconciliation round, if this watcher holds (or wins) the reconcile lock.
+    pub async fn reconcile_round(&self) -> ReconcileReport {
+        let mut report = ReconcileReport::default();
+        let cfg = &self.inner.opts.config;
+        let started = Instant::now();
+        let lock = match self.iam_client() {
+            Ok(mut iam) => {
+                iam.acquire_lock(pb::AcquireLockRequest {
+                    name: RECONCILE_LOCK.into(),
+                    holder: self.inner.opts.id.clone(),
+                    ttl_ms: cfg.lock_ttl.as_millis() as u64,
+                })
+                .await
+            }
+            Err(e) => Err(e.to_status()),
+        };
+        match lock {
+            Ok(r) if r.get_ref().acquired => {}
+            Ok(_) => return report,
+            Err(s) => {
+                tracing::warn!(error = %s.message(), "reconcile: cannot take the lock");
+                report.errors += 1;
+                return report;
+            }
+        }
+        report.leader = true;
+        let leader_until = started + cfg.lock_ttl.saturating_sub(Duration::from_secs(2));
+        let now = now_ms();
+        let grace_ms = cfg.lost_edge_grace.as_millis() as i64;
+        let edges: Vec<(String, EdgeEntry)> = self.edges().iter().map(|(n, e)| (n.clone(), e.clone())).collect();
+        for (name, e) in &edges {
+            if Instant::now() >= leader_until {
+                tracing::warn!("reconcile: leadership window over, stopping the round");
+                break;
+            }
+            let live = if e.healthy {
+                match self.status_of(name, &e.address, true).await {
+                    Ok(s) => Some(s.leases),
+                    Err(err) => {
+                        tracing::debug!(edge = %name, error = %err, "reconcile: status failed, skipping edge");
+                        report.errors += 1;
+                        None
+                    }
+                }
+            } else if e.unhealthy_since_ms > 0 && now - e.unhealthy_since_ms > grace_ms {
+                report.edges_emptied += 1;
+                Some(Vec::new())
+            } else {
+                None
+            };
+            let Some(live) = live else { continue };
+            let result = match self.iam_client() {
+                Ok(mut iam) => iam.reconcile(pb::ReconcileRequest { edge: name.clone(), live }).await,
+                Err(e) => Err(e.to_status()),
+            };
+            match result {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    report.edges_reconciled += 1;
+                    report.adopted += r.adopted;
+                    report.released += r.released;
+                    if r.adopted > 0 || r.released > 0 {
+                        tracing::info!(edge = %name, adopted = r.adopted, released = r.released, "reconciled");
+                    }
+                }
+                Err(s) => {
+                    tracing::warn!(edge = %name, error = %s.message(), "reconcile failed");
+                    report.errors += 1;
+                }
+            }
+        }
+        if Instant::now() < leader_until {
+            let known: HashSet<&String> = edges.iter().map(|(n, _)| n).collect();
+            let req = pb::SweepUnboundRequest {
+                known_edges: known.into_iter().cloned().collect(),
+                older_than_s: cfg.sweep_unbound_after.as_secs(),
+            };
+            match self.iam_client() {
+                Ok(mut iam) => match iam.sweep_unbound(req).await {
+                    Ok(r) => report.swept = r.into_inner().released,
+                    Err(s) => {
+                        tracing::warn!(error = %s.message(), "sweep failed");
+                        report.errors += 1;
+                    }
+                },
+                Err(_) => report.errors += 1,
+            }
+        }
+        report
+    }
+
+    /// Runs the probe and reconcile loops until `shutdown`.
+    pub async fn run_loops(&self, shutdown: impl Future<Output = ()> + Send) {
+        let cfg = self.inner.opts.config.clone();
+        let probe = async {
+            let mut tick = tokio::time::interval(cfg.probe_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                self.probe_round().await;
+            }
+        };
+        let reconcile = async {
+            let mut tick = tokio::time::interval(cfg.reconcile_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await; // the first round waits one interval: edges get probed first
+            loop {
+                tick.tick().await;
+                let r = self.reconcile_round().await;
+                tracing::debug!(?r, "reconcile round");
+            }
+        };
+        tokio::select! {
+            _ = probe => {}
+            _ = reconcile => {}
+            _ = shutdown => {}
+        }
+    }
+
+    pub fn service(&self) -> tonic::service::interceptor::InterceptedService<WatcherServer<Rpc>, RequireServiceToken> {
+        WatcherServer::with_interceptor(Rpc(self.clone()), RequireServiceToken::new(&self.inner.opts.service_token))
+    }
+}
+
+/// The gRPC face of a watcher.
+pub struct Rpc(Watcher);
+
+#[tonic::async_trait]
+impl WatcherRpc for Rpc {
+    async fn get_snapshot(&self, _req: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::ClusterSnapshot>, Status> {
+        Ok(Response::new((*self.0.snapshot()).clone()))
+    }
+
+    async fn register_edge(&self, req: Request<pb::RegisterEdgeRequest>) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
+        let r = req.into_inner();
+        self.0.register(&r.name, &r.address).map_err(|e| e.to_status())?;
+        Ok(Response::new(pb::RegisterEdgeResponse {}))
+    }
+}
+
+/// Serves the watcher on `listener` and runs its loops until `shutdown`.
+pub async fn serve(
+    opts: WatcherOptions,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), WatcherError> {
+    let watcher = Watcher::new(opts)?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let loops = {
+        let w = watcher.clone();
+        let mut rx = stop_rx.clone();
+        tokio::spawn(async move {
+            w.run_loops(async move {
+                let _ = rx.wait_for(|v| *v).await;
+            })
+            .await
+        })
+    };
+    let router = grpc::server().add_service(watcher.service());
+    let result = grpc::serve(router, listener, async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    })
+    .await;
+    let _ = loops.await;
+    result.map_err(WatcherError::from)
+}

@@ -1,1 +1,60 @@
-fn main() {}
+//! opendsec: every daemon, one subcommand each (`opendsec iam --config F`, ...).
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use opendsec_cluster::Role;
+
+#[derive(Parser, Debug)]
+#[command(name = "opendsec", version, about = "opendsec daemons")]
+struct Cli {
+    #[command(subcommand)]
+    role: RoleCmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum RoleCmd {
+    /// IAM (standalone).
+    Iam(Common),
+    /// The public API.
+    Apiserver(Common),
+    /// Edge prober and snapshot server.
+    Watcher(Common),
+    /// The node's control plane.
+    Edge(Common),
+}
+
+#[derive(clap::Args, Debug)]
+struct Common {
+    #[arg(long)]
+    config: PathBuf,
+}
+
+fn main() {
+    opendsec_common::init_tracing();
+    let cli = Cli::parse();
+    let (role, common) = match cli.role {
+        RoleCmd::Iam(c) => (Role::Iam, c),
+        RoleCmd::Apiserver(c) => (Role::Apiserver, c),
+        RoleCmd::Watcher(c) => (Role::Watcher, c),
+        RoleCmd::Edge(c) => (Role::Edge, c),
+    };
+    let config = match opendsec_common::config::Config::load(&common.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(opendsec_cluster::run_daemon(role, config, opendsec_cli::ctl::wait_for_signal())) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

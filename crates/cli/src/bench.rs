@@ -1,0 +1,241 @@
+//! `opendsecctl bench create`: creates `count` sandboxes through the public API as fast as the
+//! cluster takes them (batched with `--batch`, else one call each, `--concurrency` calls at a
+//! time), then stops them all, and prints figures. It never passes or fails on time.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use futures::StreamExt;
+use opendsec_client::Client;
+use opendsec_common::ApiError;
+use opendsec_proto::v1 as pb;
+use serde_json::{Value, json};
+
+use crate::ctl::CtlError;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[arg(long)]
+    pub count: u32,
+    /// Sandboxes per CreateSandboxes call; 1 (the default) creates one by one.
+    #[arg(long, default_value_t = 1)]
+    pub batch: u32,
+    /// Calls in flight at once.
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
+    #[arg(long, default_value = "sim")]
+    pub backend: String,
+    #[arg(long, default_value = "bench")]
+    pub image: String,
+    /// Leave the sandboxes running (no stop phase).
+    #[arg(long)]
+    pub keep: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Phase {
+    pub ok: u64,
+    pub failed: u64,
+    pub errors: BTreeMap<String, u64>,
+    pub seconds: f64,
+    /// Per call (a whole batch call in batched mode).
+    pub latencies_ms: Vec<f64>,
+}
+
+impl Phase {
+    fn rate(&self) -> f64 {
+        if self.seconds > 0.0 { self.ok as f64 / self.seconds } else { 0.0 }
+    }
+
+    fn percentile(&self, p: f64) -> f64 {
+        if self.latencies_ms.is_empty() {
+            return 0.0;
+        }
+        let mut v = self.latencies_ms.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+        v[i.min(v.len() - 1)]
+    }
+
+    fn fail(&mut self, e: &ApiError) {
+        self.failed += 1;
+        *self.errors.entry(e.reason.to_string()).or_default() += 1;
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "ok": self.ok,
+            "failed": self.failed,
+            "errors": self.errors,
+            "seconds": round(self.seconds, 3),
+            "per_second": round(self.rate(), 1),
+            "latency_ms": {
+                "p50": round(self.percentile(50.0), 3),
+                "p90": round(self.percentile(90.0), 3),
+                "p99": round(self.percentile(99.0), 3),
+                "max": round(self.percentile(100.0), 3),
+            },
+        })
+    }
+}
+
+fn round(v: f64, digits: i32) -> f64 {
+    let m = 10f64.powi(digits);
+    (v * m).round() / m
+}
+
+pub struct Report {
+    pub args: BenchArgs,
+    pub create: Phase,
+    pub stop: Option<Phase>,
+}
+
+impl Report {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "mode": if self.args.batch > 1 { "batched" } else { "single" },
+            "count": self.args.count,
+            "batch": self.args.batch,
+            "concurrency": self.args.concurrency,
+            "create": self.create.json(),
+            "stop": self.stop.as_ref().map(Phase::json),
+        })
+    }
+
+    pub fn to_text(&self) -> String {
+        let c = &self.create;
+        let mut s = format!(
+            "created {} ({} failed) in {:.3}s: {:.0} creations/s; per call p50 {:.2} ms, p99 {:.2} ms",
+            c.ok,
+            c.failed,
+            c.seconds,
+            c.rate(),
+            c.percentile(50.0),
+            c.percentile(99.0)
+        );
+        if !c.errors.is_empty() {
+            s.push_str(&format!("\n  errors: {:?}", c.errors));
+        }
+        if let Some(st) = &self.stop {
+            s.push_str(&format!(
+                "\nstopped {} ({} failed) in {:.3}s: {:.0} stops/s; p50 {:.2} ms, p99 {:.2} ms",
+                st.ok,
+                st.failed,
+                st.seconds,
+                st.rate(),
+                st.percentile(50.0),
+                st.percentile(99.0)
+            ));
+        }
+        s
+    }
+}
+
+pub async fn create(client: &Client, project: Option<&str>, args: &BenchArgs) -> Result<Report, CtlError> {
+    if args.count == 0 || args.batch == 0 || args.concurrency == 0 {
+        return Err(CtlError::Api(ApiError::invalid("--count, --batch and --concurrency must be at least 1")));
+    }
+    let run = opendsec_common::ids::new_lease_id();
+    let spec = pb::SandboxSpec {
+        project: project.unwrap_or_default().to_string(),
+        image: args.image.clone(),
+        backend: args.backend.clone(),
+        resources: Some(pb::Resources { cpu_millis: 10, memory_mb: 16, disk_mb: 0, gpus: 0 }),
+        labels: [("bench".to_string(), run)].into_iter().collect(),
+        ..Default::default()
+    };
+    let mut phase = Phase::default();
+    let mut ids = Vec::with_capacity(args.count as usize);
+    let started = Instant::now();
+    if args.batch > 1 {
+        let mut sizes = Vec::new();
+        let mut left = args.count;
+        while left > 0 {
+            let n = left.min(args.batch);
+            sizes.push(n);
+            left -= n;
+        }
+        let mut calls = futures::stream::iter(sizes.into_iter().map(|n| {
+            let spec = spec.clone();
+            async move {
+                let t = Instant::now();
+                let mut got = Vec::new();
+                match client.create_sandboxes(spec, n).await {
+                    Ok(mut stream) => loop {
+                        match stream.message().await {
+                            Ok(Some(item)) => got.push(match (item.sandbox, item.error) {
+                                (Some(s), _) => Ok(s.id),
+                                (None, Some(e)) => Err(ApiError::from_detail(&e)),
+                                (None, None) => Err(ApiError::internal("empty batch item")),
+                            }),
+                            Ok(None) => break,
+                            Err(s) => {
+                                got.push(Err(ApiError::from_status(&s)));
+                                break;
+                            }
+                        }
+                    },
+                    Err(e) => got.push(Err(e)),
+                }
+                (t.elapsed(), got)
+            }
+        }))
+        .buffer_unordered(args.concurrency);
+        while let Some((took, got)) = calls.next().await {
+            phase.latencies_ms.push(took.as_secs_f64() * 1e3);
+            for r in got {
+                match r {
+                    Ok(id) => {
+                        phase.ok += 1;
+                        ids.push(id);
+                    }
+                    Err(e) => phase.fail(&e),
+                }
+            }
+        }
+    } else {
+        let mut calls = futures::stream::iter((0..args.count).map(|_| {
+            let spec = spec.clone();
+            async move {
+                let t = Instant::now();
+                let r = client.create_sandbox(spec).await;
+                (t.elapsed(), r)
+            }
+        }))
+        .buffer_unordered(args.concurrency);
+        while let Some((took, r)) = calls.next().await {
+            phase.latencies_ms.push(took.as_secs_f64() * 1e3);
+            match r {
+                Ok(s) => {
+                    phase.ok += 1;
+                    ids.push(s.id);
+                }
+                Err(e) => phase.fail(&e),
+            }
+        }
+    }
+    phase.seconds = started.elapsed().as_secs_f64();
+    let stop = if args.keep { None } else { Some(stop_all(client, &ids, args.concurrency.max(64)).await) };
+    Ok(Report { args: args.clone(), create: phase, stop })
+}
+
+async fn stop_all(client: &Client, ids: &[String], concurrency: usize) -> Phase {
+    let mut phase = Phase::default();
+    let started = Instant::now();
+    let mut calls = futures::stream::iter(ids.iter().map(|id| async move {
+        let t = Instant::now();
+        let r = client.stop_sandbox(id).await;
+        (t.elapsed(), r)
+    }))
+    .buffer_unordered(concurrency);
+    while let Some((took, r)) = calls.next().await {
+        phase.latencies_ms.push(took.as_secs_f64() * 1e3);
+        match r {
+            Ok(_) => phase.ok += 1,
+            Err(e) => phase.fail(&e),
+        }
+    }
+    phase.seconds = started.elapsed().as_secs_f64().max(Duration::from_micros(1).as_secs_f64());
+    phase
+}

@@ -1,0 +1,658 @@
+//! `opendsecctl`: the public API on the command line, plus `cluster up` and `bench`.
+//!
+//! Exit codes: 0 success; 1 a local failure (file, config); 2 usage; 10.. one per error
+//! reason (docs/errors.md, `Reason::exit_code`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use opendsec_client::Client;
+use opendsec_common::config::Config;
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use serde_json::{Value, json};
+
+use crate::json as j;
+
+#[derive(Parser, Debug)]
+#[command(name = "opendsecctl", version, about = "opendsec on the command line")]
+pub struct Cli {
+    /// Apiserver addresses, comma-separated.
+    #[arg(long, global = true, env = "OPENDSEC_ADDR", default_value = "127.0.0.1:7000")]
+    pub addr: String,
+    /// Bearer token (dsk.<id>.<secret>).
+    #[arg(long, global = true, env = "OPENDSEC_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Default project for commands that take one.
+    #[arg(long, global = true, env = "OPENDSEC_PROJECT")]
+    pub project: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Local cluster tools.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Sandboxes.
+    #[command(subcommand)]
+    Sandbox(SandboxCmd),
+    /// Projects (nested: root/team-a/rl).
+    #[command(subcommand)]
+    Project(ProjectCmd),
+    /// Project quotas.
+    #[command(subcommand)]
+    Quota(QuotaCmd),
+    /// Principals (users and service accounts).
+    #[command(subcommand)]
+    Principal(PrincipalCmd),
+    /// Bearer tokens.
+    #[command(subcommand)]
+    Token(TokenCmd),
+    /// Permissions granted on projects.
+    #[command(subcommand)]
+    Grant(GrantCmd),
+    /// Quota and usage of a project and its subprojects.
+    Usage { project: Option<String> },
+    /// Who the token belongs to and what it may do.
+    Whoami,
+    /// Write IAM's backup (gzipped JSON) to a file.
+    Backup { file: PathBuf },
+    /// Restore IAM from a backup file.
+    Restore { file: PathBuf },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCmd {
+    /// Start IAM, a watcher, an apiserver and sim edges in this process (until Ctrl-C).
+    Up {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[arg(long)]
+        sim_edges: Option<u32>,
+    },
+}
+
+#[derive(Args, Debug, Default)]
+pub struct SpecArgs {
+    #[arg(long, default_value = "sim")]
+    pub backend: String,
+    #[arg(long, default_value = "default")]
+    pub image: String,
+    /// CPU in millicores.
+    #[arg(long, default_value_t = 1000)]
+    pub cpu: u32,
+    /// Memory in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub memory: u64,
+    /// Disk in MiB.
+    #[arg(long, default_value_t = 10240)]
+    pub disk: u64,
+    #[arg(long, default_value_t = 0)]
+    pub gpus: u32,
+    /// Idle timeout in seconds (0: cluster default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl_idle: u64,
+    /// Lifetime in seconds (0: cluster default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl_max: u64,
+    /// Paused timeout in seconds (0: cluster default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl_paused: u64,
+    /// KEY=VALUE, repeatable.
+    #[arg(long = "label")]
+    pub labels: Vec<String>,
+    /// KEY=VALUE, repeatable.
+    #[arg(long = "env")]
+    pub env: Vec<String>,
+    #[arg(long)]
+    pub best_effort: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SandboxCmd {
+    /// Create sandboxes (--count > 1 uses one batch call).
+    Create {
+        #[command(flatten)]
+        spec: SpecArgs,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+    List {
+        /// Only these states (repeatable): running, paused, stopped, ...
+        #[arg(long = "state")]
+        states: Vec<String>,
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[arg(long, default_value_t = 0)]
+        page_size: u32,
+        #[arg(long, default_value = "")]
+        page_token: String,
+        /// Follow every page.
+        #[arg(long)]
+        all: bool,
+    },
+    Get { id: String },
+    Stop { id: String },
+    Pause { id: String },
+    Resume { id: String },
+    /// Replace TTLs (seconds).
+    SetTimeout {
+        id: String,
+        #[arg(long)]
+        idle: Option<u64>,
+        #[arg(long)]
+        max: Option<u64>,
+        #[arg(long)]
+        paused: Option<u64>,
+    },
+}
+
+#[derive(Args, Debug, Default, Clone)]
+pub struct QuotaArgs {
+    #[arg(long)]
+    pub cpu: Option<u64>,
+    #[arg(long)]
+    pub memory: Option<u64>,
+    #[arg(long)]
+    pub disk: Option<u64>,
+    #[arg(long)]
+    pub gpus: Option<u64>,
+    #[arg(long)]
+    pub sandboxes: Option<u64>,
+}
+
+impl QuotaArgs {
+    fn to_pb(&self) -> pb::Quota {
+        pb::Quota { cpu_millis: self.cpu, memory_mb: self.memory, disk_mb: self.disk, gpus: self.gpus, sandboxes: self.sandboxes }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ProjectCmd {
+    Create {
+        path: String,
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+    Get { path: String },
+    /// The project and everything below it (default: root).
+    List { path: Option<String> },
+    Delete { path: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum QuotaCmd {
+    /// Replace a project's quota (keys left out inherit the parent's).
+    Set {
+        path: String,
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+    Get { path: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PrincipalCmd {
+    Create { name: String },
+    List,
+    Delete { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokenCmd {
+    Create {
+        /// Default: the caller.
+        #[arg(long)]
+        principal: Option<String>,
+        /// Seconds; 0: never expires.
+        #[arg(long, default_value_t = 0)]
+        ttl: u64,
+        #[arg(long, default_value = "")]
+        description: String,
+    },
+    List {
+        #[arg(long)]
+        principal: Option<String>,
+    },
+    Revoke { id: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GrantCmd {
+    Add { principal: String, project: String, permission: String },
+    Remove { principal: String, project: String, permission: String },
+    List {
+        #[arg(long = "of")]
+        principal: Option<String>,
+        #[arg(long = "on")]
+        on_project: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Create sandboxes as fast as the cluster takes them, then stop them; print figures.
+    Create(crate::bench::BenchArgs),
+}
+
+/// What a command failed with: an API error (exit code by reason) or a local one.
+#[derive(Debug)]
+pub enum CtlError {
+    Api(ApiError),
+    Local(String),
+}
+
+impl From<ApiError> for CtlError {
+    fn from(e: ApiError) -> Self {
+        CtlError::Api(e)
+    }
+}
+
+impl CtlError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CtlError::Api(e) => e.reason.exit_code(),
+            CtlError::Local(_) => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for CtlError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CtlError::Api(e) => write!(f, "{}: {}", e.reason, e.message),
+            CtlError::Local(m) => f.write_str(m),
+        }
+    }
+}
+
+fn kv(items: &[String], what: &str) -> Result<HashMap<String, String>, CtlError> {
+    items
+        .iter()
+        .map(|s| {
+            s.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| CtlError::Api(ApiError::invalid(format!("{what} {s:?} is not KEY=VALUE"))))
+        })
+        .collect()
+}
+
+impl SpecArgs {
+    pub fn to_spec(&self, project: Option<&str>) -> Result<pb::SandboxSpec, CtlError> {
+        Ok(pb::SandboxSpec {
+            project: project.unwrap_or_default().to_string(),
+            image: self.image.clone(),
+            backend: self.backend.clone(),
+            resources: Some(pb::Resources { cpu_millis: self.cpu, memory_mb: self.memory, disk_mb: self.disk, gpus: self.gpus }),
+            ttl_running_stop_s: self.ttl_idle,
+            ttl_max_s: self.ttl_max,
+            ttl_paused_s: self.ttl_paused,
+            env: kv(&self.env, "env")?,
+            labels: kv(&self.labels, "label")?,
+            user: String::new(),
+            workdir: String::new(),
+            priority: if self.best_effort { pb::Priority::BestEffort as i32 } else { pb::Priority::Guaranteed as i32 },
+        })
+    }
+}
+
+struct Out {
+    json: bool,
+}
+
+impl Out {
+    fn print(&self, value: Value, text: impl FnOnce() -> String) {
+        if self.json {
+            println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
+        } else {
+            println!("{}", text());
+        }
+    }
+}
+
+fn sandbox_line(s: &pb::Sandbox) -> String {
+    let spec = s.spec.clone().unwrap_or_default();
+    let end = if s.end_reason.is_empty() { String::new() } else { format!("  ({})", s.end_reason) };
+    format!("{}  {:<8}  {}  {}  {}{end}", s.id, j::state_name(s.state), spec.backend, spec.project, spec.image)
+}
+
+fn project_text(p: &pb::Project) -> String {
+    let q = p.effective.clone().unwrap_or_default();
+    let u = p.usage.clone().unwrap_or_default();
+    let lim = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
+    format!(
+        "{}\n  cpu_millis {} / {}\n  memory_mb  {} / {}\n  disk_mb    {} / {}\n  gpus       {} / {}\n  sandboxes  {} / {}",
+        p.path,
+        u.cpu_millis,
+        lim(q.cpu_millis),
+        u.memory_mb,
+        lim(q.memory_mb),
+        u.disk_mb,
+        lim(q.disk_mb),
+        u.gpus,
+        lim(q.gpus),
+        u.sandboxes,
+        lim(q.sandboxes)
+    )
+}
+
+/// Runs one parsed command line.
+pub async fn run(cli: Cli) -> Result<(), CtlError> {
+    let out = Out { json: cli.json };
+    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges }) = &cli.command {
+        return cluster_up(config.clone(), state_dir.clone(), *sim_edges).await;
+    }
+    let addrs: Vec<String> = cli.addr.split(',').map(str::to_string).collect();
+    let client = Client::new(&addrs, cli.token.as_deref())?;
+    let project = cli.project.clone();
+    match cli.command {
+        Command::Cluster(_) => unreachable!("handled above"),
+        Command::Sandbox(cmd) => sandbox(&client, &out, project.as_deref(), cmd).await,
+        Command::Project(cmd) => match cmd {
+            ProjectCmd::Create { path, quota } => {
+                let p = client.create_project(pb::CreateProjectRequest { path, quota: Some(quota.to_pb()) }).await?;
+                out.print(j::project(&p), || format!("created {}", p.path));
+                Ok(())
+            }
+            ProjectCmd::Get { path } => {
+                let p = client.get_project(pb::GetProjectRequest { path }).await?;
+                out.print(j::project(&p), || project_text(&p));
+                Ok(())
+            }
+            ProjectCmd::List { path } => {
+                let path = path.or(project).unwrap_or_else(|| "root".into());
+                let r = client.list_projects(pb::ListProjectsRequest { path }).await?;
+                out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
+                    r.projects.iter().map(|p| p.path.clone()).collect::<Vec<_>>().join("\n")
+                });
+                Ok(())
+            }
+            ProjectCmd::Delete { path } => {
+                client.delete_project(pb::DeleteProjectRequest { path: path.clone() }).await?;
+                out.print(json!({"deleted": path}), || format!("deleted {path}"));
+                Ok(())
+            }
+        },
+        Command::Quota(cmd) => match cmd {
+            QuotaCmd::Set { path, quota } => {
+                let p = client.set_quota(pb::SetQuotaRequest { path, quota: Some(quota.to_pb()) }).await?;
+                out.print(j::project(&p), || project_text(&p));
+                Ok(())
+            }
+            QuotaCmd::Get { path } => {
+                let p = client.get_project(pb::GetProjectRequest { path }).await?;
+                out.print(json!({"path": p.path, "quota": j::quota(&p.quota), "effective": j::quota(&p.effective)}), || project_text(&p));
+                Ok(())
+            }
+        },
+        Command::Principal(cmd) => match cmd {
+            PrincipalCmd::Create { name } => {
+                let project = project.ok_or_else(|| CtlError::Api(ApiError::invalid("principal create needs --project")))?;
+                let p = client.create_principal(pb::CreatePrincipalRequest { name, project }).await?;
+                out.print(j::principal(&p), || format!("created principal {} in {}", p.name, p.project));
+                Ok(())
+            }
+            PrincipalCmd::List => {
+                let project = project.unwrap_or_else(|| "root".into());
+                let r = client.list_principals(pb::ListPrincipalsRequest { project }).await?;
+                out.print(Value::Array(r.principals.iter().map(j::principal).collect()), || {
+                    r.principals.iter().map(|p| format!("{}  {}", p.name, p.project)).collect::<Vec<_>>().join("\n")
+                });
+                Ok(())
+            }
+            PrincipalCmd::Delete { name } => {
+                client.delete_principal(pb::DeletePrincipalRequest { name: name.clone() }).await?;
+                out.print(json!({"deleted": name}), || format!("deleted principal {name}"));
+                Ok(())
+            }
+        },
+        Command::Token(cmd) => match cmd {
+            TokenCmd::Create { principal, ttl, description } => {
+                let r = client
+                    .create_token(pb::CreateTokenRequest { principal: principal.unwrap_or_default(), ttl_s: ttl, description })
+                    .await?;
+                let info = r.info.clone().unwrap_or_default();
+                out.print(json!({"token": r.token, "info": j::token_info(&info)}), || r.token.clone());
+                Ok(())
+            }
+            TokenCmd::List { principal } => {
+                let r = client.list_tokens(pb::ListTokensRequest { principal: principal.unwrap_or_default() }).await?;
+                out.print(Value::Array(r.tokens.iter().map(j::token_info).collect()), || {
+                    r.tokens
+                        .iter()
+                        .map(|t| format!("{}  {}  {}{}", t.id, t.principal, t.description, if t.revoked { "  (revoked)" } else { "" }))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                });
+                Ok(())
+            }
+            TokenCmd::Revoke { id } => {
+                client.revoke_token(pb::RevokeTokenRequest { id: id.clone() }).await?;
+                out.print(json!({"revoked": id}), || format!("revoked {id}"));
+                Ok(())
+            }
+        },
+        Command::Grant(cmd) => match cmd {
+            GrantCmd::Add { principal, project, permission } => {
+                let g = pb::Grant { principal, project, permission };
+                client.grant(pb::GrantRequest { grant: Some(g.clone()) }).await?;
+                out.print(j::grant(&g), || format!("granted {} on {} to {}", g.permission, g.project, g.principal));
+                Ok(())
+            }
+            GrantCmd::Remove { principal, project, permission } => {
+                let g = pb::Grant { principal, project, permission };
+                client.revoke_grant(pb::RevokeGrantRequest { grant: Some(g.clone()) }).await?;
+                out.print(j::grant(&g), || format!("revoked {} on {} from {}", g.permission, g.project, g.principal));
+                Ok(())
+            }
+            GrantCmd::List { principal, on_project } => {
+                let r = client
+                    .list_grants(pb::ListGrantsRequest { principal: principal.unwrap_or_default(), project: on_project.unwrap_or_default() })
+                    .await?;
+                out.print(Value::Array(r.grants.iter().map(j::grant).collect()), || {
+                    r.grants.iter().map(|g| format!("{}  {}  {}", g.principal, g.project, g.permission)).collect::<Vec<_>>().join("\n")
+                });
+                Ok(())
+            }
+        },
+        Command::Usage { project: p } => {
+            let path = p.or(project).unwrap_or_else(|| "root".into());
+            let r = client.get_usage(pb::GetUsageRequest { project: path }).await?;
+            out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
+                r.projects.iter().map(project_text).collect::<Vec<_>>().join("\n")
+            });
+            Ok(())
+        }
+        Command::Whoami => {
+            let r = client.who_am_i(pb::WhoAmIRequest {}).await?;
+            out.print(
+                json!({"principal": r.principal, "project": r.project, "token_id": r.token_id, "token_expires_at_ms": r.token_expires_at_ms, "grants": r.grants.iter().map(j::grant).collect::<Vec<_>>()}),
+                || format!("{} ({})", r.principal, r.project),
+            );
+            Ok(())
+        }
+        Command::Backup { file } => {
+            let r = client.backup(pb::BackupRequest {}).await?;
+            write_file_atomic(&file, &r.data)?;
+            out.print(json!({"file": file, "bytes": r.data.len()}), || format!("wrote {} bytes to {}", r.data.len(), file.display()));
+            Ok(())
+        }
+        Command::Restore { file } => {
+            let data = std::fs::read(&file).map_err(|e| CtlError::Local(format!("failed to read {}: {e}", file.display())))?;
+            client.restore(pb::RestoreRequest { data }).await?;
+            out.print(json!({"restored": file}), || format!("restored from {}", file.display()));
+            Ok(())
+        }
+        Command::Bench(BenchCmd::Create(args)) => {
+            let report = crate::bench::create(&client, project.as_deref(), &args).await?;
+            out.print(report.to_json(), || report.to_text());
+            Ok(())
+        }
+    }
+}
+
+fn write_file_atomic(path: &std::path::Path, data: &[u8]) -> Result<(), CtlError> {
+    let err = |e: std::io::Error| CtlError::Local(format!("failed to write {}: {e}", path.display()));
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: SandboxCmd) -> Result<(), CtlError> {
+    match cmd {
+        SandboxCmd::Create { spec, count } => {
+            let spec = spec.to_spec(project)?;
+            if count <= 1 {
+                let s = client.create_sandbox(spec).await?;
+                out.print(j::sandbox(&s), || s.id.clone());
+                return Ok(());
+            }
+            let mut stream = client.create_sandboxes(spec, count).await?;
+            let mut results = Vec::new();
+            let mut failed = 0u32;
+            while let Some(item) = stream.message().await.map_err(|s| CtlError::Api(ApiError::from_status(&s)))? {
+                match (&item.sandbox, &item.error) {
+                    (Some(s), _) => {
+                        if !out.json {
+                            println!("{}", s.id);
+                        }
+                        results.push(json!({"index": item.index, "sandbox": j::sandbox(s)}));
+                    }
+                    (None, Some(e)) => {
+                        failed += 1;
+                        if !out.json {
+                            eprintln!("#{}: {}: {}", item.index, e.reason, e.message);
+                        }
+                        results.push(json!({"index": item.index, "error": {"reason": e.reason, "message": e.message}}));
+                    }
+                    (None, None) => {}
+                }
+            }
+            if out.json {
+                println!("{}", serde_json::to_string_pretty(&Value::Array(results)).unwrap_or_default());
+            }
+            if failed > 0 {
+                return Err(CtlError::Local(format!("{failed} of {count} creations failed")));
+            }
+            Ok(())
+        }
+        SandboxCmd::List { states, labels, page_size, page_token, all } => {
+            let mut st = Vec::new();
+            for s in &states {
+                let v = j::parse_state(s).ok_or_else(|| CtlError::Api(ApiError::invalid(format!("unknown state {s:?}"))))?;
+                st.push(v as i32);
+            }
+            let req = pb::ListSandboxesRequest {
+                project: project.unwrap_or_default().to_string(),
+                states: st,
+                labels: kv(&labels, "label")?,
+                page_size,
+                page_token,
+            };
+            let (items, next) = if all {
+                (client.list_all_sandboxes(req).await?, String::new())
+            } else {
+                let r = client.list_sandboxes(req).await?;
+                (r.sandboxes, r.next_page_token)
+            };
+            out.print(json!({"sandboxes": items.iter().map(j::sandbox).collect::<Vec<_>>(), "next_page_token": next}), || {
+                let mut s = items.iter().map(sandbox_line).collect::<Vec<_>>().join("\n");
+                if !next.is_empty() {
+                    s.push_str(&format!("\n(more: --page-token {next})"));
+                }
+                s
+            });
+            Ok(())
+        }
+        SandboxCmd::Get { id } => {
+            let s = client.get_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::Stop { id } => {
+            let s = client.stop_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::Pause { id } => {
+            let s = client.pause_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::Resume { id } => {
+            let s = client.resume_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::SetTimeout { id, idle, max, paused } => {
+            let s = client
+                .set_sandbox_timeout(pb::SetSandboxTimeoutRequest { id, ttl_running_stop_s: idle, ttl_max_s: max, ttl_paused_s: paused })
+                .await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+    }
+}
+
+async fn cluster_up(config: Option<PathBuf>, state_dir: Option<PathBuf>, sim_edges: Option<u32>) -> Result<(), CtlError> {
+    let cfg = match &config {
+        Some(p) => Config::load(p).map_err(|e| CtlError::Local(e.to_string()))?,
+        None => Config::default(),
+    };
+    let cluster = opendsec_cluster::Cluster::up(cfg, opendsec_cluster::UpOptions { state_dir, sim_edges })
+        .await
+        .map_err(|e| CtlError::Local(e.to_string()))?;
+    if let Err(e) = cluster.wait_ready(std::time::Duration::from_secs(60)).await {
+        tracing::warn!(error = %e, "cluster not fully ready yet");
+    }
+    println!("opendsec cluster is up");
+    println!("  apiserver:   {}", cluster.apiserver_addr);
+    if let Some(m) = cluster.metrics_addr {
+        println!("  metrics:     http://{m}/metrics");
+    }
+    println!("  sim edges:   {}", cluster.edge_names().len());
+    println!("  state:       {}", cluster.config.state_dir.display());
+    println!("  admin token: written to {}", cluster.admin_token_path.display());
+    println!();
+    println!("  export OPENDSEC_ADDR={} OPENDSEC_TOKEN=$(cat {})", cluster.apiserver_addr, cluster.admin_token_path.display());
+    println!("Ctrl-C stops the cluster.");
+    wait_for_signal().await;
+    println!("stopping");
+    cluster.shutdown().await;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Reason of a failure, for callers that want it.
+pub fn reason_of(e: &CtlError) -> Option<Reason> {
+    match e {
+        CtlError::Api(a) => Some(a.reason),
+        CtlError::Local(_) => None,
+    }
+}

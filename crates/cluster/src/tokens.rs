@@ -1,0 +1,102 @@
+//! The two secrets `cluster up` needs: the shared service token between components and the
+//! administrator's bearer token. Taken from the config when set there; otherwise read from, or
+//! generated into, files in the state directory (mode 0600), so a restarted cluster keeps them.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use opendsec_common::config::{Config, parse_token_shape};
+use opendsec_common::grpc::random_secret;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("failed to read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("failed to write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
+    #[error("{path} does not hold a token of the form dsk.<id>.<secret>")]
+    Malformed { path: PathBuf },
+    #[error("{0}")]
+    Missing(String),
+}
+
+pub struct Tokens {
+    pub service_token: String,
+    pub admin_token: String,
+    pub admin_token_path: PathBuf,
+}
+
+/// A new administrator token `dsk.<16 id chars>.<43 secret chars>`.
+pub fn new_token() -> String {
+    format!("dsk.{}.{}", random_secret(16).to_ascii_lowercase(), random_secret(43))
+}
+
+pub fn resolve(config: &Config) -> Result<Tokens, TokenError> {
+    let dir = &config.state_dir;
+    let service_token = if config.service_token.is_empty() {
+        read_or_create(&dir.join("service.token"), || random_secret(43))?
+    } else {
+        config.service_token.clone()
+    };
+    let admin_token_path = crate::admin_token_path(dir);
+    let admin_token = if config.iam.admin_token.is_empty() {
+        if !admin_token_path.exists() && config.iam_data_dir().exists() {
+            return Err(TokenError::Missing(format!(
+                "IAM already has state in {} but {} is gone and iam.admin_token is empty: restore the token file or set iam.admin_token",
+                config.iam_data_dir().display(),
+                admin_token_path.display()
+            )));
+        }
+        let t = read_or_create(&admin_token_path, new_token)?;
+        if parse_token_shape(&t).is_none() {
+            return Err(TokenError::Malformed { path: admin_token_path });
+        }
+        t
+    } else {
+        // Written out too, so tools find it in one place.
+        write_secret(&admin_token_path, &config.iam.admin_token)?;
+        config.iam.admin_token.clone()
+    };
+    Ok(Tokens { service_token, admin_token, admin_token_path })
+}
+
+fn read_or_create(path: &Path, make: impl FnOnce() -> String) -> Result<String, TokenError> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Ok(s.trim().to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let t = make();
+            write_secret(path, &t)?;
+            Ok(t)
+        }
+        Err(source) => Err(TokenError::Read { path: path.to_path_buf(), source }),
+    }
+}
+
+fn write_secret(path: &Path, secret: &str) -> Result<(), TokenError> {
+    let err = |source| TokenError::Write { path: path.to_path_buf(), source };
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(err)?;
+    f.write_all(format!("{secret}\n").as_bytes()).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_tokens_are_kept_across_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config { state_dir: dir.path().to_path_buf(), ..Config::default() };
+        let a = resolve(&cfg).unwrap();
+        let b = resolve(&cfg).unwrap();
+        assert_eq!(a.admin_token, b.admin_token);
+        assert_eq!(a.service_token, b.service_token);
+        assert!(parse_token_shape(&a.admin_token).is_some());
+        let mode = std::fs::metadata(&a.admin_token_path).unwrap().permissions();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+    }
+}
