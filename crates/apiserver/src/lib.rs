@@ -1,1 +1,147 @@
-//! placeholder
+//! The apiserver: the cluster's only public entry (reference sections 1, 2 and 13).
+//!
+//! It authenticates bearer tokens (cached, cleared when IAM's security epoch moves), admits
+//! creations (spec bounds, default TTLs, per-principal rate, in-flight cap), places them on an
+//! edge from the watcher snapshot plus its own in-flight overlay, reserves quota through IAM
+//! `Admit`, and forwards every later call to the edge named in the sandbox id. It also proxies
+//! IAM's `Admin` service with the caller's token, and writes one audit line per public call.
+//!
+//! Invariants: the apiserver holds no durable state (any apiserver serves any request); the
+//! edge has the last word on admission; no token is ever logged or audited, and only hashes of
+//! tokens are kept, in the caches.
+#![forbid(unsafe_code)]
+
+mod admin;
+pub mod admission;
+pub mod audit;
+mod auth;
+mod create;
+mod metrics;
+pub mod placement;
+mod sandboxes;
+mod state;
+mod upstream;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use opendsec_common::ApiError;
+use opendsec_common::grpc::{self, AttachServiceToken, MAX_MESSAGE_BYTES};
+use opendsec_proto::v1::admin_server::AdminServer;
+use opendsec_proto::v1::sandboxes_server::SandboxesServer;
+use tokio_util::sync::CancellationToken;
+
+use crate::audit::{AuditError, AuditLog, AuditWriter};
+use crate::state::Shared;
+use crate::upstream::Upstreams;
+
+/// Everything `serve` needs, filled from the cluster config. (No `Debug`: it holds the service
+/// token.)
+#[derive(Clone)]
+pub struct ApiserverOptions {
+    pub config: opendsec_common::config::ApiserverConfig,
+    pub iam_addrs: Vec<String>,
+    pub watcher_addrs: Vec<String>,
+    pub service_token: String,
+    pub audit_path: PathBuf,
+}
+
+/// Why the apiserver could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiserverError {
+    #[error("no IAM address given")]
+    NoIamAddress,
+    #[error("no watcher address given")]
+    NoWatcherAddress,
+    #[error("bad upstream address {addr:?}: {source}")]
+    BadAddress { addr: String, source: ApiError },
+    #[error("bad service token: {0}")]
+    ServiceToken(ApiError),
+    #[error(transparent)]
+    Audit(#[from] AuditError),
+    #[error("gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("metrics endpoint failed: {0}")]
+    Metrics(std::io::Error),
+}
+
+/// Serves Sandboxes + Admin on `listener` (and /metrics /healthz /readyz on `metrics` when
+/// given) until shutdown; background loops (epoch poll, snapshot refresh, audit writer) end
+/// with it.
+pub async fn serve(
+    opts: ApiserverOptions,
+    listener: tokio::net::TcpListener,
+    metrics: Option<tokio::net::TcpListener>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ApiserverError> {
+    if opts.iam_addrs.is_empty() {
+        return Err(ApiserverError::NoIamAddress);
+    }
+    if opts.watcher_addrs.is_empty() {
+        return Err(ApiserverError::NoWatcherAddress);
+    }
+    for addr in opts.iam_addrs.iter().chain(&opts.watcher_addrs) {
+        grpc::channel(addr).map_err(|source| ApiserverError::BadAddress { addr: addr.clone(), source })?;
+    }
+    let token = AttachServiceToken::new(&opts.service_token).map_err(ApiserverError::ServiceToken)?;
+    let cfg = opts.config;
+    let (audit, audit_task) = if cfg.audit.enabled {
+        let writer = AuditWriter::open(&opts.audit_path, cfg.audit.max_bytes, cfg.audit.keep)?;
+        let (log, task) = AuditLog::start(writer);
+        (log, Some(task))
+    } else {
+        (AuditLog::disabled(), None)
+    };
+    let up = Upstreams::new(token, opts.iam_addrs, opts.watcher_addrs);
+    let shared = Arc::new(Shared::new(cfg, up, audit));
+
+    let cancel = CancellationToken::new();
+    let mut loops = tokio::task::JoinSet::new();
+    loops.spawn(state::epoch_loop(shared.clone(), cancel.clone()));
+    loops.spawn(state::snapshot_loop(shared.clone(), cancel.clone()));
+    {
+        let cancel = cancel.clone();
+        loops.spawn(async move {
+            tokio::select! {
+                _ = shutdown => cancel.cancel(),
+                _ = cancel.cancelled() => {}
+            }
+        });
+    }
+    let metrics_task = metrics.map(|l| {
+        let registry = shared.metrics.registry.clone();
+        let s = shared.clone();
+        let grace = s.cfg.readiness_grace;
+        let ready: opendsec_common::http::ReadyFn = Arc::new(move || s.up.health.check(grace, Instant::now()));
+        tokio::spawn(opendsec_common::http::serve_http(l, registry, ready, cancel.clone().cancelled_owned()))
+    });
+
+    let sandboxes = SandboxesServer::new(sandboxes::SandboxesService::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let admin = AdminServer::new(admin::AdminProxy::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let router = grpc::server().add_service(sandboxes).add_service(admin);
+    tracing::info!(addr = ?listener.local_addr().ok(), "apiserver serving");
+    let served = grpc::serve(router, listener, cancel.clone().cancelled_owned()).await;
+
+    cancel.cancel();
+    while loops.join_next().await.is_some() {}
+    let metrics_result = match metrics_task {
+        Some(t) => match t.await {
+            Ok(r) => r.map_err(ApiserverError::Metrics),
+            Err(e) => Err(ApiserverError::Metrics(std::io::Error::other(e))),
+        },
+        None => Ok(()),
+    };
+    // Lines of calls still finishing after this are not written: the log closes with the server.
+    shared.audit.close();
+    if let Some(t) = audit_task {
+        let _ = t.await;
+    }
+    served?;
+    metrics_result
+}

@@ -60,17 +60,11 @@ impl Default for Config {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EdgeEndpoint {
     pub name: String,
     pub address: String,
-}
-
-impl Default for EdgeEndpoint {
-    fn default() -> Self {
-        EdgeEndpoint { name: String::new(), address: String::new() }
-    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

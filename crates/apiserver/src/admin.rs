@@ -1,0 +1,113 @@
+//! The public `Admin` service: a proxy to IAM's `Admin` with the caller's own bearer token.
+//!
+//! IAM authenticates and authorizes every Admin call itself, so the apiserver neither checks
+//! nor caches anything here; it forwards the message with the caller's `authorization` header
+//! (and the service token on the channel) and returns IAM's answer or status as it is. The audit
+//! line names the principal only when the token is already in the authentication cache (asking
+//! IAM just for the audit line would double the cost of every Admin call).
+
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use opendsec_common::grpc::{self, ServiceChannel};
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use opendsec_proto::v1::admin_client::AdminClient;
+use opendsec_proto::v1::admin_server::Admin;
+use tonic::{Request, Response, Status};
+
+use crate::auth::token_key;
+use crate::state::{Call, Shared};
+
+pub struct AdminProxy {
+    shared: Arc<Shared>,
+}
+
+impl AdminProxy {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        AdminProxy { shared }
+    }
+}
+
+type AdminCall<Q, R> = fn(AdminClient<ServiceChannel>, Request<Q>) -> BoxFuture<'static, Result<Response<R>, Status>>;
+
+async fn forward<Q, R>(
+    shared: &Arc<Shared>,
+    method: &'static str,
+    request: Request<Q>,
+    f: AdminCall<Q, R>,
+) -> Result<Response<R>, Status>
+where
+    Q: Clone + Send + Sync + 'static,
+    R: Send + 'static,
+{
+    let (md, _, msg) = request.into_parts();
+    let shared = shared.clone();
+    let task = tokio::spawn(async move {
+        let mut call = Call::new(method);
+        let token = match grpc::bearer(&md) {
+            Ok(t) => t.to_string(),
+            Err(e) => {
+                shared.finish(call, Err(&e)).await;
+                return Err(e.to_status());
+            }
+        };
+        call.principal = shared.auth.cached_principal(&token_key(&token));
+        let res = shared
+            .up
+            .admin(|c| {
+                let mut r = Request::new(msg.clone());
+                match grpc::set_bearer(&mut r, &token) {
+                    Ok(()) => f(c, r),
+                    Err(e) => futures::future::ready(Err(e.to_status())).boxed(),
+                }
+            })
+            .await;
+        let outcome = res.as_ref().map(|_| ()).map_err(ApiError::from_status);
+        shared.finish(call, outcome.as_ref().map(|_| ())).await;
+        res
+    });
+    match task.await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(method, error = %e, "admin proxy task failed");
+            Err(ApiError::new(Reason::Internal, format!("{method} failed inside the apiserver")).to_status())
+        }
+    }
+}
+
+/// Implements every Admin method as a forward to the same IAM method.
+macro_rules! admin_proxy {
+    ($($name:ident: $label:literal, $req:ty => $resp:ty;)*) => {
+        #[tonic::async_trait]
+        impl Admin for AdminProxy {
+            $(
+                async fn $name(&self, request: Request<$req>) -> Result<Response<$resp>, Status> {
+                    forward(&self.shared, $label, request, |mut c, r| async move { c.$name(r).await }.boxed()).await
+                }
+            )*
+        }
+    };
+}
+
+admin_proxy! {
+    who_am_i: "WhoAmI", pb::WhoAmIRequest => pb::WhoAmIResponse;
+    create_project: "CreateProject", pb::CreateProjectRequest => pb::Project;
+    get_project: "GetProject", pb::GetProjectRequest => pb::Project;
+    list_projects: "ListProjects", pb::ListProjectsRequest => pb::ListProjectsResponse;
+    delete_project: "DeleteProject", pb::DeleteProjectRequest => pb::DeleteProjectResponse;
+    set_quota: "SetQuota", pb::SetQuotaRequest => pb::Project;
+    create_principal: "CreatePrincipal", pb::CreatePrincipalRequest => pb::Principal;
+    list_principals: "ListPrincipals", pb::ListPrincipalsRequest => pb::ListPrincipalsResponse;
+    delete_principal: "DeletePrincipal", pb::DeletePrincipalRequest => pb::DeletePrincipalResponse;
+    create_token: "CreateToken", pb::CreateTokenRequest => pb::CreateTokenResponse;
+    list_tokens: "ListTokens", pb::ListTokensRequest => pb::ListTokensResponse;
+    revoke_token: "RevokeToken", pb::RevokeTokenRequest => pb::RevokeTokenResponse;
+    grant: "Grant", pb::GrantRequest => pb::GrantResponse;
+    revoke_grant: "RevokeGrant", pb::RevokeGrantRequest => pb::RevokeGrantResponse;
+    list_grants: "ListGrants", pb::ListGrantsRequest => pb::ListGrantsResponse;
+    get_usage: "GetUsage", pb::GetUsageRequest => pb::GetUsageResponse;
+    backup: "Backup", pb::BackupRequest => pb::BackupResponse;
+    restore: "Restore", pb::RestoreRequest => pb::RestoreResponse;
+}

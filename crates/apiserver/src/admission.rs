@@ -1,0 +1,456 @@
+//! Admission: what a request must look like before anything is reserved, and how fast one
+//! principal may create (reference section 1, "Admission").
+//!
+//! Pure functions and data: spec validation with TTL filling, list paging bounds, and the
+//! per-principal token buckets with the clock passed in. Every rejection names the field and the
+//! bound it broke; all of them are `invalid_argument` at the RPC boundary.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use opendsec_common::config::{ApiserverConfig, KNOWN_BACKENDS, TtlConfig};
+use opendsec_common::{ApiError, Reason, ids};
+use opendsec_proto::v1 as pb;
+
+/// Most sandboxes one `CreateSandboxes` call may ask for.
+pub const MAX_BATCH: u32 = 32_768;
+pub const MAX_CPU_MILLIS: u64 = 1_024_000;
+/// 16 TiB in MiB.
+pub const MAX_MEMORY_MB: u64 = 16 << 20;
+/// 64 TiB in MiB.
+pub const MAX_DISK_MB: u64 = 64 << 20;
+pub const MAX_GPUS: u64 = 64;
+pub const MAX_IMAGE_BYTES: usize = 512;
+pub const MAX_MAP_ENTRIES: usize = 64;
+pub const MAX_KEY_BYTES: usize = 128;
+pub const MAX_VALUE_BYTES: usize = 4096;
+pub const MAX_USER_BYTES: usize = 256;
+pub const MAX_WORKDIR_BYTES: usize = 4096;
+pub const DEFAULT_PAGE_SIZE: u32 = 100;
+pub const MAX_PAGE_SIZE: u32 = 1000;
+pub const MAX_PAGE_TOKEN_BYTES: usize = 256;
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("spec is required")]
+    MissingSpec,
+    #[error("spec.backend {backend:?} is not known; known: {known}")]
+    UnknownBackend { backend: String, known: String },
+    #[error("spec.resources is required")]
+    MissingResources,
+    #[error("{field} is {value}, must be in {min}..={max}")]
+    OutOfRange { field: &'static str, value: u64, min: u64, max: u64 },
+    #[error("{field} must not be empty")]
+    Empty { field: &'static str },
+    #[error("{field} is {len} bytes, at most {max}")]
+    TooLong { field: String, len: usize, max: usize },
+    #[error("{field} has {count} entries, at most {max}")]
+    TooManyEntries { field: &'static str, count: usize, max: usize },
+    #[error("{field} is {value} s, above the cluster maximum of {max} s")]
+    TtlAboveMax { field: &'static str, value: u64, max: u64 },
+    #[error("{field} must be at least 1 s")]
+    TtlZero { field: &'static str },
+    #[error("spec.priority {0} is not a known priority")]
+    UnknownPriority(i32),
+    #[error("{field}: {message}")]
+    InvalidId { field: &'static str, message: String },
+    #[error("count is {count}, must be in 1..={max}")]
+    BatchCount { count: u32, max: u32 },
+    #[error("page_size is {0}, at most {MAX_PAGE_SIZE}")]
+    PageSize(u32),
+}
+
+impl AdmissionError {
+    /// The request field the error is about (ErrorInfo metadata `field`).
+    pub fn field(&self) -> String {
+        match self {
+            AdmissionError::MissingSpec => "spec".into(),
+            AdmissionError::UnknownBackend { .. } => "spec.backend".into(),
+            AdmissionError::MissingResources => "spec.resources".into(),
+            AdmissionError::OutOfRange { field, .. }
+            | AdmissionError::Empty { field }
+            | AdmissionError::TooManyEntries { field, .. }
+            | AdmissionError::TtlAboveMax { field, .. }
+            | AdmissionError::TtlZero { field }
+            | AdmissionError::InvalidId { field, .. } => (*field).into(),
+            AdmissionError::TooLong { field, .. } => field.clone(),
+            AdmissionError::UnknownPriority(_) => "spec.priority".into(),
+            AdmissionError::BatchCount { .. } => "count".into(),
+            AdmissionError::PageSize(_) => "page_size".into(),
+        }
+    }
+}
+
+impl From<AdmissionError> for ApiError {
+    fn from(e: AdmissionError) -> ApiError {
+        // Every admission error is the caller's to fix; the match keeps that a decision per
+        // variant when a new one is added.
+        let reason = match &e {
+            AdmissionError::MissingSpec
+            | AdmissionError::UnknownBackend { .. }
+            | AdmissionError::MissingResources
+            | AdmissionError::OutOfRange { .. }
+            | AdmissionError::Empty { .. }
+            | AdmissionError::TooLong { .. }
+            | AdmissionError::TooManyEntries { .. }
+            | AdmissionError::TtlAboveMax { .. }
+            | AdmissionError::TtlZero { .. }
+            | AdmissionError::UnknownPriority(_)
+            | AdmissionError::InvalidId { .. }
+            | AdmissionError::BatchCount { .. }
+            | AdmissionError::PageSize(_) => Reason::InvalidArgument,
+        };
+        ApiError::new(reason, e.to_string()).with("field", e.field())
+    }
+}
+
+fn range(field: &'static str, value: u64, min: u64, max: u64) -> Result<(), AdmissionError> {
+    if (min..=max).contains(&value) { Ok(()) } else { Err(AdmissionError::OutOfRange { field, value, min, max }) }
+}
+
+fn bytes(field: &str, value: &str, max: usize) -> Result<(), AdmissionError> {
+    if value.len() > max {
+        return Err(AdmissionError::TooLong { field: field.to_string(), len: value.len(), max });
+    }
+    Ok(())
+}
+
+fn check_map(field: &'static str, map: &HashMap<String, String>) -> Result<(), AdmissionError> {
+    if map.len() > MAX_MAP_ENTRIES {
+        return Err(AdmissionError::TooManyEntries { field, count: map.len(), max: MAX_MAP_ENTRIES });
+    }
+    for (k, v) in map {
+        if k.is_empty() {
+            return Err(AdmissionError::Empty { field });
+        }
+        // Keys are shown at most in part: they come from the caller.
+        let shown: String = k.chars().take(32).collect();
+        bytes(&format!("{field} key {shown:?}"), k, MAX_KEY_BYTES)?;
+        bytes(&format!("{field}[{shown:?}]"), v, MAX_VALUE_BYTES)?;
+    }
+    Ok(())
+}
+
+fn ttl(field: &'static str, value: u64, default: Duration, max: Duration) -> Result<u64, AdmissionError> {
+    if value == 0 {
+        return Ok(default.as_secs().max(1));
+    }
+    if value > max.as_secs() {
+        return Err(AdmissionError::TtlAboveMax { field, value, max: max.as_secs() });
+    }
+    Ok(value)
+}
+
+/// Validates a creation spec and returns it filled: project (the caller's own when empty),
+/// TTLs (cluster defaults for zeros) and priority (guaranteed when unspecified).
+pub fn check_spec(
+    spec: Option<&pb::SandboxSpec>,
+    caller_project: &str,
+    cfg: &ApiserverConfig,
+) -> Result<pb::SandboxSpec, AdmissionError> {
+    let mut s = spec.cloned().ok_or(AdmissionError::MissingSpec)?;
+    if !KNOWN_BACKENDS.contains(&s.backend.as_str()) {
+        let shown: String = s.backend.chars().take(32).collect();
+        return Err(AdmissionError::UnknownBackend { backend: shown, known: KNOWN_BACKENDS.join(", ") });
+    }
+    let r = s.resources.as_ref().ok_or(AdmissionError::MissingResources)?;
+    range("spec.resources.cpu_millis", u64::from(r.cpu_millis), 1, MAX_CPU_MILLIS)?;
+    range("spec.resources.memory_mb", r.memory_mb, 1, MAX_MEMORY_MB)?;
+    range("spec.resources.disk_mb", r.disk_mb, 0, MAX_DISK_MB)?;
+    range("spec.resources.gpus", u64::from(r.gpus), 0, MAX_GPUS)?;
+    // The sim backend accepts any image name until the image store lands; the name is bounded.
+    if s.image.is_empty() {
+        return Err(AdmissionError::Empty { field: "spec.image" });
+    }
+    bytes("spec.image", &s.image, MAX_IMAGE_BYTES)?;
+    check_map("spec.labels", &s.labels)?;
+    check_map("spec.env", &s.env)?;
+    bytes("spec.user", &s.user, MAX_USER_BYTES)?;
+    bytes("spec.workdir", &s.workdir, MAX_WORKDIR_BYTES)?;
+    s.priority = match pb::Priority::try_from(s.priority) {
+        Ok(pb::Priority::Unspecified) | Ok(pb::Priority::Guaranteed) => pb::Priority::Guaranteed as i32,
+        Ok(pb::Priority::BestEffort) => pb::Priority::BestEffort as i32,
+        Err(_) => return Err(AdmissionError::UnknownPriority(s.priority)),
+    };
+    if s.project.is_empty() {
+        s.project = caller_project.to_string();
+    } else {
+        ids::validate_project(&s.project)
+            .map_err(|e| AdmissionError::InvalidId { field: "spec.project", message: e.message })?;
+    }
+    let t = &cfg.ttl;
+    s.ttl_running_stop_s = ttl("spec.ttl_running_stop_s", s.ttl_running_stop_s, t.default_running_stop, t.max)?;
+    s.ttl_max_s = ttl("spec.ttl_max_s", s.ttl_max_s, t.default_max, t.max)?;
+    s.ttl_paused_s = ttl("spec.ttl_paused_s", s.ttl_paused_s, t.default_paused, t.max)?;
+    Ok(s)
+}
+
+/// The idempotency key of a creation, if the request carries one.
+pub fn check_lease_id(lease_id: &str) -> Result<Option<String>, AdmissionError> {
+    if lease_id.is_empty() {
+        return Ok(None);
+    }
+    ids::validate_lease(lease_id).map_err(|e| AdmissionError::InvalidId { field: "lease_id", message: e.message })?;
+    Ok(Some(lease_id.to_string()))
+}
+
+pub fn check_batch_count(count: u32) -> Result<(), AdmissionError> {
+    if (1..=MAX_BATCH).contains(&count) { Ok(()) } else { Err(AdmissionError::BatchCount { count, max: MAX_BATCH }) }
+}
+
+/// A TTL update: each field given must be 1 s ..= the cluster maximum (a zero would be
+/// ambiguous: "now" or "the default").
+pub fn check_timeout_update(req: &pb::SetSandboxTimeoutRequest, t: &TtlConfig) -> Result<(), AdmissionError> {
+    for (field, v) in [
+        ("ttl_running_stop_s", req.ttl_running_stop_s),
+        ("ttl_max_s", req.ttl_max_s),
+        ("ttl_paused_s", req.ttl_paused_s),
+    ] {
+        match v {
+            None => {}
+            Some(0) => return Err(AdmissionError::TtlZero { field }),
+            Some(v) if v > t.max.as_secs() => {
+                return Err(AdmissionError::TtlAboveMax { field, value: v, max: t.max.as_secs() });
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// The page size of a list: 0 means the default, above the maximum is refused.
+pub fn page_size(requested: u32) -> Result<u32, AdmissionError> {
+    match requested {
+        0 => Ok(DEFAULT_PAGE_SIZE),
+        n if n > MAX_PAGE_SIZE => Err(AdmissionError::PageSize(n)),
+        n => Ok(n),
+    }
+}
+
+pub fn check_list(req: &pb::ListSandboxesRequest) -> Result<u32, AdmissionError> {
+    check_map("labels", &req.labels)?;
+    bytes("page_token", &req.page_token, MAX_PAGE_TOKEN_BYTES)?;
+    if req.states.len() > 16 {
+        return Err(AdmissionError::TooManyEntries { field: "states", count: req.states.len(), max: 16 });
+    }
+    page_size(req.page_size)
+}
+
+/// A token bucket: `rate` tokens a second up to `burst`; time comes from the caller.
+#[derive(Clone, Debug)]
+pub struct TokenBucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    /// A full bucket.
+    pub fn new(rate: f64, burst: f64, now: Instant) -> TokenBucket {
+        TokenBucket { rate, burst, tokens: burst, last: now }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.tokens = (self.tokens + dt * self.rate).min(self.burst);
+        self.last = self.last.max(now);
+    }
+
+    /// Takes one token, or says how long until one is there.
+    pub fn try_take(&mut self, now: Instant) -> Result<(), Duration> {
+        self.refill(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64(((1.0 - self.tokens) / self.rate).max(0.0)))
+        }
+    }
+
+    pub fn is_full(&mut self, now: Instant) -> bool {
+        self.refill(now);
+        self.tokens >= self.burst
+    }
+}
+
+/// Token buckets per principal. Buckets that are full again carry no state worth keeping and
+/// are dropped when the map grows, so the map stays as large as the set of busy principals.
+#[derive(Debug)]
+pub struct RateLimiter {
+    rate: f64,
+    burst: f64,
+    buckets: HashMap<String, TokenBucket>,
+}
+
+const PRUNE_ABOVE: usize = 10_000;
+
+impl RateLimiter {
+    pub fn new(rate: f64, burst: f64) -> RateLimiter {
+        RateLimiter { rate, burst, buckets: HashMap::new() }
+    }
+
+    pub fn try_take(&mut self, principal: &str, now: Instant) -> Result<(), Duration> {
+        if self.buckets.len() > PRUNE_ABOVE {
+            self.buckets.retain(|_, b| !b.is_full(now));
+        }
+        if let Some(b) = self.buckets.get_mut(principal) {
+            return b.try_take(now);
+        }
+        let mut b = TokenBucket::new(self.rate, self.burst, now);
+        let r = b.try_take(now);
+        self.buckets.insert(principal.to_string(), b);
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ApiserverConfig {
+        ApiserverConfig::default()
+    }
+
+    fn good() -> pb::SandboxSpec {
+        pb::SandboxSpec {
+            image: "debian:12".into(),
+            backend: "sim".into(),
+            resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 512, disk_mb: 1024, gpus: 0 }),
+            ..Default::default()
+        }
+    }
+
+    fn err_of(f: impl FnOnce(&mut pb::SandboxSpec)) -> AdmissionError {
+        let mut s = good();
+        f(&mut s);
+        check_spec(Some(&s), "root/me", &cfg()).unwrap_err()
+    }
+
+    #[test]
+    fn defaults_are_filled() {
+        let s = check_spec(Some(&good()), "root/me", &cfg()).unwrap();
+        assert_eq!(s.project, "root/me");
+        assert_eq!(s.ttl_running_stop_s, 600);
+        assert_eq!(s.ttl_max_s, 3600);
+        assert_eq!(s.ttl_paused_s, 3600);
+        assert_eq!(s.priority, pb::Priority::Guaranteed as i32);
+        let mut given = good();
+        given.project = "root/other".into();
+        given.ttl_max_s = 7200;
+        let s = check_spec(Some(&given), "root/me", &cfg()).unwrap();
+        assert_eq!((s.project.as_str(), s.ttl_max_s), ("root/other", 7200));
+    }
+
+    #[test]
+    fn ttl_above_the_cap_names_field_and_max() {
+        let e = err_of(|s| s.ttl_max_s = 7 * 24 * 3600 + 1);
+        assert_eq!(e, AdmissionError::TtlAboveMax { field: "spec.ttl_max_s", value: 604_801, max: 604_800 });
+        let api = ApiError::from(e);
+        assert_eq!(api.reason, Reason::InvalidArgument);
+        assert!(api.message.contains("spec.ttl_max_s") && api.message.contains("604800"), "{}", api.message);
+        assert!(matches!(
+            err_of(|s| s.ttl_paused_s = u64::MAX),
+            AdmissionError::TtlAboveMax { field: "spec.ttl_paused_s", .. }
+        ));
+        assert!(matches!(
+            err_of(|s| s.ttl_running_stop_s = 1 << 40),
+            AdmissionError::TtlAboveMax { field: "spec.ttl_running_stop_s", .. }
+        ));
+    }
+
+    type Mutation = Box<dyn Fn(&mut pb::SandboxSpec)>;
+
+    #[test]
+    fn every_bad_field_is_refused() {
+        let cases: Vec<(Mutation, &str)> = vec![
+            (Box::new(|s| s.backend = "kvm".into()), "spec.backend"),
+            (Box::new(|s| s.backend = String::new()), "spec.backend"),
+            (Box::new(|s| s.resources = None), "spec.resources"),
+            (Box::new(|s| s.resources.as_mut().unwrap().cpu_millis = 0), "spec.resources.cpu_millis"),
+            // A client's -1 arrives as the largest unsigned value.
+            (Box::new(|s| s.resources.as_mut().unwrap().cpu_millis = u32::MAX), "spec.resources.cpu_millis"),
+            (Box::new(|s| s.resources.as_mut().unwrap().memory_mb = 0), "spec.resources.memory_mb"),
+            (Box::new(|s| s.resources.as_mut().unwrap().memory_mb = u64::MAX), "spec.resources.memory_mb"),
+            (Box::new(|s| s.resources.as_mut().unwrap().memory_mb = (16 << 20) + 1), "spec.resources.memory_mb"),
+            (Box::new(|s| s.resources.as_mut().unwrap().disk_mb = u64::MAX), "spec.resources.disk_mb"),
+            (Box::new(|s| s.resources.as_mut().unwrap().gpus = 65), "spec.resources.gpus"),
+            (Box::new(|s| s.image = String::new()), "spec.image"),
+            (Box::new(|s| s.image = "x".repeat(513)), "spec.image"),
+            (Box::new(|s| s.labels = (0..65).map(|i| (format!("k{i}"), "v".into())).collect()), "spec.labels"),
+            (Box::new(|s| s.labels = [("k".repeat(129), "v".into())].into()), "spec.labels key"),
+            (Box::new(|s| s.env = [("K".into(), "v".repeat(4097))].into()), "spec.env[\"K\"]"),
+            (Box::new(|s| s.env = [(String::new(), "v".into())].into()), "spec.env"),
+            (Box::new(|s| s.project = "team-a".into()), "spec.project"),
+            (Box::new(|s| s.project = "root/../x".into()), "spec.project"),
+            (Box::new(|s| s.priority = 99), "spec.priority"),
+            (Box::new(|s| s.user = "u".repeat(300)), "spec.user"),
+        ];
+        for (mutate, field) in cases {
+            let mut s = good();
+            mutate(&mut s);
+            let e = check_spec(Some(&s), "root/me", &cfg()).expect_err(field);
+            assert!(e.field().starts_with(field), "{field}: got {e} ({})", e.field());
+            assert_eq!(ApiError::from(e).reason, Reason::InvalidArgument);
+        }
+        assert_eq!(check_spec(None, "root/me", &cfg()).unwrap_err(), AdmissionError::MissingSpec);
+        let mut huge_but_ok = good();
+        huge_but_ok.resources =
+            Some(pb::Resources { cpu_millis: 1_024_000, memory_mb: 16 << 20, disk_mb: 64 << 20, gpus: 64 });
+        assert!(check_spec(Some(&huge_but_ok), "root/me", &cfg()).is_ok());
+    }
+
+    #[test]
+    fn batch_counts_and_lease_ids() {
+        assert!(check_batch_count(1).is_ok());
+        assert!(check_batch_count(32_768).is_ok());
+        for bad in [0, 32_769, u32::MAX] {
+            let e = check_batch_count(bad).unwrap_err();
+            assert_eq!(ApiError::from(e).reason, Reason::InvalidArgument);
+        }
+        assert_eq!(check_lease_id("").unwrap(), None);
+        assert_eq!(check_lease_id("job-1").unwrap().as_deref(), Some("job-1"));
+        assert!(check_lease_id("Job_1").is_err());
+        assert!(check_lease_id(&"a".repeat(41)).is_err());
+    }
+
+    #[test]
+    fn timeout_updates_and_page_sizes() {
+        let t = TtlConfig::default();
+        let mut req = pb::SetSandboxTimeoutRequest { id: "e.l".into(), ttl_max_s: Some(60), ..Default::default() };
+        assert!(check_timeout_update(&req, &t).is_ok());
+        req.ttl_paused_s = Some(0);
+        assert_eq!(check_timeout_update(&req, &t).unwrap_err(), AdmissionError::TtlZero { field: "ttl_paused_s" });
+        req.ttl_paused_s = Some(u64::MAX);
+        assert!(matches!(check_timeout_update(&req, &t).unwrap_err(), AdmissionError::TtlAboveMax { .. }));
+        assert_eq!(page_size(0).unwrap(), 100);
+        assert_eq!(page_size(1000).unwrap(), 1000);
+        assert!(page_size(1001).is_err());
+    }
+
+    #[test]
+    fn token_bucket_with_an_injected_clock() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(10.0, 3.0, t0);
+        for _ in 0..3 {
+            assert!(b.try_take(t0).is_ok());
+        }
+        let wait = b.try_take(t0).unwrap_err();
+        assert!((wait.as_secs_f64() - 0.1).abs() < 1e-6, "{wait:?}");
+        // 50 ms later half a token is there: still refused, with half the wait.
+        let wait = b.try_take(t0 + Duration::from_millis(50)).unwrap_err();
+        assert!((wait.as_secs_f64() - 0.05).abs() < 1e-6, "{wait:?}");
+        assert!(b.try_take(t0 + Duration::from_millis(100)).is_ok());
+        // A long pause refills up to the burst, not beyond.
+        let later = t0 + Duration::from_secs(60);
+        for _ in 0..3 {
+            assert!(b.try_take(later).is_ok());
+        }
+        assert!(b.try_take(later).is_err());
+
+        let mut rl = RateLimiter::new(1.0, 1.0);
+        assert!(rl.try_take("alice", t0).is_ok());
+        assert!(rl.try_take("alice", t0).is_err());
+        assert!(rl.try_take("bob", t0).is_ok(), "buckets are per principal");
+    }
+}

@@ -1,0 +1,215 @@
+//! The authentication and authorization caches (reference section 1, "Authentication cache").
+//!
+//! Token-to-identity and (principal, permission, project)-to-decision results are kept for the
+//! configured TTL, an identity never past its token's own expiry. Tokens are never stored: the
+//! key is the SHA-256 of the token. IAM's security epoch is polled by the caller; a change
+//! clears both caches, so a revocation reaches every apiserver within about one poll interval.
+//!
+//! A lookup that raced with a clear must not put a pre-revocation answer back: callers take the
+//! generation before asking IAM and insert with it, and inserts from an older generation are
+//! dropped.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+/// Who a token belongs to (IAM's Authenticate answer).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub principal: String,
+    pub project: String,
+    pub token_id: String,
+    /// Unix ms; 0 = never.
+    pub expires_at_ms: i64,
+}
+
+/// The cache key of a token: its SHA-256, so no token is kept in memory longer than a call.
+pub type TokenKey = [u8; 32];
+
+pub fn token_key(token: &str) -> TokenKey {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+type AuthzKey = (String, String, String);
+
+/// Entries kept before expired ones are swept (and, if that is not enough, all are dropped).
+const MAX_ENTRIES: usize = 100_000;
+
+#[derive(Debug)]
+pub struct AuthCache {
+    ttl: Duration,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    generation: u64,
+    epoch: Option<u64>,
+    authn: HashMap<TokenKey, (Arc<Identity>, Instant)>,
+    authz: HashMap<AuthzKey, (bool, Instant)>,
+}
+
+impl AuthCache {
+    pub fn new(ttl: Duration) -> AuthCache {
+        AuthCache { ttl, inner: Mutex::new(Inner::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Take this before asking IAM; pass it to the matching `put_*`.
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    pub fn get_identity(&self, key: &TokenKey, now: Instant, now_ms: i64) -> Option<Arc<Identity>> {
+        let mut g = self.lock();
+        match g.authn.get(key) {
+            Some((id, until)) if *until > now && (id.expires_at_ms == 0 || id.expires_at_ms > now_ms) => {
+                Some(id.clone())
+            }
+            Some(_) => {
+                g.authn.remove(key);
+                None
+            }
+            None => None,
+        }
+    }
+
+    pub fn put_identity(&self, generation: u64, key: TokenKey, id: Arc<Identity>, now: Instant) {
+        let mut g = self.lock();
+        if g.generation != generation {
+            return;
+        }
+        if g.authn.len() >= MAX_ENTRIES {
+            g.authn.retain(|_, (_, until)| *until > now);
+            if g.authn.len() >= MAX_ENTRIES {
+                g.authn.clear();
+            }
+        }
+        g.authn.insert(key, (id, now + self.ttl));
+    }
+
+    pub fn get_authz(&self, principal: &str, permission: &str, project: &str, now: Instant) -> Option<bool> {
+        let g = self.lock();
+        // Borrowed lookup would need a custom key type; the allocation is cheap next to a lock.
+        let key = (principal.to_string(), permission.to_string(), project.to_string());
+        match g.authz.get(&key) {
+            Some((allowed, until)) if *until > now => Some(*allowed),
+            _ => None,
+        }
+    }
+
+    pub fn put_authz(
+        &self,
+        generation: u64,
+        principal: &str,
+        permission: &str,
+        project: &str,
+        allowed: bool,
+        now: Instant,
+    ) {
+        let mut g = self.lock();
+        if g.generation != generation {
+            return;
+        }
+        if g.authz.len() >= MAX_ENTRIES {
+            g.authz.retain(|_, (_, until)| *until > now);
+            if g.authz.len() >= MAX_ENTRIES {
+                g.authz.clear();
+            }
+        }
+        g.authz.insert((principal.to_string(), permission.to_string(), project.to_string()), (allowed, now + self.ttl));
+    }
+
+    /// Records IAM's security epoch; returns true when it changed and the caches were cleared.
+    pub fn observe_epoch(&self, epoch: u64) -> bool {
+        let mut g = self.lock();
+        match g.epoch {
+            Some(e) if e == epoch => false,
+            Some(_) => {
+                g.epoch = Some(epoch);
+                g.generation += 1;
+                g.authn.clear();
+                g.authz.clear();
+                true
+            }
+            None => {
+                // The first epoch seen: anything cached before it came from the same IAM state
+                // or older, so clear as for a change.
+                g.epoch = Some(epoch);
+                g.generation += 1;
+                g.authn.clear();
+                g.authz.clear();
+                false
+            }
+        }
+    }
+
+    /// The principal of a cached token, if any (for audit lines of proxied calls).
+    pub fn cached_principal(&self, key: &TokenKey) -> Option<String> {
+        self.lock().authn.get(key).map(|(id, _)| id.principal.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ident(exp: i64) -> Arc<Identity> {
+        Arc::new(Identity {
+            principal: "alice".into(),
+            project: "root/a".into(),
+            token_id: "t1".into(),
+            expires_at_ms: exp,
+        })
+    }
+
+    #[test]
+    fn identities_expire_with_the_ttl_and_the_token() {
+        let c = AuthCache::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        let k = token_key("dsk.t1.secretsecretsecret");
+        c.put_identity(c.generation(), k, ident(0), t0);
+        assert!(c.get_identity(&k, t0 + Duration::from_secs(29), 0).is_some());
+        assert!(c.get_identity(&k, t0 + Duration::from_secs(31), 0).is_none());
+
+        c.put_identity(c.generation(), k, ident(10_000), t0);
+        assert!(c.get_identity(&k, t0, 9_999).is_some());
+        assert!(c.get_identity(&k, t0, 10_000).is_none(), "never past the token's expiry");
+    }
+
+    #[test]
+    fn an_epoch_change_clears_and_stale_inserts_are_dropped() {
+        let c = AuthCache::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        assert!(!c.observe_epoch(1));
+        let k = token_key("tok");
+        let g = c.generation();
+        c.put_identity(g, k, ident(0), t0);
+        c.put_authz(g, "alice", "sandbox.view", "root/a", true, t0);
+        assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), Some(true));
+        assert!(!c.observe_epoch(1));
+        assert!(c.get_identity(&k, t0, 0).is_some());
+
+        assert!(c.observe_epoch(2));
+        assert!(c.get_identity(&k, t0, 0).is_none());
+        assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), None);
+        // An answer asked for before the change arrives after it: not cached.
+        c.put_identity(g, k, ident(0), t0);
+        assert!(c.get_identity(&k, t0, 0).is_none());
+        c.put_identity(c.generation(), k, ident(0), t0);
+        assert!(c.get_identity(&k, t0, 0).is_some());
+    }
+
+    #[test]
+    fn keys_do_not_hold_the_token() {
+        let k = token_key("dsk.abc.0123456789abcdef");
+        assert_ne!(&k[..], b"dsk.abc.0123456789abcdef".get(..32).unwrap_or_default());
+        assert_eq!(k, token_key("dsk.abc.0123456789abcdef"));
+        assert_ne!(k, token_key("dsk.abc.0123456789abcdeg"));
+    }
+}

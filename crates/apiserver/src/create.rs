@@ -1,0 +1,360 @@
+//! The path of one creation (DESIGN.md section 3) and of a batch of them.
+//!
+//! One creation: (idempotent retry: a lease already bound to an edge that has the sandbox
+//! returns it), place, IAM `Admit` (authenticate, authorize `sandbox.create`, reserve quota,
+//! bind to the edge), then the edge's `CreateSandbox`. An edge answering `no_capacity` or
+//! `unavailable` is penalized and the creation placed again elsewhere under the SAME lease (IAM
+//! only rebinds it), up to `placement.max_attempts` edges; when all refuse the lease is
+//! released. An edge that does not answer in time may still create the sandbox, so its lease is
+//! left bound (reconciliation settles it) and the caller gets `deadline_exceeded`.
+//!
+//! Creations run in their own tasks: a client that goes away does not cut one in half between
+//! `Admit` and the edge. Batches admit items `batch_concurrency` at a time; rate limits and the
+//! in-flight cap make items wait, never fail, and a batch whose client left starts no new item.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use opendsec_common::{ApiError, Reason, ids, time};
+use opendsec_proto::v1 as pb;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+use crate::auth::Identity;
+use crate::placement::Res;
+use crate::state::{Call, Shared};
+
+/// Retry hint when the in-flight cap refuses a single creation.
+const INFLIGHT_RETRY_AFTER_MS: u64 = 100;
+
+/// Items of a batch whose answers wait for a slow client.
+const BATCH_CHANNEL: usize = 256;
+
+/// Runs an edge call with the configured timeout.
+async fn edge_call<T>(
+    shared: &Shared,
+    edge: &str,
+    fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, ApiError> {
+    match tokio::time::timeout(shared.cfg.edge_call_timeout, fut).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(ApiError::from_status(&s)),
+        Err(_) => Err(ApiError::new(
+            Reason::DeadlineExceeded,
+            format!("edge {edge} did not answer within {} s", shared.cfg.edge_call_timeout.as_secs()),
+        )
+        .with("edge", edge)),
+    }
+}
+
+/// Gets a sandbox from the edge named in its id.
+pub async fn edge_get(shared: &Shared, edge: &str, id: &str) -> Result<pb::Sandbox, ApiError> {
+    let addr = shared.edge_addr(edge)?;
+    let mut c = shared.up.edge(&addr)?;
+    edge_call(shared, edge, c.get_sandbox(pb::GetSandboxRequest { id: id.to_string() })).await
+}
+
+pub async fn edge_forward<T, F, Fut>(shared: &Shared, edge: &str, f: F) -> Result<T, ApiError>
+where
+    F: FnOnce(opendsec_proto::v1::edge_client::EdgeClient<opendsec_common::grpc::ServiceChannel>) -> Fut,
+    Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let addr = shared.edge_addr(edge)?;
+    let c = shared.up.edge(&addr)?;
+    edge_call(shared, edge, f(c)).await
+}
+
+async fn release(shared: &Shared, lease: &str) {
+    let req = pb::ReleaseLeasesRequest { lease_ids: vec![lease.to_string()] };
+    let r = shared
+        .up
+        .iam(|mut c| {
+            let r = req.clone();
+            async move { c.release_leases(r).await }
+        })
+        .await;
+    if let Err(e) = r {
+        // Reconciliation releases it later: the lease is bound to an edge without the sandbox.
+        tracing::warn!(lease_id = lease, reason = %e.reason, error = %e.message, "releasing a lease failed");
+    }
+}
+
+fn timeout_ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A retry of a creation that already happened: the lease is bound to an edge that has the
+/// sandbox. `None` when the creation must (still) be made.
+async fn existing(shared: &Shared, ident: &Identity, lease: &str) -> Result<Option<pb::Sandbox>, ApiError> {
+    let req = pb::GetLeaseRequest { lease_id: lease.to_string() };
+    let resp = shared
+        .up
+        .iam(|mut c| {
+            let r = req.clone();
+            async move { c.get_lease(r).await }
+        })
+        .await?;
+    let Some(l) = resp.lease.filter(|_| resp.found) else { return Ok(None) };
+    if l.principal != ident.principal {
+        return Err(ApiError::new(Reason::AlreadyExists, format!("lease id {lease} is in use")).with("lease_id", lease));
+    }
+    if l.edge.is_empty() || shared.edge_addr(&l.edge).is_err() {
+        return Ok(None);
+    }
+    match edge_get(shared, &l.edge, &ids::sandbox_id(&l.edge, lease)).await {
+        Ok(sb) => Ok(Some(sb)),
+        // Bound so recently that the first attempt may still be on its way to the edge: placing
+        // it elsewhere now could run the sandbox twice, so the client retries a little later.
+        Err(e)
+            if e.reason == Reason::NotFound
+                && time::now_ms().saturating_sub(l.bound_at_ms) < timeout_ms(shared.cfg.edge_call_timeout) =>
+        {
+            Err(ApiError::unavailable(format!("a creation with lease id {lease} is in progress"))
+                .with("lease_id", lease))
+        }
+        Err(e) if e.reason == Reason::NotFound => Ok(None),
+        // The sandbox may exist there: creating it elsewhere could run it twice.
+        Err(e) => Err(e),
+    }
+}
+
+/// One creation from a validated, filled spec, under the caller's token.
+pub async fn create_one(
+    shared: &Shared,
+    token: &str,
+    ident: &Identity,
+    spec: &pb::SandboxSpec,
+    given_lease: Option<String>,
+) -> Result<pb::Sandbox, ApiError> {
+    let started = Instant::now();
+    if let Some(lease) = &given_lease
+        && let Some(sb) = existing(shared, ident, lease).await?
+    {
+        return Ok(sb);
+    }
+    let lease = given_lease.unwrap_or_else(ids::new_lease_id);
+    let resources = Res::from_proto(spec.resources.as_ref());
+    let proto_resources = spec.resources.unwrap_or_default();
+    let mut tried = HashSet::new();
+    let mut last_refusal: Option<ApiError> = None;
+    let max_attempts = shared.cfg.placement.max_attempts.max(1);
+    for attempt in 0..max_attempts {
+        let placed = match shared.place(&spec.backend, resources, &tried) {
+            Ok(p) => p,
+            Err(e) => match last_refusal {
+                // Out of edges to try: the lease was admitted, give it back.
+                Some(refusal) => {
+                    release(shared, &lease).await;
+                    return Err(refusal);
+                }
+                None => return Err(ApiError::from(&e)),
+            },
+        };
+        if attempt > 0 {
+            shared.metrics.placement_retries.inc();
+        }
+        let admit = pb::AdmitRequest {
+            token: token.to_string(),
+            lease_id: lease.clone(),
+            project: spec.project.clone(),
+            resources: Some(proto_resources),
+            edge: placed.edge.clone(),
+        };
+        let admitted = shared
+            .up
+            .iam(|mut c| {
+                let r = admit.clone();
+                async move { c.admit(r).await }
+            })
+            .await;
+        let principal = match admitted {
+            Ok(a) => a.principal,
+            Err(e) => {
+                shared.placement_done(placed.overlay_id, false);
+                if attempt > 0 {
+                    release(shared, &lease).await;
+                }
+                return Err(e);
+            }
+        };
+        let req = pb::EdgeCreateRequest { lease_id: lease.clone(), spec: Some(spec.clone()), principal };
+        let result = match shared.up.edge(&placed.addr) {
+            Ok(mut c) => edge_call(shared, &placed.edge, c.create_sandbox(req)).await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(sb) => {
+                shared.placement_done(placed.overlay_id, true);
+                shared.metrics.creation_seconds.observe(started.elapsed().as_secs_f64());
+                return Ok(sb);
+            }
+            Err(e) if matches!(e.reason, Reason::NoCapacity | Reason::Unavailable) => {
+                shared.placement_done(placed.overlay_id, false);
+                shared.penalize(&placed.edge);
+                tracing::info!(edge = %placed.edge, lease_id = %lease, reason = %e.reason, "edge refused a creation; placing again");
+                tried.insert(placed.edge);
+                last_refusal = Some(e);
+            }
+            Err(e) if e.reason == Reason::DeadlineExceeded => {
+                // The edge may still create it: keep counting it there, keep the lease bound.
+                shared.placement_done(placed.overlay_id, true);
+                return Err(e);
+            }
+            Err(e) if e.reason == Reason::AlreadyExists => {
+                // An earlier attempt with this lease reached this edge: answer with that sandbox.
+                shared.placement_done(placed.overlay_id, true);
+                return edge_get(shared, &placed.edge, &ids::sandbox_id(&placed.edge, &lease)).await;
+            }
+            Err(e) => {
+                shared.placement_done(placed.overlay_id, false);
+                release(shared, &lease).await;
+                return Err(e);
+            }
+        }
+    }
+    release(shared, &lease).await;
+    Err(last_refusal.unwrap_or_else(|| ApiError::internal("creation ended without an attempt")))
+}
+
+/// A single creation: refused at once (`rate_limited`) over the principal's rate or the
+/// in-flight cap.
+pub async fn create_single(
+    shared: &Shared,
+    token: &str,
+    ident: &Identity,
+    spec: &pb::SandboxSpec,
+    lease: Option<String>,
+) -> Result<pb::Sandbox, ApiError> {
+    let limited = shared.limiter.lock().unwrap_or_else(|p| p.into_inner()).try_take(&ident.principal, Instant::now());
+    if let Err(wait) = limited {
+        let ms = u64::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(u64::MAX).max(1);
+        return Err(ApiError::new(Reason::RateLimited, format!("creation rate of {} exceeded", ident.principal))
+            .with("retry_after_ms", ms.to_string()));
+    }
+    let Ok(permit) = shared.inflight.clone().try_acquire_owned() else {
+        return Err(ApiError::new(Reason::RateLimited, "too many creations in flight on this apiserver")
+            .with("retry_after_ms", INFLIGHT_RETRY_AFTER_MS.to_string()));
+    };
+    let _g = InflightGauge::new(shared, permit);
+    create_one(shared, token, ident, spec, lease).await
+}
+
+/// Holds an in-flight permit and mirrors it in the gauge.
+struct InflightGauge<'a> {
+    shared: &'a Shared,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl<'a> InflightGauge<'a> {
+    fn new(shared: &'a Shared, permit: OwnedSemaphorePermit) -> Self {
+        shared.metrics.inflight_creations.inc();
+        InflightGauge { shared, _permit: permit }
+    }
+}
+
+impl Drop for InflightGauge<'_> {
+    fn drop(&mut self) {
+        self.shared.metrics.inflight_creations.dec();
+    }
+}
+
+pub type BatchItem = Result<pb::CreateSandboxesResponse, tonic::Status>;
+
+/// Starts a batch; answers arrive on the returned receiver as items complete. The batch's
+/// audit line is written when every started item has finished.
+pub fn start_batch(
+    shared: Arc<Shared>,
+    token: String,
+    ident: Arc<Identity>,
+    spec: pb::SandboxSpec,
+    count: u32,
+    call: Call,
+) -> mpsc::Receiver<BatchItem> {
+    let (tx, rx) = mpsc::channel(BATCH_CHANNEL);
+    tokio::spawn(run_batch(shared, Arc::from(token), ident, Arc::new(spec), count, call, tx));
+    rx
+}
+
+async fn run_batch(
+    shared: Arc<Shared>,
+    token: Arc<str>,
+    ident: Arc<Identity>,
+    spec: Arc<pb::SandboxSpec>,
+    count: u32,
+    mut call: Call,
+    tx: mpsc::Sender<BatchItem>,
+) {
+    let slots = Arc::new(Semaphore::new(shared.cfg.batch_concurrency.max(1)));
+    let failed = Arc::new(AtomicU32::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut started = 0u32;
+    for index in 0..count {
+        let slot = tokio::select! {
+            s = slots.clone().acquire_owned() => match s { Ok(s) => s, Err(_) => break },
+            _ = tx.closed() => break,
+        };
+        while tasks.try_join_next().is_some() {}
+        started += 1;
+        let (shared, token, ident, spec, failed, tx) =
+            (shared.clone(), token.clone(), ident.clone(), spec.clone(), failed.clone(), tx.clone());
+        tasks.spawn(async move {
+            let result = batch_item(&shared, &token, &ident, &spec, &tx).await;
+            let resp = match result {
+                None => return, // the client left before this item started
+                Some(Ok(sb)) => pb::CreateSandboxesResponse { index, sandbox: Some(sb), error: None },
+                Some(Err(e)) => {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    pb::CreateSandboxesResponse { index, sandbox: None, error: Some(e.to_detail()) }
+                }
+            };
+            // The slot is held until the answer is queued: a slow reader slows the batch down
+            // instead of piling up finished items in memory.
+            let _ = tx.send(Ok(resp)).await;
+            drop(slot);
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+    call.count = Some(count);
+    call.failed = Some(failed.load(Ordering::Relaxed) + (count - started));
+    // Per-item failures are counted in `failed` and answered in the stream; the call itself
+    // failed only when its client left before every item started.
+    let outcome = if started < count && tx.is_closed() {
+        Err(ApiError::new(Reason::Unavailable, "the client went away"))
+    } else {
+        Ok(())
+    };
+    shared.finish(call, outcome.as_ref().map(|_| ())).await;
+}
+
+/// One batch item: waits for its rate token and an in-flight slot, then creates. `None` when
+/// the client left before the item was admitted.
+async fn batch_item(
+    shared: &Shared,
+    token: &str,
+    ident: &Identity,
+    spec: &pb::SandboxSpec,
+    tx: &mpsc::Sender<BatchItem>,
+) -> Option<Result<pb::Sandbox, ApiError>> {
+    loop {
+        let r = shared.limiter.lock().unwrap_or_else(|p| p.into_inner()).try_take(&ident.principal, Instant::now());
+        match r {
+            Ok(()) => break,
+            Err(wait) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait.max(Duration::from_millis(1))) => {}
+                    _ = tx.closed() => return None,
+                }
+            }
+        }
+    }
+    let permit = tokio::select! {
+        p = shared.inflight.clone().acquire_owned() => p.ok()?,
+        _ = tx.closed() => return None,
+    };
+    if tx.is_closed() {
+        return None;
+    }
+    let _g = InflightGauge::new(shared, permit);
+    Some(create_one(shared, token, ident, spec, None).await)
+}

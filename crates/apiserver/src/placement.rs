@@ -1,0 +1,759 @@
+//! Placement: which edge gets a new sandbox (reference section 2).
+//!
+//! Pure functions over plain data: no I/O, no clock, the random source passed in. Two steps:
+//!
+//! 1. filter: the edge offers the backend, is healthy, not draining, under no memory/disk/CPU
+//!    pressure, and has the allocatable room (cpu, memory, disk, gpus, sandbox count) for the
+//!    demand once this apiserver's in-flight overlay is added to what the snapshot says;
+//! 2. power-of-k: draw k distinct candidates uniformly among those that pass, take the least
+//!    loaded.
+//!
+//! Invariants kept here:
+//! - a chosen edge always fits (the filter runs on snapshot + overlay + demand);
+//! - edges penalized for a recent refusal are chosen only when no unpenalized edge fits (they
+//!   are a last choice, never excluded: when every node restarts, trying one beats failing);
+//! - edges already tried for this creation are never chosen again;
+//! - `not_found` means no edge offers the backend at all; `no_capacity` means some do but none
+//!   fits, and says how many edges were skipped for which reason.
+//!
+//! [`Inflight`] keeps the overlay: each placed demand counts on its edge until a snapshot taken
+//! after the creation completed arrives (or at once stops counting when the creation failed), so
+//! placements between two snapshots spread out instead of piling onto the same edge.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::time::Instant;
+
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use rand::{Rng, RngExt};
+
+/// Resources in the units of the API (CPU millicores, MiB), widened to u64.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Res {
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub gpus: u64,
+}
+
+impl Res {
+    pub fn from_proto(r: Option<&pb::Resources>) -> Res {
+        r.map(|r| Res {
+            cpu_millis: u64::from(r.cpu_millis),
+            memory_mb: r.memory_mb,
+            disk_mb: r.disk_mb,
+            gpus: u64::from(r.gpus),
+        })
+        .unwrap_or_default()
+    }
+
+    pub fn saturating_add(self, o: Res) -> Res {
+        Res {
+            cpu_millis: self.cpu_millis.saturating_add(o.cpu_millis),
+            memory_mb: self.memory_mb.saturating_add(o.memory_mb),
+            disk_mb: self.disk_mb.saturating_add(o.disk_mb),
+            gpus: self.gpus.saturating_add(o.gpus),
+        }
+    }
+
+    pub fn saturating_sub(self, o: Res) -> Res {
+        Res {
+            cpu_millis: self.cpu_millis.saturating_sub(o.cpu_millis),
+            memory_mb: self.memory_mb.saturating_sub(o.memory_mb),
+            disk_mb: self.disk_mb.saturating_sub(o.disk_mb),
+            gpus: self.gpus.saturating_sub(o.gpus),
+        }
+    }
+}
+
+/// What placement needs to know about one edge (from the watcher snapshot).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EdgeView {
+    pub name: String,
+    pub healthy: bool,
+    pub draining: bool,
+    pub backends: Vec<String>,
+    pub capacity: Res,
+    pub allocated: Res,
+    pub sandboxes: u32,
+    pub max_sandboxes: u32,
+    /// Actual use as a share of the node, 0..1.
+    pub cpu_use: f64,
+    pub memory_use: f64,
+    pub memory_pressure: bool,
+    pub disk_pressure: bool,
+    pub cpu_pressure: bool,
+}
+
+impl EdgeView {
+    /// The view of a snapshot entry. An edge never probed successfully has an empty status, so
+    /// it offers nothing and never fits.
+    pub fn from_info(info: &pb::EdgeInfo) -> EdgeView {
+        let st = info.status.clone().unwrap_or_default();
+        let pressure = st.pressure.unwrap_or_default();
+        EdgeView {
+            name: info.name.clone(),
+            healthy: info.healthy,
+            draining: st.draining,
+            backends: st.backends,
+            capacity: Res::from_proto(st.capacity.as_ref()),
+            allocated: Res::from_proto(st.allocated.as_ref()),
+            sandboxes: st.sandboxes,
+            max_sandboxes: st.max_sandboxes,
+            cpu_use: st.cpu_use,
+            memory_use: st.memory_use,
+            memory_pressure: pressure.memory,
+            disk_pressure: pressure.disk,
+            cpu_pressure: pressure.cpu,
+        }
+    }
+
+    pub fn offers(&self, backend: &str) -> bool {
+        self.backends.iter().any(|b| b == backend)
+    }
+}
+
+/// What this apiserver has placed on an edge that the snapshot does not show yet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extra {
+    pub resources: Res,
+    pub sandboxes: u32,
+}
+
+/// One sandbox to place.
+#[derive(Clone, Copy, Debug)]
+pub struct Demand<'a> {
+    pub backend: &'a str,
+    pub resources: Res,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Params {
+    /// Candidates drawn for power-of-k (at least 1).
+    pub k: usize,
+    /// Actual use below this share does not count towards load.
+    pub usage_floor: f64,
+}
+
+/// Why an edge that offers the backend was not a candidate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Skip {
+    Unhealthy,
+    Draining,
+    /// Already tried (and refused) for this creation.
+    Tried,
+    MemoryPressure,
+    DiskPressure,
+    CpuPressure,
+    Cpu,
+    Memory,
+    Disk,
+    Gpus,
+    Sandboxes,
+}
+
+impl Skip {
+    pub const ALL: [Skip; 11] = [
+        Skip::Unhealthy,
+        Skip::Draining,
+        Skip::Tried,
+        Skip::MemoryPressure,
+        Skip::DiskPressure,
+        Skip::CpuPressure,
+        Skip::Cpu,
+        Skip::Memory,
+        Skip::Disk,
+        Skip::Gpus,
+        Skip::Sandboxes,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::Unhealthy => "unhealthy",
+            Skip::Draining => "draining",
+            Skip::Tried => "tried",
+            Skip::MemoryPressure => "memory_pressure",
+            Skip::DiskPressure => "disk_pressure",
+            Skip::CpuPressure => "cpu_pressure",
+            Skip::Cpu => "cpu",
+            Skip::Memory => "memory",
+            Skip::Disk => "disk",
+            Skip::Gpus => "gpus",
+            Skip::Sandboxes => "sandboxes",
+        }
+    }
+}
+
+/// How many edges were skipped for each reason (each edge counted once, for the first reason
+/// found in [`Skip::ALL`] order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SkipCounts([u32; Skip::ALL.len()]);
+
+impl SkipCounts {
+    pub fn add(&mut self, s: Skip) {
+        self.0[s as usize] += 1;
+    }
+
+    pub fn get(&self, s: Skip) -> u32 {
+        self.0[s as usize]
+    }
+
+    pub fn total(&self) -> u32 {
+        self.0.iter().sum()
+    }
+
+    /// The non-zero counts, in [`Skip::ALL`] order.
+    pub fn nonzero(&self) -> impl Iterator<Item = (Skip, u32)> + '_ {
+        Skip::ALL.into_iter().map(|s| (s, self.get(s))).filter(|(_, n)| *n > 0)
+    }
+}
+
+impl fmt::Display for SkipCounts {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (s, n) in self.nonzero() {
+            if !first {
+                f.write_str(", ")?;
+            }
+            first = false;
+            write!(f, "{} {n}", s.as_str())?;
+        }
+        if first {
+            f.write_str("none")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("no edge offers backend {backend:?}")]
+    NoEdgeOffers { backend: String },
+    #[error("no edge offering backend {backend:?} can take the sandbox ({offering} offer it; skipped: {skipped})")]
+    NoCapacity { backend: String, offering: u32, skipped: SkipCounts },
+}
+
+impl From<&PlacementError> for ApiError {
+    fn from(e: &PlacementError) -> ApiError {
+        match e {
+            PlacementError::NoEdgeOffers { backend } => {
+                ApiError::new(Reason::NotFound, e.to_string()).with("backend", backend.clone())
+            }
+            PlacementError::NoCapacity { backend, offering, skipped } => {
+                let mut err = ApiError::new(Reason::NoCapacity, e.to_string())
+                    .with("backend", backend.clone())
+                    .with("edges_offering", offering.to_string());
+                for (s, n) in skipped.nonzero() {
+                    err = err.with(&format!("skipped_{}", s.as_str()), n.to_string());
+                }
+                err
+            }
+        }
+    }
+}
+
+/// Why `edge` cannot take `demand` on top of `extra`, or `None` when it fits. Does not look at
+/// the backend (the caller counts edges offering it separately) nor at tries and penalties.
+pub fn skip_reason(edge: &EdgeView, extra: Extra, demand: &Demand<'_>) -> Option<Skip> {
+    if !edge.healthy {
+        return Some(Skip::Unhealthy);
+    }
+    if edge.draining {
+        return Some(Skip::Draining);
+    }
+    if edge.memory_pressure {
+        return Some(Skip::MemoryPressure);
+    }
+    if edge.disk_pressure {
+        return Some(Skip::DiskPressure);
+    }
+    if edge.cpu_pressure {
+        return Some(Skip::CpuPressure);
+    }
+    let used = edge.allocated.saturating_add(extra.resources);
+    let free = edge.capacity.saturating_sub(used);
+    let d = demand.resources;
+    if d.cpu_millis > free.cpu_millis {
+        return Some(Skip::Cpu);
+    }
+    if d.memory_mb > free.memory_mb {
+        return Some(Skip::Memory);
+    }
+    if d.disk_mb > free.disk_mb {
+        return Some(Skip::Disk);
+    }
+    if d.gpus > free.gpus {
+        return Some(Skip::Gpus);
+    }
+    let count = u64::from(edge.sandboxes) + u64::from(extra.sandboxes);
+    if count + 1 > u64::from(edge.max_sandboxes) {
+        return Some(Skip::Sandboxes);
+    }
+    None
+}
+
+/// Load of an edge in 0..=1 (more when over-committed): the highest of its allocated share
+/// (allocation plus overlay over capacity, in every dimension including the sandbox count) and
+/// its actual CPU and memory use, each use counted only from `usage_floor` up.
+pub fn load(edge: &EdgeView, extra: Extra, usage_floor: f64) -> f64 {
+    fn share(used: u64, cap: u64) -> f64 {
+        if cap == 0 { 0.0 } else { used as f64 / cap as f64 }
+    }
+    let used = edge.allocated.saturating_add(extra.resources);
+    let count = u64::from(edge.sandboxes) + u64::from(extra.sandboxes);
+    let allocated = share(used.cpu_millis, edge.capacity.cpu_millis)
+        .max(share(used.memory_mb, edge.capacity.memory_mb))
+        .max(share(used.disk_mb, edge.capacity.disk_mb))
+        .max(share(used.gpus, edge.capacity.gpus))
+        .max(share(count, u64::from(edge.max_sandboxes)));
+    let floor = |u: f64| if u.is_finite() && u >= usage_floor { u } else { 0.0 };
+    allocated.max(floor(edge.cpu_use)).max(floor(edge.memory_use))
+}
+
+/// Picks an edge for `demand` (see the module docs). Returns the index into `edges`.
+pub fn place<R: Rng + ?Sized>(
+    edges: &[EdgeView],
+    overlay: &HashMap<String, Extra>,
+    penalized: &HashSet<String>,
+    tried: &HashSet<String>,
+    demand: &Demand<'_>,
+    params: &Params,
+    rng: &mut R,
+) -> Result<usize, PlacementError> {
+    let mut offering = 0u32;
+    let mut skipped = SkipCounts::default();
+    let mut fit = Vec::new();
+    let mut fit_penalized = Vec::new();
+    for (i, e) in edges.iter().enumerate() {
+        if !e.offers(demand.backend) {
+            continue;
+        }
+        offering += 1;
+        if tried.contains(&e.name) {
+            skipped.add(Skip::Tried);
+            continue;
+        }
+        let extra = overlay.get(&e.name).copied().unwrap_or_default();
+        if let Some(s) = skip_reason(e, extra, demand) {
+            skipped.add(s);
+            continue;
+        }
+        if penalized.contains(&e.name) {
+            fit_penalized.push(i);
+        } else {
+            fit.push(i);
+        }
+    }
+    if offering == 0 {
+        return Err(PlacementError::NoEdgeOffers { backend: demand.backend.to_string() });
+    }
+    let mut pool = if fit.is_empty() { fit_penalized } else { fit };
+    if pool.is_empty() {
+        return Err(PlacementError::NoCapacity { backend: demand.backend.to_string(), offering, skipped });
+    }
+    // Partial Fisher-Yates: the first k slots become k distinct uniform draws.
+    let k = params.k.clamp(1, pool.len());
+    for j in 0..k {
+        let r = rng.random_range(j..pool.len());
+        pool.swap(j, r);
+    }
+    let load_of = |i: usize| {
+        let e = &edges[i];
+        load(e, overlay.get(&e.name).copied().unwrap_or_default(), params.usage_floor)
+    };
+    let mut best = pool[0];
+    let mut best_load = load_of(best);
+    for &i in &pool[1..k] {
+        let l = load_of(i);
+        if l < best_load {
+            best = i;
+            best_load = l;
+        }
+    }
+    Ok(best)
+}
+
+/// The in-flight overlay: demands placed by this apiserver that the snapshot may not show yet.
+#[derive(Debug, Default)]
+pub struct Inflight {
+    next_id: u64,
+    entries: HashMap<u64, Entry>,
+    totals: HashMap<String, Extra>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    edge: String,
+    resources: Res,
+    completed_at_ms: Option<i64>,
+}
+
+impl Inflight {
+    /// Counts `resources` (and one sandbox) on `edge`; the id ends the entry later.
+    pub fn add(&mut self, edge: &str, resources: Res) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.entries.insert(id, Entry { edge: edge.to_string(), resources, completed_at_ms: None });
+        let t = self.totals.entry(edge.to_string()).or_default();
+        t.resources = t.resources.saturating_add(resources);
+        t.sandboxes = t.sandboxes.saturating_add(1);
+        id
+    }
+
+    /// The creation succeeded at `now_ms`: the entry stays until a snapshot taken later.
+    pub fn complete(&mut self, id: u64, now_ms: i64) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.completed_at_ms = Some(now_ms);
+        }
+    }
+
+    /// The creation failed: nothing was allocated, the entry goes now.
+    pub fn fail(&mut self, id: u64) {
+        self.remove(id);
+    }
+
+    /// A snapshot taken at `taken_at_ms` arrived: entries of creations completed before it are
+    /// in it. Entries completed more than `max_age_ms` ago go too, so that a watcher clock far
+    /// behind ours cannot pin capacity forever.
+    pub fn on_snapshot(&mut self, taken_at_ms: i64, now_ms: i64, max_age_ms: i64) {
+        let done: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| {
+                e.completed_at_ms.is_some_and(|c| c < taken_at_ms || now_ms.saturating_sub(c) > max_age_ms)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in done {
+            self.remove(id);
+        }
+    }
+
+    pub fn totals(&self) -> &HashMap<String, Extra> {
+        &self.totals
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn remove(&mut self, id: u64) {
+        let Some(e) = self.entries.remove(&id) else { return };
+        if let Some(t) = self.totals.get_mut(&e.edge) {
+            t.resources = t.resources.saturating_sub(e.resources);
+            t.sandboxes = t.sandboxes.saturating_sub(1);
+            if t.sandboxes == 0 {
+                self.totals.remove(&e.edge);
+            }
+        }
+    }
+}
+
+/// Edges that refused a creation recently, and until when they stay a last choice.
+#[derive(Debug, Default)]
+pub struct Penalties {
+    until: HashMap<String, Instant>,
+}
+
+impl Penalties {
+    pub fn penalize(&mut self, edge: &str, until: Instant) {
+        self.until.insert(edge.to_string(), until);
+    }
+
+    /// The edges penalized at `now` (expired penalties are dropped).
+    pub fn active(&mut self, now: Instant) -> HashSet<String> {
+        self.until.retain(|_, u| *u > now);
+        self.until.keys().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+    use std::time::Duration;
+
+    fn edge(name: &str) -> EdgeView {
+        EdgeView {
+            name: name.into(),
+            healthy: true,
+            backends: vec!["sim".into()],
+            capacity: Res { cpu_millis: 64_000, memory_mb: 512 * 1024, disk_mb: 4 << 20, gpus: 0 },
+            max_sandboxes: 3200,
+            ..EdgeView::default()
+        }
+    }
+
+    fn demand(cpu: u64, mem: u64) -> Demand<'static> {
+        Demand { backend: "sim", resources: Res { cpu_millis: cpu, memory_mb: mem, disk_mb: 0, gpus: 0 } }
+    }
+
+    const PARAMS: Params = Params { k: 2, usage_floor: 0.2 };
+
+    fn place_simple(edges: &[EdgeView], d: &Demand<'_>) -> Result<usize, PlacementError> {
+        let mut rng = StdRng::seed_from_u64(7);
+        place(edges, &HashMap::new(), &HashSet::new(), &HashSet::new(), d, &PARAMS, &mut rng)
+    }
+
+    #[test]
+    fn unknown_backend_is_not_found_and_full_edges_are_no_capacity() {
+        let edges = vec![edge("a"), edge("b")];
+        let d = Demand { backend: "microvm", resources: Res::default() };
+        let err = place_simple(&edges, &d).unwrap_err();
+        assert_eq!(err, PlacementError::NoEdgeOffers { backend: "microvm".into() });
+        assert_eq!(ApiError::from(&err).reason, Reason::NotFound);
+        assert!(err.to_string().contains("no edge offers backend \"microvm\""));
+
+        let mut full = edge("a");
+        full.allocated.cpu_millis = 64_000;
+        let mut sick = edge("b");
+        sick.healthy = false;
+        let mut pressed = edge("c");
+        pressed.memory_pressure = true;
+        let err = place_simple(&[full, sick, pressed], &demand(1000, 1)).unwrap_err();
+        let api = ApiError::from(&err);
+        assert_eq!(api.reason, Reason::NoCapacity);
+        assert_eq!(api.metadata.get("skipped_cpu").map(String::as_str), Some("1"));
+        assert_eq!(api.metadata.get("skipped_unhealthy").map(String::as_str), Some("1"));
+        assert_eq!(api.metadata.get("skipped_memory_pressure").map(String::as_str), Some("1"));
+        assert!(api.message.contains("cpu 1"), "{}", api.message);
+    }
+
+    type Mutation = Box<dyn Fn(&mut EdgeView)>;
+
+    #[test]
+    fn every_filter_reason_is_counted() {
+        let base = edge("x");
+        let cases: Vec<(Mutation, Skip)> = vec![
+            (Box::new(|e| e.healthy = false), Skip::Unhealthy),
+            (Box::new(|e| e.draining = true), Skip::Draining),
+            (Box::new(|e| e.disk_pressure = true), Skip::DiskPressure),
+            (Box::new(|e| e.cpu_pressure = true), Skip::CpuPressure),
+            (Box::new(|e| e.allocated.memory_mb = e.capacity.memory_mb), Skip::Memory),
+            (Box::new(|e| e.allocated.disk_mb = e.capacity.disk_mb), Skip::Disk),
+            (Box::new(|e| e.sandboxes = e.max_sandboxes), Skip::Sandboxes),
+        ];
+        for (mutate, want) in cases {
+            let mut e = base.clone();
+            mutate(&mut e);
+            let d = Demand { backend: "sim", resources: Res { cpu_millis: 1, memory_mb: 1, disk_mb: 1, gpus: 0 } };
+            assert_eq!(skip_reason(&e, Extra::default(), &d), Some(want));
+        }
+        let gpu = Demand { backend: "sim", resources: Res { gpus: 1, ..Res::default() } };
+        assert_eq!(skip_reason(&base, Extra::default(), &gpu), Some(Skip::Gpus));
+    }
+
+    #[test]
+    fn overlay_counts_against_capacity() {
+        let e = edge("a");
+        let extra = Extra { resources: Res { cpu_millis: 63_500, ..Res::default() }, sandboxes: 1 };
+        assert_eq!(skip_reason(&e, extra, &demand(1000, 1)), Some(Skip::Cpu));
+        assert_eq!(skip_reason(&e, extra, &demand(500, 1)), None);
+    }
+
+    #[test]
+    fn load_ignores_use_below_the_floor() {
+        let mut e = edge("a");
+        e.allocated.cpu_millis = 6400; // 10 %
+        e.cpu_use = 0.15;
+        assert!((load(&e, Extra::default(), 0.2) - 0.1).abs() < 1e-9);
+        e.memory_use = 0.5;
+        assert!((load(&e, Extra::default(), 0.2) - 0.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn least_loaded_of_two_wins() {
+        let mut a = edge("a");
+        a.allocated.cpu_millis = 32_000;
+        let b = edge("b");
+        for seed in 0..20 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let got = place(
+                &[a.clone(), b.clone()],
+                &HashMap::new(),
+                &HashSet::new(),
+                &HashSet::new(),
+                &demand(1, 1),
+                &PARAMS,
+                &mut rng,
+            )
+            .unwrap();
+            assert_eq!(got, 1);
+        }
+    }
+
+    #[test]
+    fn tried_edges_are_never_chosen_again() {
+        let edges = vec![edge("a"), edge("b")];
+        let tried: HashSet<String> = ["a".to_string(), "b".to_string()].into();
+        let mut rng = StdRng::seed_from_u64(1);
+        let err =
+            place(&edges, &HashMap::new(), &HashSet::new(), &tried, &demand(1, 1), &PARAMS, &mut rng).unwrap_err();
+        match err {
+            PlacementError::NoCapacity { skipped, offering, .. } => {
+                assert_eq!(offering, 2);
+                assert_eq!(skipped.get(Skip::Tried), 2);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn inflight_entries_leave_with_a_later_snapshot_or_on_failure() {
+        let mut inf = Inflight::default();
+        let r = Res { cpu_millis: 100, ..Res::default() };
+        let a = inf.add("e1", r);
+        let b = inf.add("e1", r);
+        assert_eq!(inf.totals()["e1"], Extra { resources: Res { cpu_millis: 200, ..Res::default() }, sandboxes: 2 });
+        inf.fail(a);
+        assert_eq!(inf.totals()["e1"].sandboxes, 1);
+        inf.complete(b, 1_000);
+        inf.on_snapshot(900, 1_001, 60_000); // taken before the creation completed: kept
+        assert_eq!(inf.len(), 1);
+        inf.on_snapshot(1_001, 1_002, 60_000);
+        assert!(inf.is_empty());
+        assert!(inf.totals().is_empty());
+        let c = inf.add("e2", r);
+        inf.on_snapshot(5_000, 5_000, 60_000); // not completed yet: kept whatever the snapshot
+        assert_eq!(inf.len(), 1);
+        inf.complete(c, 5_001);
+        inf.on_snapshot(0, 70_000, 60_000); // a watcher clock far behind: aged out
+        assert!(inf.is_empty());
+    }
+
+    #[test]
+    fn penalties_expire() {
+        let now = Instant::now();
+        let mut p = Penalties::default();
+        p.penalize("a", now + Duration::from_secs(10));
+        assert!(p.active(now).contains("a"));
+        assert!(p.active(now + Duration::from_secs(11)).is_empty());
+    }
+
+    fn arb_edge(i: usize) -> impl Strategy<Value = EdgeView> {
+        (
+            any::<bool>(),
+            prop::bool::weighted(0.1),
+            prop::sample::subsequence(vec!["sim", "container", "microvm"], 0..=3),
+            (1u64..100_000, 1u64..100_000, 1u64..100_000, 0u64..8),
+            (0u64..100_000, 0u64..100_000, 0u64..100_000, 0u64..8),
+            (0u32..50, 0u32..50),
+            (0.0f64..1.0, 0.0f64..1.0),
+            (prop::bool::weighted(0.1), prop::bool::weighted(0.1), prop::bool::weighted(0.1)),
+        )
+            .prop_map(move |(healthy, draining, backends, cap, alloc, (n, max), (cu, mu), (mp, dp, cp))| {
+                EdgeView {
+                    name: format!("e{i}"),
+                    healthy,
+                    draining,
+                    backends: backends.into_iter().map(String::from).collect(),
+                    capacity: Res { cpu_millis: cap.0, memory_mb: cap.1, disk_mb: cap.2, gpus: cap.3 },
+                    allocated: Res { cpu_millis: alloc.0, memory_mb: alloc.1, disk_mb: alloc.2, gpus: alloc.3 },
+                    sandboxes: n,
+                    max_sandboxes: max,
+                    cpu_use: cu,
+                    memory_use: mu,
+                    memory_pressure: mp,
+                    disk_pressure: dp,
+                    cpu_pressure: cp,
+                }
+            })
+    }
+
+    fn arb_edges() -> impl Strategy<Value = Vec<EdgeView>> {
+        (0usize..12).prop_flat_map(|n| (0..n).map(arb_edge).collect::<Vec<_>>())
+    }
+
+    /// Edges, overlay (cpu, sandboxes) per edge, penalized and tried flags per edge, demand,
+    /// backend, rng seed.
+    type Case = (Vec<EdgeView>, Vec<(u64, u32)>, Vec<bool>, Vec<bool>, Res, &'static str, u64);
+
+    fn arb_case() -> impl Strategy<Value = Case> {
+        arb_edges().prop_flat_map(|edges| {
+            let n = edges.len();
+            (
+                Just(edges),
+                prop::collection::vec((0u64..50_000, 0u32..5), n),
+                prop::collection::vec(prop::bool::weighted(0.3), n),
+                prop::collection::vec(prop::bool::weighted(0.2), n),
+                (0u64..50_000, 0u64..50_000, 0u64..50_000, 0u64..3).prop_map(|(c, m, d, g)| Res {
+                    cpu_millis: c,
+                    memory_mb: m,
+                    disk_mb: d,
+                    gpus: g,
+                }),
+                prop::sample::select(vec!["sim", "container", "microvm", "fullvm"]),
+                any::<u64>(),
+            )
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn placement_picks_only_fitting_edges_and_classifies_failures(
+            (edges, extras, pen, tried, res, backend, seed) in arb_case()
+        ) {
+            let overlay: HashMap<String, Extra> = edges.iter().zip(&extras)
+                .map(|(e, (cpu, n))| (e.name.clone(), Extra { resources: Res { cpu_millis: *cpu, ..Res::default() }, sandboxes: *n }))
+                .collect();
+            let penalized: HashSet<String> = edges.iter().zip(&pen).filter(|(_, p)| **p).map(|(e, _)| e.name.clone()).collect();
+            let tried: HashSet<String> = edges.iter().zip(&tried).filter(|(_, t)| **t).map(|(e, _)| e.name.clone()).collect();
+            let d = Demand { backend, resources: res };
+            let mut rng = StdRng::seed_from_u64(seed);
+            let got = place(&edges, &overlay, &penalized, &tried, &d, &PARAMS, &mut rng);
+
+            // Brute force the same question independently.
+            let fits = |e: &EdgeView| {
+                let x = overlay[&e.name];
+                e.offers(backend) && !tried.contains(&e.name) && e.healthy && !e.draining
+                    && !e.memory_pressure && !e.disk_pressure && !e.cpu_pressure
+                    && e.allocated.cpu_millis + x.resources.cpu_millis + res.cpu_millis <= e.capacity.cpu_millis
+                    && e.allocated.memory_mb + res.memory_mb <= e.capacity.memory_mb
+                    && e.allocated.disk_mb + res.disk_mb <= e.capacity.disk_mb
+                    && e.allocated.gpus + res.gpus <= e.capacity.gpus
+                    && e.sandboxes + x.sandboxes < e.max_sandboxes
+            };
+            let any_offers = edges.iter().any(|e| e.offers(backend));
+            let any_unpenalized_fits = edges.iter().any(|e| fits(e) && !penalized.contains(&e.name));
+            match got {
+                Ok(i) => {
+                    let e = &edges[i];
+                    prop_assert!(fits(e), "picked {e:?} which does not fit");
+                    if penalized.contains(&e.name) {
+                        prop_assert!(!any_unpenalized_fits, "picked penalized {} while an unpenalized edge fits", e.name);
+                    }
+                }
+                Err(PlacementError::NoEdgeOffers { .. }) => prop_assert!(!any_offers),
+                Err(PlacementError::NoCapacity { offering, skipped, .. }) => {
+                    prop_assert!(any_offers);
+                    prop_assert!(!edges.iter().any(fits));
+                    prop_assert_eq!(skipped.total(), offering);
+                }
+            }
+        }
+
+        #[test]
+        fn equal_edges_fill_evenly_through_the_overlay(n in 2usize..12, per_edge in 20usize..60, seed in any::<u64>()) {
+            let edges: Vec<EdgeView> = (0..n).map(|i| edge(&format!("e{i}"))).collect();
+            let mut inflight = Inflight::default();
+            let mut rng = StdRng::seed_from_u64(seed);
+            let d = demand(10, 16);
+            let mut counts = vec![0usize; n];
+            for _ in 0..n * per_edge {
+                let i = place(&edges, inflight.totals(), &HashSet::new(), &HashSet::new(), &d, &PARAMS, &mut rng).unwrap();
+                inflight.add(&edges[i].name, d.resources);
+                counts[i] += 1;
+            }
+            let max = *counts.iter().max().unwrap() as f64;
+            let min = *counts.iter().min().unwrap() as f64;
+            prop_assert!(min > 0.0 && max / min <= 1.5, "uneven: {counts:?}");
+        }
+    }
+}

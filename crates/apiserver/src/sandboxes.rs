@@ -1,0 +1,273 @@
+//! The public `Sandboxes` service: translation between gRPC and the creation path, and the
+//! forwarding of every later call to the edge named in the sandbox id.
+//!
+//! Every call authenticates the bearer token first. Calls on an existing sandbox get it from its
+//! edge, then authorize on the sandbox's own project (`sandbox.view` to read, `sandbox.operate`
+//! to change it), so a caller learns nothing about another project's sandbox but that it
+//! exists. Each call runs in its own task and ends with exactly one audit line, even when the
+//! client goes away mid-call.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use opendsec_common::{ApiError, grpc, ids};
+use opendsec_proto::v1 as pb;
+use opendsec_proto::v1::sandboxes_server::Sandboxes;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use crate::admission;
+use crate::create::{self, BatchItem};
+use crate::state::{Call, Shared};
+
+pub const PERM_VIEW: &str = "sandbox.view";
+pub const PERM_OPERATE: &str = "sandbox.operate";
+
+pub struct SandboxesService {
+    shared: Arc<Shared>,
+}
+
+impl SandboxesService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        SandboxesService { shared }
+    }
+}
+
+/// Runs one call in its own task (so that it completes and is audited even if the client
+/// leaves) and maps its error to a status once.
+pub(crate) async fn run<T, F>(shared: &Arc<Shared>, method: &'static str, f: F) -> Result<Response<T>, Status>
+where
+    T: Send + 'static,
+    F: for<'a> FnOnce(&'a Shared, &'a mut Call) -> BoxFuture<'a, Result<T, ApiError>> + Send + 'static,
+{
+    let shared = shared.clone();
+    let task = tokio::spawn(async move {
+        let mut call = Call::new(method);
+        let res = f(&shared, &mut call).await;
+        shared.finish(call, res.as_ref().map(|_| ())).await;
+        res
+    });
+    match task.await {
+        Ok(Ok(v)) => Ok(Response::new(v)),
+        Ok(Err(e)) => Err(e.to_status()),
+        Err(e) => {
+            tracing::error!(method, error = %e, "call task failed");
+            Err(ApiError::internal(format!("{method} failed inside the apiserver")).to_status())
+        }
+    }
+}
+
+/// Authenticates the caller and notes the principal on the call.
+async fn caller(
+    s: &Shared,
+    call: &mut Call,
+    md: &MetadataMap,
+) -> Result<(String, Arc<crate::auth::Identity>), ApiError> {
+    let token = grpc::bearer(md)?.to_string();
+    let ident = s.authenticate(&token).await?;
+    call.principal = Some(ident.principal.clone());
+    Ok((token, ident))
+}
+
+async fn create_sandbox(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::CreateSandboxRequest,
+) -> Result<pb::Sandbox, ApiError> {
+    let (token, ident) = caller(s, call, &md).await?;
+    let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+    call.project = Some(spec.project.clone());
+    let lease = admission::check_lease_id(&req.lease_id)?;
+    let sb = create::create_single(s, &token, &ident, &spec, lease).await?;
+    call.sandbox_id = Some(sb.id.clone());
+    Ok(sb)
+}
+
+/// Gets a sandbox from its edge and checks that the caller holds `permission` on its project.
+async fn authorized_get(
+    s: &Shared,
+    call: &mut Call,
+    md: &MetadataMap,
+    id: &str,
+    permission: &str,
+) -> Result<(String, pb::Sandbox), ApiError> {
+    let (_, ident) = caller(s, call, md).await?;
+    let (edge, _) = ids::split_sandbox_id(id)?;
+    call.sandbox_id = Some(id.to_string());
+    let sb = create::edge_get(s, edge, id).await?;
+    let project = sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default();
+    if project.is_empty() {
+        return Err(ApiError::denied(format!("sandbox {id} has no project")));
+    }
+    call.project = Some(project.clone());
+    s.authorize(&ident.principal, permission, &project).await?;
+    Ok((edge.to_string(), sb))
+}
+
+async fn list_sandboxes(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::ListSandboxesRequest,
+) -> Result<pb::ListSandboxesResponse, ApiError> {
+    let (_, ident) = caller(s, call, &md).await?;
+    let page_size = admission::check_list(&req)?;
+    let project = if req.project.is_empty() { ident.project.clone() } else { req.project.clone() };
+    ids::validate_project(&project)?;
+    call.project = Some(project.clone());
+    s.authorize(&ident.principal, PERM_VIEW, &project).await?;
+
+    let snap = s.snapshot();
+    let edge_req = pb::EdgeListRequest {
+        project: project.clone(),
+        states: req.states.clone(),
+        labels: req.labels.clone(),
+        after: req.page_token.clone(),
+        limit: page_size + 1,
+    };
+    let calls = snap.addrs.iter().filter(|(_, (_, healthy))| *healthy).map(|(name, _)| {
+        let r = edge_req.clone();
+        async move { create::edge_forward(s, name, |mut c| async move { c.list_sandboxes(r).await }).await }
+    });
+    let limit = page_size as usize + 1;
+    let mut merged = BTreeMap::new();
+    // The smallest last id among edges that hold more than they sent: beyond it the merged
+    // order has holes, so the page ends there at the latest.
+    let mut cutoff: Option<String> = None;
+    for res in futures::future::join_all(calls).await {
+        // A partial list could make a caller act on sandboxes it believes gone: fail instead.
+        let page = res?;
+        if (page.more || page.sandboxes.len() >= limit)
+            && let Some(last) = page.sandboxes.last()
+            && cutoff.as_ref().is_none_or(|c| last.id < *c)
+        {
+            cutoff = Some(last.id.clone());
+        }
+        for sb in page.sandboxes {
+            merged.insert(sb.id.clone(), sb);
+        }
+    }
+    let mut more = false;
+    if let Some(c) = &cutoff {
+        more = true;
+        merged.retain(|id, _| id <= c);
+    }
+    let size = page_size as usize;
+    more |= merged.len() > size;
+    let sandboxes: Vec<pb::Sandbox> = merged.into_values().take(size).collect();
+    let next_page_token =
+        if more { sandboxes.last().map(|sb| sb.id.clone()).unwrap_or_default() } else { String::new() };
+    Ok(pb::ListSandboxesResponse { sandboxes, next_page_token })
+}
+
+#[tonic::async_trait]
+impl Sandboxes for SandboxesService {
+    async fn create_sandbox(
+        &self,
+        request: Request<pb::CreateSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "CreateSandbox", move |s, call| Box::pin(create_sandbox(s, call, md, req))).await
+    }
+
+    type CreateSandboxesStream = ReceiverStream<BatchItem>;
+
+    async fn create_sandboxes(
+        &self,
+        request: Request<pb::CreateSandboxesRequest>,
+    ) -> Result<Response<Self::CreateSandboxesStream>, Status> {
+        let (md, _, req) = request.into_parts();
+        let s = &self.shared;
+        let mut call = Call::new("CreateSandboxes");
+        let prepared = async {
+            // The count first: an oversized batch is refused before anything else happens.
+            admission::check_batch_count(req.count)?;
+            let (token, ident) = caller(s, &mut call, &md).await?;
+            let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+            Ok::<_, ApiError>((token, ident, spec))
+        }
+        .await;
+        match prepared {
+            Ok((token, ident, spec)) => {
+                call.project = Some(spec.project.clone());
+                let rx = create::start_batch(s.clone(), token, ident, spec, req.count, call);
+                Ok(Response::new(ReceiverStream::new(rx)))
+            }
+            Err(e) => {
+                call.count = Some(req.count);
+                s.finish(call, Err(&e)).await;
+                Err(e.to_status())
+            }
+        }
+    }
+
+    async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "GetSandbox", move |s, call| {
+            Box::pin(async move { Ok(authorized_get(s, call, &md, &req.id, PERM_VIEW).await?.1) })
+        })
+        .await
+    }
+
+    async fn list_sandboxes(
+        &self,
+        request: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "ListSandboxes", move |s, call| Box::pin(list_sandboxes(s, call, md, req))).await
+    }
+
+    async fn stop_sandbox(&self, request: Request<pb::StopSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "StopSandbox", move |s, call| {
+            Box::pin(async move {
+                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                create::edge_forward(s, &edge, |mut c| async move { c.stop_sandbox(req).await }).await
+            })
+        })
+        .await
+    }
+
+    async fn pause_sandbox(&self, request: Request<pb::PauseSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "PauseSandbox", move |s, call| {
+            Box::pin(async move {
+                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                create::edge_forward(s, &edge, |mut c| async move { c.pause_sandbox(req).await }).await
+            })
+        })
+        .await
+    }
+
+    async fn resume_sandbox(
+        &self,
+        request: Request<pb::ResumeSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "ResumeSandbox", move |s, call| {
+            Box::pin(async move {
+                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                create::edge_forward(s, &edge, |mut c| async move { c.resume_sandbox(req).await }).await
+            })
+        })
+        .await
+    }
+
+    async fn set_sandbox_timeout(
+        &self,
+        request: Request<pb::SetSandboxTimeoutRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "SetSandboxTimeout", move |s, call| {
+            Box::pin(async move {
+                admission::check_timeout_update(&req, &s.cfg.ttl)?;
+                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                create::edge_forward(s, &edge, |mut c| async move { c.set_sandbox_timeout(req).await }).await
+            })
+        })
+        .await
+    }
+}

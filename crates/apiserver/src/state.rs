@@ -1,0 +1,306 @@
+//! What every handler of one apiserver shares: the config, upstream clients, the caches, the
+//! latest cluster snapshot with the in-flight overlay and penalties, the rate limiters, the
+//! audit log and the metrics; plus the background loops that keep the epoch and the snapshot
+//! fresh.
+//!
+//! The snapshot is replaced whole (an `Arc` swap), never edited: handlers read a consistent
+//! view without holding a lock across an await. Placement and the overlay update happen under
+//! one lock, so two placements on this apiserver always see each other.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use opendsec_common::config::ApiserverConfig;
+use opendsec_common::{ApiError, Reason, time};
+use opendsec_proto::v1 as pb;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::RateLimiter;
+use crate::audit::{AuditLog, AuditRecord};
+use crate::auth::{AuthCache, Identity, token_key};
+use crate::metrics::Metrics;
+use crate::placement::{self, Demand, EdgeView, Inflight, Params, Penalties, PlacementError, Res};
+use crate::upstream::Upstreams;
+
+/// Completed overlay entries older than this go even if no later snapshot arrived (a watcher
+/// clock far behind ours must not pin capacity).
+const OVERLAY_MAX_AGE_MS: i64 = 60_000;
+
+/// The latest cluster snapshot, in the forms placement and forwarding need.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub version: u64,
+    pub taken_at_ms: i64,
+    pub edges: Vec<EdgeView>,
+    /// Edge name -> (address, healthy).
+    pub addrs: HashMap<String, (String, bool)>,
+}
+
+impl Snapshot {
+    pub fn from_proto(s: &pb::ClusterSnapshot) -> Snapshot {
+        Snapshot {
+            version: s.version,
+            taken_at_ms: s.taken_at_ms,
+            edges: s.edges.iter().map(EdgeView::from_info).collect(),
+            addrs: s.edges.iter().map(|e| (e.name.clone(), (e.address.clone(), e.healthy))).collect(),
+        }
+    }
+}
+
+/// Placement state beyond the snapshot.
+#[derive(Debug, Default)]
+struct Placer {
+    inflight: Inflight,
+    penalties: Penalties,
+}
+
+/// One edge chosen for a creation; `overlay_id` ends its overlay entry.
+#[derive(Debug)]
+pub struct Placed {
+    pub edge: String,
+    pub addr: String,
+    pub overlay_id: u64,
+}
+
+/// What an audit line and the call metrics need about one public call.
+#[derive(Debug)]
+pub struct Call {
+    pub method: &'static str,
+    pub started: Instant,
+    pub principal: Option<String>,
+    pub project: Option<String>,
+    pub sandbox_id: Option<String>,
+    pub count: Option<u32>,
+    pub failed: Option<u32>,
+}
+
+impl Call {
+    pub fn new(method: &'static str) -> Call {
+        Call {
+            method,
+            started: Instant::now(),
+            principal: None,
+            project: None,
+            sandbox_id: None,
+            count: None,
+            failed: None,
+        }
+    }
+}
+
+pub struct Shared {
+    pub cfg: ApiserverConfig,
+    pub up: Upstreams,
+    pub auth: AuthCache,
+    snapshot: RwLock<Arc<Snapshot>>,
+    placer: Mutex<Placer>,
+    pub limiter: Mutex<RateLimiter>,
+    pub inflight: Arc<Semaphore>,
+    pub audit: AuditLog,
+    pub metrics: Metrics,
+}
+
+impl Shared {
+    pub fn new(cfg: ApiserverConfig, up: Upstreams, audit: AuditLog) -> Shared {
+        Shared {
+            auth: AuthCache::new(cfg.auth_cache_ttl),
+            limiter: Mutex::new(RateLimiter::new(cfg.rate_per_principal, cfg.burst_per_principal)),
+            inflight: Arc::new(Semaphore::new(cfg.max_inflight_creations)),
+            snapshot: RwLock::new(Arc::new(Snapshot::default())),
+            placer: Mutex::new(Placer::default()),
+            metrics: Metrics::new(),
+            cfg,
+            up,
+            audit,
+        }
+    }
+
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_snapshot(&self, s: &pb::ClusterSnapshot) {
+        let snap = Arc::new(Snapshot::from_proto(s));
+        tracing::trace!(version = snap.version, edges = snap.edges.len(), "cluster snapshot");
+        {
+            let mut p = self.placer.lock().unwrap_or_else(|p| p.into_inner());
+            p.inflight.on_snapshot(snap.taken_at_ms, time::now_ms(), OVERLAY_MAX_AGE_MS);
+        }
+        *self.snapshot.write().unwrap_or_else(|p| p.into_inner()) = snap;
+    }
+
+    /// Who the bearer token belongs to (cached; see [`crate::auth`]).
+    pub async fn authenticate(&self, token: &str) -> Result<Arc<Identity>, ApiError> {
+        let key = token_key(token);
+        if let Some(id) = self.auth.get_identity(&key, Instant::now(), time::now_ms()) {
+            self.metrics.cache("authn", true);
+            return Ok(id);
+        }
+        self.metrics.cache("authn", false);
+        let generation = self.auth.generation();
+        let req = pb::AuthenticateRequest { token: token.to_string() };
+        let resp = self
+            .up
+            .iam(|mut c| {
+                let r = req.clone();
+                async move { c.authenticate(r).await }
+            })
+            .await?;
+        if resp.principal.is_empty() {
+            return Err(ApiError::new(Reason::Unauthenticated, "token has no principal"));
+        }
+        let id = Arc::new(Identity {
+            principal: resp.principal,
+            project: resp.project,
+            token_id: resp.token_id,
+            expires_at_ms: resp.expires_at_ms,
+        });
+        self.auth.put_identity(generation, key, id.clone(), Instant::now());
+        Ok(id)
+    }
+
+    /// `permission_denied` unless `principal` holds `permission` on `project` (cached).
+    pub async fn authorize(&self, principal: &str, permission: &str, project: &str) -> Result<(), ApiError> {
+        let allowed = match self.auth.get_authz(principal, permission, project, Instant::now()) {
+            Some(a) => {
+                self.metrics.cache("authz", true);
+                a
+            }
+            None => {
+                self.metrics.cache("authz", false);
+                let generation = self.auth.generation();
+                let req = pb::AuthorizeRequest {
+                    principal: principal.to_string(),
+                    permission: permission.to_string(),
+                    project: project.to_string(),
+                };
+                let resp = self
+                    .up
+                    .iam(|mut c| {
+                        let r = req.clone();
+                        async move { c.authorize(r).await }
+                    })
+                    .await?;
+                self.auth.put_authz(generation, principal, permission, project, resp.allowed, Instant::now());
+                resp.allowed
+            }
+        };
+        if allowed {
+            Ok(())
+        } else {
+            Err(ApiError::denied(format!("{principal} may not {permission} in {project}"))
+                .with("permission", permission)
+                .with("project", project))
+        }
+    }
+
+    /// The address of an edge named in a sandbox id.
+    pub fn edge_addr(&self, edge: &str) -> Result<String, ApiError> {
+        match self.snapshot().addrs.get(edge) {
+            Some((addr, _)) => Ok(addr.clone()),
+            None => Err(ApiError::not_found(format!("edge {edge} is not known")).with("edge", edge)),
+        }
+    }
+
+    /// Places one demand and counts it in the overlay.
+    pub fn place(&self, backend: &str, resources: Res, tried: &HashSet<String>) -> Result<Placed, PlacementError> {
+        let snap = self.snapshot();
+        let params = Params { k: self.cfg.placement.k, usage_floor: self.cfg.placement.usage_floor };
+        let mut p = self.placer.lock().unwrap_or_else(|p| p.into_inner());
+        let penalized = p.penalties.active(Instant::now());
+        let demand = Demand { backend, resources };
+        let i =
+            placement::place(&snap.edges, p.inflight.totals(), &penalized, tried, &demand, &params, &mut rand::rng())?;
+        let edge = snap.edges[i].name.clone();
+        let addr = snap.addrs.get(&edge).map(|(a, _)| a.clone()).unwrap_or_default();
+        let overlay_id = p.inflight.add(&edge, resources);
+        Ok(Placed { edge, addr, overlay_id })
+    }
+
+    pub fn placement_done(&self, overlay_id: u64, ok: bool) {
+        let mut p = self.placer.lock().unwrap_or_else(|p| p.into_inner());
+        if ok {
+            p.inflight.complete(overlay_id, time::now_ms());
+        } else {
+            p.inflight.fail(overlay_id);
+        }
+    }
+
+    pub fn penalize(&self, edge: &str) {
+        let until = Instant::now() + self.cfg.placement.penalty;
+        self.placer.lock().unwrap_or_else(|p| p.into_inner()).penalties.penalize(edge, until);
+    }
+
+    /// Records one finished public call: metrics and its audit line.
+    pub async fn finish(&self, call: Call, outcome: Result<(), &ApiError>) {
+        let reason = match outcome {
+            Ok(()) => "ok",
+            Err(e) => e.reason.as_str(),
+        };
+        self.metrics.call(call.method, reason);
+        let duration_ms = u64::try_from(call.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if let Err(e) = outcome {
+            tracing::debug!(method = call.method, reason, message = %e.message, "call failed");
+        }
+        self.audit
+            .write(AuditRecord {
+                ts_ms: time::now_ms(),
+                method: call.method,
+                principal: call.principal,
+                project: call.project,
+                sandbox_id: call.sandbox_id,
+                reason,
+                duration_ms,
+                count: call.count,
+                failed: call.failed,
+            })
+            .await;
+    }
+}
+
+/// Polls IAM's security epoch; a change clears the auth caches.
+pub async fn epoch_loop(shared: Arc<Shared>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(shared.cfg.epoch_poll_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let res = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = shared.up.iam(|mut c| async move { c.get_epoch(pb::GetEpochRequest {}).await }) => r,
+        };
+        match res {
+            Ok(r) => {
+                if shared.auth.observe_epoch(r.epoch) {
+                    shared.metrics.epoch_changes.inc();
+                    tracing::info!(epoch = r.epoch, "security epoch changed; auth caches cleared");
+                }
+            }
+            Err(e) => tracing::warn!(reason = %e.reason, error = %e.message, "polling the IAM epoch failed"),
+        }
+    }
+}
+
+/// Fetches the cluster snapshot every `snapshot_refresh`; on failure the last one is kept.
+pub async fn snapshot_loop(shared: Arc<Shared>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(shared.cfg.snapshot_refresh);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let res = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = shared.up.snapshot() => r,
+        };
+        match res {
+            Ok(s) => shared.set_snapshot(&s),
+            Err(e) => tracing::warn!(reason = %e.reason, error = %e.message, "fetching the cluster snapshot failed"),
+        }
+    }
+}

@@ -1,0 +1,730 @@
+//! The apiserver through real gRPC on 127.0.0.1:0, against small fake IAM, watcher and edge
+//! servers written here (each behind the service-token check the real ones use).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opendsec_apiserver::{ApiserverOptions, serve};
+use opendsec_common::config::{ApiserverConfig, AuditConfig, PlacementConfig};
+use opendsec_common::grpc::{self, RequireServiceToken};
+use opendsec_common::{ApiError, Reason, ids, time};
+use opendsec_proto::v1 as pb;
+use opendsec_proto::v1::admin_client::AdminClient;
+use opendsec_proto::v1::admin_server::{Admin, AdminServer};
+use opendsec_proto::v1::edge_server::{Edge, EdgeServer};
+use opendsec_proto::v1::iam_server::{Iam, IamServer};
+use opendsec_proto::v1::sandboxes_client::SandboxesClient;
+use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+const SERVICE_TOKEN: &str = "test-service-token";
+const ALICE: &str = "dsk.alice.aaaaaaaaaaaaaaaaaaaa";
+const BOB: &str = "dsk.bob.bbbbbbbbbbbbbbbbbbbbbbbb";
+
+// ---------------------------------------------------------------------------------------------
+// Fake IAM
+
+#[derive(Default)]
+struct IamState {
+    /// token -> (principal, project)
+    tokens: HashMap<String, (String, String)>,
+    /// principal -> its project (kept when a token is revoked)
+    principals: HashMap<String, String>,
+    epoch: u64,
+    /// (lease, edge) in call order
+    admits: Vec<(String, String)>,
+    released: Vec<String>,
+    leases: HashMap<String, pb::Lease>,
+    /// Bearer tokens seen by Admin.WhoAmI
+    admin_bearers: Vec<String>,
+}
+
+#[derive(Clone, Default)]
+struct FakeIam(Arc<Mutex<IamState>>);
+
+impl FakeIam {
+    fn st(&self) -> std::sync::MutexGuard<'_, IamState> {
+        self.0.lock().unwrap()
+    }
+
+    fn revoke(&self, token: &str) {
+        let mut s = self.st();
+        s.tokens.remove(token);
+        s.epoch += 1;
+    }
+
+    fn auth(&self, token: &str) -> Result<(String, String), Status> {
+        self.st()
+            .tokens
+            .get(token)
+            .cloned()
+            .ok_or_else(|| ApiError::new(Reason::Unauthenticated, "unknown token").to_status())
+    }
+}
+
+/// A principal may do anything within its own project.
+fn allowed(principal_project: &str, project: &str) -> bool {
+    ids::project_within(project, principal_project)
+}
+
+#[tonic::async_trait]
+impl Iam for FakeIam {
+    async fn authenticate(
+        &self,
+        r: Request<pb::AuthenticateRequest>,
+    ) -> Result<Response<pb::AuthenticateResponse>, Status> {
+        let (principal, project) = self.auth(&r.get_ref().token)?;
+        Ok(Response::new(pb::AuthenticateResponse { principal, project, token_id: "t".into(), expires_at_ms: 0 }))
+    }
+
+    async fn authorize(&self, r: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
+        let r = r.into_inner();
+        let s = self.st();
+        let own = s.principals.get(&r.principal);
+        Ok(Response::new(pb::AuthorizeResponse { allowed: own.is_some_and(|p| allowed(p, &r.project)) }))
+    }
+
+    async fn admit(&self, r: Request<pb::AdmitRequest>) -> Result<Response<pb::AdmitResponse>, Status> {
+        let r = r.into_inner();
+        let (principal, project) = self.auth(&r.token)?;
+        if !allowed(&project, &r.project) {
+            return Err(ApiError::denied("no sandbox.create").to_status());
+        }
+        let mut s = self.st();
+        s.admits.push((r.lease_id.clone(), r.edge.clone()));
+        let rebound = s.leases.contains_key(&r.lease_id);
+        s.leases.insert(
+            r.lease_id.clone(),
+            pb::Lease {
+                id: r.lease_id,
+                project: r.project,
+                principal: principal.clone(),
+                edge: r.edge,
+                resources: r.resources,
+                ..Default::default()
+            },
+        );
+        Ok(Response::new(pb::AdmitResponse { principal, rebound }))
+    }
+
+    async fn release_leases(
+        &self,
+        r: Request<pb::ReleaseLeasesRequest>,
+    ) -> Result<Response<pb::ReleaseLeasesResponse>, Status> {
+        let mut s = self.st();
+        let mut released = 0;
+        for l in r.into_inner().lease_ids {
+            released += u32::from(s.leases.remove(&l).is_some());
+            s.released.push(l);
+        }
+        Ok(Response::new(pb::ReleaseLeasesResponse { released }))
+    }
+
+    async fn get_lease(&self, r: Request<pb::GetLeaseRequest>) -> Result<Response<pb::GetLeaseResponse>, Status> {
+        let lease = self.st().leases.get(&r.get_ref().lease_id).cloned();
+        Ok(Response::new(pb::GetLeaseResponse { found: lease.is_some(), lease }))
+    }
+
+    async fn reconcile(&self, _: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn sweep_unbound(
+        &self,
+        _: Request<pb::SweepUnboundRequest>,
+    ) -> Result<Response<pb::SweepUnboundResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn get_epoch(&self, _: Request<pb::GetEpochRequest>) -> Result<Response<pb::GetEpochResponse>, Status> {
+        Ok(Response::new(pb::GetEpochResponse { epoch: self.st().epoch }))
+    }
+
+    async fn acquire_lock(
+        &self,
+        _: Request<pb::AcquireLockRequest>,
+    ) -> Result<Response<pb::AcquireLockResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+async fn fake_who_am_i(iam: &FakeIam, r: Request<pb::WhoAmIRequest>) -> Result<Response<pb::WhoAmIResponse>, Status> {
+    let token = grpc::bearer(r.metadata()).map_err(|e| e.to_status())?.to_string();
+    iam.st().admin_bearers.push(token.clone());
+    let (principal, project) = iam.auth(&token)?;
+    Ok(Response::new(pb::WhoAmIResponse { principal, project, ..Default::default() }))
+}
+
+/// The fake Admin: WhoAmI answers, everything else is `not_found` (async_trait must see every
+/// method, so the macro writes the whole impl).
+macro_rules! fake_admin {
+    ($($name:ident($req:ty) -> $resp:ty;)*) => {
+        #[tonic::async_trait]
+        impl Admin for FakeIam {
+            async fn who_am_i(&self, r: Request<pb::WhoAmIRequest>) -> Result<Response<pb::WhoAmIResponse>, Status> {
+                fake_who_am_i(self, r).await
+            }
+            $(
+                async fn $name(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
+                    Err(ApiError::new(Reason::NotFound, "fake admin does not know this").to_status())
+                }
+            )*
+        }
+    };
+}
+
+fake_admin! {
+    create_project(pb::CreateProjectRequest) -> pb::Project;
+    get_project(pb::GetProjectRequest) -> pb::Project;
+    list_projects(pb::ListProjectsRequest) -> pb::ListProjectsResponse;
+    delete_project(pb::DeleteProjectRequest) -> pb::DeleteProjectResponse;
+    set_quota(pb::SetQuotaRequest) -> pb::Project;
+    create_principal(pb::CreatePrincipalRequest) -> pb::Principal;
+    list_principals(pb::ListPrincipalsRequest) -> pb::ListPrincipalsResponse;
+    delete_principal(pb::DeletePrincipalRequest) -> pb::DeletePrincipalResponse;
+    create_token(pb::CreateTokenRequest) -> pb::CreateTokenResponse;
+    list_tokens(pb::ListTokensRequest) -> pb::ListTokensResponse;
+    revoke_token(pb::RevokeTokenRequest) -> pb::RevokeTokenResponse;
+    grant(pb::GrantRequest) -> pb::GrantResponse;
+    revoke_grant(pb::RevokeGrantRequest) -> pb::RevokeGrantResponse;
+    list_grants(pb::ListGrantsRequest) -> pb::ListGrantsResponse;
+    get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse;
+    backup(pb::BackupRequest) -> pb::BackupResponse;
+    restore(pb::RestoreRequest) -> pb::RestoreResponse;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fake edge
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Accept,
+    NoCapacity,
+    Unavailable,
+}
+
+struct EdgeState {
+    mode: Mode,
+    sandboxes: BTreeMap<String, pb::Sandbox>,
+    creates: usize,
+}
+
+#[derive(Clone)]
+struct FakeEdge {
+    name: String,
+    st: Arc<Mutex<EdgeState>>,
+}
+
+impl FakeEdge {
+    fn new(name: &str, mode: Mode) -> FakeEdge {
+        FakeEdge {
+            name: name.into(),
+            st: Arc::new(Mutex::new(EdgeState { mode, sandboxes: BTreeMap::new(), creates: 0 })),
+        }
+    }
+
+    fn get(&self, id: &str) -> Result<pb::Sandbox, Status> {
+        self.st
+            .lock()
+            .unwrap()
+            .sandboxes
+            .get(id)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(format!("sandbox {id} not found")).to_status())
+    }
+
+    fn set_state(&self, id: &str, state: pb::SandboxState) -> Result<Response<pb::Sandbox>, Status> {
+        let mut st = self.st.lock().unwrap();
+        let sb = st.sandboxes.get_mut(id).ok_or_else(|| ApiError::not_found("no such sandbox").to_status())?;
+        sb.state = state as i32;
+        Ok(Response::new(sb.clone()))
+    }
+}
+
+#[tonic::async_trait]
+impl Edge for FakeEdge {
+    async fn status(&self, _: Request<pb::StatusRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn create_sandbox(&self, r: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let r = r.into_inner();
+        let mut st = self.st.lock().unwrap();
+        st.creates += 1;
+        match st.mode {
+            Mode::NoCapacity => return Err(ApiError::new(Reason::NoCapacity, "fake edge is full").to_status()),
+            Mode::Unavailable => return Err(ApiError::unavailable("fake edge is restarting").to_status()),
+            Mode::Accept => {}
+        }
+        let id = ids::sandbox_id(&self.name, &r.lease_id);
+        let sb = pb::Sandbox {
+            id: id.clone(),
+            edge: self.name.clone(),
+            lease_id: r.lease_id,
+            spec: r.spec,
+            state: pb::SandboxState::Running as i32,
+            principal: r.principal,
+            created_at_ms: time::now_ms(),
+            ..Default::default()
+        };
+        st.sandboxes.insert(id, sb.clone());
+        Ok(Response::new(sb))
+    }
+
+    async fn get_sandbox(&self, r: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        self.get(&r.get_ref().id).map(Response::new)
+    }
+
+    async fn list_sandboxes(&self, r: Request<pb::EdgeListRequest>) -> Result<Response<pb::EdgeListResponse>, Status> {
+        let r = r.into_inner();
+        let st = self.st.lock().unwrap();
+        let mut all: Vec<pb::Sandbox> = st
+            .sandboxes
+            .values()
+            .filter(|sb| sb.id > r.after)
+            .filter(|sb| sb.spec.as_ref().is_some_and(|sp| ids::project_within(&sp.project, &r.project)))
+            .cloned()
+            .collect();
+        let more = all.len() > r.limit as usize;
+        all.truncate(r.limit as usize);
+        Ok(Response::new(pb::EdgeListResponse { sandboxes: all, more }))
+    }
+
+    async fn stop_sandbox(&self, r: Request<pb::StopSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        self.set_state(&r.get_ref().id, pb::SandboxState::Stopped)
+    }
+
+    async fn pause_sandbox(&self, r: Request<pb::PauseSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        self.set_state(&r.get_ref().id, pb::SandboxState::Paused)
+    }
+
+    async fn resume_sandbox(&self, r: Request<pb::ResumeSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        self.set_state(&r.get_ref().id, pb::SandboxState::Running)
+    }
+
+    async fn set_sandbox_timeout(
+        &self,
+        r: Request<pb::SetSandboxTimeoutRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        self.get(&r.get_ref().id).map(Response::new)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fake watcher
+
+#[derive(Clone, Default)]
+struct FakeWatcher {
+    edges: Arc<Mutex<Vec<pb::EdgeInfo>>>,
+    version: Arc<Mutex<u64>>,
+}
+
+#[tonic::async_trait]
+impl Watcher for FakeWatcher {
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::ClusterSnapshot>, Status> {
+        let mut v = self.version.lock().unwrap();
+        *v += 1;
+        Ok(Response::new(pb::ClusterSnapshot {
+            version: *v,
+            taken_at_ms: time::now_ms(),
+            edges: self.edges.lock().unwrap().clone(),
+        }))
+    }
+
+    async fn register_edge(
+        &self,
+        _: Request<pb::RegisterEdgeRequest>,
+    ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+fn edge_info(name: &str, addr: SocketAddr, allocated_cpu: u32) -> pb::EdgeInfo {
+    pb::EdgeInfo {
+        name: name.into(),
+        address: addr.to_string(),
+        healthy: true,
+        status: Some(pb::EdgeStatus {
+            edge: name.into(),
+            backends: vec!["sim".into()],
+            capacity: Some(pb::Resources { cpu_millis: 64_000, memory_mb: 512 * 1024, disk_mb: 1 << 20, gpus: 0 }),
+            allocated: Some(pb::Resources { cpu_millis: allocated_cpu, ..Default::default() }),
+            max_sandboxes: 1000,
+            ..Default::default()
+        }),
+        last_seen_ms: time::now_ms(),
+        unhealthy_since_ms: 0,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+struct Cluster {
+    iam: FakeIam,
+    edges: Vec<FakeEdge>,
+    api: SocketAddr,
+    audit_path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+    stops: Vec<oneshot::Sender<()>>,
+    apiserver: Option<tokio::task::JoinHandle<Result<(), opendsec_apiserver::ApiserverError>>>,
+}
+
+async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a = l.local_addr().unwrap();
+    (l, a)
+}
+
+fn stopper(stops: &mut Vec<oneshot::Sender<()>>) -> impl Future<Output = ()> + Send + 'static {
+    let (tx, rx) = oneshot::channel();
+    stops.push(tx);
+    async move {
+        let _ = rx.await;
+    }
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else { return String::new() };
+    let _ = s.write_all(format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes()).await;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out
+}
+
+fn test_config() -> ApiserverConfig {
+    let defaults = ApiserverConfig::default();
+    ApiserverConfig {
+        epoch_poll_interval: Duration::from_millis(200),
+        snapshot_refresh: Duration::from_millis(100),
+        edge_call_timeout: Duration::from_secs(5),
+        placement: PlacementConfig { penalty: Duration::from_secs(60), ..defaults.placement.clone() },
+        audit: AuditConfig { max_bytes: 1 << 20, ..defaults.audit.clone() },
+        ..defaults
+    }
+}
+
+impl Cluster {
+    /// Edges given as (name, mode, allocated cpu millis: lower is preferred by placement).
+    async fn start(edges: &[(&str, Mode, u32)], cfg: ApiserverConfig) -> Cluster {
+        let mut stops = Vec::new();
+        let iam = FakeIam::default();
+        {
+            let mut s = iam.st();
+            s.epoch = 1;
+            s.tokens.insert(ALICE.into(), ("alice".into(), "root/a".into()));
+            s.tokens.insert(BOB.into(), ("bob".into(), "root/b".into()));
+            s.principals.insert("alice".into(), "root/a".into());
+            s.principals.insert("bob".into(), "root/b".into());
+        }
+        let check = RequireServiceToken::new(SERVICE_TOKEN);
+        let (l, iam_addr) = listen().await;
+        let router = grpc::server()
+            .add_service(IamServer::with_interceptor(iam.clone(), check.clone()))
+            .add_service(AdminServer::with_interceptor(iam.clone(), check.clone()));
+        tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
+
+        let watcher = FakeWatcher::default();
+        let mut fakes = Vec::new();
+        for (name, mode, cpu) in edges {
+            let fake = FakeEdge::new(name, *mode);
+            let (l, addr) = listen().await;
+            let router = grpc::server().add_service(EdgeServer::with_interceptor(fake.clone(), check.clone()));
+            tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
+            watcher.edges.lock().unwrap().push(edge_info(name, addr, *cpu));
+            fakes.push(fake);
+        }
+        let (l, watcher_addr) = listen().await;
+        let router = grpc::server().add_service(WatcherServer::with_interceptor(watcher, check));
+        tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
+
+        let dir = tempfile::tempdir().unwrap();
+        let audit_path = dir.path().join("audit/apiserver.log");
+        let opts = ApiserverOptions {
+            config: cfg,
+            iam_addrs: vec![iam_addr.to_string()],
+            watcher_addrs: vec![watcher_addr.to_string()],
+            service_token: SERVICE_TOKEN.into(),
+            audit_path: audit_path.clone(),
+        };
+        let (api_l, api) = listen().await;
+        let (metrics_l, metrics) = listen().await;
+        let apiserver = tokio::spawn(serve(opts, api_l, Some(metrics_l), stopper(&mut stops)));
+
+        // Ready once it heard from IAM and has a snapshot.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = http_get(metrics, "/readyz").await;
+            if r.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "apiserver not ready: {r}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(http_get(metrics, "/metrics").await.contains("opendsec_apiserver"));
+        Cluster { iam, edges: fakes, api, audit_path, _dir: dir, stops, apiserver: Some(apiserver) }
+    }
+
+    fn client(&self) -> SandboxesClient<Channel> {
+        SandboxesClient::new(grpc::channel(&self.api.to_string()).unwrap())
+    }
+
+    fn edge(&self, name: &str) -> &FakeEdge {
+        self.edges.iter().find(|e| e.name == name).unwrap()
+    }
+
+    /// Stops everything and returns the audit lines.
+    async fn stop(mut self) -> String {
+        for s in self.stops.drain(..) {
+            let _ = s.send(());
+        }
+        if let Some(h) = self.apiserver.take() {
+            tokio::time::timeout(Duration::from_secs(10), h).await.unwrap().unwrap().unwrap();
+        }
+        std::fs::read_to_string(&self.audit_path).unwrap_or_default()
+    }
+}
+
+fn with_token<T>(msg: T, token: &str) -> Request<T> {
+    let mut r = Request::new(msg);
+    grpc::set_bearer(&mut r, token).unwrap();
+    r
+}
+
+fn spec() -> pb::SandboxSpec {
+    pb::SandboxSpec {
+        image: "debian:12".into(),
+        backend: "sim".into(),
+        resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 256, disk_mb: 0, gpus: 0 }),
+        ..Default::default()
+    }
+}
+
+fn create_req(lease: &str) -> pb::CreateSandboxRequest {
+    pb::CreateSandboxRequest { spec: Some(spec()), lease_id: lease.into() }
+}
+
+fn reason(s: &Status) -> Reason {
+    ApiError::from_status(s).reason
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creation_goes_place_admit_edge_and_later_calls_are_forwarded() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let mut api = c.client();
+
+    let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    assert!(sb.id.starts_with("e1."), "{}", sb.id);
+    let filled = sb.spec.clone().unwrap();
+    assert_eq!(filled.project, "root/a", "empty project is the caller's own");
+    assert_eq!((filled.ttl_running_stop_s, filled.ttl_max_s), (600, 3600), "default TTLs filled");
+    assert_eq!(sb.principal, "alice");
+    assert_eq!(c.iam.st().admits, vec![(sb.lease_id.clone(), "e1".to_string())]);
+
+    let got = api.get_sandbox(with_token(pb::GetSandboxRequest { id: sb.id.clone() }, ALICE)).await.unwrap();
+    assert_eq!(got.into_inner().id, sb.id);
+
+    // The same lease id again: the first sandbox, no second admission or creation.
+    let first = api.create_sandbox(with_token(create_req("job-1"), ALICE)).await.unwrap().into_inner();
+    let again = api.create_sandbox(with_token(create_req("job-1"), ALICE)).await.unwrap().into_inner();
+    assert_eq!(first.id, again.id);
+    assert_eq!(c.iam.st().admits.iter().filter(|(l, _)| l == "job-1").count(), 1);
+    assert_eq!(c.edge("e1").st.lock().unwrap().creates, 2);
+
+    let list = api
+        .list_sandboxes(with_token(pb::ListSandboxesRequest { page_size: 1, ..Default::default() }, ALICE))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(list.sandboxes.len(), 1);
+    assert!(!list.next_page_token.is_empty());
+    let rest = api
+        .list_sandboxes(with_token(
+            pb::ListSandboxesRequest { page_size: 10, page_token: list.next_page_token.clone(), ..Default::default() },
+            ALICE,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rest.sandboxes.len(), 1);
+    assert!(rest.next_page_token.is_empty());
+    assert_ne!(rest.sandboxes[0].id, list.sandboxes[0].id);
+
+    let stopped = api.stop_sandbox(with_token(pb::StopSandboxRequest { id: sb.id.clone() }, ALICE)).await.unwrap();
+    assert_eq!(stopped.into_inner().state, pb::SandboxState::Stopped as i32);
+    let e = api
+        .set_sandbox_timeout(with_token(
+            pb::SetSandboxTimeoutRequest { id: sb.id.clone(), ttl_max_s: Some(u64::MAX), ..Default::default() },
+            ALICE,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+
+    // A bad spec and a missing token never reach IAM's Admit.
+    let mut bad = create_req("");
+    bad.spec.as_mut().unwrap().backend = "kvm".into();
+    assert_eq!(reason(&api.create_sandbox(with_token(bad, ALICE)).await.unwrap_err()), Reason::InvalidArgument);
+    let e = api.create_sandbox(Request::new(create_req(""))).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::Unauthenticated);
+    assert_eq!(c.iam.st().admits.len(), 2);
+
+    // Admin is proxied with the caller's own token.
+    let mut admin = AdminClient::new(grpc::channel(&c.api.to_string()).unwrap());
+    let me = admin.who_am_i(with_token(pb::WhoAmIRequest {}, BOB)).await.unwrap().into_inner();
+    assert_eq!(me.principal, "bob");
+    assert_eq!(c.iam.st().admin_bearers, vec![BOB.to_string()]);
+    let e = admin.get_project(with_token(pb::GetProjectRequest { path: "root".into() }, BOB)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound, "IAM's error comes back as it is");
+
+    let audit = c.stop().await;
+    assert!(audit.lines().any(|l| l.contains("\"method\":\"CreateSandbox\"") && l.contains("\"reason\":\"ok\"")));
+    assert!(audit.lines().any(|l| l.contains("\"method\":\"WhoAmI\"")));
+    assert!(!audit.contains("dsk."), "no token in the audit log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_edge_is_penalized_and_the_same_lease_is_rebound_elsewhere() {
+    // e1 is the less loaded, so placement tries it first; it refuses.
+    let c = Cluster::start(&[("e1", Mode::NoCapacity, 0), ("e2", Mode::Accept, 32_000)], test_config()).await;
+    let mut api = c.client();
+
+    let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    assert!(sb.id.starts_with("e2."), "{}", sb.id);
+    let lease = sb.lease_id.clone();
+    assert_eq!(c.iam.st().admits, vec![(lease.clone(), "e1".to_string()), (lease.clone(), "e2".to_string())]);
+    assert!(c.iam.st().released.is_empty());
+
+    // e1 is penalized now: the next creation goes straight to e2.
+    let next = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    assert!(next.id.starts_with("e2."));
+    assert_eq!(c.edge("e1").st.lock().unwrap().creates, 1);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_edge_refuses_the_lease_is_released() {
+    let c = Cluster::start(&[("e1", Mode::NoCapacity, 0), ("e2", Mode::Unavailable, 0)], test_config()).await;
+    let mut api = c.client();
+
+    let e = api.create_sandbox(with_token(create_req("doomed"), ALICE)).await.unwrap_err();
+    assert!(matches!(reason(&e), Reason::NoCapacity | Reason::Unavailable), "{e:?}");
+    {
+        let st = c.iam.st();
+        assert_eq!(st.admits.len(), 2);
+        assert!(st.admits.iter().all(|(l, _)| l == "doomed"));
+        assert_eq!(st.released, vec!["doomed".to_string()]);
+    }
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_is_refused_within_two_seconds() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let mut api = c.client();
+    let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let get = || with_token(pb::GetSandboxRequest { id: sb.id.clone() }, ALICE);
+    api.get_sandbox(get()).await.unwrap(); // cached now
+
+    c.iam.revoke(ALICE);
+    let revoked = tokio::time::Instant::now();
+    loop {
+        match api.get_sandbox(get()).await {
+            Err(e) if reason(&e) == Reason::Unauthenticated => break,
+            Err(e) => panic!("unexpected error {e:?}"),
+            Ok(_) => {
+                assert!(revoked.elapsed() < Duration::from_secs(2), "revoked token still works after 2 s");
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+    }
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_projects_unknown_edges_and_malformed_ids_are_refused() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let mut api = c.client();
+    let bobs = api.create_sandbox(with_token(create_req(""), BOB)).await.unwrap().into_inner();
+
+    let e = api.get_sandbox(with_token(pb::GetSandboxRequest { id: bobs.id.clone() }, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let e = api.stop_sandbox(with_token(pb::StopSandboxRequest { id: bobs.id.clone() }, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let e =
+        api.get_sandbox(with_token(pb::GetSandboxRequest { id: "nowhere.abc123".into() }, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    assert!(e.message().contains("edge nowhere is not known"), "{}", e.message());
+    let e = api.get_sandbox(with_token(pb::GetSandboxRequest { id: "no-dot".into() }, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+    let e = api
+        .list_sandboxes(with_token(pb::ListSandboxesRequest { project: "root/b".into(), ..Default::default() }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let e = api
+        .list_sandboxes(with_token(pb::ListSandboxesRequest { page_size: 1001, ..Default::default() }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_stream_every_item_and_wait_for_rate_limits() {
+    let mut cfg = test_config();
+    cfg.rate_per_principal = 5.0;
+    cfg.burst_per_principal = 2.0;
+    cfg.batch_concurrency = 4;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0), ("e2", Mode::Accept, 0)], cfg).await;
+    let mut api = c.client();
+
+    let e = api
+        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec()), count: 32_769 }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+    assert!(c.iam.st().admits.is_empty());
+
+    // 6 items with a burst of 2: the rate limit makes items wait, none fails.
+    let mut stream = api
+        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec()), count: 6 }, ALICE))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut seen = Vec::new();
+    while let Some(item) = stream.message().await.unwrap() {
+        assert!(item.error.is_none(), "item {} failed: {:?}", item.index, item.error);
+        assert!(item.sandbox.is_some());
+        seen.push(item.index);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..6).collect::<Vec<_>>());
+    assert_eq!(c.iam.st().admits.len(), 6);
+
+    // Single creations over the rate are refused with a retry hint.
+    let mut limited = None;
+    for _ in 0..5 {
+        if let Err(e) = api.create_sandbox(with_token(create_req(""), ALICE)).await {
+            limited = Some(e);
+            break;
+        }
+    }
+    let e = limited.expect("a burst of single creations hits the rate limit");
+    let err = ApiError::from_status(&e);
+    assert_eq!(err.reason, Reason::RateLimited);
+    assert!(err.metadata.get("retry_after_ms").is_some_and(|v| v.parse::<u64>().is_ok()));
+
+    let audit = c.stop().await;
+    let line =
+        audit.lines().find(|l| l.contains("\"method\":\"CreateSandboxes\"") && l.contains("\"count\":6")).unwrap();
+    assert!(line.contains("\"failed\":0"), "{line}");
+}
