@@ -1,1 +1,423 @@
-//! placeholder
+//! IAM: projects (nested, with inherited quotas), principals, tokens, grants, quota leases and
+//! named locks, served as the internal `Iam` service and the `Admin` service.
+//!
+//! Shape:
+//! - [`state`]: the deterministic state machine (`apply`), the only code that changes state;
+//! - [`command`]: the commands it applies and the writes it produces;
+//! - [`query`]: the read side (authentication, authorization, listings);
+//! - [`store`]: redb tables and the group-commit thread (standalone mode);
+//! - [`service`]: the gRPC translation, nothing more;
+//! - this module: [`Iam`], the proposer, which reads the clock and makes ids, secrets and
+//!   hashes, puts them in a command, and hands it to the commit thread.
+//!
+//! A replicated mode commits the same commands through a log and calls the same `apply`.
+#![forbid(unsafe_code)]
+
+pub mod backup;
+pub mod command;
+pub mod error;
+pub mod model;
+pub mod query;
+pub mod service;
+pub mod state;
+pub mod store;
+pub mod token;
+
+#[cfg(test)]
+mod tests;
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, RwLock, mpsc};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use opendsec_common::config::{self, Config};
+use opendsec_common::grpc;
+use opendsec_common::ids;
+use opendsec_common::time::now_ms;
+use tokio::sync::oneshot;
+
+pub use command::{Actor, Command, LiveLease, Output};
+pub use error::{IamError, to_api};
+pub use model::{GrantRecord, LeaseRecord, PrincipalRecord, Quota, Resources, TokenRecord, Usage};
+pub use query::Authenticated;
+pub use service::{AdminGrpc, AdminService, IamGrpc, IamService};
+pub use state::{ProjectView, State};
+
+use backup::Snapshot;
+use store::{Pending, Shared};
+
+/// Longest token lifetime a caller may ask for: ten years.
+pub const MAX_TOKEN_TTL_S: u64 = 10 * 365 * 24 * 3600;
+
+#[derive(Clone, Debug)]
+pub struct IamOptions {
+    pub data_dir: PathBuf,
+    pub admin_principal: String,
+    /// `dsk.<id>.<secret>`; used on the first start only.
+    pub admin_token: String,
+    /// Reconciliation never releases a lease bound more recently than this.
+    pub reconcile_min_age: Duration,
+    /// Most commands in one store transaction.
+    pub commit_batch_max: usize,
+}
+
+impl IamOptions {
+    pub fn from_config(cfg: &Config) -> IamOptions {
+        IamOptions {
+            data_dir: cfg.iam_data_dir(),
+            admin_principal: cfg.iam.admin_principal.clone(),
+            admin_token: cfg.iam.admin_token.clone(),
+            reconcile_min_age: cfg.iam.reconcile_min_age,
+            commit_batch_max: cfg.iam.commit_batch_max,
+        }
+    }
+}
+
+/// A handle on the running IAM (cheap to clone). The store closes when the last handle goes.
+#[derive(Clone)]
+pub struct Iam {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    tx: Option<mpsc::Sender<Pending>>,
+    thread: Option<JoinHandle<()>>,
+    opts: IamOptions,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Closing the channel ends the commit thread once it has answered what is queued;
+        // joining it closes the database, so the same data dir can be opened again.
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn bootstrap_command(opts: &IamOptions) -> Result<Command, IamError> {
+    if opts.admin_token.is_empty() {
+        return Err(IamError::AdminToken("is empty; the first start needs iam.admin_token (dsk.<id>.<secret>)"));
+    }
+    let lower = opts.admin_token.to_ascii_lowercase();
+    if config::PLACEHOLDERS.iter().any(|p| lower.contains(p)) {
+        return Err(IamError::AdminToken("still holds a placeholder; set a real secret"));
+    }
+    let (id, secret) = config::parse_token_shape(&opts.admin_token)
+        .ok_or(IamError::AdminToken("must look like dsk.<id>.<secret> (id [a-z0-9]{1,32}, secret 16..128 chars)"))?;
+    ids::validate_principal(&opts.admin_principal).map_err(IamError::invalid)?;
+    let hash_key = token::new_hash_key();
+    let key = token::from_hex(&hash_key).ok_or(IamError::Invariant("generated hash key is not hex"))?;
+    Ok(Command::Bootstrap {
+        now_ms: now_ms(),
+        admin_token_hash: token::hash_secret_hex(&key, secret),
+        hash_key,
+        admin_principal: opts.admin_principal.clone(),
+        admin_token_id: id.to_string(),
+    })
+}
+
+fn unexpected(_: Output) -> IamError {
+    IamError::Invariant("the state machine answered with the wrong kind of output")
+}
+
+impl Iam {
+    /// Opens (creates) the redb store in `data_dir`, loads state into memory, and on first
+    /// start bootstraps the root project, the admin principal (`*` on root) and the admin token
+    /// from the options (an error if the token is empty or malformed then; later starts ignore
+    /// it).
+    pub fn open(opts: IamOptions) -> Result<Iam, IamError> {
+        let db = store::open_db(&opts.data_dir)?;
+        let state = store::load(&db)?;
+        let bootstrapped = state.bootstrapped();
+        let shared = Arc::new(Shared { state: RwLock::new(state), failed: AtomicBool::new(false) });
+        if !bootstrapped {
+            let cmd = bootstrap_command(&opts)?;
+            let mut results = store::apply_and_persist(&db, &shared, std::iter::once(cmd))?;
+            results.pop().ok_or(IamError::Invariant("bootstrap gave no result"))??;
+            tracing::info!(principal = %opts.admin_principal, "iam bootstrapped");
+        }
+        let (tx, rx) = mpsc::channel();
+        let thread_shared = shared.clone();
+        let batch_max = opts.commit_batch_max;
+        let thread = std::thread::Builder::new()
+            .name("iam-commit".into())
+            .spawn(move || store::run_committer(db, thread_shared, rx, batch_max))
+            .map_err(|source| IamError::DataDir { path: opts.data_dir.clone(), source })?;
+        Ok(Iam { inner: Arc::new(Inner { shared, tx: Some(tx), thread: Some(thread), opts }) })
+    }
+
+    pub fn options(&self) -> &IamOptions {
+        &self.inner.opts
+    }
+
+    /// Commits one command (group commit) and returns what applying it answered.
+    pub async fn execute(&self, cmd: Command) -> Result<Output, IamError> {
+        let (reply, rx) = oneshot::channel();
+        let tx = self.inner.tx.as_ref().ok_or(IamError::Stopped)?;
+        tx.send(Pending { cmd, reply }).map_err(|_| IamError::Stopped)?;
+        rx.await.map_err(|_| IamError::Stopped)?
+    }
+
+    /// Runs `f` on the current state under the read lock (keep it short).
+    pub fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
+        f(&self.inner.shared.read())
+    }
+
+    // ----- Iam service -----
+
+    pub fn authenticate(&self, token: &str) -> Result<Authenticated, IamError> {
+        let now = now_ms();
+        self.read(|s| s.authenticate(token, now))
+    }
+
+    pub fn authorize(&self, principal: &str, permission: &str, project: &str) -> Result<bool, IamError> {
+        self.read(|s| s.authorize(principal, permission, project))
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.read(State::epoch)
+    }
+
+    /// Authenticates, authorizes `sandbox.create` and reserves the lease on the project and
+    /// every ancestor in one command. Returns the principal and whether it was only rebound.
+    pub async fn admit(
+        &self,
+        token: &str,
+        lease_id: &str,
+        project: &str,
+        resources: Resources,
+        edge: &str,
+    ) -> Result<(String, bool), IamError> {
+        let who = self.authenticate(token)?;
+        state::validate_admit(lease_id, project, &resources, edge)?;
+        // Checked here too so a refusal costs no commit; the state machine checks again.
+        self.read(|s| s.require(&who.principal, "sandbox.create", project, || format!("project {project}")))?;
+        let cmd = Command::Admit {
+            actor: who.actor(),
+            now_ms: now_ms(),
+            lease_id: lease_id.into(),
+            project: project.into(),
+            resources,
+            edge: edge.into(),
+        };
+        match self.execute(cmd).await? {
+            Output::Admitted { principal, rebound } => Ok((principal, rebound)),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub async fn release_leases(&self, lease_ids: Vec<String>) -> Result<u32, IamError> {
+        if lease_ids.is_empty() {
+            return Ok(0);
+        }
+        match self.execute(Command::ReleaseLeases { now_ms: now_ms(), lease_ids }).await? {
+            Output::Released { released } => Ok(released),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub fn get_lease(&self, lease_id: &str) -> Result<Option<LeaseRecord>, IamError> {
+        ids::validate_lease(lease_id).map_err(IamError::invalid)?;
+        Ok(self.read(|s| s.lease(lease_id).cloned()))
+    }
+
+    /// Returns (adopted, released).
+    pub async fn reconcile(&self, edge: &str, live: Vec<LiveLease>) -> Result<(u32, u32), IamError> {
+        ids::validate_edge(edge).map_err(IamError::invalid)?;
+        let min_age_ms = i64::try_from(self.inner.opts.reconcile_min_age.as_millis()).unwrap_or(i64::MAX);
+        match self.execute(Command::Reconcile { now_ms: now_ms(), edge: edge.into(), live, min_age_ms }).await? {
+            Output::Reconciled { adopted, released } => Ok((adopted, released)),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub async fn sweep_unbound(&self, known_edges: Vec<String>, older_than_s: u64) -> Result<u32, IamError> {
+        let older_than_ms = i64::try_from(older_than_s.saturating_mul(1000)).unwrap_or(i64::MAX);
+        match self.execute(Command::SweepUnbound { now_ms: now_ms(), known_edges, older_than_ms }).await? {
+            Output::Released { released } => Ok(released),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    /// Returns (acquired, holder, expires_at_ms).
+    pub async fn acquire_lock(&self, name: &str, holder: &str, ttl_ms: u64) -> Result<(bool, String, i64), IamError> {
+        let ttl_ms = i64::try_from(ttl_ms).unwrap_or(i64::MAX);
+        let cmd = Command::AcquireLock { now_ms: now_ms(), name: name.into(), holder: holder.into(), ttl_ms };
+        match self.execute(cmd).await? {
+            Output::Lock { acquired, holder, expires_at_ms } => Ok((acquired, holder, expires_at_ms)),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    // ----- Admin service (the caller already authenticated) -----
+
+    async fn project_command(&self, cmd: Command) -> Result<ProjectView, IamError> {
+        match self.execute(cmd).await? {
+            Output::Project(v) => Ok(v),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    async fn done(&self, cmd: Command) -> Result<(), IamError> {
+        match self.execute(cmd).await? {
+            Output::Done => Ok(()),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub async fn create_project(&self, who: &Authenticated, path: &str, quota: Quota) -> Result<ProjectView, IamError> {
+        self.project_command(Command::CreateProject { actor: who.actor(), now_ms: now_ms(), path: path.into(), quota })
+            .await
+    }
+
+    pub async fn set_quota(&self, who: &Authenticated, path: &str, quota: Quota) -> Result<ProjectView, IamError> {
+        self.project_command(Command::SetQuota { actor: who.actor(), now_ms: now_ms(), path: path.into(), quota }).await
+    }
+
+    pub async fn delete_project(&self, who: &Authenticated, path: &str) -> Result<(), IamError> {
+        self.done(Command::DeleteProject { actor: who.actor(), now_ms: now_ms(), path: path.into() }).await
+    }
+
+    pub fn get_project(&self, who: &Authenticated, path: &str) -> Result<ProjectView, IamError> {
+        self.read(|s| s.get_project(who, path))
+    }
+
+    /// The project and everything below it (ListProjects and GetUsage).
+    pub fn list_projects(&self, who: &Authenticated, path: &str) -> Result<Vec<ProjectView>, IamError> {
+        self.read(|s| s.list_projects(who, path))
+    }
+
+    pub async fn create_principal(
+        &self,
+        who: &Authenticated,
+        name: &str,
+        project: &str,
+    ) -> Result<PrincipalRecord, IamError> {
+        let project = if project.is_empty() { who.project.as_str() } else { project };
+        let cmd = Command::CreatePrincipal {
+            actor: who.actor(),
+            now_ms: now_ms(),
+            name: name.into(),
+            project: project.into(),
+        };
+        match self.execute(cmd).await? {
+            Output::Principal(p) => Ok(p),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub async fn delete_principal(&self, who: &Authenticated, name: &str) -> Result<(), IamError> {
+        self.done(Command::DeletePrincipal { actor: who.actor(), now_ms: now_ms(), name: name.into() }).await
+    }
+
+    pub fn list_principals(&self, who: &Authenticated, project: &str) -> Result<Vec<PrincipalRecord>, IamError> {
+        self.read(|s| s.list_principals(who, project))
+    }
+
+    /// Makes a token for `principal` (empty: the caller). Returns the token string, shown once,
+    /// and its record.
+    pub async fn create_token(
+        &self,
+        who: &Authenticated,
+        principal: &str,
+        ttl_s: u64,
+        description: &str,
+    ) -> Result<(String, TokenRecord), IamError> {
+        let principal = if principal.is_empty() { who.principal.as_str() } else { principal };
+        if ttl_s > MAX_TOKEN_TTL_S {
+            return Err(IamError::InvalidArgument(format!("ttl_s {ttl_s} is above {MAX_TOKEN_TTL_S} (ten years)")));
+        }
+        let now = now_ms();
+        // ttl_s is at most ten years, so this cannot overflow.
+        let expires_at_ms = if ttl_s == 0 { 0 } else { now + ttl_s as i64 * 1000 };
+        let (id, secret) = (token::new_id(), token::new_secret());
+        let key = self.read(|s| s.hash_key().to_vec());
+        let cmd = Command::CreateToken {
+            actor: who.actor(),
+            now_ms: now,
+            principal: principal.into(),
+            token_id: id.clone(),
+            secret_hash: token::hash_secret_hex(&key, &secret),
+            expires_at_ms,
+            description: description.into(),
+        };
+        match self.execute(cmd).await? {
+            Output::Token(rec) => Ok((token::format(&id, &secret), rec)),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub fn list_tokens(&self, who: &Authenticated, principal: &str) -> Result<Vec<TokenRecord>, IamError> {
+        self.read(|s| s.list_tokens(who, principal))
+    }
+
+    pub async fn revoke_token(&self, who: &Authenticated, token_id: &str) -> Result<(), IamError> {
+        self.done(Command::RevokeToken { actor: who.actor(), now_ms: now_ms(), token_id: token_id.into() }).await
+    }
+
+    pub async fn grant(&self, who: &Authenticated, grant: GrantRecord) -> Result<(), IamError> {
+        self.done(Command::Grant { actor: who.actor(), now_ms: now_ms(), grant }).await
+    }
+
+    pub async fn revoke_grant(&self, who: &Authenticated, grant: GrantRecord) -> Result<(), IamError> {
+        self.done(Command::RevokeGrant { actor: who.actor(), now_ms: now_ms(), grant }).await
+    }
+
+    pub fn list_grants(
+        &self,
+        who: &Authenticated,
+        principal: &str,
+        project: &str,
+    ) -> Result<Vec<GrantRecord>, IamError> {
+        self.read(|s| s.list_grants(who, principal, project))
+    }
+
+    /// gzipped JSON of everything but leases and locks.
+    pub fn backup(&self, who: &Authenticated) -> Result<Vec<u8>, IamError> {
+        let snap = self.read(|s| s.backup(who))?;
+        snap.encode()
+    }
+
+    pub async fn restore(&self, who: &Authenticated, data: &[u8]) -> Result<(), IamError> {
+        // Refuse early without decoding anything when the caller may not restore.
+        self.read(|s| s.require(&who.principal, "iam.admin", ids::ROOT_PROJECT, || "project root".into()))?;
+        let snapshot = Snapshot::decode(data)?;
+        self.done(Command::Restore { actor: who.actor(), now_ms: now_ms(), snapshot }).await
+    }
+
+    // ----- serving -----
+
+    /// The `Iam` gRPC service, behind the shared service token.
+    pub fn iam_service(&self, service_token: &str) -> IamGrpc {
+        service::iam_grpc(self.clone(), service_token)
+    }
+
+    /// The `Admin` gRPC service, behind the shared service token (callers' bearer tokens are
+    /// checked per call).
+    pub fn admin_service(&self, service_token: &str) -> AdminGrpc {
+        service::admin_grpc(self.clone(), service_token)
+    }
+}
+
+/// Serves `Iam` and `Admin` on the listener until `shutdown` completes.
+pub async fn serve(
+    iam: Iam,
+    listener: tokio::net::TcpListener,
+    service_token: &str,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), IamError> {
+    if service_token.is_empty() {
+        return Err(IamError::InvalidArgument("the service token is empty".into()));
+    }
+    let router =
+        grpc::server().add_service(iam.iam_service(service_token)).add_service(iam.admin_service(service_token));
+    drop(iam);
+    grpc::serve(router, listener, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! Commands: every change to IAM's state is one [`Command`] value, and [`Write`]s are what
+//! applying it asks the store to persist.
+//!
+//! Invariant: a command carries everything nondeterministic (the time, generated ids, secret
+//! hashes, the hash key at bootstrap), so applying it to equal states gives equal results on
+//! every node. The serde encoding ([`Command::encode`]) is versioned and persisted (Raft log,
+//! golden tests): variants and fields are only ever added.
+
+use serde::{Deserialize, Serialize};
+
+use crate::backup::Snapshot;
+use crate::error::IamError;
+use crate::model::{
+    GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, Quota, Resources, TokenRecord,
+};
+
+/// The encoding version written by [`Command::encode`].
+pub const COMMAND_VERSION: u32 = 1;
+
+/// Who asks for an admin change: the principal and the token it authenticated with. The state
+/// machine checks both again at apply time, so a token revoked between the check and the
+/// commit does not slip through.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Actor {
+    pub principal: String,
+    pub token_id: String,
+}
+
+/// A lease an edge reports alive.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveLease {
+    pub lease_id: String,
+    pub project: String,
+    #[serde(default)]
+    pub principal: String,
+    pub resources: Resources,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Command {
+    /// First start: the root project, the admin principal with `*` on root, its token.
+    Bootstrap {
+        now_ms: i64,
+        /// Hex of 32 random bytes, made by the proposer.
+        hash_key: String,
+        admin_principal: String,
+        admin_token_id: String,
+        admin_token_hash: String,
+    },
+    CreateProject {
+        actor: Actor,
+        now_ms: i64,
+        path: String,
+        quota: Quota,
+    },
+    SetQuota {
+        actor: Actor,
+        now_ms: i64,
+        path: String,
+        quota: Quota,
+    },
+    DeleteProject {
+        actor: Actor,
+        now_ms: i64,
+        path: String,
+    },
+    CreatePrincipal {
+        actor: Actor,
+        now_ms: i64,
+        name: String,
+        project: String,
+    },
+    DeletePrincipal {
+        actor: Actor,
+        now_ms: i64,
+        name: String,
+    },
+    CreateToken {
+        actor: Actor,
+        now_ms: i64,
+        /// Already resolved by the proposer (empty request: the actor itself).
+        principal: String,
+        token_id: String,
+        secret_hash: String,
+        /// 0 = never.
+        expires_at_ms: i64,
+        description: String,
+    },
+    RevokeToken {
+        actor: Actor,
+        now_ms: i64,
+        token_id: String,
+    },
+    Grant {
+        actor: Actor,
+        now_ms: i64,
+        grant: GrantRecord,
+    },
+    RevokeGrant {
+        actor: Actor,
+        now_ms: i64,
+        grant: GrantRecord,
+    },
+    Restore {
+        actor: Actor,
+        now_ms: i64,
+        snapshot: Snapshot,
+    },
+    Admit {
+        actor: Actor,
+        now_ms: i64,
+        lease_id: String,
+        project: String,
+        resources: Resources,
+        edge: String,
+    },
+    ReleaseLeases {
+        now_ms: i64,
+        lease_ids: Vec<String>,
+    },
+    Reconcile {
+        now_ms: i64,
+        edge: String,
+        live: Vec<LiveLease>,
+        min_age_ms: i64,
+    },
+    SweepUnbound {
+        now_ms: i64,
+        known_edges: Vec<String>,
+        older_than_ms: i64,
+    },
+    AcquireLock {
+        now_ms: i64,
+        name: String,
+        holder: String,
+        ttl_ms: i64,
+    },
+}
+
+#[derive(Serialize)]
+struct EnvelopeOut<'a> {
+    v: u32,
+    command: &'a Command,
+}
+
+#[derive(Deserialize)]
+struct EnvelopeIn {
+    v: u32,
+    command: Command,
+}
+
+impl Command {
+    /// The versioned JSON encoding: `{"v":1,"command":{"type":...}}`.
+    pub fn encode(&self) -> Result<Vec<u8>, IamError> {
+        serde_json::to_vec(&EnvelopeOut { v: COMMAND_VERSION, command: self })
+            .map_err(|source| IamError::Encode { table: "command", source })
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Command, IamError> {
+        let env: EnvelopeIn = serde_json::from_slice(bytes).map_err(|source| IamError::CorruptRow {
+            table: "command",
+            key: String::new(),
+            source,
+        })?;
+        if env.v != COMMAND_VERSION {
+            return Err(IamError::RowVersion { table: "command", key: String::new(), version: env.v });
+        }
+        Ok(env.command)
+    }
+
+    /// A short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Command::Bootstrap { .. } => "bootstrap",
+            Command::CreateProject { .. } => "create_project",
+            Command::SetQuota { .. } => "set_quota",
+            Command::DeleteProject { .. } => "delete_project",
+            Command::CreatePrincipal { .. } => "create_principal",
+            Command::DeletePrincipal { .. } => "delete_principal",
+            Command::CreateToken { .. } => "create_token",
+            Command::RevokeToken { .. } => "revoke_token",
+            Command::Grant { .. } => "grant",
+            Command::RevokeGrant { .. } => "revoke_grant",
+            Command::Restore { .. } => "restore",
+            Command::Admit { .. } => "admit",
+            Command::ReleaseLeases { .. } => "release_leases",
+            Command::Reconcile { .. } => "reconcile",
+            Command::SweepUnbound { .. } => "sweep_unbound",
+            Command::AcquireLock { .. } => "acquire_lock",
+        }
+    }
+}
+
+/// The store tables, one per entity kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Table {
+    Projects,
+    Principals,
+    Tokens,
+    Grants,
+    Leases,
+    Locks,
+    Meta,
+}
+
+impl Table {
+    pub const ALL: [Table; 7] =
+        [Table::Projects, Table::Principals, Table::Tokens, Table::Grants, Table::Leases, Table::Locks, Table::Meta];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Projects => "projects",
+            Table::Principals => "principals",
+            Table::Tokens => "tokens",
+            Table::Grants => "grants",
+            Table::Leases => "leases",
+            Table::Locks => "locks",
+            Table::Meta => "meta",
+        }
+    }
+}
+
+/// The key of the singleton meta row.
+pub const META_KEY: &str = "meta";
+
+/// A row as the store keeps it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Row {
+    Project(ProjectRecord),
+    Principal(PrincipalRecord),
+    Token(TokenRecord),
+    Grant(GrantRecord),
+    Lease(LeaseRecord),
+    Lock(LockRecord),
+    Meta(Meta),
+}
+
+impl Row {
+    pub fn table(&self) -> Table {
+        match self {
+            Row::Project(_) => Table::Projects,
+            Row::Principal(_) => Table::Principals,
+            Row::Token(_) => Table::Tokens,
+            Row::Grant(_) => Table::Grants,
+            Row::Lease(_) => Table::Leases,
+            Row::Lock(_) => Table::Locks,
+            Row::Meta(_) => Table::Meta,
+        }
+    }
+
+    pub fn key(&self) -> String {
+        match self {
+            Row::Project(r) => r.path.clone(),
+            Row::Principal(r) => r.name.clone(),
+            Row::Token(r) => r.id.clone(),
+            Row::Grant(r) => r.key(),
+            Row::Lease(r) => r.id.clone(),
+            Row::Lock(r) => r.name.clone(),
+            Row::Meta(_) => META_KEY.to_string(),
+        }
+    }
+}
+
+/// One change to persist, in the order applying produced it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Write {
+    Put(Row),
+    Delete { table: Table, key: String },
+}
+
+/// What applying a command answers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    Done,
+    Project(crate::state::ProjectView),
+    Principal(PrincipalRecord),
+    Token(TokenRecord),
+    Admitted { principal: String, rebound: bool },
+    Released { released: u32 },
+    Reconciled { adopted: u32, released: u32 },
+    Lock { acquired: bool, holder: String, expires_at_ms: i64 },
+}

@@ -1,0 +1,262 @@
+//! The records IAM keeps, as plain data: projects, principals, tokens, grants, leases, locks
+//! and the meta row, plus the quota and usage arithmetic and the permission catalogue.
+//!
+//! These structs are what the store writes (as versioned JSON rows, see `store`) and what
+//! commands carry, so their serde shape is a persisted format: fields are only ever added
+//! (with `#[serde(default)]`), never renamed or removed.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::IamError;
+
+/// Every permission a grant may name. `*` holds every permission.
+pub const PERMISSIONS: [&str; 11] = [
+    "*",
+    "sandbox.create",
+    "sandbox.view",
+    "sandbox.operate",
+    "project.view",
+    "project.manage",
+    "principal.manage",
+    "grant.manage",
+    "iam.admin",
+    "layer.publish",
+    "layer.use",
+];
+
+/// Checks that `permission` is in the catalogue.
+pub fn validate_permission(permission: &str) -> Result<(), IamError> {
+    if PERMISSIONS.contains(&permission) {
+        Ok(())
+    } else {
+        let shown: String = permission.chars().take(64).collect();
+        Err(IamError::InvalidArgument(format!("unknown permission {shown:?}; known: {}", PERMISSIONS.join(", "))))
+    }
+}
+
+/// Largest value a quota key may be set to: far above any real cluster, low enough that sums
+/// of usage and demand never come near overflowing.
+pub const MAX_QUOTA_VALUE: u64 = 1 << 62;
+
+/// Limits on what one lease may ask for; anything above is a mistake, not a sandbox.
+pub const MAX_CPU_MILLIS: u64 = 1_024_000;
+pub const MAX_MEMORY_MB: u64 = 16 * 1024 * 1024;
+pub const MAX_DISK_MB: u64 = 64 * 1024 * 1024;
+pub const MAX_GPUS: u64 = 64;
+
+/// The quota keys, in the order they are checked and reported.
+pub const QUOTA_KEYS: [&str; 5] = ["cpu_millis", "memory_mb", "disk_mb", "gpus", "sandboxes"];
+
+/// What a project sets for itself; `None` inherits the parent's value (unlimited at the root).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quota {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mb: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandboxes: Option<u64>,
+}
+
+impl Quota {
+    /// The keys in [`QUOTA_KEYS`] order.
+    pub fn values(&self) -> [Option<u64>; 5] {
+        [self.cpu_millis, self.memory_mb, self.disk_mb, self.gpus, self.sandboxes]
+    }
+
+    pub fn from_values(v: [Option<u64>; 5]) -> Quota {
+        Quota { cpu_millis: v[0], memory_mb: v[1], disk_mb: v[2], gpus: v[3], sandboxes: v[4] }
+    }
+
+    pub fn validate(&self) -> Result<(), IamError> {
+        for (key, value) in QUOTA_KEYS.iter().zip(self.values()) {
+            if let Some(v) = value
+                && v > MAX_QUOTA_VALUE
+            {
+                return Err(IamError::InvalidArgument(format!(
+                    "quota {key} = {v} is absurd (at most {MAX_QUOTA_VALUE})"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a project and its subprojects hold (derived from leases, never persisted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub gpus: u64,
+    pub sandboxes: u64,
+}
+
+impl Usage {
+    pub fn values(&self) -> [u64; 5] {
+        [self.cpu_millis, self.memory_mb, self.disk_mb, self.gpus, self.sandboxes]
+    }
+
+    /// What one lease counts: its resources and one sandbox.
+    pub fn of(r: &Resources) -> Usage {
+        Usage { cpu_millis: r.cpu_millis, memory_mb: r.memory_mb, disk_mb: r.disk_mb, gpus: r.gpus, sandboxes: 1 }
+    }
+
+    pub fn add(&mut self, o: &Usage) {
+        // Saturating: values are bounded far below overflow (MAX_* per lease), so saturation
+        // only guards against a broken invariant turning into a panic.
+        self.cpu_millis = self.cpu_millis.saturating_add(o.cpu_millis);
+        self.memory_mb = self.memory_mb.saturating_add(o.memory_mb);
+        self.disk_mb = self.disk_mb.saturating_add(o.disk_mb);
+        self.gpus = self.gpus.saturating_add(o.gpus);
+        self.sandboxes = self.sandboxes.saturating_add(o.sandboxes);
+    }
+
+    pub fn sub(&mut self, o: &Usage) {
+        self.cpu_millis = self.cpu_millis.saturating_sub(o.cpu_millis);
+        self.memory_mb = self.memory_mb.saturating_sub(o.memory_mb);
+        self.disk_mb = self.disk_mb.saturating_sub(o.disk_mb);
+        self.gpus = self.gpus.saturating_sub(o.gpus);
+        self.sandboxes = self.sandboxes.saturating_sub(o.sandboxes);
+    }
+
+    pub fn is_zero(&self) -> bool {
+        self.values().iter().all(|v| *v == 0)
+    }
+}
+
+/// What a lease reserves.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub gpus: u64,
+}
+
+impl Resources {
+    /// Rejects what no sandbox can ask for (Admit): zero CPU or memory, or absurd amounts.
+    pub fn validate(&self) -> Result<(), IamError> {
+        if self.cpu_millis == 0 || self.cpu_millis > MAX_CPU_MILLIS {
+            return Err(IamError::InvalidArgument(format!(
+                "resources.cpu_millis = {} is out of range 1..={MAX_CPU_MILLIS}",
+                self.cpu_millis
+            )));
+        }
+        if self.memory_mb == 0 || self.memory_mb > MAX_MEMORY_MB {
+            return Err(IamError::InvalidArgument(format!(
+                "resources.memory_mb = {} is out of range 1..={MAX_MEMORY_MB}",
+                self.memory_mb
+            )));
+        }
+        self.validate_bounds()
+    }
+
+    /// Only the upper bounds: what reconciliation checks before adopting a sandbox that exists.
+    pub fn validate_bounds(&self) -> Result<(), IamError> {
+        for (name, v, max) in [
+            ("cpu_millis", self.cpu_millis, MAX_CPU_MILLIS),
+            ("memory_mb", self.memory_mb, MAX_MEMORY_MB),
+            ("disk_mb", self.disk_mb, MAX_DISK_MB),
+            ("gpus", self.gpus, MAX_GPUS),
+        ] {
+            if v > max {
+                return Err(IamError::InvalidArgument(format!("resources.{name} = {v} is above {max}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProjectRecord {
+    pub path: String,
+    #[serde(default)]
+    pub quota: Quota,
+    pub created_at_ms: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrincipalRecord {
+    pub name: String,
+    pub project: String,
+    pub created_at_ms: i64,
+}
+
+/// A token: only the HMAC of its secret is kept.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    pub id: String,
+    pub principal: String,
+    /// HMAC-SHA256(hash_key, secret), lowercase hex.
+    pub secret_hash: String,
+    #[serde(default)]
+    pub description: String,
+    pub created_at_ms: i64,
+    /// 0 = never.
+    #[serde(default)]
+    pub expires_at_ms: i64,
+    #[serde(default)]
+    pub revoked: bool,
+}
+
+impl TokenRecord {
+    pub fn expired_at(&self, now_ms: i64) -> bool {
+        self.expires_at_ms != 0 && now_ms >= self.expires_at_ms
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GrantRecord {
+    pub principal: String,
+    pub project: String,
+    pub permission: String,
+}
+
+impl GrantRecord {
+    /// The store key: the three parts joined by spaces (none of them may contain one).
+    pub fn key(&self) -> String {
+        format!("{} {} {}", self.principal, self.project, self.permission)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    pub id: String,
+    pub project: String,
+    /// Who admitted it (may be empty or name a deleted principal for adopted leases).
+    #[serde(default)]
+    pub principal: String,
+    pub edge: String,
+    pub resources: Resources,
+    pub created_at_ms: i64,
+    pub bound_at_ms: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockRecord {
+    pub name: String,
+    pub holder: String,
+    pub expires_at_ms: i64,
+}
+
+/// The singleton meta row.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meta {
+    /// Whether the bootstrap command has been applied.
+    #[serde(default)]
+    pub bootstrapped: bool,
+    /// Bumped by every change that can take access away; apiservers poll it.
+    #[serde(default)]
+    pub epoch: u64,
+    /// The HMAC key for token secrets, lowercase hex of 32 bytes (empty before bootstrap).
+    #[serde(default)]
+    pub hash_key: String,
+    /// Commands applied so far (standalone: persisted with every batch that changed state).
+    #[serde(default)]
+    pub applied_index: u64,
+}

@@ -1,0 +1,357 @@
+//! The gRPC layer: `Iam` (internal: apiservers, watchers, edges) and `Admin` (proxied by
+//! apiservers with the caller's bearer token). Both sit behind the shared service token.
+//!
+//! This module only translates between protobuf and [`crate::Iam`]; every decision is made
+//! in the state machine or the read side, and every error is classified once by
+//! [`crate::to_api`].
+
+use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES, RequireServiceToken};
+use opendsec_proto::v1 as pb;
+use pb::admin_server::{Admin, AdminServer};
+use pb::iam_server::{Iam as IamRpc, IamServer};
+use tonic::service::interceptor::InterceptedService;
+use tonic::{Request, Response, Status};
+
+use crate::error::{IamError, to_api};
+use crate::model::{GrantRecord, LeaseRecord, PrincipalRecord, Quota, Resources, TokenRecord, Usage};
+use crate::query::Authenticated;
+use crate::state::ProjectView;
+use crate::{Iam, LiveLease};
+
+pub type IamGrpc = InterceptedService<IamServer<IamService>, RequireServiceToken>;
+pub type AdminGrpc = InterceptedService<AdminServer<AdminService>, RequireServiceToken>;
+
+pub(crate) fn iam_grpc(iam: Iam, service_token: &str) -> IamGrpc {
+    let server = IamServer::new(IamService { iam })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    InterceptedService::new(server, RequireServiceToken::new(service_token))
+}
+
+pub(crate) fn admin_grpc(iam: Iam, service_token: &str) -> AdminGrpc {
+    let server = AdminServer::new(AdminService { iam })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    InterceptedService::new(server, RequireServiceToken::new(service_token))
+}
+
+fn status(e: IamError) -> Status {
+    to_api(&e).to_status()
+}
+
+type Rpc<T> = Result<Response<T>, Status>;
+
+fn ok<T>(v: T) -> Rpc<T> {
+    Ok(Response::new(v))
+}
+
+// ----- conversions -----
+
+pub fn quota_from_pb(q: Option<pb::Quota>) -> Quota {
+    let q = q.unwrap_or_default();
+    Quota { cpu_millis: q.cpu_millis, memory_mb: q.memory_mb, disk_mb: q.disk_mb, gpus: q.gpus, sandboxes: q.sandboxes }
+}
+
+pub fn quota_to_pb(q: &Quota) -> pb::Quota {
+    pb::Quota {
+        cpu_millis: q.cpu_millis,
+        memory_mb: q.memory_mb,
+        disk_mb: q.disk_mb,
+        gpus: q.gpus,
+        sandboxes: q.sandboxes,
+    }
+}
+
+pub fn usage_to_pb(u: &Usage) -> pb::Usage {
+    pb::Usage {
+        cpu_millis: u.cpu_millis,
+        memory_mb: u.memory_mb,
+        disk_mb: u.disk_mb,
+        gpus: u.gpus,
+        sandboxes: u.sandboxes,
+    }
+}
+
+pub fn resources_from_pb(r: &pb::Resources) -> Resources {
+    Resources {
+        cpu_millis: u64::from(r.cpu_millis),
+        memory_mb: r.memory_mb,
+        disk_mb: r.disk_mb,
+        gpus: u64::from(r.gpus),
+    }
+}
+
+/// Lease resources always came through `resources_from_pb`, so they fit the proto's u32s;
+/// saturate rather than wrap if that ever stops holding.
+pub fn resources_to_pb(r: &Resources) -> pb::Resources {
+    pb::Resources {
+        cpu_millis: u32::try_from(r.cpu_millis).unwrap_or(u32::MAX),
+        memory_mb: r.memory_mb,
+        disk_mb: r.disk_mb,
+        gpus: u32::try_from(r.gpus).unwrap_or(u32::MAX),
+    }
+}
+
+pub fn project_to_pb(v: &ProjectView) -> pb::Project {
+    pb::Project {
+        path: v.path.clone(),
+        quota: Some(quota_to_pb(&v.quota)),
+        effective: Some(quota_to_pb(&v.effective)),
+        usage: Some(usage_to_pb(&v.usage)),
+        created_at_ms: v.created_at_ms,
+    }
+}
+
+pub fn principal_to_pb(p: &PrincipalRecord) -> pb::Principal {
+    pb::Principal { name: p.name.clone(), project: p.project.clone(), created_at_ms: p.created_at_ms }
+}
+
+pub fn token_to_pb(t: &TokenRecord) -> pb::TokenInfo {
+    pb::TokenInfo {
+        id: t.id.clone(),
+        principal: t.principal.clone(),
+        description: t.description.clone(),
+        created_at_ms: t.created_at_ms,
+        expires_at_ms: t.expires_at_ms,
+        revoked: t.revoked,
+    }
+}
+
+pub fn grant_to_pb(g: &GrantRecord) -> pb::Grant {
+    pb::Grant { principal: g.principal.clone(), project: g.project.clone(), permission: g.permission.clone() }
+}
+
+fn grant_from_pb(g: Option<pb::Grant>) -> Result<GrantRecord, Status> {
+    let g = g.ok_or_else(|| status(IamError::InvalidArgument("grant is required".into())))?;
+    Ok(GrantRecord { principal: g.principal, project: g.project, permission: g.permission })
+}
+
+pub fn lease_to_pb(l: &LeaseRecord) -> pb::Lease {
+    pb::Lease {
+        id: l.id.clone(),
+        project: l.project.clone(),
+        principal: l.principal.clone(),
+        edge: l.edge.clone(),
+        resources: Some(resources_to_pb(&l.resources)),
+        created_at_ms: l.created_at_ms,
+        bound_at_ms: l.bound_at_ms,
+    }
+}
+
+// ----- Iam -----
+
+pub struct IamService {
+    iam: Iam,
+}
+
+#[tonic::async_trait]
+impl IamRpc for IamService {
+    async fn authenticate(&self, req: Request<pb::AuthenticateRequest>) -> Rpc<pb::AuthenticateResponse> {
+        let a = self.iam.authenticate(&req.get_ref().token).map_err(status)?;
+        ok(pb::AuthenticateResponse {
+            principal: a.principal,
+            project: a.project,
+            token_id: a.token_id,
+            expires_at_ms: a.expires_at_ms,
+        })
+    }
+
+    async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Rpc<pb::AuthorizeResponse> {
+        let r = req.get_ref();
+        let allowed = self.iam.authorize(&r.principal, &r.permission, &r.project).map_err(status)?;
+        ok(pb::AuthorizeResponse { allowed })
+    }
+
+    async fn admit(&self, req: Request<pb::AdmitRequest>) -> Rpc<pb::AdmitResponse> {
+        let r = req.into_inner();
+        let res = r
+            .resources
+            .as_ref()
+            .map(resources_from_pb)
+            .ok_or_else(|| status(IamError::InvalidArgument("resources are required".into())))?;
+        let (principal, rebound) =
+            self.iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge).await.map_err(status)?;
+        ok(pb::AdmitResponse { principal, rebound })
+    }
+
+    async fn release_leases(&self, req: Request<pb::ReleaseLeasesRequest>) -> Rpc<pb::ReleaseLeasesResponse> {
+        let released = self.iam.release_leases(req.into_inner().lease_ids).await.map_err(status)?;
+        ok(pb::ReleaseLeasesResponse { released })
+    }
+
+    async fn get_lease(&self, req: Request<pb::GetLeaseRequest>) -> Rpc<pb::GetLeaseResponse> {
+        let lease = self.iam.get_lease(&req.get_ref().lease_id).map_err(status)?;
+        ok(pb::GetLeaseResponse { found: lease.is_some(), lease: lease.as_ref().map(lease_to_pb) })
+    }
+
+    async fn reconcile(&self, req: Request<pb::ReconcileRequest>) -> Rpc<pb::ReconcileResponse> {
+        let r = req.into_inner();
+        let live = r
+            .live
+            .into_iter()
+            .map(|l| LiveLease {
+                resources: l.resources.as_ref().map(resources_from_pb).unwrap_or_default(),
+                lease_id: l.lease_id,
+                project: l.project,
+                principal: l.principal,
+            })
+            .collect();
+        let (adopted, released) = self.iam.reconcile(&r.edge, live).await.map_err(status)?;
+        ok(pb::ReconcileResponse { adopted, released })
+    }
+
+    async fn sweep_unbound(&self, req: Request<pb::SweepUnboundRequest>) -> Rpc<pb::SweepUnboundResponse> {
+        let r = req.into_inner();
+        let released = self.iam.sweep_unbound(r.known_edges, r.older_than_s).await.map_err(status)?;
+        ok(pb::SweepUnboundResponse { released })
+    }
+
+    async fn get_epoch(&self, _req: Request<pb::GetEpochRequest>) -> Rpc<pb::GetEpochResponse> {
+        ok(pb::GetEpochResponse { epoch: self.iam.epoch() })
+    }
+
+    async fn acquire_lock(&self, req: Request<pb::AcquireLockRequest>) -> Rpc<pb::AcquireLockResponse> {
+        let r = req.get_ref();
+        let (acquired, holder, expires_at_ms) =
+            self.iam.acquire_lock(&r.name, &r.holder, r.ttl_ms).await.map_err(status)?;
+        ok(pb::AcquireLockResponse { acquired, holder, expires_at_ms })
+    }
+}
+
+// ----- Admin -----
+
+pub struct AdminService {
+    iam: Iam,
+}
+
+impl AdminService {
+    /// The caller, from its `authorization: Bearer` token.
+    fn caller<T>(&self, req: &Request<T>) -> Result<Authenticated, Status> {
+        let token = grpc::bearer(req.metadata()).map_err(|e| e.to_status())?;
+        self.iam.authenticate(token).map_err(status)
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn who_am_i(&self, req: Request<pb::WhoAmIRequest>) -> Rpc<pb::WhoAmIResponse> {
+        let who = self.caller(&req)?;
+        let grants = self.iam.read(|s| s.grants_of(&who.principal));
+        ok(pb::WhoAmIResponse {
+            grants: grants.iter().map(grant_to_pb).collect(),
+            principal: who.principal,
+            project: who.project,
+            token_id: who.token_id,
+            token_expires_at_ms: who.expires_at_ms,
+        })
+    }
+
+    async fn create_project(&self, req: Request<pb::CreateProjectRequest>) -> Rpc<pb::Project> {
+        let who = self.caller(&req)?;
+        let r = req.into_inner();
+        let v = self.iam.create_project(&who, &r.path, quota_from_pb(r.quota)).await.map_err(status)?;
+        ok(project_to_pb(&v))
+    }
+
+    async fn get_project(&self, req: Request<pb::GetProjectRequest>) -> Rpc<pb::Project> {
+        let who = self.caller(&req)?;
+        let v = self.iam.get_project(&who, &req.get_ref().path).map_err(status)?;
+        ok(project_to_pb(&v))
+    }
+
+    async fn list_projects(&self, req: Request<pb::ListProjectsRequest>) -> Rpc<pb::ListProjectsResponse> {
+        let who = self.caller(&req)?;
+        let v = self.iam.list_projects(&who, &req.get_ref().path).map_err(status)?;
+        ok(pb::ListProjectsResponse { projects: v.iter().map(project_to_pb).collect() })
+    }
+
+    async fn delete_project(&self, req: Request<pb::DeleteProjectRequest>) -> Rpc<pb::DeleteProjectResponse> {
+        let who = self.caller(&req)?;
+        self.iam.delete_project(&who, &req.get_ref().path).await.map_err(status)?;
+        ok(pb::DeleteProjectResponse {})
+    }
+
+    async fn set_quota(&self, req: Request<pb::SetQuotaRequest>) -> Rpc<pb::Project> {
+        let who = self.caller(&req)?;
+        let r = req.into_inner();
+        let v = self.iam.set_quota(&who, &r.path, quota_from_pb(r.quota)).await.map_err(status)?;
+        ok(project_to_pb(&v))
+    }
+
+    async fn create_principal(&self, req: Request<pb::CreatePrincipalRequest>) -> Rpc<pb::Principal> {
+        let who = self.caller(&req)?;
+        let r = req.get_ref();
+        let p = self.iam.create_principal(&who, &r.name, &r.project).await.map_err(status)?;
+        ok(principal_to_pb(&p))
+    }
+
+    async fn list_principals(&self, req: Request<pb::ListPrincipalsRequest>) -> Rpc<pb::ListPrincipalsResponse> {
+        let who = self.caller(&req)?;
+        let v = self.iam.list_principals(&who, &req.get_ref().project).map_err(status)?;
+        ok(pb::ListPrincipalsResponse { principals: v.iter().map(principal_to_pb).collect() })
+    }
+
+    async fn delete_principal(&self, req: Request<pb::DeletePrincipalRequest>) -> Rpc<pb::DeletePrincipalResponse> {
+        let who = self.caller(&req)?;
+        self.iam.delete_principal(&who, &req.get_ref().name).await.map_err(status)?;
+        ok(pb::DeletePrincipalResponse {})
+    }
+
+    async fn create_token(&self, req: Request<pb::CreateTokenRequest>) -> Rpc<pb::CreateTokenResponse> {
+        let who = self.caller(&req)?;
+        let r = req.get_ref();
+        let (token, info) = self.iam.create_token(&who, &r.principal, r.ttl_s, &r.description).await.map_err(status)?;
+        ok(pb::CreateTokenResponse { token, info: Some(token_to_pb(&info)) })
+    }
+
+    async fn list_tokens(&self, req: Request<pb::ListTokensRequest>) -> Rpc<pb::ListTokensResponse> {
+        let who = self.caller(&req)?;
+        let v = self.iam.list_tokens(&who, &req.get_ref().principal).map_err(status)?;
+        ok(pb::ListTokensResponse { tokens: v.iter().map(token_to_pb).collect() })
+    }
+
+    async fn revoke_token(&self, req: Request<pb::RevokeTokenRequest>) -> Rpc<pb::RevokeTokenResponse> {
+        let who = self.caller(&req)?;
+        self.iam.revoke_token(&who, &req.get_ref().id).await.map_err(status)?;
+        ok(pb::RevokeTokenResponse {})
+    }
+
+    async fn grant(&self, req: Request<pb::GrantRequest>) -> Rpc<pb::GrantResponse> {
+        let who = self.caller(&req)?;
+        let g = grant_from_pb(req.into_inner().grant)?;
+        self.iam.grant(&who, g).await.map_err(status)?;
+        ok(pb::GrantResponse {})
+    }
+
+    async fn revoke_grant(&self, req: Request<pb::RevokeGrantRequest>) -> Rpc<pb::RevokeGrantResponse> {
+        let who = self.caller(&req)?;
+        let g = grant_from_pb(req.into_inner().grant)?;
+        self.iam.revoke_grant(&who, g).await.map_err(status)?;
+        ok(pb::RevokeGrantResponse {})
+    }
+
+    async fn list_grants(&self, req: Request<pb::ListGrantsRequest>) -> Rpc<pb::ListGrantsResponse> {
+        let who = self.caller(&req)?;
+        let r = req.get_ref();
+        let v = self.iam.list_grants(&who, &r.principal, &r.project).map_err(status)?;
+        ok(pb::ListGrantsResponse { grants: v.iter().map(grant_to_pb).collect() })
+    }
+
+    async fn get_usage(&self, req: Request<pb::GetUsageRequest>) -> Rpc<pb::GetUsageResponse> {
+        let who = self.caller(&req)?;
+        let v = self.iam.list_projects(&who, &req.get_ref().project).map_err(status)?;
+        ok(pb::GetUsageResponse { projects: v.iter().map(project_to_pb).collect() })
+    }
+
+    async fn backup(&self, req: Request<pb::BackupRequest>) -> Rpc<pb::BackupResponse> {
+        let who = self.caller(&req)?;
+        let data = self.iam.backup(&who).map_err(status)?;
+        ok(pb::BackupResponse { data })
+    }
+
+    async fn restore(&self, req: Request<pb::RestoreRequest>) -> Rpc<pb::RestoreResponse> {
+        let who = self.caller(&req)?;
+        self.iam.restore(&who, &req.get_ref().data).await.map_err(status)?;
+        ok(pb::RestoreResponse {})
+    }
+}

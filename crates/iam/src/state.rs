@@ -1,0 +1,989 @@
+//! The IAM state machine: [`State`] and [`apply`], the only code that changes it.
+//!
+//! `apply` is pure: no clock, no randomness, no I/O. It reads the time and every generated
+//! value from the command, so standalone mode (apply, then persist the writes to redb) and a
+//! replicated log (commit, then apply on every replica) reach the same state through the same
+//! code.
+//!
+//! Invariants kept here:
+//! - a command that fails changes nothing and produces no writes;
+//! - every lease's project exists, and for every project, `usage` equals the sum of the leases
+//!   in it and its subprojects (each lease counting one sandbox);
+//! - an admit never takes any project's usage above a limit it sets (all or nothing across the
+//!   project and its ancestors);
+//! - nobody grants or revokes a permission they do not hold themselves;
+//! - every change that can take access away bumps the security epoch.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use opendsec_common::ids::{self, ROOT_PROJECT, parent_project, project_chain, project_within};
+
+use crate::backup::Snapshot;
+use crate::command::{Actor, Command, LiveLease, Output, Row, Table, Write};
+use crate::error::IamError;
+use crate::model::{
+    GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, QUOTA_KEYS, Quota, Resources,
+    TokenRecord, Usage, validate_permission,
+};
+use crate::token;
+
+/// Most live (unrevoked) tokens one principal may hold.
+pub const MAX_TOKENS_PER_PRINCIPAL: usize = 1000;
+/// Longest token description.
+pub const MAX_DESCRIPTION_LEN: usize = 256;
+/// Longest lock name or holder.
+pub const MAX_LOCK_NAME_LEN: usize = 128;
+/// Longest lock TTL: a day.
+pub const MAX_LOCK_TTL_MS: i64 = 24 * 3600 * 1000;
+
+/// A project as the Admin API shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProjectView {
+    pub path: String,
+    pub quota: Quota,
+    pub effective: Quota,
+    pub usage: Usage,
+    pub created_at_ms: i64,
+}
+
+/// IAM's whole state in memory. Persistent parts mirror the store's tables; `usage`,
+/// `leases_by_edge` and `tokens_by_principal` are derived and rebuilt on load.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct State {
+    pub(crate) meta: Meta,
+    /// `meta.hash_key` decoded.
+    pub(crate) hash_key: Vec<u8>,
+    pub(crate) projects: BTreeMap<String, ProjectRecord>,
+    pub(crate) principals: BTreeMap<String, PrincipalRecord>,
+    pub(crate) tokens: HashMap<String, TokenRecord>,
+    /// principal -> {(project, permission)}.
+    pub(crate) grants: BTreeMap<String, BTreeSet<(String, String)>>,
+    pub(crate) leases: HashMap<String, LeaseRecord>,
+    pub(crate) locks: BTreeMap<String, LockRecord>,
+    // Derived.
+    pub(crate) usage: HashMap<String, Usage>,
+    pub(crate) leases_by_edge: HashMap<String, BTreeSet<String>>,
+    pub(crate) tokens_by_principal: BTreeMap<String, BTreeSet<String>>,
+}
+
+impl State {
+    /// Builds a state from stored rows (any order), recomputing everything derived.
+    pub fn from_rows(rows: impl IntoIterator<Item = Row>) -> State {
+        let mut st = State::default();
+        for row in rows {
+            match row {
+                Row::Project(r) => {
+                    st.projects.insert(r.path.clone(), r);
+                }
+                Row::Principal(r) => {
+                    st.principals.insert(r.name.clone(), r);
+                }
+                Row::Token(r) => {
+                    st.tokens.insert(r.id.clone(), r);
+                }
+                Row::Grant(g) => {
+                    st.grants.entry(g.principal).or_default().insert((g.project, g.permission));
+                }
+                Row::Lease(r) => {
+                    st.leases.insert(r.id.clone(), r);
+                }
+                Row::Lock(r) => {
+                    st.locks.insert(r.name.clone(), r);
+                }
+                Row::Meta(m) => st.meta = m,
+            }
+        }
+        st.rebuild_derived();
+        st
+    }
+
+    /// Recomputes usage and the indexes from the persistent parts.
+    pub(crate) fn rebuild_derived(&mut self) {
+        self.hash_key = token::from_hex(&self.meta.hash_key).unwrap_or_default();
+        self.usage = self.projects.keys().map(|p| (p.clone(), Usage::default())).collect();
+        self.leases_by_edge.clear();
+        for l in self.leases.values() {
+            let u = Usage::of(&l.resources);
+            for q in project_chain(&l.project) {
+                if let Some(x) = self.usage.get_mut(q) {
+                    x.add(&u);
+                }
+            }
+            self.leases_by_edge.entry(l.edge.clone()).or_default().insert(l.id.clone());
+        }
+        self.tokens_by_principal.clear();
+        for t in self.tokens.values() {
+            self.tokens_by_principal.entry(t.principal.clone()).or_default().insert(t.id.clone());
+        }
+    }
+
+    /// Every persistent row (what a fresh store would hold for this state).
+    pub fn rows(&self) -> Vec<Row> {
+        let mut rows = vec![Row::Meta(self.meta.clone())];
+        rows.extend(self.projects.values().cloned().map(Row::Project));
+        rows.extend(self.principals.values().cloned().map(Row::Principal));
+        rows.extend(self.tokens.values().cloned().map(Row::Token));
+        rows.extend(self.grant_records().map(Row::Grant));
+        rows.extend(self.leases.values().cloned().map(Row::Lease));
+        rows.extend(self.locks.values().cloned().map(Row::Lock));
+        rows
+    }
+
+    // ----- read accessors -----
+
+    pub fn meta(&self) -> &Meta {
+        &self.meta
+    }
+    pub fn epoch(&self) -> u64 {
+        self.meta.epoch
+    }
+    pub fn bootstrapped(&self) -> bool {
+        self.meta.bootstrapped
+    }
+    pub fn hash_key(&self) -> &[u8] {
+        &self.hash_key
+    }
+    pub fn project(&self, path: &str) -> Option<&ProjectRecord> {
+        self.projects.get(path)
+    }
+    pub fn projects(&self) -> impl Iterator<Item = &ProjectRecord> {
+        self.projects.values()
+    }
+    pub fn principal(&self, name: &str) -> Option<&PrincipalRecord> {
+        self.principals.get(name)
+    }
+    pub fn token_record(&self, id: &str) -> Option<&TokenRecord> {
+        self.tokens.get(id)
+    }
+    pub fn lease(&self, id: &str) -> Option<&LeaseRecord> {
+        self.leases.get(id)
+    }
+    pub fn leases(&self) -> impl Iterator<Item = &LeaseRecord> {
+        self.leases.values()
+    }
+    pub fn lock(&self, name: &str) -> Option<&LockRecord> {
+        self.locks.get(name)
+    }
+    /// Usage of the project and its subprojects (`None` for an unknown project).
+    pub fn usage(&self, path: &str) -> Option<Usage> {
+        self.usage.get(path).copied()
+    }
+    pub fn grant_records(&self) -> impl Iterator<Item = GrantRecord> + '_ {
+        self.grants.iter().flat_map(|(p, set)| {
+            set.iter().map(move |(proj, perm)| GrantRecord {
+                principal: p.clone(),
+                project: proj.clone(),
+                permission: perm.clone(),
+            })
+        })
+    }
+    pub fn has_grant(&self, g: &GrantRecord) -> bool {
+        self.grants.get(&g.principal).is_some_and(|s| s.contains(&(g.project.clone(), g.permission.clone())))
+    }
+
+    /// The limits in force: own values, else the nearest ancestor's.
+    pub fn effective_quota(&self, path: &str) -> Quota {
+        let mut vals = [None; 5];
+        for q in project_chain(path) {
+            if let Some(rec) = self.projects.get(q) {
+                for (v, own) in vals.iter_mut().zip(rec.quota.values()) {
+                    if v.is_none() {
+                        *v = own;
+                    }
+                }
+            }
+        }
+        Quota::from_values(vals)
+    }
+
+    pub fn view(&self, path: &str) -> Option<ProjectView> {
+        let rec = self.projects.get(path)?;
+        Some(ProjectView {
+            path: rec.path.clone(),
+            quota: rec.quota,
+            effective: self.effective_quota(path),
+            usage: self.usage.get(path).copied().unwrap_or_default(),
+            created_at_ms: rec.created_at_ms,
+        })
+    }
+
+    // ----- authorization -----
+
+    /// Whether `principal` holds `permission` on `project`: a grant of it (or of `*`) on the
+    /// project or an ancestor.
+    pub fn holds(&self, principal: &str, permission: &str, project: &str) -> bool {
+        self.grants.get(principal).is_some_and(|set| {
+            set.iter().any(|(gp, gperm)| (gperm == "*" || gperm == permission) && project_within(project, gp))
+        })
+    }
+
+    pub(crate) fn require(
+        &self,
+        principal: &str,
+        permission: &str,
+        project: &str,
+        target: impl FnOnce() -> String,
+    ) -> Result<(), IamError> {
+        if self.holds(principal, permission, project) {
+            Ok(())
+        } else {
+            Err(IamError::PermissionDenied {
+                principal: principal.to_string(),
+                permission: permission.to_string(),
+                target: target(),
+            })
+        }
+    }
+
+    /// Checks `permission` over a principal named by the caller: on its project when it
+    /// exists, else on the root, so a denial looks the same whether or not it exists.
+    pub(crate) fn require_over_principal(
+        &self,
+        caller: &str,
+        permission: &str,
+        name: &str,
+    ) -> Result<Option<&PrincipalRecord>, IamError> {
+        let target = self.principals.get(name);
+        let on = target.map_or(ROOT_PROJECT, |p| p.project.as_str());
+        self.require(caller, permission, on, || format!("principal {name}"))?;
+        Ok(target)
+    }
+
+    /// The permission that governs creating, deleting and setting the quota of `path`, and the
+    /// project it is checked on: `project.manage` on the parent (so nobody raises their own
+    /// project's quota), `iam.admin` on the root for the root itself.
+    pub(crate) fn manage_rule(path: &str) -> (&'static str, &str) {
+        match parent_project(path) {
+            Some(parent) => ("project.manage", parent),
+            None => ("iam.admin", ROOT_PROJECT),
+        }
+    }
+
+    /// Checks that the actor's token still stands at `now_ms` (not revoked, not expired, its
+    /// principal still there).
+    pub(crate) fn check_actor(&self, actor: &Actor, now_ms: i64) -> Result<(), IamError> {
+        let id = &actor.token_id;
+        let t = self
+            .tokens
+            .get(id)
+            .filter(|t| t.principal == actor.principal)
+            .ok_or_else(|| IamError::Unauthenticated(format!("token {id} is no longer valid")))?;
+        if t.revoked {
+            return Err(IamError::Unauthenticated(format!("token {id} has been revoked")));
+        }
+        if t.expired_at(now_ms) {
+            return Err(IamError::Unauthenticated(format!("token {id} has expired")));
+        }
+        if !self.principals.contains_key(&actor.principal) {
+            return Err(IamError::Unauthenticated(format!("principal {} no longer exists", actor.principal)));
+        }
+        Ok(())
+    }
+
+    // ----- lease helpers (mutating; callers have checked everything) -----
+
+    fn insert_lease(&mut self, l: LeaseRecord, w: &mut Vec<Write>) {
+        let u = Usage::of(&l.resources);
+        for q in project_chain(&l.project) {
+            if let Some(x) = self.usage.get_mut(q) {
+                x.add(&u);
+            }
+        }
+        self.leases_by_edge.entry(l.edge.clone()).or_default().insert(l.id.clone());
+        w.push(Write::Put(Row::Lease(l.clone())));
+        self.leases.insert(l.id.clone(), l);
+    }
+
+    fn release_lease(&mut self, id: &str, w: &mut Vec<Write>) -> bool {
+        let Some(l) = self.leases.remove(id) else { return false };
+        let u = Usage::of(&l.resources);
+        for q in project_chain(&l.project) {
+            if let Some(x) = self.usage.get_mut(q) {
+                x.sub(&u);
+            }
+        }
+        self.unindex_edge(&l.edge, id);
+        w.push(Write::Delete { table: Table::Leases, key: id.to_string() });
+        true
+    }
+
+    fn unindex_edge(&mut self, edge: &str, id: &str) {
+        if let Some(set) = self.leases_by_edge.get_mut(edge) {
+            set.remove(id);
+            if set.is_empty() {
+                self.leases_by_edge.remove(edge);
+            }
+        }
+    }
+
+    /// Whether `demand` fits under every limit set on the project and its ancestors. Keys the
+    /// demand does not use are not checked, so a lowered limit on one key does not block
+    /// sandboxes that do not ask for it.
+    pub fn check_quota(&self, project: &str, demand: &Usage) -> Result<(), IamError> {
+        for q in project_chain(project) {
+            let Some(rec) = self.projects.get(q) else { continue };
+            let used = self.usage.get(q).copied().unwrap_or_default();
+            for (i, limit) in rec.quota.values().into_iter().enumerate() {
+                let (u, d) = (used.values()[i], demand.values()[i]);
+                if let Some(limit) = limit
+                    && d > 0
+                    && u.saturating_add(d) > limit
+                {
+                    return Err(IamError::QuotaExceeded {
+                        project: q.to_string(),
+                        key: QUOTA_KEYS[i],
+                        limit,
+                        used: u,
+                        requested: d,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn bump_epoch(&mut self, w: &mut Vec<Write>) {
+        self.meta.epoch += 1;
+        w.push(Write::Put(Row::Meta(self.meta.clone())));
+    }
+}
+
+/// Applies one command: the result and the writes that persist its effect. On error, nothing
+/// changed and there are no writes.
+pub fn apply(st: &mut State, cmd: &Command) -> (Result<Output, IamError>, Vec<Write>) {
+    let mut w = Vec::new();
+    let r = apply_inner(st, cmd, &mut w);
+    if r.is_err() {
+        debug_assert!(w.is_empty(), "a failed {} command produced writes", cmd.kind());
+        w.clear();
+    }
+    (r, w)
+}
+
+fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Output, IamError> {
+    if !st.meta.bootstrapped && !matches!(cmd, Command::Bootstrap { .. }) {
+        return Err(IamError::NotBootstrapped);
+    }
+    match cmd {
+        Command::Bootstrap { now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash } => {
+            bootstrap(st, w, *now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash)
+        }
+        Command::CreateProject { actor, now_ms, path, quota } => create_project(st, w, actor, *now_ms, path, quota),
+        Command::SetQuota { actor, now_ms, path, quota } => set_quota(st, w, actor, *now_ms, path, quota),
+        Command::DeleteProject { actor, now_ms, path } => delete_project(st, w, actor, *now_ms, path),
+        Command::CreatePrincipal { actor, now_ms, name, project } => {
+            create_principal(st, w, actor, *now_ms, name, project)
+        }
+        Command::DeletePrincipal { actor, now_ms, name } => delete_principal(st, w, actor, *now_ms, name),
+        Command::CreateToken { actor, now_ms, principal, token_id, secret_hash, expires_at_ms, description } => {
+            create_token(st, w, actor, *now_ms, principal, token_id, secret_hash, *expires_at_ms, description)
+        }
+        Command::RevokeToken { actor, now_ms, token_id } => revoke_token(st, w, actor, *now_ms, token_id),
+        Command::Grant { actor, now_ms, grant } => add_grant(st, w, actor, *now_ms, grant),
+        Command::RevokeGrant { actor, now_ms, grant } => revoke_grant(st, w, actor, *now_ms, grant),
+        Command::Restore { actor, now_ms, snapshot } => restore(st, w, actor, *now_ms, snapshot),
+        Command::Admit { actor, now_ms, lease_id, project, resources, edge } => {
+            admit(st, w, actor, *now_ms, lease_id, project, resources, edge)
+        }
+        Command::ReleaseLeases { now_ms: _, lease_ids } => {
+            let mut n = 0u32;
+            for id in lease_ids {
+                if st.release_lease(id, w) {
+                    n += 1;
+                }
+            }
+            Ok(Output::Released { released: n })
+        }
+        Command::Reconcile { now_ms, edge, live, min_age_ms } => reconcile(st, w, *now_ms, edge, live, *min_age_ms),
+        Command::SweepUnbound { now_ms, known_edges, older_than_ms } => {
+            sweep_unbound(st, w, *now_ms, known_edges, *older_than_ms)
+        }
+        Command::AcquireLock { now_ms, name, holder, ttl_ms } => acquire_lock(st, w, *now_ms, name, holder, *ttl_ms),
+    }
+}
+
+fn bootstrap(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    now_ms: i64,
+    hash_key: &str,
+    admin: &str,
+    token_id: &str,
+    token_hash: &str,
+) -> Result<Output, IamError> {
+    if st.meta.bootstrapped {
+        return Err(IamError::InvalidState("iam is already bootstrapped".into()));
+    }
+    ids::validate_principal(admin).map_err(IamError::invalid)?;
+    if !token::valid_id(token_id) {
+        return Err(IamError::AdminToken("its id is not [a-z0-9]{1,32}"));
+    }
+    if !token::is_hex32(hash_key) || !token::is_hex32(token_hash) {
+        return Err(IamError::InvalidArgument("bootstrap needs 32-byte hex hash key and token hash".into()));
+    }
+    st.meta =
+        Meta { bootstrapped: true, epoch: 1, hash_key: hash_key.to_string(), applied_index: st.meta.applied_index };
+    st.hash_key = token::from_hex(hash_key).unwrap_or_default();
+    let root = ProjectRecord { path: ROOT_PROJECT.into(), quota: Quota::default(), created_at_ms: now_ms };
+    let principal = PrincipalRecord { name: admin.into(), project: ROOT_PROJECT.into(), created_at_ms: now_ms };
+    let g = GrantRecord { principal: admin.into(), project: ROOT_PROJECT.into(), permission: "*".into() };
+    let t = TokenRecord {
+        id: token_id.into(),
+        principal: admin.into(),
+        secret_hash: token_hash.into(),
+        description: "admin token from the config".into(),
+        created_at_ms: now_ms,
+        expires_at_ms: 0,
+        revoked: false,
+    };
+    st.projects.insert(root.path.clone(), root.clone());
+    st.usage.insert(root.path.clone(), Usage::default());
+    st.principals.insert(admin.into(), principal.clone());
+    st.grants.entry(admin.into()).or_default().insert((g.project.clone(), g.permission.clone()));
+    st.tokens.insert(t.id.clone(), t.clone());
+    st.tokens_by_principal.entry(admin.into()).or_default().insert(t.id.clone());
+    w.extend([
+        Write::Put(Row::Meta(st.meta.clone())),
+        Write::Put(Row::Project(root)),
+        Write::Put(Row::Principal(principal)),
+        Write::Put(Row::Grant(g)),
+        Write::Put(Row::Token(t)),
+    ]);
+    Ok(Output::Done)
+}
+
+fn create_project(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    path: &str,
+    quota: &Quota,
+) -> Result<Output, IamError> {
+    ids::validate_project(path).map_err(IamError::invalid)?;
+    quota.validate()?;
+    st.check_actor(actor, now_ms)?;
+    let (perm, on) = State::manage_rule(path);
+    st.require(&actor.principal, perm, on, || format!("project {on}"))?;
+    if st.projects.contains_key(path) {
+        return Err(IamError::AlreadyExists { kind: "project", name: path.into() });
+    }
+    if !st.projects.contains_key(on) {
+        return Err(IamError::NotFound { kind: "parent project", name: on.into() });
+    }
+    let rec = ProjectRecord { path: path.into(), quota: *quota, created_at_ms: now_ms };
+    st.projects.insert(path.into(), rec.clone());
+    st.usage.insert(path.into(), Usage::default());
+    w.push(Write::Put(Row::Project(rec)));
+    Ok(Output::Project(st.view(path).expect("project just inserted")))
+}
+
+fn set_quota(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    path: &str,
+    quota: &Quota,
+) -> Result<Output, IamError> {
+    ids::validate_project(path).map_err(IamError::invalid)?;
+    quota.validate()?;
+    st.check_actor(actor, now_ms)?;
+    let (perm, on) = State::manage_rule(path);
+    st.require(&actor.principal, perm, on, || format!("project {on}"))?;
+    let Some(rec) = st.projects.get_mut(path) else {
+        return Err(IamError::NotFound { kind: "project", name: path.into() });
+    };
+    rec.quota = *quota;
+    w.push(Write::Put(Row::Project(rec.clone())));
+    Ok(Output::Project(st.view(path).expect("project exists")))
+}
+
+fn delete_project(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    path: &str,
+) -> Result<Output, IamError> {
+    ids::validate_project(path).map_err(IamError::invalid)?;
+    if path == ROOT_PROJECT {
+        return Err(IamError::InvalidArgument("the root project cannot be deleted".into()));
+    }
+    st.check_actor(actor, now_ms)?;
+    let (perm, on) = State::manage_rule(path);
+    st.require(&actor.principal, perm, on, || format!("project {on}"))?;
+    if !st.projects.contains_key(path) {
+        return Err(IamError::NotFound { kind: "project", name: path.into() });
+    }
+    let prefix = format!("{path}/");
+    if let Some((child, _)) = st.projects.range(prefix.clone()..).next()
+        && child.starts_with(&prefix)
+    {
+        return Err(IamError::InvalidState(format!("project {path} still has subproject {child}")));
+    }
+    if let Some(p) = st.principals.values().find(|p| p.project == path) {
+        return Err(IamError::InvalidState(format!("project {path} still has principal {}", p.name)));
+    }
+    let held = st.usage.get(path).map_or(0, |u| u.sandboxes);
+    if held > 0 {
+        return Err(IamError::InvalidState(format!("project {path} still holds {held} leases")));
+    }
+    st.projects.remove(path);
+    st.usage.remove(path);
+    w.push(Write::Delete { table: Table::Projects, key: path.into() });
+    // Grants on the project go with it, so a project later created under the same name does
+    // not inherit them; that takes access away, hence the epoch.
+    let mut removed = Vec::new();
+    for (principal, set) in st.grants.iter_mut() {
+        set.retain(|(gp, perm)| {
+            let keep = gp != path;
+            if !keep {
+                removed.push(GrantRecord {
+                    principal: principal.clone(),
+                    project: gp.clone(),
+                    permission: perm.clone(),
+                });
+            }
+            keep
+        });
+    }
+    st.grants.retain(|_, set| !set.is_empty());
+    for g in removed {
+        w.push(Write::Delete { table: Table::Grants, key: g.key() });
+    }
+    st.bump_epoch(w);
+    Ok(Output::Done)
+}
+
+fn create_principal(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    name: &str,
+    project: &str,
+) -> Result<Output, IamError> {
+    ids::validate_principal(name).map_err(IamError::invalid)?;
+    ids::validate_project(project).map_err(IamError::invalid)?;
+    st.check_actor(actor, now_ms)?;
+    st.require(&actor.principal, "principal.manage", project, || format!("project {project}"))?;
+    if !st.projects.contains_key(project) {
+        return Err(IamError::NotFound { kind: "project", name: project.into() });
+    }
+    if st.principals.contains_key(name) {
+        return Err(IamError::AlreadyExists { kind: "principal", name: name.into() });
+    }
+    let rec = PrincipalRecord { name: name.into(), project: project.into(), created_at_ms: now_ms };
+    st.principals.insert(name.into(), rec.clone());
+    w.push(Write::Put(Row::Principal(rec.clone())));
+    Ok(Output::Principal(rec))
+}
+
+fn delete_principal(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    name: &str,
+) -> Result<Output, IamError> {
+    ids::validate_principal(name).map_err(IamError::invalid)?;
+    st.check_actor(actor, now_ms)?;
+    if st.require_over_principal(&actor.principal, "principal.manage", name)?.is_none() {
+        return Err(IamError::NotFound { kind: "principal", name: name.into() });
+    }
+    st.principals.remove(name);
+    w.push(Write::Delete { table: Table::Principals, key: name.into() });
+    for id in st.tokens_by_principal.remove(name).unwrap_or_default() {
+        st.tokens.remove(&id);
+        w.push(Write::Delete { table: Table::Tokens, key: id });
+    }
+    for (project, permission) in st.grants.remove(name).unwrap_or_default() {
+        let g = GrantRecord { principal: name.into(), project, permission };
+        w.push(Write::Delete { table: Table::Grants, key: g.key() });
+    }
+    st.bump_epoch(w);
+    Ok(Output::Done)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn create_token(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    principal: &str,
+    token_id: &str,
+    secret_hash: &str,
+    expires_at_ms: i64,
+    description: &str,
+) -> Result<Output, IamError> {
+    ids::validate_principal(principal).map_err(IamError::invalid)?;
+    if !token::valid_id(token_id) || !token::is_hex32(secret_hash) {
+        return Err(IamError::InvalidArgument("malformed token id or secret hash".into()));
+    }
+    if expires_at_ms != 0 && expires_at_ms <= now_ms {
+        return Err(IamError::InvalidArgument("token would expire before it is created".into()));
+    }
+    if description.len() > MAX_DESCRIPTION_LEN || description.chars().any(char::is_control) {
+        return Err(IamError::InvalidArgument(format!(
+            "description must be at most {MAX_DESCRIPTION_LEN} bytes without control characters"
+        )));
+    }
+    st.check_actor(actor, now_ms)?;
+    if principal != actor.principal
+        && st.require_over_principal(&actor.principal, "principal.manage", principal)?.is_none()
+    {
+        return Err(IamError::NotFound { kind: "principal", name: principal.into() });
+    }
+    if st.tokens.contains_key(token_id) {
+        return Err(IamError::AlreadyExists { kind: "token", name: token_id.into() });
+    }
+    let live = st
+        .tokens_by_principal
+        .get(principal)
+        .map_or(0, |ids| ids.iter().filter(|id| st.tokens.get(*id).is_some_and(|t| !t.revoked)).count());
+    if live >= MAX_TOKENS_PER_PRINCIPAL {
+        return Err(IamError::InvalidState(format!(
+            "principal {principal} already holds {live} tokens; revoke some first"
+        )));
+    }
+    let t = TokenRecord {
+        id: token_id.into(),
+        principal: principal.into(),
+        secret_hash: secret_hash.into(),
+        description: description.into(),
+        created_at_ms: now_ms,
+        expires_at_ms,
+        revoked: false,
+    };
+    st.tokens.insert(t.id.clone(), t.clone());
+    st.tokens_by_principal.entry(principal.into()).or_default().insert(t.id.clone());
+    w.push(Write::Put(Row::Token(t.clone())));
+    Ok(Output::Token(t))
+}
+
+fn revoke_token(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    token_id: &str,
+) -> Result<Output, IamError> {
+    if !token::valid_id(token_id) {
+        return Err(IamError::InvalidArgument("malformed token id".into()));
+    }
+    st.check_actor(actor, now_ms)?;
+    let owner = st.tokens.get(token_id).map(|t| t.principal.clone());
+    match &owner {
+        Some(p) if *p == actor.principal => {}
+        Some(p) => {
+            let on = st.principals.get(p).map_or(ROOT_PROJECT, |r| r.project.as_str());
+            st.require(&actor.principal, "principal.manage", on, || format!("token {token_id}"))?;
+        }
+        None => {
+            st.require(&actor.principal, "principal.manage", ROOT_PROJECT, || format!("token {token_id}"))?;
+            return Err(IamError::NotFound { kind: "token", name: token_id.into() });
+        }
+    }
+    let t = st.tokens.get_mut(token_id).expect("token looked up above");
+    if t.revoked {
+        return Ok(Output::Done);
+    }
+    t.revoked = true;
+    w.push(Write::Put(Row::Token(t.clone())));
+    st.bump_epoch(w);
+    Ok(Output::Done)
+}
+
+/// Checks shared by Grant and RevokeGrant: valid names, a known permission, `grant.manage` on
+/// the project, and the caller holding the permission itself (bounded delegation).
+fn check_grant_change(st: &State, actor: &Actor, now_ms: i64, g: &GrantRecord) -> Result<(), IamError> {
+    ids::validate_principal(&g.principal).map_err(IamError::invalid)?;
+    ids::validate_project(&g.project).map_err(IamError::invalid)?;
+    validate_permission(&g.permission)?;
+    st.check_actor(actor, now_ms)?;
+    st.require(&actor.principal, "grant.manage", &g.project, || format!("project {}", g.project))?;
+    st.require(&actor.principal, &g.permission, &g.project, || format!("project {}", g.project))?;
+    Ok(())
+}
+
+fn add_grant(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    g: &GrantRecord,
+) -> Result<Output, IamError> {
+    check_grant_change(st, actor, now_ms, g)?;
+    if !st.projects.contains_key(&g.project) {
+        return Err(IamError::NotFound { kind: "project", name: g.project.clone() });
+    }
+    if !st.principals.contains_key(&g.principal) {
+        return Err(IamError::NotFound { kind: "principal", name: g.principal.clone() });
+    }
+    // Granting what is already granted is a no-op, so retries are harmless.
+    if st.grants.entry(g.principal.clone()).or_default().insert((g.project.clone(), g.permission.clone())) {
+        w.push(Write::Put(Row::Grant(g.clone())));
+    }
+    Ok(Output::Done)
+}
+
+fn revoke_grant(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    g: &GrantRecord,
+) -> Result<Output, IamError> {
+    check_grant_change(st, actor, now_ms, g)?;
+    if !st.has_grant(g) {
+        return Err(IamError::NotFound { kind: "grant", name: g.key() });
+    }
+    if let Some(set) = st.grants.get_mut(&g.principal) {
+        set.remove(&(g.project.clone(), g.permission.clone()));
+        if set.is_empty() {
+            st.grants.remove(&g.principal);
+        }
+    }
+    w.push(Write::Delete { table: Table::Grants, key: g.key() });
+    st.bump_epoch(w);
+    Ok(Output::Done)
+}
+
+fn restore(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    snap: &Snapshot,
+) -> Result<Output, IamError> {
+    st.check_actor(actor, now_ms)?;
+    st.require(&actor.principal, "iam.admin", ROOT_PROJECT, || format!("project {ROOT_PROJECT}"))?;
+    snap.validate()?;
+    // Everything the backup covers is replaced: delete the old rows, put the new ones (the
+    // store applies writes in order, so a row in both ends up put).
+    for p in st.projects.keys() {
+        w.push(Write::Delete { table: Table::Projects, key: p.clone() });
+    }
+    for p in st.principals.keys() {
+        w.push(Write::Delete { table: Table::Principals, key: p.clone() });
+    }
+    for t in st.tokens.keys() {
+        w.push(Write::Delete { table: Table::Tokens, key: t.clone() });
+    }
+    for g in st.grant_records() {
+        w.push(Write::Delete { table: Table::Grants, key: g.key() });
+    }
+    st.projects = snap.projects.iter().map(|p| (p.path.clone(), p.clone())).collect();
+    st.principals = snap.principals.iter().map(|p| (p.name.clone(), p.clone())).collect();
+    st.tokens = snap.tokens.iter().map(|t| (t.id.clone(), t.clone())).collect();
+    st.grants.clear();
+    for g in &snap.grants {
+        st.grants.entry(g.principal.clone()).or_default().insert((g.project.clone(), g.permission.clone()));
+    }
+    w.extend(snap.projects.iter().cloned().map(|r| Write::Put(Row::Project(r))));
+    w.extend(snap.principals.iter().cloned().map(|r| Write::Put(Row::Principal(r))));
+    w.extend(snap.tokens.iter().cloned().map(|r| Write::Put(Row::Token(r))));
+    w.extend(snap.grants.iter().cloned().map(|r| Write::Put(Row::Grant(r))));
+    // Leases are kept (reconciliation owns them) except those whose project the backup does
+    // not have: every lease's project must exist.
+    let mut orphans: Vec<String> =
+        st.leases.values().filter(|l| !st.projects.contains_key(&l.project)).map(|l| l.id.clone()).collect();
+    orphans.sort();
+    for id in orphans {
+        st.leases.remove(&id);
+        w.push(Write::Delete { table: Table::Leases, key: id });
+    }
+    st.meta.hash_key = snap.hash_key.clone();
+    st.meta.epoch = st.meta.epoch.max(snap.epoch) + 1;
+    st.rebuild_derived();
+    w.push(Write::Put(Row::Meta(st.meta.clone())));
+    Ok(Output::Done)
+}
+
+/// Validation an Admit needs before anything is looked up (shared with the proposer, which
+/// checks first to fail fast without a commit).
+pub fn validate_admit(lease_id: &str, project: &str, resources: &Resources, edge: &str) -> Result<(), IamError> {
+    ids::validate_lease(lease_id).map_err(IamError::invalid)?;
+    ids::validate_project(project).map_err(IamError::invalid)?;
+    ids::validate_edge(edge).map_err(IamError::invalid)?;
+    resources.validate()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn admit(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    lease_id: &str,
+    project: &str,
+    resources: &Resources,
+    edge: &str,
+) -> Result<Output, IamError> {
+    validate_admit(lease_id, project, resources, edge)?;
+    st.check_actor(actor, now_ms)?;
+    st.require(&actor.principal, "sandbox.create", project, || format!("project {project}"))?;
+    if !st.projects.contains_key(project) {
+        return Err(IamError::NotFound { kind: "project", name: project.into() });
+    }
+    if let Some(existing) = st.leases.get(lease_id) {
+        if existing.project != project || existing.resources != *resources {
+            return Err(IamError::InvalidArgument(format!(
+                "lease {lease_id} already exists with a different project or resources"
+            )));
+        }
+        // Same lease again: only rebind (a retry on another edge); quota is already held.
+        let old_edge = existing.edge.clone();
+        let principal = existing.principal.clone();
+        st.unindex_edge(&old_edge, lease_id);
+        st.leases_by_edge.entry(edge.into()).or_default().insert(lease_id.into());
+        let l = st.leases.get_mut(lease_id).expect("lease looked up above");
+        l.edge = edge.into();
+        l.bound_at_ms = now_ms;
+        w.push(Write::Put(Row::Lease(l.clone())));
+        return Ok(Output::Admitted { principal, rebound: true });
+    }
+    st.check_quota(project, &Usage::of(resources))?;
+    st.insert_lease(
+        LeaseRecord {
+            id: lease_id.into(),
+            project: project.into(),
+            principal: actor.principal.clone(),
+            edge: edge.into(),
+            resources: *resources,
+            created_at_ms: now_ms,
+            bound_at_ms: now_ms,
+        },
+        w,
+    );
+    Ok(Output::Admitted { principal: actor.principal.clone(), rebound: false })
+}
+
+/// Whether a reported lease can be adopted: valid ids, an existing project, sane resources.
+fn adoptable(st: &State, l: &LiveLease) -> bool {
+    ids::validate_lease(&l.lease_id).is_ok()
+        && st.projects.contains_key(&l.project)
+        && (l.principal.is_empty() || ids::validate_principal(&l.principal).is_ok())
+        && l.resources.validate_bounds().is_ok()
+}
+
+fn reconcile(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    now_ms: i64,
+    edge: &str,
+    live: &[LiveLease],
+    min_age_ms: i64,
+) -> Result<Output, IamError> {
+    ids::validate_edge(edge).map_err(IamError::invalid)?;
+    if min_age_ms < 0 {
+        return Err(IamError::InvalidArgument("reconcile min age is negative".into()));
+    }
+    let mut adopted = 0u32;
+    for l in live {
+        if st.leases.contains_key(&l.lease_id) || !adoptable(st, l) {
+            // Known leases stay as they are, even when bound elsewhere: the apiserver may have
+            // rebound them, and the other edge's reconciliation decides.
+            continue;
+        }
+        // Adoption never fails on quota: the sandbox exists whether or not it fits.
+        st.insert_lease(
+            LeaseRecord {
+                id: l.lease_id.clone(),
+                project: l.project.clone(),
+                principal: l.principal.clone(),
+                edge: edge.into(),
+                resources: l.resources,
+                created_at_ms: now_ms,
+                bound_at_ms: now_ms,
+            },
+            w,
+        );
+        adopted += 1;
+    }
+    let reported: HashSet<&str> = live.iter().map(|l| l.lease_id.as_str()).collect();
+    let gone: Vec<String> = st
+        .leases_by_edge
+        .get(edge)
+        .map(|ids| {
+            ids.iter()
+                .filter(|id| !reported.contains(id.as_str()))
+                .filter(|id| st.leases.get(*id).is_some_and(|l| now_ms.saturating_sub(l.bound_at_ms) >= min_age_ms))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut released = 0u32;
+    for id in gone {
+        if st.release_lease(&id, w) {
+            released += 1;
+        }
+    }
+    Ok(Output::Reconciled { adopted, released })
+}
+
+fn sweep_unbound(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    now_ms: i64,
+    known_edges: &[String],
+    older_than_ms: i64,
+) -> Result<Output, IamError> {
+    if older_than_ms < 0 {
+        return Err(IamError::InvalidArgument("older_than is negative".into()));
+    }
+    let known: HashSet<&str> = known_edges.iter().map(String::as_str).collect();
+    let mut gone: Vec<String> = st
+        .leases_by_edge
+        .iter()
+        .filter(|(edge, _)| !known.contains(edge.as_str()))
+        .flat_map(|(_, ids)| ids.iter())
+        .filter(|id| st.leases.get(*id).is_some_and(|l| now_ms.saturating_sub(l.bound_at_ms) >= older_than_ms))
+        .cloned()
+        .collect();
+    // Sorted so the writes come out in the same order on every node.
+    gone.sort();
+    let mut released = 0u32;
+    for id in gone {
+        if st.release_lease(&id, w) {
+            released += 1;
+        }
+    }
+    Ok(Output::Released { released })
+}
+
+fn validate_lock_part(what: &str, v: &str) -> Result<(), IamError> {
+    if v.is_empty() || v.len() > MAX_LOCK_NAME_LEN || v.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(IamError::InvalidArgument(format!(
+            "lock {what} must be 1..={MAX_LOCK_NAME_LEN} bytes without spaces or control characters"
+        )));
+    }
+    Ok(())
+}
+
+fn acquire_lock(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    now_ms: i64,
+    name: &str,
+    holder: &str,
+    ttl_ms: i64,
+) -> Result<Output, IamError> {
+    validate_lock_part("name", name)?;
+    validate_lock_part("holder", holder)?;
+    if !(1..=MAX_LOCK_TTL_MS).contains(&ttl_ms) {
+        return Err(IamError::InvalidArgument(format!("lock ttl_ms must be in 1..={MAX_LOCK_TTL_MS}")));
+    }
+    if let Some(cur) = st.locks.get(name)
+        && cur.holder != holder
+        && cur.expires_at_ms > now_ms
+    {
+        return Ok(Output::Lock { acquired: false, holder: cur.holder.clone(), expires_at_ms: cur.expires_at_ms });
+    }
+    let rec = LockRecord { name: name.into(), holder: holder.into(), expires_at_ms: now_ms.saturating_add(ttl_ms) };
+    st.locks.insert(name.into(), rec.clone());
+    w.push(Write::Put(Row::Lock(rec.clone())));
+    Ok(Output::Lock { acquired: true, holder: rec.holder, expires_at_ms: rec.expires_at_ms })
+}

@@ -1,0 +1,143 @@
+//! Tokens `dsk.<id>.<secret>`: making them (proposer side), hashing their secrets and comparing
+//! hashes in constant time.
+//!
+//! Only `HMAC-SHA256(hash_key, secret)` is ever stored or put in a command; the secret itself
+//! exists only in the answer to `CreateToken` and in the admin's config. Nothing here logs.
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+use subtle::ConstantTimeEq;
+
+/// Length of generated token ids ([a-z0-9]).
+pub const ID_LEN: usize = 16;
+/// Length of generated secrets ([A-Za-z0-9]).
+pub const SECRET_LEN: usize = 43;
+/// Length of the HMAC key made at bootstrap.
+pub const HASH_KEY_LEN: usize = 32;
+/// Longest token string looked at; anything longer is malformed without further work.
+pub const MAX_TOKEN_LEN: usize = 200;
+
+/// Splits a token into (id, secret), or `None` when it does not have the shape.
+pub fn parse(token: &str) -> Option<(&str, &str)> {
+    if token.len() > MAX_TOKEN_LEN {
+        return None;
+    }
+    opendsec_common::config::parse_token_shape(token)
+}
+
+/// Whether `id` has the shape of a token id (generated ids are 16 chars; the admin's may be up
+/// to 32, as `parse_token_shape` allows).
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 32 && id.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+}
+
+pub fn format(id: &str, secret: &str) -> String {
+    format!("dsk.{id}.{secret}")
+}
+
+/// A new random token id: 16 characters of [a-z0-9].
+pub fn new_id() -> String {
+    use rand::RngExt;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..ID_LEN).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+}
+
+/// A new random secret: 43 characters of [A-Za-z0-9] (about 256 bits).
+pub fn new_secret() -> String {
+    opendsec_common::grpc::random_secret(SECRET_LEN)
+}
+
+/// A new HMAC key for token secrets, as hex.
+pub fn new_hash_key() -> String {
+    let bytes: [u8; HASH_KEY_LEN] = rand::random();
+    to_hex(&bytes)
+}
+
+/// HMAC-SHA256(key, secret).
+pub fn hash_secret(key: &[u8], secret: &str) -> [u8; 32] {
+    // HMAC takes keys of any length, so this cannot fail; the fallback keeps it panic-free.
+    let mut mac = match <Hmac<Sha256> as KeyInit>::new_from_slice(key) {
+        Ok(m) => m,
+        Err(_) => return [0; 32],
+    };
+    mac.update(secret.as_bytes());
+    let out = mac.finalize().into_bytes();
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&out[..32]);
+    h
+}
+
+/// HMAC-SHA256(key, secret) as lowercase hex (the stored form).
+pub fn hash_secret_hex(key: &[u8], secret: &str) -> String {
+    to_hex(&hash_secret(key, secret))
+}
+
+/// Whether `secret` hashes to the stored hex hash, compared in constant time.
+pub fn verify(key: &[u8], secret: &str, stored_hex: &str) -> bool {
+    let Some(stored) = from_hex(stored_hex) else { return false };
+    let got = hash_secret(key, secret);
+    stored.len() == got.len() && bool::from(stored.as_slice().ct_eq(&got))
+}
+
+pub fn to_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[(b >> 4) as usize] as char);
+        s.push(DIGITS[(b & 15) as usize] as char);
+    }
+    s
+}
+
+pub fn from_hex(s: &str) -> Option<Vec<u8>> {
+    fn nibble(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        }
+    }
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    s.as_bytes().chunks(2).map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?)).collect()
+}
+
+/// Whether `s` is the hex of exactly 32 bytes (a hash key or a secret hash).
+pub fn is_hex32(s: &str) -> bool {
+    s.len() == 64 && from_hex(s).is_some()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_tokens_parse_and_verify() {
+        let key = from_hex(&new_hash_key()).unwrap();
+        let (id, secret) = (new_id(), new_secret());
+        let t = format(&id, &secret);
+        assert_eq!(parse(&t), Some((id.as_str(), secret.as_str())));
+        let h = hash_secret_hex(&key, &secret);
+        assert!(verify(&key, &secret, &h));
+        assert!(!verify(&key, "other-secret-0123456789", &h));
+        assert!(!verify(&key, &secret, "zz"));
+        assert!(valid_id(&id) && id.len() == ID_LEN && secret.len() == SECRET_LEN);
+    }
+
+    #[test]
+    fn hmac_matches_a_known_vector() {
+        // RFC 4231 test case 2.
+        let h = hash_secret(b"Jefe", "what do ya want for nothing?");
+        assert_eq!(to_hex(&h), "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+    }
+
+    #[test]
+    fn hex_round_trip() {
+        assert_eq!(from_hex(&to_hex(&[0, 1, 0xab, 0xff])).unwrap(), vec![0, 1, 0xab, 0xff]);
+        assert!(from_hex("abc").is_none());
+        assert!(from_hex("AB").is_none());
+        assert!(!is_hex32("00"));
+    }
+}

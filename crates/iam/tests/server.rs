@@ -1,0 +1,335 @@
+//! IAM through its real store and its real gRPC server: state survives a reopen (leases and
+//! usage included), group commit under concurrency, backup and restore, and the services
+//! behind the shared service token.
+
+use std::time::Duration;
+
+use opendsec_common::grpc::{self, AttachServiceToken};
+use opendsec_common::{ApiError, Reason};
+use opendsec_iam::{Authenticated, GrantRecord, Iam, IamError, IamOptions, LiveLease, Quota, Resources, State, to_api};
+use opendsec_proto::v1 as pb;
+use tonic::Request;
+
+const ADMIN_TOKEN: &str = "dsk.admin01.AdminSecretAdminSecret0123456789";
+const SERVICE_TOKEN: &str = "service-token-for-tests-0123456789";
+
+fn options(dir: &std::path::Path, admin_token: &str) -> IamOptions {
+    IamOptions {
+        data_dir: dir.join("iam"),
+        admin_principal: "admin".into(),
+        admin_token: admin_token.into(),
+        reconcile_min_age: Duration::from_secs(60),
+        commit_batch_max: 256,
+    }
+}
+
+fn res(cpu: u64) -> Resources {
+    Resources { cpu_millis: cpu, memory_mb: 64, disk_mb: 0, gpus: 0 }
+}
+
+fn reason(e: &IamError) -> Reason {
+    to_api(e).reason
+}
+
+async fn user_with_token(iam: &Iam, admin: &Authenticated, name: &str, project: &str) -> String {
+    iam.create_principal(admin, name, project).await.unwrap();
+    let g = GrantRecord { principal: name.into(), project: project.into(), permission: "sandbox.create".into() };
+    iam.grant(admin, g).await.unwrap();
+    iam.create_token(admin, name, 0, "test").await.unwrap().0
+}
+
+fn snapshot(iam: &Iam) -> State {
+    iam.read(|s| s.clone())
+}
+
+#[test]
+fn first_start_needs_a_usable_admin_token() {
+    let dir = tempfile::tempdir().unwrap();
+    for bad in ["", "not-a-token", "dsk.admin.change-me-please-0123"] {
+        let r = Iam::open(options(dir.path(), bad));
+        assert!(matches!(r, Err(IamError::AdminToken(_))), "{bad}");
+    }
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    let who = iam.authenticate(ADMIN_TOKEN).unwrap();
+    assert_eq!((who.principal.as_str(), who.project.as_str()), ("admin", "root"));
+    drop(iam);
+    // Later starts ignore the option, even an empty one.
+    let iam = Iam::open(options(dir.path(), "")).unwrap();
+    assert!(iam.authenticate(ADMIN_TOKEN).is_ok());
+}
+
+#[tokio::test]
+async fn state_survives_a_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
+    iam.create_project(&admin, "root/a", Quota { cpu_millis: Some(10_000), ..Quota::default() }).await.unwrap();
+    iam.create_project(&admin, "root/a/b", Quota::default()).await.unwrap();
+    let token = user_with_token(&iam, &admin, "worker", "root/a").await;
+    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1").await.unwrap();
+    iam.admit(&token, "lease-2", "root/a", res(2000), "e2").await.unwrap();
+    iam.admit(&token, "lease-3", "root/a", res(500), "e2").await.unwrap();
+    assert_eq!(iam.release_leases(vec!["lease-3".into()]).await.unwrap(), 1);
+    iam.acquire_lock("leader", "w1", 10_000).await.unwrap();
+    let before = snapshot(&iam);
+    assert_eq!(before.usage("root/a").unwrap().cpu_millis, 3000);
+    drop(iam);
+
+    let iam = Iam::open(options(dir.path(), "dsk.other.AnotherSecret0123456789")).unwrap();
+    let after = snapshot(&iam);
+    assert_eq!(after, before);
+    assert_eq!(after.usage("root").unwrap().sandboxes, 2);
+    assert_eq!(iam.get_lease("lease-2").unwrap().unwrap().edge, "e2");
+    assert!(iam.authenticate(&token).is_ok());
+    assert!(iam.authenticate("dsk.other.AnotherSecret0123456789").is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_admits_are_group_committed() {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
+    iam.create_project(&admin, "root/load", Quota { sandboxes: Some(1500), ..Quota::default() }).await.unwrap();
+    let token = user_with_token(&iam, &admin, "loader", "root/load").await;
+    let tasks: Vec<_> = (0..2000)
+        .map(|i| {
+            let (iam, token) = (iam.clone(), token.clone());
+            tokio::spawn(async move { iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1").await })
+        })
+        .collect();
+    let (mut ok, mut over) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => ok += 1,
+            Err(e) => {
+                assert_eq!(reason(&e), Reason::QuotaExceeded, "{e}");
+                over += 1;
+            }
+        }
+    }
+    assert_eq!((ok, over), (1500, 500));
+    let before = snapshot(&iam);
+    assert_eq!(before.usage("root/load").unwrap().sandboxes, 1500);
+    // Every successful admit was durable before it was answered.
+    drop(iam);
+    let iam = Iam::open(options(dir.path(), "")).unwrap();
+    assert_eq!(snapshot(&iam).usage("root/load").unwrap().sandboxes, 1500);
+    assert_eq!(snapshot(&iam).leases().count(), 1500);
+}
+
+#[tokio::test]
+async fn reconcile_and_sweep_go_through_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(dir.path(), ADMIN_TOKEN);
+    opts.reconcile_min_age = Duration::ZERO;
+    let iam = Iam::open(opts).unwrap();
+    let live = vec![LiveLease {
+        lease_id: "found".into(),
+        project: "root".into(),
+        principal: String::new(),
+        resources: res(5),
+    }];
+    assert_eq!(iam.reconcile("e9", live).await.unwrap(), (1, 0));
+    assert_eq!(iam.reconcile("e9", vec![]).await.unwrap(), (0, 1));
+    assert_eq!(iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone").await.unwrap(), ("admin".to_string(), false));
+    assert_eq!(iam.sweep_unbound(vec!["e9".into()], 0).await.unwrap(), 1);
+    assert_eq!(snapshot(&iam).leases().count(), 0);
+}
+
+#[tokio::test]
+async fn restore_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
+    iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
+    let token = user_with_token(&iam, &admin, "worker", "root/a").await;
+    iam.admit(&token, "lease-1", "root/a", res(100), "e1").await.unwrap();
+    let backup = iam.backup(&admin).unwrap();
+
+    iam.create_project(&admin, "root/later", Quota::default()).await.unwrap();
+    let later = user_with_token(&iam, &admin, "later", "root/a").await;
+    let epoch = iam.epoch();
+
+    // Garbage and truncated backups change nothing.
+    for bad in [b"garbage".to_vec(), backup[..backup.len() / 2].to_vec(), Vec::new()] {
+        let e = iam.restore(&admin, &bad).await.unwrap_err();
+        assert_eq!(reason(&e), Reason::InvalidArgument, "{e}");
+    }
+    assert_eq!(iam.epoch(), epoch);
+    assert!(iam.get_project(&admin, "root/later").is_ok());
+    // Only iam.admin on root may restore.
+    let worker = iam.authenticate(&token).unwrap();
+    assert_eq!(reason(&iam.restore(&worker, &backup).await.unwrap_err()), Reason::PermissionDenied);
+
+    iam.restore(&admin, &backup).await.unwrap();
+    assert!(iam.epoch() > epoch);
+    assert_eq!(reason(&iam.get_project(&admin, "root/later").unwrap_err()), Reason::NotFound);
+    assert!(iam.authenticate(&later).is_err(), "tokens made after the backup are gone");
+    assert!(iam.authenticate(&token).is_ok(), "tokens in the backup still work");
+    assert!(iam.get_lease("lease-1").unwrap().is_some(), "leases are kept");
+    let restored = snapshot(&iam);
+    drop(iam);
+    let iam = Iam::open(options(dir.path(), "")).unwrap();
+    assert_eq!(snapshot(&iam), restored);
+}
+
+// ----- gRPC -----
+
+struct Server {
+    addr: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), IamError>>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        opendsec_iam::serve(iam, listener, SERVICE_TOKEN, async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    Server { addr, stop: Some(tx), task, _dir: dir }
+}
+
+fn iam_client(addr: &str) -> pb::iam_client::IamClient<grpc::ServiceChannel> {
+    let ch = grpc::channel(addr).unwrap();
+    pb::iam_client::IamClient::new(grpc::service_channel(ch, &AttachServiceToken::new(SERVICE_TOKEN).unwrap()))
+}
+
+fn admin_client(addr: &str) -> pb::admin_client::AdminClient<grpc::ServiceChannel> {
+    let ch = grpc::channel(addr).unwrap();
+    pb::admin_client::AdminClient::new(grpc::service_channel(ch, &AttachServiceToken::new(SERVICE_TOKEN).unwrap()))
+}
+
+fn as_caller<T>(token: &str, msg: T) -> Request<T> {
+    let mut req = Request::new(msg);
+    grpc::set_bearer(&mut req, token).unwrap();
+    req
+}
+
+fn api(s: tonic::Status) -> ApiError {
+    ApiError::from_status(&s)
+}
+
+#[tokio::test]
+async fn grpc_admit_authenticate_and_revoke() {
+    let server = start().await;
+    let mut iam = iam_client(&server.addr);
+    let mut admin = admin_client(&server.addr);
+
+    // Set up a project with room for one sandbox and a worker allowed to create there.
+    let quota = pb::Quota { sandboxes: Some(1), ..Default::default() };
+    let p = admin
+        .create_project(as_caller(ADMIN_TOKEN, pb::CreateProjectRequest { path: "root/rl".into(), quota: Some(quota) }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(p.effective.unwrap().sandboxes, Some(1));
+    admin
+        .create_principal(as_caller(
+            ADMIN_TOKEN,
+            pb::CreatePrincipalRequest { name: "worker".into(), project: "root/rl".into() },
+        ))
+        .await
+        .unwrap();
+    let grant =
+        pb::Grant { principal: "worker".into(), project: "root/rl".into(), permission: "sandbox.create".into() };
+    admin.grant(as_caller(ADMIN_TOKEN, pb::GrantRequest { grant: Some(grant) })).await.unwrap();
+    let created = admin
+        .create_token(as_caller(
+            ADMIN_TOKEN,
+            pb::CreateTokenRequest { principal: "worker".into(), ttl_s: 3600, description: "ci".into() },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let token = created.token.clone();
+    let info = created.info.unwrap();
+    assert!(info.expires_at_ms > 0 && !info.revoked);
+
+    // Admit, then the same lease again on another edge (rebound), then a second lease: over quota.
+    let admit = |lease: &str, edge: &str| pb::AdmitRequest {
+        token: token.clone(),
+        lease_id: lease.into(),
+        project: "root/rl".into(),
+        resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 512, disk_mb: 1024, gpus: 0 }),
+        edge: edge.into(),
+    };
+    let a = iam.admit(admit("lease-1", "e1")).await.unwrap().into_inner();
+    assert_eq!((a.principal.as_str(), a.rebound), ("worker", false));
+    assert!(iam.admit(admit("lease-1", "e2")).await.unwrap().into_inner().rebound);
+    let e = api(iam.admit(admit("lease-2", "e1")).await.unwrap_err());
+    assert_eq!(e.reason, Reason::QuotaExceeded);
+    assert_eq!(e.metadata.get("project").map(String::as_str), Some("root/rl"));
+    let lease = iam.get_lease(pb::GetLeaseRequest { lease_id: "lease-1".into() }).await.unwrap().into_inner();
+    assert!(lease.found);
+    assert_eq!(lease.lease.unwrap().edge, "e2");
+    let usage = admin
+        .get_usage(as_caller(ADMIN_TOKEN, pb::GetUsageRequest { project: "root/rl".into() }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(usage.projects[0].usage.unwrap().cpu_millis, 1000);
+
+    // Authenticate, then revoke: the epoch moves and the token stops working.
+    let who = iam.authenticate(pb::AuthenticateRequest { token: token.clone() }).await.unwrap().into_inner();
+    assert_eq!((who.principal.as_str(), who.project.as_str()), ("worker", "root/rl"));
+    let me = admin.who_am_i(as_caller(&token, pb::WhoAmIRequest {})).await.unwrap().into_inner();
+    assert_eq!(me.grants.len(), 1);
+    let e0 = iam.get_epoch(pb::GetEpochRequest {}).await.unwrap().into_inner().epoch;
+    admin.revoke_token(as_caller(ADMIN_TOKEN, pb::RevokeTokenRequest { id: who.token_id.clone() })).await.unwrap();
+    let e1 = iam.get_epoch(pb::GetEpochRequest {}).await.unwrap().into_inner().epoch;
+    assert!(e1 > e0, "revocation bumps the epoch ({e0} -> {e1})");
+    let e = api(iam.authenticate(pb::AuthenticateRequest { token: token.clone() }).await.unwrap_err());
+    assert_eq!(e.reason, Reason::Unauthenticated);
+    assert!(!e.message.contains(&token[token.len() - 20..]), "the secret is never echoed");
+    assert_eq!(api(iam.admit(admit("lease-1", "e3")).await.unwrap_err()).reason, Reason::Unauthenticated);
+
+    let released = iam.release_leases(pb::ReleaseLeasesRequest { lease_ids: vec!["lease-1".into(), "nope".into()] });
+    assert_eq!(released.await.unwrap().into_inner().released, 1);
+
+    // Locks over the wire.
+    let lock = |holder: &str| pb::AcquireLockRequest { name: "watcher".into(), holder: holder.into(), ttl_ms: 60_000 };
+    assert!(iam.acquire_lock(lock("w1")).await.unwrap().into_inner().acquired);
+    let other = iam.acquire_lock(lock("w2")).await.unwrap().into_inner();
+    assert_eq!((other.acquired, other.holder.as_str()), (false, "w1"));
+
+    // Without the service token: unauthenticated, on both services.
+    let ch = grpc::channel(&server.addr).unwrap();
+    let mut bare = pb::iam_client::IamClient::new(ch.clone());
+    let e = api(bare.get_epoch(pb::GetEpochRequest {}).await.unwrap_err());
+    assert_eq!(e.reason, Reason::Unauthenticated);
+    let mut bare_admin = pb::admin_client::AdminClient::new(ch);
+    let e = api(bare_admin.who_am_i(as_caller(ADMIN_TOKEN, pb::WhoAmIRequest {})).await.unwrap_err());
+    assert_eq!(e.reason, Reason::Unauthenticated);
+    // With it but without a bearer token on Admin: unauthenticated too.
+    let e = api(admin.who_am_i(pb::WhoAmIRequest {}).await.unwrap_err());
+    assert_eq!(e.reason, Reason::Unauthenticated);
+    // Bad input over the wire: the right reasons.
+    let e = api(admin
+        .grant(as_caller(
+            ADMIN_TOKEN,
+            pb::GrantRequest {
+                grant: Some(pb::Grant {
+                    principal: "worker".into(),
+                    project: "root".into(),
+                    permission: "root.everything".into(),
+                }),
+            },
+        ))
+        .await
+        .unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidArgument);
+    let e = api(iam.admit(pb::AdmitRequest { resources: None, ..admit("lease-9", "e1") }).await.unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidArgument);
+
+    let mut server = server;
+    let _ = server.stop.take().unwrap().send(());
+    server.task.await.unwrap().unwrap();
+}
