@@ -142,10 +142,18 @@ pub enum SandboxCmd {
         #[arg(long)]
         all: bool,
     },
-    Get { id: String },
-    Stop { id: String },
-    Pause { id: String },
-    Resume { id: String },
+    Get {
+        id: String,
+    },
+    Stop {
+        id: String,
+    },
+    Pause {
+        id: String,
+    },
+    Resume {
+        id: String,
+    },
     /// Replace TTLs (seconds).
     SetTimeout {
         id: String,
@@ -174,7 +182,13 @@ pub struct QuotaArgs {
 
 impl QuotaArgs {
     fn to_pb(&self) -> pb::Quota {
-        pb::Quota { cpu_millis: self.cpu, memory_mb: self.memory, disk_mb: self.disk, gpus: self.gpus, sandboxes: self.sandboxes }
+        pb::Quota {
+            cpu_millis: self.cpu,
+            memory_mb: self.memory,
+            disk_mb: self.disk,
+            gpus: self.gpus,
+            sandboxes: self.sandboxes,
+        }
     }
 }
 
@@ -185,10 +199,16 @@ pub enum ProjectCmd {
         #[command(flatten)]
         quota: QuotaArgs,
     },
-    Get { path: String },
+    Get {
+        path: String,
+    },
     /// The project and everything below it (default: root).
-    List { path: Option<String> },
-    Delete { path: String },
+    List {
+        path: Option<String>,
+    },
+    Delete {
+        path: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -199,7 +219,9 @@ pub enum QuotaCmd {
         #[command(flatten)]
         quota: QuotaArgs,
     },
-    Get { path: String },
+    Get {
+        path: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -225,13 +247,23 @@ pub enum TokenCmd {
         #[arg(long)]
         principal: Option<String>,
     },
-    Revoke { id: String },
+    Revoke {
+        id: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
 pub enum GrantCmd {
-    Add { principal: String, project: String, permission: String },
-    Remove { principal: String, project: String, permission: String },
+    Add {
+        principal: String,
+        project: String,
+        permission: String,
+    },
+    Remove {
+        principal: String,
+        project: String,
+        permission: String,
+    },
     List {
         #[arg(long = "of")]
         principal: Option<String>,
@@ -294,7 +326,12 @@ impl SpecArgs {
             project: project.unwrap_or_default().to_string(),
             image: self.image.clone(),
             backend: self.backend.clone(),
-            resources: Some(pb::Resources { cpu_millis: self.cpu, memory_mb: self.memory, disk_mb: self.disk, gpus: self.gpus }),
+            resources: Some(pb::Resources {
+                cpu_millis: self.cpu,
+                memory_mb: self.memory,
+                disk_mb: self.disk,
+                gpus: self.gpus,
+            }),
             ttl_running_stop_s: self.ttl_idle,
             ttl_max_s: self.ttl_max,
             ttl_paused_s: self.ttl_paused,
@@ -328,8 +365,8 @@ fn sandbox_line(s: &pb::Sandbox) -> String {
 }
 
 fn project_text(p: &pb::Project) -> String {
-    let q = p.effective.clone().unwrap_or_default();
-    let u = p.usage.clone().unwrap_or_default();
+    let q = p.effective.unwrap_or_default();
+    let u = p.usage.unwrap_or_default();
     let lim = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
     format!(
         "{}\n  cpu_millis {} / {}\n  memory_mb  {} / {}\n  disk_mb    {} / {}\n  gpus       {} / {}\n  sandboxes  {} / {}",
@@ -392,13 +429,17 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
             }
             QuotaCmd::Get { path } => {
                 let p = client.get_project(pb::GetProjectRequest { path }).await?;
-                out.print(json!({"path": p.path, "quota": j::quota(&p.quota), "effective": j::quota(&p.effective)}), || project_text(&p));
+                out.print(
+                    json!({"path": p.path, "quota": j::quota(&p.quota), "effective": j::quota(&p.effective)}),
+                    || project_text(&p),
+                );
                 Ok(())
             }
         },
         Command::Principal(cmd) => match cmd {
             PrincipalCmd::Create { name } => {
-                let project = project.ok_or_else(|| CtlError::Api(ApiError::invalid("principal create needs --project")))?;
+                let project =
+                    project.ok_or_else(|| CtlError::Api(ApiError::invalid("principal create needs --project")))?;
                 let p = client.create_principal(pb::CreatePrincipalRequest { name, project }).await?;
                 out.print(j::principal(&p), || format!("created principal {} in {}", p.name, p.project));
                 Ok(())
@@ -420,7 +461,11 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
         Command::Token(cmd) => match cmd {
             TokenCmd::Create { principal, ttl, description } => {
                 let r = client
-                    .create_token(pb::CreateTokenRequest { principal: principal.unwrap_or_default(), ttl_s: ttl, description })
+                    .create_token(pb::CreateTokenRequest {
+                        principal: principal.unwrap_or_default(),
+                        ttl_s: ttl,
+                        description,
+                    })
                     .await?;
                 let info = r.info.clone().unwrap_or_default();
                 out.print(json!({"token": r.token, "info": j::token_info(&info)}), || r.token.clone());
@@ -431,7 +476,15 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
                 out.print(Value::Array(r.tokens.iter().map(j::token_info).collect()), || {
                     r.tokens
                         .iter()
-                        .map(|t| format!("{}  {}  {}{}", t.id, t.principal, t.description, if t.revoked { "  (revoked)" } else { "" }))
+                        .map(|t| {
+                            format!(
+                                "{}  {}  {}{}",
+                                t.id,
+                                t.principal,
+                                t.description,
+                                if t.revoked { "  (revoked)" } else { "" }
+                            )
+                        })
                         .collect::<Vec<_>>()
                         .join("\n")
                 });
@@ -458,10 +511,17 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
             }
             GrantCmd::List { principal, on_project } => {
                 let r = client
-                    .list_grants(pb::ListGrantsRequest { principal: principal.unwrap_or_default(), project: on_project.unwrap_or_default() })
+                    .list_grants(pb::ListGrantsRequest {
+                        principal: principal.unwrap_or_default(),
+                        project: on_project.unwrap_or_default(),
+                    })
                     .await?;
                 out.print(Value::Array(r.grants.iter().map(j::grant).collect()), || {
-                    r.grants.iter().map(|g| format!("{}  {}  {}", g.principal, g.project, g.permission)).collect::<Vec<_>>().join("\n")
+                    r.grants
+                        .iter()
+                        .map(|g| format!("{}  {}  {}", g.principal, g.project, g.permission))
+                        .collect::<Vec<_>>()
+                        .join("\n")
                 });
                 Ok(())
             }
@@ -485,11 +545,14 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
         Command::Backup { file } => {
             let r = client.backup(pb::BackupRequest {}).await?;
             write_file_atomic(&file, &r.data)?;
-            out.print(json!({"file": file, "bytes": r.data.len()}), || format!("wrote {} bytes to {}", r.data.len(), file.display()));
+            out.print(json!({"file": file, "bytes": r.data.len()}), || {
+                format!("wrote {} bytes to {}", r.data.len(), file.display())
+            });
             Ok(())
         }
         Command::Restore { file } => {
-            let data = std::fs::read(&file).map_err(|e| CtlError::Local(format!("failed to read {}: {e}", file.display())))?;
+            let data =
+                std::fs::read(&file).map_err(|e| CtlError::Local(format!("failed to read {}: {e}", file.display())))?;
             client.restore(pb::RestoreRequest { data }).await?;
             out.print(json!({"restored": file}), || format!("restored from {}", file.display()));
             Ok(())
@@ -550,7 +613,8 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
         SandboxCmd::List { states, labels, page_size, page_token, all } => {
             let mut st = Vec::new();
             for s in &states {
-                let v = j::parse_state(s).ok_or_else(|| CtlError::Api(ApiError::invalid(format!("unknown state {s:?}"))))?;
+                let v = j::parse_state(s)
+                    .ok_or_else(|| CtlError::Api(ApiError::invalid(format!("unknown state {s:?}"))))?;
                 st.push(v as i32);
             }
             let req = pb::ListSandboxesRequest {
@@ -566,13 +630,16 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
                 let r = client.list_sandboxes(req).await?;
                 (r.sandboxes, r.next_page_token)
             };
-            out.print(json!({"sandboxes": items.iter().map(j::sandbox).collect::<Vec<_>>(), "next_page_token": next}), || {
-                let mut s = items.iter().map(sandbox_line).collect::<Vec<_>>().join("\n");
-                if !next.is_empty() {
-                    s.push_str(&format!("\n(more: --page-token {next})"));
-                }
-                s
-            });
+            out.print(
+                json!({"sandboxes": items.iter().map(j::sandbox).collect::<Vec<_>>(), "next_page_token": next}),
+                || {
+                    let mut s = items.iter().map(sandbox_line).collect::<Vec<_>>().join("\n");
+                    if !next.is_empty() {
+                        s.push_str(&format!("\n(more: --page-token {next})"));
+                    }
+                    s
+                },
+            );
             Ok(())
         }
         SandboxCmd::Get { id } => {
@@ -597,7 +664,12 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
         }
         SandboxCmd::SetTimeout { id, idle, max, paused } => {
             let s = client
-                .set_sandbox_timeout(pb::SetSandboxTimeoutRequest { id, ttl_running_stop_s: idle, ttl_max_s: max, ttl_paused_s: paused })
+                .set_sandbox_timeout(pb::SetSandboxTimeoutRequest {
+                    id,
+                    ttl_running_stop_s: idle,
+                    ttl_max_s: max,
+                    ttl_paused_s: paused,
+                })
                 .await?;
             out.print(j::sandbox(&s), || sandbox_line(&s));
             Ok(())
@@ -605,7 +677,11 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
     }
 }
 
-async fn cluster_up(config: Option<PathBuf>, state_dir: Option<PathBuf>, sim_edges: Option<u32>) -> Result<(), CtlError> {
+async fn cluster_up(
+    config: Option<PathBuf>,
+    state_dir: Option<PathBuf>,
+    sim_edges: Option<u32>,
+) -> Result<(), CtlError> {
     let cfg = match &config {
         Some(p) => Config::load(p).map_err(|e| CtlError::Local(e.to_string()))?,
         None => Config::default(),
@@ -625,7 +701,11 @@ async fn cluster_up(config: Option<PathBuf>, state_dir: Option<PathBuf>, sim_edg
     println!("  state:       {}", cluster.config.state_dir.display());
     println!("  admin token: written to {}", cluster.admin_token_path.display());
     println!();
-    println!("  export OPENDSEC_ADDR={} OPENDSEC_TOKEN=$(cat {})", cluster.apiserver_addr, cluster.admin_token_path.display());
+    println!(
+        "  export OPENDSEC_ADDR={} OPENDSEC_TOKEN=$(cat {})",
+        cluster.apiserver_addr,
+        cluster.admin_token_path.display()
+    );
     println!("Ctrl-C stops the cluster.");
     wait_for_signal().await;
     println!("stopping");

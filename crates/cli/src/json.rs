@@ -24,7 +24,7 @@ pub fn parse_state(s: &str) -> Option<pb::SandboxState> {
 }
 
 pub fn resources(r: &Option<pb::Resources>) -> Value {
-    let r = r.clone().unwrap_or_default();
+    let r = r.unwrap_or_default();
     json!({"cpu_millis": r.cpu_millis, "memory_mb": r.memory_mb, "disk_mb": r.disk_mb, "gpus": r.gpus})
 }
 
@@ -53,12 +53,12 @@ pub fn sandbox(s: &pb::Sandbox) -> Value {
 }
 
 pub fn quota(q: &Option<pb::Quota>) -> Value {
-    let q = q.clone().unwrap_or_default();
+    let q = q.unwrap_or_default();
     json!({"cpu_millis": q.cpu_millis, "memory_mb": q.memory_mb, "disk_mb": q.disk_mb, "gpus": q.gpus, "sandboxes": q.sandboxes})
 }
 
 pub fn project(p: &pb::Project) -> Value {
-    let u = p.usage.clone().unwrap_or_default();
+    let u = p.usage.unwrap_or_default();
     json!({
         "path": p.path,
         "quota": quota(&p.quota),

@@ -60,6 +60,7 @@ pub struct Client {
 
 impl Client {
     /// A client over `addrs` (`host:port`, tried round-robin) with an optional bearer token.
+    /// Call it inside a tokio runtime (channels connect lazily on it).
     pub fn new(addrs: &[String], token: Option<&str>) -> Result<Client, ApiError> {
         let addrs: Vec<String> = addrs.iter().map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect();
         if addrs.is_empty() {
@@ -303,8 +304,8 @@ admin_calls! {
 mod tests {
     use super::*;
 
-    #[test]
-    fn needs_an_address() {
+    #[tokio::test]
+    async fn needs_an_address() {
         assert_eq!(Client::new(&[], None).err().map(|e| e.reason), Some(Reason::InvalidArgument));
         assert!(Client::new(&["127.0.0.1:1".into(), " ".into()], Some("dsk.a.b")).is_ok());
     }

@@ -68,9 +68,7 @@ where
 }
 
 async fn bind(what: &str, addr: &str) -> Result<TcpListener, ClusterError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ClusterError::Bind { what: what.into(), addr: addr.into(), source })
+    TcpListener::bind(addr).await.map_err(|source| ClusterError::Bind { what: what.into(), addr: addr.into(), source })
 }
 
 fn local(l: &TcpListener) -> SocketAddr {
@@ -180,17 +178,15 @@ impl Cluster {
         let deadline = tokio::time::Instant::now() + timeout;
         let token = grpc::AttachServiceToken::new(&self.config.service_token)
             .map_err(|e| ClusterError::NotReady(timeout, e.message))?;
-        let ch = grpc::channel(&self.config.watcher.addrs[0]).map_err(|e| ClusterError::NotReady(timeout, e.message))?;
+        let ch =
+            grpc::channel(&self.config.watcher.addrs[0]).map_err(|e| ClusterError::NotReady(timeout, e.message))?;
         let mut client = opendsec_proto::v1::watcher_client::WatcherClient::new(grpc::service_channel(ch, &token));
         let running: Vec<&String> = self.edges.iter().filter(|(_, e)| e.running.is_some()).map(|(n, _)| n).collect();
         let mut last = String::from("no snapshot yet");
         loop {
             if let Ok(snap) = client.get_snapshot(opendsec_proto::v1::GetSnapshotRequest {}).await {
                 let snap = snap.into_inner();
-                let healthy = running
-                    .iter()
-                    .filter(|n| snap.edges.iter().any(|e| &&e.name == *n && e.healthy))
-                    .count();
+                let healthy = running.iter().filter(|n| snap.edges.iter().any(|e| &&e.name == *n && e.healthy)).count();
                 if healthy == running.len() {
                     tokio::time::sleep(self.config.apiserver.snapshot_refresh + Duration::from_millis(300)).await;
                     return Ok(());
@@ -343,13 +339,19 @@ pub async fn run_daemon(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ClusterError> {
     if config.service_token.is_empty() {
-        return Err(tokens::TokenError::Missing("service_token: daemons need the shared service token in the config".into()).into());
+        return Err(tokens::TokenError::Missing(
+            "service_token: daemons need the shared service token in the config".into(),
+        )
+        .into());
     }
     let (tx, rx) = oneshot::channel::<()>();
     let running = match role {
         Role::Iam => {
             if config.iam.admin_token.is_empty() && !config.iam_data_dir().exists() {
-                return Err(tokens::TokenError::Missing("iam.admin_token: the first start of IAM needs the administrator's token".into()).into());
+                return Err(tokens::TokenError::Missing(
+                    "iam.admin_token: the first start of IAM needs the administrator's token".into(),
+                )
+                .into());
             }
             start_iam(&config, bind("iam", &config.iam.listen).await?)?
         }

@@ -76,7 +76,8 @@ fn read_or_create(path: &Path, make: impl FnOnce() -> String) -> Result<String, 
 fn write_secret(path: &Path, secret: &str) -> Result<(), TokenError> {
     let err = |source| TokenError::Write { path: path.to_path_buf(), source };
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(err)?;
+    let mut f =
+        std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(err)?;
     f.write_all(format!("{secret}\n").as_bytes()).map_err(err)?;
     f.sync_all().map_err(err)?;
     std::fs::rename(&tmp, path).map_err(err)?;

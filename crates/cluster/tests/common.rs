@@ -39,7 +39,9 @@ pub async fn start(edges: u32, tweak: impl FnOnce(&mut Config)) -> TestCluster {
 }
 
 pub fn client(cluster: &Cluster, token: &str) -> Client {
-    Client::new(&[cluster.apiserver_addr.to_string()], Some(token)).expect("client").with_retry_timeout(Duration::from_secs(10))
+    Client::new(&[cluster.apiserver_addr.to_string()], Some(token))
+        .expect("client")
+        .with_retry_timeout(Duration::from_secs(10))
 }
 
 pub fn spec(project: &str, cpu: u32, mem: u64) -> pb::SandboxSpec {
@@ -74,7 +76,10 @@ pub async fn principal(admin: &Client, name: &str, project: &str, perms: &[&str]
 }
 
 pub async fn project(admin: &Client, path: &str, quota: pb::Quota) {
-    admin.create_project(pb::CreateProjectRequest { path: path.into(), quota: Some(quota) }).await.expect("create project");
+    admin
+        .create_project(pb::CreateProjectRequest { path: path.into(), quota: Some(quota) })
+        .await
+        .expect("create project");
 }
 
 pub async fn usage(admin: &Client, path: &str) -> pb::Usage {

@@ -335,8 +335,8 @@ pub const KNOWN_BACKENDS: [&str; 5] = ["sim", "container", "fncall", "microvm", 
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
         Config::parse(&text, &path.display().to_string())
     }
 
@@ -375,7 +375,10 @@ impl Config {
         check_secret("service_token", &self.service_token)?;
         check_secret("iam.admin_token", &self.iam.admin_token)?;
         if !self.iam.admin_token.is_empty() && parse_token_shape(&self.iam.admin_token).is_none() {
-            return Err(invalid("iam.admin_token", "must look like dsk.<id>.<secret> (id [a-z0-9], secret at least 16 characters)"));
+            return Err(invalid(
+                "iam.admin_token",
+                "must look like dsk.<id>.<secret> (id [a-z0-9], secret at least 16 characters)",
+            ));
         }
         crate::ids::validate_principal(&self.iam.admin_principal)
             .map_err(|e| invalid("iam.admin_principal", e.message))?;
@@ -397,7 +400,14 @@ impl Config {
         ] {
             positive(f, d)?;
             if d > a.ttl.max {
-                return Err(invalid(f, format!("{} is above apiserver.ttl.max ({})", humantime::format_duration(d), humantime::format_duration(a.ttl.max))));
+                return Err(invalid(
+                    f,
+                    format!(
+                        "{} is above apiserver.ttl.max ({})",
+                        humantime::format_duration(d),
+                        humantime::format_duration(a.ttl.max)
+                    ),
+                ));
             }
         }
         if !(a.rate_per_principal > 0.0 && a.rate_per_principal.is_finite()) {
@@ -441,7 +451,10 @@ impl Config {
         }
         for (i, b) in e.backends.iter().enumerate() {
             if !KNOWN_BACKENDS.contains(&b.as_str()) {
-                return Err(invalid(&format!("edge.backends[{i}]"), format!("unknown backend {b:?}; known: {}", KNOWN_BACKENDS.join(", "))));
+                return Err(invalid(
+                    &format!("edge.backends[{i}]"),
+                    format!("unknown backend {b:?}; known: {}", KNOWN_BACKENDS.join(", ")),
+                ));
             }
         }
         if e.max_sandboxes == 0 {
@@ -476,7 +489,10 @@ fn positive(field: &str, d: Duration) -> Result<(), ConfigError> {
 fn check_secret(field: &str, value: &str) -> Result<(), ConfigError> {
     let lower = value.to_ascii_lowercase();
     if let Some(p) = PLACEHOLDERS.iter().find(|p| lower.contains(*p)) {
-        return Err(invalid(field, format!("still holds the placeholder {p:?}: set a real secret, or leave it empty to have one generated")));
+        return Err(invalid(
+            field,
+            format!("still holds the placeholder {p:?}: set a real secret, or leave it empty to have one generated"),
+        ));
     }
     Ok(())
 }
@@ -529,7 +545,9 @@ mod tests {
     #[test]
     fn token_shape() {
         assert!(parse_token_shape("dsk.abc123.0123456789abcdefXYZ").is_some());
-        for bad in ["", "dsk.", "dsk.a.short", "xsk.a.0123456789abcdef", "dsk.A.0123456789abcdef", "dsk.a.0123456789abcdef!"] {
+        for bad in
+            ["", "dsk.", "dsk.a.short", "xsk.a.0123456789abcdef", "dsk.A.0123456789abcdef", "dsk.a.0123456789abcdef!"]
+        {
             assert!(parse_token_shape(bad).is_none(), "{bad}");
         }
     }
@@ -547,7 +565,12 @@ mod doc {
         let end = start + doc[start..].find("```").expect("end of the json block");
         let shown: serde_json::Value = serde_json::from_str(&doc[start..end]).expect("the block parses");
         let defaults = serde_json::to_value(Config::default()).unwrap();
-        assert_eq!(shown, defaults, "update docs/configuration.md:\n{}", serde_json::to_string_pretty(&defaults).unwrap());
+        assert_eq!(
+            shown,
+            defaults,
+            "update docs/configuration.md:\n{}",
+            serde_json::to_string_pretty(&defaults).unwrap()
+        );
         assert_eq!(Config::parse(&doc[start..end], "doc").unwrap(), Config::default());
     }
 }

@@ -148,9 +148,8 @@ pub fn bearer(md: &MetadataMap) -> Result<&str, ApiError> {
 
 /// Puts `authorization: Bearer <token>` on an outgoing request.
 pub fn set_bearer<T>(req: &mut Request<T>, token: &str) -> Result<(), ApiError> {
-    let v: AsciiMetadataValue = format!("Bearer {token}")
-        .parse()
-        .map_err(|_| ApiError::new(Reason::Unauthenticated, "token is not ASCII"))?;
+    let v: AsciiMetadataValue =
+        format!("Bearer {token}").parse().map_err(|_| ApiError::new(Reason::Unauthenticated, "token is not ASCII"))?;
     req.metadata_mut().insert("authorization", v);
     Ok(())
 }

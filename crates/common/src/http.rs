@@ -37,8 +37,12 @@ async fn metrics(State(s): State<HttpState>) -> (StatusCode, [(&'static str, &'s
     let mut out = String::new();
     let reg = s.registry.lock().unwrap_or_else(|p| p.into_inner());
     match prometheus_client::encoding::text::encode(&mut out, &reg) {
-        Ok(()) => (StatusCode::OK, [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], out),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, [("content-type", "text/plain")], format!("encoding failed: {e}\n")),
+        Ok(()) => {
+            (StatusCode::OK, [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], out)
+        }
+        Err(e) => {
+            (StatusCode::INTERNAL_SERVER_ERROR, [("content-type", "text/plain")], format!("encoding failed: {e}\n"))
+        }
     }
 }
 

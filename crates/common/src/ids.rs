@@ -73,9 +73,9 @@ pub fn validate_lease(id: &str) -> Result<(), ApiError> {
 
 /// Splits a sandbox id into (edge, lease), validating both.
 pub fn split_sandbox_id(id: &str) -> Result<(&str, &str), ApiError> {
-    let (edge, lease) = id
-        .split_once('.')
-        .ok_or_else(|| ApiError::invalid(format!("sandbox id {:?} is not <edge>.<lease>", id.chars().take(80).collect::<String>())))?;
+    let (edge, lease) = id.split_once('.').ok_or_else(|| {
+        ApiError::invalid(format!("sandbox id {:?} is not <edge>.<lease>", id.chars().take(80).collect::<String>()))
+    })?;
     validate_edge(edge)?;
     validate_lease(lease)?;
     Ok((edge, lease))

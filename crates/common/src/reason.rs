@@ -82,9 +82,7 @@ impl Reason {
             Reason::NotFound => Code::NotFound,
             Reason::AlreadyExists => Code::AlreadyExists,
             Reason::InvalidState => Code::FailedPrecondition,
-            Reason::QuotaExceeded | Reason::RateLimited | Reason::NoCapacity => {
-                Code::ResourceExhausted
-            }
+            Reason::QuotaExceeded | Reason::RateLimited | Reason::NoCapacity => Code::ResourceExhausted,
             Reason::NotLeader | Reason::Unavailable => Code::Unavailable,
             Reason::DeadlineExceeded => Code::DeadlineExceeded,
             Reason::Internal => Code::Internal,
@@ -93,10 +91,7 @@ impl Reason {
 
     /// Whether a client may retry the same call (after the hinted delay or a backoff).
     pub fn retryable(self) -> bool {
-        matches!(
-            self,
-            Reason::RateLimited | Reason::NoCapacity | Reason::NotLeader | Reason::Unavailable
-        )
+        matches!(self, Reason::RateLimited | Reason::NoCapacity | Reason::NotLeader | Reason::Unavailable)
     }
 
     /// The exit code `opendsecctl` uses for this reason (stable; docs/errors.md).
@@ -131,9 +126,7 @@ impl Reason {
             Code::ResourceExhausted => Reason::RateLimited,
             Code::Unavailable | Code::Cancelled => Reason::Unavailable,
             Code::DeadlineExceeded => Reason::DeadlineExceeded,
-            Code::Ok | Code::Unknown | Code::Unimplemented | Code::Internal | Code::DataLoss => {
-                Reason::Internal
-            }
+            Code::Ok | Code::Unknown | Code::Unimplemented | Code::Internal | Code::DataLoss => Reason::Internal,
         }
     }
 }
@@ -185,11 +178,7 @@ impl ApiError {
             && info.domain == DOMAIN
             && let Some(reason) = Reason::parse(&info.reason)
         {
-            return ApiError {
-                reason,
-                message: status.message().to_string(),
-                metadata: info.metadata.clone(),
-            };
+            return ApiError { reason, message: status.message().to_string(), metadata: info.metadata.clone() };
         }
         ApiError::new(Reason::from_code(status.code()), status.message().to_string())
     }

@@ -1,1 +1,372 @@
-//! placeholder
+//! The edge: the control plane of one node (reference section 5). It makes the final admission
+//! decision for creations, runs the sandbox state machine through its backends, keeps one
+//! durable record per sandbox, expires sandboxes by TTL, probes their liveness, releases the
+//! leases of ended sandboxes to IAM in batches, and registers with the watchers.
+//!
+//! Invariants the crate keeps (DESIGN.md section 4):
+//! - a record is written before the backend is called, and on every state change;
+//! - on start, RUNNING and PAUSED sandboxes are adopted again, everything else is settled, and
+//!   backends clean up leftovers no record claims, all before [`Edge::start`] returns;
+//! - the edge has the last word on admission (capacity and host pressure are checked here,
+//!   whatever the apiserver's snapshot said);
+//! - one lifecycle operation at a time per sandbox.
+//!
+//! Layout: `state` (the state machine), `record` (records on disk), `admission` and `ttl`
+//! (pure rules), `table` (the in-memory table), `core` (operations), `recover` (start-up),
+//! `release` (lease batching), `remote` (IAM and watcher calls), `host` (the host's readings),
+//! `service` (gRPC), `backend` (the `Backend` trait and the `sim` backend).
+#![deny(unsafe_code)]
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tonic::service::interceptor::InterceptedService;
+
+use opendsec_common::config::EdgeConfig;
+use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES, RequireServiceToken};
+use opendsec_common::ids;
+use opendsec_proto::v1::edge_server::EdgeServer;
+
+pub mod admission;
+pub mod backend;
+mod core;
+pub mod error;
+pub mod host;
+pub mod record;
+mod recover;
+mod release;
+mod remote;
+mod service;
+pub mod state;
+mod table;
+pub mod ttl;
+
+pub use backend::{Backend, BackendError, Usage, Versioned};
+pub use error::EdgeError;
+pub use host::{FixedHost, HostProbe, HostSize, ProcHost};
+pub use record::SandboxRecord;
+pub use remote::LeaseBinding;
+pub use service::EdgeService;
+pub use state::{SandboxStatus, end_reason};
+
+use crate::admission::Capacity;
+use crate::core::{Inner, InnerParts};
+
+/// How long `close` waits for the background loops, and for the final release flush.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What an edge needs to start.
+#[derive(Clone, Debug)]
+pub struct EdgeOptions {
+    pub name: String,
+    /// Records live in `<state_dir>/sandboxes`.
+    pub state_dir: PathBuf,
+    pub config: EdgeConfig,
+    pub iam_addrs: Vec<String>,
+    pub watcher_addrs: Vec<String>,
+    pub service_token: String,
+    /// The address watchers and apiservers reach this edge at; empty: the listener's address
+    /// once [`Edge::serve`] runs.
+    pub advertise: String,
+}
+
+/// The gRPC service [`Edge::service`] returns: `Edge` behind the service-token check.
+pub type EdgeGrpc = InterceptedService<EdgeServer<EdgeService>, RequireServiceToken>;
+
+/// A running edge. Cheap to clone; when the last handle is dropped, its background loops stop
+/// (without the final release flush: call [`Edge::close`] or let [`Edge::serve`] finish for that).
+#[derive(Clone)]
+pub struct Edge {
+    inner: Arc<Inner>,
+    _guard: Arc<StopLoopsOnDrop>,
+}
+
+struct StopLoopsOnDrop(Arc<Inner>);
+
+impl Drop for StopLoopsOnDrop {
+    fn drop(&mut self) {
+        self.0.shutdown_tx.send_replace(true);
+    }
+}
+
+impl Edge {
+    /// Loads the records from `state_dir`, re-adopts RUNNING and PAUSED sandboxes, settles
+    /// the rest (queueing their lease releases), has the backends clean up leftovers matching
+    /// no record, and only then returns; the background loops (TTL and liveness, release
+    /// batching, registration) run until shutdown.
+    pub async fn start(opts: EdgeOptions, backends: Vec<Arc<dyn Backend>>) -> Result<Edge, EdgeError> {
+        Edge::start_with_host(opts, backends, Arc::new(ProcHost::new())).await
+    }
+
+    /// [`Edge::start`] with a chosen host probe (tests use [`FixedHost`]).
+    pub async fn start_with_host(
+        opts: EdgeOptions,
+        backends: Vec<Arc<dyn Backend>>,
+        host: Arc<dyn HostProbe>,
+    ) -> Result<Edge, EdgeError> {
+        check_options(&opts, &backends)?;
+        let store = record::RecordStore::open(&opts.state_dir)?;
+        let sim_only = backends.iter().all(|b| b.name() == "sim");
+        let capacity = capacity(&opts, sim_only, host.as_ref());
+        let remote = remote::Remote::new(&opts.name, &opts.iam_addrs, &opts.watcher_addrs, &opts.service_token)
+            .map_err(|e| EdgeError::Options(e.message))?;
+        let inner = Arc::new(Inner::new(InnerParts {
+            name: opts.name.clone(),
+            cfg: opts.config.clone(),
+            state_dir: opts.state_dir.clone(),
+            service_token: opts.service_token.clone(),
+            capacity,
+            backends,
+            host,
+            store,
+            remote,
+            advertise: opts.advertise.clone(),
+        }));
+        inner.recover().await?;
+
+        let rx = inner.shutdown_tx.subscribe();
+        let tasks = vec![
+            tokio::spawn(ttl_loop(inner.clone(), rx.clone())),
+            tokio::spawn(release::run(inner.clone(), rx.clone())),
+            tokio::spawn(register_loop(inner.clone(), rx)),
+        ];
+        inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
+        tracing::info!(edge = %inner.name, boot_id = %inner.boot_id, backends = ?inner.backend_names(), "edge started");
+        Ok(Edge { _guard: Arc::new(StopLoopsOnDrop(inner.clone())), inner })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Random per start: the watchers notice a restarted edge by it.
+    pub fn boot_id(&self) -> &str {
+        &self.inner.boot_id
+    }
+
+    /// The `Edge` gRPC service behind the service-token check, to add to a router.
+    pub fn service(&self) -> EdgeGrpc {
+        let server = EdgeServer::new(EdgeService { inner: self.inner.clone() })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        InterceptedService::new(server, RequireServiceToken::new(&self.inner.service_token))
+    }
+
+    /// Serves the edge on `listener` until `shutdown` completes, then [`Edge::close`]s it.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), EdgeError> {
+        if let Ok(addr) = listener.local_addr() {
+            let mut adv = self.inner.advertise.lock().unwrap_or_else(|p| p.into_inner());
+            if adv.is_empty() {
+                *adv = addr.to_string();
+                self.inner.register_now.notify_one();
+            }
+        }
+        let router = grpc::server().add_service(self.service());
+        let served = grpc::serve(router, listener, shutdown).await;
+        self.close().await;
+        served.map_err(EdgeError::from)
+    }
+
+    /// Stops the edge: refuses new creations, stops the background loops, stops every sandbox
+    /// unless `keep_sandboxes_on_exit`, and flushes queued lease releases (best effort).
+    /// Calling it again does nothing.
+    pub async fn close(&self) {
+        let inner = &self.inner;
+        if inner.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        inner.shutdown_tx.send_replace(true);
+        let tasks = std::mem::take(&mut *inner.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for mut t in tasks {
+            if tokio::time::timeout(CLOSE_TIMEOUT, &mut t).await.is_err() {
+                t.abort();
+            }
+        }
+        if !inner.cfg.keep_sandboxes_on_exit {
+            inner.stop_all(end_reason::EDGE_SHUTDOWN).await;
+        }
+        match tokio::time::timeout(CLOSE_TIMEOUT, inner.flush_releases(false)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(edge = %inner.name, error = %e, "final lease release failed"),
+            Err(_) => tracing::warn!(edge = %inner.name, "final lease release timed out"),
+        }
+        tracing::info!(edge = %inner.name, "edge stopped");
+    }
+
+    /// Leases waiting for release: (queued, waiting for the "still bound here?" check).
+    pub fn pending_releases(&self) -> (usize, usize) {
+        self.inner.releases.len()
+    }
+
+    /// Records the edge holds (live and ended within retention).
+    pub fn sandbox_count(&self) -> usize {
+        self.inner.table_len()
+    }
+}
+
+fn check_options(opts: &EdgeOptions, backends: &[Arc<dyn Backend>]) -> Result<(), EdgeError> {
+    let bad = |m: String| Err(EdgeError::Options(m));
+    ids::validate_edge(&opts.name).map_err(|e| EdgeError::Options(e.message))?;
+    if backends.is_empty() {
+        return bad("no backend given".into());
+    }
+    for (i, b) in backends.iter().enumerate() {
+        if backends[..i].iter().any(|o| o.name() == b.name()) {
+            return bad(format!("backend {} given twice", b.name()));
+        }
+    }
+    let c = &opts.config;
+    for (field, d) in [
+        ("ttl_check_interval", c.ttl_check_interval),
+        ("release_interval", c.release_interval),
+        ("register_interval", c.register_interval),
+    ] {
+        if d.is_zero() {
+            return bad(format!("edge.{field} must be positive"));
+        }
+    }
+    if c.release_batch == 0 {
+        return bad("edge.release_batch must be at least 1".into());
+    }
+    if c.max_sandboxes == 0 {
+        return bad("edge.max_sandboxes must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// The configured capacity; with real backends, zero fields are measured on the host.
+fn capacity(opts: &EdgeOptions, sim_only: bool, host: &dyn HostProbe) -> Capacity {
+    let c = &opts.config.capacity;
+    let mut cap = Capacity {
+        cpu_millis: u64::from(c.cpu_millis),
+        memory_mb: c.memory_mb,
+        disk_mb: c.disk_mb,
+        gpus: u64::from(c.gpus),
+        max_sandboxes: opts.config.max_sandboxes,
+    };
+    if !sim_only && (cap.cpu_millis == 0 || cap.memory_mb == 0 || cap.disk_mb == 0) {
+        let size = host.size(&opts.state_dir);
+        if cap.cpu_millis == 0 {
+            cap.cpu_millis = size.cpu_millis;
+        }
+        if cap.memory_mb == 0 {
+            cap.memory_mb = size.memory_mb;
+        }
+        if cap.disk_mb == 0 {
+            cap.disk_mb = size.disk_mb;
+        }
+    }
+    cap
+}
+
+/// TTL expiry, liveness probes and removal of ended records, every `ttl_check_interval`.
+async fn ttl_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
+    let every = inner.cfg.ttl_check_interval;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        inner.ttl_round().await;
+    }
+}
+
+/// RegisterEdge with every watcher: at once, then every `register_interval` (and at once when
+/// the advertised address becomes known).
+async fn register_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let advertise = inner.advertise.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if !advertise.is_empty() {
+            inner.remote.register(&advertise).await;
+        }
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = tokio::time::sleep(inner.cfg.register_interval) => {}
+            _ = inner.register_now.notified() => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use futures::StreamExt;
+    use opendsec_proto::v1::{EdgeCreateRequest, Resources, SandboxSpec};
+
+    fn cpu_time() -> Duration {
+        let (u, s) = cpu_split();
+        u + s
+    }
+
+    /// (user, system) CPU time of this process.
+    fn cpu_split() -> (Duration, Duration) {
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let t = |i: usize| Duration::from_millis(10 * f.get(i).and_then(|t| t.parse::<u64>().ok()).unwrap_or(0));
+        (t(11), t(12))
+    }
+
+    /// The edge's own cost of a creation (no gRPC): prints figures, never asserts on time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "benchmark: prints figures"]
+    async fn bench_inner_create() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = EdgeOptions {
+            name: "bench".into(),
+            state_dir: dir.path().to_path_buf(),
+            config: EdgeConfig { max_sandboxes: 100_000, ..EdgeConfig::default() },
+            iam_addrs: vec![],
+            watcher_addrs: vec![],
+            service_token: "t".into(),
+            advertise: String::new(),
+        };
+        let edge = Edge::start(opts, vec![Arc::new(backend::sim::SimBackend::new())]).await.unwrap();
+        let spec = SandboxSpec {
+            project: "root".into(),
+            backend: "sim".into(),
+            resources: Some(Resources { cpu_millis: 1, memory_mb: 1, disk_mb: 0, gpus: 0 }),
+            ..Default::default()
+        };
+        let n = 5000;
+        let (cpu0, t0) = (cpu_time(), std::time::Instant::now());
+        let split0 = cpu_split();
+        futures::stream::iter(0..n)
+            .for_each_concurrent(256, |i| {
+                let inner = edge.inner.clone();
+                let req =
+                    EdgeCreateRequest { lease_id: format!("l{i}"), spec: Some(spec.clone()), principal: "p".into() };
+                async move {
+                    inner.create(req).await.unwrap();
+                }
+            })
+            .await;
+        let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed());
+        let split1 = cpu_split();
+        println!(
+            "inner create: {n} in {wall:?}, CPU {:?} per creation (user {:?}, system {:?})",
+            cpu / n,
+            (split1.0 - split0.0) / n,
+            (split1.1 - split0.1) / n
+        );
+        let (cpu0, t0) = (cpu_time(), std::time::Instant::now());
+        for _ in 0..10 {
+            edge.inner.ttl_round().await;
+        }
+        println!("ttl round with {n} sandboxes: {:?} wall, CPU {:?}", t0.elapsed() / 10, (cpu_time() - cpu0) / 10);
+    }
+}

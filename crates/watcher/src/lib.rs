@@ -158,19 +158,22 @@ impl Watcher {
         req.set_timeout(self.inner.opts.config.probe_timeout);
         let status = client.status(req).await.map_err(|s| ApiError::from_status(&s))?.into_inner();
         if status.edge != name {
-            return Err(ApiError::unavailable(format!("edge at {addr} answered as {:?}, expected {name:?}", status.edge)));
+            return Err(ApiError::unavailable(format!(
+                "edge at {addr} answered as {:?}, expected {name:?}",
+                status.edge
+            )));
         }
         Ok(status)
     }
 
     /// One probe round: every edge concurrently, then a new snapshot version.
     pub async fn probe_round(&self) {
-        let targets: Vec<(String, String)> =
-            self.edges().iter().map(|(n, e)| (n.clone(), e.address.clone())).collect();
-        let results = futures::future::join_all(targets.iter().map(|(name, addr)| async move {
-            (name.clone(), addr.clone(), self.status_of(name, addr, false).await)
-        }))
-        .await;
+        let targets: Vec<(String, String)> = self.edges().iter().map(|(n, e)| (n.clone(), e.address.clone())).collect();
+        let results =
+            futures::future::join_all(targets.iter().map(|(name, addr)| async move {
+                (name.clone(), addr.clone(), self.status_of(name, addr, false).await)
+            }))
+            .await;
         let now = now_ms();
         let threshold = self.inner.opts.config.failure_threshold;
         let mut edges = self.edges();
@@ -348,11 +351,17 @@ pub struct Rpc(Watcher);
 
 #[tonic::async_trait]
 impl WatcherRpc for Rpc {
-    async fn get_snapshot(&self, _req: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::ClusterSnapshot>, Status> {
+    async fn get_snapshot(
+        &self,
+        _req: Request<pb::GetSnapshotRequest>,
+    ) -> Result<Response<pb::ClusterSnapshot>, Status> {
         Ok(Response::new((*self.0.snapshot()).clone()))
     }
 
-    async fn register_edge(&self, req: Request<pb::RegisterEdgeRequest>) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
+    async fn register_edge(
+        &self,
+        req: Request<pb::RegisterEdgeRequest>,
+    ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
         let r = req.into_inner();
         self.0.register(&r.name, &r.address).map_err(|e| e.to_status())?;
         Ok(Response::new(pb::RegisterEdgeResponse {}))

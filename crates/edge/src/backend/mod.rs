@@ -1,0 +1,146 @@
+//! The backend interface every isolation backend implements (reference section 5, "Backend
+//! interface"): lifecycle calls on sandboxes described by their records, liveness, adoption
+//! after an edge restart, and clean-up of leftovers no record claims.
+//!
+//! The edge calls a backend only under the sandbox's operation lock, so a backend never sees
+//! two lifecycle calls for one sandbox at once; calls for different sandboxes run concurrently.
+//!
+//! Optional capabilities are methods returning `Option<&dyn Capability>` (default `None`):
+//! [`Versioned`] now. `Runtime` (aether's connection), `LossReporter`, `Snapshotter` and
+//! `Networked` come with the issues that need them.
+
+use std::collections::HashSet;
+
+use async_trait::async_trait;
+
+use opendsec_common::Reason;
+
+use crate::record::SandboxRecord;
+
+pub mod sim;
+
+/// Why a backend call failed; each kind maps to one public reason.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The node cannot hold this sandbox right now (another node may).
+    #[error("no capacity: {0}")]
+    NoCapacity(String),
+    /// The sandbox is not in a state that allows the call.
+    #[error("invalid state: {0}")]
+    InvalidState(String),
+    /// The backend knows no such sandbox.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The spec asks for something this backend cannot do.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The backend cannot serve now (its runtime is down, a timeout); retrying may work.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    /// A broken invariant or an unexpected failure of the backend.
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl BackendError {
+    /// The public reason this error surfaces as.
+    pub fn reason(&self) -> Reason {
+        match self {
+            BackendError::NoCapacity(_) => Reason::NoCapacity,
+            BackendError::InvalidState(_) => Reason::InvalidState,
+            BackendError::NotFound(_) => Reason::NotFound,
+            BackendError::InvalidArgument(_) => Reason::InvalidArgument,
+            BackendError::Unavailable(_) => Reason::Unavailable,
+            BackendError::Internal(_) => Reason::Internal,
+        }
+    }
+
+    /// An error of the kind closest to `reason` (test hooks and fakes inject failures by reason).
+    pub fn from_reason(reason: Reason, message: impl Into<String>) -> BackendError {
+        let message = message.into();
+        match reason {
+            Reason::NoCapacity | Reason::QuotaExceeded | Reason::RateLimited => BackendError::NoCapacity(message),
+            Reason::InvalidState | Reason::AlreadyExists => BackendError::InvalidState(message),
+            Reason::NotFound => BackendError::NotFound(message),
+            Reason::InvalidArgument => BackendError::InvalidArgument(message),
+            Reason::Unavailable | Reason::NotLeader | Reason::DeadlineExceeded => BackendError::Unavailable(message),
+            Reason::Unauthenticated | Reason::PermissionDenied | Reason::Internal => BackendError::Internal(message),
+        }
+    }
+}
+
+/// What a backend measures its sandboxes actually use, in absolute units; the edge turns it into
+/// shares of the node's capacity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub cpu_millis: u64,
+    pub memory_mb: u64,
+}
+
+/// One isolation backend (`sim`, `container`, `fncall`, `microvm`, `fullvm`).
+#[async_trait]
+pub trait Backend: Send + Sync {
+    /// The name specs ask for (`spec.backend`).
+    fn name(&self) -> &'static str;
+
+    /// Creates and starts the sandbox described by the record (state CREATING).
+    async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError>;
+
+    /// Stops the sandbox and frees what it holds. Stopping a sandbox the backend does not have
+    /// (already gone, or a creation that never finished) succeeds: the edge also calls it to
+    /// remove leftovers of interrupted operations.
+    async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError>;
+
+    async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError>;
+
+    async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError>;
+
+    /// Whether the sandbox `id` is still alive (RUNNING or PAUSED in the backend's view).
+    async fn probe(&self, id: &str) -> Result<bool, BackendError>;
+
+    /// Takes back a RUNNING or PAUSED sandbox after an edge restart (reconnects to it).
+    async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError>;
+
+    /// Removes everything of this backend on the node that belongs to no sandbox id in `keep`;
+    /// returns how many sandboxes' leftovers it removed.
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError>;
+
+    /// What the backend's sandboxes actually use, when the backend can tell; `None` lets the
+    /// edge measure the host instead.
+    fn usage(&self) -> Option<Usage>;
+
+    /// Capability: runtime versions.
+    fn versioned(&self) -> Option<&dyn Versioned> {
+        None
+    }
+}
+
+/// Capability: reports the versions of the runtimes under the backend, e.g. "firecracker 1.17.0".
+pub trait Versioned: Send + Sync {
+    fn runtime_versions(&self) -> Vec<String>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_round_trip_for_backend_kinds() {
+        for r in [
+            Reason::NoCapacity,
+            Reason::InvalidState,
+            Reason::NotFound,
+            Reason::InvalidArgument,
+            Reason::Unavailable,
+            Reason::Internal,
+        ] {
+            assert_eq!(BackendError::from_reason(r, "x").reason(), r);
+        }
+    }
+
+    #[test]
+    fn the_trait_is_object_safe() {
+        let b: std::sync::Arc<dyn Backend> = std::sync::Arc::new(sim::SimBackend::new());
+        assert_eq!(b.name(), "sim");
+    }
+}

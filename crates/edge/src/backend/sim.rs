@@ -1,0 +1,248 @@
+//! The `sim` backend: sandbox lifecycles only, in memory, no isolation. It exists for
+//! scheduling tests and scale simulation (`cluster up --sim-edges`), so it is cheap (a map
+//! insert per creation) and has test hooks: a delay per operation, injected creation failures,
+//! and `kill` to make a sandbox die behind the edge's back.
+//!
+//! Sim sandboxes are simulated, so they "survive" an edge restart: `adopt` accepts any record.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use opendsec_common::Reason;
+
+use super::{Backend, BackendError, Usage, Versioned};
+use crate::record::{ResourcesRecord, SandboxRecord};
+use crate::state::SandboxStatus;
+
+#[derive(Clone, Copy, Debug)]
+struct SimSandbox {
+    paused: bool,
+    resources: ResourcesRecord,
+}
+
+/// The simulated backend. Cheap to share: `Arc<SimBackend>` is what the edge holds.
+#[derive(Debug, Default)]
+pub struct SimBackend {
+    sandboxes: Mutex<HashMap<String, SimSandbox>>,
+    /// Delay of every lifecycle call in microseconds; 0 = none.
+    delay_us: AtomicU64,
+    fail_creates: Mutex<Option<Reason>>,
+}
+
+impl SimBackend {
+    pub fn new() -> SimBackend {
+        SimBackend::default()
+    }
+
+    /// Test hook: every lifecycle call (create, stop, pause, resume, adopt) takes this long.
+    pub fn set_delay(&self, delay: Option<Duration>) {
+        let us = delay.map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        self.delay_us.store(us, Ordering::Relaxed);
+    }
+
+    /// Test hook: make every creation fail with `reason` (until called with `None`).
+    pub fn fail_creates(&self, reason: Option<Reason>) {
+        *self.lock_fail() = reason;
+    }
+
+    /// Test hook: the sandbox dies (the edge notices at its next liveness probe). Returns
+    /// whether it existed.
+    pub fn kill(&self, id: &str) -> bool {
+        self.lock().remove(id).is_some()
+    }
+
+    /// Sandboxes the backend holds.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    pub fn contains(&self, id: &str) -> bool {
+        self.lock().contains_key(id)
+    }
+
+    /// `Some(true)` when the sandbox is held and paused.
+    pub fn is_paused(&self, id: &str) -> Option<bool> {
+        self.lock().get(id).map(|s| s.paused)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, SimSandbox>> {
+        // The map stays consistent even if a holder panicked: every update is one insert/remove.
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lock_fail(&self) -> std::sync::MutexGuard<'_, Option<Reason>> {
+        self.fail_creates.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn delay(&self) {
+        let us = self.delay_us.load(Ordering::Relaxed);
+        if us > 0 {
+            tokio::time::sleep(Duration::from_micros(us)).await;
+        }
+    }
+
+    fn set_paused(&self, id: &str, paused: bool) -> Result<(), BackendError> {
+        let mut map = self.lock();
+        let sb = map.get_mut(id).ok_or_else(|| BackendError::NotFound(format!("sim sandbox {id} does not exist")))?;
+        if sb.paused == paused {
+            let what = if paused { "paused" } else { "running" };
+            return Err(BackendError::InvalidState(format!("sim sandbox {id} is already {what}")));
+        }
+        sb.paused = paused;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Backend for SimBackend {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.delay().await;
+        if let Some(reason) = *self.lock_fail() {
+            return Err(BackendError::from_reason(reason, format!("sim: creation of {} fails on purpose", sb.id)));
+        }
+        let entry = SimSandbox { paused: false, resources: sb.resources() };
+        self.lock().insert(sb.id.clone(), entry);
+        Ok(())
+    }
+
+    async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.delay().await;
+        self.lock().remove(&sb.id);
+        Ok(())
+    }
+
+    async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.delay().await;
+        self.set_paused(&sb.id, true)
+    }
+
+    async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.delay().await;
+        self.set_paused(&sb.id, false)
+    }
+
+    async fn probe(&self, id: &str) -> Result<bool, BackendError> {
+        Ok(self.contains(id))
+    }
+
+    async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.delay().await;
+        let entry = SimSandbox { paused: sb.state == SandboxStatus::Paused, resources: sb.resources() };
+        self.lock().insert(sb.id.clone(), entry);
+        Ok(())
+    }
+
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
+        let mut map = self.lock();
+        let before = map.len();
+        map.retain(|id, _| keep.contains(id));
+        Ok(before - map.len())
+    }
+
+    /// Simulated: half of what the sandboxes were given.
+    fn usage(&self) -> Option<Usage> {
+        let map = self.lock();
+        let (cpu, mem) = map
+            .values()
+            .fold((0u64, 0u64), |(c, m), s| (c + u64::from(s.resources.cpu_millis), m + s.resources.memory_mb));
+        Some(Usage { cpu_millis: cpu / 2, memory_mb: mem / 2 })
+    }
+
+    fn versioned(&self) -> Option<&dyn Versioned> {
+        Some(self)
+    }
+}
+
+impl Versioned for SimBackend {
+    fn runtime_versions(&self) -> Vec<String> {
+        vec!["sim 1".to_string()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{RECORD_VERSION, SpecRecord};
+
+    fn rec(id: &str, cpu: u32) -> SandboxRecord {
+        SandboxRecord {
+            version: RECORD_VERSION,
+            id: id.into(),
+            edge: "e".into(),
+            lease_id: id.trim_start_matches("e.").into(),
+            principal: "p".into(),
+            spec: SpecRecord {
+                backend: "sim".into(),
+                resources: ResourcesRecord { cpu_millis: cpu, memory_mb: 100, ..Default::default() },
+                ..Default::default()
+            },
+            state: SandboxStatus::Creating,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            last_active_ms: 1,
+            paused_since_ms: 0,
+            end_reason: String::new(),
+            ended_at_ms: 0,
+            lease_released: false,
+            release_if_bound: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn lifecycle() {
+        let b = SimBackend::new();
+        let r = rec("e.a", 1000);
+        b.create(&r).await.unwrap();
+        assert!(b.probe("e.a").await.unwrap());
+        b.pause(&r).await.unwrap();
+        assert_eq!(b.is_paused("e.a"), Some(true));
+        assert!(matches!(b.pause(&r).await, Err(BackendError::InvalidState(_))));
+        b.resume(&r).await.unwrap();
+        assert_eq!(b.usage(), Some(Usage { cpu_millis: 500, memory_mb: 50 }));
+        b.stop(&r).await.unwrap();
+        b.stop(&r).await.unwrap();
+        assert!(!b.probe("e.a").await.unwrap());
+        assert!(matches!(b.resume(&r).await, Err(BackendError::NotFound(_))));
+    }
+
+    #[tokio::test]
+    async fn hooks_fail_creations_and_kill() {
+        let b = SimBackend::new();
+        b.fail_creates(Some(Reason::NoCapacity));
+        let err = b.create(&rec("e.a", 1)).await.unwrap_err();
+        assert_eq!(err.reason(), Reason::NoCapacity);
+        assert!(b.is_empty());
+        b.fail_creates(None);
+        b.set_delay(Some(Duration::from_millis(1)));
+        b.create(&rec("e.a", 1)).await.unwrap();
+        assert!(b.kill("e.a"));
+        assert!(!b.probe("e.a").await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn adopt_and_cleanup() {
+        let b = SimBackend::new();
+        let mut r = rec("e.a", 1);
+        r.state = SandboxStatus::Paused;
+        b.adopt(&r).await.unwrap();
+        b.create(&rec("e.b", 1)).await.unwrap();
+        b.create(&rec("e.c", 1)).await.unwrap();
+        let keep: HashSet<String> = ["e.a".to_string()].into();
+        assert_eq!(b.cleanup(&keep).await.unwrap(), 2);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b.is_paused("e.a"), Some(true));
+        assert_eq!(b.versioned().unwrap().runtime_versions(), ["sim 1"]);
+    }
+}

@@ -1,0 +1,160 @@
+//! Start-up recovery (reference section 5, "Persistence and re-adoption"): before the edge
+//! serves, every record is settled.
+//!
+//! - RUNNING and PAUSED: handed to their backend to adopt; a failed adoption (or a backend no
+//!   longer offered) makes the sandbox FAILED and releases its lease;
+//! - CREATING, PAUSING, RESUMING: the operation was cut short; whatever the backend left is
+//!   stopped and the sandbox is FAILED. An interrupted creation releases its lease only if IAM
+//!   still binds it here (the caller has likely retried elsewhere);
+//! - STOPPING: the stop is completed (STOPPED, with the reason it was recorded with);
+//! - STOPPED, FAILED: kept for `ended_retention`; leases not yet released are queued again.
+//!
+//! Then each backend removes leftovers that belong to no adopted sandbox. Records that cannot
+//! be read are left alone and their sandboxes protected from that clean-up.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use futures::StreamExt;
+
+use opendsec_common::ids;
+
+use crate::core::{Inner, Release};
+use crate::error::EdgeError;
+use crate::record::{RecordError, SandboxRecord};
+use crate::state::{SandboxStatus, end_reason};
+use crate::table::OpLock;
+
+/// Sandboxes recovered concurrently.
+const RECOVERY_CONCURRENCY: usize = 32;
+
+/// What recovery did, for the start-up log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub adopted: usize,
+    pub failed: usize,
+    pub ended: usize,
+    pub unreadable: usize,
+    pub cleaned: usize,
+}
+
+enum Outcome {
+    Adopted(String),
+    Failed,
+    Ended,
+}
+
+impl Inner {
+    pub(crate) async fn recover(&self) -> Result<RecoveryReport, EdgeError> {
+        let store = self.store.clone();
+        let (records, bad) = tokio::task::spawn_blocking(move || store.load_all())
+            .await
+            .map_err(|e| RecordError::Join { lease: "*".into(), message: e.to_string() })??;
+        let mut report = RecoveryReport { unreadable: bad.len(), ..Default::default() };
+        let mut keep = HashSet::new();
+        for b in bad {
+            tracing::error!(edge = %self.name, lease_id = %b.lease_id, error = %b.error, "unreadable sandbox record left alone");
+            keep.insert(ids::sandbox_id(&self.name, &b.lease_id));
+        }
+        if let Some(r) = records.iter().find(|r| r.edge != self.name) {
+            return Err(EdgeError::Options(format!(
+                "state dir {} holds records of edge {:?}, not {:?}",
+                self.state_dir.display(),
+                r.edge,
+                self.name
+            )));
+        }
+        {
+            let mut t = self.table();
+            for rec in &records {
+                t.insert(Arc::new(rec.clone()), OpLock::default());
+            }
+        }
+        let outcomes: Vec<Outcome> = futures::stream::iter(records)
+            .map(|rec| self.recover_one(rec))
+            .buffer_unordered(RECOVERY_CONCURRENCY)
+            .collect()
+            .await;
+        for o in outcomes {
+            match o {
+                Outcome::Adopted(id) => {
+                    report.adopted += 1;
+                    keep.insert(id);
+                }
+                Outcome::Failed => report.failed += 1,
+                Outcome::Ended => report.ended += 1,
+            }
+        }
+        for b in &self.backends {
+            match b.cleanup(&keep).await {
+                Ok(n) => report.cleaned += n,
+                // Leftovers waste room but do not make serving unsafe.
+                Err(e) => {
+                    tracing::error!(edge = %self.name, backend = b.name(), error = %e, "cleaning up leftovers failed")
+                }
+            }
+        }
+        tracing::info!(edge = %self.name, ?report, "recovered sandbox records");
+        Ok(report)
+    }
+
+    async fn recover_one(&self, rec: SandboxRecord) -> Outcome {
+        let backend = self.backend(&rec.spec.backend).cloned();
+        match rec.state {
+            SandboxStatus::Running | SandboxStatus::Paused => {
+                let Some(b) = backend else {
+                    tracing::warn!(sandbox_id = %rec.id, backend = %rec.spec.backend, "backend no longer offered");
+                    self.fail_locked(&rec, end_reason::BACKEND_GONE, Release::Yes).await;
+                    return Outcome::Failed;
+                };
+                match b.adopt(&rec).await {
+                    Ok(()) => Outcome::Adopted(rec.id),
+                    Err(e) => {
+                        tracing::warn!(sandbox_id = %rec.id, error = %e, "adoption failed");
+                        if let Err(e) = b.stop(&rec).await {
+                            tracing::warn!(sandbox_id = %rec.id, error = %e, "stop after a failed adoption failed");
+                        }
+                        self.fail_locked(&rec, end_reason::ADOPT_FAILED, Release::Yes).await;
+                        Outcome::Failed
+                    }
+                }
+            }
+            SandboxStatus::Creating | SandboxStatus::Pausing | SandboxStatus::Resuming => {
+                if let Some(b) = &backend
+                    && let Err(e) = b.stop(&rec).await
+                {
+                    tracing::warn!(sandbox_id = %rec.id, error = %e, "stopping leftovers of an interrupted operation failed");
+                }
+                let release = if rec.state == SandboxStatus::Creating { Release::IfBound } else { Release::Yes };
+                self.fail_locked(&rec, end_reason::EDGE_RESTART, release).await;
+                Outcome::Failed
+            }
+            SandboxStatus::Stopping => {
+                if let Some(b) = &backend
+                    && let Err(e) = b.stop(&rec).await
+                {
+                    tracing::warn!(sandbox_id = %rec.id, error = %e, "completing an interrupted stop failed");
+                }
+                let mut stopped = rec;
+                let now = opendsec_common::time::now_ms();
+                stopped.state = SandboxStatus::Stopped;
+                stopped.updated_at_ms = now;
+                stopped.ended_at_ms = now;
+                if stopped.end_reason.is_empty() {
+                    stopped.end_reason = end_reason::EDGE_RESTART.to_string();
+                }
+                let stopped = Arc::new(stopped);
+                self.table().publish(stopped.clone());
+                if let Err(e) = self.persist(&stopped, true).await {
+                    tracing::error!(sandbox_id = %stopped.id, error = %e, "record write failed");
+                }
+                self.queue_release(&stopped);
+                Outcome::Ended
+            }
+            SandboxStatus::Stopped | SandboxStatus::Failed => {
+                self.queue_release(&rec);
+                Outcome::Ended
+            }
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The `Edge` gRPC service: translates requests to the edge's operations and errors to
+//! statuses (through `EdgeError::to_api`, the one mapping). No logic lives here.
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use opendsec_proto::v1::edge_server::Edge as EdgeRpc;
+use opendsec_proto::v1::{
+    EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, GetSandboxRequest, PauseSandboxRequest,
+    ResumeSandboxRequest, Sandbox, SetSandboxTimeoutRequest, StatusRequest, StopSandboxRequest,
+};
+
+use crate::core::Inner;
+use crate::error::EdgeError;
+
+/// The service implementation (wrapped in `EdgeServer` and the service-token check by
+/// [`crate::Edge::service`]).
+pub struct EdgeService {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Runs a lifecycle operation in its own task: a caller that goes away (timeout, cancelled
+/// call) must not cut an operation short between its record writes and backend calls.
+async fn detached<T, F, Fut>(inner: &Arc<Inner>, op: &'static str, f: F) -> Result<T, EdgeError>
+where
+    F: FnOnce(Arc<Inner>) -> Fut,
+    Fut: std::future::Future<Output = Result<T, EdgeError>> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::spawn(f(inner.clone())).await.map_err(|e| EdgeError::TaskFailed { op, message: e.to_string() })?
+}
+
+fn status(method: &'static str, e: EdgeError) -> Status {
+    let api = e.to_api();
+    tracing::debug!(method, reason = %api.reason, error = %api.message, "edge call failed");
+    api.to_status()
+}
+
+#[tonic::async_trait]
+impl EdgeRpc for EdgeService {
+    async fn status(&self, req: Request<StatusRequest>) -> Result<Response<EdgeStatus>, Status> {
+        Ok(Response::new(self.inner.status(req.get_ref().include_leases)))
+    }
+
+    async fn create_sandbox(&self, req: Request<EdgeCreateRequest>) -> Result<Response<Sandbox>, Status> {
+        let req = req.into_inner();
+        detached(&self.inner, "create", |i| async move { i.create(req).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("CreateSandbox", e))
+    }
+
+    async fn get_sandbox(&self, req: Request<GetSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        self.inner.get(&req.get_ref().id).map(Response::new).map_err(|e| status("GetSandbox", e))
+    }
+
+    async fn list_sandboxes(&self, req: Request<EdgeListRequest>) -> Result<Response<EdgeListResponse>, Status> {
+        self.inner.list(req.get_ref()).map(Response::new).map_err(|e| status("ListSandboxes", e))
+    }
+
+    async fn stop_sandbox(&self, req: Request<StopSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        let id = req.into_inner().id;
+        detached(&self.inner, "stop", |i| async move { i.stop(&id).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("StopSandbox", e))
+    }
+
+    async fn pause_sandbox(&self, req: Request<PauseSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        let id = req.into_inner().id;
+        detached(&self.inner, "pause", |i| async move { i.pause(&id).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("PauseSandbox", e))
+    }
+
+    async fn resume_sandbox(&self, req: Request<ResumeSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        let id = req.into_inner().id;
+        detached(&self.inner, "resume", |i| async move { i.resume(&id).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("ResumeSandbox", e))
+    }
+
+    async fn set_sandbox_timeout(&self, req: Request<SetSandboxTimeoutRequest>) -> Result<Response<Sandbox>, Status> {
+        let req = req.into_inner();
+        detached(&self.inner, "set_timeout", |i| async move { i.set_timeout(&req).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("SetSandboxTimeout", e))
+    }
+}

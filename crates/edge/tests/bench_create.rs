@@ -1,0 +1,98 @@
+//! Creation cost through gRPC with the sim backend: prints figures, never asserts on time.
+//! Run with `cargo test -p opendsec-edge --release --test bench_create -- --ignored --nocapture`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use opendsec_common::config::EdgeConfig;
+use opendsec_common::grpc::{self, AttachServiceToken};
+use opendsec_edge::backend::sim::SimBackend;
+use opendsec_edge::{Edge, EdgeOptions};
+use opendsec_proto::v1::edge_client::EdgeClient;
+use opendsec_proto::v1::{EdgeCreateRequest, Resources, SandboxSpec};
+
+/// CPU time of this process (user + system), from /proc/self/stat.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: prints figures"]
+async fn bench_creations() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = EdgeOptions {
+        name: "bench".into(),
+        state_dir: dir.path().to_path_buf(),
+        config: EdgeConfig { max_sandboxes: 100_000, ..EdgeConfig::default() },
+        iam_addrs: vec![],
+        watcher_addrs: vec![],
+        service_token: "t".into(),
+        advertise: String::new(),
+    };
+    let edge = Edge::start(opts, vec![Arc::new(SimBackend::new())]).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(edge.clone().serve(listener, async move {
+        let _ = rx.await;
+    }));
+    let client =
+        EdgeClient::new(grpc::service_channel(grpc::channel(&addr).unwrap(), &AttachServiceToken::new("t").unwrap()));
+    let spec = SandboxSpec {
+        project: "root".into(),
+        backend: "sim".into(),
+        resources: Some(Resources { cpu_millis: 1, memory_mb: 1, disk_mb: 0, gpus: 0 }),
+        ttl_running_stop_s: 600,
+        ttl_max_s: 3600,
+        ttl_paused_s: 3600,
+        ..Default::default()
+    };
+    let req =
+        |i: usize| EdgeCreateRequest { lease_id: format!("l{i}"), spec: Some(spec.clone()), principal: "p".into() };
+
+    // Sequential: latency of one creation.
+    let mut lat = Vec::new();
+    for i in 0..500 {
+        let t = Instant::now();
+        client.clone().create_sandbox(req(i)).await.unwrap();
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    println!("sequential: p50 {:?} p99 {:?}", lat[lat.len() / 2], lat[lat.len() * 99 / 100]);
+
+    // Concurrent: throughput and CPU per creation.
+    let n = 5000;
+    let cpu0 = cpu_time();
+    let t0 = Instant::now();
+    let sem = Arc::new(tokio::sync::Semaphore::new(256));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let permit = sem.clone().acquire_owned().await.unwrap();
+        let mut c = client.clone();
+        let r = req(1000 + i);
+        tasks.push(tokio::spawn(async move {
+            c.create_sandbox(r).await.unwrap();
+            drop(permit);
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let wall = t0.elapsed();
+    let cpu = cpu_time() - cpu0;
+    println!(
+        "concurrent: {n} creations in {wall:?} = {:.0}/s; CPU (client + server) {:?} per creation",
+        n as f64 / wall.as_secs_f64(),
+        cpu / n as u32
+    );
+    // Idle: what the background loops cost with this many sandboxes.
+    let cpu0 = cpu_time();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    println!("idle with {} sandboxes: CPU {:?} per second", n + 500, (cpu_time() - cpu0) / 5);
+    let _ = tx.send(());
+    served.await.unwrap().unwrap();
+}

@@ -1,0 +1,799 @@
+//! The edge through real gRPC on 127.0.0.1:0, with a fake IAM (ReleaseLeases recorded, GetLease
+//! answered from a map) and a fake watcher (registrations recorded).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tonic::{Request, Response, Status};
+
+use opendsec_common::config::EdgeConfig;
+use opendsec_common::grpc::{self, AttachServiceToken, RequireServiceToken, ServiceChannel};
+use opendsec_common::{ApiError, Reason};
+use opendsec_edge::admission::HostReading;
+use opendsec_edge::backend::sim::SimBackend;
+use opendsec_edge::{Backend, BackendError, Edge, EdgeOptions, FixedHost, HostSize, SandboxRecord, Usage};
+use opendsec_proto::v1::edge_client::EdgeClient;
+use opendsec_proto::v1::iam_server::{Iam, IamServer};
+use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
+use opendsec_proto::v1::*;
+
+const TOKEN: &str = "test-service-token";
+const EDGE: &str = "edge-1";
+const WAIT: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------------
+// Fakes
+
+#[derive(Default)]
+struct IamState {
+    /// Every ReleaseLeases call, in order.
+    released: Vec<Vec<String>>,
+    /// GetLease answers: lease -> Some(edge) bound there, None = not found. Leases not in the
+    /// map are bound to `EDGE`.
+    bindings: HashMap<String, Option<String>>,
+    get_lease_calls: usize,
+    /// ReleaseLeases answers `unavailable` (and records nothing) while set.
+    fail_releases: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeIam(Arc<Mutex<IamState>>);
+
+impl FakeIam {
+    fn released(&self) -> Vec<String> {
+        self.0.lock().unwrap().released.iter().flatten().cloned().collect()
+    }
+    fn batches(&self) -> Vec<Vec<String>> {
+        self.0.lock().unwrap().released.clone()
+    }
+    fn bind(&self, lease: &str, edge: Option<&str>) {
+        self.0.lock().unwrap().bindings.insert(lease.into(), edge.map(String::from));
+    }
+    fn fail_releases(&self, fail: bool) {
+        self.0.lock().unwrap().fail_releases = fail;
+    }
+    fn get_lease_calls(&self) -> usize {
+        self.0.lock().unwrap().get_lease_calls
+    }
+}
+
+fn unimplemented<T>() -> Result<Response<T>, Status> {
+    Err(Status::unimplemented("not in the fake"))
+}
+
+#[tonic::async_trait]
+impl Iam for FakeIam {
+    async fn authenticate(&self, _: Request<AuthenticateRequest>) -> Result<Response<AuthenticateResponse>, Status> {
+        unimplemented()
+    }
+    async fn authorize(&self, _: Request<AuthorizeRequest>) -> Result<Response<AuthorizeResponse>, Status> {
+        unimplemented()
+    }
+    async fn admit(&self, _: Request<AdmitRequest>) -> Result<Response<AdmitResponse>, Status> {
+        unimplemented()
+    }
+    async fn release_leases(
+        &self,
+        req: Request<ReleaseLeasesRequest>,
+    ) -> Result<Response<ReleaseLeasesResponse>, Status> {
+        let ids = req.into_inner().lease_ids;
+        let n = ids.len() as u32;
+        let mut st = self.0.lock().unwrap();
+        if st.fail_releases {
+            return Err(ApiError::unavailable("IAM is down").to_status());
+        }
+        st.released.push(ids);
+        Ok(Response::new(ReleaseLeasesResponse { released: n }))
+    }
+    async fn get_lease(&self, req: Request<GetLeaseRequest>) -> Result<Response<GetLeaseResponse>, Status> {
+        let id = req.into_inner().lease_id;
+        let mut st = self.0.lock().unwrap();
+        st.get_lease_calls += 1;
+        let edge = st.bindings.get(&id).cloned().unwrap_or(Some(EDGE.to_string()));
+        Ok(Response::new(match edge {
+            Some(edge) => GetLeaseResponse { found: true, lease: Some(Lease { id, edge, ..Default::default() }) },
+            None => GetLeaseResponse { found: false, lease: None },
+        }))
+    }
+    async fn reconcile(&self, _: Request<ReconcileRequest>) -> Result<Response<ReconcileResponse>, Status> {
+        unimplemented()
+    }
+    async fn sweep_unbound(&self, _: Request<SweepUnboundRequest>) -> Result<Response<SweepUnboundResponse>, Status> {
+        unimplemented()
+    }
+    async fn get_epoch(&self, _: Request<GetEpochRequest>) -> Result<Response<GetEpochResponse>, Status> {
+        unimplemented()
+    }
+    async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
+        unimplemented()
+    }
+}
+
+#[derive(Clone, Default)]
+struct FakeWatcher(Arc<Mutex<Vec<RegisterEdgeRequest>>>);
+
+#[tonic::async_trait]
+impl Watcher for FakeWatcher {
+    async fn get_snapshot(&self, _: Request<GetSnapshotRequest>) -> Result<Response<ClusterSnapshot>, Status> {
+        unimplemented()
+    }
+    async fn register_edge(&self, req: Request<RegisterEdgeRequest>) -> Result<Response<RegisterEdgeResponse>, Status> {
+        self.0.lock().unwrap().push(req.into_inner());
+        Ok(Response::new(RegisterEdgeResponse {}))
+    }
+}
+
+async fn serve_fakes(iam: FakeIam, watcher: FakeWatcher) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let router = grpc::server()
+        .add_service(IamServer::with_interceptor(iam, RequireServiceToken::new(TOKEN)))
+        .add_service(WatcherServer::with_interceptor(watcher, RequireServiceToken::new(TOKEN)));
+    tokio::spawn(grpc::serve(router, listener, std::future::pending()));
+    addr
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+fn config() -> EdgeConfig {
+    EdgeConfig {
+        ttl_check_interval: Duration::from_millis(100),
+        release_interval: Duration::from_millis(20),
+        register_interval: Duration::from_secs(60),
+        ..EdgeConfig::default()
+    }
+}
+
+struct Harness {
+    edge: Edge,
+    client: EdgeClient<ServiceChannel>,
+    addr: String,
+    stop: Option<oneshot::Sender<()>>,
+    served: Option<tokio::task::JoinHandle<Result<(), opendsec_edge::EdgeError>>>,
+}
+
+impl Harness {
+    async fn start(dir: &Path, cfg: EdgeConfig, fakes: &str, backends: Vec<Arc<dyn Backend>>) -> Harness {
+        Harness::start_with_host(dir, cfg, fakes, backends, None).await
+    }
+
+    async fn start_with_host(
+        dir: &Path,
+        cfg: EdgeConfig,
+        fakes: &str,
+        backends: Vec<Arc<dyn Backend>>,
+        host: Option<Arc<FixedHost>>,
+    ) -> Harness {
+        let opts = EdgeOptions {
+            name: EDGE.into(),
+            state_dir: dir.to_path_buf(),
+            config: cfg,
+            iam_addrs: vec![fakes.to_string()],
+            watcher_addrs: vec![fakes.to_string()],
+            service_token: TOKEN.into(),
+            advertise: String::new(),
+        };
+        let edge = match host {
+            Some(h) => Edge::start_with_host(opts, backends, h).await.unwrap(),
+            None => Edge::start(opts, backends).await.unwrap(),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (tx, rx) = oneshot::channel::<()>();
+        let served = tokio::spawn(edge.clone().serve(listener, async move {
+            let _ = rx.await;
+        }));
+        let token = AttachServiceToken::new(TOKEN).unwrap();
+        let client = EdgeClient::new(grpc::service_channel(grpc::channel(&addr).unwrap(), &token));
+        Harness { edge, client, addr, stop: Some(tx), served: Some(served) }
+    }
+
+    /// Stops serving and waits until the edge is closed.
+    async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(s) = self.served.take() {
+            s.await.unwrap().unwrap();
+        }
+    }
+
+    async fn create(&self, lease: &str, spec: SandboxSpec) -> Result<Sandbox, ApiError> {
+        let req = EdgeCreateRequest { lease_id: lease.into(), spec: Some(spec), principal: "alice".into() };
+        self.client.clone().create_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
+    }
+
+    async fn get(&self, lease: &str) -> Result<Sandbox, ApiError> {
+        let req = GetSandboxRequest { id: format!("{EDGE}.{lease}") };
+        self.client.clone().get_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
+    }
+
+    async fn stop(&self, lease: &str) -> Result<Sandbox, ApiError> {
+        let req = StopSandboxRequest { id: format!("{EDGE}.{lease}") };
+        self.client.clone().stop_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
+    }
+
+    async fn pause(&self, lease: &str) -> Result<Sandbox, ApiError> {
+        let req = PauseSandboxRequest { id: format!("{EDGE}.{lease}") };
+        self.client.clone().pause_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
+    }
+
+    async fn resume(&self, lease: &str) -> Result<Sandbox, ApiError> {
+        let req = ResumeSandboxRequest { id: format!("{EDGE}.{lease}") };
+        self.client.clone().resume_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
+    }
+
+    async fn list(&self, req: EdgeListRequest) -> EdgeListResponse {
+        self.client.clone().list_sandboxes(req).await.unwrap().into_inner()
+    }
+
+    async fn status(&self, include_leases: bool) -> EdgeStatus {
+        self.client.clone().status(StatusRequest { include_leases }).await.unwrap().into_inner()
+    }
+}
+
+fn spec(cpu: u32, mem: u64) -> SandboxSpec {
+    SandboxSpec {
+        project: "root/team-a".into(),
+        image: "python".into(),
+        backend: "sim".into(),
+        resources: Some(Resources { cpu_millis: cpu, memory_mb: mem, disk_mb: 100, gpus: 0 }),
+        ttl_running_stop_s: 600,
+        ttl_max_s: 3600,
+        ttl_paused_s: 3600,
+        labels: [("job".to_string(), "rl".to_string())].into(),
+        ..Default::default()
+    }
+}
+
+fn state(sb: &Sandbox) -> SandboxState {
+    SandboxState::try_from(sb.state).unwrap()
+}
+
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn setup() -> (tempfile::TempDir, FakeIam, FakeWatcher, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = FakeIam::default();
+    let watcher = FakeWatcher::default();
+    let addr = serve_fakes(iam.clone(), watcher.clone()).await;
+    (dir, iam, watcher, addr)
+}
+
+fn sim() -> Arc<SimBackend> {
+    Arc::new(SimBackend::new())
+}
+
+fn record_file(dir: &Path, lease: &str) -> SandboxRecord {
+    let path = dir.join("sandboxes").join(format!("{lease}.json"));
+    SandboxRecord::decode(&std::fs::read(&path).unwrap(), &path).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[tokio::test]
+async fn lifecycle_create_get_list_pause_resume_stop() {
+    let (dir, iam, watcher, fakes) = setup().await;
+    let sim = sim();
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+
+    let sb = h.create("lease-1", spec(1000, 512)).await.unwrap();
+    assert_eq!(sb.id, format!("{EDGE}.lease-1"));
+    assert_eq!(state(&sb), SandboxState::Running);
+    assert_eq!(sb.principal, "alice");
+    assert!(sb.expires_at_ms > sb.created_at_ms);
+    assert!(sim.contains(&sb.id));
+    assert_eq!(record_file(dir.path(), "lease-1").state, opendsec_edge::SandboxStatus::Running);
+
+    let got = h.get("lease-1").await.unwrap();
+    assert_eq!(got.spec, sb.spec);
+
+    h.create("lease-2", SandboxSpec { project: "root/team-b".into(), ..spec(100, 64) }).await.unwrap();
+    let page = h.list(EdgeListRequest { project: "root/team-a".into(), ..Default::default() }).await;
+    assert_eq!(page.sandboxes.iter().map(|s| s.lease_id.as_str()).collect::<Vec<_>>(), ["lease-1"]);
+    let page = h.list(EdgeListRequest { limit: 1, ..Default::default() }).await;
+    assert_eq!((page.sandboxes.len(), page.more), (1, true));
+    let page = h.list(EdgeListRequest { after: page.sandboxes[0].id.clone(), limit: 1, ..Default::default() }).await;
+    assert_eq!((page.sandboxes[0].lease_id.as_str(), page.more), ("lease-2", false));
+
+    let paused = h.pause("lease-1").await.unwrap();
+    assert_eq!(state(&paused), SandboxState::Paused);
+    assert_eq!(sim.is_paused(&sb.id), Some(true));
+    // Pausing again answers the paused sandbox; resuming a running one likewise.
+    assert_eq!(state(&h.pause("lease-1").await.unwrap()), SandboxState::Paused);
+    let resumed = h.resume("lease-1").await.unwrap();
+    assert_eq!(state(&resumed), SandboxState::Running);
+    assert_eq!(state(&h.resume("lease-1").await.unwrap()), SandboxState::Running);
+
+    let st = h.status(true).await;
+    assert_eq!(st.edge, EDGE);
+    assert_eq!(st.sandboxes, 2);
+    assert_eq!(st.allocated.unwrap().cpu_millis, 1100);
+    assert_eq!(st.leases.len(), 2);
+    assert_eq!(st.backends, ["sim"]);
+    assert!(st.cpu_use > 0.0 && st.cpu_use < 0.1, "{}", st.cpu_use);
+
+    let stopped = h.stop("lease-1").await.unwrap();
+    assert_eq!(state(&stopped), SandboxState::Stopped);
+    assert_eq!(stopped.end_reason, "user");
+    assert!(!sim.contains(&sb.id));
+    // Idempotent, and the ended sandbox stays readable.
+    assert_eq!(state(&h.stop("lease-1").await.unwrap()), SandboxState::Stopped);
+    assert_eq!(state(&h.get("lease-1").await.unwrap()), SandboxState::Stopped);
+    // Default listing leaves ended sandboxes out; asking by state finds them.
+    let page = h.list(EdgeListRequest::default()).await;
+    assert_eq!(page.sandboxes.len(), 1);
+    let page = h.list(EdgeListRequest { states: vec![SandboxState::Stopped as i32], ..Default::default() }).await;
+    assert_eq!(page.sandboxes.len(), 1);
+
+    eventually("the lease released", || async { iam.released() == ["lease-1"] }).await;
+    eventually("the release marked", || async { record_file(dir.path(), "lease-1").lease_released }).await;
+
+    // Wrong states name the state found.
+    let err = h.pause("lease-1").await.unwrap_err();
+    assert_eq!(err.reason, Reason::InvalidState);
+    assert!(err.message.contains("STOPPED"), "{}", err.message);
+    let err = h.resume("lease-1").await.unwrap_err();
+    assert_eq!(err.reason, Reason::InvalidState);
+    let req = SetSandboxTimeoutRequest { id: format!("{EDGE}.lease-1"), ttl_max_s: Some(10), ..Default::default() };
+    let err = ApiError::from(h.client.clone().set_sandbox_timeout(req).await.unwrap_err());
+    assert_eq!(err.reason, Reason::InvalidState);
+    assert_eq!(h.get("nope").await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(h.get("x").await.unwrap_err().reason, Reason::NotFound);
+    let other = GetSandboxRequest { id: "edge-2.lease-2".into() };
+    assert_eq!(ApiError::from(h.client.clone().get_sandbox(other).await.unwrap_err()).reason, Reason::NotFound);
+
+    // The edge registered with the watcher at start, with the address it serves on.
+    let regs = watcher.0.lock().unwrap().clone();
+    assert!(regs.iter().any(|r| r.name == EDGE && r.address == h.addr), "{regs:?}");
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn create_is_idempotent_per_lease() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let sim = sim();
+    sim.set_delay(Some(Duration::from_millis(50)));
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+
+    // Concurrent retries of one creation make one sandbox.
+    let (a, b) = tokio::join!(h.create("same", spec(1000, 512)), h.create("same", spec(1000, 512)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.id, b.id);
+    assert_eq!(state(&a), SandboxState::Running);
+    assert_eq!(state(&b), SandboxState::Running);
+    // A later retry, even with another spec, gets the same sandbox as it is.
+    let c = h.create("same", spec(2000, 1024)).await.unwrap();
+    assert_eq!(c.created_at_ms, a.created_at_ms);
+    assert_eq!(c.spec.unwrap().resources.unwrap().cpu_millis, 1000);
+    assert_eq!(sim.len(), 1);
+    assert_eq!(h.status(false).await.sandboxes, 1);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn capacity_and_offered_backends_are_checked() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let mut cfg = config();
+    cfg.capacity.cpu_millis = 2000;
+    cfg.max_sandboxes = 3;
+    let h = Harness::start(dir.path(), cfg, &fakes, vec![sim()]).await;
+
+    h.create("a", spec(1500, 10)).await.unwrap();
+    let err = h.create("b", spec(1000, 10)).await.unwrap_err();
+    assert_eq!(err.reason, Reason::NoCapacity);
+    assert!(err.message.contains("cpu"), "{}", err.message);
+    h.create("b", spec(500, 10)).await.unwrap();
+    h.create("c", spec(0, 10)).await.unwrap();
+    let err = h.create("d", spec(0, 10)).await.unwrap_err();
+    assert_eq!(err.reason, Reason::NoCapacity);
+    assert!(err.message.contains("sandboxes"), "{}", err.message);
+
+    // A stopped sandbox gives its room back.
+    h.stop("a").await.unwrap();
+    h.create("d", spec(1000, 10)).await.unwrap();
+
+    // A known backend this edge does not offer: the apiserver's snapshot was stale.
+    let err = h.create("e", SandboxSpec { backend: "microvm".into(), ..spec(0, 0) }).await.unwrap_err();
+    assert_eq!(err.reason, Reason::NoCapacity);
+    assert!(err.message.contains("microvm"), "{}", err.message);
+    assert!(h.get("e").await.is_err());
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_and_changes_nothing() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let sim = sim();
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+
+    let absurd =
+        SandboxSpec { resources: Some(Resources { cpu_millis: u32::MAX, ..Default::default() }), ..spec(0, 0) };
+    let cases = [
+        ("Bad_Lease!", spec(1, 1)),
+        ("", spec(1, 1)),
+        ("ok", SandboxSpec { backend: "kvm".into(), ..spec(1, 1) }),
+        ("ok", SandboxSpec { project: "not-root".into(), ..spec(1, 1) }),
+        ("ok", absurd),
+    ];
+    for (lease, spec) in cases {
+        let err = h.create(lease, spec.clone()).await.unwrap_err();
+        assert_eq!(err.reason, Reason::InvalidArgument, "{lease:?} {spec:?}: {err}");
+    }
+    let no_spec = EdgeCreateRequest { lease_id: "ok".into(), spec: None, principal: "alice".into() };
+    let err = ApiError::from(h.client.clone().create_sandbox(no_spec).await.unwrap_err());
+    assert_eq!(err.reason, Reason::InvalidArgument);
+    let err = h.pause("../etc").await.unwrap_err();
+    assert_eq!(err.reason, Reason::InvalidArgument);
+    let bad_list = EdgeListRequest { states: vec![99], ..Default::default() };
+    let err = ApiError::from(h.client.clone().list_sandboxes(bad_list).await.unwrap_err());
+    assert_eq!(err.reason, Reason::InvalidArgument);
+
+    assert_eq!(h.status(true).await.sandboxes, 0);
+    assert!(sim.is_empty());
+    assert_eq!(std::fs::read_dir(dir.path().join("sandboxes")).unwrap().count(), 0);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_service_token_is_required() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
+    let mut bare = EdgeClient::new(grpc::channel(&h.addr).unwrap());
+    let err = ApiError::from(bare.status(StatusRequest::default()).await.unwrap_err());
+    assert_eq!(err.reason, Reason::Unauthenticated);
+    let wrong = AttachServiceToken::new("wrong").unwrap();
+    let mut wrong = EdgeClient::new(grpc::service_channel(grpc::channel(&h.addr).unwrap(), &wrong));
+    let err = ApiError::from(wrong.status(StatusRequest::default()).await.unwrap_err());
+    assert_eq!(err.reason, Reason::Unauthenticated);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn idle_ttl_expiry_stops_and_releases_in_a_batch() {
+    let (dir, iam, _w, fakes) = setup().await;
+    // Releases go out only when a batch of two is full.
+    let mut cfg = config();
+    cfg.release_batch = 2;
+    cfg.release_interval = Duration::from_secs(3600);
+    let h = Harness::start(dir.path(), cfg, &fakes, vec![sim()]).await;
+    let short = SandboxSpec { ttl_running_stop_s: 1, ..spec(100, 10) };
+    let a = h.create("idle-a", short.clone()).await.unwrap();
+    h.create("idle-b", short).await.unwrap();
+    assert_eq!(a.expires_at_ms, a.last_active_ms + 1000);
+
+    eventually("both expired", || async {
+        let (a, b) = (h.get("idle-a").await.unwrap(), h.get("idle-b").await.unwrap());
+        state(&a) == SandboxState::Stopped && state(&b) == SandboxState::Stopped
+    })
+    .await;
+    assert_eq!(h.get("idle-a").await.unwrap().end_reason, "ttl_running_stop");
+    eventually("both released", || async {
+        let mut r = iam.released();
+        r.sort();
+        r == ["idle-a", "idle-b"]
+    })
+    .await;
+    assert_eq!(iam.batches().len(), 1, "{:?}", iam.batches());
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn set_timeout_replaces_ttls_and_resets_the_idle_clock() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
+    let sb = h.create("t", spec(1, 1)).await.unwrap();
+    let req = SetSandboxTimeoutRequest { id: sb.id.clone(), ttl_max_s: Some(5), ..Default::default() };
+    let after = h.client.clone().set_sandbox_timeout(req).await.unwrap().into_inner();
+    assert_eq!(after.spec.as_ref().unwrap().ttl_max_s, 5);
+    assert_eq!(after.spec.as_ref().unwrap().ttl_running_stop_s, 600);
+    assert_eq!(after.expires_at_ms, after.created_at_ms + 5000);
+    assert!(after.last_active_ms >= sb.last_active_ms);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn restart_keeps_running_and_paused_sandboxes() {
+    let (dir, iam, _w, fakes) = setup().await;
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
+    h.create("run", spec(100, 10)).await.unwrap();
+    h.create("nap", spec(100, 10)).await.unwrap();
+    h.create("gone", spec(100, 10)).await.unwrap();
+    h.pause("nap").await.unwrap();
+    h.stop("gone").await.unwrap();
+    let first_boot = h.status(false).await.boot_id;
+    h.shutdown().await;
+
+    // A creation cut short by a crash: its record says CREATING.
+    let mut creating = record_file(dir.path(), "run");
+    creating.lease_id = "crashed".into();
+    creating.id = format!("{EDGE}.crashed");
+    creating.state = opendsec_edge::SandboxStatus::Creating;
+    std::fs::write(dir.path().join("sandboxes/crashed.json"), creating.encode().unwrap()).unwrap();
+    // A pause and a stop cut short the same way.
+    let mut pausing = creating.clone();
+    pausing.lease_id = "mid-pause".into();
+    pausing.id = format!("{EDGE}.mid-pause");
+    pausing.state = opendsec_edge::SandboxStatus::Pausing;
+    std::fs::write(dir.path().join("sandboxes/mid-pause.json"), pausing.encode().unwrap()).unwrap();
+    let mut stopping = creating.clone();
+    stopping.lease_id = "mid-stop".into();
+    stopping.id = format!("{EDGE}.mid-stop");
+    stopping.state = opendsec_edge::SandboxStatus::Stopping;
+    stopping.end_reason = "ttl_max".into();
+    std::fs::write(dir.path().join("sandboxes/mid-stop.json"), stopping.encode().unwrap()).unwrap();
+
+    // A fresh sim backend: sim sandboxes "survive" the restart through adoption.
+    let sim2 = sim();
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim2.clone()]).await;
+    let st = h.status(true).await;
+    assert_ne!(st.boot_id, first_boot);
+    assert_eq!(st.sandboxes, 2);
+    assert_eq!(state(&h.get("run").await.unwrap()), SandboxState::Running);
+    assert_eq!(state(&h.get("nap").await.unwrap()), SandboxState::Paused);
+    assert_eq!(state(&h.get("gone").await.unwrap()), SandboxState::Stopped);
+    let crashed = h.get("crashed").await.unwrap();
+    assert_eq!((state(&crashed), crashed.end_reason.as_str()), (SandboxState::Failed, "edge_restart"));
+    let mid_pause = h.get("mid-pause").await.unwrap();
+    assert_eq!((state(&mid_pause), mid_pause.end_reason.as_str()), (SandboxState::Failed, "edge_restart"));
+    let mid_stop = h.get("mid-stop").await.unwrap();
+    assert_eq!((state(&mid_stop), mid_stop.end_reason.as_str()), (SandboxState::Stopped, "ttl_max"));
+    assert_eq!(sim2.len(), 2);
+    assert_eq!(sim2.is_paused(&format!("{EDGE}.nap")), Some(true));
+
+    // The adopted sandboxes work as before.
+    assert_eq!(state(&h.resume("nap").await.unwrap()), SandboxState::Running);
+    assert_eq!(state(&h.stop("run").await.unwrap()), SandboxState::Stopped);
+    // The interrupted creation's lease is released once IAM confirms it is still bound here.
+    eventually("releases", || async {
+        let r = iam.released();
+        ["run", "crashed", "mid-pause", "mid-stop"].iter().all(|l| r.contains(&l.to_string()))
+    })
+    .await;
+    assert_eq!(iam.released().iter().filter(|l| *l == "gone").count(), 1);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_lease_bound_elsewhere_stops_the_sandbox_without_releasing() {
+    let (dir, iam, _w, fakes) = setup().await;
+    iam.bind("moved", Some("edge-9"));
+    iam.bind("vanished", None);
+    let sim = sim();
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+
+    let sb = h.create("moved", spec(100, 10)).await.unwrap();
+    assert_eq!(state(&sb), SandboxState::Running);
+    h.create("vanished", spec(100, 10)).await.unwrap();
+    h.create("mine", spec(100, 10)).await.unwrap();
+    for lease in ["moved", "vanished"] {
+        eventually("the stop", || async {
+            let sb = h.get(lease).await.unwrap();
+            state(&sb) == SandboxState::Stopped && sb.end_reason == "lease_moved"
+        })
+        .await;
+    }
+    eventually("all three checked", || async { iam.get_lease_calls() >= 3 }).await;
+    assert_eq!(sim.len(), 1);
+    assert_eq!(state(&h.get("mine").await.unwrap()), SandboxState::Running);
+    assert!(record_file(dir.path(), "moved").lease_released);
+    // Give the release loop several rounds: nothing of the moved leases may be released.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(iam.released().is_empty(), "{:?}", iam.released());
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dead_sandbox_is_failed_and_released() {
+    let (dir, iam, _w, fakes) = setup().await;
+    let sim = sim();
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+    let sb = h.create("doomed", spec(100, 10)).await.unwrap();
+    assert!(sim.kill(&sb.id));
+    eventually("the loss noticed", || async {
+        let sb = h.get("doomed").await.unwrap();
+        state(&sb) == SandboxState::Failed && sb.end_reason == "lost"
+    })
+    .await;
+    eventually("the release", || async { iam.released() == ["doomed"] }).await;
+    assert_eq!(h.status(false).await.sandboxes, 0);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_failed_creation_reports_the_backend_reason() {
+    let (dir, iam, _w, fakes) = setup().await;
+    let sim = sim();
+    sim.fail_creates(Some(Reason::NoCapacity));
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+    iam.bind("retried", Some("edge-2"));
+
+    let err = h.create("failing", spec(100, 10)).await.unwrap_err();
+    assert_eq!(err.reason, Reason::NoCapacity);
+    let err = h.create("retried", spec(100, 10)).await.unwrap_err();
+    assert_eq!(err.reason, Reason::NoCapacity);
+    let failed = h.get("failing").await.unwrap();
+    assert_eq!((state(&failed), failed.end_reason.as_str()), (SandboxState::Failed, "create_failed"));
+    assert_eq!(h.status(false).await.sandboxes, 0);
+
+    // Only the lease IAM still binds here is released; the one the caller rebound is not ours.
+    eventually("the check and release", || async { iam.released() == ["failing"] }).await;
+    eventually("both settled", || async { h.edge.pending_releases() == (0, 0) }).await;
+    assert!(record_file(dir.path(), "retried").lease_released);
+    assert_eq!(iam.released(), ["failing"]);
+    h.shutdown().await;
+}
+
+/// A stand-in for a real backend, so the edge checks host pressure.
+struct FakeContainer(SimBackend);
+
+#[async_trait::async_trait]
+impl Backend for FakeContainer {
+    fn name(&self) -> &'static str {
+        "container"
+    }
+    async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.create(sb).await
+    }
+    async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.stop(sb).await
+    }
+    async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.pause(sb).await
+    }
+    async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.resume(sb).await
+    }
+    async fn probe(&self, id: &str) -> Result<bool, BackendError> {
+        self.0.probe(id).await
+    }
+    async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.adopt(sb).await
+    }
+    async fn cleanup(&self, keep: &std::collections::HashSet<String>) -> Result<usize, BackendError> {
+        self.0.cleanup(keep).await
+    }
+    fn usage(&self) -> Option<Usage> {
+        None
+    }
+}
+
+#[tokio::test]
+async fn host_pressure_refuses_creations_only_with_real_backends() {
+    let low_memory = HostReading {
+        mem_total_mb: Some(16_000),
+        mem_available_mb: Some(100),
+        disk_free_mb: Some(100_000),
+        cpu_some_avg10: Some(0.0),
+    };
+    let size = HostSize { cpu_millis: 2000, memory_mb: 16_000, disk_mb: 100_000 };
+    let (dir, _iam, _w, fakes) = setup().await;
+
+    // Sim-only: a hundred sim edges share one host, so its memory says nothing.
+    let host = Arc::new(FixedHost::new(low_memory, size));
+    let h = Harness::start_with_host(dir.path(), config(), &fakes, vec![sim()], Some(host)).await;
+    h.create("sim-ok", spec(1, 1)).await.unwrap();
+    assert!(!h.status(false).await.pressure.unwrap().memory);
+    h.shutdown().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let host = Arc::new(FixedHost::new(low_memory, size));
+    host.set_cpu_use(Some(0.25));
+    let backends: Vec<Arc<dyn Backend>> = vec![Arc::new(FakeContainer(SimBackend::new())), sim()];
+    let mut cfg = config();
+    cfg.capacity.cpu_millis = 0; // measured from the host
+    let h = Harness::start_with_host(dir.path(), cfg, &fakes, backends, Some(host.clone())).await;
+    let container = SandboxSpec { backend: "container".into(), ..spec(1, 1) };
+    let err = h.create("refused", container.clone()).await.unwrap_err();
+    assert_eq!(err.reason, Reason::NoCapacity);
+    assert!(err.message.contains("memory pressure"), "{}", err.message);
+    let st = h.status(false).await;
+    assert!(st.pressure.unwrap().memory);
+    assert_eq!(st.capacity.unwrap().cpu_millis, 2000);
+    assert_eq!(st.cpu_use, 0.25);
+
+    host.set_reading(HostReading { mem_available_mb: Some(8_000), ..low_memory });
+    tokio::time::sleep(Duration::from_millis(150)).await; // past the pressure cache
+    h.create("admitted", container).await.unwrap();
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn closing_without_keep_stops_sandboxes_and_flushes_releases() {
+    let (dir, iam, _w, fakes) = setup().await;
+    let mut cfg = config();
+    cfg.keep_sandboxes_on_exit = false;
+    // Releases would wait long in the queue; only the close flushes them.
+    cfg.release_interval = Duration::from_secs(3600);
+    let sim = sim();
+    let h = Harness::start(dir.path(), cfg, &fakes, vec![sim.clone()]).await;
+    h.create("x", spec(1, 1)).await.unwrap();
+    h.create("y", spec(1, 1)).await.unwrap();
+    h.pause("y").await.unwrap();
+    h.shutdown().await;
+    assert!(sim.is_empty());
+    let mut released = iam.released();
+    released.sort();
+    assert_eq!(released, ["x", "y"]);
+    let rec = record_file(dir.path(), "x");
+    assert_eq!((rec.state, rec.end_reason.as_str()), (opendsec_edge::SandboxStatus::Stopped, "edge_shutdown"));
+}
+
+#[tokio::test]
+async fn many_concurrent_creations_respect_capacity() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let mut cfg = config();
+    cfg.max_sandboxes = 50;
+    let h = Arc::new(Harness::start(dir.path(), cfg, &fakes, vec![sim()]).await);
+    let tasks: Vec<_> = (0..80)
+        .map(|i| {
+            let h = h.clone();
+            tokio::spawn(async move { h.create(&format!("c{i}"), spec(10, 10)).await })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => ok += 1,
+            Err(e) => assert_eq!(e.reason, Reason::NoCapacity, "{e}"),
+        }
+    }
+    assert_eq!(ok, 50);
+    assert_eq!(h.status(false).await.sandboxes, 50);
+    match Arc::try_unwrap(h) {
+        Ok(h) => h.shutdown().await,
+        Err(_) => panic!("harness still shared"),
+    }
+}
+
+#[tokio::test]
+async fn ended_records_are_deleted_after_retention_once_released() {
+    let (dir, iam, _w, fakes) = setup().await;
+    let mut cfg = config();
+    cfg.ended_retention = Duration::from_millis(300);
+    let h = Harness::start(dir.path(), cfg, &fakes, vec![sim()]).await;
+    h.create("old", spec(1, 1)).await.unwrap();
+    h.stop("old").await.unwrap();
+    // Kept for Get while the retention runs.
+    assert_eq!(state(&h.get("old").await.unwrap()), SandboxState::Stopped);
+    eventually("the record deleted", || async { h.get("old").await.is_err() }).await;
+    assert_eq!(h.get("old").await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(iam.released(), ["old"]);
+    assert!(!dir.path().join("sandboxes/old.json").exists());
+    assert_eq!(h.edge.sandbox_count(), 0);
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn failed_releases_stay_queued_and_are_retried() {
+    let (dir, iam, _w, fakes) = setup().await;
+    iam.fail_releases(true);
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
+    h.create("r", spec(1, 1)).await.unwrap();
+    h.stop("r").await.unwrap();
+    // Several release rounds fail; the lease stays queued and unmarked.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(h.edge.pending_releases(), (1, 0));
+    assert!(!record_file(dir.path(), "r").lease_released);
+    iam.fail_releases(false);
+    eventually("the retried release", || async { iam.released() == ["r"] }).await;
+    eventually("the release marked", || async { record_file(dir.path(), "r").lease_released }).await;
+    assert_eq!(h.edge.pending_releases(), (0, 0));
+    h.shutdown().await;
+}
