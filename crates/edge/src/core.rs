@@ -1,5 +1,6 @@
 //! The edge's sandbox lifecycle: final admission, the state machine driven through the
-//! backends, records, TTL expiry, liveness, lease releases and the lease check after creation.
+//! backends, records, TTL expiry, liveness, lease releases and the stop of sandboxes whose
+//! lease moved (the batched check after creation is `release`'s).
 //!
 //! Invariants:
 //! - one lifecycle operation at a time per sandbox: every operation takes the sandbox's
@@ -10,7 +11,8 @@
 //!   outcomes are published first (memory follows reality) and then written;
 //! - the table's std mutex is never held across an await; only operation locks are;
 //! - an ended sandbox's lease is queued for release exactly when its final record is published,
-//!   unless the lease is not ours to release (`lease_moved`).
+//!   unless the lease is not ours to release (`lease_moved`); IAM releases it only if it is
+//!   still bound here, so a creation retried elsewhere keeps its lease.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -33,7 +35,7 @@ use crate::admission::{self, Capacity};
 use crate::backend::{Backend, BackendError};
 use crate::error::EdgeError;
 use crate::host::HostProbe;
-use crate::record::{RECORD_VERSION, RecordError, RecordStore, SandboxRecord, SpecRecord};
+use crate::record::{RECORD_VERSION, RecordError, RecordStore, SandboxRecord, SpecRecord, WriteMode};
 use crate::release::ReleaseQueue;
 use crate::remote::{LeaseBinding, Remote};
 use crate::state::{SandboxStatus, end_reason};
@@ -51,12 +53,9 @@ const PRESSURE_CACHE: Duration = Duration::from_millis(100);
 /// What happens to the lease of a sandbox that ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Release {
-    /// Ours: release it.
+    /// Release it (IAM frees it only if it is still bound to this edge).
     Yes,
-    /// The caller may have retried elsewhere with the same lease: release only if IAM still
-    /// binds it here.
-    IfBound,
-    /// Not ours (the lease moved or is gone): nothing to release.
+    /// Not ours (IAM binds it elsewhere or no longer has it): nothing to release.
     No,
 }
 
@@ -192,18 +191,18 @@ impl Inner {
     }
 
     /// Writes a record (blocking I/O on the blocking pool).
-    pub(crate) async fn persist(&self, rec: &SandboxRecord, durable: bool) -> Result<(), RecordError> {
+    pub(crate) async fn persist(&self, rec: &SandboxRecord, mode: WriteMode) -> Result<(), RecordError> {
         let bytes = rec.encode()?;
         let store = self.store.clone();
         let lease = rec.lease_id.clone();
-        tokio::task::spawn_blocking(move || store.write(&lease, &bytes, durable))
+        tokio::task::spawn_blocking(move || store.write(&lease, &bytes, mode))
             .await
             .map_err(|e| RecordError::Join { lease: rec.lease_id.clone(), message: e.to_string() })?
     }
 
     /// An intent: on disk first, then visible. Nothing changes if the write fails.
     async fn persist_then_publish(&self, rec: SandboxRecord) -> Result<Arc<SandboxRecord>, EdgeError> {
-        self.persist(&rec, true).await?;
+        self.persist(&rec, WriteMode::Durable).await?;
         let rec = Arc::new(rec);
         self.table().publish(rec.clone());
         Ok(rec)
@@ -213,7 +212,7 @@ impl Inner {
     async fn publish_then_persist(&self, rec: SandboxRecord) -> (Arc<SandboxRecord>, Result<(), EdgeError>) {
         let rec = Arc::new(rec);
         self.table().publish(rec.clone());
-        let written = self.persist(&rec, true).await.map_err(EdgeError::from);
+        let written = self.persist(&rec, WriteMode::Durable).await.map_err(EdgeError::from);
         if let Err(e) = &written {
             tracing::error!(sandbox_id = %rec.id, state = %rec.state, error = %e, "record write failed");
         }
@@ -221,28 +220,21 @@ impl Inner {
     }
 
     pub(crate) fn queue_release(&self, rec: &SandboxRecord) {
-        if rec.lease_released {
-            return;
-        }
-        if rec.release_if_bound {
-            self.releases.push_check(rec.lease_id.clone());
-        } else {
+        if !rec.lease_released {
             self.releases.push(rec.lease_id.clone());
         }
     }
 
     fn apply_release(rec: &mut SandboxRecord, release: Release) {
-        match release {
-            Release::Yes => {}
-            Release::IfBound => rec.release_if_bound = true,
-            Release::No => rec.lease_released = true,
+        if release == Release::No {
+            rec.lease_released = true;
         }
     }
 
     // -----------------------------------------------------------------------------------------
     // Create
 
-    pub(crate) async fn create(self: &Arc<Self>, req: EdgeCreateRequest) -> Result<Sandbox, EdgeError> {
+    pub(crate) async fn create(&self, req: EdgeCreateRequest) -> Result<Sandbox, EdgeError> {
         if self.closing.load(Ordering::Relaxed) {
             return Err(EdgeError::ShuttingDown { edge: self.name.clone() });
         }
@@ -285,7 +277,6 @@ impl Inner {
             end_reason: String::new(),
             ended_at_ms: 0,
             lease_released: false,
-            release_if_bound: false,
         };
         let rec = Arc::new(rec);
         let op = OpLock::default();
@@ -309,7 +300,8 @@ impl Inner {
             return self.existing(op, lease).await;
         }
 
-        if let Err(e) = self.persist(&rec, true).await {
+        // The lease has no record here (a table entry would have been found above).
+        if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
             self.table().remove(lease);
             return Err(e.into());
         }
@@ -320,7 +312,7 @@ impl Inner {
             if let Err(e) = backend.stop(&rec).await {
                 tracing::warn!(sandbox_id = %rec.id, error = %e, "cleanup after a failed creation failed");
             }
-            self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::IfBound).await;
+            self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
             return Err(EdgeError::Backend { backend: backend.name(), op: "create", id: rec.id.clone(), source });
         }
 
@@ -334,16 +326,15 @@ impl Inner {
                 if let Err(se) = backend.stop(&rec).await {
                     tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
                 }
-                self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::IfBound).await;
+                self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
                 return Err(e);
             }
         };
         drop(guard);
 
+        // Where IAM binds the lease is looked up in batches (see `release`).
         if self.remote.has_iam() {
-            let inner = self.clone();
-            let lease = lease.to_string();
-            tokio::spawn(async move { inner.check_lease(&lease).await });
+            self.releases.push_check(lease.to_string());
         }
         Ok(self.to_proto(&running))
     }
@@ -354,20 +345,10 @@ impl Inner {
         Ok(self.to_proto(&rec))
     }
 
-    /// After a creation: if IAM binds the lease elsewhere or no longer has it, the caller moved
-    /// on (retried elsewhere, or gave up and released it); stop the sandbox without releasing
-    /// the lease, which is not ours. If IAM cannot be asked, keep the sandbox.
-    pub(crate) async fn check_lease(&self, lease: &str) {
-        let binding = match self.remote.lease_binding(lease).await {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::debug!(lease_id = %lease, error = %e, "lease check failed; keeping the sandbox");
-                return;
-            }
-        };
-        if binding == LeaseBinding::Here {
-            return;
-        }
+    /// The post-creation check found the lease bound elsewhere or gone: the caller moved on
+    /// (retried elsewhere, or gave up and released it). Stops the sandbox without releasing
+    /// the lease, which is not ours.
+    pub(crate) async fn stop_moved(&self, lease: &str, binding: &LeaseBinding) {
         let id = ids::sandbox_id(&self.name, lease);
         let Ok((_g, rec)) = self.lock_op(&id).await else { return };
         if !rec.state.can_stop() {
@@ -602,23 +583,22 @@ impl Inner {
     }
 
     pub(crate) fn status(&self, include_leases: bool) -> EdgeStatus {
-        let (used, leases) = {
+        let (used, live) = {
+            // Only pointers are copied under the lock; the messages are built after it.
             let t = self.table();
-            let leases = if include_leases {
-                t.records()
-                    .filter(|r| r.state.is_live())
-                    .map(|r| LiveLease {
-                        lease_id: r.lease_id.clone(),
-                        project: r.spec.project.clone(),
-                        principal: r.principal.clone(),
-                        resources: Some(r.resources().to_proto()),
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            (t.used(), leases)
+            let live: Vec<Arc<SandboxRecord>> =
+                if include_leases { t.records().filter(|r| r.state.is_live()).cloned().collect() } else { Vec::new() };
+            (t.used(), live)
         };
+        let leases = live
+            .iter()
+            .map(|r| LiveLease {
+                lease_id: r.lease_id.clone(),
+                project: r.spec.project.clone(),
+                principal: r.principal.clone(),
+                resources: Some(r.resources().to_proto()),
+            })
+            .collect();
         let share = |used: u64, cap: u64| if cap == 0 { 0.0 } else { (used as f64 / cap as f64).min(1.0) };
         let reports: Option<Vec<_>> = self.backends.iter().map(|b| b.usage()).collect();
         let (cpu_use, memory_use) = match reports {
@@ -792,7 +772,7 @@ impl Inner {
         let store = self.store.clone();
         let _ = tokio::task::spawn_blocking(move || {
             for (lease, bytes) in writes {
-                if let Err(e) = store.write(&lease, &bytes, false) {
+                if let Err(e) = store.write(&lease, &bytes, WriteMode::Lazy) {
                     tracing::warn!(error = %e, "marking a released lease failed");
                 }
             }

@@ -1,7 +1,8 @@
 //! The edge: the control plane of one node (reference section 5). It makes the final admission
 //! decision for creations, runs the sandbox state machine through its backends, keeps one
 //! durable record per sandbox, expires sandboxes by TTL, probes their liveness, releases the
-//! leases of ended sandboxes to IAM in batches, and registers with the watchers.
+//! leases of ended sandboxes to IAM and checks those of new sandboxes, both in batches, and
+//! registers with the watchers.
 //!
 //! Invariants the crate keeps (DESIGN.md section 4):
 //! - a record is written before the backend is called, and on every state change;
@@ -13,7 +14,7 @@
 //!
 //! Layout: `state` (the state machine), `record` (records on disk), `admission` and `ttl`
 //! (pure rules), `table` (the in-memory table), `core` (operations), `recover` (start-up),
-//! `release` (lease batching), `remote` (IAM and watcher calls), `host` (the host's readings),
+//! `release` (lease releases and checks, batched), `remote` (IAM and watcher calls), `host` (the host's readings),
 //! `service` (gRPC), `backend` (the `Backend` trait and the `sim` backend).
 #![deny(unsafe_code)]
 
@@ -193,7 +194,7 @@ impl Edge {
         if !inner.cfg.keep_sandboxes_on_exit {
             inner.stop_all(end_reason::EDGE_SHUTDOWN).await;
         }
-        match tokio::time::timeout(CLOSE_TIMEOUT, inner.flush_releases(false)).await {
+        match tokio::time::timeout(CLOSE_TIMEOUT, inner.flush_releases()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(edge = %inner.name, error = %e, "final lease release failed"),
             Err(_) => tracing::warn!(edge = %inner.name, "final lease release timed out"),
@@ -201,7 +202,8 @@ impl Edge {
         tracing::info!(edge = %inner.name, "edge stopped");
     }
 
-    /// Leases waiting for release: (queued, waiting for the "still bound here?" check).
+    /// Lease work waiting for IAM: (releases queued, post-creation "still bound here?" checks
+    /// queued).
     pub fn pending_releases(&self) -> (usize, usize) {
         self.inner.releases.len()
     }
@@ -358,10 +360,12 @@ mod bench {
         let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed());
         let split1 = cpu_split();
         println!(
-            "inner create: {n} in {wall:?}, CPU {:?} per creation (user {:?}, system {:?})",
+            "inner create: {n} in {wall:?}, CPU {:?} per creation (user {:?}, system {:?}); {} directory fsyncs for {} durable writes",
             cpu / n,
             (split1.0 - split0.0) / n,
-            (split1.1 - split0.1) / n
+            (split1.1 - split0.1) / n,
+            edge.inner.store.dir_syncs(),
+            2 * n
         );
         let (cpu0, t0) = (cpu_time(), std::time::Instant::now());
         for _ in 0..10 {

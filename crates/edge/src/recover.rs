@@ -4,8 +4,8 @@
 //! - RUNNING and PAUSED: handed to their backend to adopt; a failed adoption (or a backend no
 //!   longer offered) makes the sandbox FAILED and releases its lease;
 //! - CREATING, PAUSING, RESUMING: the operation was cut short; whatever the backend left is
-//!   stopped and the sandbox is FAILED. An interrupted creation releases its lease only if IAM
-//!   still binds it here (the caller has likely retried elsewhere);
+//!   stopped and the sandbox is FAILED and its lease released (IAM frees it only if it is still
+//!   bound here: the caller has likely retried an interrupted creation elsewhere);
 //! - STOPPING: the stop is completed (STOPPED, with the reason it was recorded with);
 //! - STOPPED, FAILED: kept for `ended_retention`; leases not yet released are queued again.
 //!
@@ -21,7 +21,7 @@ use opendsec_common::ids;
 
 use crate::core::{Inner, Release};
 use crate::error::EdgeError;
-use crate::record::{RecordError, SandboxRecord};
+use crate::record::{RecordError, SandboxRecord, WriteMode};
 use crate::state::{SandboxStatus, end_reason};
 use crate::table::OpLock;
 
@@ -125,8 +125,9 @@ impl Inner {
                 {
                     tracing::warn!(sandbox_id = %rec.id, error = %e, "stopping leftovers of an interrupted operation failed");
                 }
-                let release = if rec.state == SandboxStatus::Creating { Release::IfBound } else { Release::Yes };
-                self.fail_locked(&rec, end_reason::EDGE_RESTART, release).await;
+                // An interrupted creation's lease too: IAM frees it only if it is still bound
+                // here (the caller has likely retried elsewhere and rebound it).
+                self.fail_locked(&rec, end_reason::EDGE_RESTART, Release::Yes).await;
                 Outcome::Failed
             }
             SandboxStatus::Stopping => {
@@ -145,7 +146,7 @@ impl Inner {
                 }
                 let stopped = Arc::new(stopped);
                 self.table().publish(stopped.clone());
-                if let Err(e) = self.persist(&stopped, true).await {
+                if let Err(e) = self.persist(&stopped, WriteMode::Durable).await {
                     tracing::error!(sandbox_id = %stopped.id, error = %e, "record write failed");
                 }
                 self.queue_release(&stopped);

@@ -1,16 +1,22 @@
-//! Lease release batching: ended sandboxes' leases are queued and released with one IAM
-//! ReleaseLeases call per `release_batch` leases, or every `release_interval` (reference
-//! section 3: stopping a million sandboxes must not mean a million IAM commits).
+//! The edge's lease traffic with IAM, batched (reference section 3: stopping a million
+//! sandboxes must not mean a million IAM commits, nor a million creations a million lookups):
+//!
+//! - releases: ended sandboxes' leases are queued and released with one ReleaseLeases call per
+//!   `release_batch` leases, or every `release_interval`. Every call names this edge, so IAM
+//!   frees only leases still bound here: a lease the apiserver rebound to another edge (a
+//!   creation retried elsewhere) is left alone without the edge having to ask first;
+//! - post-creation checks: the leases of finished creations are queued and looked up with one
+//!   GetLeases call per batch, on the same schedule. A lease IAM binds elsewhere or no longer
+//!   knows means the caller moved on: the sandbox is stopped (`lease_moved`) without a release.
 //!
 //! Invariants:
-//! - a lease leaves the queue only when IAM confirmed its release; failures keep it queued and
-//!   the loop backs off (up to [`MAX_BACKOFF`]);
+//! - a lease leaves the release queue only when IAM confirmed the call; failures keep it queued
+//!   and the loop backs off (up to [`MAX_BACKOFF`]);
 //! - a confirmed lease is marked `lease_released` in its record (written before the mark is
 //!   set in memory, so the record's deletion, which waits for the mark, never races the write);
-//! - leases of creations the caller may have retried elsewhere (`release_if_bound`) are first
-//!   checked with GetLease after [`RECHECK_DELAY`], and released only if IAM still binds them
-//!   here: releasing a lease that was rebound to another edge would free quota a live sandbox
-//!   holds there;
+//! - a check that cannot be made (IAM unreachable) keeps the sandbox: checks stay queued for
+//!   retries, and are dropped after [`CHECK_MAX_AGE`] (keeping a sandbox is the safe default;
+//!   the TTLs end it eventually);
 //! - on restart, ended records not yet released are queued again (see `recover`).
 
 use std::collections::VecDeque;
@@ -21,22 +27,22 @@ use futures::StreamExt;
 use tokio::sync::{Notify, watch};
 
 use opendsec_common::ApiError;
-use opendsec_common::time::now_ms;
 
 use crate::core::Inner;
 use crate::remote::LeaseBinding;
 
 /// Longest wait between two attempts after IAM failures.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
-/// How long after a failed creation the edge asks IAM whether the lease is still its own
-/// (long enough for the apiserver's retry on another edge to have rebound it).
-pub const RECHECK_DELAY: Duration = Duration::from_secs(2);
+/// A post-creation check not made within this long (IAM unreachable) is given up.
+pub const CHECK_MAX_AGE: Duration = Duration::from_secs(60);
+/// Sandboxes of moved leases stopped concurrently.
+const STOP_CONCURRENCY: usize = 16;
 
 #[derive(Default)]
 struct Queue {
     ready: VecDeque<String>,
-    /// (due at, lease): release only if still bound here.
-    checks: Vec<(i64, String)>,
+    /// (queued at, lease): leases of finished creations to look up.
+    checks: VecDeque<(Instant, String)>,
 }
 
 pub(crate) struct ReleaseQueue {
@@ -66,10 +72,17 @@ impl ReleaseQueue {
         }
     }
 
-    /// Queues a lease to be released after [`RECHECK_DELAY`] if IAM still binds it here.
+    /// Queues the lease of a finished creation for the "still bound here?" check; a full
+    /// batch wakes the loop at once.
     pub fn push_check(&self, lease: String) {
-        let due = now_ms() + RECHECK_DELAY.as_millis() as i64;
-        self.lock().checks.push((due, lease));
+        let full = {
+            let mut q = self.lock();
+            q.checks.push_back((Instant::now(), lease));
+            q.checks.len() >= self.batch
+        };
+        if full {
+            self.wake.notify_one();
+        }
     }
 
     fn take_batch(&self) -> Vec<String> {
@@ -85,14 +98,28 @@ impl ReleaseQueue {
         }
     }
 
-    fn take_due_checks(&self, now: i64) -> Vec<String> {
+    /// Drops checks queued before `now - CHECK_MAX_AGE` (returning how many), then takes a
+    /// batch of the rest. Checks are queued in time order and put back in front, so the
+    /// oldest are always at the front.
+    fn take_checks(&self, now: Instant) -> (Vec<(Instant, String)>, usize) {
         let mut q = self.lock();
-        let (due, later): (Vec<_>, Vec<_>) = q.checks.drain(..).partition(|(at, _)| *at <= now);
-        q.checks = later;
-        due.into_iter().map(|(_, l)| l).collect()
+        let before = q.checks.len();
+        while q.checks.front().is_some_and(|(at, _)| now.saturating_duration_since(*at) >= CHECK_MAX_AGE) {
+            q.checks.pop_front();
+        }
+        let dropped = before - q.checks.len();
+        let n = q.checks.len().min(self.batch);
+        (q.checks.drain(..n).collect(), dropped)
     }
 
-    /// (ready, waiting for a check).
+    fn put_back_checks(&self, checks: Vec<(Instant, String)>) {
+        let mut q = self.lock();
+        for c in checks.into_iter().rev() {
+            q.checks.push_front(c);
+        }
+    }
+
+    /// (releases queued, post-creation checks queued).
     pub fn len(&self) -> (usize, usize) {
         let q = self.lock();
         (q.ready.len(), q.checks.len())
@@ -100,12 +127,8 @@ impl ReleaseQueue {
 }
 
 impl Inner {
-    /// Releases queued leases (and resolves due checks). Stops at the first failure, leaving
-    /// the rest queued.
-    pub(crate) async fn flush_releases(&self, with_checks: bool) -> Result<(), ApiError> {
-        if with_checks {
-            self.run_due_checks().await;
-        }
+    /// Releases queued leases. Stops at the first failure, leaving the rest queued.
+    pub(crate) async fn flush_releases(&self) -> Result<(), ApiError> {
         loop {
             let batch = self.releases.take_batch();
             if batch.is_empty() {
@@ -130,42 +153,40 @@ impl Inner {
         }
     }
 
-    async fn run_due_checks(&self) {
-        let due = self.releases.take_due_checks(now_ms());
-        if due.is_empty() {
-            return;
-        }
-        if !self.remote.has_iam() {
-            self.mark_released(&due).await;
-            return;
-        }
-        let results: Vec<(String, Result<LeaseBinding, ApiError>)> = futures::stream::iter(due)
-            .map(|lease| async move {
-                let r = self.remote.lease_binding(&lease).await;
-                (lease, r)
-            })
-            .buffer_unordered(16)
-            .collect()
-            .await;
-        let mut not_ours = Vec::new();
-        for (lease, r) in results {
-            match r {
-                Ok(LeaseBinding::Here) => self.releases.push(lease),
-                Ok(LeaseBinding::Elsewhere(_) | LeaseBinding::Gone) => not_ours.push(lease),
-                Err(e) => {
-                    tracing::debug!(lease_id = %lease, error = %e, "lease check failed; will retry");
-                    self.releases.push_check(lease);
-                }
+    /// Makes the queued post-creation checks, a batch per GetLeases call, and stops the
+    /// sandboxes whose lease moved. Stops at the first failed call, leaving the rest queued.
+    pub(crate) async fn run_checks(&self) -> Result<(), ApiError> {
+        loop {
+            let (batch, dropped) = self.releases.take_checks(Instant::now());
+            if dropped > 0 {
+                tracing::debug!(edge = %self.name, dropped, "lease checks given up after IAM failures; sandboxes kept");
             }
-        }
-        if !not_ours.is_empty() {
-            self.mark_released(&not_ours).await;
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let leases: Vec<String> = batch.iter().map(|(_, l)| l.clone()).collect();
+            let bindings = match self.remote.lease_bindings(&leases).await {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::debug!(edge = %self.name, leases = batch.len(), error = %e, "lease check failed; will retry");
+                    self.releases.put_back_checks(batch);
+                    return Err(e);
+                }
+            };
+            let moved: Vec<(String, LeaseBinding)> =
+                leases.into_iter().zip(bindings).filter(|(_, b)| *b != LeaseBinding::Here).collect();
+            futures::stream::iter(moved)
+                .for_each_concurrent(STOP_CONCURRENCY, |(lease, binding)| async move {
+                    self.stop_moved(&lease, &binding).await
+                })
+                .await;
         }
     }
 }
 
-/// The release loop: flushes every `release_interval`, or at once when a batch is full; backs
-/// off after failures. Ends when shutdown is signalled (the final flush is `Edge::close`'s).
+/// The loop: every `release_interval`, or at once when a batch is full, flushes releases and
+/// makes the queued checks; backs off after failures. Ends when shutdown is signalled (the
+/// final release flush is `Edge::close`'s).
 pub(crate) async fn run(inner: std::sync::Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
     let interval = inner.cfg.release_interval;
     let mut backoff = Duration::ZERO;
@@ -182,12 +203,13 @@ pub(crate) async fn run(inner: std::sync::Arc<Inner>, mut shutdown: watch::Recei
         if Instant::now() < next_try {
             continue;
         }
-        match inner.flush_releases(true).await {
-            Ok(()) => backoff = Duration::ZERO,
-            Err(_) => {
-                backoff = (backoff * 2).max(interval).min(MAX_BACKOFF);
-                next_try = Instant::now() + backoff;
-            }
+        let released = inner.flush_releases().await;
+        let checked = inner.run_checks().await;
+        if released.is_ok() && checked.is_ok() {
+            backoff = Duration::ZERO;
+        } else {
+            backoff = (backoff * 2).max(interval).min(MAX_BACKOFF);
+            next_try = Instant::now() + backoff;
         }
     }
 }
@@ -211,12 +233,21 @@ mod tests {
     }
 
     #[test]
-    fn checks_wait_until_due() {
-        let q = ReleaseQueue::new(10);
-        q.push_check("x".into());
-        assert!(q.take_due_checks(now_ms()).is_empty());
-        assert_eq!(q.len(), (0, 1));
-        assert_eq!(q.take_due_checks(i64::MAX), ["x"]);
-        assert_eq!(q.len(), (0, 0));
+    fn checks_are_batched_retried_in_order_and_given_up_when_old() {
+        let q = ReleaseQueue::new(2);
+        for l in ["a", "b", "c"] {
+            q.push_check(l.to_string());
+        }
+        assert_eq!(q.len(), (0, 3));
+        let now = Instant::now();
+        let (first, dropped) = q.take_checks(now);
+        assert_eq!((first.iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>(), dropped), (vec!["a", "b"], 0));
+        // A failed call puts them back in front, with their times.
+        q.put_back_checks(first);
+        assert_eq!(q.len(), (0, 3));
+        // A minute later, every one of them is given up.
+        let (late, dropped) = q.take_checks(now + CHECK_MAX_AGE);
+        assert!(late.is_empty());
+        assert_eq!((dropped, q.len()), (3, (0, 0)));
     }
 }

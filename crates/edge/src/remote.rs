@@ -1,9 +1,10 @@
-//! The edge's calls out: IAM (ReleaseLeases, GetLease) and the watchers (RegisterEdge), over
+//! The edge's calls out: IAM (ReleaseLeases, GetLeases) and the watchers (RegisterEdge), over
 //! lazily connected channels that carry the service token.
 //!
 //! IAM may run as three replicas: a call tries each address in turn, starting with the one that
 //! answered last. Every call has a timeout so a dead peer never holds up a loop for long.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -11,7 +12,7 @@ use opendsec_common::ApiError;
 use opendsec_common::grpc::{self, AttachServiceToken, ServiceChannel};
 use opendsec_proto::v1::iam_client::IamClient;
 use opendsec_proto::v1::watcher_client::WatcherClient;
-use opendsec_proto::v1::{GetLeaseRequest, RegisterEdgeRequest, ReleaseLeasesRequest};
+use opendsec_proto::v1::{GetLeasesRequest, Lease, RegisterEdgeRequest, ReleaseLeasesRequest};
 
 /// Timeout of one call to IAM or a watcher.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -91,9 +92,10 @@ impl Remote {
         Err(last)
     }
 
-    /// Releases leases in one call; returns how many IAM released.
+    /// Releases leases in one call, only those IAM binds to this edge (a lease rebound to
+    /// another edge meanwhile is not ours to free); returns how many IAM released.
     pub async fn release(&self, leases: &[String]) -> Result<u32, ApiError> {
-        let req = ReleaseLeasesRequest { lease_ids: leases.to_vec() };
+        let req = ReleaseLeasesRequest { lease_ids: leases.to_vec(), edge: self.edge.clone() };
         let resp = self
             .call_iam("ReleaseLeases", |mut c| {
                 let req = req.clone();
@@ -103,20 +105,16 @@ impl Remote {
         Ok(resp.released)
     }
 
-    /// Where IAM binds `lease`.
-    pub async fn lease_binding(&self, lease: &str) -> Result<LeaseBinding, ApiError> {
-        let req = GetLeaseRequest { lease_id: lease.to_string() };
+    /// Where IAM binds each of `leases`, in the same order (one GetLeases call).
+    pub async fn lease_bindings(&self, leases: &[String]) -> Result<Vec<LeaseBinding>, ApiError> {
+        let req = GetLeasesRequest { lease_ids: leases.to_vec() };
         let resp = self
-            .call_iam("GetLease", |mut c| {
+            .call_iam("GetLeases", |mut c| {
                 let req = req.clone();
-                async move { c.get_lease(req).await }
+                async move { c.get_leases(req).await }
             })
             .await?;
-        Ok(match (resp.found, resp.lease) {
-            (true, Some(l)) if l.edge == self.edge => LeaseBinding::Here,
-            (true, Some(l)) => LeaseBinding::Elsewhere(l.edge),
-            _ => LeaseBinding::Gone,
-        })
+        Ok(bindings(&self.edge, leases, resp.leases))
     }
 
     /// Registers this edge with every watcher; failures are logged and retried next round.
@@ -135,5 +133,32 @@ impl Remote {
             }
         });
         futures::future::join_all(calls).await;
+    }
+}
+
+/// Classifies each asked-for lease by IAM's answer: absent from it means IAM does not know the
+/// lease (released, or never admitted).
+fn bindings(edge: &str, asked: &[String], found: Vec<Lease>) -> Vec<LeaseBinding> {
+    let mut by_id: HashMap<String, String> = found.into_iter().map(|l| (l.id, l.edge)).collect();
+    asked
+        .iter()
+        .map(|id| match by_id.remove(id) {
+            Some(e) if e == edge => LeaseBinding::Here,
+            Some(e) => LeaseBinding::Elsewhere(e),
+            None => LeaseBinding::Gone,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bindings_follow_the_answer_and_missing_means_gone() {
+        let lease = |id: &str, edge: &str| Lease { id: id.into(), edge: edge.into(), ..Default::default() };
+        let asked = ["a", "b", "c"].map(String::from);
+        let got = bindings("e1", &asked, vec![lease("c", "e2"), lease("a", "e1")]);
+        assert_eq!(got, [LeaseBinding::Here, LeaseBinding::Gone, LeaseBinding::Elsewhere("e2".into())]);
     }
 }

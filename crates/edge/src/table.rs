@@ -166,7 +166,6 @@ mod tests {
             end_reason: String::new(),
             ended_at_ms: 0,
             lease_released: false,
-            release_if_bound: false,
         })
     }
 

@@ -1,5 +1,6 @@
-//! The edge through real gRPC on 127.0.0.1:0, with a fake IAM (ReleaseLeases recorded, GetLease
-//! answered from a map) and a fake watcher (registrations recorded).
+//! The edge through real gRPC on 127.0.0.1:0, with a fake IAM (ReleaseLeases recorded and applied
+//! to a map of bindings, as IAM would with the edge named; GetLeases answered from it) and a
+//! fake watcher (registrations recorded).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -30,25 +31,39 @@ const WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Default)]
 struct IamState {
-    /// Every ReleaseLeases call, in order.
-    released: Vec<Vec<String>>,
-    /// GetLease answers: lease -> Some(edge) bound there, None = not found. Leases not in the
-    /// map are bound to `EDGE`.
+    /// Every ReleaseLeases call, in order: (edge named, lease ids).
+    released: Vec<(String, Vec<String>)>,
+    /// Where leases are bound: lease -> Some(edge), None = not found. Leases not in the map are
+    /// bound to `EDGE`. ReleaseLeases frees (removes from here) only those bound to the edge
+    /// it names, like IAM.
     bindings: HashMap<String, Option<String>>,
-    get_lease_calls: usize,
+    /// Leases a ReleaseLeases call actually freed.
+    freed: Vec<String>,
+    /// Every GetLeases call, in order.
+    lookups: Vec<Vec<String>>,
     /// ReleaseLeases answers `unavailable` (and records nothing) while set.
     fail_releases: bool,
+    /// GetLeases answers `unavailable` (and records nothing) while set.
+    fail_lookups: bool,
 }
 
 #[derive(Clone, Default)]
 struct FakeIam(Arc<Mutex<IamState>>);
 
 impl FakeIam {
+    /// The lease ids of every release call, checking that each call named this edge.
     fn released(&self) -> Vec<String> {
-        self.0.lock().unwrap().released.iter().flatten().cloned().collect()
+        let st = self.0.lock().unwrap();
+        for (edge, ids) in &st.released {
+            assert_eq!(edge, EDGE, "a release of {ids:?} did not name the edge");
+        }
+        st.released.iter().flat_map(|(_, ids)| ids.clone()).collect()
     }
     fn batches(&self) -> Vec<Vec<String>> {
-        self.0.lock().unwrap().released.clone()
+        self.0.lock().unwrap().released.iter().map(|(_, ids)| ids.clone()).collect()
+    }
+    fn freed(&self) -> Vec<String> {
+        self.0.lock().unwrap().freed.clone()
     }
     fn bind(&self, lease: &str, edge: Option<&str>) {
         self.0.lock().unwrap().bindings.insert(lease.into(), edge.map(String::from));
@@ -56,8 +71,11 @@ impl FakeIam {
     fn fail_releases(&self, fail: bool) {
         self.0.lock().unwrap().fail_releases = fail;
     }
-    fn get_lease_calls(&self) -> usize {
-        self.0.lock().unwrap().get_lease_calls
+    fn fail_lookups(&self, fail: bool) {
+        self.0.lock().unwrap().fail_lookups = fail;
+    }
+    fn lookups(&self) -> Vec<Vec<String>> {
+        self.0.lock().unwrap().lookups.clone()
     }
 }
 
@@ -80,24 +98,42 @@ impl Iam for FakeIam {
         &self,
         req: Request<ReleaseLeasesRequest>,
     ) -> Result<Response<ReleaseLeasesResponse>, Status> {
-        let ids = req.into_inner().lease_ids;
-        let n = ids.len() as u32;
+        let ReleaseLeasesRequest { lease_ids, edge } = req.into_inner();
         let mut st = self.0.lock().unwrap();
         if st.fail_releases {
             return Err(ApiError::unavailable("IAM is down").to_status());
         }
-        st.released.push(ids);
+        let mut n = 0;
+        for id in &lease_ids {
+            let bound = st.bindings.get(id).cloned().unwrap_or(Some(EDGE.to_string()));
+            if bound.is_some_and(|b| edge.is_empty() || b == edge) {
+                st.bindings.insert(id.clone(), None);
+                st.freed.push(id.clone());
+                n += 1;
+            }
+        }
+        st.released.push((edge, lease_ids));
         Ok(Response::new(ReleaseLeasesResponse { released: n }))
     }
-    async fn get_lease(&self, req: Request<GetLeaseRequest>) -> Result<Response<GetLeaseResponse>, Status> {
-        let id = req.into_inner().lease_id;
+    async fn get_lease(&self, _: Request<GetLeaseRequest>) -> Result<Response<GetLeaseResponse>, Status> {
+        // The edge looks leases up in batches only.
+        unimplemented()
+    }
+    async fn get_leases(&self, req: Request<GetLeasesRequest>) -> Result<Response<GetLeasesResponse>, Status> {
+        let ids = req.into_inner().lease_ids;
         let mut st = self.0.lock().unwrap();
-        st.get_lease_calls += 1;
-        let edge = st.bindings.get(&id).cloned().unwrap_or(Some(EDGE.to_string()));
-        Ok(Response::new(match edge {
-            Some(edge) => GetLeaseResponse { found: true, lease: Some(Lease { id, edge, ..Default::default() }) },
-            None => GetLeaseResponse { found: false, lease: None },
-        }))
+        if st.fail_lookups {
+            return Err(ApiError::unavailable("IAM is down").to_status());
+        }
+        let leases = ids
+            .iter()
+            .filter_map(|id| {
+                let edge = st.bindings.get(id).cloned().unwrap_or(Some(EDGE.to_string()))?;
+                Some(Lease { id: id.clone(), edge, ..Default::default() })
+            })
+            .collect();
+        st.lookups.push(ids);
+        Ok(Response::new(GetLeasesResponse { leases }))
     }
     async fn reconcile(&self, _: Request<ReconcileRequest>) -> Result<Response<ReconcileResponse>, Status> {
         unimplemented()
@@ -560,7 +596,8 @@ async fn restart_keeps_running_and_paused_sandboxes() {
     // The adopted sandboxes work as before.
     assert_eq!(state(&h.resume("nap").await.unwrap()), SandboxState::Running);
     assert_eq!(state(&h.stop("run").await.unwrap()), SandboxState::Stopped);
-    // The interrupted creation's lease is released once IAM confirms it is still bound here.
+    // The interrupted creation's lease is released like the others (naming the edge: IAM
+    // frees it only if it is still bound here).
     eventually("releases", || async {
         let r = iam.released();
         ["run", "crashed", "mid-pause", "mid-stop"].iter().all(|l| r.contains(&l.to_string()))
@@ -575,8 +612,12 @@ async fn a_lease_bound_elsewhere_stops_the_sandbox_without_releasing() {
     let (dir, iam, _w, fakes) = setup().await;
     iam.bind("moved", Some("edge-9"));
     iam.bind("vanished", None);
+    // The checks go out only when a batch of three is full: one GetLeases for all three.
+    let mut cfg = config();
+    cfg.release_batch = 3;
+    cfg.release_interval = Duration::from_secs(3600);
     let sim = sim();
-    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+    let h = Harness::start(dir.path(), cfg, &fakes, vec![sim.clone()]).await;
 
     let sb = h.create("moved", spec(100, 10)).await.unwrap();
     assert_eq!(state(&sb), SandboxState::Running);
@@ -589,14 +630,42 @@ async fn a_lease_bound_elsewhere_stops_the_sandbox_without_releasing() {
         })
         .await;
     }
-    eventually("all three checked", || async { iam.get_lease_calls() >= 3 }).await;
+    assert_eq!(iam.lookups(), [vec!["moved".to_string(), "vanished".to_string(), "mine".to_string()]]);
     assert_eq!(sim.len(), 1);
     assert_eq!(state(&h.get("mine").await.unwrap()), SandboxState::Running);
     assert!(record_file(dir.path(), "moved").lease_released);
-    // Give the release loop several rounds: nothing of the moved leases may be released.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(iam.released().is_empty(), "{:?}", iam.released());
+    assert_eq!(h.edge.pending_releases(), (0, 0));
+    // Nothing of the moved leases may be released (a release of "mine" would wake at a full
+    // batch only, and none is queued).
+    h.stop("mine").await.unwrap();
     h.shutdown().await;
+    assert_eq!(iam.released(), ["mine"]);
+}
+
+#[tokio::test]
+async fn lease_checks_survive_iam_failures_and_keep_the_sandbox() {
+    let (dir, iam, _w, fakes) = setup().await;
+    iam.fail_lookups(true);
+    iam.bind("moved", Some("edge-9"));
+    let sim = sim();
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+    h.create("moved", spec(100, 10)).await.unwrap();
+    // IAM cannot be asked: several rounds fail, the sandbox runs on and the check stays queued.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(h.edge.pending_releases(), (0, 1));
+    assert_eq!(state(&h.get("moved").await.unwrap()), SandboxState::Running);
+    assert!(iam.lookups().is_empty());
+    // Once IAM answers, the retried check finds the lease elsewhere and stops the sandbox.
+    iam.fail_lookups(false);
+    eventually("the stop", || async {
+        let sb = h.get("moved").await.unwrap();
+        state(&sb) == SandboxState::Stopped && sb.end_reason == "lease_moved"
+    })
+    .await;
+    assert_eq!(h.edge.pending_releases(), (0, 0));
+    assert!(sim.is_empty());
+    h.shutdown().await;
+    assert!(iam.released().is_empty(), "{:?}", iam.released());
 }
 
 #[tokio::test]
@@ -632,11 +701,19 @@ async fn a_failed_creation_reports_the_backend_reason() {
     assert_eq!((state(&failed), failed.end_reason.as_str()), (SandboxState::Failed, "create_failed"));
     assert_eq!(h.status(false).await.sandboxes, 0);
 
-    // Only the lease IAM still binds here is released; the one the caller rebound is not ours.
-    eventually("the check and release", || async { iam.released() == ["failing"] }).await;
+    // Both leases are released naming this edge: IAM frees only the one still bound here;
+    // the one the caller rebound is not ours and stays.
+    eventually("the releases", || async {
+        let mut r = iam.released();
+        r.sort();
+        r == ["failing", "retried"]
+    })
+    .await;
     eventually("both settled", || async { h.edge.pending_releases() == (0, 0) }).await;
     assert!(record_file(dir.path(), "retried").lease_released);
-    assert_eq!(iam.released(), ["failing"]);
+    assert_eq!(iam.freed(), ["failing"]);
+    // Failed creations are not checked: they are released.
+    assert!(iam.lookups().is_empty());
     h.shutdown().await;
 }
 

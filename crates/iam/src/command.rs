@@ -114,10 +114,19 @@ pub enum Command {
         project: String,
         resources: Resources,
         edge: String,
+        /// When the lease exists: leave it where it is bound and answer that (a first attempt
+        /// whose lease the client chose; a retry must find what the earlier attempt made).
+        /// Not written when false, so commands without it encode as before.
+        #[serde(default, skip_serializing_if = "is_false")]
+        keep_existing: bool,
     },
     ReleaseLeases {
         now_ms: i64,
         lease_ids: Vec<String>,
+        /// When set, only leases bound to this edge are released (an edge releasing what it
+        /// ran never frees a lease rebound elsewhere meanwhile). Not written when empty.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        edge: String,
     },
     Reconcile {
         now_ms: i64,
@@ -136,6 +145,10 @@ pub enum Command {
         holder: String,
         ttl_ms: i64,
     },
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Serialize)]
@@ -276,8 +289,22 @@ pub enum Output {
     Project(crate::state::ProjectView),
     Principal(PrincipalRecord),
     Token(TokenRecord),
-    Admitted { principal: String, rebound: bool },
+    Admitted(Admission),
     Released { released: u32 },
     Reconciled { adopted: u32, released: u32 },
     Lock { acquired: bool, holder: String, expires_at_ms: i64 },
+}
+
+/// What an Admit answers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Admission {
+    /// Who holds the lease (the caller for a new lease).
+    pub principal: String,
+    /// The lease existed and was rebound to the requested edge.
+    pub rebound: bool,
+    /// The lease existed and `keep_existing` left it where it was.
+    pub existing: bool,
+    /// Where the lease is bound after the call.
+    pub edge: String,
+    pub bound_at_ms: i64,
 }

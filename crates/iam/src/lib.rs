@@ -39,7 +39,7 @@ use opendsec_common::ids;
 use opendsec_common::time::now_ms;
 use tokio::sync::oneshot;
 
-pub use command::{Actor, Command, LiveLease, Output};
+pub use command::{Actor, Admission, Command, LiveLease, Output};
 pub use error::{IamError, to_api};
 pub use model::{GrantRecord, LeaseRecord, PrincipalRecord, Quota, Resources, TokenRecord, Usage};
 pub use query::Authenticated;
@@ -48,6 +48,10 @@ pub use state::{ProjectView, State};
 
 use backup::Snapshot;
 use store::{Pending, Shared};
+
+/// Most lease ids one GetLeases call may ask for (the answer stays far below the message
+/// limit, and the read lock is held briefly).
+pub const MAX_GET_LEASES: usize = 50_000;
 
 /// Longest token lifetime a caller may ask for: ten years.
 pub const MAX_TOKEN_TTL_S: u64 = 10 * 365 * 24 * 3600;
@@ -185,7 +189,10 @@ impl Iam {
     }
 
     /// Authenticates, authorizes `sandbox.create` and reserves the lease on the project and
-    /// every ancestor in one command. Returns the principal and whether it was only rebound.
+    /// every ancestor in one command, bound to `edge`. An existing lease is rebound to `edge`,
+    /// or, with `keep_existing`, left where it is and answered from memory without a command
+    /// (after the same checks: the caller must hold `sandbox.create` and the lease must be its
+    /// own).
     pub async fn admit(
         &self,
         token: &str,
@@ -193,11 +200,16 @@ impl Iam {
         project: &str,
         resources: Resources,
         edge: &str,
-    ) -> Result<(String, bool), IamError> {
+        keep_existing: bool,
+    ) -> Result<Admission, IamError> {
         let who = self.authenticate(token)?;
         state::validate_admit(lease_id, project, &resources, edge)?;
-        // Checked here too so a refusal costs no commit; the state machine checks again.
-        self.read(|s| s.require(&who.principal, "sandbox.create", project, || format!("project {project}")))?;
+        // Checked here too so a refusal or a kept lease costs no commit; the state machine
+        // checks again when it applies the command.
+        let kept = self.read(|s| s.admit_precheck(&who.principal, lease_id, project, &resources, keep_existing))?;
+        if let Some(kept) = kept {
+            return Ok(kept);
+        }
         let cmd = Command::Admit {
             actor: who.actor(),
             now_ms: now_ms(),
@@ -205,18 +217,25 @@ impl Iam {
             project: project.into(),
             resources,
             edge: edge.into(),
+            keep_existing,
         };
         match self.execute(cmd).await? {
-            Output::Admitted { principal, rebound } => Ok((principal, rebound)),
+            Output::Admitted(a) => Ok(a),
             o => Err(unexpected(o)),
         }
     }
 
-    pub async fn release_leases(&self, lease_ids: Vec<String>) -> Result<u32, IamError> {
+    /// Releases the leases (unknown ones are skipped); with a non-empty `edge`, only those
+    /// bound to that edge. Returns how many were released.
+    pub async fn release_leases(&self, lease_ids: Vec<String>, edge: &str) -> Result<u32, IamError> {
+        if !edge.is_empty() {
+            ids::validate_edge(edge).map_err(IamError::invalid)?;
+        }
         if lease_ids.is_empty() {
             return Ok(0);
         }
-        match self.execute(Command::ReleaseLeases { now_ms: now_ms(), lease_ids }).await? {
+        let cmd = Command::ReleaseLeases { now_ms: now_ms(), lease_ids, edge: edge.into() };
+        match self.execute(cmd).await? {
             Output::Released { released } => Ok(released),
             o => Err(unexpected(o)),
         }
@@ -225,6 +244,18 @@ impl Iam {
     pub fn get_lease(&self, lease_id: &str) -> Result<Option<LeaseRecord>, IamError> {
         ids::validate_lease(lease_id).map_err(IamError::invalid)?;
         Ok(self.read(|s| s.lease(lease_id).cloned()))
+    }
+
+    /// The leases of the ids that IAM knows, in request order; unknown (or malformed) ids
+    /// are left out. At most [`MAX_GET_LEASES`] ids per call.
+    pub fn get_leases(&self, lease_ids: &[String]) -> Result<Vec<LeaseRecord>, IamError> {
+        if lease_ids.len() > MAX_GET_LEASES {
+            return Err(IamError::InvalidArgument(format!(
+                "{} lease ids asked for; at most {MAX_GET_LEASES} per call",
+                lease_ids.len()
+            )));
+        }
+        Ok(self.read(|s| lease_ids.iter().filter_map(|id| s.lease(id).cloned()).collect()))
     }
 
     /// Returns (adopted, released).

@@ -138,6 +138,19 @@ pub fn lease_to_pb(l: &LeaseRecord) -> pb::Lease {
     }
 }
 
+/// [`lease_to_pb`] for an owned record (moves its strings instead of copying them).
+pub fn lease_into_pb(l: LeaseRecord) -> pb::Lease {
+    pb::Lease {
+        resources: Some(resources_to_pb(&l.resources)),
+        id: l.id,
+        project: l.project,
+        principal: l.principal,
+        edge: l.edge,
+        created_at_ms: l.created_at_ms,
+        bound_at_ms: l.bound_at_ms,
+    }
+}
+
 // ----- Iam -----
 
 pub struct IamService {
@@ -169,19 +182,31 @@ impl IamRpc for IamService {
             .as_ref()
             .map(resources_from_pb)
             .ok_or_else(|| status(IamError::InvalidArgument("resources are required".into())))?;
-        let (principal, rebound) =
-            self.iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge).await.map_err(status)?;
-        ok(pb::AdmitResponse { principal, rebound })
+        let a =
+            self.iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing).await.map_err(status)?;
+        ok(pb::AdmitResponse {
+            principal: a.principal,
+            rebound: a.rebound,
+            existing: a.existing,
+            edge: a.edge,
+            bound_at_ms: a.bound_at_ms,
+        })
     }
 
     async fn release_leases(&self, req: Request<pb::ReleaseLeasesRequest>) -> Rpc<pb::ReleaseLeasesResponse> {
-        let released = self.iam.release_leases(req.into_inner().lease_ids).await.map_err(status)?;
+        let r = req.into_inner();
+        let released = self.iam.release_leases(r.lease_ids, &r.edge).await.map_err(status)?;
         ok(pb::ReleaseLeasesResponse { released })
     }
 
     async fn get_lease(&self, req: Request<pb::GetLeaseRequest>) -> Rpc<pb::GetLeaseResponse> {
         let lease = self.iam.get_lease(&req.get_ref().lease_id).map_err(status)?;
         ok(pb::GetLeaseResponse { found: lease.is_some(), lease: lease.as_ref().map(lease_to_pb) })
+    }
+
+    async fn get_leases(&self, req: Request<pb::GetLeasesRequest>) -> Rpc<pb::GetLeasesResponse> {
+        let leases = self.iam.get_leases(&req.get_ref().lease_ids).map_err(status)?;
+        ok(pb::GetLeasesResponse { leases: leases.into_iter().map(lease_into_pb).collect() })
     }
 
     async fn reconcile(&self, req: Request<pb::ReconcileRequest>) -> Rpc<pb::ReconcileResponse> {

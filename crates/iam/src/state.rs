@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use opendsec_common::ids::{self, ROOT_PROJECT, parent_project, project_chain, project_within};
 
 use crate::backup::Snapshot;
-use crate::command::{Actor, Command, LiveLease, Output, Row, Table, Write};
+use crate::command::{Actor, Admission, Command, LiveLease, Output, Row, Table, Write};
 use crate::error::IamError;
 use crate::model::{
     GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, QUOTA_KEYS, Quota, Resources,
@@ -382,18 +382,10 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         Command::Grant { actor, now_ms, grant } => add_grant(st, w, actor, *now_ms, grant),
         Command::RevokeGrant { actor, now_ms, grant } => revoke_grant(st, w, actor, *now_ms, grant),
         Command::Restore { actor, now_ms, snapshot } => restore(st, w, actor, *now_ms, snapshot),
-        Command::Admit { actor, now_ms, lease_id, project, resources, edge } => {
-            admit(st, w, actor, *now_ms, lease_id, project, resources, edge)
+        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing } => {
+            admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing)
         }
-        Command::ReleaseLeases { now_ms: _, lease_ids } => {
-            let mut n = 0u32;
-            for id in lease_ids {
-                if st.release_lease(id, w) {
-                    n += 1;
-                }
-            }
-            Ok(Output::Released { released: n })
-        }
+        Command::ReleaseLeases { now_ms: _, lease_ids, edge } => release_leases(st, w, lease_ids, edge),
         Command::Reconcile { now_ms, edge, live, min_age_ms } => reconcile(st, w, *now_ms, edge, live, *min_age_ms),
         Command::SweepUnbound { now_ms, known_edges, older_than_ms } => {
             sweep_unbound(st, w, *now_ms, known_edges, *older_than_ms)
@@ -811,6 +803,49 @@ pub fn validate_admit(lease_id: &str, project: &str, resources: &Resources, edge
     resources.validate()
 }
 
+impl State {
+    /// The part of an Admit that only reads: `sandbox.create` on the project, the project,
+    /// and an existing lease of the same id. Answers `Some` when the Admit is complete without
+    /// a change (the lease exists and `keep_existing` leaves it alone), `None` when it must be
+    /// applied. Shared by the proposer (which answers from it without a commit) and `apply`.
+    ///
+    /// An existing lease must have the same project and resources (`invalid_argument`); with
+    /// `keep_existing` it must also belong to the caller (`already_exists` otherwise, checked
+    /// first so another principal learns nothing about it).
+    pub fn admit_precheck(
+        &self,
+        principal: &str,
+        lease_id: &str,
+        project: &str,
+        resources: &Resources,
+        keep_existing: bool,
+    ) -> Result<Option<Admission>, IamError> {
+        self.require(principal, "sandbox.create", project, || format!("project {project}"))?;
+        if !self.projects.contains_key(project) {
+            return Err(IamError::NotFound { kind: "project", name: project.into() });
+        }
+        let Some(existing) = self.leases.get(lease_id) else { return Ok(None) };
+        if keep_existing && existing.principal != principal {
+            return Err(IamError::AlreadyExists { kind: "lease", name: lease_id.into() });
+        }
+        if existing.project != project || existing.resources != *resources {
+            return Err(IamError::InvalidArgument(format!(
+                "lease {lease_id} already exists with a different project or resources"
+            )));
+        }
+        if !keep_existing {
+            return Ok(None);
+        }
+        Ok(Some(Admission {
+            principal: existing.principal.clone(),
+            rebound: false,
+            existing: true,
+            edge: existing.edge.clone(),
+            bound_at_ms: existing.bound_at_ms,
+        }))
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn admit(
     st: &mut State,
@@ -821,19 +856,14 @@ fn admit(
     project: &str,
     resources: &Resources,
     edge: &str,
+    keep_existing: bool,
 ) -> Result<Output, IamError> {
     validate_admit(lease_id, project, resources, edge)?;
     st.check_actor(actor, now_ms)?;
-    st.require(&actor.principal, "sandbox.create", project, || format!("project {project}"))?;
-    if !st.projects.contains_key(project) {
-        return Err(IamError::NotFound { kind: "project", name: project.into() });
+    if let Some(kept) = st.admit_precheck(&actor.principal, lease_id, project, resources, keep_existing)? {
+        return Ok(Output::Admitted(kept));
     }
     if let Some(existing) = st.leases.get(lease_id) {
-        if existing.project != project || existing.resources != *resources {
-            return Err(IamError::InvalidArgument(format!(
-                "lease {lease_id} already exists with a different project or resources"
-            )));
-        }
         // Same lease again: only rebind (a retry on another edge); quota is already held.
         let old_edge = existing.edge.clone();
         let principal = existing.principal.clone();
@@ -843,7 +873,13 @@ fn admit(
         l.edge = edge.into();
         l.bound_at_ms = now_ms;
         w.push(Write::Put(Row::Lease(l.clone())));
-        return Ok(Output::Admitted { principal, rebound: true });
+        return Ok(Output::Admitted(Admission {
+            principal,
+            rebound: true,
+            existing: false,
+            edge: edge.into(),
+            bound_at_ms: now_ms,
+        }));
     }
     st.check_quota(project, &Usage::of(resources))?;
     st.insert_lease(
@@ -858,7 +894,28 @@ fn admit(
         },
         w,
     );
-    Ok(Output::Admitted { principal: actor.principal.clone(), rebound: false })
+    Ok(Output::Admitted(Admission {
+        principal: actor.principal.clone(),
+        rebound: false,
+        existing: false,
+        edge: edge.into(),
+        bound_at_ms: now_ms,
+    }))
+}
+
+/// Releases the leases named (unknown ones are skipped); with an edge, only those bound to it.
+fn release_leases(st: &mut State, w: &mut Vec<Write>, lease_ids: &[String], edge: &str) -> Result<Output, IamError> {
+    if !edge.is_empty() {
+        ids::validate_edge(edge).map_err(IamError::invalid)?;
+    }
+    let mut released = 0u32;
+    for id in lease_ids {
+        let bound_there = edge.is_empty() || st.leases.get(id).is_some_and(|l| l.edge == edge);
+        if bound_there && st.release_lease(id, w) {
+            released += 1;
+        }
+    }
+    Ok(Output::Released { released })
 }
 
 /// Whether a reported lease can be adopted: valid ids, an existing project, sane resources.

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use crate::backup::Snapshot;
-use crate::command::{Actor, Command, LiveLease, Output, Row, Table, Write};
+use crate::command::{Actor, Admission, Command, LiveLease, Output, Row, Table, Write};
 use crate::error::{IamError, to_api};
 use crate::model::{GrantRecord, Quota, Resources, Usage};
 use crate::state::{State, apply};
@@ -143,6 +143,18 @@ impl Harness {
         r: Resources,
         edge: &str,
     ) -> Result<Output, IamError> {
+        self.admit_with(actor, lease, project, r, edge, false)
+    }
+
+    fn admit_with(
+        &mut self,
+        actor: &Actor,
+        lease: &str,
+        project: &str,
+        r: Resources,
+        edge: &str,
+        keep_existing: bool,
+    ) -> Result<Output, IamError> {
         self.run(Command::Admit {
             actor: actor.clone(),
             now_ms: self.now,
@@ -150,13 +162,21 @@ impl Harness {
             project: project.into(),
             resources: r,
             edge: edge.into(),
+            keep_existing,
         })
     }
 
     fn release(&mut self, ids: &[&str]) -> u32 {
-        match self
-            .run(Command::ReleaseLeases { now_ms: self.now, lease_ids: ids.iter().map(|s| s.to_string()).collect() })
-        {
+        self.release_on(ids, "")
+    }
+
+    /// Releases with an edge (empty: any edge).
+    fn release_on(&mut self, ids: &[&str], edge: &str) -> u32 {
+        match self.run(Command::ReleaseLeases {
+            now_ms: self.now,
+            lease_ids: ids.iter().map(|s| s.to_string()).collect(),
+            edge: edge.into(),
+        }) {
             Ok(Output::Released { released }) => released,
             o => panic!("{o:?}"),
         }
@@ -206,7 +226,8 @@ fn bootstrap_makes_root_admin_and_epoch() {
 #[test]
 fn nothing_applies_before_bootstrap() {
     let mut st = State::default();
-    let (r, w) = apply(&mut st, &Command::ReleaseLeases { now_ms: 1, lease_ids: vec!["a".into()] });
+    let (r, w) =
+        apply(&mut st, &Command::ReleaseLeases { now_ms: 1, lease_ids: vec!["a".into()], edge: String::new() });
     assert!(matches!(r, Err(IamError::NotBootstrapped)));
     assert!(w.is_empty());
     assert_eq!(to_api(&IamError::NotBootstrapped).reason, Reason::Unavailable);
@@ -280,16 +301,11 @@ fn readmitting_a_lease_only_rebinds_it() {
     h.project("root/a", quota(Some(1000), None, None));
     let u = h.principal("user", "root/a");
     h.grant("user", "root/a", "sandbox.create");
-    assert_eq!(
-        h.admit(&u, "l1", "root/a", res(1000, 1), "e1").unwrap(),
-        Output::Admitted { principal: "user".into(), rebound: false }
-    );
+    let first = h.now;
+    assert_eq!(h.admit(&u, "l1", "root/a", res(1000, 1), "e1").unwrap(), admitted("user", false, false, "e1", first));
     h.tick(500);
     // The quota is full, yet the same lease again succeeds: it is only rebound.
-    assert_eq!(
-        h.admit(&u, "l1", "root/a", res(1000, 1), "e2").unwrap(),
-        Output::Admitted { principal: "user".into(), rebound: true }
-    );
+    assert_eq!(h.admit(&u, "l1", "root/a", res(1000, 1), "e2").unwrap(), admitted("user", true, false, "e2", h.now));
     let l = h.st.lease("l1").unwrap();
     assert_eq!((l.edge.as_str(), l.bound_at_ms, l.created_at_ms), ("e2", h.now, h.now - 500));
     assert_eq!(h.usage("root/a").cpu_millis, 1000);
@@ -297,6 +313,108 @@ fn readmitting_a_lease_only_rebinds_it() {
     assert_eq!(reason(&r), Reason::InvalidArgument);
     let r = h.admit(&Harness::admin(), "l1", "root", res(1000, 1), "e2");
     assert_eq!(reason(&r), Reason::InvalidArgument);
+}
+
+fn admitted(principal: &str, rebound: bool, existing: bool, edge: &str, bound_at_ms: i64) -> Output {
+    Output::Admitted(Admission { principal: principal.into(), rebound, existing, edge: edge.into(), bound_at_ms })
+}
+
+#[test]
+fn keep_existing_leaves_an_existing_lease_where_it_is() {
+    let mut h = Harness::new();
+    h.project("root/a", quota(Some(1000), None, None));
+    let u = h.principal("user", "root/a");
+    h.grant("user", "root/a", "sandbox.create");
+    // A new lease is reserved as without the flag.
+    let first = h.now;
+    assert_eq!(
+        h.admit_with(&u, "l1", "root/a", res(1000, 1), "e1", true).unwrap(),
+        admitted("user", false, false, "e1", first)
+    );
+    h.tick(500);
+    // Again with the flag: nothing changes, the answer says where it is bound (no writes: the
+    // harness would see a changed store).
+    let before = h.st.clone();
+    assert_eq!(
+        h.admit_with(&u, "l1", "root/a", res(1000, 1), "e2", true).unwrap(),
+        admitted("user", false, true, "e1", first)
+    );
+    assert_eq!(h.st, before);
+    let (_, writes) = apply(&mut h.st.clone(), &keep_admit(&u, "l1", h.now));
+    assert!(writes.is_empty(), "{writes:?}");
+    // The same checks still apply: a different project or resources is invalid...
+    assert_eq!(reason(&h.admit_with(&u, "l1", "root/a", res(999, 1), "e2", true)), Reason::InvalidArgument);
+    // ...another principal (even one allowed to create there) finds it taken...
+    let other = h.principal("other", "root/a");
+    h.grant("other", "root/a", "sandbox.create");
+    let r = h.admit_with(&other, "l1", "root/a", res(1000, 1), "e2", true);
+    assert_eq!(reason(&r), Reason::AlreadyExists);
+    // ...and without sandbox.create or with a revoked token nothing is answered.
+    h.principal("stranger", "root");
+    let stranger = h.token_for("stranger");
+    assert_eq!(reason(&h.admit_with(&stranger, "l1", "root/a", res(1000, 1), "e2", true)), Reason::PermissionDenied);
+    h.run(Command::RevokeToken { actor: Harness::admin(), now_ms: h.now, token_id: u.token_id.clone() }).unwrap();
+    assert_eq!(reason(&h.admit_with(&u, "l1", "root/a", res(1000, 1), "e2", true)), Reason::Unauthenticated);
+    // Without the flag, a retry rebinds as before.
+    let u = h.token_for("user");
+    assert_eq!(h.admit(&u, "l1", "root/a", res(1000, 1), "e2").unwrap(), admitted("user", true, false, "e2", h.now));
+    assert_eq!(h.usage("root/a").sandboxes, 1);
+}
+
+fn keep_admit(actor: &Actor, lease: &str, now_ms: i64) -> Command {
+    Command::Admit {
+        actor: actor.clone(),
+        now_ms,
+        lease_id: lease.into(),
+        project: "root/a".into(),
+        resources: res(1000, 1),
+        edge: "e9".into(),
+        keep_existing: true,
+    }
+}
+
+#[test]
+fn the_proposer_precheck_agrees_with_apply() {
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    let u = h.principal("user", "root/a");
+    h.grant("user", "root/a", "sandbox.create");
+    // No lease yet: the precheck leaves it to apply.
+    assert_eq!(h.st.admit_precheck("user", "l1", "root/a", &res(1000, 1), true).unwrap(), None);
+    h.admit(&u, "l1", "root/a", res(1000, 1), "e1").unwrap();
+    // Existing, kept: the precheck answers exactly what apply would.
+    let pre = h.st.admit_precheck("user", "l1", "root/a", &res(1000, 1), true).unwrap().unwrap();
+    assert_eq!(h.run(keep_admit(&u, "l1", h.now)).unwrap(), Output::Admitted(pre));
+    // Existing, not kept: apply rebinds.
+    assert_eq!(h.st.admit_precheck("user", "l1", "root/a", &res(1000, 1), false).unwrap(), None);
+    assert!(matches!(
+        h.st.admit_precheck("user", "l1", "root/a/missing", &res(1000, 1), true),
+        Err(IamError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn releasing_with_an_edge_leaves_leases_bound_elsewhere() {
+    let mut h = Harness::new();
+    let a = Harness::admin();
+    h.admit(&a, "here", "root", res(1, 1), "e1").unwrap();
+    h.admit(&a, "moved", "root", res(1, 1), "e1").unwrap();
+    h.admit(&a, "moved", "root", res(1, 1), "e2").unwrap(); // rebound to e2
+    h.admit(&a, "other", "root", res(1, 1), "e2").unwrap();
+    // e1 releases what it ran: only the lease still bound to it goes; unknown ids are skipped.
+    assert_eq!(h.release_on(&["here", "moved", "nope"], "e1"), 1);
+    assert!(h.st.lease("here").is_none());
+    assert_eq!(h.st.lease("moved").unwrap().edge, "e2");
+    assert_eq!(h.usage("root").sandboxes, 2);
+    // Without an edge, as before: any binding.
+    assert_eq!(h.release_on(&["moved"], ""), 1);
+    assert_eq!(h.release_on(&["other"], "e2"), 1);
+    assert!(h.usage("root").is_zero());
+    // A malformed edge is refused and changes nothing.
+    h.admit(&a, "x", "root", res(1, 1), "e1").unwrap();
+    let r = h.run(Command::ReleaseLeases { now_ms: h.now, lease_ids: vec!["x".into()], edge: "E!".into() });
+    assert_eq!(reason(&r), Reason::InvalidArgument);
+    assert!(h.st.lease("x").is_some());
 }
 
 #[test]
@@ -789,8 +907,40 @@ fn golden_encodings_still_decode() {
             project: "root/team-a/rl".into(),
             resources: Resources { cpu_millis: 2000, memory_mb: 4096, disk_mb: 10240, gpus: 0 },
             edge: "sim-001".into(),
+            keep_existing: false,
         }
     );
+    // Fields added later are left out when unset, so such commands still encode the same.
+    assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), COMMAND_V1);
+
+    const RELEASE_V1: &str =
+        r#"{"v":1,"command":{"type":"release_leases","now_ms":1767225600000,"lease_ids":["a","b"]}}"#;
+    let cmd = Command::decode(RELEASE_V1.as_bytes()).unwrap();
+    assert_eq!(
+        cmd,
+        Command::ReleaseLeases {
+            now_ms: 1_767_225_600_000,
+            lease_ids: vec!["a".into(), "b".into()],
+            edge: String::new()
+        }
+    );
+    assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), RELEASE_V1);
+
+    // With the fields added since: keep_existing on Admit, edge on ReleaseLeases.
+    const ADMIT_KEEP_V1: &str = r#"{"v":1,"command":{"type":"admit","actor":{"principal":"alice","token_id":"a1b2c3d4e5f6g7h8"},"now_ms":1767225600000,"lease_id":"0190a1b2c3d4e5f6a7b8c9d0","project":"root/team-a/rl","resources":{"cpu_millis":2000,"memory_mb":4096,"disk_mb":10240,"gpus":0},"edge":"sim-001","keep_existing":true}}"#;
+    let Command::Admit { keep_existing, edge, .. } = Command::decode(ADMIT_KEEP_V1.as_bytes()).unwrap() else {
+        panic!()
+    };
+    assert!(keep_existing);
+    assert_eq!(edge, "sim-001");
+    const RELEASE_EDGE_V1: &str =
+        r#"{"v":1,"command":{"type":"release_leases","now_ms":1767225600000,"lease_ids":["a"],"edge":"sim-001"}}"#;
+    let cmd = Command::decode(RELEASE_EDGE_V1.as_bytes()).unwrap();
+    assert_eq!(
+        cmd,
+        Command::ReleaseLeases { now_ms: 1_767_225_600_000, lease_ids: vec!["a".into()], edge: "sim-001".into() }
+    );
+    assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), RELEASE_EDGE_V1);
 
     const LEASE_ROW_V1: &str = r#"{"v":1,"id":"0190a1b2c3d4e5f6a7b8c9d0","project":"root/team-a/rl","principal":"alice","edge":"sim-001","resources":{"cpu_millis":2000,"memory_mb":4096,"disk_mb":10240,"gpus":0},"created_at_ms":1767225600000,"bound_at_ms":1767225601000}"#;
     let row = crate::store::decode_row(Table::Leases, "0190a1b2c3d4e5f6a7b8c9d0", LEASE_ROW_V1).unwrap();
@@ -830,14 +980,26 @@ fn backups_encode_and_decode() {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Admit { lease: u8, project: u8, cpu: u64, mem: u64 },
-    Release { lease: u8 },
+    Admit {
+        lease: u8,
+        project: u8,
+        cpu: u64,
+        mem: u64,
+        edge: u8,
+        keep: bool,
+    },
+    /// `edge`: release only if bound there (`None`: wherever).
+    Release {
+        lease: u8,
+        edge: Option<u8>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0u8..24, 0u8..5, 1u64..400, 1u64..400).prop_map(|(lease, project, cpu, mem)| Op::Admit { lease, project, cpu, mem }),
-        1 => (0u8..24).prop_map(|lease| Op::Release { lease }),
+        3 => (0u8..24, 0u8..5, 1u64..400, 1u64..400, 0u8..3, any::<bool>())
+            .prop_map(|(lease, project, cpu, mem, edge, keep)| Op::Admit { lease, project, cpu, mem, edge, keep }),
+        1 => (0u8..24, proptest::option::of(0u8..3)).prop_map(|(lease, edge)| Op::Release { lease, edge }),
     ]
 }
 
@@ -860,16 +1022,35 @@ proptest! {
         for op in ops {
             h.tick(1);
             match op {
-                Op::Admit { lease, project, cpu, mem } => {
+                Op::Admit { lease, project, cpu, mem, edge, keep } => {
                     let id = format!("l{lease}");
-                    let r = h.admit(&Harness::admin(), &id, PROJECTS[project as usize], res(cpu, mem), "e1");
-                    if let Err(e) = &r {
-                        let r = to_api(e).reason;
-                        prop_assert!(r == Reason::QuotaExceeded || r == Reason::InvalidArgument, "{e}");
+                    let before = h.st.lease(&id).map(|l| l.edge.clone());
+                    let edge = format!("e{edge}");
+                    let r = h.admit_with(&Harness::admin(), &id, PROJECTS[project as usize], res(cpu, mem), &edge, keep);
+                    match &r {
+                        Err(e) => {
+                            let r = to_api(e).reason;
+                            prop_assert!(r == Reason::QuotaExceeded || r == Reason::InvalidArgument, "{e}");
+                        }
+                        Ok(Output::Admitted(a)) => {
+                            // Bound where the answer says; a kept lease did not move.
+                            prop_assert_eq!(&h.st.lease(&id).unwrap().edge, &a.edge);
+                            prop_assert_eq!(a.existing, keep && before.is_some());
+                            if a.existing {
+                                prop_assert_eq!(Some(a.edge.clone()), before);
+                            }
+                        }
+                        Ok(o) => prop_assert!(false, "{o:?}"),
                     }
                 }
-                Op::Release { lease } => {
-                    h.release(&[&format!("l{lease}")]);
+                Op::Release { lease, edge } => {
+                    let id = format!("l{lease}");
+                    let edge = edge.map(|e| format!("e{e}")).unwrap_or_default();
+                    let bound = h.st.lease(&id).map(|l| l.edge.clone());
+                    let n = h.release_on(&[&id], &edge);
+                    let expected = bound.as_ref().is_some_and(|b| edge.is_empty() || *b == edge);
+                    prop_assert_eq!(n, u32::from(expected));
+                    prop_assert_eq!(h.st.lease(&id).is_none(), expected || bound.is_none());
                 }
             }
             // The harness already checked usage == sum of leases; now the limits.

@@ -66,10 +66,10 @@ async fn state_survives_a_reopen() {
     iam.create_project(&admin, "root/a", Quota { cpu_millis: Some(10_000), ..Quota::default() }).await.unwrap();
     iam.create_project(&admin, "root/a/b", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
-    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1").await.unwrap();
-    iam.admit(&token, "lease-2", "root/a", res(2000), "e2").await.unwrap();
-    iam.admit(&token, "lease-3", "root/a", res(500), "e2").await.unwrap();
-    assert_eq!(iam.release_leases(vec!["lease-3".into()]).await.unwrap(), 1);
+    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1", false).await.unwrap();
+    iam.admit(&token, "lease-2", "root/a", res(2000), "e2", false).await.unwrap();
+    iam.admit(&token, "lease-3", "root/a", res(500), "e2", false).await.unwrap();
+    assert_eq!(iam.release_leases(vec!["lease-3".into()], "").await.unwrap(), 1);
     iam.acquire_lock("leader", "w1", 10_000).await.unwrap();
     let before = snapshot(&iam);
     assert_eq!(before.usage("root/a").unwrap().cpu_millis, 3000);
@@ -94,7 +94,7 @@ async fn concurrent_admits_are_group_committed() {
     let tasks: Vec<_> = (0..2000)
         .map(|i| {
             let (iam, token) = (iam.clone(), token.clone());
-            tokio::spawn(async move { iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1").await })
+            tokio::spawn(async move { iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1", false).await })
         })
         .collect();
     let (mut ok, mut over) = (0, 0);
@@ -118,6 +118,35 @@ async fn concurrent_admits_are_group_committed() {
 }
 
 #[tokio::test]
+async fn a_kept_lease_is_answered_without_a_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
+    iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
+    let token = user_with_token(&iam, &admin, "worker", "root/a").await;
+    let other = user_with_token(&iam, &admin, "other", "root/a").await;
+    let first = iam.admit(&token, "lease-1", "root/a", res(100), "e1", true).await.unwrap();
+    assert_eq!((first.existing, first.edge.as_str()), (false, "e1"));
+    let applied = snapshot(&iam).meta().applied_index;
+    let again = iam.admit(&token, "lease-1", "root/a", res(100), "e2", true).await.unwrap();
+    assert_eq!((again.existing, again.edge.as_str(), again.bound_at_ms), (true, "e1", first.bound_at_ms));
+    let e = iam.admit(&other, "lease-1", "root/a", res(100), "e2", true).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::AlreadyExists);
+    assert_eq!(snapshot(&iam).meta().applied_index, applied, "no command was committed");
+    assert_eq!(iam.get_lease("lease-1").unwrap().unwrap().edge, "e1");
+    // GetLeases, in request order, unknown ids left out; too many ids at once are refused.
+    iam.admit(&token, "lease-2", "root/a", res(100), "e2", false).await.unwrap();
+    let ids = ["lease-2", "x", "lease-1"].map(String::from);
+    let got: Vec<String> = iam.get_leases(&ids).unwrap().into_iter().map(|l| l.id).collect();
+    assert_eq!(got, ["lease-2", "lease-1"]);
+    let many = vec!["x".to_string(); opendsec_iam::MAX_GET_LEASES + 1];
+    assert_eq!(reason(&iam.get_leases(&many).unwrap_err()), Reason::InvalidArgument);
+    // Releasing with the edge: only what is bound there.
+    assert_eq!(iam.release_leases(ids.to_vec(), "e1").await.unwrap(), 1);
+    assert!(iam.get_lease("lease-2").unwrap().is_some());
+}
+
+#[tokio::test]
 async fn reconcile_and_sweep_go_through_the_store() {
     let dir = tempfile::tempdir().unwrap();
     let mut opts = options(dir.path(), ADMIN_TOKEN);
@@ -131,7 +160,8 @@ async fn reconcile_and_sweep_go_through_the_store() {
     }];
     assert_eq!(iam.reconcile("e9", live).await.unwrap(), (1, 0));
     assert_eq!(iam.reconcile("e9", vec![]).await.unwrap(), (0, 1));
-    assert_eq!(iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone").await.unwrap(), ("admin".to_string(), false));
+    let a = iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone", false).await.unwrap();
+    assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("admin", false, false, "gone"));
     assert_eq!(iam.sweep_unbound(vec!["e9".into()], 0).await.unwrap(), 1);
     assert_eq!(snapshot(&iam).leases().count(), 0);
 }
@@ -143,7 +173,7 @@ async fn restore_round_trip() {
     let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
     iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
-    iam.admit(&token, "lease-1", "root/a", res(100), "e1").await.unwrap();
+    iam.admit(&token, "lease-1", "root/a", res(100), "e1", false).await.unwrap();
     let backup = iam.backup(&admin).unwrap();
 
     iam.create_project(&admin, "root/later", Quota::default()).await.unwrap();
@@ -260,16 +290,33 @@ async fn grpc_admit_authenticate_and_revoke() {
         project: "root/rl".into(),
         resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 512, disk_mb: 1024, gpus: 0 }),
         edge: edge.into(),
+        keep_existing: false,
     };
     let a = iam.admit(admit("lease-1", "e1")).await.unwrap().into_inner();
-    assert_eq!((a.principal.as_str(), a.rebound), ("worker", false));
-    assert!(iam.admit(admit("lease-1", "e2")).await.unwrap().into_inner().rebound);
+    assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("worker", false, false, "e1"));
+    assert!(a.bound_at_ms > 0);
+    let b = iam.admit(admit("lease-1", "e2")).await.unwrap().into_inner();
+    assert_eq!((b.rebound, b.existing, b.edge.as_str()), (true, false, "e2"));
+    // keep_existing: the lease stays on e2 and the answer says so (even with the quota full).
+    let keep = pb::AdmitRequest { keep_existing: true, ..admit("lease-1", "e3") };
+    let k = iam.admit(keep.clone()).await.unwrap().into_inner();
+    assert_eq!((k.rebound, k.existing, k.edge.as_str(), k.bound_at_ms), (false, true, "e2", b.bound_at_ms));
     let e = api(iam.admit(admit("lease-2", "e1")).await.unwrap_err());
     assert_eq!(e.reason, Reason::QuotaExceeded);
     assert_eq!(e.metadata.get("project").map(String::as_str), Some("root/rl"));
     let lease = iam.get_lease(pb::GetLeaseRequest { lease_id: "lease-1".into() }).await.unwrap().into_inner();
     assert!(lease.found);
     assert_eq!(lease.lease.unwrap().edge, "e2");
+    // The batch lookup answers the known leases only.
+    let ids = vec!["lease-1".to_string(), "nope".to_string(), "Not A Lease!".to_string()];
+    let found = iam.get_leases(pb::GetLeasesRequest { lease_ids: ids }).await.unwrap().into_inner().leases;
+    assert_eq!(found.iter().map(|l| (l.id.as_str(), l.edge.as_str())).collect::<Vec<_>>(), [("lease-1", "e2")]);
+    assert_eq!(found[0].principal, "worker");
+    // An edge releasing a lease rebound elsewhere frees nothing.
+    let from_e1 = pb::ReleaseLeasesRequest { lease_ids: vec!["lease-1".into()], edge: "e1".into() };
+    assert_eq!(iam.release_leases(from_e1).await.unwrap().into_inner().released, 0);
+    let bad_edge = pb::ReleaseLeasesRequest { lease_ids: vec!["lease-1".into()], edge: "E 1".into() };
+    assert_eq!(api(iam.release_leases(bad_edge).await.unwrap_err()).reason, Reason::InvalidArgument);
     let usage = admin
         .get_usage(as_caller(ADMIN_TOKEN, pb::GetUsageRequest { project: "root/rl".into() }))
         .await
@@ -290,9 +337,12 @@ async fn grpc_admit_authenticate_and_revoke() {
     assert_eq!(e.reason, Reason::Unauthenticated);
     assert!(!e.message.contains(&token[token.len() - 20..]), "the secret is never echoed");
     assert_eq!(api(iam.admit(admit("lease-1", "e3")).await.unwrap_err()).reason, Reason::Unauthenticated);
+    assert_eq!(api(iam.admit(keep).await.unwrap_err()).reason, Reason::Unauthenticated);
 
-    let released = iam.release_leases(pb::ReleaseLeasesRequest { lease_ids: vec!["lease-1".into(), "nope".into()] });
-    assert_eq!(released.await.unwrap().into_inner().released, 1);
+    let released = pb::ReleaseLeasesRequest { lease_ids: vec!["lease-1".into(), "nope".into()], edge: "e2".into() };
+    assert_eq!(iam.release_leases(released).await.unwrap().into_inner().released, 1);
+    let after = iam.get_leases(pb::GetLeasesRequest { lease_ids: vec!["lease-1".into()] }).await.unwrap();
+    assert!(after.into_inner().leases.is_empty());
 
     // Locks over the wire.
     let lock = |holder: &str| pb::AcquireLockRequest { name: "watcher".into(), holder: holder.into(), ttl_ms: 60_000 };
