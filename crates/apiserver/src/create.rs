@@ -66,7 +66,7 @@ where
 }
 
 async fn release(shared: &Shared, lease: &str) {
-    let req = pb::ReleaseLeasesRequest { lease_ids: vec![lease.to_string()] };
+    let req = pb::ReleaseLeasesRequest { lease_ids: vec![lease.to_string()], edge: String::new() };
     let r = shared
         .up
         .iam(|mut c| {
@@ -84,31 +84,19 @@ fn timeout_ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// A retry of a creation that already happened: the lease is bound to an edge that has the
-/// sandbox. `None` when the creation must (still) be made.
-async fn existing(shared: &Shared, ident: &Identity, lease: &str) -> Result<Option<pb::Sandbox>, ApiError> {
-    let req = pb::GetLeaseRequest { lease_id: lease.to_string() };
-    let resp = shared
-        .up
-        .iam(|mut c| {
-            let r = req.clone();
-            async move { c.get_lease(r).await }
-        })
-        .await?;
-    let Some(l) = resp.lease.filter(|_| resp.found) else { return Ok(None) };
-    if l.principal != ident.principal {
-        return Err(ApiError::new(Reason::AlreadyExists, format!("lease id {lease} is in use")).with("lease_id", lease));
-    }
-    if l.edge.is_empty() || shared.edge_addr(&l.edge).is_err() {
+/// What to do with a lease the client chose and IAM already holds: answer with the sandbox
+/// the earlier attempt created, or `None` when the creation must (still) be made.
+async fn existing(shared: &Shared, lease: &str, edge: &str, bound_at_ms: i64) -> Result<Option<pb::Sandbox>, ApiError> {
+    if edge.is_empty() || shared.edge_addr(edge).is_err() {
         return Ok(None);
     }
-    match edge_get(shared, &l.edge, &ids::sandbox_id(&l.edge, lease)).await {
+    match edge_get(shared, edge, &ids::sandbox_id(edge, lease)).await {
         Ok(sb) => Ok(Some(sb)),
         // Bound so recently that the first attempt may still be on its way to the edge: placing
         // it elsewhere now could run the sandbox twice, so the client retries a little later.
         Err(e)
             if e.reason == Reason::NotFound
-                && time::now_ms().saturating_sub(l.bound_at_ms) < timeout_ms(shared.cfg.edge_call_timeout) =>
+                && time::now_ms().saturating_sub(bound_at_ms) < timeout_ms(shared.cfg.edge_call_timeout) =>
         {
             Err(ApiError::unavailable(format!("a creation with lease id {lease} is in progress"))
                 .with("lease_id", lease))
@@ -123,23 +111,21 @@ async fn existing(shared: &Shared, ident: &Identity, lease: &str) -> Result<Opti
 pub async fn create_one(
     shared: &Shared,
     token: &str,
-    ident: &Identity,
     spec: &pb::SandboxSpec,
     given_lease: Option<String>,
 ) -> Result<pb::Sandbox, ApiError> {
     let started = Instant::now();
-    if let Some(lease) = &given_lease
-        && let Some(sb) = existing(shared, ident, lease).await?
-    {
-        return Ok(sb);
-    }
+    // A lease the client chose may be a retry of an earlier attempt: the first Admit leaves an
+    // existing lease where it is, so the sandbox that attempt created is found, not doubled.
+    let mut keep_existing = given_lease.is_some();
     let lease = given_lease.unwrap_or_else(ids::new_lease_id);
     let resources = Res::from_proto(spec.resources.as_ref());
     let proto_resources = spec.resources.unwrap_or_default();
     let mut tried = HashSet::new();
     let mut last_refusal: Option<ApiError> = None;
     let max_attempts = shared.cfg.placement.max_attempts.max(1);
-    for attempt in 0..max_attempts {
+    let mut attempt = 0;
+    while attempt < max_attempts {
         let placed = match shared.place(&spec.backend, resources, &tried) {
             Ok(p) => p,
             Err(e) => match last_refusal {
@@ -160,6 +146,7 @@ pub async fn create_one(
             project: spec.project.clone(),
             resources: Some(proto_resources),
             edge: placed.edge.clone(),
+            keep_existing,
         };
         let admitted = shared
             .up
@@ -168,7 +155,16 @@ pub async fn create_one(
                 async move { c.admit(r).await }
             })
             .await;
+        // Only the first Admit may find an earlier attempt; later ones rebind what it reserved.
+        keep_existing = false;
         let principal = match admitted {
+            Ok(a) if a.existing => {
+                shared.placement_done(placed.overlay_id, false);
+                match existing(shared, &lease, &a.edge, a.bound_at_ms).await? {
+                    Some(sb) => return Ok(sb),
+                    None => continue, // nothing made it to an edge: admit again, rebinding
+                }
+            }
             Ok(a) => a.principal,
             Err(e) => {
                 shared.placement_done(placed.overlay_id, false);
@@ -195,6 +191,7 @@ pub async fn create_one(
                 tracing::info!(edge = %placed.edge, lease_id = %lease, reason = %e.reason, "edge refused a creation; placing again");
                 tried.insert(placed.edge);
                 last_refusal = Some(e);
+                attempt += 1;
             }
             Err(e) if e.reason == Reason::DeadlineExceeded => {
                 // The edge may still create it: keep counting it there, keep the lease bound.
@@ -237,7 +234,7 @@ pub async fn create_single(
             .with("retry_after_ms", INFLIGHT_RETRY_AFTER_MS.to_string()));
     };
     let _g = InflightGauge::new(shared, permit);
-    create_one(shared, token, ident, spec, lease).await
+    create_one(shared, token, spec, lease).await
 }
 
 /// Holds an in-flight permit and mirrors it in the gauge.
@@ -356,5 +353,5 @@ async fn batch_item(
         return None;
     }
     let _g = InflightGauge::new(shared, permit);
-    Some(create_one(shared, token, ident, spec, None).await)
+    Some(create_one(shared, token, spec, None).await)
 }

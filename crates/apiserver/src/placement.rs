@@ -714,10 +714,12 @@ mod tests {
                 let x = overlay[&e.name];
                 e.offers(backend) && !tried.contains(&e.name) && e.healthy && !e.draining
                     && !e.memory_pressure && !e.disk_pressure && !e.cpu_pressure
-                    && e.allocated.cpu_millis + x.resources.cpu_millis + res.cpu_millis <= e.capacity.cpu_millis
-                    && e.allocated.memory_mb + res.memory_mb <= e.capacity.memory_mb
-                    && e.allocated.disk_mb + res.disk_mb <= e.capacity.disk_mb
-                    && e.allocated.gpus + res.gpus <= e.capacity.gpus
+                    // A dimension the sandbox does not ask for never blocks it, even on an
+                    // edge already over-committed there.
+                    && (res.cpu_millis == 0 || e.allocated.cpu_millis + x.resources.cpu_millis + res.cpu_millis <= e.capacity.cpu_millis)
+                    && (res.memory_mb == 0 || e.allocated.memory_mb + res.memory_mb <= e.capacity.memory_mb)
+                    && (res.disk_mb == 0 || e.allocated.disk_mb + res.disk_mb <= e.capacity.disk_mb)
+                    && (res.gpus == 0 || e.allocated.gpus + res.gpus <= e.capacity.gpus)
                     && e.sandboxes + x.sandboxes < e.max_sandboxes
             };
             let any_offers = edges.iter().any(|e| e.offers(backend));

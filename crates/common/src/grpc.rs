@@ -7,6 +7,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio_stream::StreamExt;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
@@ -36,7 +37,14 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Settings given to the builder apply only to listeners it binds itself: with our own
+    // listener, Nagle must be turned off here, or small answers wait for delayed ACKs (40 ms).
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+        if let Ok(c) = &conn {
+            let _ = c.set_nodelay(true);
+        }
+        conn
+    });
     router.serve_with_incoming_shutdown(incoming, shutdown).await
 }
 
