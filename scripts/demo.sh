@@ -16,10 +16,17 @@ cat "$LOG"
 export OPENDSEC_ADDR=$(sed -n 's/^  apiserver: *//p' "$LOG")
 export OPENDSEC_TOKEN=$(cat "$STATE/admin.token")
 ctl() { echo "+ opendsecctl $*" >&2; "$BIN/opendsecctl" "$@"; }
+export OPENDSEC_IMAGE_STORE=$STATE/images
 ctl whoami
+ctl image store-check "$STATE/images" || echo "(the store lacks a capability real backends need; sim does not care)"
 ctl project create root/team-a --sandboxes 50000
 ctl project create root/team-a/rl --cpu 2000000
-ctl sandbox create --project root/team-a/rl --label job=demo
+# An image: a tiny root file system imported into the store and registered in root/team-a.
+mkdir -p "$STATE/rootfs/etc" && echo "hello from the demo" >"$STATE/rootfs/etc/motd"
+ctl --project root/team-a image import --rootfs "$STATE/rootfs" --name tools:1
+ctl --project root/team-a image compose tools:full scratch tools:1
+ctl --project root/team-a image list --recursive
+ctl sandbox create --project root/team-a/rl --image tools:full --label job=demo
 ctl sandbox create --project root/team-a/rl --count 5 --label job=demo
 ctl sandbox list --project root/team-a --label job=demo
 ctl usage root/team-a

@@ -4,7 +4,8 @@
 //! creations (spec bounds, default TTLs, per-principal rate, in-flight cap), places them on an
 //! edge from the watcher snapshot plus its own in-flight overlay, reserves quota through IAM
 //! `Admit`, and forwards every later call to the edge named in the sandbox id. It also proxies
-//! IAM's `Admin` service with the caller's token, and writes one audit line per public call.
+//! IAM's `Admin` service with the caller's token, serves the `Images` API over the shared image
+//! store (checking every creation's image), and writes one audit line per public call.
 //!
 //! Invariants: the apiserver holds no durable state (any apiserver serves any request); the
 //! edge has the last word on admission; no token is ever logged or audited, and only hashes of
@@ -16,6 +17,7 @@ pub mod admission;
 pub mod audit;
 mod auth;
 mod create;
+pub mod images;
 mod metrics;
 pub mod placement;
 mod sandboxes;
@@ -30,6 +32,7 @@ use std::time::Instant;
 use opendsec_common::ApiError;
 use opendsec_common::grpc::{self, AttachServiceToken, MAX_MESSAGE_BYTES};
 use opendsec_proto::v1::admin_server::AdminServer;
+use opendsec_proto::v1::images_server::ImagesServer;
 use opendsec_proto::v1::sandboxes_server::SandboxesServer;
 use tokio_util::sync::CancellationToken;
 
@@ -46,6 +49,8 @@ pub struct ApiserverOptions {
     pub watcher_addrs: Vec<String>,
     pub service_token: String,
     pub audit_path: PathBuf,
+    /// The shared image store (created if missing).
+    pub image_store: PathBuf,
 }
 
 /// Why the apiserver could not start or stopped serving.
@@ -61,13 +66,15 @@ pub enum ApiserverError {
     ServiceToken(ApiError),
     #[error(transparent)]
     Audit(#[from] AuditError),
+    #[error("image store {path}: {source}")]
+    ImageStore { path: PathBuf, source: opendsec_images::StoreError },
     #[error("gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("metrics endpoint failed: {0}")]
     Metrics(std::io::Error),
 }
 
-/// Serves Sandboxes + Admin on `listener` (and /metrics /healthz /readyz on `metrics` when
+/// Serves Sandboxes + Admin + Images on `listener` (and /metrics /healthz /readyz on `metrics` when
 /// given) until shutdown; background loops (epoch poll, snapshot refresh, audit writer) end
 /// with it.
 pub async fn serve(
@@ -86,6 +93,8 @@ pub async fn serve(
         grpc::channel(addr).map_err(|source| ApiserverError::BadAddress { addr: addr.clone(), source })?;
     }
     let token = AttachServiceToken::new(&opts.service_token).map_err(ApiserverError::ServiceToken)?;
+    let store = opendsec_images::Store::open(&opts.image_store)
+        .map_err(|source| ApiserverError::ImageStore { path: opts.image_store.clone(), source })?;
     let cfg = opts.config;
     let (audit, audit_task) = if cfg.audit.enabled {
         let writer = AuditWriter::open(&opts.audit_path, cfg.audit.max_bytes, cfg.audit.keep)?;
@@ -95,7 +104,7 @@ pub async fn serve(
         (AuditLog::disabled(), None)
     };
     let up = Upstreams::new(token, opts.iam_addrs, opts.watcher_addrs);
-    let shared = Arc::new(Shared::new(cfg, up, audit));
+    let shared = Arc::new(Shared::new(cfg, up, audit, images::ImageStore::new(store)));
 
     let cancel = CancellationToken::new();
     let mut loops = tokio::task::JoinSet::new();
@@ -124,7 +133,10 @@ pub async fn serve(
     let admin = AdminServer::new(admin::AdminProxy::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let router = grpc::server().add_service(sandboxes).add_service(admin);
+    let images = ImagesServer::new(images::ImagesService::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let router = grpc::server().add_service(sandboxes).add_service(admin).add_service(images);
     tracing::info!(addr = ?listener.local_addr().ok(), "apiserver serving");
     let served = grpc::serve(router, listener, cancel.clone().cancelled_owned()).await;
 

@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 
 use crate::admission;
 use crate::create::{self, BatchItem};
+use crate::images;
 use crate::state::{Call, Shared};
 
 pub const PERM_VIEW: &str = "sandbox.view";
@@ -60,7 +61,7 @@ where
 }
 
 /// Authenticates the caller and notes the principal on the call.
-async fn caller(
+pub(crate) async fn caller(
     s: &Shared,
     call: &mut Call,
     md: &MetadataMap,
@@ -81,6 +82,7 @@ async fn create_sandbox(
     let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
     call.project = Some(spec.project.clone());
     let lease = admission::check_lease_id(&req.lease_id)?;
+    images::check_image(s, &ident.principal, &spec).await?;
     let sb = create::create_single(s, &token, &ident, &spec, lease).await?;
     call.sandbox_id = Some(sb.id.clone());
     Ok(sb)
@@ -187,6 +189,8 @@ impl Sandboxes for SandboxesService {
             admission::check_batch_count(req.count)?;
             let (token, ident) = caller(s, &mut call, &md).await?;
             let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+            // Once for the whole batch: every item has the same image and principal.
+            images::check_image(s, &ident.principal, &spec).await?;
             Ok::<_, ApiError>((token, ident, spec))
         }
         .await;

@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::RateLimiter;
 use crate::audit::{AuditLog, AuditRecord};
 use crate::auth::{AuthCache, Identity, token_key};
+use crate::images::ImageStore;
 use crate::metrics::Metrics;
 use crate::placement::{self, Demand, EdgeView, Inflight, Params, Penalties, PlacementError, Res};
 use crate::upstream::Upstreams;
@@ -100,10 +101,11 @@ pub struct Shared {
     pub inflight: Arc<Semaphore>,
     pub audit: AuditLog,
     pub metrics: Metrics,
+    pub images: ImageStore,
 }
 
 impl Shared {
-    pub fn new(cfg: ApiserverConfig, up: Upstreams, audit: AuditLog) -> Shared {
+    pub fn new(cfg: ApiserverConfig, up: Upstreams, audit: AuditLog, images: ImageStore) -> Shared {
         Shared {
             auth: AuthCache::new(cfg.auth_cache_ttl),
             limiter: Mutex::new(RateLimiter::new(cfg.rate_per_principal, cfg.burst_per_principal)),
@@ -114,6 +116,7 @@ impl Shared {
             cfg,
             up,
             audit,
+            images,
         }
     }
 

@@ -10,11 +10,13 @@ use opendsec_apiserver::{ApiserverOptions, serve};
 use opendsec_common::config::{ApiserverConfig, AuditConfig, PlacementConfig};
 use opendsec_common::grpc::{self, RequireServiceToken};
 use opendsec_common::{ApiError, Reason, ids, time};
+use opendsec_images::{ImageConfig, LayerId, LayerMeta, Manifest, Store};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::admin_client::AdminClient;
 use opendsec_proto::v1::admin_server::{Admin, AdminServer};
 use opendsec_proto::v1::edge_server::{Edge, EdgeServer};
 use opendsec_proto::v1::iam_server::{Iam, IamServer};
+use opendsec_proto::v1::images_client::ImagesClient;
 use opendsec_proto::v1::sandboxes_client::SandboxesClient;
 use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -96,8 +98,21 @@ impl Iam for FakeIam {
             return Err(ApiError::denied("no sandbox.create").to_status());
         }
         let mut s = self.st();
+        if r.keep_existing
+            && let Some(l) = s.leases.get(&r.lease_id)
+        {
+            let (edge, bound_at_ms) = (l.edge.clone(), l.bound_at_ms);
+            return Ok(Response::new(pb::AdmitResponse {
+                principal,
+                rebound: false,
+                existing: true,
+                edge,
+                bound_at_ms,
+            }));
+        }
         s.admits.push((r.lease_id.clone(), r.edge.clone()));
         let rebound = s.leases.contains_key(&r.lease_id);
+        let edge = r.edge.clone();
         s.leases.insert(
             r.lease_id.clone(),
             pb::Lease {
@@ -106,10 +121,11 @@ impl Iam for FakeIam {
                 principal: principal.clone(),
                 edge: r.edge,
                 resources: r.resources,
+                bound_at_ms: opendsec_common::time::now_ms(),
                 ..Default::default()
             },
         );
-        Ok(Response::new(pb::AdmitResponse { principal, rebound }))
+        Ok(Response::new(pb::AdmitResponse { principal, rebound, existing: false, edge, bound_at_ms: 0 }))
     }
 
     async fn release_leases(
@@ -128,6 +144,12 @@ impl Iam for FakeIam {
     async fn get_lease(&self, r: Request<pb::GetLeaseRequest>) -> Result<Response<pb::GetLeaseResponse>, Status> {
         let lease = self.st().leases.get(&r.get_ref().lease_id).cloned();
         Ok(Response::new(pb::GetLeaseResponse { found: lease.is_some(), lease }))
+    }
+
+    async fn get_leases(&self, r: Request<pb::GetLeasesRequest>) -> Result<Response<pb::GetLeasesResponse>, Status> {
+        let s = self.st();
+        let leases = r.get_ref().lease_ids.iter().filter_map(|id| s.leases.get(id).cloned()).collect();
+        Ok(Response::new(pb::GetLeasesResponse { leases }))
     }
 
     async fn reconcile(&self, _: Request<pb::ReconcileRequest>) -> Result<Response<pb::ReconcileResponse>, Status> {
@@ -367,6 +389,7 @@ fn edge_info(name: &str, addr: SocketAddr, allocated_cpu: u32) -> pb::EdgeInfo {
 
 struct Cluster {
     iam: FakeIam,
+    image_store: std::path::PathBuf,
     edges: Vec<FakeEdge>,
     api: SocketAddr,
     audit_path: std::path::PathBuf,
@@ -395,6 +418,43 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
     let mut out = String::new();
     let _ = s.read_to_string(&mut out).await;
     out
+}
+
+/// A layer id made of one repeated byte.
+fn layer_id(n: u8) -> String {
+    format!("{n:02x}").repeat(32)
+}
+
+/// The store the tests start with: one layer, `debian:12` in root/a and root/b (the projects of
+/// alice and bob), and `shared:1` in root (which neither may use).
+fn seed_images(dir: &std::path::Path) {
+    let store = Store::open(dir).unwrap();
+    let id = LayerId::parse(&layer_id(1)).unwrap();
+    let pending = store.begin_layer().unwrap();
+    let meta = LayerMeta {
+        v: 1,
+        id: id.clone(),
+        size_bytes: 0,
+        entries: 0,
+        created_at_ms: 1,
+        source: "test".into(),
+        diff_id: String::new(),
+        lowers: vec![],
+    };
+    store.commit_layer(pending, &meta).unwrap();
+    for (project, repo, tag) in [("root/a", "debian", "12"), ("root/b", "debian", "12"), ("root", "shared", "1")] {
+        let m = Manifest {
+            v: 1,
+            project: project.into(),
+            repo: repo.into(),
+            tag: tag.into(),
+            layers: vec![id.clone()],
+            config: ImageConfig::default(),
+            created_at_ms: 1,
+            source: "test".into(),
+        };
+        store.write_manifest(&m).unwrap();
+    }
 }
 
 fn test_config() -> ApiserverConfig {
@@ -445,12 +505,15 @@ impl Cluster {
 
         let dir = tempfile::tempdir().unwrap();
         let audit_path = dir.path().join("audit/apiserver.log");
+        let image_store = dir.path().join("images");
+        seed_images(&image_store);
         let opts = ApiserverOptions {
             config: cfg,
             iam_addrs: vec![iam_addr.to_string()],
             watcher_addrs: vec![watcher_addr.to_string()],
             service_token: SERVICE_TOKEN.into(),
             audit_path: audit_path.clone(),
+            image_store: image_store.clone(),
         };
         let (api_l, api) = listen().await;
         let (metrics_l, metrics) = listen().await;
@@ -467,7 +530,11 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert!(http_get(metrics, "/metrics").await.contains("opendsec_apiserver"));
-        Cluster { iam, edges: fakes, api, audit_path, _dir: dir, stops, apiserver: Some(apiserver) }
+        Cluster { iam, image_store, edges: fakes, api, audit_path, _dir: dir, stops, apiserver: Some(apiserver) }
+    }
+
+    fn images(&self) -> ImagesClient<Channel> {
+        ImagesClient::new(grpc::channel(&self.api.to_string()).unwrap())
     }
 
     fn client(&self) -> SandboxesClient<Channel> {
@@ -727,4 +794,188 @@ async fn batches_stream_every_item_and_wait_for_rate_limits() {
     let line =
         audit.lines().find(|l| l.contains("\"method\":\"CreateSandboxes\"") && l.contains("\"count\":6")).unwrap();
     assert!(line.contains("\"failed\":0"), "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_creation_needs_an_image_it_may_use() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let mut api = c.client();
+    let with_image = |image: &str| {
+        let mut r = create_req("");
+        r.spec.as_mut().unwrap().image = image.into();
+        r
+    };
+
+    // Missing: not_found, naming the image and where it was looked for, before any Admit.
+    let e = api.create_sandbox(with_token(with_image("nope:1"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    assert!(e.message().contains("image nope:1 not found in root/a or above"), "{}", e.message());
+    let e = api
+        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: with_image("nope").spec, count: 3 }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound, "a batch checks its image once, up front");
+    let e = api.create_sandbox(with_token(with_image("Not A Name"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+    // Found, but where the caller may not use it: in root (above alice's project) or bob's.
+    for image in ["shared:1", "root/b//debian:12"] {
+        let e = api.create_sandbox(with_token(with_image(image), ALICE)).await.unwrap_err();
+        assert_eq!(reason(&e), Reason::PermissionDenied, "{image}: {e:?}");
+        assert!(e.message().contains("layer.use"), "{}", e.message());
+    }
+    assert!(c.iam.st().admits.is_empty());
+    // Found in the sandbox's own project, or exactly where it is.
+    api.create_sandbox(with_token(with_image("debian:12"), ALICE)).await.unwrap();
+    api.create_sandbox(with_token(with_image("root/a//debian:12"), ALICE)).await.unwrap();
+    assert_eq!(c.iam.st().admits.len(), 2);
+    // No edge offers the backend: placement's not_found is still about the backend.
+    let mut kvm = with_image("debian:12");
+    kvm.spec.as_mut().unwrap().backend = "microvm".into();
+    let e = api.create_sandbox(with_token(kvm, ALICE)).await.unwrap_err();
+    assert!(!e.message().contains("image"), "{}", e.message());
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_register_get_list_compose_and_delete() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let mut images = c.images();
+    let mut api = c.client();
+    let image = |repo: &str, tag: &str, layers: Vec<String>| pb::Image {
+        repo: repo.into(),
+        tag: tag.into(),
+        layers,
+        config: Some(pb::ImageConfig { env: vec!["PATH=/bin".into()], cmd: vec!["sh".into()], ..Default::default() }),
+        ..Default::default()
+    };
+    let register = |img: pb::Image, replace: bool| pb::RegisterImageRequest { image: Some(img), replace };
+
+    // A second layer in the store, as an import would leave it.
+    let store = Store::open(&c.image_store).unwrap();
+    let second = LayerId::parse(&layer_id(2)).unwrap();
+    let pending = store.begin_layer().unwrap();
+    let meta = LayerMeta {
+        v: 1,
+        id: second.clone(),
+        size_bytes: 0,
+        entries: 0,
+        created_at_ms: 1,
+        source: "test".into(),
+        diff_id: String::new(),
+        lowers: vec![],
+    };
+    store.commit_layer(pending, &meta).unwrap();
+
+    let tools = images
+        .register_image(with_token(register(image("tools", "v1", vec![layer_id(2)]), false), ALICE))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (tools.project.as_str(), tools.repo.as_str(), tools.layers.clone()),
+        ("root/a", "tools", vec![layer_id(2)])
+    );
+    assert!(tools.created_at_ms > 0);
+    // A sandbox can use it at once (this apiserver's cache was cleared by the write).
+    let mut req = create_req("");
+    req.spec.as_mut().unwrap().image = "tools:v1".into();
+    api.create_sandbox(with_token(req, ALICE)).await.unwrap();
+
+    // The same name again: already_exists unless replacing.
+    let e = images
+        .register_image(with_token(register(image("tools", "v1", vec![layer_id(2)]), false), ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::AlreadyExists);
+    images
+        .register_image(with_token(register(image("tools", "v1", vec![layer_id(1), layer_id(2)]), true), ALICE))
+        .await
+        .unwrap();
+    // A manifest naming a missing layer fails clearly and writes nothing.
+    let e = images
+        .register_image(with_token(register(image("broken", "1", vec![layer_id(1), layer_id(9)]), false), ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    assert!(e.message().contains(&layer_id(9)), "{}", e.message());
+    // Another project's images: bob may neither write nor read them.
+    let mut in_a = image("evil", "1", vec![layer_id(1)]);
+    in_a.project = "root/a".into();
+    let e = images.register_image(with_token(register(in_a, true), BOB)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let e = images
+        .get_image(with_token(pb::GetImageRequest { project: String::new(), name: "root/a//tools:v1".into() }, BOB))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+
+    // Get resolves upward from a subproject, as a creation there would.
+    let got = images
+        .get_image(with_token(pb::GetImageRequest { project: "root/a/sub".into(), name: "tools:v1".into() }, ALICE))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((got.project.as_str(), got.layers.len()), ("root/a", 2));
+    assert_eq!(got.config.unwrap().cmd, ["sh"]);
+
+    // Compose: layer lists concatenated, copying nothing; a repeated layer kept at its top.
+    let combo = images
+        .compose_image(with_token(
+            pb::ComposeImageRequest {
+                project: String::new(),
+                name: "combo:1".into(),
+                sources: vec!["tools:v1".into(), "root/a//debian:12".into()],
+                replace: false,
+            },
+            ALICE,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(combo.layers, vec![layer_id(2), layer_id(1)]);
+    assert!(combo.source.starts_with("compose:"), "{}", combo.source);
+    let e = images
+        .compose_image(with_token(
+            pb::ComposeImageRequest {
+                name: "x:1".into(),
+                sources: vec!["debian:12".into(), "root/b//debian:12".into()],
+                ..Default::default()
+            },
+            ALICE,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied, "composing reads every source");
+
+    let list = images
+        .list_images(with_token(pb::ListImagesRequest { project: String::new(), recursive: false }, ALICE))
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<String> = list.images.iter().map(|i| format!("{}:{}", i.repo, i.tag)).collect();
+    assert_eq!(names, ["combo:1", "debian:12", "tools:v1"]);
+    let e = images
+        .list_images(with_token(pb::ListImagesRequest { project: "root".into(), recursive: true }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+
+    images
+        .delete_image(with_token(pb::DeleteImageRequest { project: String::new(), name: "tools:v1".into() }, ALICE))
+        .await
+        .unwrap();
+    let e = images
+        .get_image(with_token(pb::GetImageRequest { project: String::new(), name: "tools:v1".into() }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    let e = images
+        .delete_image(with_token(pb::DeleteImageRequest { project: String::new(), name: "tools:v1".into() }, ALICE))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    // The layers stay (GC decides), and the composed image still works.
+    assert!(store.has_layer(&second));
+    let audit = c.stop().await;
+    assert!(audit.lines().any(|l| l.contains("\"method\":\"RegisterImage\"") && l.contains("\"reason\":\"ok\"")));
 }

@@ -26,7 +26,7 @@ pub struct BenchArgs {
     pub concurrency: usize,
     #[arg(long, default_value = "sim")]
     pub backend: String,
-    #[arg(long, default_value = "bench")]
+    #[arg(long, default_value = "scratch")]
     pub image: String,
     /// Leave the sandboxes running (no stop phase).
     #[arg(long)]

@@ -1,4 +1,5 @@
-//! `opendsecctl`: the public API on the command line, plus `cluster up` and `bench`.
+//! `opendsecctl`: the public API on the command line, plus `cluster up`, `bench` and the image
+//! store tools (`image import|gc|store-check|merge`).
 //!
 //! Exit codes: 0 success; 1 a local failure (file, config); 2 usage; 10.. one per error
 //! reason (docs/errors.md, `Reason::exit_code`).
@@ -68,6 +69,9 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Images: the Images API, and local tools on the store (import, gc, store-check, merge).
+    #[command(subcommand)]
+    Image(crate::image::ImageCmd),
 }
 
 #[derive(Subcommand, Debug)]
@@ -87,7 +91,8 @@ pub enum ClusterCmd {
 pub struct SpecArgs {
     #[arg(long, default_value = "sim")]
     pub backend: String,
-    #[arg(long, default_value = "default")]
+    /// `repo[:tag]`, found in the project or above (`scratch` is in root on a new cluster).
+    #[arg(long, default_value = "scratch")]
     pub image: String,
     /// CPU in millicores.
     #[arg(long, default_value_t = 1000)]
@@ -344,12 +349,12 @@ impl SpecArgs {
     }
 }
 
-struct Out {
-    json: bool,
+pub struct Out {
+    pub json: bool,
 }
 
 impl Out {
-    fn print(&self, value: Value, text: impl FnOnce() -> String) {
+    pub fn print(&self, value: Value, text: impl FnOnce() -> String) {
         if self.json {
             println!("{}", serde_json::to_string_pretty(&value).unwrap_or_default());
         } else {
@@ -557,6 +562,7 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
             out.print(json!({"restored": file}), || format!("restored from {}", file.display()));
             Ok(())
         }
+        Command::Image(cmd) => crate::image::run(&client, &out, project.as_deref(), cmd).await,
         Command::Bench(BenchCmd::Create(args)) => {
             let report = crate::bench::create(&client, project.as_deref(), &args).await?;
             out.print(report.to_json(), || report.to_text());

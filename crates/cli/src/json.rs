@@ -79,3 +79,16 @@ pub fn token_info(t: &pb::TokenInfo) -> Value {
 pub fn grant(g: &pb::Grant) -> Value {
     json!({"principal": g.principal, "project": g.project, "permission": g.permission})
 }
+
+pub fn image(i: &pb::Image) -> Value {
+    let c = i.config.clone().unwrap_or_default();
+    json!({
+        "project": i.project,
+        "repo": i.repo,
+        "tag": i.tag,
+        "layers": i.layers,
+        "config": {"env": c.env, "workdir": c.workdir, "user": c.user, "entrypoint": c.entrypoint, "cmd": c.cmd},
+        "created_at_ms": i.created_at_ms,
+        "source": i.source,
+    })
+}

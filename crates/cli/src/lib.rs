@@ -3,4 +3,5 @@
 
 pub mod bench;
 pub mod ctl;
+pub mod image;
 pub mod json;

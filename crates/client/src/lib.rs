@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use opendsec_common::{ApiError, Reason, grpc};
 use opendsec_proto::v1 as pb;
 use pb::admin_client::AdminClient;
+use pb::images_client::ImagesClient;
 use pb::sandboxes_client::SandboxesClient;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::Interceptor;
@@ -123,6 +124,10 @@ impl Client {
         SandboxesClient::new(self.pick())
             .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
+    }
+
+    pub fn images_stub(&self) -> ImagesClient<AuthedChannel> {
+        stub_i(self.pick())
     }
 
     pub fn admin_stub(&self) -> AdminClient<AuthedChannel> {
@@ -262,15 +267,21 @@ fn stub_a(ch: AuthedChannel) -> AdminClient<AuthedChannel> {
         .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
 }
 
-/// One method per Admin RPC, each retried on `unavailable` like the sandbox calls.
-macro_rules! admin_calls {
-    ($($name:ident($req:ty) -> $resp:ty;)*) => {
+fn stub_i(ch: AuthedChannel) -> ImagesClient<AuthedChannel> {
+    ImagesClient::new(ch)
+        .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
+}
+
+/// One method per RPC of a service, each retried on `unavailable` like the sandbox calls.
+macro_rules! unary_calls {
+    ($stub:ident: $($name:ident($req:ty) -> $resp:ty;)*) => {
         impl Client {
             $(
                 pub async fn $name(&self, req: $req) -> Result<$resp, ApiError> {
                     self.retry(|ch| {
                         let req = req.clone();
-                        async move { stub_a(ch).$name(req).await }
+                        async move { $stub(ch).$name(req).await }
                     })
                     .await
                 }
@@ -279,7 +290,16 @@ macro_rules! admin_calls {
     };
 }
 
-admin_calls! {
+// Images: writing needs `layer.publish` on the image's project, reading `layer.use`.
+unary_calls! {stub_i:
+    register_image(pb::RegisterImageRequest) -> pb::Image;
+    compose_image(pb::ComposeImageRequest) -> pb::Image;
+    delete_image(pb::DeleteImageRequest) -> pb::DeleteImageResponse;
+    list_images(pb::ListImagesRequest) -> pb::ListImagesResponse;
+    get_image(pb::GetImageRequest) -> pb::Image;
+}
+
+unary_calls! {stub_a:
     who_am_i(pb::WhoAmIRequest) -> pb::WhoAmIResponse;
     create_project(pb::CreateProjectRequest) -> pb::Project;
     get_project(pb::GetProjectRequest) -> pb::Project;

@@ -1,6 +1,7 @@
 //! Assembles opendsec components from one config: `opendsecctl cluster up` (IAM, a watcher, an
-//! apiserver and N sim edges in one process, all talking real gRPC over loopback) and the
-//! single-component daemons of the `opendsec` binary.
+//! apiserver and N sim edges in one process, all talking real gRPC over loopback, and an image
+//! store seeded with `scratch:latest`) and the single-component daemons of the `opendsec`
+//! binary.
 //!
 //! Each component runs on its own listener with its own shutdown trigger, so tests can stop
 //! and restart one edge or the apiserver while the rest keeps running.
@@ -41,6 +42,10 @@ pub enum ClusterError {
     AlreadyRunning(String),
     #[error("cluster did not become ready within {0:?}: {1}")]
     NotReady(Duration, String),
+    #[error("image store {path}: {source}")]
+    ImageStore { path: PathBuf, source: opendsec_images::StoreError },
+    #[error("image store {path}: writing the empty layer: {source}")]
+    SeedLayer { path: PathBuf, source: opendsec_images::layer::LayerError },
 }
 
 /// One running component: its address, its shutdown trigger and its task.
@@ -117,6 +122,7 @@ impl Cluster {
         }
         std::fs::create_dir_all(&config.state_dir)
             .map_err(|source| ClusterError::StateDir { path: config.state_dir.clone(), source })?;
+        seed_images(&config.image_store_dir())?;
         let toks = tokens::resolve(&config)?;
         config.service_token = toks.service_token.clone();
         config.iam.admin_token = toks.admin_token.clone();
@@ -322,6 +328,7 @@ fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>
         watcher_addrs: config.watcher.addrs.clone(),
         service_token: config.service_token.clone(),
         audit_path: config.audit_path(),
+        image_store: config.image_store_dir(),
     };
     spawn(move |rx| async move {
         opendsec_apiserver::serve(opts, l, metrics, async move {
@@ -330,6 +337,53 @@ fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>
         .await
         .map_err(|e| e.to_string())
     })
+}
+
+/// The image every fresh cluster has: `scratch:latest` in `root`, one empty layer. Sandboxes
+/// of the sim backend need an image to name; real images are imported (`opendsecctl image
+/// import`).
+pub const SCRATCH_IMAGE: &str = "scratch:latest";
+
+/// The id of the empty layer: the sha256 of an empty tar (1024 zero bytes), Docker's well-known
+/// empty layer.
+pub const EMPTY_LAYER_ID: &str = "5f70bf18a086007016e948b04aed3b82103a36bea41755b6cddfaf10ace3c6ef";
+
+/// Opens (creating) the image store and puts `scratch:latest` in `root` unless it is there.
+pub fn seed_images(dir: &Path) -> Result<(), ClusterError> {
+    use opendsec_images::{ImageConfig, ImageRef, LayerId, Manifest, Store, layer};
+    let err = |source| ClusterError::ImageStore { path: dir.to_path_buf(), source };
+    let store = Store::open(dir).map_err(err)?;
+    let scratch = ImageRef::parse(opendsec_common::ids::ROOT_PROJECT, SCRATCH_IMAGE).map_err(err)?;
+    if store.has_image(&scratch) {
+        return Ok(());
+    }
+    let id = LayerId::parse(EMPTY_LAYER_ID).map_err(err)?;
+    // The empty tar (two zero blocks) through the ordinary import: its hash is checked against
+    // the id, and a layer already there is reused.
+    let empty_tar = [0u8; 1024];
+    layer::import_layer(
+        &store,
+        &mut &empty_tar[..],
+        layer::Compression::None,
+        Some(&id.diff_id()),
+        &[],
+        &layer::Limits::default(),
+        "opendsec: the empty layer",
+    )
+    .map_err(|source| ClusterError::SeedLayer { path: dir.to_path_buf(), source })?;
+    let manifest = Manifest {
+        v: 1,
+        project: scratch.project.clone(),
+        repo: scratch.repo.clone(),
+        tag: scratch.tag.clone(),
+        layers: vec![id],
+        config: ImageConfig::default(),
+        created_at_ms: opendsec_common::time::now_ms(),
+        source: "opendsec cluster up: the empty image".into(),
+    };
+    opendsec_images::gc::publish_manifest(&store, &manifest).map_err(err)?;
+    tracing::info!(store = %dir.display(), image = SCRATCH_IMAGE, "seeded the image store");
+    Ok(())
 }
 
 /// Runs one component of `config` as a daemon until `shutdown` (the `opendsec` binary).

@@ -13,7 +13,7 @@ use proptest::prelude::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_token_is_refused_within_two_seconds() {
     let t = start(1, |_| {}).await;
-    let tok = principal(&t.admin, "alice", "root", &["sandbox.create", "sandbox.view"]).await;
+    let tok = principal(&t.admin, "alice", "root", &["sandbox.create", "sandbox.view", "layer.use"]).await;
     let alice = client(&t.cluster, &tok);
     // Warm the apiserver's caches: the revocation must beat them.
     let s = alice.create_sandbox(spec("", 10, 16)).await.unwrap();
@@ -70,6 +70,13 @@ async fn delegation_cannot_escalate_and_projects_stay_private() {
         &["grant.manage", "sandbox.create", "principal.manage", "project.manage"],
     )
     .await;
+    // The shared images of root (scratch) are the lead's to use, not to pass on.
+    t.admin
+        .grant(pb::GrantRequest {
+            grant: Some(pb::Grant { principal: "lead".into(), project: "root".into(), permission: "layer.use".into() }),
+        })
+        .await
+        .unwrap();
     let lead_c = client(&t.cluster, &lead);
     lead_c
         .create_principal(pb::CreatePrincipalRequest { name: "intern".into(), project: "root/team-a".into() })
@@ -86,6 +93,7 @@ async fn delegation_cannot_escalate_and_projects_stay_private() {
         ("root/team-a", "*"),
         ("root/team-a", "iam.admin"),
         ("root", "sandbox.create"),
+        ("root", "layer.use"),
         ("root/team-b", "sandbox.create"),
     ] {
         let e = lead_c.grant(grant("intern", project, perm)).await.unwrap_err();

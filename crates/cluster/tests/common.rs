@@ -47,7 +47,7 @@ pub fn client(cluster: &Cluster, token: &str) -> Client {
 pub fn spec(project: &str, cpu: u32, mem: u64) -> pb::SandboxSpec {
     pb::SandboxSpec {
         project: project.into(),
-        image: "test".into(),
+        image: "scratch".into(),
         backend: "sim".into(),
         resources: Some(pb::Resources { cpu_millis: cpu, memory_mb: mem, disk_mb: 0, gpus: 0 }),
         ..Default::default()

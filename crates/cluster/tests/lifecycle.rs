@@ -147,7 +147,8 @@ async fn an_edge_restarted_while_sandboxes_run_loses_none() {
         t.admin.list_all_sandboxes(Default::default()).await.unwrap().into_iter().map(|s| (s.id, s.state)).collect();
     let edge = t.cluster.edge_names()[0].clone();
     t.cluster.stop_edge(&edge).await.unwrap();
-    let err = t.admin.get_sandbox(&ids[0]).await.unwrap_err();
+    let quick = common::client(&t.cluster, &t.cluster.admin_token).with_retry_timeout(Duration::ZERO);
+    let err = quick.get_sandbox(&ids[0]).await.unwrap_err();
     assert_eq!(err.reason, Reason::Unavailable, "{err}");
     t.cluster.start_edge(&edge).await.unwrap();
     t.cluster.wait_ready(Duration::from_secs(10)).await.unwrap();

@@ -43,6 +43,8 @@ pub struct Config {
     pub edges: Vec<EdgeEndpoint>,
     /// How many sim edges `cluster up` starts (overridden by `--sim-edges`).
     pub sim_edges: u32,
+    /// The image store every apiserver and edge mounts.
+    pub images: ImagesConfig,
 }
 
 impl Default for Config {
@@ -56,6 +58,7 @@ impl Default for Config {
             edge: EdgeConfig::default(),
             edges: Vec::new(),
             sim_edges: 4,
+            images: ImagesConfig::default(),
         }
     }
 }
@@ -330,6 +333,44 @@ impl Default for CapacityConfig {
     }
 }
 
+/// The image store (reference section 10): where it is, how long GC leaves unreferenced data,
+/// and the bounds every imported layer is unpacked within (hostile images).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImagesConfig {
+    /// The shared store directory (NFS, CephFS, JuiceFS, or a local folder). Default
+    /// `<state_dir>/images`.
+    pub store_dir: Option<PathBuf>,
+    /// GC removes unreferenced layers and interrupted writes only once they are this old.
+    #[serde(with = "humantime_serde")]
+    pub gc_grace: Duration,
+    /// Largest single file in a layer.
+    pub max_file_bytes: u64,
+    /// Largest layer (sum of its file contents).
+    pub max_layer_bytes: u64,
+    /// Most entries (files, directories, links, whiteouts) in a layer.
+    pub max_entries: u64,
+    /// Deepest path in a layer, in components.
+    pub max_depth: usize,
+}
+
+impl Default for ImagesConfig {
+    fn default() -> Self {
+        ImagesConfig {
+            store_dir: None,
+            gc_grace: Duration::from_secs(3600),
+            max_file_bytes: 8 << 30,
+            max_layer_bytes: 64 << 30,
+            max_entries: 2_000_000,
+            max_depth: 128,
+        }
+    }
+}
+
+/// Shortest `images.gc_grace` accepted: a layer being imported or a manifest being
+/// registered must never look abandoned to GC.
+pub const MIN_GC_GRACE: Duration = Duration::from_secs(60);
+
 pub const KNOWN_BACKENDS: [&str; 5] = ["sim", "container", "fncall", "microvm", "fullvm"];
 
 impl Config {
@@ -361,6 +402,11 @@ impl Config {
 
     pub fn edge_state_dir(&self, name: &str) -> PathBuf {
         self.edge.state_dir.clone().unwrap_or_else(|| self.state_dir.join("edges")).join(name)
+    }
+
+    /// The image store directory (`images.store_dir`, default `<state_dir>/images`).
+    pub fn image_store_dir(&self) -> PathBuf {
+        self.images.store_dir.clone().unwrap_or_else(|| self.state_dir.join("images"))
     }
 
     pub fn audit_path(&self) -> PathBuf {
@@ -478,6 +524,28 @@ impl Config {
         if self.sim_edges > 1000 {
             return Err(invalid("sim_edges", "at most 1000"));
         }
+        let im = &self.images;
+        if im.store_dir.as_ref().is_some_and(|d| d.as_os_str().is_empty()) {
+            return Err(invalid("images.store_dir", "must not be empty (leave it out for <state_dir>/images)"));
+        }
+        if im.gc_grace < MIN_GC_GRACE {
+            return Err(invalid(
+                "images.gc_grace",
+                format!("must be at least {}", humantime::format_duration(MIN_GC_GRACE)),
+            ));
+        }
+        if im.max_file_bytes == 0 {
+            return Err(invalid("images.max_file_bytes", "must be at least 1"));
+        }
+        if im.max_layer_bytes < im.max_file_bytes {
+            return Err(invalid("images.max_layer_bytes", "must be at least images.max_file_bytes"));
+        }
+        if im.max_entries == 0 {
+            return Err(invalid("images.max_entries", "must be at least 1"));
+        }
+        if !(1..=4096).contains(&im.max_depth) {
+            return Err(invalid("images.max_depth", "must be in 1..=4096"));
+        }
         Ok(())
     }
 }
@@ -536,10 +604,24 @@ mod tests {
             (r#"{"apiserver": {"ttl": {"default_max": "30d"}}}"#, "apiserver.ttl.default_max"),
             (r#"{"watcher": {"probe_interval": "soon"}}"#, "watcher.probe_interval"),
             (r#"{"sim_edges": -1}"#, "sim_edges"),
+            (r#"{"images": {"gc_grace": "10s"}}"#, "images.gc_grace"),
+            (r#"{"images": {"store_dir": ""}}"#, "images.store_dir"),
+            (r#"{"images": {"max_file_bytes": 10, "max_layer_bytes": 5}}"#, "images.max_layer_bytes"),
+            (r#"{"images": {"max_entries": 0}}"#, "images.max_entries"),
+            (r#"{"images": {"max_depth": 0}}"#, "images.max_depth"),
+            (r#"{"images": {"size": 1}}"#, "images"),
         ] {
             let msg = Config::parse(text, "test").unwrap_err().to_string();
             assert!(msg.contains(field), "{text}: {msg}");
         }
+    }
+
+    #[test]
+    fn the_image_store_defaults_to_the_state_dir() {
+        let c = Config::parse(r#"{"state_dir": "/var/lib/opendsec"}"#, "test").unwrap();
+        assert_eq!(c.image_store_dir(), PathBuf::from("/var/lib/opendsec/images"));
+        let c = Config::parse(r#"{"images": {"store_dir": "/mnt/store"}}"#, "test").unwrap();
+        assert_eq!(c.image_store_dir(), PathBuf::from("/mnt/store"));
     }
 
     #[test]

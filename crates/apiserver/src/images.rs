@@ -1,0 +1,532 @@
+//! The public `Images` service and the image check of every creation (reference section 1,
+//! "Image API"; docs/images.md).
+//!
+//! The apiserver writes manifests to the shared store directly. Writing (register, compose,
+//! delete) needs `layer.publish` on the image's project; using (get, list, creating sandboxes)
+//! needs `layer.use` on the project where the image was found, so the account that builds
+//! environments and the one that runs jobs can be separate. Registering touches every layer
+//! before the manifest is written ([`opendsec_images::gc::publish_manifest`]), so GC's grace
+//! period protects layers about to be referenced.
+//!
+//! The creation path resolves `spec.image` (`repo[:tag]` from the sandbox's project upward, or
+//! `project//repo:tag`) before placement. It runs thousands of times a second, so resolutions
+//! (found or not) are cached for [`RESOLVE_CACHE_TTL`] per (project, image), the file I/O runs
+//! on the blocking pool, and `layer.use` goes through the authorization cache. A write through
+//! this apiserver clears its cache; other apiservers see it within the TTL.
+//!
+//! Store errors map once, here: a bad name is `invalid_argument`, a missing image or layer
+//! `not_found`, an unreadable or corrupt store `unavailable` (this node cannot serve).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use opendsec_common::{ApiError, Reason, ids, time};
+use opendsec_images::compose::{self, ComposeError, Source};
+use opendsec_images::{ImageConfig, ImageRef, LayerId, Manifest, Store, StoreError, gc};
+use opendsec_proto::v1 as pb;
+use opendsec_proto::v1::images_server::Images;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use crate::sandboxes::{caller, run};
+use crate::state::{Call, Shared};
+
+pub const PERM_PUBLISH: &str = "layer.publish";
+pub const PERM_USE: &str = "layer.use";
+
+/// How long one resolution of (project, image) is reused.
+pub const RESOLVE_CACHE_TTL: Duration = Duration::from_secs(2);
+
+/// Entries kept before expired ones are swept (and, if that is not enough, all are dropped).
+const MAX_CACHE_ENTRIES: usize = 100_000;
+
+/// Bounds of a registered image's config (the message limit alone would allow 80 MB).
+const MAX_LIST_ENTRIES: usize = 1024;
+const MAX_STRING_BYTES: usize = 32 * 1024;
+const MAX_SOURCE_BYTES: usize = 1024;
+
+/// Why an image call failed, before it becomes an [`ApiError`].
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Compose(#[from] ComposeError),
+    #[error("image {name} not found in {project} or above")]
+    NotFound { name: String, project: String },
+    #[error("{field}: {message}")]
+    Invalid { field: &'static str, message: String },
+    #[error("the image store task failed: {0}")]
+    Task(String),
+}
+
+fn store_error(e: StoreError) -> ApiError {
+    let msg = e.to_string();
+    match e {
+        StoreError::InvalidName { what, .. } => ApiError::invalid(msg).with("field", what),
+        StoreError::ImageNotFound(name) => ApiError::not_found(msg).with("image", name),
+        StoreError::LayerNotFound(layer) => ApiError::not_found(msg).with("layer", layer),
+        StoreError::ImageExists(name) => ApiError::new(Reason::AlreadyExists, msg).with("image", name),
+        // The store cannot be read or holds garbage: this apiserver cannot serve images now.
+        StoreError::Io { .. } | StoreError::Corrupt { .. } => {
+            tracing::warn!(error = %msg, "image store error");
+            ApiError::unavailable(format!("image store: {msg}"))
+        }
+    }
+}
+
+impl From<ImageError> for ApiError {
+    fn from(e: ImageError) -> ApiError {
+        let msg = e.to_string();
+        match e {
+            ImageError::Store(s) => store_error(s),
+            ImageError::Compose(c) => match c {
+                ComposeError::NoSources | ComposeError::TooManySources(_) | ComposeError::TooManyLayers { .. } => {
+                    ApiError::invalid(msg).with("field", "sources")
+                }
+                ComposeError::Store(s) => store_error(s),
+            },
+            ImageError::NotFound { name, project } => {
+                ApiError::not_found(msg).with("image", name).with("project", project)
+            }
+            ImageError::Invalid { field, .. } => ApiError::invalid(msg).with("field", field),
+            ImageError::Task(_) => ApiError::unavailable(msg),
+        }
+    }
+}
+
+/// Runs store I/O on the blocking pool (the store may be a slow network file system).
+async fn blocking<T, F>(f: F) -> Result<T, ImageError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, ImageError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f).await.map_err(|e| ImageError::Task(e.to_string()))?
+}
+
+/// (project, image name) -> when resolved, and where the image was found (`None`: nowhere).
+type ResolveCache = HashMap<(String, String), (Instant, Option<ImageRef>)>;
+
+/// The store and the creation path's resolution cache.
+pub struct ImageStore {
+    store: Arc<Store>,
+    cache: Mutex<ResolveCache>,
+}
+
+impl ImageStore {
+    pub fn new(store: Store) -> ImageStore {
+        ImageStore { store: Arc::new(store), cache: Mutex::new(HashMap::new()) }
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, ResolveCache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops every cached resolution (after a write through this apiserver).
+    pub fn invalidate(&self) {
+        self.cache().clear();
+    }
+
+    /// Where `name` (a sandbox's `spec.image`) is found for a sandbox in `project`: cached for
+    /// [`RESOLVE_CACHE_TTL`], found or not; store errors are not cached.
+    pub async fn resolve(&self, project: &str, name: &str) -> Result<ImageRef, ImageError> {
+        let key = (project.to_string(), name.to_string());
+        let now = Instant::now();
+        if let Some((at, found)) = self.cache().get(&key)
+            && now.duration_since(*at) < RESOLVE_CACHE_TTL
+        {
+            return found.clone().ok_or_else(|| ImageError::NotFound { name: key.1.clone(), project: key.0.clone() });
+        }
+        let store = self.store.clone();
+        let (p, n) = key.clone();
+        let found = blocking(move || match Source::parse(&n)?.resolve(&store, &p) {
+            Ok((r, _)) => Ok(Some(r)),
+            Err(StoreError::ImageNotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        })
+        .await?;
+        {
+            let mut c = self.cache();
+            if c.len() >= MAX_CACHE_ENTRIES {
+                c.retain(|_, (at, _)| now.duration_since(*at) < RESOLVE_CACHE_TTL);
+                if c.len() >= MAX_CACHE_ENTRIES {
+                    c.clear();
+                }
+            }
+            c.insert(key.clone(), (now, found.clone()));
+        }
+        found.ok_or(ImageError::NotFound { name: key.1, project: key.0 })
+    }
+}
+
+/// The image check of a creation (one per `CreateSandbox`, one per batch): the image exists in
+/// the sandbox's project or above, and the caller holds `layer.use` where it was found.
+pub async fn check_image(s: &Shared, principal: &str, spec: &pb::SandboxSpec) -> Result<(), ApiError> {
+    let found = s.images.resolve(&spec.project, &spec.image).await?;
+    s.authorize(principal, PERM_USE, &found.project).await
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversions
+
+pub fn to_proto(m: &Manifest) -> pb::Image {
+    pb::Image {
+        project: m.project.clone(),
+        repo: m.repo.clone(),
+        tag: m.tag.clone(),
+        layers: m.layers.iter().map(|l| l.to_string()).collect(),
+        config: Some(pb::ImageConfig {
+            env: m.config.env.clone(),
+            workdir: m.config.workdir.clone(),
+            user: m.config.user.clone(),
+            entrypoint: m.config.entrypoint.clone(),
+            cmd: m.config.cmd.clone(),
+        }),
+        created_at_ms: m.created_at_ms,
+        source: m.source.clone(),
+    }
+}
+
+fn check_list(field: &'static str, items: &[String]) -> Result<(), ImageError> {
+    if items.len() > MAX_LIST_ENTRIES {
+        return Err(ImageError::Invalid {
+            field,
+            message: format!("{} entries, at most {MAX_LIST_ENTRIES}", items.len()),
+        });
+    }
+    items.iter().try_for_each(|s| check_string(field, s, MAX_STRING_BYTES))
+}
+
+fn check_string(field: &'static str, s: &str, max: usize) -> Result<(), ImageError> {
+    if s.len() > max {
+        return Err(ImageError::Invalid { field, message: format!("{} bytes, at most {max}", s.len()) });
+    }
+    Ok(())
+}
+
+/// The manifest a `RegisterImage` asks for, validated (names, layer ids, bounds); `project` is
+/// the caller's when the request leaves it empty.
+pub fn manifest_from_request(
+    image: Option<&pb::Image>,
+    caller_project: &str,
+    now_ms: i64,
+) -> Result<Manifest, ImageError> {
+    let img = image.ok_or(ImageError::Invalid { field: "image", message: "is required".into() })?;
+    let project = if img.project.is_empty() { caller_project } else { &img.project };
+    let r = ImageRef::new(project, &img.repo, &img.tag)?;
+    if img.layers.is_empty() {
+        return Err(ImageError::Invalid { field: "image.layers", message: "an image needs at least one layer".into() });
+    }
+    if img.layers.len() > compose::MAX_LAYERS {
+        return Err(ImageError::Invalid {
+            field: "image.layers",
+            message: format!("{} layers, at most {}", img.layers.len(), compose::MAX_LAYERS),
+        });
+    }
+    let layers = img.layers.iter().map(|l| LayerId::parse(l)).collect::<Result<Vec<_>, _>>()?;
+    if layers.iter().collect::<BTreeSet<_>>().len() != layers.len() {
+        return Err(ImageError::Invalid {
+            field: "image.layers",
+            message: "a layer appears twice (overlay cannot stack the same layer twice)".into(),
+        });
+    }
+    let c = img.config.clone().unwrap_or_default();
+    check_list("image.config.env", &c.env)?;
+    check_list("image.config.entrypoint", &c.entrypoint)?;
+    check_list("image.config.cmd", &c.cmd)?;
+    check_string("image.config.workdir", &c.workdir, 4096)?;
+    check_string("image.config.user", &c.user, 256)?;
+    check_string("image.source", &img.source, MAX_SOURCE_BYTES)?;
+    Ok(Manifest {
+        v: 1,
+        project: r.project,
+        repo: r.repo,
+        tag: r.tag,
+        layers,
+        config: ImageConfig { env: c.env, workdir: c.workdir, user: c.user, entrypoint: c.entrypoint, cmd: c.cmd },
+        created_at_ms: now_ms,
+        source: img.source.clone(),
+    })
+}
+
+/// Writes a manifest (refusing an existing name unless `replace`) and clears the cache.
+async fn publish(s: &Shared, m: Manifest, replace: bool) -> Result<pb::Image, ApiError> {
+    let store = s.images.store.clone();
+    let m = blocking(move || {
+        let r = ImageRef::new(&m.project, &m.repo, &m.tag)?;
+        if !replace && store.has_image(&r) {
+            return Err(StoreError::ImageExists(r.to_string()).into());
+        }
+        gc::publish_manifest(&store, &m)?;
+        Ok(m)
+    })
+    .await?;
+    s.images.invalidate();
+    tracing::info!(image = %format!("{}//{}:{}", m.project, m.repo, m.tag), layers = m.layers.len(), "image published");
+    Ok(to_proto(&m))
+}
+
+/// Finds a source image; "not found" names where a search looked.
+fn resolve_source(store: &Store, src: &Source, project: &str) -> Result<(ImageRef, Manifest), ImageError> {
+    match (src.resolve(store, project), src) {
+        (Err(StoreError::ImageNotFound(_)), Source::Search(name)) => {
+            Err(ImageError::NotFound { name: name.clone(), project: project.to_string() })
+        }
+        (r, _) => r.map_err(ImageError::from),
+    }
+}
+
+fn project_or(req: &str, caller_project: &str) -> Result<String, ApiError> {
+    let p = if req.is_empty() { caller_project.to_string() } else { req.to_string() };
+    ids::validate_project(&p)?;
+    Ok(p)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers
+
+async fn register_image(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::RegisterImageRequest,
+) -> Result<pb::Image, ApiError> {
+    let (_, ident) = caller(s, call, &md).await?;
+    let m = manifest_from_request(req.image.as_ref(), &ident.project, time::now_ms())?;
+    call.project = Some(m.project.clone());
+    s.authorize(&ident.principal, PERM_PUBLISH, &m.project).await?;
+    publish(s, m, req.replace).await
+}
+
+async fn compose_image(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::ComposeImageRequest,
+) -> Result<pb::Image, ApiError> {
+    let (_, ident) = caller(s, call, &md).await?;
+    let project = project_or(&req.project, &ident.project)?;
+    call.project = Some(project.clone());
+    let target = ImageRef::parse(&project, &req.name).map_err(ImageError::from)?;
+    let too_many = match req.sources.len() {
+        0 => Some(ComposeError::NoSources),
+        n if n > compose::MAX_SOURCES => Some(ComposeError::TooManySources(n)),
+        _ => None,
+    };
+    if let Some(e) = too_many {
+        return Err(ImageError::from(e).into());
+    }
+    let sources =
+        req.sources.iter().map(|src| Source::parse(src)).collect::<Result<Vec<_>, _>>().map_err(ImageError::from)?;
+    s.authorize(&ident.principal, PERM_PUBLISH, &project).await?;
+    let store = s.images.store.clone();
+    let p = project.clone();
+    let resolved =
+        blocking(move || sources.iter().map(|src| resolve_source(&store, src, &p)).collect::<Result<Vec<_>, _>>())
+            .await?;
+    // Composing reads the sources: the caller must be allowed to use each of them.
+    let used: BTreeSet<&str> = resolved.iter().map(|(r, _)| r.project.as_str()).collect();
+    for p in used {
+        s.authorize(&ident.principal, PERM_USE, p).await?;
+    }
+    let m = compose::compose(&target, &resolved, time::now_ms()).map_err(ImageError::from)?;
+    publish(s, m, req.replace).await
+}
+
+async fn delete_image(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::DeleteImageRequest,
+) -> Result<pb::DeleteImageResponse, ApiError> {
+    let (_, ident) = caller(s, call, &md).await?;
+    let project = project_or(&req.project, &ident.project)?;
+    call.project = Some(project.clone());
+    let r = ImageRef::parse(&project, &req.name).map_err(ImageError::from)?;
+    s.authorize(&ident.principal, PERM_PUBLISH, &project).await?;
+    let store = s.images.store.clone();
+    blocking(move || store.delete_manifest(&r).map_err(ImageError::from)).await?;
+    s.images.invalidate();
+    Ok(pb::DeleteImageResponse {})
+}
+
+async fn list_images(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::ListImagesRequest,
+) -> Result<pb::ListImagesResponse, ApiError> {
+    let (_, ident) = caller(s, call, &md).await?;
+    let project = project_or(&req.project, &ident.project)?;
+    call.project = Some(project.clone());
+    s.authorize(&ident.principal, PERM_USE, &project).await?;
+    let store = s.images.store.clone();
+    let recursive = req.recursive;
+    let list = blocking(move || store.list_manifests(&project, recursive).map_err(ImageError::from)).await?;
+    Ok(pb::ListImagesResponse { images: list.iter().map(to_proto).collect() })
+}
+
+async fn get_image(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::GetImageRequest,
+) -> Result<pb::Image, ApiError> {
+    let (_, ident) = caller(s, call, &md).await?;
+    let project = project_or(&req.project, &ident.project)?;
+    call.project = Some(project.clone());
+    let source = Source::parse(&req.name).map_err(ImageError::from)?;
+    let store = s.images.store.clone();
+    let p = project.clone();
+    let (r, m) = blocking(move || resolve_source(&store, &source, &p)).await?;
+    s.authorize(&ident.principal, PERM_USE, &r.project).await?;
+    Ok(to_proto(&m))
+}
+
+pub struct ImagesService {
+    shared: Arc<Shared>,
+}
+
+impl ImagesService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        ImagesService { shared }
+    }
+}
+
+type Handler<Q, R> = for<'a> fn(&'a Shared, &'a mut Call, MetadataMap, Q) -> BoxFuture<'a, Result<R, ApiError>>;
+
+async fn serve_call<Q: Send + 'static, R: Send + 'static>(
+    shared: &Arc<Shared>,
+    method: &'static str,
+    request: Request<Q>,
+    handler: Handler<Q, R>,
+) -> Result<Response<R>, Status> {
+    let (md, _, req) = request.into_parts();
+    run(shared, method, move |s, call| handler(s, call, md, req)).await
+}
+
+#[tonic::async_trait]
+impl Images for ImagesService {
+    async fn register_image(&self, request: Request<pb::RegisterImageRequest>) -> Result<Response<pb::Image>, Status> {
+        serve_call(&self.shared, "RegisterImage", request, |s, c, md, r| Box::pin(register_image(s, c, md, r))).await
+    }
+
+    async fn compose_image(&self, request: Request<pb::ComposeImageRequest>) -> Result<Response<pb::Image>, Status> {
+        serve_call(&self.shared, "ComposeImage", request, |s, c, md, r| Box::pin(compose_image(s, c, md, r))).await
+    }
+
+    async fn delete_image(
+        &self,
+        request: Request<pb::DeleteImageRequest>,
+    ) -> Result<Response<pb::DeleteImageResponse>, Status> {
+        serve_call(&self.shared, "DeleteImage", request, |s, c, md, r| Box::pin(delete_image(s, c, md, r))).await
+    }
+
+    async fn list_images(
+        &self,
+        request: Request<pb::ListImagesRequest>,
+    ) -> Result<Response<pb::ListImagesResponse>, Status> {
+        serve_call(&self.shared, "ListImages", request, |s, c, md, r| Box::pin(list_images(s, c, md, r))).await
+    }
+
+    async fn get_image(&self, request: Request<pb::GetImageRequest>) -> Result<Response<pb::Image>, Status> {
+        serve_call(&self.shared, "GetImage", request, |s, c, md, r| Box::pin(get_image(s, c, md, r))).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u8) -> String {
+        format!("{n:02x}").repeat(32)
+    }
+
+    fn image(layers: Vec<String>) -> pb::Image {
+        pb::Image { repo: "library/busybox".into(), tag: "1.36".into(), layers, ..Default::default() }
+    }
+
+    #[test]
+    fn a_register_request_becomes_a_checked_manifest() {
+        let m = manifest_from_request(Some(&image(vec![id(1), format!("sha256:{}", id(2))])), "root/a", 7).unwrap();
+        assert_eq!(
+            (m.project.as_str(), m.repo.as_str(), m.tag.as_str(), m.created_at_ms),
+            ("root/a", "library/busybox", "1.36", 7)
+        );
+        assert_eq!(m.layers.iter().map(|l| l.to_string()).collect::<Vec<_>>(), [id(1), id(2)]);
+
+        let reason =
+            |img: Option<pb::Image>| ApiError::from(manifest_from_request(img.as_ref(), "root", 1).unwrap_err()).reason;
+        assert_eq!(reason(None), Reason::InvalidArgument);
+        assert_eq!(reason(Some(image(vec![]))), Reason::InvalidArgument);
+        assert_eq!(reason(Some(image(vec!["../../etc".into()]))), Reason::InvalidArgument);
+        assert_eq!(reason(Some(image(vec![id(1), id(1)]))), Reason::InvalidArgument);
+        assert_eq!(reason(Some(pb::Image { repo: "A//b".into(), ..image(vec![id(1)]) })), Reason::InvalidArgument);
+        assert_eq!(
+            reason(Some(pb::Image { project: "elsewhere".into(), ..image(vec![id(1)]) })),
+            Reason::InvalidArgument
+        );
+        let mut big = image(vec![id(1)]);
+        big.config = Some(pb::ImageConfig { env: vec!["A=1".into(); 2000], ..Default::default() });
+        assert_eq!(reason(Some(big)), Reason::InvalidArgument);
+    }
+
+    #[test]
+    fn store_errors_map_to_reasons() {
+        let io = StoreError::Io { path: "/x".into(), source: std::io::Error::other("nfs gone") };
+        assert_eq!(ApiError::from(ImageError::Store(io)).reason, Reason::Unavailable);
+        assert_eq!(ApiError::from(ImageError::Store(StoreError::LayerNotFound(id(3)))).reason, Reason::NotFound);
+        let e = ApiError::from(ImageError::NotFound { name: "busybox".into(), project: "root/a".into() });
+        assert_eq!(e.reason, Reason::NotFound);
+        assert_eq!(e.message, "image busybox not found in root/a or above");
+        assert_eq!(
+            ApiError::from(ImageError::Store(StoreError::ImageExists("x".into()))).reason,
+            Reason::AlreadyExists
+        );
+    }
+
+    #[tokio::test]
+    async fn resolutions_are_cached_and_a_write_clears_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let images = ImageStore::new(store);
+        let e = images.resolve("root/a", "busybox").await.unwrap_err();
+        assert!(matches!(e, ImageError::NotFound { .. }), "{e:?}");
+        // Put an image in place behind the cache's back: the cached "not found" holds.
+        let s = &images.store;
+        let p = s.begin_layer().unwrap();
+        let meta = opendsec_images::LayerMeta {
+            v: 1,
+            id: LayerId::parse(&id(1)).unwrap(),
+            size_bytes: 0,
+            entries: 0,
+            created_at_ms: 1,
+            source: String::new(),
+            diff_id: String::new(),
+            lowers: vec![],
+        };
+        s.commit_layer(p, &meta).unwrap();
+        let m = manifest_from_request(
+            Some(&pb::Image {
+                repo: "busybox".into(),
+                tag: "latest".into(),
+                layers: vec![id(1)],
+                ..Default::default()
+            }),
+            "root",
+            1,
+        )
+        .unwrap();
+        gc::publish_manifest(s, &m).unwrap();
+        assert!(images.resolve("root/a", "busybox").await.is_err());
+        images.invalidate();
+        assert_eq!(images.resolve("root/a", "busybox").await.unwrap().project, "root");
+        assert_eq!(images.resolve("root/a", "root//busybox:latest").await.unwrap().project, "root");
+        assert!(matches!(
+            images.resolve("root/a", "Bad Name").await,
+            Err(ImageError::Store(StoreError::InvalidName { .. }))
+        ));
+    }
+}

@@ -1,0 +1,183 @@
+//! End-to-end: the Images API and the image check of creations, through a real cluster (real
+//! IAM permissions, a real store under the cluster's state directory).
+
+mod common;
+
+use common::*;
+use opendsec_cluster::{EMPTY_LAYER_ID, SCRATCH_IMAGE};
+use opendsec_common::Reason;
+use opendsec_images::{LayerId, LayerMeta, Store};
+use opendsec_proto::v1 as pb;
+
+fn register(project: &str, name: &str, layers: &[&str]) -> pb::RegisterImageRequest {
+    let (repo, tag) = name.split_once(':').unwrap_or((name, "latest"));
+    pb::RegisterImageRequest {
+        image: Some(pb::Image {
+            project: project.into(),
+            repo: repo.into(),
+            tag: tag.into(),
+            layers: layers.iter().map(|l| l.to_string()).collect(),
+            config: Some(pb::ImageConfig { env: vec!["PATH=/bin".into()], ..Default::default() }),
+            ..Default::default()
+        }),
+        replace: false,
+    }
+}
+
+fn with_image(project: &str, image: &str) -> pb::SandboxSpec {
+    pb::SandboxSpec { image: image.into(), ..spec(project, 100, 64) }
+}
+
+/// Puts a layer in the store as an import would (content is irrelevant to the API).
+fn put_layer(store: &Store, n: u8) -> String {
+    let id = LayerId::from_digest(&[n; 32]);
+    let pending = store.begin_layer().unwrap();
+    std::fs::write(pending.rootfs().join("file"), [n]).unwrap();
+    let meta = LayerMeta {
+        v: 1,
+        id: id.clone(),
+        size_bytes: 1,
+        entries: 1,
+        created_at_ms: 1,
+        source: "test".into(),
+        diff_id: id.diff_id(),
+        lowers: vec![],
+    };
+    store.commit_layer(pending, &meta).unwrap();
+    id.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_cluster_has_scratch_and_missing_images_are_not_found() {
+    let t = start(1, |_| {}).await;
+    let scratch =
+        t.admin.get_image(pb::GetImageRequest { project: "root".into(), name: SCRATCH_IMAGE.into() }).await.unwrap();
+    assert_eq!((scratch.project.as_str(), scratch.layers.clone()), ("root", vec![EMPTY_LAYER_ID.to_string()]));
+    let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
+    assert!(store.has_layer(&LayerId::parse(EMPTY_LAYER_ID).unwrap()));
+
+    let e = t.admin.create_sandbox(with_image("", "nope:1")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "{e}");
+    assert!(e.message.contains("image nope:1 not found in root or above"), "{}", e.message);
+    let e = match t.admin.create_sandboxes(with_image("", "nope"), 5).await {
+        Err(e) => e,
+        Ok(mut s) => opendsec_common::ApiError::from_status(&s.message().await.unwrap_err()),
+    };
+    assert_eq!(e.reason, Reason::NotFound);
+    // A subproject finds root's image; placement's no_capacity stays told apart.
+    project(&t.admin, "root/team", pb::Quota::default()).await;
+    t.admin.create_sandbox(with_image("root/team", "scratch")).await.unwrap();
+    let mut huge = with_image("root/team", "scratch:latest");
+    huge.resources = Some(pb::Resources { cpu_millis: 1000, memory_mb: 1 << 20, disk_mb: 0, gpus: 0 });
+    assert_eq!(t.admin.create_sandbox(huge).await.unwrap_err().reason, Reason::NoCapacity);
+    assert_eq!(usage(&t.admin, "root").await.sandboxes, 1, "nothing reserved for the refused ones");
+    t.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_compose_list_and_delete() {
+    let t = start(1, |_| {}).await;
+    let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
+    let (l1, l2) = (put_layer(&store, 1), put_layer(&store, 2));
+
+    // A manifest naming a missing layer fails clearly and leaves nothing.
+    let missing = "ab".repeat(32);
+    let e = t.admin.register_image(register("root", "broken:1", &[&l1, &missing])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound);
+    assert!(e.message.contains(&missing), "names the missing layer: {}", e.message);
+    let e = t.admin.get_image(pb::GetImageRequest { project: "root".into(), name: "broken:1".into() }).await;
+    assert_eq!(e.unwrap_err().reason, Reason::NotFound);
+    let e = t.admin.register_image(register("root", "bad", &["../../etc/passwd"])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument);
+
+    let base = t.admin.register_image(register("root", "base:1", &[&l1])).await.unwrap();
+    assert_eq!(base.layers, vec![l1.clone()]);
+    t.admin.register_image(register("root", "app:1", &[&l1, &l2])).await.unwrap();
+    assert_eq!(
+        t.admin.register_image(register("root", "app:1", &[&l2])).await.unwrap_err().reason,
+        Reason::AlreadyExists
+    );
+
+    // Compose copies no data: the new manifest names the same layers.
+    project(&t.admin, "root/team", pb::Quota::default()).await;
+    let combo = t
+        .admin
+        .compose_image(pb::ComposeImageRequest {
+            project: "root/team".into(),
+            name: "combo:v1".into(),
+            sources: vec!["app:1".into(), "root//scratch:latest".into()],
+            replace: false,
+        })
+        .await
+        .unwrap();
+    assert_eq!(combo.layers, vec![l1.clone(), l2.clone(), EMPTY_LAYER_ID.to_string()]);
+    let s = t.admin.create_sandbox(with_image("root/team", "combo:v1")).await.unwrap();
+    assert_eq!(s.spec.unwrap().image, "combo:v1");
+
+    let names = |r: pb::ListImagesResponse| {
+        r.images.iter().map(|i| format!("{}//{}:{}", i.project, i.repo, i.tag)).collect::<Vec<_>>()
+    };
+    let listed = t.admin.list_images(pb::ListImagesRequest { project: "root".into(), recursive: false }).await.unwrap();
+    assert_eq!(names(listed), ["root//app:1", "root//base:1", "root//scratch:latest"]);
+    let listed = t.admin.list_images(pb::ListImagesRequest { project: "root".into(), recursive: true }).await.unwrap();
+    assert_eq!(names(listed).len(), 4);
+
+    t.admin
+        .delete_image(pb::DeleteImageRequest { project: "root/team".into(), name: "combo:v1".into() })
+        .await
+        .unwrap();
+    let e = t.admin.create_sandbox(with_image("root/team", "combo:v1")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "a deleted image is gone for creations at once");
+    // Deleting looks in exactly the named project, never above.
+    let e = t.admin.delete_image(pb::DeleteImageRequest { project: "root/team".into(), name: "app:1".into() }).await;
+    assert_eq!(e.unwrap_err().reason, Reason::NotFound);
+    assert!(store.has_layer(&LayerId::parse(&l2).unwrap()), "layers stay until GC");
+    t.cluster.shutdown().await;
+}
+
+/// The account that builds environments and the one that runs jobs are separate: publishing
+/// needs `layer.publish`, using needs `layer.use`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishing_and_using_are_separate_permissions() {
+    let t = start(1, |_| {}).await;
+    project(&t.admin, "root/ml", pb::Quota::default()).await;
+    let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
+    let layer = put_layer(&store, 7);
+    let builder = client(&t.cluster, &principal(&t.admin, "builder", "root/ml", &["layer.publish"]).await);
+    let runner = client(&t.cluster, &principal(&t.admin, "runner", "root/ml", &["layer.use", "sandbox.create"]).await);
+    let stranger = client(&t.cluster, &principal(&t.admin, "stranger", "root/ml", &["sandbox.create"]).await);
+
+    // The builder publishes; the runner may not.
+    builder.register_image(register("root/ml", "env:v1", &[&layer])).await.unwrap();
+    let e = runner.register_image(register("root/ml", "env:v2", &[&layer])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    let e = runner.delete_image(pb::DeleteImageRequest { project: "root/ml".into(), name: "env:v1".into() }).await;
+    assert_eq!(e.unwrap_err().reason, Reason::PermissionDenied);
+    // Nor may the builder publish above its project.
+    let e = builder.register_image(register("root", "env:v1", &[&layer])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied);
+
+    // The runner uses it; the builder cannot run sandboxes, nor read images it may not use.
+    let s = runner.create_sandbox(with_image("root/ml", "env:v1")).await.unwrap();
+    assert_eq!(s.spec.unwrap().project, "root/ml");
+    runner.get_image(pb::GetImageRequest { project: "root/ml".into(), name: "env:v1".into() }).await.unwrap();
+    let e = builder.create_sandbox(with_image("root/ml", "env:v1")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied);
+    let e = builder.list_images(pb::ListImagesRequest { project: "root/ml".into(), recursive: false }).await;
+    assert_eq!(e.unwrap_err().reason, Reason::PermissionDenied);
+
+    // sandbox.create alone is not enough: layer.use is checked where the image was found.
+    let e = stranger.create_sandbox(with_image("root/ml", "env:v1")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    assert!(e.message.contains("layer.use"), "{}", e.message);
+    // The runner may use root/ml's images, not root's.
+    let e = runner.create_sandbox(with_image("root/ml", "scratch")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied);
+    assert!(e.message.contains("layer.use") && e.message.contains("in root"), "{}", e.message);
+
+    // Once the builder deletes it, creations fail with not_found.
+    builder.delete_image(pb::DeleteImageRequest { project: "root/ml".into(), name: "env:v1".into() }).await.unwrap();
+    let e = runner.create_sandbox(with_image("root/ml", "env:v1")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound);
+    t.cluster.shutdown().await;
+}
