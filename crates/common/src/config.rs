@@ -149,7 +149,7 @@ impl Default for ApiserverConfig {
             rate_per_principal: 10_000.0,
             burst_per_principal: 40_000.0,
             max_inflight_creations: 2048,
-            batch_concurrency: 512,
+            batch_concurrency: 128,
             placement: PlacementConfig::default(),
             audit: AuditConfig::default(),
             edge_call_timeout: Duration::from_secs(30),

@@ -1,6 +1,13 @@
 //! opendsecctl: see `opendsec_cli::ctl`.
 
 fn main() {
+    // Die quietly when a reader such as `head` closes the pipe, as Unix tools do, instead of
+    // panicking in println!.
+    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a valid
+    // disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     opendsec_common::init_tracing_quiet();
     let cli = <opendsec_cli::ctl::Cli as clap::Parser>::parse();
     let rt = match tokio::runtime::Runtime::new() {
