@@ -1,7 +1,14 @@
-# One entry point for what CI runs. `make verify` = exactly CI's checks.
+# One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: build test verify fmt lint demo bench
+.PHONY: setup build test verify fmt lint demo bench agent
+
+# System packages the tests use (a local OCI registry, image tools, busybox for test images).
+APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs
+
+setup:
+	@if dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then echo "system packages present"; else \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES) >/dev/null; fi
 
 build:
 	$(CARGO) build --workspace --all-targets
@@ -25,3 +32,7 @@ demo:
 # The issue-2 benchmark (release build, 100 sim edges).
 bench:
 	./scripts/bench.sh
+
+# The in-sandbox agent as one static binary (target/x86_64-unknown-linux-gnu/release/opendsec-agent).
+agent:
+	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p opendsec-agent --target x86_64-unknown-linux-gnu
