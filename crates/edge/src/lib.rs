@@ -15,7 +15,8 @@
 //! Layout: `state` (the state machine), `record` (records on disk), `admission` and `ttl`
 //! (pure rules), `table` (the in-memory table), `core` (operations), `recover` (start-up),
 //! `release` (lease releases and checks, batched), `remote` (IAM and watcher calls), `host` (the host's readings),
-//! `service` (gRPC), `backend` (the `Backend` trait and the `sim` backend).
+//! `service` (gRPC), `backend` (the `Backend` trait and the `sim` backend), `linuxrt` (the Linux
+//! runtime of the container backend: cgroups, rootfs, setup process, seccomp, a driver).
 #![deny(unsafe_code)]
 
 use std::future::Future;
@@ -37,6 +38,7 @@ pub mod backend;
 mod core;
 pub mod error;
 pub mod host;
+pub mod linuxrt;
 pub mod record;
 mod recover;
 mod release;

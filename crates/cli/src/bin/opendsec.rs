@@ -31,6 +31,9 @@ struct Common {
 }
 
 fn main() {
+    // A sandbox's setup process is this binary re-executed: it must branch off before any
+    // thread or runtime exists (it forks), and never returns.
+    opendsec_edge::linuxrt::init::run_if_init();
     opendsec_common::init_tracing();
     let cli = Cli::parse();
     let (role, common) = match cli.role {

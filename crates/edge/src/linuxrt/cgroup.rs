@@ -1,0 +1,493 @@
+//! Sandbox cgroups through youki's `libcgroups`, on v1 (legacy/hybrid, this machine) and v2.
+//!
+//! Invariants:
+//! - a sandbox cgroup is always created BELOW the cgroup the edge process itself is in, never
+//!   beside it: on v1 the base is the deepest of the edge's per-controller paths, and every other
+//!   controller's path must be a prefix of it (otherwise creation is refused), so the sandbox is
+//!   a descendant in every hierarchy;
+//! - all sandbox cgroups live under one directory, `<base>/<PARENT_DIR>/<name>`, so leftovers can
+//!   be found by listing that directory and matching a name prefix;
+//! - removal kills every remaining process first (freeze, SIGKILL, thaw) and only then removes
+//!   the directories, so nothing can escape by forking during the kill.
+//!
+//! Core scheduling (`PR_SCHED_CORE`) is only detected and reported here; on kernels without it
+//! (EINVAL, as on our machines) the sandbox runs without a cookie.
+#![allow(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use libcgroups::common::{AnyCgroupManager, CgroupConfig, CgroupManager, CgroupSetup, ControllerOpt, FreezerState};
+use nix::unistd::Pid;
+use oci_spec::runtime::{LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder, LinuxResources, LinuxResourcesBuilder};
+
+/// The directory, below the edge's own cgroup, holding every sandbox cgroup.
+pub const PARENT_DIR: &str = "opendsec";
+
+/// Mount directories under `/sys/fs/cgroup` that are not v1 controller hierarchies.
+const NOT_V1_CONTROLLERS: [&str; 2] = ["unified", "systemd"];
+
+/// CFS period used for CPU quotas (100 ms, the kernel default).
+const CPU_PERIOD_US: u64 = 100_000;
+
+/// Errors of sandbox cgroup handling.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("cannot read the edge's own cgroup: {0}")]
+    OwnCgroup(#[source] std::io::Error),
+    #[error("the edge's v1 cgroup paths do not nest ({0}); cannot create below all of them")]
+    NotNested(String),
+    #[error("invalid sandbox cgroup name {0:?}")]
+    BadName(String),
+    #[error("cgroup setup detection failed: {0}")]
+    Setup(String),
+    #[error("cgroup manager: {0}")]
+    Manager(String),
+    #[error("building cgroup resources: {0}")]
+    Resources(String),
+    #[error("processes remain in cgroup {0} after kill")]
+    Busy(String),
+}
+
+/// Which cgroup layout the host has, as far as sandboxes are concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Controllers on v1 hierarchies (legacy or hybrid).
+    V1,
+    /// Pure v2 (unified).
+    V2,
+}
+
+/// Resource limits of one sandbox cgroup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// CPU in thousandths of a core; 0 means no quota.
+    pub cpu_millis: u64,
+    /// Best-effort sandboxes get the lowest CPU weight (v1 shares 2, v2 weight 1).
+    pub best_effort: bool,
+    /// Memory limit in bytes (swap limited to the same: memory+swap = memory); 0 = none.
+    pub memory_bytes: u64,
+    /// Maximum number of tasks; 0 = none.
+    pub pids: u64,
+}
+
+/// Readings of one sandbox cgroup.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CgroupStats {
+    pub memory_usage_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub pids_current: u64,
+    /// OOM kills inside the cgroup, when the kernel reports them.
+    pub oom_kills: u64,
+}
+
+/// Result of probing core scheduling support.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CoreSched {
+    Supported,
+    /// The kernel answered EINVAL (no CONFIG_SCHED_CORE or no SMT): run without cookies.
+    Unsupported,
+}
+
+/// One sandbox cgroup (in all its v1 hierarchies, or its v2 directory).
+pub struct SandboxCgroup {
+    name: String,
+    /// Path relative to the hierarchy roots, e.g. `/process_api/x/opendsec/<name>`.
+    rel: PathBuf,
+    layout: Layout,
+    manager: AnyCgroupManager,
+}
+
+impl std::fmt::Debug for SandboxCgroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxCgroup")
+            .field("name", &self.name)
+            .field("rel", &self.rel)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+/// Parses `/proc/<pid>/cgroup` text into `(controllers, path)` pairs.
+pub fn parse_proc_cgroup(text: &str) -> Vec<(Vec<String>, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let _id = parts.next()?;
+            let ctrls = parts.next()?;
+            let path = parts.next()?;
+            let ctrls = if ctrls.is_empty() { Vec::new() } else { ctrls.split(',').map(str::to_owned).collect() };
+            Some((ctrls, path.to_owned()))
+        })
+        .collect()
+}
+
+/// The base path below which sandbox cgroups go, from the edge's own `/proc/self/cgroup`.
+///
+/// v2: the `0::` path. v1: the deepest path among the used controllers, provided the others
+/// are prefixes of it (then creating there is below the edge's cgroup in every hierarchy).
+pub fn base_path(layout: Layout, proc_cgroup: &str) -> Result<PathBuf, CgroupError> {
+    let entries = parse_proc_cgroup(proc_cgroup);
+    match layout {
+        Layout::V2 => entries
+            .iter()
+            .find(|(c, _)| c.is_empty())
+            .map(|(_, p)| PathBuf::from(p))
+            .ok_or_else(|| CgroupError::NotNested("no v2 entry".into())),
+        Layout::V1 => {
+            // Every real controller counts (libcgroups joins the pid to all of them); named
+            // hierarchies such as name=systemd are not touched.
+            let paths: Vec<PathBuf> = entries
+                .iter()
+                .filter(|(c, _)| !c.is_empty() && !c.iter().all(|x| x.starts_with("name=")))
+                .map(|(_, p)| PathBuf::from(p))
+                .collect();
+            let deepest =
+                paths.iter().max_by_key(|p| p.components().count()).cloned().unwrap_or_else(|| PathBuf::from("/"));
+            for p in &paths {
+                if !deepest.starts_with(p) {
+                    return Err(CgroupError::NotNested(format!("{} vs {}", p.display(), deepest.display())));
+                }
+            }
+            Ok(deepest)
+        }
+    }
+}
+
+/// OCI resources for the limits (libcgroups maps shares to a v2 weight itself). `swap`: whether
+/// the host accounts swap (else only the memory limit is set).
+pub fn resources(limits: &Limits, swap: bool) -> Result<LinuxResources, CgroupError> {
+    let bad = |e: oci_spec::OciSpecError| CgroupError::Resources(e.to_string());
+    let mut cpu = LinuxCpuBuilder::default();
+    if limits.cpu_millis > 0 {
+        let quota = (limits.cpu_millis * CPU_PERIOD_US / 1000).max(1000);
+        cpu = cpu.quota(quota as i64).period(CPU_PERIOD_US);
+    }
+    let shares = if limits.best_effort {
+        2
+    } else if limits.cpu_millis > 0 {
+        (limits.cpu_millis * 1024 / 1000).max(2)
+    } else {
+        1024
+    };
+    cpu = cpu.shares(shares);
+    let mut b = LinuxResourcesBuilder::default().cpu(cpu.build().map_err(bad)?);
+    if limits.memory_bytes > 0 {
+        let m = limits.memory_bytes as i64;
+        let mut mem = LinuxMemoryBuilder::default().limit(m);
+        if swap {
+            mem = mem.swap(m);
+        }
+        b = b.memory(mem.build().map_err(bad)?);
+    }
+    if limits.pids > 0 {
+        b = b.pids(LinuxPidsBuilder::default().limit(limits.pids as i64).build().map_err(bad)?);
+    }
+    b.build().map_err(bad)
+}
+
+/// Whether memory+swap can be limited: v1 needs swap accounting (`memory.memsw.*`, absent when
+/// the kernel runs without it); v2 has `memory.swap.max` in non-root cgroups whenever swap
+/// support is built in, which libcgroups handles.
+fn swap_accounted(layout: Layout) -> bool {
+    match layout {
+        Layout::V1 => {
+            Path::new(libcgroups::common::DEFAULT_CGROUP_ROOT).join("memory/memory.memsw.limit_in_bytes").exists()
+        }
+        Layout::V2 => true,
+    }
+}
+
+/// Sandbox cgroup names: the sandbox-id alphabet, no path separators.
+fn check_name(name: &str) -> Result<(), CgroupError> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name != "."
+        && name != ".."
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok { Ok(()) } else { Err(CgroupError::BadName(name.into())) }
+}
+
+/// The host's layout.
+pub fn detect_layout() -> Result<Layout, CgroupError> {
+    match libcgroups::common::get_cgroup_setup() {
+        Ok(CgroupSetup::Unified) => Ok(Layout::V2),
+        Ok(CgroupSetup::Legacy | CgroupSetup::Hybrid) => Ok(Layout::V1),
+        Err(e) => Err(CgroupError::Setup(e.to_string())),
+    }
+}
+
+/// The directory holding all sandbox cgroups, relative to the hierarchy roots.
+pub fn parent_rel() -> Result<(Layout, PathBuf), CgroupError> {
+    let layout = detect_layout()?;
+    let own = std::fs::read_to_string("/proc/self/cgroup").map_err(CgroupError::OwnCgroup)?;
+    Ok((layout, base_path(layout, &own)?.join(PARENT_DIR)))
+}
+
+/// Directories (absolute) where a sandbox cgroup `rel` lives, one per used hierarchy.
+fn dirs_of(layout: Layout, rel: &Path) -> Vec<PathBuf> {
+    let root = Path::new(libcgroups::common::DEFAULT_CGROUP_ROOT);
+    let rel = rel.strip_prefix("/").unwrap_or(rel);
+    match layout {
+        Layout::V2 => vec![root.join(rel)],
+        Layout::V1 => {
+            // One directory per mounted hierarchy (co-mounted ones such as cpu,cpuacct appear
+            // under several names: keep one path per real directory).
+            let mut seen = std::collections::BTreeSet::new();
+            let mut out = Vec::new();
+            let Ok(rd) = std::fs::read_dir(root) else { return out };
+            let mut names: Vec<String> =
+                rd.flatten().filter_map(|e| e.file_name().to_str().map(str::to_owned)).collect();
+            names.sort();
+            for n in names {
+                if NOT_V1_CONTROLLERS.contains(&n.as_str()) {
+                    continue;
+                }
+                let mount = root.join(&n);
+                let Ok(real) = std::fs::canonicalize(&mount) else { continue };
+                if real.is_dir() && seen.insert(real.clone()) {
+                    out.push(real.join(rel));
+                }
+            }
+            out
+        }
+    }
+}
+
+fn mgr_err(e: impl std::fmt::Display) -> CgroupError {
+    CgroupError::Manager(e.to_string())
+}
+
+impl SandboxCgroup {
+    /// Creates (or opens) the cgroup `name` below the edge's own cgroup and applies `limits`.
+    pub fn create(name: &str, limits: &Limits) -> Result<SandboxCgroup, CgroupError> {
+        let cg = SandboxCgroup::open(name)?;
+        // libcgroups v1 only creates directories in add_task; limits must be in place before
+        // the first process joins, so create them here.
+        for d in dirs_of(cg.layout, &cg.rel) {
+            std::fs::create_dir_all(&d).map_err(|e| CgroupError::Manager(format!("mkdir {}: {e}", d.display())))?;
+        }
+        let res = resources(limits, swap_accounted(cg.layout))?;
+        cg.manager
+            .apply(&ControllerOpt {
+                resources: &res,
+                disable_oom_killer: false,
+                oom_score_adj: None,
+                freezer_state: None,
+            })
+            .map_err(mgr_err)?;
+        Ok(cg)
+    }
+
+    /// Opens the cgroup `name` without changing its limits (re-adoption, cleanup).
+    pub fn open(name: &str) -> Result<SandboxCgroup, CgroupError> {
+        check_name(name)?;
+        let (layout, parent) = parent_rel()?;
+        let rel = parent.join(name);
+        let manager = libcgroups::common::create_cgroup_manager(CgroupConfig {
+            cgroup_path: rel.clone(),
+            systemd_cgroup: false,
+            container_name: name.to_owned(),
+        })
+        .map_err(mgr_err)?;
+        Ok(SandboxCgroup { name: name.to_owned(), rel, layout, manager })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Path relative to the hierarchy roots (what the sandbox sees as `/` in its cgroup ns).
+    pub fn rel_path(&self) -> &Path {
+        &self.rel
+    }
+
+    /// The directory of the memory controller (v1) or the unified directory (v2): the one the
+    /// setup process bind-mounts as the sandbox's own `/sys/fs/cgroup`.
+    pub fn memory_dir(&self) -> PathBuf {
+        let root = Path::new(libcgroups::common::DEFAULT_CGROUP_ROOT);
+        let rel = self.rel.strip_prefix("/").unwrap_or(&self.rel);
+        match self.layout {
+            Layout::V2 => root.join(rel),
+            Layout::V1 => root.join("memory").join(rel),
+        }
+    }
+
+    pub fn add_pid(&self, pid: i32) -> Result<(), CgroupError> {
+        self.manager.add_task(Pid::from_raw(pid)).map_err(mgr_err)
+    }
+
+    pub fn pids(&self) -> Result<Vec<i32>, CgroupError> {
+        Ok(self.manager.get_all_pids().map_err(mgr_err)?.into_iter().map(Pid::as_raw).collect())
+    }
+
+    pub fn freeze(&self) -> Result<(), CgroupError> {
+        self.manager.freeze(FreezerState::Frozen).map_err(mgr_err)
+    }
+
+    pub fn thaw(&self) -> Result<(), CgroupError> {
+        self.manager.freeze(FreezerState::Thawed).map_err(mgr_err)
+    }
+
+    pub fn stats(&self) -> Result<CgroupStats, CgroupError> {
+        let s = self.manager.stats().map_err(mgr_err)?;
+        Ok(CgroupStats {
+            memory_usage_bytes: s.memory.memory.usage,
+            memory_limit_bytes: s.memory.memory.limit,
+            pids_current: s.pids.current,
+            oom_kills: self.oom_kills(),
+        })
+    }
+
+    /// OOM kills: v1 `memory.oom_control` (`oom_kill N`), v2 `memory.events` (`oom_kill N`).
+    fn oom_kills(&self) -> u64 {
+        let file = match self.layout {
+            Layout::V1 => "memory.oom_control",
+            Layout::V2 => "memory.events",
+        };
+        std::fs::read_to_string(self.memory_dir().join(file))
+            .ok()
+            .and_then(|t| t.lines().find_map(|l| l.strip_prefix("oom_kill ").and_then(|v| v.trim().parse().ok())))
+            .unwrap_or(0)
+    }
+
+    /// Kills every process (frozen first, so none can fork away), then removes the cgroup.
+    pub fn remove(self) -> Result<(), CgroupError> {
+        kill_all(&self)?;
+        self.manager.remove().map_err(mgr_err)?;
+        // libcgroups v1 only removes the hierarchies it manages; make sure none is left.
+        for d in dirs_of(self.layout, &self.rel) {
+            if d.exists() {
+                let _ = std::fs::remove_dir(&d);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn kill_all(cg: &SandboxCgroup) -> Result<(), CgroupError> {
+    // Freezing may fail when the cgroup is already empty or half gone; killing still helps.
+    let _ = cg.freeze();
+    for pid in cg.pids().unwrap_or_default() {
+        let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+    }
+    let _ = cg.thaw();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = cg.pids().unwrap_or_default();
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(CgroupError::Busy(cg.rel.display().to_string()));
+        }
+        for pid in left {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::SIGKILL);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Names of existing sandbox cgroups starting with `prefix` (for leftover cleanup).
+pub fn list(prefix: &str) -> Result<Vec<String>, CgroupError> {
+    let (layout, parent) = parent_rel()?;
+    let mut names = std::collections::BTreeSet::new();
+    for d in dirs_of(layout, &parent) {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            if let Some(n) = e.file_name().to_str()
+                && e.path().is_dir()
+                && n.starts_with(prefix)
+            {
+                names.insert(n.to_owned());
+            }
+        }
+    }
+    Ok(names.into_iter().collect())
+}
+
+/// Kills and removes every sandbox cgroup whose name starts with `prefix` and is not in `keep`.
+pub fn cleanup(prefix: &str, keep: &[String]) -> Result<Vec<String>, CgroupError> {
+    let mut removed = Vec::new();
+    for name in list(prefix)? {
+        if keep.contains(&name) {
+            continue;
+        }
+        SandboxCgroup::open(&name)?.remove()?;
+        removed.push(name);
+    }
+    Ok(removed)
+}
+
+const PR_SCHED_CORE: libc::c_int = 62;
+const PR_SCHED_CORE_GET: libc::c_ulong = 0;
+const PIDTYPE_PID: libc::c_ulong = 0;
+
+/// Probes `PR_SCHED_CORE` by reading this process's cookie (harmless, changes nothing).
+pub fn detect_core_sched() -> CoreSched {
+    let mut cookie: u64 = 0;
+    // SAFETY: PR_SCHED_CORE_GET writes one u64 through the pointer, which points at a live
+    // local; the other arguments are plain integers.
+    let r = unsafe {
+        libc::prctl(
+            PR_SCHED_CORE,
+            PR_SCHED_CORE_GET,
+            0 as libc::c_ulong,
+            PIDTYPE_PID,
+            &mut cookie as *mut u64 as libc::c_ulong,
+        )
+    };
+    if r == 0 { CoreSched::Supported } else { CoreSched::Unsupported }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "9:name=systemd:/\n8:pids:/\n6:freezer:/\n4:memory:/process_api/abc\n1:cpu,cpuacct:/\n0::/\n";
+
+    #[test]
+    fn v1_base_is_deepest_nested_path() {
+        assert_eq!(base_path(Layout::V1, HYBRID).unwrap(), PathBuf::from("/process_api/abc"));
+        let named = "9:name=systemd:/x/y/z\n4:memory:/m\n";
+        assert_eq!(base_path(Layout::V1, named).unwrap(), PathBuf::from("/m"));
+        assert_eq!(base_path(Layout::V2, HYBRID).unwrap(), PathBuf::from("/"));
+    }
+
+    #[test]
+    fn v1_base_refuses_diverging_paths() {
+        let t = "4:memory:/a/b\n8:pids:/c\n";
+        assert!(matches!(base_path(Layout::V1, t), Err(CgroupError::NotNested(_))));
+    }
+
+    #[test]
+    fn resources_follow_limits() {
+        let r =
+            resources(&Limits { cpu_millis: 500, best_effort: false, memory_bytes: 1 << 20, pids: 64 }, true).unwrap();
+        let cpu = r.cpu().as_ref().unwrap();
+        assert_eq!(cpu.quota(), Some(50_000));
+        assert_eq!(cpu.period(), Some(100_000));
+        assert_eq!(cpu.shares(), Some(512));
+        assert_eq!(r.memory().as_ref().unwrap().swap(), Some(1 << 20));
+        assert_eq!(r.pids().as_ref().unwrap().limit(), 64);
+        let be = resources(&Limits { cpu_millis: 0, best_effort: true, memory_bytes: 0, pids: 0 }, true).unwrap();
+        assert_eq!(be.cpu().as_ref().unwrap().shares(), Some(2));
+        assert!(be.cpu().as_ref().unwrap().quota().is_none());
+        assert!(be.memory().is_none());
+        let noswap =
+            resources(&Limits { cpu_millis: 0, best_effort: false, memory_bytes: 4096, pids: 0 }, false).unwrap();
+        assert_eq!(noswap.memory().as_ref().unwrap().swap(), None);
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("edge1.lease-2").is_ok());
+        for bad in ["", "..", "a/b", "a b"] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+    }
+}

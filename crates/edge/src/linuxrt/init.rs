@@ -1,0 +1,470 @@
+//! The sandbox setup process: the edge binary re-executed (`/proc/self/exe` with argv[1] =
+//! [`MARKER`]), reading an [`InitConfig`] as JSON on stdin and reporting on stdout.
+//!
+//! Protocol on stdout (the status pipe), one line each: `PID <host pid>` once the sandbox's
+//! PID 1 exists, `ERR <stage>: <message>` when a stage fails. The status fd is close-on-exec
+//! in PID 1, so EOF after a `PID` line and no `ERR` means the init command was executed.
+//!
+//! Order (each step needs the previous one's privileges): the parent has already put this
+//! process into the sandbox cgroup; unshare mount, uts, ipc, net, cgroup and pid namespaces;
+//! fork (the child is PID 1 of the new pid namespace; this process reports its pid and exits);
+//! in the child: private mounts, a private tmpfs over the run dir (so nothing of the sandbox
+//! appears in the host's mount table), the upper disk, the overlay, proc, /dev, read-only sys,
+//! the sandbox's own cgroup (read-only), caller bind mounts, pivot_root, masked and read-only
+//! paths, hostname, oom_score_adj, stdio, capabilities, seccomp (last: it forbids mount), exec.
+//!
+//! Invariant: this code runs single-threaded (it is entered first thing in `main`, before any
+//! runtime starts), which is what makes `fork` here sound.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::{CloneFlags, unshare};
+use nix::unistd::{ForkResult, chdir, fork, pivot_root, sethostname};
+use serde::{Deserialize, Serialize};
+
+/// argv[1] of a setup process.
+pub const MARKER: &str = "__opendsec-sandbox-init";
+
+/// Docker's default masked paths.
+pub const DEFAULT_MASKED: &[&str] = &[
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+/// Docker's default read-only paths.
+pub const DEFAULT_READONLY: &[&str] = &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
+
+/// Docker's default capabilities minus CAP_MKNOD.
+pub const CAPS: &[caps::Capability] = &[
+    caps::Capability::CAP_CHOWN,
+    caps::Capability::CAP_DAC_OVERRIDE,
+    caps::Capability::CAP_FSETID,
+    caps::Capability::CAP_FOWNER,
+    caps::Capability::CAP_NET_RAW,
+    caps::Capability::CAP_SETGID,
+    caps::Capability::CAP_SETUID,
+    caps::Capability::CAP_SETFCAP,
+    caps::Capability::CAP_SETPCAP,
+    caps::Capability::CAP_NET_BIND_SERVICE,
+    caps::Capability::CAP_SYS_CHROOT,
+    caps::Capability::CAP_KILL,
+    caps::Capability::CAP_AUDIT_WRITE,
+];
+
+/// A host path bound into the sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bind {
+    pub src: PathBuf,
+    /// Absolute path inside the sandbox.
+    pub dst: PathBuf,
+    pub readonly: bool,
+}
+
+/// What the setup process is told.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitConfig {
+    pub hostname: String,
+    /// Host directory private to this sandbox; covered by a tmpfs inside the mount namespace.
+    pub run_dir: PathBuf,
+    /// The attached loop device holding the ext4 upper disk.
+    pub disk_dev: PathBuf,
+    /// Cached layer directories, top layer first.
+    pub lower_dirs: Vec<PathBuf>,
+    /// Whether the host is pure cgroup v2 (else the v1 hierarchies are mounted).
+    pub cgroup_v2: bool,
+    pub binds: Vec<Bind>,
+    pub masked_paths: Vec<String>,
+    pub readonly_paths: Vec<String>,
+    /// oom_score_adj of PID 1 (lowered so the sandbox's other processes are killed first; its
+    /// children inherit it, so the agent raises theirs).
+    pub oom_score_adj: i32,
+    pub argv: Vec<String>,
+    pub env: Vec<String>,
+}
+
+/// Enters the setup process when argv says so; never returns then. Call it first in `main`.
+pub fn run_if_init() {
+    let mut args = std::env::args_os();
+    let _ = args.next();
+    if args.next().as_deref() != Some(std::ffi::OsStr::new(MARKER)) {
+        return;
+    }
+    // Keep the status pipe away from stdout (which PID 1 points elsewhere) and close-on-exec.
+    let status = match rustix::io::fcntl_dupfd_cloexec(std::io::stdout(), 3) {
+        Ok(fd) => std::fs::File::from(fd),
+        Err(_) => std::process::exit(111),
+    };
+    let code = match setup(status) {
+        Ok(code) => code,
+        Err((stage, msg, mut status)) => {
+            let _ = writeln!(status, "ERR {stage}: {msg}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+type Fail = (&'static str, String, std::fs::File);
+
+fn setup(mut status: std::fs::File) -> Result<i32, Fail> {
+    let mut text = String::new();
+    if let Err(e) = std::io::stdin().read_to_string(&mut text) {
+        return Err(("config", e.to_string(), status));
+    }
+    let cfg: InitConfig = match serde_json::from_str(&text) {
+        Ok(c) => c,
+        Err(e) => return Err(("config", e.to_string(), status)),
+    };
+    let progs = match super::seccomp::compile() {
+        Ok(p) => p,
+        Err(e) => return Err(("seccomp", e.to_string(), status)),
+    };
+    let flags = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWCGROUP
+        | CloneFlags::CLONE_NEWPID;
+    if let Err(e) = unshare(flags) {
+        return Err(("unshare", e.to_string(), status));
+    }
+    // SAFETY: single-threaded process (see module docs); the child only runs this crate's
+    // code and then execs or exits.
+    match unsafe { fork() } {
+        Err(e) => Err(("fork", e.to_string(), status)),
+        Ok(ForkResult::Parent { child }) => {
+            let _ = writeln!(status, "PID {child}");
+            Ok(0)
+        }
+        Ok(ForkResult::Child) => {
+            let (stage, msg) = pid1(&cfg, &progs, &mut status);
+            let _ = writeln!(status, "ERR {stage}: {msg}");
+            // SAFETY: plain process exit, no destructors needed in the forked child.
+            unsafe { libc::_exit(1) }
+        }
+    }
+}
+
+fn p(path: &Path) -> String {
+    path.display().to_string()
+}
+
+/// Joins an absolute in-sandbox path below `root`.
+fn under(root: &Path, abs: &Path) -> PathBuf {
+    root.join(abs.strip_prefix("/").unwrap_or(abs))
+}
+
+fn mnt(
+    src: Option<&str>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), String> {
+    mount(src, target, fstype, flags, data).map_err(|e| format!("mount {}: {e}", p(target)))
+}
+
+fn mkdirs(path: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(path).map_err(|e| format!("mkdir {}: {e}", p(path)))
+}
+
+/// PID 1's work; returns only on failure.
+fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::fs::File) -> (&'static str, String) {
+    macro_rules! step {
+        ($stage:literal, $e:expr) => {
+            if let Err(e) = $e {
+                return ($stage, e.to_string());
+            }
+        };
+    }
+    step!("mounts", mnt(None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None));
+    let run = &cfg.run_dir;
+    step!("mounts", mnt(Some("tmpfs"), run, Some("tmpfs"), MsFlags::MS_NOSUID, Some("mode=700,size=64k")));
+    let disk = run.join("disk");
+    step!("disk", mkdirs(&disk));
+    step!("disk", mnt(Some(&p(&cfg.disk_dev)), &disk, Some("ext4"), MsFlags::MS_NODEV, None));
+    let (upper, work, root) = (disk.join("upper"), disk.join("work"), run.join("root"));
+    for d in [&upper, &work, &root] {
+        step!("overlay", mkdirs(d));
+    }
+    let lowers: Vec<String> = cfg.lower_dirs.iter().map(|d| p(d)).collect();
+    let opts = format!("lowerdir={},upperdir={},workdir={}", lowers.join(":"), p(&upper), p(&work));
+    step!("overlay", mnt(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NODEV, Some(&opts)));
+    step!("proc", mount_proc(&root));
+    step!("dev", mount_dev(&root));
+    step!("sys", mount_sys(&root, cfg.cgroup_v2));
+    for b in &cfg.binds {
+        step!("binds", bind(&root, b));
+    }
+    step!("pivot_root", enter_root(&root));
+    for m in DEFAULT_MASKED.iter().copied().chain(cfg.masked_paths.iter().map(String::as_str)) {
+        step!("masked paths", mask(Path::new(m)));
+    }
+    for r in DEFAULT_READONLY.iter().copied().chain(cfg.readonly_paths.iter().map(String::as_str)) {
+        step!("readonly paths", readonly(Path::new(r)));
+    }
+    step!("hostname", sethostname(&cfg.hostname));
+    // Lowering needs CAP_SYS_RESOURCE, which some hosts (our CI's container) withhold from
+    // root: then PID 1 keeps the edge's score, a warning goes to the edge, and the agent's
+    // raising of its children's scores (always allowed) still ranks them first.
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", cfg.oom_score_adj.to_string()) {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            let _ = writeln!(status, "WARN oom_score_adj: {e}");
+        } else {
+            return ("oom_score_adj", e.to_string());
+        }
+    }
+    step!("stdio", stdio());
+    step!("capabilities", drop_caps());
+    let argv: Result<Vec<CString>, _> = cfg.argv.iter().map(|a| CString::new(a.as_str())).collect();
+    let env: Result<Vec<CString>, _> = cfg.env.iter().map(|a| CString::new(a.as_str())).collect();
+    let (argv, env) = match (argv, env) {
+        (Ok(a), Ok(e)) if !a.is_empty() => (a, e),
+        _ => return ("exec", "argv empty or with NUL bytes".into()),
+    };
+    step!("seccomp", super::seccomp::install(progs));
+    match nix::unistd::execve(&argv[0], &argv, &env) {
+        Err(e) => ("exec", format!("{}: {e}", cfg.argv[0])),
+        Ok(never) => match never {},
+    }
+}
+
+fn mount_proc(root: &Path) -> Result<(), String> {
+    let t = root.join("proc");
+    mkdirs(&t)?;
+    let f = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mnt(Some("proc"), &t, Some("proc"), f, None)
+}
+
+fn mount_dev(root: &Path) -> Result<(), String> {
+    let dev = root.join("dev");
+    mkdirs(&dev)?;
+    mnt(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=755,size=64k"))?;
+    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let t = dev.join(n);
+        std::fs::File::create(&t).map_err(|e| format!("create {}: {e}", p(&t)))?;
+        let src = format!("/dev/{n}");
+        mnt(Some(&src), &t, None, MsFlags::MS_BIND, None)?;
+    }
+    let pts = dev.join("pts");
+    mkdirs(&pts)?;
+    mnt(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    let shm = dev.join("shm");
+    mkdirs(&shm)?;
+    mnt(
+        Some("shm"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=1777,size=65536k"),
+    )?;
+    for (link, to) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(to, dev.join(link)).map_err(|e| format!("symlink {link}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn mount_sys(root: &Path, v2: bool) -> Result<(), String> {
+    let sys = root.join("sys");
+    mkdirs(&sys)?;
+    let ro = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_RDONLY;
+    mnt(Some("sysfs"), &sys, Some("sysfs"), ro, None)?;
+    let cg = sys.join("fs/cgroup");
+    if v2 {
+        return mnt(Some("cgroup2"), &cg, Some("cgroup2"), ro, None);
+    }
+    // v1: a tmpfs holding one read-only mount per hierarchy, each showing only this sandbox's
+    // cgroup (the cgroup namespace roots them there).
+    mnt(Some("tmpfs"), &cg, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV, Some("mode=755,size=64k"))?;
+    let own = std::fs::read_to_string("/proc/self/cgroup").map_err(|e| format!("read /proc/self/cgroup: {e}"))?;
+    for (ctrls, _) in super::cgroup::parse_proc_cgroup(&own) {
+        if ctrls.is_empty() || ctrls.iter().all(|c| c.starts_with("name=")) {
+            continue;
+        }
+        let joined = ctrls.join(",");
+        let t = cg.join(&joined);
+        mkdirs(&t)?;
+        mnt(Some("cgroup"), &t, Some("cgroup"), ro, Some(&joined))?;
+    }
+    mnt(
+        None,
+        &cg,
+        None,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=755"),
+    )
+}
+
+fn bind(root: &Path, b: &Bind) -> Result<(), String> {
+    let t = under(root, &b.dst);
+    if b.src.is_dir() {
+        mkdirs(&t)?;
+    } else {
+        if let Some(parent) = t.parent() {
+            mkdirs(parent)?;
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&t)
+            .map_err(|e| format!("create {}: {e}", p(&t)))?;
+    }
+    mnt(Some(&p(&b.src)), &t, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
+    if b.readonly {
+        mnt(
+            None,
+            &t,
+            None,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            None,
+        )?;
+    }
+    Ok(())
+}
+
+fn enter_root(root: &Path) -> Result<(), String> {
+    chdir(root).map_err(|e| format!("chdir {}: {e}", p(root)))?;
+    // pivot_root(".", "."): the old root ends up stacked under the new one, then is detached.
+    pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach old root: {e}"))?;
+    chdir("/").map_err(|e| format!("chdir /: {e}"))
+}
+
+fn mask(path: &Path) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Err(_) => Ok(()), // absent on this kernel: nothing to hide
+        Ok(m) if m.is_dir() => mnt(Some("tmpfs"), path, Some("tmpfs"), MsFlags::MS_RDONLY, Some("size=0")),
+        Ok(_) => mnt(Some("/dev/null"), path, None, MsFlags::MS_BIND, None),
+    }
+}
+
+fn readonly(path: &Path) -> Result<(), String> {
+    if std::fs::symlink_metadata(path).is_err() {
+        return Ok(());
+    }
+    mnt(Some(&p(path)), path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
+    mnt(
+        None,
+        path,
+        None,
+        MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | MsFlags::MS_NOEXEC,
+        None,
+    )
+}
+
+/// stdin from /dev/null; stdout joins stderr (which the parent pointed at the sandbox log).
+fn stdio() -> Result<(), String> {
+    let null = std::fs::File::open("/dev/null").map_err(|e| format!("open /dev/null: {e}"))?;
+    // SAFETY: dup2 on fds this process owns; 0 and 1 are replaced atomically.
+    let r = unsafe { libc::dup2(null.as_raw_fd(), 0) | libc::dup2(2, 1) };
+    if r < 0 {
+        return Err(format!("dup2: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+fn drop_caps() -> Result<(), String> {
+    let keep: caps::CapsHashSet = CAPS.iter().copied().collect();
+    let e = |e: caps::errors::CapsError| e.to_string();
+    for c in caps::all() {
+        if !keep.contains(&c) {
+            caps::drop(None, caps::CapSet::Bounding, c).map_err(e)?;
+        }
+    }
+    caps::clear(None, caps::CapSet::Ambient).map_err(e)?;
+    caps::set(None, caps::CapSet::Inheritable, &keep).map_err(e)?;
+    caps::set(None, caps::CapSet::Effective, &keep).map_err(e)?;
+    caps::set(None, caps::CapSet::Permitted, &keep).map_err(e)?;
+    Ok(())
+}
+
+/// What the setup process reported on success.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Started {
+    /// Host pid of the sandbox's PID 1.
+    pub pid: i32,
+    /// Steps skipped because the host does not allow them (e.g. lowering oom_score_adj).
+    pub warnings: Vec<String>,
+}
+
+/// Reads the status pipe to EOF and interprets it: the sandbox PID 1's host pid, or the
+/// setup error.
+pub fn read_status(mut pipe: impl Read) -> Result<Started, String> {
+    let mut text = String::new();
+    pipe.read_to_string(&mut text).map_err(|e| format!("status pipe: {e}"))?;
+    parse_status(&text)
+}
+
+/// Pure part of [`read_status`].
+pub fn parse_status(text: &str) -> Result<Started, String> {
+    let mut pid = None;
+    let mut warnings = Vec::new();
+    for line in text.lines() {
+        if let Some(w) = line.strip_prefix("WARN ") {
+            warnings.push(w.to_owned());
+        }
+        if let Some(err) = line.strip_prefix("ERR ") {
+            return Err(err.to_owned());
+        }
+        if let Some(n) = line.strip_prefix("PID ") {
+            pid = n.trim().parse::<i32>().ok();
+        }
+    }
+    match pid {
+        Some(pid) => Ok(Started { pid, warnings }),
+        None => Err(format!("setup process ended without reporting: {text:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_lines() {
+        assert_eq!(parse_status("PID 42\n"), Ok(Started { pid: 42, warnings: vec![] }));
+        assert_eq!(
+            parse_status("PID 7\nWARN oom_score_adj: EACCES\n").map(|s| s.warnings),
+            Ok(vec!["oom_score_adj: EACCES".to_string()])
+        );
+        assert_eq!(parse_status("PID 42\nERR disk: mount: EINVAL\n"), Err("disk: mount: EINVAL".into()));
+        assert!(parse_status("").is_err());
+    }
+
+    #[test]
+    fn under_joins_absolute_paths() {
+        assert_eq!(under(Path::new("/r"), Path::new("/a/b")), PathBuf::from("/r/a/b"));
+    }
+}

@@ -1,0 +1,262 @@
+//! A small driver over the pieces: start a container sandbox (cgroup, upper disk, loop device,
+//! setup process), freeze/thaw it, read its cgroup, stop it, and clean up leftovers.
+//!
+//! Layout on disk: `<state_dir>/<name>/{disk.img, run/, console.log}`; the cgroup is named
+//! `<name>` too, so leftovers are found by one name prefix in both places.
+//!
+//! Invariants:
+//! - everything a failed `start` created is torn down before it returns the error;
+//! - the edge process is a child subreaper, so each sandbox's PID 1 (orphaned when its setup
+//!   process exits) becomes the edge's child and is reaped by `stop`/`exited`;
+//! - the loop device is only held by the sandbox's mount namespace once `start` returns
+//!   (autoclear), so it goes away with the sandbox's last process.
+#![allow(unsafe_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::cgroup::{self, CgroupError, CgroupStats, Layout, Limits, SandboxCgroup};
+use super::init::{self, Bind, InitConfig};
+use super::rootfs::{self, RootfsError};
+
+/// Errors of the sandbox driver.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Rootfs(#[from] RootfsError),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The setup process's own report (`<stage>: <message>`), stable for callers to show.
+    #[error("sandbox setup failed: {0}")]
+    Setup(String),
+    #[error("sandbox {0} is not running any more")]
+    Gone(String),
+    #[error("sandbox {0} did not go away: {1}")]
+    Leftover(String, String),
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SandboxError + 'a {
+    move |source| SandboxError::Io { what, path: path.to_path_buf(), source }
+}
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct SandboxSpec {
+    /// Cgroup and directory name; also the cleanup prefix's subject (e.g. `sbx-<edge>.<lease>`).
+    pub name: String,
+    pub state_dir: PathBuf,
+    pub hostname: String,
+    /// Cached layer directories, top layer first.
+    pub lower_dirs: Vec<PathBuf>,
+    pub disk_mb: u64,
+    pub limits: Limits,
+    pub binds: Vec<Bind>,
+    pub masked_paths: Vec<String>,
+    pub readonly_paths: Vec<String>,
+    pub oom_score_adj: i32,
+    pub argv: Vec<String>,
+    pub env: Vec<String>,
+    /// The binary re-executed as setup process (`/proc/self/exe` in the edge).
+    pub init_exe: PathBuf,
+}
+
+/// A running sandbox.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub name: String,
+    /// Host pid of the sandbox's PID 1.
+    pub pid: i32,
+    pub dir: PathBuf,
+    pub cgroup: SandboxCgroup,
+}
+
+fn set_subreaper() {
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer flag.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+}
+
+impl Sandbox {
+    /// Starts a sandbox (blocking; call from a blocking thread).
+    pub fn start(spec: &SandboxSpec) -> Result<Sandbox, SandboxError> {
+        set_subreaper();
+        let dir = spec.state_dir.join(&spec.name);
+        let cg = SandboxCgroup::create(&spec.name, &spec.limits)?;
+        match start_in(spec, &dir, &cg) {
+            Ok(pid) => Ok(Sandbox { name: spec.name.clone(), pid, dir, cgroup: cg }),
+            Err(e) => {
+                let _ = teardown(&spec.name, &dir, Some(cg));
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes a sandbox started by an earlier edge process back by name (records need not keep
+    /// the pid): its PID 1 is the process of its cgroup that is pid 1 in its own pid namespace.
+    pub fn adopt(state_dir: &Path, name: &str) -> Result<Sandbox, SandboxError> {
+        let cg = SandboxCgroup::open(name)?;
+        let pid = cg.pids()?.into_iter().find(|p| is_ns_pid1(*p)).ok_or_else(|| SandboxError::Gone(name.into()))?;
+        Ok(Sandbox { name: name.into(), pid, dir: state_dir.join(name), cgroup: cg })
+    }
+
+    pub fn freeze(&self) -> Result<(), SandboxError> {
+        Ok(self.cgroup.freeze()?)
+    }
+
+    pub fn thaw(&self) -> Result<(), SandboxError> {
+        Ok(self.cgroup.thaw()?)
+    }
+
+    pub fn stats(&self) -> Result<CgroupStats, SandboxError> {
+        Ok(self.cgroup.stats()?)
+    }
+
+    /// The exit status of PID 1 once it has ended (reaps it), `None` while it runs.
+    pub fn exited(&self) -> Option<i32> {
+        let mut st = 0;
+        // SAFETY: waitpid on our own child with a valid status pointer.
+        let r = unsafe { libc::waitpid(self.pid, &mut st, libc::WNOHANG) };
+        if r == self.pid {
+            if libc::WIFEXITED(st) { Some(libc::WEXITSTATUS(st)) } else { Some(128 + libc::WTERMSIG(st)) }
+        } else if r < 0 {
+            // Not our child (adopted after an edge restart): alive while it is in the cgroup.
+            let alive = self.cgroup.pids().map(|p| p.contains(&self.pid)).unwrap_or(false);
+            if alive { None } else { Some(-1) }
+        } else {
+            None
+        }
+    }
+
+    /// Kills every process, waits for the mounts and loop device to go, removes the cgroup and
+    /// the sandbox directory.
+    pub fn stop(self) -> Result<(), SandboxError> {
+        let pid = self.pid;
+        let r = teardown(&self.name, &self.dir, Some(self.cgroup));
+        // SAFETY: reaping our own (now dead) child; WNOHANG so a stranger pid cannot block us.
+        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        r
+    }
+}
+
+/// Whether host pid `pid` is PID 1 of a nested pid namespace (`NSpid:` ends in 1).
+fn is_ns_pid1(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("NSpid:").map(|v| {
+                    let ids: Vec<&str> = v.split_whitespace().collect();
+                    ids.len() > 1 && ids.last() == Some(&"1")
+                })
+            })
+        })
+        .unwrap_or(false)
+}
+
+fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, SandboxError> {
+    let run = dir.join("run");
+    std::fs::create_dir_all(&run).map_err(io("create", &run))?;
+    let disk = dir.join("disk.img");
+    rootfs::create_disk(&disk, spec.disk_mb)?;
+    let dev = rootfs::attach_loop(&disk)?;
+    let log_path = dir.join("console.log");
+    let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
+    let cfg = InitConfig {
+        hostname: spec.hostname.clone(),
+        run_dir: run,
+        disk_dev: dev.path.clone(),
+        lower_dirs: spec.lower_dirs.clone(),
+        cgroup_v2: cg.layout() == Layout::V2,
+        binds: spec.binds.clone(),
+        masked_paths: spec.masked_paths.clone(),
+        readonly_paths: spec.readonly_paths.clone(),
+        oom_score_adj: spec.oom_score_adj,
+        argv: spec.argv.clone(),
+        env: spec.env.clone(),
+    };
+    let json = serde_json::to_vec(&cfg).map_err(|e| SandboxError::Setup(format!("config: {e}")))?;
+    let mut child = Command::new(&spec.init_exe)
+        .arg(init::MARKER)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .map_err(io("spawn", &spec.init_exe))?;
+    // Into the cgroup before it unshares its cgroup namespace (it blocks reading the config).
+    let joined = cg.add_pid(child.id() as i32);
+    let wrote = match (&joined, child.stdin.take()) {
+        (Ok(()), Some(mut stdin)) => stdin.write_all(&json).map_err(io("send config to", &spec.init_exe)),
+        _ => Ok(()),
+    };
+    let status = match child.stdout.take() {
+        Some(out) => init::read_status(out),
+        None => Err("no status pipe".into()),
+    };
+    let _ = child.wait();
+    joined?;
+    wrote?;
+    // The mount inside the namespace now holds the device; our fd can go (autoclear).
+    drop(dev);
+    let started = status.map_err(SandboxError::Setup)?;
+    for w in &started.warnings {
+        tracing::warn!(sandbox = %spec.name, "sandbox setup: {w}");
+    }
+    Ok(started.pid)
+}
+
+/// Kills the cgroup's processes, waits for the loop devices under `dir` to be released
+/// (detaching leftovers), removes the cgroup and `dir`.
+fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), SandboxError> {
+    let cg = match cg {
+        Some(c) => Some(c),
+        None => SandboxCgroup::open(name).ok(),
+    };
+    if let Some(cg) = cg {
+        cg.remove()?;
+    }
+    // The namespace dies with its last process; the kernel then unmounts and autoclears.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !rootfs::loops_under(dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    rootfs::detach_under(dir);
+    if !rootfs::loops_under(dir).is_empty() {
+        return Err(SandboxError::Leftover(name.into(), "loop device still attached".into()));
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(io("remove", dir))?;
+    }
+    Ok(())
+}
+
+/// Removes every sandbox named `<prefix>...` not in `keep`: its processes (through its cgroup),
+/// loop devices backed under its directory, the cgroup and the directory. Returns the names.
+pub fn cleanup_leftovers(state_dir: &Path, prefix: &str, keep: &[String]) -> Result<Vec<String>, SandboxError> {
+    let mut names: std::collections::BTreeSet<String> = cgroup::list(prefix)?.into_iter().collect();
+    if let Ok(rd) = std::fs::read_dir(state_dir) {
+        for e in rd.flatten() {
+            if let Some(n) = e.file_name().to_str()
+                && n.starts_with(prefix)
+            {
+                names.insert(n.to_owned());
+            }
+        }
+    }
+    let mut removed = Vec::new();
+    for n in names {
+        if keep.contains(&n) {
+            continue;
+        }
+        teardown(&n, &state_dir.join(&n), None)?;
+        removed.push(n);
+    }
+    Ok(removed)
+}

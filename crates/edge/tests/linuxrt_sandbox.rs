@@ -1,0 +1,282 @@
+//! Root tests of whole container sandboxes: a busybox image from the store, a shell script as
+//! PID 1 that probes its confinement and writes its findings to a bound host directory.
+//! Skipped when not root. Every test removes what it made, also on failure (a guard).
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use opendsec_edge::linuxrt::cgroup::{self, Limits};
+use opendsec_edge::linuxrt::init::Bind;
+use opendsec_edge::linuxrt::rootfs::{self, LayerCache};
+use opendsec_edge::linuxrt::sandbox::{self, Sandbox, SandboxSpec};
+use opendsec_images::Store;
+
+fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+struct Guard {
+    state: PathBuf,
+    prefix: &'static str,
+}
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = sandbox::cleanup_leftovers(&self.state, self.prefix, &[]);
+    }
+}
+
+/// A busybox root file system with every applet linked, imported as one layer and cached.
+async fn busybox_lower(tmp: &Path) -> PathBuf {
+    let root = tmp.join("bbroot");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    for d in ["proc", "sys", "dev", "tmp", "etc", "mnt", "out"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+        }
+    }
+    let store = Store::open(tmp.join("store")).unwrap();
+    let imported = opendsec_images::offline::import_rootfs(&store, &root, &Default::default()).await.unwrap();
+    let lowers = rootfs::lower_dirs(&LayerCache::new(tmp.join("cache")), &store, &imported.layers).unwrap();
+    assert_eq!(lowers.len(), 1);
+    lowers[0].clone()
+}
+
+fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits: Limits) -> SandboxSpec {
+    SandboxSpec {
+        name: name.into(),
+        state_dir: tmp.join("state"),
+        hostname: "sbx-test".into(),
+        lower_dirs: vec![lower],
+        disk_mb: 16,
+        limits,
+        binds: vec![Bind { src: out.to_path_buf(), dst: "/out".into(), readonly: false }],
+        masked_paths: vec![],
+        readonly_paths: vec![],
+        oom_score_adj: -500,
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        env: vec!["PATH=/bin".into()],
+        init_exe: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-sandbox-init")),
+    }
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+const PROBE: &str = r#"
+R=/out/result
+echo "pid=$$" > $R
+echo "hostname=$(hostname)" >> $R
+echo "procs=$(ls -d /proc/[0-9]* | wc -l)" >> $R
+mount -t tmpfs none /mnt 2>/dev/null && echo mount=allowed >> $R || echo mount=denied >> $R
+echo x > /tmp/x.ko; insmod /tmp/x.ko 2>/tmp/e; echo "insmod=$(cat /tmp/e)" >> $R
+(echo x > /proc/sys/kernel/domainname) 2>/dev/null && echo procsys=writable >> $R || echo procsys=readonly >> $R
+(echo x > /sys/kernel/uevent_helper) 2>/dev/null && echo sys=writable >> $R || echo sys=readonly >> $R
+unshare -m true 2>/dev/null && echo unshare=allowed >> $R || echo unshare=denied >> $R
+echo "masked=$(cat /proc/timer_list | wc -c)/$(ls /sys/firmware | wc -l)" >> $R
+echo "pidsmax=$(cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max)" >> $R
+dd if=/dev/zero of=/big bs=1M count=64 2>/tmp/e; echo "dd=$(grep -o 'No space left on device' /tmp/e | head -n 1)" >> $R
+rm -f /big
+head -c 400000000 /dev/zero | tail -n 1 >/dev/null; echo "hog=$?" >> $R
+echo ok > /out/done
+while [ ! -e /out/bomb ]; do sleep 0.05; done
+b() { while :; do b & done; }
+b &
+while :; do sleep 1; done
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hostile_busybox_sandbox_is_confined_and_cleaned_up() {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _g = Guard { state: state.clone(), prefix: "test-sbx-probe" };
+    let lower = busybox_lower(tmp.path()).await;
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let limits = Limits { cpu_millis: 1000, best_effort: false, memory_bytes: 64 << 20, pids: 48 };
+    let sp = spec(tmp.path(), "test-sbx-probe", lower, &out, PROBE, limits);
+    let sbx = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
+
+    wait_for("probe script", 60, || out.join("done").exists() || sbx.exited().is_some());
+    let result = std::fs::read_to_string(out.join("result")).unwrap_or_default();
+    let log = std::fs::read_to_string(sbx.dir.join("console.log")).unwrap_or_default();
+    let get = |k: &str| {
+        result
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")).map(str::to_owned))
+            .unwrap_or_else(|| panic!("no {k} in result:\n{result}\nlog:\n{log}"))
+    };
+    assert_eq!(get("pid"), "1");
+    assert_eq!(get("hostname"), "sbx-test");
+    let procs: u32 = get("procs").trim().parse().unwrap();
+    assert!(procs <= 4, "host processes visible: {procs}");
+    assert_eq!(get("mount"), "denied");
+    assert!(get("insmod").contains("not permitted"), "{result}");
+    assert_eq!(get("procsys"), "readonly");
+    assert_eq!(get("sys"), "readonly");
+    assert_eq!(get("unshare"), "denied");
+    assert_eq!(get("masked"), "0/0");
+    assert_eq!(get("pidsmax"), "48");
+    assert_eq!(get("dd"), "No space left on device");
+    assert_ne!(get("hog"), "0");
+    assert!(sbx.stats().unwrap().oom_kills > 0);
+    assert!(sbx.exited().is_none(), "PID 1 died:\n{log}");
+
+    // Freeze: PID 1 stops running its loop; thaw: it goes on.
+    sbx.freeze().unwrap();
+    let state_of = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok();
+        std::fs::read_to_string(cgroup_freezer_state(&sbx)).unwrap_or_default()
+    };
+    wait_for("frozen", 10, || state_of(sbx.pid).trim() == "FROZEN");
+    sbx.thaw().unwrap();
+    wait_for("thawed", 10, || state_of(sbx.pid).trim() == "THAWED");
+
+    // Fork bomb: held at the pids limit.
+    std::fs::write(out.join("bomb"), "go").unwrap();
+    // The bomb's population churns (failed forks end shells), so watch its peak.
+    let mut peak = 0;
+    wait_for("pids at the limit", 30, || {
+        let n = sbx.stats().map(|s| s.pids_current).unwrap_or(0);
+        peak = peak.max(n);
+        n >= 46
+    });
+    assert!(peak <= 48, "peak {peak}");
+    assert!(sbx.exited().is_none());
+
+    let dir = sbx.dir.clone();
+    let pid = sbx.pid;
+    tokio::task::spawn_blocking(move || sbx.stop()).await.unwrap().unwrap();
+    assert!(!dir.exists());
+    assert!(rootfs::loops_under(&state).is_empty());
+    assert!(cgroup::list("test-sbx-probe").unwrap().is_empty());
+    assert!(!Path::new(&format!("/proc/{pid}")).exists());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(tmp.path().to_str().unwrap()));
+}
+
+fn cgroup_freezer_state(sbx: &Sandbox) -> PathBuf {
+    let rel = sbx.cgroup.rel_path().strip_prefix("/").unwrap().to_path_buf();
+    match sbx.cgroup.layout() {
+        cgroup::Layout::V1 => Path::new("/sys/fs/cgroup/freezer").join(rel).join("freezer.state"),
+        cgroup::Layout::V2 => Path::new("/sys/fs/cgroup").join(rel).join("cgroup.freeze"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn setup_errors_are_reported_and_cleaned_up() {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _g = Guard { state: state.clone(), prefix: "test-sbx-bad" };
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let limits = Limits { cpu_millis: 0, best_effort: true, memory_bytes: 0, pids: 0 };
+    let sp = spec(tmp.path(), "test-sbx-bad", tmp.path().join("no-such-layer"), &out, "true", limits);
+    let err = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap_err();
+    assert!(err.to_string().contains("sandbox setup failed: overlay:"), "{err}");
+    assert!(rootfs::loops_under(&state).is_empty());
+    assert!(cgroup::list("test-sbx-bad").unwrap().is_empty());
+    assert!(!state.join("test-sbx-bad").exists());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn leftovers_are_adopted_or_cleaned_up_by_prefix() {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _g = Guard { state: state.clone(), prefix: "test-sbx-left" };
+    let lower = busybox_lower(tmp.path()).await;
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let limits = Limits { cpu_millis: 0, best_effort: true, memory_bytes: 32 << 20, pids: 16 };
+    let mut pids = Vec::new();
+    for name in ["test-sbx-left-a", "test-sbx-left-b"] {
+        let sp = spec(tmp.path(), name, lower.clone(), &out, "sleep 1000 & sleep 1000", limits.clone());
+        let sbx = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
+        pids.push(sbx.pid);
+        // Forget the handle, as an edge that restarts does.
+        drop(sbx);
+    }
+    // A record kept "a": it is adopted and survives the cleanup; "b" matches no record.
+    let a = Sandbox::adopt(&state, "test-sbx-left-a").unwrap();
+    assert_eq!(a.pid, pids[0]);
+    assert!(a.exited().is_none());
+    assert!(Sandbox::adopt(&state, "test-sbx-left-none").is_err());
+    let keep = vec!["test-sbx-left-a".to_string()];
+    let st = state.clone();
+    let removed = tokio::task::spawn_blocking(move || sandbox::cleanup_leftovers(&st, "test-sbx-left", &keep))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(removed, vec!["test-sbx-left-b".to_string()]);
+    assert!(!state.join("test-sbx-left-b").exists());
+    assert!(a.exited().is_none());
+    assert_eq!(cgroup::list("test-sbx-left").unwrap(), vec!["test-sbx-left-a".to_string()]);
+    tokio::task::spawn_blocking(move || a.stop()).await.unwrap().unwrap();
+    assert!(rootfs::loops_under(&state).is_empty());
+    assert!(cgroup::list("test-sbx-left").unwrap().is_empty());
+    for pid in pids {
+        // Reaped by us (subreaper) or gone.
+        reap(pid);
+        assert!(!Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid), "pid {pid} alive");
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.rsplit(')').next().map(|r| r.trim_start().starts_with('Z')).unwrap_or(false))
+        .unwrap_or(true)
+}
+
+/// Reaps `pid` if it is a finished child of ours (nix's safe waitpid).
+fn reap(pid: i32) {
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn overwriting_the_image_in_one_sandbox_changes_nothing_in_another() {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _g = Guard { state: state.clone(), prefix: "test-sbx-iso" };
+    let lower = busybox_lower(tmp.path()).await;
+    let before = std::fs::read(lower.join("bin/busybox")).unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let limits = Limits { cpu_millis: 0, best_effort: true, memory_bytes: 64 << 20, pids: 16 };
+    // A clobbers its /bin/busybox (copied up into its own disk) and removes /bin/ls.
+    let script_a = "rm /bin/ls; /bin/busybox cp /bin/busybox /tmp/bb; echo hacked > /bin/busybox; /tmp/bb echo a > /out/a; /tmp/bb sleep 1000";
+    let sp = spec(tmp.path(), "test-sbx-iso-a", lower.clone(), &out, script_a, limits.clone());
+    let a = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
+    wait_for("sandbox a", 30, || out.join("a").exists() || a.exited().is_some());
+    assert!(out.join("a").exists(), "{}", std::fs::read_to_string(a.dir.join("console.log")).unwrap_or_default());
+    let script_b = "ls /bin/ls > /out/b 2>&1; /bin/busybox true && echo busybox-ok >> /out/b";
+    let sp = spec(tmp.path(), "test-sbx-iso-b", lower.clone(), &out, script_b, limits);
+    let b = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
+    wait_for("sandbox b", 30, || b.exited().is_some());
+    assert_eq!(std::fs::read_to_string(out.join("b")).unwrap(), "/bin/ls\nbusybox-ok\n");
+    assert_eq!(std::fs::read(lower.join("bin/busybox")).unwrap(), before);
+    for s in [a, b] {
+        tokio::task::spawn_blocking(move || s.stop()).await.unwrap().unwrap();
+    }
+    assert!(rootfs::loops_under(&state).is_empty());
+    assert!(cgroup::list("test-sbx-iso").unwrap().is_empty());
+}
