@@ -2,7 +2,12 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["opendsec/v1/opendsec.proto", "opendsec/v1/iam.proto", "opendsec/v1/cluster.proto"];
+    let files = [
+        "opendsec/v1/opendsec.proto",
+        "opendsec/v1/iam.proto",
+        "opendsec/v1/cluster.proto",
+        "opendsec/v1/runtime.proto",
+    ];
     for f in &files {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }

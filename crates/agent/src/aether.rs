@@ -1,0 +1,343 @@
+//! aether: PID 1 of a sandbox (or a plain subreaper process in tests). Serves `Runtime` on a
+//! unix socket, reaps every orphan, owns the process API, and routes session calls by session
+//! id to that session's chronus, started on first use as the session's user: a re-exec of this
+//! binary in its own process group with its own state directory `<state>/sessions/<id>` (0700,
+//! owned by the user) and socket. Closing a session stops and kills chronus's whole tree
+//! (chronus is a subreaper, so even double-forked daemons stay in it).
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opendsec_proto::v1::runtime_client::RuntimeClient;
+use opendsec_proto::v1::runtime_server::Runtime;
+use opendsec_proto::v1::*;
+use tokio::io::AsyncBufReadExt;
+use tokio::sync::{OnceCell, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::BoxStream;
+use crate::error::{AgentError, check_id};
+use crate::passwd::{self, User};
+use crate::procs::Procs;
+use crate::reaper::{Reaper, kill_tree};
+
+pub struct Config {
+    pub state_dir: PathBuf,
+    pub passwd: PathBuf,
+    /// Per-session record budget handed to chronus.
+    pub session_bytes: u64,
+}
+
+struct Session {
+    pid: u32,
+    client: RuntimeClient<Channel>,
+}
+
+type Slot = Arc<OnceCell<Session>>;
+
+pub struct Aether {
+    cfg: Config,
+    exe: PathBuf,
+    reaper: Reaper,
+    started: Instant,
+    sessions: Mutex<HashMap<String, Slot>>,
+    procs: Procs,
+}
+
+impl Aether {
+    pub fn new(cfg: Config, reaper: Reaper) -> std::io::Result<Arc<Self>> {
+        std::fs::create_dir_all(cfg.state_dir.join("sessions"))?;
+        // Session users must reach their own directory below, nothing else.
+        std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711))?;
+        std::fs::set_permissions(cfg.state_dir.join("sessions"), std::fs::Permissions::from_mode(0o711))?;
+        Ok(Arc::new(Aether {
+            cfg,
+            exe: std::env::current_exe()?,
+            reaper,
+            started: Instant::now(),
+            sessions: Mutex::new(HashMap::new()),
+            procs: Procs::default(),
+        }))
+    }
+
+    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn user(&self, name: &str) -> Result<User, AgentError> {
+        let text = std::fs::read_to_string(&self.cfg.passwd).unwrap_or_default();
+        passwd::resolve(&text, name)
+    }
+
+    /// The client of session `sid`'s chronus, started as `user` on first use.
+    async fn session(self: &Arc<Self>, sid: &str, user: &str) -> Result<RuntimeClient<Channel>, AgentError> {
+        let sid = if sid.is_empty() { "default" } else { sid };
+        check_id("session id", sid)?;
+        let slot = self.sessions().entry(sid.to_string()).or_default().clone();
+        let s = slot.get_or_try_init(|| self.start_chronus(sid, user, slot.clone())).await?;
+        Ok(s.client.clone())
+    }
+
+    async fn start_chronus(self: &Arc<Self>, sid: &str, user: &str, slot: Slot) -> Result<Session, AgentError> {
+        let u = self.user(user)?;
+        let dir = self.cfg.state_dir.join("sessions").join(sid);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| AgentError::fs("mkdir", &dir, e))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| AgentError::fs("chmod", &dir, e))?;
+        let as_other = rustix::process::geteuid().as_raw() != u.uid || rustix::process::getegid().as_raw() != u.gid;
+        if as_other {
+            std::os::unix::fs::chown(&dir, Some(u.uid), Some(u.gid)).map_err(|e| AgentError::fs("chown", &dir, e))?;
+        }
+        let sock = dir.join("chronus.sock");
+        let mut c = std::process::Command::new(&self.exe);
+        c.arg("chronus")
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--dir")
+            .arg(&dir)
+            .arg("--session-bytes")
+            .arg(self.cfg.session_bytes.to_string())
+            .env_clear()
+            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("HOME", &u.home)
+            .env("USER", &u.name)
+            .env("LOGNAME", &u.name)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .process_group(0);
+        if as_other {
+            // std drops supplementary groups (setgroups(0)) before setgid/setuid as root.
+            c.uid(u.uid).gid(u.gid);
+        }
+        let spawn_err = |e| AgentError::Spawn { what: format!("chronus for session {sid}"), source: e };
+        let mut child = c.spawn().map_err(spawn_err)?;
+        let pid = child.id();
+        let exit = self.reaper.wait_for(pid);
+        // When chronus dies, forget the session so the next call starts a fresh one.
+        let me = self.clone();
+        let sid_owned = sid.to_string();
+        tokio::spawn(async move {
+            let _ = exit.await;
+            let mut g = me.sessions();
+            if g.get(&sid_owned).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
+                g.remove(&sid_owned);
+            }
+        });
+        let Some(out) = child.stdout.take() else {
+            return Err(spawn_err(std::io::Error::other("no stdout")));
+        };
+        let out = tokio::net::unix::pipe::Receiver::from_owned_fd(out.into()).map_err(spawn_err)?;
+        let mut line = String::new();
+        let ready =
+            tokio::time::timeout(Duration::from_secs(10), tokio::io::BufReader::new(out).read_line(&mut line)).await;
+        if !matches!(ready, Ok(Ok(_))) || line.trim() != "ready" {
+            kill_tree(pid as i32, true);
+            return Err(AgentError::Session(sid.into(), "chronus did not start".into()));
+        }
+        let client = crate::unix_client(sock).await.map_err(|e| AgentError::Session(sid.into(), e.to_string()))?;
+        Ok(Session { pid, client })
+    }
+
+    /// Kills a session's whole tree; false when there was none.
+    pub async fn close(&self, sid: &str) -> bool {
+        let sid = if sid.is_empty() { "default" } else { sid };
+        let Some(slot) = self.sessions().remove(sid) else {
+            return false;
+        };
+        if let Some(s) = slot.get() {
+            let pid = s.pid as i32;
+            let _ = tokio::task::spawn_blocking(move || kill_tree(pid, true)).await;
+        }
+        let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("sessions").join(sid));
+        true
+    }
+}
+
+fn fwd(e: AgentError) -> Status {
+    e.into()
+}
+
+#[derive(Clone)]
+pub struct AetherService(pub Arc<Aether>);
+
+#[tonic::async_trait]
+impl Runtime for AetherService {
+    async fn exec(&self, r: Request<ExecRequest>) -> Result<Response<ExecResult>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.exec(req).await
+    }
+
+    type ExecStreamStream = BoxStream<ExecChunk>;
+    async fn exec_stream(&self, r: Request<ExecRequest>) -> Result<Response<Self::ExecStreamStream>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        let s = c.exec_stream(req).await?.into_inner();
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn get_output(&self, r: Request<GetOutputRequest>) -> Result<Response<GetOutputResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, "").await.map_err(fwd)?;
+        c.get_output(req).await
+    }
+
+    async fn close_session(&self, r: Request<CloseSessionRequest>) -> Result<Response<CloseSessionResponse>, Status> {
+        let existed = self.0.close(&r.into_inner().session_id).await;
+        Ok(Response::new(CloseSessionResponse { existed }))
+    }
+
+    type ReadFileStream = BoxStream<FileChunk>;
+    async fn read_file(&self, r: Request<ReadFileRequest>) -> Result<Response<Self::ReadFileStream>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        let s = c.read_file(req).await?.into_inner();
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn write_file(&self, r: Request<Streaming<WriteFileRequest>>) -> Result<Response<WriteFileResponse>, Status> {
+        let mut incoming = r.into_inner();
+        let Some(first) = incoming.message().await? else {
+            return Err(AgentError::Invalid("empty write stream".into()).into());
+        };
+        let mut c = self.0.session(&first.session_id, &first.user).await.map_err(fwd)?;
+        let (tx, rx) = mpsc::channel(8);
+        let _ = tx.send(first).await;
+        // An error on the caller's stream drops the forwarded call, so chronus sees a reset
+        // stream, not a short but "complete" file.
+        let feed = async move {
+            while let Some(m) = incoming.message().await? {
+                if tx.send(m).await.is_err() {
+                    break;
+                }
+            }
+            Ok::<(), Status>(())
+        };
+        let call = c.write_file(ReceiverStream::new(rx));
+        tokio::pin!(call);
+        tokio::select! {
+            r = &mut call => r,
+            f = feed => match f {
+                Err(e) => Err(e),
+                Ok(()) => call.await,
+            },
+        }
+    }
+
+    async fn list_dir(&self, r: Request<ListDirRequest>) -> Result<Response<ListDirResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.list_dir(req).await
+    }
+
+    async fn stat(&self, r: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.stat(req).await
+    }
+
+    async fn make_dir(&self, r: Request<MakeDirRequest>) -> Result<Response<MakeDirResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.make_dir(req).await
+    }
+
+    async fn remove(&self, r: Request<RemoveRequest>) -> Result<Response<RemoveResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.remove(req).await
+    }
+
+    async fn r#move(&self, r: Request<MoveRequest>) -> Result<Response<MoveResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.r#move(req).await
+    }
+
+    async fn http_request(&self, r: Request<HttpRequestRequest>) -> Result<Response<HttpRequestResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.http_request(req).await
+    }
+
+    async fn start_process(&self, r: Request<StartProcessRequest>) -> Result<Response<StartProcessResponse>, Status> {
+        let req = r.into_inner();
+        let user = self.0.user(&req.user).map_err(fwd)?;
+        let pid = self.0.procs.start(&self.0.reaper, req, &user).map_err(fwd)?;
+        Ok(Response::new(StartProcessResponse { pid }))
+    }
+
+    type ConnectProcessStream = BoxStream<ProcessEvent>;
+    async fn connect_process(
+        &self,
+        r: Request<ConnectProcessRequest>,
+    ) -> Result<Response<Self::ConnectProcessStream>, Status> {
+        let req = r.into_inner();
+        let p = self.0.procs.find(req.process).map_err(fwd)?;
+        Ok(Response::new(p.connect(req.stdout_offset, req.stderr_offset)))
+    }
+
+    async fn send_input(&self, r: Request<SendInputRequest>) -> Result<Response<SendInputResponse>, Status> {
+        let req = r.into_inner();
+        let p = self.0.procs.find(req.process).map_err(fwd)?;
+        p.send_input(&req.data, req.eof).await.map_err(fwd)?;
+        Ok(Response::new(SendInputResponse {}))
+    }
+
+    async fn signal_process(
+        &self,
+        r: Request<SignalProcessRequest>,
+    ) -> Result<Response<SignalProcessResponse>, Status> {
+        let req = r.into_inner();
+        let p = self.0.procs.find(req.process).map_err(fwd)?;
+        p.signal(req.signal).map_err(fwd)?;
+        Ok(Response::new(SignalProcessResponse {}))
+    }
+
+    async fn list_processes(
+        &self,
+        _r: Request<ListProcessesRequest>,
+    ) -> Result<Response<ListProcessesResponse>, Status> {
+        Ok(Response::new(ListProcessesResponse { processes: self.0.procs.list() }))
+    }
+
+    type WatchStream = BoxStream<Heartbeat>;
+    async fn watch(&self, _r: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        let me = self.0.clone();
+        let (tx, rx) = mpsc::channel(2);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            let mut seq = 0u64;
+            loop {
+                tick.tick().await;
+                seq += 1;
+                let hb = Heartbeat {
+                    uptime_ms: me.started.elapsed().as_millis() as u64,
+                    sessions: me.sessions().len() as u32,
+                    processes: me.procs.running() as u32,
+                    seq,
+                };
+                if tx.send(Ok(hb)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// `opendsec-agent aether --socket PATH [--state-dir DIR] [--passwd PATH]`.
+pub async fn main(socket: &Path, cfg: Config) -> std::io::Result<()> {
+    let reaper = Reaper::start();
+    let aether = Aether::new(cfg, reaper)?;
+    let listener = crate::bind_unix(socket)?;
+    crate::serve_unix(listener, AetherService(aether)).await
+}

@@ -1,0 +1,192 @@
+//! File calls of a session, run inside its chronus (so as the session's user): relative paths
+//! are resolved against the session's current directory. Escaping with `..` or symlinks is not
+//! checked here: the container's root is the boundary, and the kernel's permission checks for
+//! the session's user apply. Reads and writes refuse anything but regular files (devices and
+//! fifos would block or never end).
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use opendsec_proto::v1::*;
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use crate::error::AgentError;
+use crate::{BoxStream, CHUNK};
+
+/// `path` against `cwd` (lexically; `..` is left to the kernel).
+pub fn resolve(cwd: &Path, path: &str) -> Result<PathBuf, AgentError> {
+    if path.is_empty() {
+        return Err(AgentError::Invalid("empty path".into()));
+    }
+    if path.contains('\0') {
+        return Err(AgentError::Invalid("path contains NUL".into()));
+    }
+    Ok(cwd.join(path))
+}
+
+fn not_regular(op: &'static str, p: &Path) -> AgentError {
+    AgentError::fs(op, p, std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"))
+}
+
+pub async fn read(cwd: &Path, path: &str, offset: u64, length: u64) -> Result<BoxStream<FileChunk>, AgentError> {
+    let p = resolve(cwd, path)?;
+    let mut f = tokio::fs::File::open(&p).await.map_err(|e| AgentError::fs("open", &p, e))?;
+    let md = f.metadata().await.map_err(|e| AgentError::fs("stat", &p, e))?;
+    if !md.is_file() {
+        return Err(not_regular("read", &p));
+    }
+    f.seek(std::io::SeekFrom::Start(offset)).await.map_err(|e| AgentError::fs("seek", &p, e))?;
+    let (tx, rx) = mpsc::channel(4);
+    tokio::spawn(async move {
+        let mut off = offset;
+        let mut left = if length == 0 { u64::MAX } else { length };
+        let mut buf = vec![0u8; CHUNK];
+        while left > 0 {
+            let want = (left.min(CHUNK as u64)) as usize;
+            match f.read(&mut buf[..want]).await {
+                Ok(0) => break,
+                Ok(n) => {
+                    let c = FileChunk { offset: off, data: buf[..n].to_vec() };
+                    if tx.send(Ok(c)).await.is_err() {
+                        return;
+                    }
+                    off += n as u64;
+                    left -= n as u64;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(AgentError::fs("read", &p, e).into())).await;
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+pub async fn write(cwd: &Path, mut s: Streaming<WriteFileRequest>) -> Result<u64, tonic::Status> {
+    let Some(first) = s.message().await? else {
+        return Err(AgentError::Invalid("empty write stream".into()).into());
+    };
+    let p = resolve(cwd, &first.path)?;
+    if let Ok(md) = tokio::fs::metadata(&p).await
+        && !md.is_file()
+    {
+        return Err(not_regular("write", &p).into());
+    }
+    if first.make_parents
+        && let Some(parent) = p.parent()
+    {
+        tokio::fs::create_dir_all(parent).await.map_err(|e| AgentError::fs("mkdir", parent, e))?;
+    }
+    let mode = if first.mode == 0 { 0o644 } else { first.mode & 0o7777 };
+    let mut f = tokio::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .append(first.append)
+        .truncate(!first.append)
+        .mode(mode)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(&p)
+        .await
+        .map_err(|e| AgentError::fs("open", &p, e))?;
+    let mut n = 0u64;
+    let mut data = first.data;
+    loop {
+        f.write_all(&data).await.map_err(|e| AgentError::fs("write", &p, e))?;
+        n += data.len() as u64;
+        match s.message().await? {
+            Some(m) => data = m.data,
+            None => break,
+        }
+    }
+    f.flush().await.map_err(|e| AgentError::fs("write", &p, e))?;
+    Ok(n)
+}
+
+fn info(path: &Path, md: &std::fs::Metadata) -> FileInfo {
+    let ft = md.file_type();
+    let kind = if ft.is_symlink() {
+        FileType::Symlink
+    } else if ft.is_dir() {
+        FileType::Dir
+    } else if ft.is_file() {
+        FileType::File
+    } else {
+        FileType::Other
+    };
+    FileInfo {
+        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        path: path.display().to_string(),
+        r#type: kind as i32,
+        size: md.len(),
+        mode: md.permissions().mode() & 0o7777,
+        modified_ms: md.mtime() * 1000 + md.mtime_nsec() / 1_000_000,
+        uid: md.uid(),
+        gid: md.gid(),
+        symlink_target: if ft.is_symlink() {
+            std::fs::read_link(path).map(|t| t.display().to_string()).unwrap_or_default()
+        } else {
+            String::new()
+        },
+    }
+}
+
+pub async fn stat(cwd: &Path, path: &str) -> Result<FileInfo, AgentError> {
+    let p = resolve(cwd, path)?;
+    let md = tokio::fs::symlink_metadata(&p).await.map_err(|e| AgentError::fs("stat", &p, e))?;
+    Ok(info(&p, &md))
+}
+
+pub async fn list(cwd: &Path, path: &str) -> Result<Vec<FileInfo>, AgentError> {
+    let p = resolve(cwd, if path.is_empty() { "." } else { path })?;
+    let mut rd = tokio::fs::read_dir(&p).await.map_err(|e| AgentError::fs("list", &p, e))?;
+    let mut out = vec![];
+    while let Some(e) = rd.next_entry().await.map_err(|e| AgentError::fs("list", &p, e))? {
+        let ep = e.path();
+        if let Ok(md) = tokio::fs::symlink_metadata(&ep).await {
+            out.push(info(&ep, &md));
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+pub async fn mkdir(cwd: &Path, path: &str, parents: bool, mode: u32) -> Result<(), AgentError> {
+    let p = resolve(cwd, path)?;
+    let mut b = tokio::fs::DirBuilder::new();
+    b.recursive(parents).mode(if mode == 0 { 0o755 } else { mode & 0o7777 });
+    b.create(&p).await.map_err(|e| AgentError::fs("mkdir", &p, e))
+}
+
+pub async fn remove(cwd: &Path, path: &str, recursive: bool) -> Result<(), AgentError> {
+    let p = resolve(cwd, path)?;
+    let md = tokio::fs::symlink_metadata(&p).await.map_err(|e| AgentError::fs("remove", &p, e))?;
+    let r = if md.is_dir() {
+        if recursive { tokio::fs::remove_dir_all(&p).await } else { tokio::fs::remove_dir(&p).await }
+    } else {
+        tokio::fs::remove_file(&p).await
+    };
+    r.map_err(|e| AgentError::fs("remove", &p, e))
+}
+
+pub async fn rename(cwd: &Path, from: &str, to: &str) -> Result<(), AgentError> {
+    let (f, t) = (resolve(cwd, from)?, resolve(cwd, to)?);
+    tokio::fs::rename(&f, &t).await.map_err(|e| AgentError::fs("move", &f, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolves() {
+        let cwd = Path::new("/home/a");
+        assert_eq!(resolve(cwd, "x").unwrap(), PathBuf::from("/home/a/x"));
+        assert_eq!(resolve(cwd, "/etc/x").unwrap(), PathBuf::from("/etc/x"));
+        assert!(resolve(cwd, "").is_err());
+        assert!(resolve(cwd, "a\0b").is_err());
+    }
+}

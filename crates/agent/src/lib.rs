@@ -1,0 +1,88 @@
+//! The in-sandbox agent (`opendsec-agent`): *aether* is PID 1 in a sandbox and serves the
+//! `Runtime` service on a unix socket; *chronus* (one per shell session, a re-exec of the same
+//! binary running as the session's user) keeps one long-lived shell and its output records.
+//! aether routes session calls to the session's chronus over a per-session unix socket, using
+//! the same `Runtime` service, so one set of messages serves every hop.
+
+pub mod aether;
+pub mod chronus;
+pub mod error;
+pub mod files;
+pub mod http;
+pub mod passwd;
+pub mod procs;
+pub mod reaper;
+
+use std::path::PathBuf;
+use std::pin::Pin;
+
+use tonic::Status;
+use tonic::transport::{Channel, Endpoint};
+
+/// Largest gRPC message either way (matches the control plane's limit).
+pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
+/// Chunk size of streamed output and files.
+pub const CHUNK: usize = 64 << 10;
+
+pub type BoxStream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+/// A gRPC channel to a unix socket (aether's or a chronus's).
+pub async fn unix_channel(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_static("http://agent.invalid")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let p = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
+        }))
+        .await
+}
+
+/// A Runtime client on a unix socket with the agent's message limits.
+pub async fn unix_client(
+    path: PathBuf,
+) -> Result<opendsec_proto::v1::runtime_client::RuntimeClient<Channel>, tonic::transport::Error> {
+    Ok(opendsec_proto::v1::runtime_client::RuntimeClient::new(unix_channel(path).await?)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+}
+
+/// Binds a unix socket at `path` (an old socket file is replaced; the socket is for its owner
+/// only).
+pub fn bind_unix(path: &std::path::Path) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    let _ = std::fs::remove_file(path);
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serves `svc` on `listener` until the process ends.
+pub async fn serve_unix<S>(listener: tokio::net::UnixListener, svc: S) -> std::io::Result<()>
+where
+    S: opendsec_proto::v1::runtime_server::Runtime,
+{
+    let server = opendsec_proto::v1::runtime_server::RuntimeServer::new(svc)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    tonic::transport::Server::builder()
+        .add_service(server)
+        .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
+        .await
+        .map_err(std::io::Error::other)
+}
+
+/// Quotes `s` for a POSIX shell.
+pub fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn quote() {
+        assert_eq!(super::sh_quote("a'b"), r"'a'\''b'");
+    }
+}

@@ -1,0 +1,512 @@
+//! aether started as a child process on a temp unix socket, driven over gRPC.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use opendsec_agent::unix_client;
+use opendsec_proto::v1::runtime_client::RuntimeClient;
+use opendsec_proto::v1::*;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+struct Agent {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // The whole tree: sessions' chronus and their shells too.
+        opendsec_agent::reaper::kill_tree(self.child.id() as i32, true);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn agent() -> (Agent, RuntimeClient<Channel>) {
+    agent_with(&[]).await
+}
+
+async fn agent_with(extra: &[&str]) -> (Agent, RuntimeClient<Channel>) {
+    let dir = tempfile::tempdir().unwrap();
+    // Session users other than root must traverse to their own state directory.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let sock = dir.path().join("aether.sock");
+    let child = Command::new(env!("CARGO_BIN_EXE_opendsec-agent"))
+        .arg("aether")
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    for _ in 0..500 {
+        if sock.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let c = unix_client(sock).await.unwrap();
+    (Agent { child, dir }, c)
+}
+
+fn req(session: &str, cmd: &str) -> ExecRequest {
+    ExecRequest { session_id: session.into(), command: cmd.into(), ..Default::default() }
+}
+
+async fn run(c: &mut RuntimeClient<Channel>, session: &str, cmd: &str) -> ExecResult {
+    c.exec(req(session, cmd)).await.unwrap().into_inner()
+}
+
+fn out(r: &ExecResult) -> String {
+    String::from_utf8_lossy(&r.stdout).trim_end().to_string()
+}
+
+#[tokio::test]
+async fn stateful_session_and_isolation() {
+    let (_a, mut c) = agent().await;
+    run(&mut c, "s1", "cd /tmp && export FOO=bar && f() { echo \"f:$1\"; }").await;
+    let r = run(&mut c, "s1", "pwd; echo $FOO; f x").await;
+    assert_eq!(out(&r), "/tmp\nbar\nf:x");
+    assert_eq!(r.cwd, "/tmp");
+    let r = run(&mut c, "s2", "echo \"[$FOO]\"; type f >/dev/null 2>&1 || echo nof").await;
+    assert_eq!(out(&r), "[]\nnof");
+    // Exit codes, stderr, syntax errors do not end the shell.
+    let r = run(&mut c, "s1", "echo oops >&2; (exit 7)").await;
+    assert_eq!((r.exit_code, r.stderr.as_slice()), (7, &b"oops\n"[..]));
+    let r = run(&mut c, "s1", "if then fi").await;
+    assert_ne!(r.exit_code, 0);
+    assert_eq!(out(&run(&mut c, "s1", "echo $FOO").await), "bar");
+    // Per-request env and cwd.
+    let mut q = req("s1", "echo $X; pwd");
+    q.env.insert("X".into(), "it's".into());
+    q.cwd = "/".into();
+    let r = c.exec(q).await.unwrap().into_inner();
+    assert_eq!(out(&r), "it's\n/");
+    // `exit` ends the shell; the session goes on with a fresh one.
+    let r = run(&mut c, "s1", "exit 3").await;
+    assert_eq!(r.exit_code, 3);
+    assert_eq!(run(&mut c, "s1", "echo hi").await.stdout, b"hi\n");
+}
+
+#[tokio::test]
+async fn request_id_dedupe_and_timeout() {
+    let (a, mut c) = agent().await;
+    let f = a.dir.path().join("count");
+    let mut q = req("d", &format!("echo x >> {}; echo done", f.display()));
+    q.request_id = "once".into();
+    let r1 = c.exec(q.clone()).await.unwrap().into_inner();
+    let r2 = c.exec(q).await.unwrap().into_inner();
+    assert_eq!((r1.stdout.clone(), r2.stdout), (b"done\n".to_vec(), b"done\n".to_vec()));
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), "x\n");
+    let mut q = req("d", "echo start; sleep 30");
+    q.timeout_ms = 300;
+    let r = c.exec(q).await.unwrap().into_inner();
+    assert!(r.timed_out);
+    assert_eq!(out(&r), "start");
+    assert_ne!(r.exit_code, 0);
+    assert_eq!(out(&run(&mut c, "d", "echo after").await), "after");
+    // A builtin busy loop: the shell itself is replaced.
+    let mut q = req("d", "while :; do :; done");
+    q.timeout_ms = 200;
+    assert!(c.exec(q).await.unwrap().into_inner().timed_out);
+    assert_eq!(out(&run(&mut c, "d", "echo alive").await), "alive");
+}
+
+#[tokio::test]
+async fn output_limits_count_dropped_bytes() {
+    let (_a, mut c) = agent().await;
+    let mut q = req("o", "head -c 52428800 /dev/zero; head -c 100 /dev/zero >&2; echo end");
+    q.limits = Some(OutputLimits { stdout_max_bytes: 1 << 20, stderr_max_bytes: 10 });
+    let r = c.exec(q).await.unwrap().into_inner();
+    assert_eq!(r.exit_code, 0);
+    assert_eq!(r.stdout.len(), 1 << 20);
+    assert_eq!(r.stdout_dropped_bytes, 52428800 + 4 - (1 << 20));
+    assert_eq!((r.stderr.len(), r.stderr_dropped_bytes), (10, 90));
+}
+
+async fn collect(
+    s: &mut tonic::Streaming<ExecChunk>,
+    stop_after: Option<usize>,
+) -> (Vec<u8>, Vec<u8>, Option<ExecExit>) {
+    let (mut o, mut e, mut n) = (vec![], vec![], 0);
+    while let Some(m) = s.next().await {
+        match m.unwrap().kind {
+            Some(exec_chunk::Kind::Output(d)) => {
+                let buf = if d.stream == OutputStream::Stdout as i32 { &mut o } else { &mut e };
+                assert_eq!(d.offset, buf.len() as u64);
+                buf.extend_from_slice(&d.data);
+                n += 1;
+                if stop_after.is_some_and(|s| n >= s) {
+                    return (o, e, None);
+                }
+            }
+            Some(exec_chunk::Kind::Exit(x)) => return (o, e, Some(x)),
+            None => {}
+        }
+    }
+    (o, e, None)
+}
+
+#[tokio::test]
+async fn exec_stream_resumes_byte_exact_and_get_output() {
+    let (_a, mut c) = agent().await;
+    let cmd = "for i in $(seq 1 3000); do echo \"line $i\"; echo \"err $i\" >&2; done";
+    let mut q = req("st", cmd);
+    q.request_id = "s1".into();
+    let mut s = c.exec_stream(q.clone()).await.unwrap().into_inner();
+    let (o1, e1, _) = collect(&mut s, Some(3)).await;
+    drop(s);
+    q.stdout_offset = o1.len() as u64;
+    q.stderr_offset = e1.len() as u64;
+    let mut s = c.exec_stream(q).await.unwrap().into_inner();
+    let (o2, e2, exit) = {
+        let (mut o, mut e, mut x) = (vec![], vec![], None);
+        while let Some(m) = s.next().await {
+            match m.unwrap().kind {
+                Some(exec_chunk::Kind::Output(d)) => {
+                    let (buf, base) =
+                        if d.stream == OutputStream::Stdout as i32 { (&mut o, o1.len()) } else { (&mut e, e1.len()) };
+                    assert_eq!(d.offset, (base + buf.len()) as u64);
+                    buf.extend_from_slice(&d.data);
+                }
+                Some(exec_chunk::Kind::Exit(ex)) => x = Some(ex),
+                None => {}
+            }
+        }
+        (o, e, x)
+    };
+    assert_eq!(exit.unwrap().exit_code, 0);
+    let full_o: Vec<u8> = [o1, o2].concat();
+    let full_e: Vec<u8> = [e1, e2].concat();
+    let want_o: String = (1..=3000).map(|i| format!("line {i}\n")).collect();
+    let want_e: String = (1..=3000).map(|i| format!("err {i}\n")).collect();
+    assert_eq!(full_o, want_o.as_bytes());
+    assert_eq!(full_e, want_e.as_bytes());
+
+    // Disconnect right away, fetch later by offset.
+    let mut q = req("st", "sleep 0.3; echo later");
+    q.request_id = "g1".into();
+    drop(c.exec_stream(q).await.unwrap());
+    let mut g = GetOutputRequest { session_id: "st".into(), request_id: "g1".into(), ..Default::default() };
+    let mut got = None;
+    for _ in 0..200 {
+        let r = c.get_output(g.clone()).await.unwrap().into_inner();
+        if r.finished {
+            got = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = got.unwrap();
+    assert_eq!((r.stdout.as_slice(), r.stdout_size), (&b"later\n"[..], 6));
+    g.stdout_offset = 2;
+    assert_eq!(c.get_output(g).await.unwrap().into_inner().stdout, b"ter\n");
+    let missing = GetOutputRequest { session_id: "st".into(), request_id: "nope".into(), ..Default::default() };
+    assert_eq!(c.get_output(missing).await.unwrap_err().code(), tonic::Code::NotFound);
+}
+
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+#[tokio::test]
+async fn closing_a_session_kills_its_processes() {
+    let (_a, mut c) = agent().await;
+    let r = run(&mut c, "bg", "sleep 1000 >/dev/null 2>&1 & echo $!").await;
+    let pid: i32 = out(&r).parse().unwrap();
+    // A double-forked, setsid'd daemon stays in the tree too (chronus is a subreaper).
+    let r = run(&mut c, "bg", "(setsid sleep 1001 >/dev/null 2>&1 & echo $!) ").await;
+    let pid2: i32 = out(&r).parse().unwrap();
+    assert!(alive(pid) && alive(pid2));
+    let closed = c
+        .close_session(CloseSessionRequest { session_id: "bg".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(closed.existed);
+    for _ in 0..200 {
+        if !alive(pid) && !alive(pid2) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(!alive(pid) && !alive(pid2));
+    // The session comes back fresh.
+    assert_eq!(out(&run(&mut c, "bg", "echo new").await), "new");
+}
+
+#[tokio::test]
+async fn session_as_another_user() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let (_a, mut c) = agent().await;
+    let mut q = req("u", "id -u; id -g; id -G");
+    q.user = "nobody".into();
+    let r = c.exec(q).await.unwrap().into_inner();
+    let lines: Vec<String> = out(&r).lines().map(String::from).collect();
+    assert_eq!(lines[0], "65534");
+    assert!(!lines[2].split(' ').any(|g| g == "0"), "{lines:?}");
+    assert_eq!(out(&run(&mut c, "r", "id -u").await), "0");
+    // Files as that user.
+    let err = c
+        .write_file(tokio_stream::iter(vec![WriteFileRequest {
+            session_id: "u".into(),
+            path: "/root/x".into(),
+            data: b"x".to_vec(),
+            ..Default::default()
+        }]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied);
+    let mut q = req("bad", "true");
+    q.user = "no-such-user".into();
+    assert_eq!(c.exec(q).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn file_calls() {
+    let (a, mut c) = agent().await;
+    let base = a.dir.path().join("files");
+    std::fs::create_dir(&base).unwrap();
+    run(&mut c, "f", &format!("cd {}", base.display())).await;
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let msgs: Vec<WriteFileRequest> = big
+        .chunks(100_000)
+        .enumerate()
+        .map(|(i, d)| WriteFileRequest {
+            session_id: if i == 0 { "f".into() } else { String::new() },
+            path: if i == 0 { "sub/big.bin".into() } else { String::new() },
+            make_parents: i == 0,
+            data: d.to_vec(),
+            ..Default::default()
+        })
+        .collect();
+    let w = c.write_file(tokio_stream::iter(msgs)).await.unwrap().into_inner();
+    assert_eq!(w.bytes_written, 300_000);
+    assert_eq!(std::fs::read(base.join("sub/big.bin")).unwrap(), big);
+    let mut s = c
+        .read_file(ReadFileRequest {
+            session_id: "f".into(),
+            path: "sub/big.bin".into(),
+            offset: 10,
+            length: 200_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = vec![];
+    while let Some(ch) = s.next().await {
+        got.extend(ch.unwrap().data);
+    }
+    assert_eq!(got, big[10..200_010]);
+    c.make_dir(MakeDirRequest { session_id: "f".into(), path: "d1/d2".into(), parents: true, ..Default::default() })
+        .await
+        .unwrap();
+    c.r#move(MoveRequest {
+        session_id: "f".into(),
+        from: "sub/big.bin".into(),
+        to: "d1/moved".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let l = c
+        .list_dir(ListDirRequest { session_id: "f".into(), path: "d1".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<_> = l.entries.iter().map(|e| (e.name.as_str(), e.r#type)).collect();
+    assert_eq!(names, [("d2", FileType::Dir as i32), ("moved", FileType::File as i32)]);
+    let st = c
+        .stat(StatRequest { session_id: "f".into(), path: "d1/moved".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((st.size, st.path), (300_000, base.join("d1/moved").display().to_string()));
+    // `..` resolves against the session's directory (the container root is the boundary).
+    let st = c
+        .stat(StatRequest { session_id: "f".into(), path: "../files/d1".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.r#type, FileType::Dir as i32);
+    // Clear errors: missing files, special files, non-empty directories, empty paths.
+    let e =
+        c.stat(StatRequest { session_id: "f".into(), path: "nope".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    assert!(e.message().contains("nope"), "{}", e.message());
+    let e = c
+        .read_file(ReadFileRequest { session_id: "f".into(), path: "/dev/zero".into(), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    run(&mut c, "f", "mkfifo ff").await;
+    let e = c
+        .write_file(tokio_stream::iter(vec![WriteFileRequest {
+            session_id: "f".into(),
+            path: "ff".into(),
+            data: b"x".to_vec(),
+            ..Default::default()
+        }]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    let e =
+        c.remove(RemoveRequest { session_id: "f".into(), path: "d1".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    c.remove(RemoveRequest { session_id: "f".into(), path: "d1".into(), recursive: true, ..Default::default() })
+        .await
+        .unwrap();
+    assert!(!base.join("d1").exists());
+    let e =
+        c.stat(StatRequest { session_id: "f".into(), path: String::new(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn http_request_inside() {
+    let (_a, mut c) = agent().await;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let mut got = vec![];
+        while !got.ends_with(b"ping") {
+            let n = s.read(&mut buf).await.unwrap();
+            got.extend_from_slice(&buf[..n]);
+        }
+        s.write_all(b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\npong").await.unwrap();
+    });
+    let r = c
+        .http_request(HttpRequestRequest {
+            port: port as u32,
+            method: "POST".into(),
+            path: "/x".into(),
+            body: b"ping".to_vec(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"pong"[..]));
+}
+
+#[tokio::test]
+async fn process_api() {
+    let (_a, mut c) = agent().await;
+    let pid = c
+        .start_process(StartProcessRequest { cmd: vec!["cat".into()], tag: "cat1".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner()
+        .pid;
+    let by_tag = || Some(ProcessSelector { by: Some(process_selector::By::Tag("cat1".into())) });
+    c.send_input(SendInputRequest { process: by_tag(), data: b"hello\n".to_vec(), ..Default::default() })
+        .await
+        .unwrap();
+    // Read the first line, break the stream, write more, re-attach from the offset.
+    let mut s = c
+        .connect_process(ConnectProcessRequest { process: by_tag(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = match s.next().await.unwrap().unwrap().kind {
+        Some(process_event::Kind::Output(d)) => d.data,
+        k => panic!("{k:?}"),
+    };
+    assert_eq!(first, b"hello\n");
+    drop(s);
+    c.send_input(SendInputRequest { process: by_tag(), data: b"world\n".to_vec(), eof: true, ..Default::default() })
+        .await
+        .unwrap();
+    let mut s = c
+        .connect_process(ConnectProcessRequest {
+            process: Some(ProcessSelector { by: Some(process_selector::By::Pid(pid)) }),
+            stdout_offset: 6,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut rest = vec![];
+    let mut exit = None;
+    while let Some(m) = s.next().await {
+        match m.unwrap().kind {
+            Some(process_event::Kind::Output(d)) => rest.extend(d.data),
+            Some(process_event::Kind::Exit(x)) => exit = Some(x),
+            None => {}
+        }
+    }
+    assert_eq!(rest, b"world\n");
+    assert_eq!(exit.unwrap().exit_code, 0);
+
+    // Signals.
+    c.start_process(StartProcessRequest {
+        cmd: vec!["sleep".into(), "1000".into()],
+        tag: "sl".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let sel = Some(ProcessSelector { by: Some(process_selector::By::Tag("sl".into())) });
+    c.signal_process(SignalProcessRequest { process: sel.clone(), signal: 15, ..Default::default() }).await.unwrap();
+    let mut s =
+        c.connect_process(ConnectProcessRequest { process: sel, ..Default::default() }).await.unwrap().into_inner();
+    let mut exit = None;
+    while let Some(m) = s.next().await {
+        if let Some(process_event::Kind::Exit(x)) = m.unwrap().kind {
+            exit = Some(x);
+        }
+    }
+    assert_eq!(exit.unwrap().signal, 15);
+    let l = c.list_processes(ListProcessesRequest::default()).await.unwrap().into_inner();
+    assert_eq!(l.processes.len(), 2);
+    assert!(l.processes.iter().all(|p| !p.running));
+    let e = c
+        .start_process(StartProcessRequest { cmd: vec!["/no/such/binary".into()], ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Internal);
+}
+
+#[tokio::test]
+async fn watch_heartbeats() {
+    let (a, mut c) = agent().await;
+    let mut s = c.watch(WatchRequest::default()).await.unwrap().into_inner();
+    let h1 = s.next().await.unwrap().unwrap();
+    let h2 = s.next().await.unwrap().unwrap();
+    assert_eq!((h1.seq, h2.seq), (1, 2));
+    assert!(h2.uptime_ms >= h1.uptime_ms);
+    // The stream breaks when the agent dies: the edge's liveness signal.
+    drop(a);
+    let end = tokio::time::timeout(Duration::from_secs(10), async { while let Some(Ok(_)) = s.next().await {} }).await;
+    assert!(end.is_ok());
+}
+
+#[tokio::test]
+async fn session_records_are_bounded_earliest_first() {
+    let (_a, mut c) = agent_with(&["--session-bytes", "1000"]).await;
+    for rid in ["a", "b"] {
+        let mut q = req("e", "head -c 800 /dev/zero");
+        q.request_id = rid.into();
+        assert_eq!(c.exec(q).await.unwrap().into_inner().stdout.len(), 800);
+    }
+    let get = |rid: &str| GetOutputRequest { session_id: "e".into(), request_id: rid.into(), ..Default::default() };
+    let e = c.get_output(get("a")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::OutOfRange);
+    let b = c.get_output(get("b")).await.unwrap().into_inner();
+    assert_eq!((b.stdout.len(), b.finished), (800, true));
+}
