@@ -40,6 +40,10 @@ pub enum ClusterError {
     NoSuchComponent(String),
     #[error("component {0} is already running")]
     AlreadyRunning(String),
+    #[error(
+        "edge.backends: {0:?} is not available in this build yet (only \"sim\" is): the container runtime is being built (issue 4)"
+    )]
+    BackendUnavailable(String),
     #[error("cluster did not become ready within {0:?}: {1}")]
     NotReady(Duration, String),
     #[error("image store {path}: {source}")]
@@ -120,6 +124,7 @@ impl Cluster {
         if let Some(n) = opts.sim_edges {
             config.sim_edges = n;
         }
+        check_backends(&config)?;
         std::fs::create_dir_all(&config.state_dir)
             .map_err(|source| ClusterError::StateDir { path: config.state_dir.clone(), source })?;
         seed_images(&config.image_store_dir())?;
@@ -420,6 +425,7 @@ pub async fn run_daemon(
             start_apiserver(&config, l, m)
         }
         Role::Edge => {
+            check_backends(&config)?;
             let name = config.edge.name.clone();
             if name.is_empty() {
                 return Err(ClusterError::NoSuchComponent("edge.name is empty: every edge needs a name".into()));
@@ -448,6 +454,15 @@ pub enum Role {
     Watcher,
     Apiserver,
     Edge,
+}
+
+/// Edges offer only what they can run: a config asking for a backend this build cannot start is
+/// refused instead of silently running sim sandboxes in its place.
+fn check_backends(config: &Config) -> Result<(), ClusterError> {
+    match config.edge.backends.iter().find(|b| b.as_str() != "sim") {
+        Some(b) => Err(ClusterError::BackendUnavailable(b.clone())),
+        None => Ok(()),
+    }
 }
 
 /// The admin token file of a state directory.

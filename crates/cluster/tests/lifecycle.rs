@@ -251,3 +251,12 @@ async fn a_retried_creation_with_the_same_lease_returns_the_same_sandbox() {
     assert_eq!(usage(&t.admin, "root").await.sandboxes, 1);
     t.cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_this_build_cannot_run_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = fast_config(dir.path());
+    cfg.edge.backends = vec!["sim".into(), "container".into()];
+    let err = opendsec_cluster::Cluster::up(cfg, Default::default()).await.err().expect("refused");
+    assert!(err.to_string().contains("container"), "{err}");
+}
