@@ -14,8 +14,9 @@ use std::time::Duration;
 
 use opendsec_common::config::{Config, EdgeEndpoint};
 use opendsec_common::grpc;
-use opendsec_edge::backend::Backend;
+use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions};
 use opendsec_edge::backend::sim::SimBackend;
+use opendsec_edge::backend::{Backend, BackendError};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -40,10 +41,10 @@ pub enum ClusterError {
     NoSuchComponent(String),
     #[error("component {0} is already running")]
     AlreadyRunning(String),
-    #[error(
-        "edge.backends: {0:?} is not available in this build yet (only \"sim\" is): the container runtime is being built (issue 4)"
-    )]
+    #[error("edge.backends: {0:?} is not available in this build yet (only \"sim\" and \"container\" are)")]
     BackendUnavailable(String),
+    #[error("edge {edge}: backend {backend}: {source}")]
+    Backend { edge: String, backend: String, source: opendsec_edge::backend::BackendError },
     #[error("cluster did not become ready within {0:?}: {1}")]
     NotReady(Duration, String),
     #[error("image store {path}: {source}")]
@@ -313,7 +314,7 @@ async fn start_edge(
         service_token: config.service_token.clone(),
         advertise: addr.to_string(),
     };
-    let backends: Vec<Arc<dyn Backend>> = vec![backend];
+    let backends = build_backends(config, name, backend)?;
     let edge = opendsec_edge::Edge::start(opts, backends)
         .await
         .map_err(|source| ClusterError::Edge { name: name.to_string(), source })?;
@@ -324,6 +325,39 @@ async fn start_edge(
         .await
         .map_err(|e| e.to_string())
     }))
+}
+
+/// The backends `config.edge.backends` names. The sim one is the slot's (tests reach it through
+/// [`Cluster::sim_backend`]); a container backend is made afresh on every start, so an edge
+/// restart adopts its sandboxes as a new process would.
+fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<Vec<Arc<dyn Backend>>, ClusterError> {
+    let mut out: Vec<Arc<dyn Backend>> = Vec::new();
+    for b in &config.edge.backends {
+        match b.as_str() {
+            "sim" => out.push(sim.clone()),
+            "container" => {
+                let err = |source| ClusterError::Backend { edge: name.into(), backend: b.clone(), source };
+                let init_exe = match &config.edge.container_setup_exe {
+                    Some(p) => p.clone(),
+                    None => std::env::current_exe()
+                        .map_err(|e| err(BackendError::Internal(format!("cannot find the running executable: {e}"))))?,
+                };
+                let state = config.edge_state_dir(name);
+                let opts = ContainerOptions {
+                    edge: name.into(),
+                    store_dir: config.image_store_dir(),
+                    state_dir: state.join("containers"),
+                    cache_dir: state.join("layers"),
+                    init_exe,
+                    init_argv: config.edge.container_init.clone(),
+                    pids_limit: config.edge.container_pids_limit,
+                };
+                out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
+            }
+            other => return Err(ClusterError::BackendUnavailable(other.into())),
+        }
+    }
+    Ok(out)
 }
 
 fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>) -> Running {
@@ -459,7 +493,7 @@ pub enum Role {
 /// Edges offer only what they can run: a config asking for a backend this build cannot start is
 /// refused instead of silently running sim sandboxes in its place.
 fn check_backends(config: &Config) -> Result<(), ClusterError> {
-    match config.edge.backends.iter().find(|b| b.as_str() != "sim") {
+    match config.edge.backends.iter().find(|b| !matches!(b.as_str(), "sim" | "container")) {
         Some(b) => Err(ClusterError::BackendUnavailable(b.clone())),
         None => Ok(()),
     }

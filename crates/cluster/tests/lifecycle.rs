@@ -256,7 +256,7 @@ async fn a_retried_creation_with_the_same_lease_returns_the_same_sandbox() {
 async fn a_backend_this_build_cannot_run_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = fast_config(dir.path());
-    cfg.edge.backends = vec!["sim".into(), "container".into()];
+    cfg.edge.backends = vec!["sim".into(), "microvm".into()];
     let err = opendsec_cluster::Cluster::up(cfg, Default::default()).await.err().expect("refused");
-    assert!(err.to_string().contains("container"), "{err}");
+    assert!(err.to_string().contains("microvm"), "{err}");
 }

@@ -292,6 +292,14 @@ pub struct EdgeConfig {
     /// Stopped and failed records are kept this long for `get`, then removed.
     #[serde(with = "humantime_serde")]
     pub ended_retention: Duration,
+    /// argv of PID 1 in a container sandbox. Empty (the default) refuses container creations
+    /// until the agent is wired in: no silent stand-in.
+    pub container_init: Vec<String>,
+    /// Maximum number of tasks per container sandbox; 0 = none.
+    pub container_pids_limit: u64,
+    /// The binary re-executed as a container's setup process; default: the running executable
+    /// (which calls `linuxrt::init::run_if_init()` first in `main`). Tests point it elsewhere.
+    pub container_setup_exe: Option<PathBuf>,
 }
 
 impl Default for EdgeConfig {
@@ -312,6 +320,9 @@ impl Default for EdgeConfig {
             disk_reserve_mb: 1024,
             keep_sandboxes_on_exit: true,
             ended_retention: Duration::from_secs(600),
+            container_init: Vec::new(),
+            container_pids_limit: 1024,
+            container_setup_exe: None,
         }
     }
 }

@@ -1,6 +1,9 @@
 //! opendsecctl: see `opendsec_cli::ctl`.
 
 fn main() {
+    // `cluster up` edges with the container backend re-execute this binary as a sandbox's
+    // setup process: it must branch off before any thread or runtime exists, and never returns.
+    opendsec_edge::linuxrt::init::run_if_init();
     // Die quietly when a reader such as `head` closes the pipe, as Unix tools do, instead of
     // panicking in println!.
     // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a valid

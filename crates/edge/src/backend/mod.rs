@@ -17,6 +17,7 @@ use opendsec_common::Reason;
 
 use crate::record::SandboxRecord;
 
+pub mod container;
 pub mod sim;
 
 /// Why a backend call failed; each kind maps to one public reason.

@@ -237,6 +237,13 @@ fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), San
     Ok(())
 }
 
+/// Removes whatever is left of the sandbox named exactly `name` (its processes through its
+/// cgroup, loop devices under its directory, the cgroup and the directory); nothing left is Ok.
+/// For sandboxes this process holds no handle of (a creation interrupted by an edge restart).
+pub fn remove_named(state_dir: &Path, name: &str) -> Result<(), SandboxError> {
+    teardown(name, &state_dir.join(name), None)
+}
+
 /// Removes every sandbox named `<prefix>...` not in `keep`: its processes (through its cgroup),
 /// loop devices backed under its directory, the cgroup and the directory. Returns the names.
 pub fn cleanup_leftovers(state_dir: &Path, prefix: &str, keep: &[String]) -> Result<Vec<String>, SandboxError> {

@@ -1,0 +1,442 @@
+//! The `container` backend: sandboxes as Linux containers through the runtime in
+//! [`crate::linuxrt`] (issue 4, item 2). The image is resolved in the store from the sandbox's
+//! project upward, its layers are copied into the node-local layer cache and stacked as overlay
+//! lower layers; the sandbox gets its own cgroup, upper disk and namespaces.
+//!
+//! Names: a sandbox `<edge>.<lease>` is the cgroup and state directory `sbx-<edge>.<lease>`,
+//! so one edge's clean-up (prefix `sbx-<edge>.`) never touches another edge's sandboxes on the
+//! same host.
+//!
+//! Invariants:
+//! - `<store>/inuse/<sandbox id>` (a JSON array of layer ids, see `opendsec_images::gc`) is
+//!   written before the layers are used and removed once the sandbox is stopped, so image GC
+//!   keeps the layers of every sandbox that may still run;
+//! - all blocking work (cgroups, copies, setup, teardown) runs on blocking threads;
+//! - a creation that fails leaves nothing behind (the runtime tears down what it made; the
+//!   inuse file is removed here).
+//!
+//! PID 1 inside is `init_argv` (the agent once it exists); an empty `init_argv` refuses every
+//! creation rather than running something silently different.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use opendsec_images::{LayerId, Store, StoreError};
+
+use super::{Backend, BackendError, Usage};
+use crate::linuxrt::cgroup::Limits;
+use crate::linuxrt::rootfs::{self, LayerCache};
+use crate::linuxrt::sandbox::{self, Sandbox, SandboxError, SandboxSpec};
+use crate::record::{PriorityRecord, SandboxRecord};
+
+/// Upper disk size when the spec asks for none.
+pub const DEFAULT_DISK_MB: u64 = 256;
+/// Cached layers unused for this long are removed by `cleanup`.
+pub const LAYER_CACHE_TTL: Duration = Duration::from_secs(6 * 3600);
+/// PATH given to PID 1 when neither the image nor the spec sets one.
+const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// oom_score_adj of PID 1: lowered so the sandbox's other processes are OOM-killed first.
+const PID1_OOM_SCORE_ADJ: i32 = -500;
+
+/// How the container backend is set up.
+#[derive(Clone, Debug)]
+pub struct ContainerOptions {
+    /// The edge's name; sandbox ids are `<edge>.<lease>`.
+    pub edge: String,
+    /// The image store (`config.image_store_dir()`).
+    pub store_dir: PathBuf,
+    /// Per-sandbox directories (`<edge state>/containers`).
+    pub state_dir: PathBuf,
+    /// The node-local layer cache (`<edge state>/layers`).
+    pub cache_dir: PathBuf,
+    /// The binary re-executed as setup process: the edge's own executable in production (it
+    /// calls `linuxrt::init::run_if_init()` first thing in `main`).
+    pub init_exe: PathBuf,
+    /// argv of PID 1 inside the sandbox; empty = creations are refused.
+    pub init_argv: Vec<String>,
+    /// Maximum number of tasks per sandbox; 0 = none.
+    pub pids_limit: u64,
+}
+
+struct Held {
+    sandbox: Arc<Sandbox>,
+    layers: Vec<LayerId>,
+}
+
+/// The container backend. Cheap to share: `Arc<ContainerBackend>` is what the edge holds.
+pub struct ContainerBackend {
+    opts: ContainerOptions,
+    store: Arc<Store>,
+    cache: LayerCache,
+    held: Mutex<HashMap<String, Held>>,
+}
+
+impl std::fmt::Debug for ContainerBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContainerBackend").field("opts", &self.opts).finish_non_exhaustive()
+    }
+}
+
+/// The cgroup and directory name of sandbox `id`.
+pub fn sandbox_name(id: &str) -> String {
+    format!("sbx-{id}")
+}
+
+/// PID 1's environment: the image's, then the spec's (a spec variable replaces the image's of
+/// the same name), and a default PATH when neither sets one. Image entries without `=` are
+/// kept as names with empty values.
+pub fn merge_env(image: &[String], spec: &BTreeMap<String, String>) -> Vec<String> {
+    let mut order: Vec<String> = Vec::new();
+    let mut values: HashMap<String, String> = HashMap::new();
+    let mut set = |k: &str, v: &str| {
+        if values.insert(k.to_owned(), v.to_owned()).is_none() {
+            order.push(k.to_owned());
+        }
+    };
+    for e in image {
+        let (k, v) = e.split_once('=').unwrap_or((e.as_str(), ""));
+        set(k, v);
+    }
+    for (k, v) in spec {
+        set(k, v);
+    }
+    let mut out: Vec<String> = order.iter().map(|k| format!("{k}={}", values[k])).collect();
+    if !values.contains_key("PATH") {
+        out.push(DEFAULT_PATH.to_owned());
+    }
+    out
+}
+
+/// Cgroup limits of a sandbox from its record.
+pub fn limits_of(sb: &SandboxRecord, pids_limit: u64) -> Limits {
+    let r = sb.resources();
+    Limits {
+        cpu_millis: u64::from(r.cpu_millis),
+        best_effort: sb.spec.priority == PriorityRecord::BestEffort,
+        memory_bytes: r.memory_mb.saturating_mul(1 << 20),
+        pids: pids_limit,
+    }
+}
+
+fn store_err(e: StoreError) -> BackendError {
+    match e {
+        StoreError::ImageNotFound(_) | StoreError::LayerNotFound(_) => BackendError::NotFound(e.to_string()),
+        StoreError::InvalidName { .. } => BackendError::InvalidArgument(e.to_string()),
+        other => BackendError::Unavailable(format!("image store: {other}")),
+    }
+}
+
+fn rootfs_err(e: rootfs::RootfsError) -> BackendError {
+    BackendError::Internal(format!("layer cache: {e}"))
+}
+
+fn sandbox_err(e: SandboxError) -> BackendError {
+    match e {
+        SandboxError::Gone(_) => BackendError::NotFound(e.to_string()),
+        other => BackendError::Internal(other.to_string()),
+    }
+}
+
+fn join_err(e: tokio::task::JoinError) -> BackendError {
+    BackendError::Internal(format!("blocking task failed: {e}"))
+}
+
+/// Runs blocking work on a blocking thread.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BackendError> + Send + 'static,
+) -> Result<T, BackendError> {
+    tokio::task::spawn_blocking(f).await.map_err(join_err)?
+}
+
+impl ContainerBackend {
+    /// Opens the image store and creates the state and cache directories.
+    pub fn new(opts: ContainerOptions) -> Result<ContainerBackend, BackendError> {
+        let store = Store::open(&opts.store_dir).map_err(store_err)?;
+        for d in [&opts.state_dir, &opts.cache_dir] {
+            std::fs::create_dir_all(d)
+                .map_err(|e| BackendError::Internal(format!("cannot create {}: {e}", d.display())))?;
+        }
+        let cache = LayerCache::new(&opts.cache_dir);
+        Ok(ContainerBackend { opts, store: Arc::new(store), cache, held: Mutex::new(HashMap::new()) })
+    }
+
+    /// The host pid of the sandbox's PID 1, when held.
+    pub fn pid(&self, id: &str) -> Option<i32> {
+        self.lock().get(id).map(|h| h.sandbox.pid)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
+        // Every update is one insert/remove, so the map stays consistent after a panic.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn handle(&self, id: &str) -> Option<Arc<Sandbox>> {
+        self.lock().get(id).map(|h| h.sandbox.clone())
+    }
+
+    fn inuse_path(&self, id: &str) -> PathBuf {
+        self.opts.store_dir.join("inuse").join(id)
+    }
+
+    fn prefix(&self) -> String {
+        sandbox_name(&format!("{}.", self.opts.edge))
+    }
+}
+
+/// Writes `<store>/inuse/<id>` whole (temp file + rename).
+fn write_inuse(path: &Path, layers: &[LayerId]) -> Result<(), BackendError> {
+    let ids: Vec<&str> = layers.iter().map(|l| l.as_str()).collect();
+    let bytes = serde_json::to_vec(&ids).map_err(|e| BackendError::Internal(format!("inuse encoding: {e}")))?;
+    let tmp = path.with_extension(format!("tmp{}", rand::random::<u32>()));
+    let fail = |e: std::io::Error| BackendError::Unavailable(format!("cannot write {}: {e}", path.display()));
+    std::fs::write(&tmp, bytes).map_err(fail)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        fail(e)
+    })
+}
+
+/// The layers an inuse file names (every parseable id; an unreadable file names none).
+fn read_inuse(path: &Path) -> Vec<LayerId> {
+    let Ok(bytes) = std::fs::read(path) else { return Vec::new() };
+    let ids: Vec<String> = serde_json::from_slice(&bytes).unwrap_or_default();
+    ids.iter().filter_map(|s| LayerId::parse(s).ok()).collect()
+}
+
+fn remove_inuse(path: &Path) -> Result<(), BackendError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(BackendError::Unavailable(format!("cannot remove {}: {e}", path.display()))),
+    }
+}
+
+#[async_trait]
+impl Backend for ContainerBackend {
+    fn name(&self) -> &'static str {
+        "container"
+    }
+
+    async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        if self.opts.init_argv.is_empty() {
+            return Err(BackendError::InvalidArgument(
+                "edge.container_init is empty: the agent is not wired yet; set a command".into(),
+            ));
+        }
+        if self.lock().contains_key(&sb.id) {
+            return Err(BackendError::InvalidState(format!("container sandbox {} already exists", sb.id)));
+        }
+        let (store, cache) = (self.store.clone(), self.cache.clone());
+        let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
+        let inuse = self.inuse_path(&sb.id);
+        let name = sandbox_name(&sb.id);
+        let disk_mb = if sb.resources().disk_mb == 0 { DEFAULT_DISK_MB } else { sb.resources().disk_mb };
+        let mut spec = SandboxSpec {
+            name: name.clone(),
+            state_dir: self.opts.state_dir.clone(),
+            hostname: sb.lease_id.clone(),
+            lower_dirs: Vec::new(),
+            disk_mb,
+            limits: limits_of(sb, self.opts.pids_limit),
+            binds: Vec::new(),
+            masked_paths: Vec::new(),
+            readonly_paths: Vec::new(),
+            oom_score_adj: PID1_OOM_SCORE_ADJ,
+            argv: self.opts.init_argv.clone(),
+            env: Vec::new(),
+            init_exe: self.opts.init_exe.clone(),
+        };
+        let spec_env = sb.spec.env.clone();
+        let started = blocking(move || {
+            let (_, manifest) = store.resolve(&project, &image).map_err(store_err)?;
+            // Write the holder file first, then use the layers (lower_dirs fails if GC took one).
+            write_inuse(&inuse, &manifest.layers)?;
+            let mut run = || -> Result<Sandbox, BackendError> {
+                spec.lower_dirs = rootfs::lower_dirs(&cache, &store, &manifest.layers).map_err(rootfs_err)?;
+                spec.env = merge_env(&manifest.config.env, &spec_env);
+                Sandbox::start(&spec).map_err(sandbox_err)
+            };
+            match run() {
+                Ok(s) => Ok((s, manifest.layers)),
+                Err(e) => {
+                    let _ = remove_inuse(&inuse);
+                    Err(e)
+                }
+            }
+        })
+        .await?;
+        let (sandbox, layers) = started;
+        self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers });
+        Ok(())
+    }
+
+    async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        let held = self.lock().remove(&sb.id);
+        let state_dir = self.opts.state_dir.clone();
+        let name = sandbox_name(&sb.id);
+        let inuse = self.inuse_path(&sb.id);
+        blocking(move || {
+            let mut handle = held.map(|h| h.sandbox);
+            // A probe may hold a clone for an instant; wait for it rather than leak the handle.
+            for _ in 0..500 {
+                match handle.take().map(Arc::try_unwrap) {
+                    Some(Ok(s)) => {
+                        s.stop().map_err(sandbox_err)?;
+                        break;
+                    }
+                    Some(Err(again)) => {
+                        handle = Some(again);
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    None => break,
+                }
+            }
+            if handle.is_some() {
+                return Err(BackendError::Unavailable(format!("sandbox {name} is busy; stop again")));
+            }
+            // Not held (or just stopped): remove whatever is left under its name.
+            sandbox::remove_named(&state_dir, &name).map_err(sandbox_err)?;
+            remove_inuse(&inuse)
+        })
+        .await
+    }
+
+    async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
+        blocking(move || s.freeze().map_err(sandbox_err)).await
+    }
+
+    async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
+        blocking(move || s.thaw().map_err(sandbox_err)).await
+    }
+
+    async fn probe(&self, id: &str) -> Result<bool, BackendError> {
+        let Some(s) = self.handle(id) else { return Ok(false) };
+        blocking(move || Ok(s.exited().is_none())).await
+    }
+
+    async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        let state_dir = self.opts.state_dir.clone();
+        let name = sandbox_name(&sb.id);
+        let inuse = self.inuse_path(&sb.id);
+        let (sandbox, layers) = blocking(move || {
+            let s = Sandbox::adopt(&state_dir, &name).map_err(|e| match e {
+                SandboxError::Cgroup(c) => BackendError::NotFound(format!("sandbox {name}: {c}")),
+                other => sandbox_err(other),
+            })?;
+            Ok((s, read_inuse(&inuse)))
+        })
+        .await?;
+        self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers });
+        Ok(())
+    }
+
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
+        // Called by the edge's recovery before it serves (no creation runs concurrently): a
+        // sandbox created meanwhile would be judged a leftover, holder file included.
+        // Held sandboxes nobody keeps go too: stopped through their handle (which reaps PID 1).
+        let dropped: Vec<Arc<Sandbox>> = {
+            let mut map = self.lock();
+            let gone: Vec<String> = map.keys().filter(|id| !keep.contains(*id)).cloned().collect();
+            gone.iter().filter_map(|id| map.remove(id)).map(|h| h.sandbox).collect()
+        };
+        let in_use: Vec<LayerId> = self.lock().values().flat_map(|h| h.layers.clone()).collect();
+        let keep_names: Vec<String> = keep.iter().map(|id| sandbox_name(id)).collect();
+        let keep_ids = keep.clone();
+        let (state_dir, cache, prefix) = (self.opts.state_dir.clone(), self.cache.clone(), self.prefix());
+        let inuse_dir = self.opts.store_dir.join("inuse");
+        let edge_prefix = format!("{}.", self.opts.edge);
+        blocking(move || {
+            let mut count = 0;
+            for s in dropped {
+                // A probe may still hold a clone: then the name-based clean-up below removes it.
+                if let Ok(s) = Arc::try_unwrap(s) {
+                    s.stop().map_err(sandbox_err)?;
+                    count += 1;
+                }
+            }
+            count += sandbox::cleanup_leftovers(&state_dir, &prefix, &keep_names).map_err(sandbox_err)?.len();
+            // Holder files of this edge's sandboxes that no longer exist.
+            if let Ok(rd) = std::fs::read_dir(&inuse_dir) {
+                for e in rd.flatten() {
+                    if let Some(n) = e.file_name().to_str()
+                        && n.starts_with(&edge_prefix)
+                        && !keep_ids.contains(n)
+                    {
+                        remove_inuse(&e.path())?;
+                    }
+                }
+            }
+            if let Err(e) = cache.prune(LAYER_CACHE_TTL, &in_use) {
+                tracing::warn!("layer cache prune: {e}");
+            }
+            Ok(count)
+        })
+        .await
+    }
+
+    fn usage(&self) -> Option<Usage> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_merges_image_then_spec_with_default_path() {
+        let spec: BTreeMap<String, String> = [("A".to_string(), "2".to_string())].into();
+        let env = merge_env(&["A=1".into(), "B=x=y".into(), "C".into()], &spec);
+        assert_eq!(env, vec!["A=2".to_string(), "B=x=y".into(), "C=".into(), DEFAULT_PATH.into()]);
+        let env = merge_env(&["PATH=/bin".into()], &BTreeMap::new());
+        assert_eq!(env, vec!["PATH=/bin".to_string()]);
+    }
+
+    #[test]
+    fn names_carry_the_edge_so_prefixes_do_not_cross_edges() {
+        assert_eq!(sandbox_name("e1.l1"), "sbx-e1.l1");
+        assert!(!sandbox_name("e10.l1").starts_with(&sandbox_name("e1.")));
+    }
+
+    #[tokio::test]
+    async fn empty_init_argv_refuses_creation() {
+        let tmp = tempfile::tempdir().unwrap();
+        let b = ContainerBackend::new(ContainerOptions {
+            edge: "e1".into(),
+            store_dir: tmp.path().join("store"),
+            state_dir: tmp.path().join("containers"),
+            cache_dir: tmp.path().join("layers"),
+            init_exe: "/nonexistent".into(),
+            init_argv: vec![],
+            pids_limit: 1024,
+        })
+        .unwrap();
+        let rec = SandboxRecord {
+            version: 1,
+            id: "e1.l1".into(),
+            edge: "e1".into(),
+            lease_id: "l1".into(),
+            principal: String::new(),
+            spec: Default::default(),
+            state: crate::state::SandboxStatus::Creating,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            last_active_ms: 0,
+            paused_since_ms: 0,
+            end_reason: String::new(),
+            ended_at_ms: 0,
+            lease_released: false,
+        };
+        let e = b.create(&rec).await.unwrap_err();
+        assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("container_init")), "{e}");
+        // Stopping an unknown sandbox succeeds.
+        b.stop(&rec).await.unwrap();
+        assert!(!b.probe("e1.l1").await.unwrap());
+    }
+}

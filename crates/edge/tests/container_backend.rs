@@ -1,0 +1,171 @@
+//! Root test of the `container` backend through the `Backend` trait: a busybox image in a store,
+//! a sandbox created, paused, resumed, adopted by a second backend instance (as after an edge
+//! restart), stopped; nothing left behind. A guard cleans up on failure.
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions};
+use opendsec_edge::backend::{Backend, BackendError};
+use opendsec_edge::linuxrt::cgroup;
+use opendsec_edge::linuxrt::rootfs;
+use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
+use opendsec_edge::record::{ResourcesRecord, SandboxRecord, SpecRecord};
+use opendsec_edge::state::SandboxStatus;
+use opendsec_images::Store;
+
+const EDGE: &str = "cbtest";
+
+struct Guard {
+    state: PathBuf,
+}
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = sandbox::cleanup_leftovers(&self.state, &format!("sbx-{EDGE}."), &[]);
+    }
+}
+
+async fn busybox_image(store_dir: &Path, tmp: &Path) {
+    let root = tmp.join("bbroot");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    for d in ["proc", "sys", "dev", "tmp", "etc"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+        }
+    }
+    let store = Store::open(store_dir).unwrap();
+    let imported = opendsec_images::offline::import_rootfs(&store, &root, &Default::default()).await.unwrap();
+    let manifest = opendsec_images::Manifest {
+        v: 1,
+        project: "root".into(),
+        repo: "busybox".into(),
+        tag: "latest".into(),
+        layers: imported.layers.clone(),
+        config: imported.config.clone(),
+        created_at_ms: 0,
+        source: "test".into(),
+    };
+    store.write_manifest(&manifest).unwrap();
+}
+
+fn options(tmp: &Path, argv: Vec<String>) -> ContainerOptions {
+    ContainerOptions {
+        edge: EDGE.into(),
+        store_dir: tmp.join("store"),
+        state_dir: tmp.join("containers"),
+        cache_dir: tmp.join("layers"),
+        init_exe: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-sandbox-init")),
+        init_argv: argv,
+        pids_limit: 64,
+    }
+}
+
+fn record(lease: &str, image: &str) -> SandboxRecord {
+    SandboxRecord {
+        version: 1,
+        id: format!("{EDGE}.{lease}"),
+        edge: EDGE.into(),
+        lease_id: lease.into(),
+        principal: String::new(),
+        spec: SpecRecord {
+            project: "root/team".into(),
+            image: image.into(),
+            backend: "container".into(),
+            resources: ResourcesRecord { cpu_millis: 500, memory_mb: 64, disk_mb: 16, gpus: 0 },
+            ..Default::default()
+        },
+        state: SandboxStatus::Creating,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+        last_active_ms: 0,
+        paused_since_ms: 0,
+        end_reason: String::new(),
+        ended_at_ms: 0,
+        lease_released: false,
+    }
+}
+
+fn freezer_state(s: &Sandbox) -> String {
+    let rel = s.cgroup.rel_path().strip_prefix("/").unwrap().to_path_buf();
+    let p = match s.cgroup.layout() {
+        cgroup::Layout::V1 => Path::new("/sys/fs/cgroup/freezer").join(rel).join("freezer.state"),
+        cgroup::Layout::V2 => Path::new("/sys/fs/cgroup").join(rel).join("cgroup.freeze"),
+    };
+    std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_backend_lifecycle_adoption_and_cleanup() {
+    if !rustix::process::geteuid().is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let _g = Guard { state: tmp.path().join("containers") };
+    busybox_image(&tmp.path().join("store"), tmp.path()).await;
+    let argv: Vec<String> = vec!["/bin/sh".into(), "-c".into(), "while :; do sleep 1; done".into()];
+    let b = ContainerBackend::new(options(tmp.path(), argv.clone())).unwrap();
+
+    // An image nobody has: not found, nothing left.
+    let missing = record("l0", "nosuch");
+    assert!(matches!(b.create(&missing).await, Err(BackendError::NotFound(_))));
+    assert!(!tmp.path().join("store/inuse").join(&missing.id).exists());
+
+    let rec = record("l1", "busybox");
+    b.create(&rec).await.unwrap();
+    assert!(b.probe(&rec.id).await.unwrap());
+    let pid = b.pid(&rec.id).unwrap();
+    assert!(Path::new(&format!("/proc/{pid}")).exists());
+    let inuse = tmp.path().join("store/inuse").join(&rec.id);
+    let layers: Vec<String> = serde_json::from_slice(&std::fs::read(&inuse).unwrap()).unwrap();
+    assert_eq!(layers.len(), 1);
+
+    b.pause(&rec).await.unwrap();
+    let adopted = Sandbox::adopt(&tmp.path().join("containers"), &format!("sbx-{}", rec.id)).unwrap();
+    assert_eq!(adopted.pid, pid);
+    wait_for("frozen", 10, || freezer_state(&adopted) == "FROZEN" || freezer_state(&adopted) == "1");
+    b.resume(&rec).await.unwrap();
+    wait_for("thawed", 10, || freezer_state(&adopted) == "THAWED" || freezer_state(&adopted) == "0");
+
+    // "Edge restart": a new backend instance adopts the sandbox; cleanup keeps it.
+    drop(b);
+    let b = ContainerBackend::new(options(tmp.path(), argv)).unwrap();
+    assert!(!b.probe(&rec.id).await.unwrap());
+    b.adopt(&rec).await.unwrap();
+    assert!(b.probe(&rec.id).await.unwrap());
+    assert_eq!(b.pid(&rec.id), Some(pid));
+    let keep: HashSet<String> = [rec.id.clone()].into();
+    assert_eq!(b.cleanup(&keep).await.unwrap(), 0);
+    assert!(b.probe(&rec.id).await.unwrap());
+    assert!(inuse.exists());
+
+    b.stop(&rec).await.unwrap();
+    assert!(!b.probe(&rec.id).await.unwrap());
+    assert!(!inuse.exists());
+    wait_for("PID 1 gone", 10, || !Path::new(&format!("/proc/{pid}")).exists());
+    assert!(cgroup::list(&format!("sbx-{EDGE}.")).unwrap().is_empty());
+    assert!(rootfs::loops_under(&tmp.path().join("containers")).is_empty());
+    assert!(!tmp.path().join("containers").join(format!("sbx-{}", rec.id)).exists());
+    // Stopping again (nothing there) succeeds.
+    b.stop(&rec).await.unwrap();
+
+    // A sandbox no record keeps is removed by cleanup, holder file included.
+    let rec2 = record("l2", "busybox");
+    b.create(&rec2).await.unwrap();
+    assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 1);
+    assert!(!b.probe(&rec2.id).await.unwrap());
+    assert!(!tmp.path().join("store/inuse").join(&rec2.id).exists());
+    assert!(cgroup::list(&format!("sbx-{EDGE}.")).unwrap().is_empty());
+}
