@@ -259,6 +259,14 @@ impl State {
         }
     }
 
+    /// The actor's token still stands and it may manage `path` (create, delete, set its quota):
+    /// `project.manage` on the parent, so nobody raises their own project's limits.
+    fn require_manage(&self, actor: &Actor, now_ms: i64, path: &str) -> Result<(), IamError> {
+        self.check_actor(actor, now_ms)?;
+        let (perm, on) = State::manage_rule(path);
+        self.require(&actor.principal, perm, on, || format!("project {on}"))
+    }
+
     /// Checks that the actor's token still stands at `now_ms` (not revoked, not expired, its
     /// principal still there).
     pub(crate) fn check_actor(&self, actor: &Actor, now_ms: i64) -> Result<(), IamError> {
@@ -454,14 +462,13 @@ fn create_project(
 ) -> Result<Output, IamError> {
     ids::validate_project(path).map_err(IamError::invalid)?;
     quota.validate()?;
-    st.check_actor(actor, now_ms)?;
-    let (perm, on) = State::manage_rule(path);
-    st.require(&actor.principal, perm, on, || format!("project {on}"))?;
+    st.require_manage(actor, now_ms, path)?;
     if st.projects.contains_key(path) {
         return Err(IamError::AlreadyExists { kind: "project", name: path.into() });
     }
-    if !st.projects.contains_key(on) {
-        return Err(IamError::NotFound { kind: "parent project", name: on.into() });
+    let (_, parent) = State::manage_rule(path);
+    if !st.projects.contains_key(parent) {
+        return Err(IamError::NotFound { kind: "parent project", name: parent.into() });
     }
     let rec = ProjectRecord { path: path.into(), quota: *quota, created_at_ms: now_ms };
     st.projects.insert(path.into(), rec.clone());
@@ -480,9 +487,7 @@ fn set_quota(
 ) -> Result<Output, IamError> {
     ids::validate_project(path).map_err(IamError::invalid)?;
     quota.validate()?;
-    st.check_actor(actor, now_ms)?;
-    let (perm, on) = State::manage_rule(path);
-    st.require(&actor.principal, perm, on, || format!("project {on}"))?;
+    st.require_manage(actor, now_ms, path)?;
     let Some(rec) = st.projects.get_mut(path) else {
         return Err(IamError::NotFound { kind: "project", name: path.into() });
     };
@@ -502,9 +507,7 @@ fn delete_project(
     if path == ROOT_PROJECT {
         return Err(IamError::InvalidArgument("the root project cannot be deleted".into()));
     }
-    st.check_actor(actor, now_ms)?;
-    let (perm, on) = State::manage_rule(path);
-    st.require(&actor.principal, perm, on, || format!("project {on}"))?;
+    st.require_manage(actor, now_ms, path)?;
     if !st.projects.contains_key(path) {
         return Err(IamError::NotFound { kind: "project", name: path.into() });
     }
