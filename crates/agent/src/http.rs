@@ -52,7 +52,7 @@ pub async fn request(r: HttpRequestRequest) -> Result<HttpRequestResponse, Agent
                 break;
             }
             // Keep the head plus up to `max` raw body bytes (chunk framing counts too).
-            let room = (MAX_HEAD as u64 + max).saturating_sub(raw.len() as u64) as usize;
+            let room = (MAX_HEAD as u64).saturating_add(max).saturating_sub(raw.len() as u64) as usize;
             let keep = room.min(n);
             raw.extend_from_slice(&buf[..keep]);
             dropped += (n - keep) as u64;

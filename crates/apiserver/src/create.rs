@@ -198,11 +198,6 @@ pub async fn create_one(
                 shared.placement_done(placed.overlay_id, true);
                 return Err(e);
             }
-            Err(e) if e.reason == Reason::AlreadyExists => {
-                // An earlier attempt with this lease reached this edge: answer with that sandbox.
-                shared.placement_done(placed.overlay_id, true);
-                return edge_get(shared, &placed.edge, &ids::sandbox_id(&placed.edge, &lease)).await;
-            }
             Err(e) => {
                 shared.placement_done(placed.overlay_id, false);
                 release(shared, &lease).await;

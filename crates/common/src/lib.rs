@@ -8,6 +8,7 @@ pub mod grpc;
 pub mod http;
 pub mod ids;
 pub mod reason;
+pub mod spec;
 pub mod time;
 
 pub use reason::{ApiError, Reason};

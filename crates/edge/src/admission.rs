@@ -6,7 +6,7 @@
 //! stale, so everything here is checked again on the edge.
 
 use opendsec_common::config::KNOWN_BACKENDS;
-use opendsec_common::ids;
+use opendsec_common::{ids, spec};
 use opendsec_proto::v1::{EdgeCreateRequest, Pressure};
 
 use crate::record::{PriorityRecord, ResourcesRecord};
@@ -16,11 +16,6 @@ pub const MAX_CPU_MILLIS: u32 = 1024 * 1000;
 pub const MAX_MEMORY_MB: u64 = 64 << 20;
 pub const MAX_DISK_MB: u64 = 1 << 30;
 pub const MAX_GPUS: u32 = 64;
-pub const MAX_LABELS: usize = 64;
-pub const MAX_LABEL_KEY: usize = 63;
-pub const MAX_LABEL_VALUE: usize = 255;
-pub const MAX_ENV: usize = 1024;
-pub const MAX_ENV_BYTES: usize = 256 << 10;
 pub const MAX_IMAGE: usize = 1024;
 pub const MAX_USER: usize = 256;
 pub const MAX_WORKDIR: usize = 4096;
@@ -57,29 +52,8 @@ pub fn validate_create(req: &EdgeCreateRequest) -> Result<(), String> {
     if PriorityRecord::from_proto(spec.priority).is_none() {
         return Err(format!("spec.priority {} is not a priority", spec.priority));
     }
-    if spec.labels.len() > MAX_LABELS {
-        return Err(format!("spec.labels: more than {MAX_LABELS} labels"));
-    }
-    for (k, v) in &spec.labels {
-        if k.is_empty() || k.len() > MAX_LABEL_KEY || v.len() > MAX_LABEL_VALUE {
-            return Err(format!(
-                "spec.labels: keys must have 1..={MAX_LABEL_KEY} bytes and values at most {MAX_LABEL_VALUE}"
-            ));
-        }
-    }
-    if spec.env.len() > MAX_ENV {
-        return Err(format!("spec.env: more than {MAX_ENV} variables"));
-    }
-    let mut env_bytes = 0usize;
-    for (k, v) in &spec.env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err("spec.env: names must be non-empty without '=' or NUL, values without NUL".into());
-        }
-        env_bytes += k.len() + v.len();
-    }
-    if env_bytes > MAX_ENV_BYTES {
-        return Err(format!("spec.env: more than {MAX_ENV_BYTES} bytes"));
-    }
+    spec::check_labels(&spec.labels).map_err(|e| format!("spec.labels: {e}"))?;
+    spec::check_env(&spec.env).map_err(|e| format!("spec.env: {e}"))?;
     for (field, value, max) in
         [("image", &spec.image, MAX_IMAGE), ("user", &spec.user, MAX_USER), ("workdir", &spec.workdir, MAX_WORKDIR)]
     {

@@ -234,6 +234,13 @@ impl Iam {
         if lease_ids.is_empty() {
             return Ok(0);
         }
+        // One call is one command under the state lock: bounded like lookups.
+        if lease_ids.len() > MAX_GET_LEASES {
+            return Err(IamError::InvalidArgument(format!(
+                "{} lease ids to release; at most {MAX_GET_LEASES} per call",
+                lease_ids.len()
+            )));
+        }
         let cmd = Command::ReleaseLeases { now_ms: now_ms(), lease_ids, edge: edge.into() };
         match self.execute(cmd).await? {
             Output::Released { released } => Ok(released),

@@ -320,6 +320,7 @@ fn read_meta<R: Read>(entry: &mut tar::Entry<'_, R>, path: &[u8]) -> Result<Meta
     let header_mtime = h.mtime().map_err(|e| bad("mtime", e))?;
     let mut mtime = Timespec { tv_sec: i64::try_from(header_mtime).unwrap_or(i64::MAX), tv_nsec: 0 };
     let mut xattrs = Vec::new();
+    let mut xattr_bytes = 0usize;
     if let Some(exts) = entry.pax_extensions().map_err(|e| bad("pax records", e))? {
         for ext in exts {
             let ext = ext.map_err(|e| bad("pax record", e))?;
@@ -334,13 +335,23 @@ fn read_meta<R: Read>(entry: &mut tar::Entry<'_, R>, path: &[u8]) -> Result<Meta
                 if name.starts_with(b"trusted.overlay.") || name.starts_with(b"user.overlay.") {
                     continue;
                 }
+                // The kernel takes at most 64 KiB per value and per entry's list: anything
+                // bigger is refused here, before directories keep it until the layer's end.
+                let value = ext.value_bytes();
+                xattr_bytes += name.len() + value.len();
+                if value.len() > XATTR_MAX || xattr_bytes > XATTR_MAX {
+                    return Err(invalid(path, format!("extended attributes above {XATTR_MAX} bytes")));
+                }
                 let name = CString::new(name).map_err(|_| invalid(path, "xattr name contains a NUL byte"))?;
-                xattrs.push((name, ext.value_bytes().to_vec()));
+                xattrs.push((name, value.to_vec()));
             }
         }
     }
     Ok(Meta { uid, gid, mode, mtime, xattrs })
 }
+
+/// Linux's XATTR_SIZE_MAX (and XATTR_LIST_MAX): the most one entry's attributes may hold.
+const XATTR_MAX: usize = 64 << 10;
 
 /// `secs[.frac]` as PAX writes times.
 fn parse_pax_time(v: &[u8]) -> Option<Timespec> {

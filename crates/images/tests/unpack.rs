@@ -518,3 +518,15 @@ fn source_errors_and_missing_lowers_are_told_apart() {
     assert_clean(&store);
     assert!(matches!(e, LayerError::Store(opendsec_images::StoreError::LayerNotFound(_))), "{e:?}");
 }
+
+#[test]
+fn oversized_extended_attributes_are_refused() {
+    let (_d, store) = store();
+    // A directory keeps its xattrs until the layer's end: an oversized one must fail at once.
+    let mut b = tar::Builder::new(Vec::new());
+    let big = vec![b'a'; 70 << 10];
+    b.append_pax_extensions([("SCHILY.xattr.user.big", &big[..])]).unwrap();
+    raw_entry(&mut b, b"d/", EntryType::Directory, b"", None, 0o755, 1);
+    assert_invalid(refused(&store, &b.into_inner().unwrap(), &Limits::default()), "extended attributes");
+    assert_clean(&store);
+}

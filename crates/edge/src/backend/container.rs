@@ -227,6 +227,12 @@ impl Backend for ContainerBackend {
                 "edge.container_init is empty: the agent is not wired yet; set a command".into(),
             ));
         }
+        // Not applied yet: refuse rather than hand out a sandbox without what was asked for.
+        if !sb.spec.user.is_empty() || !sb.spec.workdir.is_empty() || sb.spec.resources.gpus > 0 {
+            return Err(BackendError::InvalidArgument(
+                "spec.user, spec.workdir and gpus are not supported by the container backend yet".into(),
+            ));
+        }
         if self.lock().contains_key(&sb.id) {
             return Err(BackendError::InvalidState(format!("container sandbox {} already exists", sb.id)));
         }

@@ -140,9 +140,23 @@ impl Sandbox {
     pub fn stop(self) -> Result<(), SandboxError> {
         let pid = self.pid;
         let r = teardown(&self.name, &self.dir, Some(self.cgroup));
-        // SAFETY: reaping our own (now dead) child; WNOHANG so a stranger pid cannot block us.
-        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        reap(pid);
         r
+    }
+}
+
+/// Reaps the sandbox's PID 1, our child once the setup process exited. A task leaves its cgroup
+/// before it becomes a zombie, so an empty cgroup does not mean the zombie is there yet: retry
+/// for up to a second. A pid that is not our child answers ECHILD at once.
+fn reap(pid: i32) {
+    for _ in 0..100 {
+        // SAFETY: waitpid on a pid with a null status pointer and WNOHANG never blocks and
+        // writes nothing.
+        let rc = unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        if rc != 0 {
+            return; // reaped, or not our child
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
 

@@ -1,0 +1,61 @@
+//! Limits on the free-form parts of a sandbox spec (labels, env), checked by the apiserver
+//! before anything is reserved and again by the edge, from this one definition: an apiserver
+//! accepting what an edge refuses would reserve quota only to give it back.
+
+use std::collections::HashMap;
+
+pub const MAX_LABELS: usize = 64;
+pub const MAX_LABEL_KEY: usize = 63;
+pub const MAX_LABEL_VALUE: usize = 255;
+pub const MAX_ENV: usize = 1024;
+pub const MAX_ENV_BYTES: usize = 256 << 10;
+
+pub fn check_labels(labels: &HashMap<String, String>) -> Result<(), String> {
+    if labels.len() > MAX_LABELS {
+        return Err(format!("more than {MAX_LABELS} labels"));
+    }
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > MAX_LABEL_KEY || v.len() > MAX_LABEL_VALUE {
+            return Err(format!("keys must have 1..={MAX_LABEL_KEY} bytes and values at most {MAX_LABEL_VALUE}"));
+        }
+    }
+    Ok(())
+}
+
+pub fn check_env(env: &HashMap<String, String>) -> Result<(), String> {
+    if env.len() > MAX_ENV {
+        return Err(format!("more than {MAX_ENV} variables"));
+    }
+    let mut total = 0usize;
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err("names must be non-empty without '=' or NUL, values without NUL".into());
+        }
+        total += k.len() + v.len();
+    }
+    if total > MAX_ENV_BYTES {
+        return Err(format!("more than {MAX_ENV_BYTES} bytes"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(k: &str, v: &str) -> HashMap<String, String> {
+        [(k.to_string(), v.to_string())].into_iter().collect()
+    }
+
+    #[test]
+    fn limits() {
+        assert!(check_labels(&map("job", "rl")).is_ok());
+        assert!(check_labels(&map(&"k".repeat(64), "v")).is_err());
+        assert!(check_labels(&map("k", &"v".repeat(256))).is_err());
+        assert!(check_labels(&map("", "v")).is_err());
+        assert!(check_env(&map("PATH", "/bin")).is_ok());
+        assert!(check_env(&map("A=B", "x")).is_err());
+        assert!(check_env(&map("A", "x\0y")).is_err());
+        assert!(check_env(&map("A", &"x".repeat(MAX_ENV_BYTES))).is_err());
+    }
+}
