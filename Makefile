@@ -1,10 +1,10 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint demo bench agent
+.PHONY: setup build test verify fmt lint demo bench agent images
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
-APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs
+APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc
 
 setup:
 	@if dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then echo "system packages present"; else \
@@ -13,8 +13,13 @@ setup:
 build:
 	$(CARGO) build --workspace --all-targets
 
-test:
+# Container tests run the static agent as PID 1 of their sandboxes and use the Debian test
+# image (built once with debootstrap, cached under /var/cache/opendsec): make both first.
+test: agent images
 	$(CARGO) nextest run --workspace --no-fail-fast
+
+images:
+	./scripts/debian-image.sh
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -34,5 +39,6 @@ bench:
 	./scripts/bench.sh
 
 # The in-sandbox agent as one static binary (target/x86_64-unknown-linux-gnu/release/opendsec-agent).
+# Stripped: it is bound into every sandbox, and nobody debugs it from there.
 agent:
-	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p opendsec-agent --target x86_64-unknown-linux-gnu
+	RUSTFLAGS="-C target-feature=+crt-static" CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=symbols $(CARGO) build --release -p opendsec-agent --target x86_64-unknown-linux-gnu

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -72,7 +72,10 @@ impl Aether {
 
     fn user(&self, name: &str) -> Result<User, AgentError> {
         let text = std::fs::read_to_string(&self.cfg.passwd).unwrap_or_default();
-        passwd::resolve(&text, name)
+        let mut u = passwd::resolve(&text, name)?;
+        let group = std::fs::read_to_string(self.cfg.passwd.with_file_name("group")).unwrap_or_default();
+        u.groups = passwd::groups(&group, &u.name, u.gid);
+        Ok(u)
     }
 
     /// The client of session `sid`'s chronus, started as `user` on first use.
@@ -113,10 +116,7 @@ impl Aether {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())
             .process_group(0);
-        if as_other {
-            // std drops supplementary groups (setgroups(0)) before setgid/setuid as root.
-            c.uid(u.uid).gid(u.gid);
-        }
+        passwd::run_as(&mut c, &u);
         let spawn_err = |e| AgentError::Spawn { what: format!("chronus for session {sid}"), source: e };
         let mut child = c.spawn().map_err(spawn_err)?;
         let pid = child.id();
@@ -334,10 +334,22 @@ impl Runtime for AetherService {
     }
 }
 
-/// `opendsec-agent aether --socket PATH [--state-dir DIR] [--passwd PATH]`.
-pub async fn main(socket: &Path, cfg: Config) -> std::io::Result<()> {
+/// Where aether serves.
+pub enum Listen {
+    /// Bind a new socket at this path.
+    Path(PathBuf),
+    /// A listening unix socket inherited at this fd (PID 1 of a container sandbox: the edge
+    /// bound it on the host, where nothing inside the sandbox can reach or replace it).
+    Fd(i32),
+}
+
+/// `opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH]`.
+pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
     let reaper = Reaper::start();
     let aether = Aether::new(cfg, reaper)?;
-    let listener = crate::bind_unix(socket)?;
+    let listener = match listen {
+        Listen::Path(p) => crate::bind_unix(&p)?,
+        Listen::Fd(fd) => crate::inherited_listener(fd)?,
+    };
     crate::serve_unix(listener, AetherService(aether)).await
 }

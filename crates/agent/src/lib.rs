@@ -59,6 +59,26 @@ pub fn bind_unix(path: &std::path::Path) -> std::io::Result<tokio::net::UnixList
     Ok(listener)
 }
 
+/// Takes over the listening unix socket inherited at `fd` (made close-on-exec, so no child
+/// of the agent inherits it).
+pub fn inherited_listener(fd: i32) -> std::io::Result<tokio::net::UnixListener> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    if fd < 3 {
+        return Err(std::io::Error::other(format!("--listen-fd {fd}: not an inherited fd")));
+    }
+    // SAFETY: the fd number was handed over by our parent for us to own; fstat below checks it
+    // is open and a socket before anything else uses it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let st = rustix::fs::fstat(&owned)?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Socket {
+        return Err(std::io::Error::other(format!("--listen-fd {fd}: not a socket")));
+    }
+    rustix::io::fcntl_setfd(&owned, rustix::io::FdFlags::CLOEXEC)?;
+    let std_listener = std::os::unix::net::UnixListener::from(owned);
+    std_listener.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(std_listener)
+}
+
 /// Serves `svc` on `listener` until the process ends.
 pub async fn serve_unix<S>(listener: tokio::net::UnixListener, svc: S) -> std::io::Result<()>
 where
@@ -72,6 +92,24 @@ where
         .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
         .await
         .map_err(std::io::Error::other)
+}
+
+/// Sets this process's `oom_score_adj` back to 0 (aether, PID 1, runs lowered so that the
+/// sandbox's own processes are OOM-killed before it; raising needs no privilege).
+pub fn reset_oom_score() {
+    let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+}
+
+/// [`reset_oom_score`] with raw syscalls only, for use between fork and exec.
+pub fn reset_oom_score_raw() {
+    // SAFETY: open/write/close with a static NUL-terminated path and buffer.
+    unsafe {
+        let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd >= 0 {
+            let _ = libc::write(fd, b"0".as_ptr().cast(), 1);
+            libc::close(fd);
+        }
+    }
 }
 
 /// Quotes `s` for a POSIX shell.

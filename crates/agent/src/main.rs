@@ -6,11 +6,12 @@ use std::process::ExitCode;
 
 use opendsec_agent::{aether, chronus};
 
-const USAGE: &str = "usage: opendsec-agent aether --socket PATH [--state-dir DIR] [--passwd PATH] [--session-bytes N]\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
+const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH] [--session-bytes N]\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
 
 struct Args {
     mode: String,
     socket: Option<PathBuf>,
+    listen_fd: Option<i32>,
     state_dir: PathBuf,
     passwd: PathBuf,
     dir: Option<PathBuf>,
@@ -22,6 +23,7 @@ fn parse() -> Result<Args, String> {
     let mut a = Args {
         mode: it.next().ok_or("no mode")?,
         socket: None,
+        listen_fd: None,
         state_dir: PathBuf::from("/run/opendsec-agent"),
         passwd: PathBuf::from("/etc/passwd"),
         dir: None,
@@ -31,6 +33,7 @@ fn parse() -> Result<Args, String> {
         let v = it.next().ok_or_else(|| format!("{k} needs a value"))?;
         match k.as_str() {
             "--socket" => a.socket = Some(v.into()),
+            "--listen-fd" => a.listen_fd = Some(v.parse().map_err(|_| format!("bad --listen-fd {v}"))?),
             "--state-dir" => a.state_dir = v.into(),
             "--passwd" => a.passwd = v.into(),
             "--dir" => a.dir = Some(v.into()),
@@ -49,9 +52,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let Some(socket) = a.socket.clone() else {
-        eprintln!("opendsec-agent: --socket is required\n{USAGE}");
-        return ExitCode::from(2);
+    let listen = match (a.socket.clone(), a.listen_fd, a.mode.as_str()) {
+        (Some(p), None, _) => aether::Listen::Path(p),
+        (None, Some(fd), "aether") => aether::Listen::Fd(fd),
+        _ => {
+            eprintln!("opendsec-agent: give exactly one of --socket and --listen-fd (aether only)\n{USAGE}");
+            return ExitCode::from(2);
+        }
     };
     let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(rt) => rt,
@@ -64,11 +71,14 @@ fn main() -> ExitCode {
         match a.mode.as_str() {
             "aether" => {
                 let cfg = aether::Config { state_dir: a.state_dir, passwd: a.passwd, session_bytes: a.session_bytes };
-                aether::main(&socket, cfg).await
+                aether::main(listen, cfg).await
             }
             "chronus" => {
                 let Some(dir) = a.dir else {
                     return Err(std::io::Error::other("chronus needs --dir"));
+                };
+                let aether::Listen::Path(socket) = listen else {
+                    return Err(std::io::Error::other("chronus needs --socket"));
                 };
                 chronus::main(socket, dir, a.session_bytes).await
             }

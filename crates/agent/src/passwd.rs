@@ -9,6 +9,48 @@ pub struct User {
     pub uid: u32,
     pub gid: u32,
     pub home: String,
+    /// Supplementary groups from the image's group file (the primary gid first).
+    pub groups: Vec<u32>,
+}
+
+/// Largest supplementary group list kept (the kernel's NGROUPS_MAX).
+const MAX_GROUPS: usize = 65536;
+
+/// `user`'s supplementary groups from the text of a group file: the primary gid, then every
+/// group listing the user's name as a member.
+pub fn groups(group: &str, name: &str, gid: u32) -> Vec<u32> {
+    let mut out = vec![gid];
+    for line in group.lines() {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() < 4 {
+            continue;
+        }
+        let Ok(g) = f[2].parse::<u32>() else { continue };
+        if f[3].split(',').any(|m| m.trim() == name) && !out.contains(&g) && out.len() < MAX_GROUPS {
+            out.push(g);
+        }
+    }
+    out
+}
+
+/// Has the command run as `u` (groups, gid, uid in that order, after everything else std does
+/// before exec) when that is not who we are. std's own `uid()` would drop supplementary groups.
+pub fn run_as(c: &mut std::process::Command, u: &User) {
+    use std::os::unix::process::CommandExt;
+    if rustix::process::geteuid().as_raw() == u.uid && rustix::process::getegid().as_raw() == u.gid {
+        return;
+    }
+    let (uid, gid, groups) = (u.uid, u.gid, u.groups.clone());
+    // SAFETY: setgroups/setgid/setuid are async-signal-safe; `groups` was allocated before
+    // fork and is only read here.
+    unsafe {
+        c.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) < 0 || libc::setgid(gid) < 0 || libc::setuid(uid) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Resolves `user` (name or numeric uid; empty = root) against the text of a passwd file.
@@ -25,12 +67,12 @@ pub fn resolve(passwd: &str, user: &str) -> Result<User, AgentError> {
             continue;
         };
         if f[0] == user || numeric == Some(uid) {
-            return Ok(User { name: f[0].to_string(), uid, gid, home: f[5].to_string() });
+            return Ok(User { name: f[0].to_string(), uid, gid, home: f[5].to_string(), groups: vec![gid] });
         }
     }
     match (numeric, user) {
-        (Some(uid), _) => Ok(User { name: uid.to_string(), uid, gid: uid, home: "/".into() }),
-        (None, "root") => Ok(User { name: "root".into(), uid: 0, gid: 0, home: "/root".into() }),
+        (Some(uid), _) => Ok(User { name: uid.to_string(), uid, gid: uid, home: "/".into(), groups: vec![uid] }),
+        (None, "root") => Ok(User { name: "root".into(), uid: 0, gid: 0, home: "/root".into(), groups: vec![0] }),
         _ => Err(AgentError::UnknownUser(user.to_string())),
     }
 }
@@ -50,5 +92,13 @@ mod tests {
         assert_eq!(resolve(P, "1234").unwrap().gid, 1234);
         assert!(resolve(P, "alice").is_err());
         assert_eq!(resolve("", "root").unwrap().uid, 0);
+    }
+
+    #[test]
+    fn supplementary_groups_from_the_group_file() {
+        let g = "root:x:0:\nadm:x:4:syslog,alice\nbad\nstaff:x:50:bob, alice\nusers:x:100:\nalice:x:1000:\n";
+        assert_eq!(groups(g, "alice", 1000), vec![1000, 4, 50]);
+        assert_eq!(groups(g, "bob", 1001), vec![1001, 50]);
+        assert_eq!(groups("", "x", 7), vec![7]);
     }
 }

@@ -3,6 +3,10 @@
 //! and counted as dropped), addressed by pid or tag. Output lives in the agent, not in the
 //! caller's stream, so a broken stream loses nothing and `ConnectProcess` re-attaches from
 //! offsets. The exit is published only after both outputs ended (or a short grace).
+//!
+//! With a PTY the process gets a new session with the terminal's slave side as its controlling
+//! terminal and stdin/stdout/stderr; everything it writes comes back as stdout, and input goes
+//! to the terminal (so it is echoed as a terminal would).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,7 +40,7 @@ pub struct Proc {
     pub pid: u32,
     pub tag: String,
     pub cmd: Vec<String>,
-    stdin: tokio::sync::Mutex<Option<tokio::net::unix::pipe::Sender>>,
+    stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     state: watch::Sender<ProcState>,
 }
 
@@ -55,9 +59,6 @@ impl Procs {
     }
 
     pub fn start(&self, reaper: &Reaper, req: StartProcessRequest, user: &User) -> Result<u32, AgentError> {
-        if req.pty.is_some() {
-            return Err(AgentError::Unsupported("pty"));
-        }
         let Some(argv0) = req.cmd.first() else {
             return Err(AgentError::Invalid("empty cmd".into()));
         };
@@ -71,11 +72,43 @@ impl Procs {
             .env("HOME", &user.home)
             .env("USER", &user.name)
             .env("LOGNAME", &user.name)
-            .envs(&req.env)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .process_group(0);
+            .envs(&req.env);
+        let pty = match &req.pty {
+            Some(size) => {
+                let (master, slave) =
+                    pty::open(size).map_err(|e| AgentError::Spawn { what: "a pty".into(), source: e })?;
+                let dup = |f: &std::fs::File| {
+                    f.try_clone().map_err(|e| AgentError::Spawn { what: "a pty".into(), source: e })
+                };
+                c.stdin(dup(&slave)?).stdout(dup(&slave)?).stderr(slave);
+                // SAFETY: only async-signal-safe calls after fork: setsid, ioctl, and the OOM
+                // score write (open/write/close on a static path).
+                unsafe {
+                    c.pre_exec(|| {
+                        crate::reset_oom_score_raw();
+                        if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+                Some(master)
+            }
+            None => {
+                c.stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .process_group(0);
+                // SAFETY: only async-signal-safe calls (open/write/close on a static path).
+                unsafe {
+                    c.pre_exec(|| {
+                        crate::reset_oom_score_raw();
+                        Ok(())
+                    });
+                }
+                None
+            }
+        };
         let cwd = if !req.cwd.is_empty() {
             req.cwd.clone()
         } else if std::path::Path::new(&user.home).is_dir() {
@@ -84,20 +117,30 @@ impl Procs {
             "/".into()
         };
         c.current_dir(cwd);
-        if rustix::process::geteuid().as_raw() != user.uid || rustix::process::getegid().as_raw() != user.gid {
-            // std drops supplementary groups (setgroups(0)) before setgid/setuid as root.
-            c.uid(user.uid).gid(user.gid);
-        }
+        crate::passwd::run_as(&mut c, user);
         let mut child = c.spawn().map_err(|e| AgentError::Spawn { what: argv0.clone(), source: e })?;
         let pid = child.id();
+        // The parent's copies of the slave side went with `c`'s stdio when spawn returned.
+        drop(c);
         let exit_rx = reaper.wait_for(pid);
-        let (Some(i), Some(o), Some(e)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
-            return Err(AgentError::Spawn { what: argv0.clone(), source: std::io::Error::other("no pipes") });
-        };
         let pipe_err = |e| AgentError::Spawn { what: argv0.clone(), source: e };
-        let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(i.into()).map_err(pipe_err)?;
-        let out = tokio::net::unix::pipe::Receiver::from_owned_fd(o.into()).map_err(pipe_err)?;
-        let err = tokio::net::unix::pipe::Receiver::from_owned_fd(e.into()).map_err(pipe_err)?;
+        type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+        type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
+        let (stdin, readers): (Writer, Vec<(Reader, bool)>) = match pty {
+            Some(master) => {
+                let (r, w) = tokio::io::split(pty::Master::new(master).map_err(pipe_err)?);
+                (Box::new(w), vec![(Box::new(r), false)])
+            }
+            None => {
+                let (Some(i), Some(o), Some(e)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
+                    return Err(pipe_err(std::io::Error::other("no pipes")));
+                };
+                let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(i.into()).map_err(pipe_err)?;
+                let out = tokio::net::unix::pipe::Receiver::from_owned_fd(o.into()).map_err(pipe_err)?;
+                let err = tokio::net::unix::pipe::Receiver::from_owned_fd(e.into()).map_err(pipe_err)?;
+                (Box::new(stdin), vec![(Box::new(out), false), (Box::new(err), true)])
+            }
+        };
         let p = Arc::new(Proc {
             pid,
             tag: req.tag,
@@ -105,7 +148,7 @@ impl Procs {
             stdin: tokio::sync::Mutex::new(Some(stdin)),
             state: watch::channel(ProcState::default()).0,
         });
-        let pumps = [pump(out, p.clone(), false), pump(err, p.clone(), true)];
+        let pumps: Vec<_> = readers.into_iter().map(|(r, err)| pump(r, p.clone(), err)).collect();
         let pp = p.clone();
         tokio::spawn(async move {
             let exit = exit_rx.await.unwrap_or(Exit { code: -1, signal: 0 });
@@ -170,7 +213,10 @@ impl Proc {
         let mut g = self.stdin.lock().await;
         let io = |e| AgentError::Spawn { what: format!("stdin of {}", self.pid), source: e };
         match g.as_mut() {
-            Some(s) => s.write_all(data).await.map_err(io)?,
+            Some(s) => {
+                s.write_all(data).await.map_err(io)?;
+                s.flush().await.map_err(io)?;
+            }
             None if data.is_empty() => {}
             None => return Err(AgentError::Invalid("stdin is closed".into())),
         }
@@ -238,7 +284,7 @@ impl Proc {
     }
 }
 
-fn pump(mut r: tokio::net::unix::pipe::Receiver, p: Arc<Proc>, err: bool) -> tokio::task::JoinHandle<()> {
+fn pump(mut r: Box<dyn tokio::io::AsyncRead + Send + Unpin>, p: Arc<Proc>, err: bool) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut buf = vec![0u8; CHUNK];
         loop {
@@ -254,4 +300,90 @@ fn pump(mut r: tokio::net::unix::pipe::Receiver, p: Arc<Proc>, err: bool) -> tok
             });
         }
     })
+}
+
+/// Pseudo-terminals for the process API.
+mod pty {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::pin::Pin;
+    use std::task::{Context, Poll, ready};
+
+    use opendsec_proto::v1::PtySize;
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    /// A new terminal of `size` (rows and columns default to 24x80): (master, slave).
+    pub fn open(size: &PtySize) -> std::io::Result<(OwnedFd, std::fs::File)> {
+        let ws = libc::winsize {
+            ws_row: if size.rows == 0 { 24 } else { size.rows.min(u16::MAX.into()) as u16 },
+            ws_col: if size.cols == 0 { 80 } else { size.cols.min(u16::MAX.into()) as u16 },
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        let (mut m, mut s) = (-1, -1);
+        // SAFETY: openpty writes two fds into the given ints; name and termios are null, the
+        // window size points at a valid struct.
+        let r = unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), &ws) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: both fds were just returned to us by openpty.
+        let (m, s) = unsafe { (OwnedFd::from_raw_fd(m), OwnedFd::from_raw_fd(s)) };
+        for fd in [&m, &s] {
+            rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC)?;
+        }
+        Ok((m, std::fs::File::from(s)))
+    }
+
+    /// The master side, non-blocking. Reading after the last slave fd closed gives EIO, which
+    /// is end of output here.
+    pub struct Master(AsyncFd<OwnedFd>);
+
+    impl Master {
+        pub fn new(fd: OwnedFd) -> std::io::Result<Master> {
+            let flags = rustix::fs::fcntl_getfl(&fd)?;
+            rustix::fs::fcntl_setfl(&fd, flags | rustix::fs::OFlags::NONBLOCK)?;
+            // SAFETY: an OwnedFd keeps its one fd open and unchanged until it is dropped with
+            // the AsyncFd.
+            Ok(Master(unsafe { AsyncFd::register(fd) }?))
+        }
+    }
+
+    impl AsyncRead for Master {
+        fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+            loop {
+                let mut g = ready!(self.0.poll_read_ready(cx))?;
+                let unfilled = buf.initialize_unfilled();
+                match g.try_io(|fd| rustix::io::read(fd.get_ref(), &mut *unfilled).map_err(Into::into)) {
+                    Ok(Ok(n)) => {
+                        buf.advance(n);
+                        return Poll::Ready(Ok(()));
+                    }
+                    Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Poll::Ready(Ok(())),
+                    Ok(Err(e)) => return Poll::Ready(Err(e)),
+                    Err(_would_block) => continue,
+                }
+            }
+        }
+    }
+
+    impl AsyncWrite for Master {
+        fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+            loop {
+                let mut g = ready!(self.0.poll_write_ready(cx))?;
+                match g.try_io(|fd| rustix::io::write(fd.get_ref(), data).map_err(Into::into)) {
+                    Ok(r) => return Poll::Ready(r),
+                    Err(_would_block) => continue,
+                }
+            }
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
 }

@@ -245,17 +245,24 @@ async fn closing_a_session_kills_its_processes() {
 
 #[tokio::test]
 async fn session_as_another_user() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: needs root");
-        return;
-    }
-    let (_a, mut c) = agent().await;
+    assert!(rustix::process::geteuid().is_root(), "this test needs root (CI runs as root)");
+    // An image's own passwd and group files: nobody is a member of two extra groups.
+    let etc = tempfile::tempdir().unwrap();
+    std::fs::write(
+        etc.path().join("passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/sh\n",
+    )
+    .unwrap();
+    std::fs::write(etc.path().join("group"), "root:x:0:\nwheel:x:4242:nobody\nstaff:x:4343:alice,nobody\n").unwrap();
+    let passwd = etc.path().join("passwd");
+    let (_a, mut c) = agent_with(&["--passwd", passwd.to_str().unwrap()]).await;
     let mut q = req("u", "id -u; id -g; id -G");
     q.user = "nobody".into();
     let r = c.exec(q).await.unwrap().into_inner();
     let lines: Vec<String> = out(&r).lines().map(String::from).collect();
     assert_eq!(lines[0], "65534");
     assert!(!lines[2].split(' ').any(|g| g == "0"), "{lines:?}");
+    assert_eq!(lines[2], "65534 4242 4343", "{lines:?}");
     assert_eq!(out(&run(&mut c, "r", "id -u").await), "0");
     // Files as that user.
     let err = c
@@ -480,6 +487,41 @@ async fn process_api() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Internal);
+}
+
+#[tokio::test]
+async fn process_on_a_pty() {
+    let (_a, mut c) = agent().await;
+    let cmd = "stty size; tty; read line; echo got:$line; exit 4";
+    c.start_process(StartProcessRequest {
+        cmd: vec!["sh".into(), "-c".into(), cmd.into()],
+        tag: "term".into(),
+        pty: Some(PtySize { rows: 33, cols: 101 }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let sel = || Some(ProcessSelector { by: Some(process_selector::By::Tag("term".into())) });
+    c.send_input(SendInputRequest { process: sel(), data: b"hello\n".to_vec(), ..Default::default() }).await.unwrap();
+    let mut s =
+        c.connect_process(ConnectProcessRequest { process: sel(), ..Default::default() }).await.unwrap().into_inner();
+    let (mut out, mut exit) = (Vec::new(), None);
+    while let Some(m) = s.next().await {
+        match m.unwrap().kind {
+            Some(process_event::Kind::Output(d)) => {
+                assert_eq!(d.stream, OutputStream::Stdout as i32);
+                out.extend(d.data)
+            }
+            Some(process_event::Kind::Exit(x)) => exit = Some(x),
+            None => {}
+        }
+    }
+    let text = String::from_utf8_lossy(&out);
+    // The terminal's size, a real terminal, the input echoed, the answer; exit code kept.
+    assert!(text.contains("33 101"), "{text:?}");
+    assert!(text.contains("/dev/pts/"), "{text:?}");
+    assert!(text.contains("got:hello"), "{text:?}");
+    assert_eq!(exit.unwrap().exit_code, 4);
 }
 
 #[tokio::test]

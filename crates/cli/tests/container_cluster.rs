@@ -1,130 +1,31 @@
 //! End to end, as root: a cluster whose edge offers `sim` and `container`, a busybox image
-//! imported and registered through `opendsecctl image import`, a container sandbox created,
-//! paused, resumed, carried over an edge restart and stopped through the public API, checked
-//! on the host (its PID 1, cgroup freezer, loop devices, holder file) at each step.
+//! imported and registered through `opendsecctl image import`, container sandboxes created,
+//! used through the public `Runtime` service (sessions, files, processes), paused, resumed,
+//! carried over an edge restart and stopped through the public API, checked on the host (its
+//! PID 1, cgroup freezer, loop devices, holder file) at each step. PID 1 is the static agent
+//! (`make agent`), found by the edge's default lookup from the test binary.
 //!
 //! The test binary cannot be the setup process, so the edge re-executes the `opendsec` binary
 //! (`edge.container_setup_exe`), which branches off into the setup process first thing in main.
 //! A guard removes the sandbox's cgroup, processes and loop device if the test fails midway.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::Duration;
 
-use clap::Parser;
-use opendsec_cli::ctl::{Cli, run};
-use opendsec_cluster::{Cluster, UpOptions};
-use opendsec_common::config::Config;
-use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
+use common::*;
+use opendsec_edge::linuxrt::sandbox::Sandbox;
 use opendsec_edge::linuxrt::{cgroup, rootfs};
 use opendsec_proto::v1 as pb;
 
-const EDGE: &str = "sim-000";
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|v| v.split_whitespace().next() == Some("0"))))
-        .unwrap_or(false)
-}
-
-struct Guard {
-    containers: PathBuf,
-}
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = sandbox::cleanup_leftovers(&self.containers, &format!("sbx-{EDGE}."), &[]);
-    }
-}
-
-fn state(s: &pb::Sandbox) -> pb::SandboxState {
-    pb::SandboxState::try_from(s.state).unwrap_or(pb::SandboxState::Unspecified)
-}
-
-fn freezer_state(s: &Sandbox) -> String {
-    let rel = s.cgroup.rel_path().strip_prefix("/").unwrap_or(s.cgroup.rel_path()).to_path_buf();
-    let p = match s.cgroup.layout() {
-        cgroup::Layout::V1 => Path::new("/sys/fs/cgroup/freezer").join(rel).join("freezer.state"),
-        cgroup::Layout::V2 => Path::new("/sys/fs/cgroup").join(rel).join("cgroup.freeze"),
-    };
-    std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
-}
-
-async fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn busybox_rootfs(dir: &Path) -> PathBuf {
-    let root = dir.join("bbroot");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    for d in ["proc", "sys", "dev", "tmp", "etc"] {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-        }
-    }
-    root
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_sandbox_through_the_api_survives_an_edge_restart() {
-    if !is_root() {
-        panic!("this test needs root (CI runs as root)");
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = Config { state_dir: dir.path().join("state"), ..Config::default() };
-    cfg.apiserver.listen = "127.0.0.1:0".into();
-    cfg.apiserver.metrics_listen = String::new();
-    cfg.apiserver.snapshot_refresh = Duration::from_millis(100);
-    cfg.watcher.probe_interval = Duration::from_millis(100);
-    cfg.watcher.probe_timeout = Duration::from_millis(500);
-    cfg.edge.register_interval = Duration::from_millis(500);
-    cfg.edge.backends = vec!["sim".into(), "container".into()];
-    cfg.edge.container_init = vec!["/bin/sh".into(), "-c".into(), "while :; do sleep 1; done".into()];
-    cfg.edge.container_setup_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_opendsec")));
-    let containers = cfg.edge_state_dir(EDGE).join("containers");
-    let _guard = Guard { containers: containers.clone() };
-    let mut cluster = Cluster::up(cfg, UpOptions { state_dir: None, sim_edges: Some(1) }).await.unwrap();
-    cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
-
-    let rootfs_dir = busybox_rootfs(dir.path());
-    let store = cluster.config.image_store_dir();
-    let addr = cluster.apiserver_addr.to_string();
-    let argv = [
-        "opendsecctl",
-        "--addr",
-        &addr,
-        "--token",
-        &cluster.admin_token,
-        "--json",
-        "image",
-        "import",
-        "--rootfs",
-        rootfs_dir.to_str().unwrap(),
-        "--store",
-        store.to_str().unwrap(),
-        "--name",
-        "busybox:latest",
-    ];
-    run(Cli::try_parse_from(argv).unwrap()).await.unwrap();
-
-    let admin = opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&cluster.admin_token))
-        .unwrap()
-        .with_retry_timeout(Duration::from_secs(10));
-    let spec = pb::SandboxSpec {
-        project: "root".into(),
-        image: "busybox".into(),
-        backend: "container".into(),
-        resources: Some(pb::Resources { cpu_millis: 500, memory_mb: 64, disk_mb: 32, gpus: 0 }),
-        ..Default::default()
-    };
+    let f = fixture().await;
+    let (containers, store, addr, admin) = (f.containers.clone(), f.store.clone(), f.addr.clone(), f.admin.clone());
+    let mut cluster = f.cluster;
+    let mut rt = runtime(&addr, &cluster.admin_token);
+    let spec = container_spec("busybox", 64, 32);
     let s = admin.create_sandbox(spec).await.unwrap();
     assert_eq!(state(&s), pb::SandboxState::Running);
     assert_eq!(s.edge, EDGE);
@@ -142,12 +43,24 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
     assert_eq!(state(&r), pb::SandboxState::Running);
     eventually("thawed", 10, || matches!(freezer_state(&host).as_str(), "THAWED" | "0")).await;
 
+    // A session through the API; a call on a paused sandbox resumes it first, transparently.
+    let r = exec_in(&mut rt, &s.id, "main", "cd /tmp && export GREETING=hello && echo started").await;
+    assert_eq!((r.exit_code, out(&r).as_str()), (0, "started"), "{r:?}");
+    assert_eq!(state(&admin.pause_sandbox(&s.id).await.unwrap()), pb::SandboxState::Paused);
+    let r = exec_in(&mut rt, &s.id, "main", "echo $GREETING from $(pwd)").await;
+    assert_eq!(out(&r), "hello from /tmp");
+    assert_eq!(state(&admin.get_sandbox(&s.id).await.unwrap()), pb::SandboxState::Running);
+    eventually("thawed", 10, || matches!(freezer_state(&host).as_str(), "THAWED" | "0")).await;
+
     // Edge restart: the sandbox keeps running and is adopted by the new edge.
     cluster.stop_edge(EDGE).await.unwrap();
     assert!(Path::new(&format!("/proc/{pid}")).exists());
     cluster.start_edge(EDGE).await.unwrap();
     assert_eq!(state(&admin.get_sandbox(&s.id).await.unwrap()), pb::SandboxState::Running);
     assert_eq!(Sandbox::adopt(&containers, &name).unwrap().pid, pid);
+    // The adopted agent answers, and the session kept its shell (directory, variables).
+    let r = exec_in(&mut rt, &s.id, "main", "echo $GREETING from $(pwd)").await;
+    assert_eq!(out(&r), "hello from /tmp");
     // A lifecycle call after the restart goes through the adopted handle.
     assert_eq!(state(&admin.pause_sandbox(&s.id).await.unwrap()), pb::SandboxState::Paused);
     assert_eq!(state(&admin.resume_sandbox(&s.id).await.unwrap()), pb::SandboxState::Running);
@@ -159,5 +72,287 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
     assert!(rootfs::loops_under(&containers).is_empty());
     assert!(!containers.join(&name).exists());
     assert!(!inuse.exists());
+    // Calls on a stopped sandbox are refused with its state.
+    let e = rt
+        .exec(pb::ExecRequest { sandbox_id: s.id.clone(), command: "true".into(), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "invalid_state", "{e:?}");
     cluster.shutdown().await;
+}
+
+/// A principal of `project` holding `perms` there, and its token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_files_and_processes_through_the_api() {
+    let f = fixture().await;
+    let token = f.cluster.admin_token.clone();
+    let mut rt = runtime(&f.addr, &token);
+    let s = f.admin.create_sandbox(container_spec("busybox", 64, 32)).await.unwrap();
+
+    // Streamed exec: chunks as they come, then the exit.
+    let req = pb::ExecRequest {
+        sandbox_id: s.id.clone(),
+        command: "echo one; echo two >&2; exit 3".into(),
+        ..Default::default()
+    };
+    let mut stream = rt.exec_stream(req).await.unwrap().into_inner();
+    let (mut stdout, mut stderr, mut exit) = (Vec::new(), Vec::new(), None);
+    while let Some(c) = stream.message().await.unwrap() {
+        match c.kind {
+            Some(pb::exec_chunk::Kind::Output(o)) if o.stream == pb::OutputStream::Stdout as i32 => {
+                stdout.extend(o.data)
+            }
+            Some(pb::exec_chunk::Kind::Output(o)) => stderr.extend(o.data),
+            Some(pb::exec_chunk::Kind::Exit(e)) => exit = Some(e.exit_code),
+            None => {}
+        }
+    }
+    assert_eq!((stdout.as_slice(), stderr.as_slice(), exit), (&b"one\n"[..], &b"two\n"[..], Some(3)));
+
+    // Files: write (parents made), read back, list, stat, move, remove; relative paths resolve
+    // against the session's directory.
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    assert_eq!(write_all(&mut rt, &s.id, "/work/in/data.bin", &data).await.unwrap(), data.len() as u64);
+    assert_eq!(read_all(&mut rt, &s.id, "/work/in/data.bin").await.unwrap(), data);
+    let r = exec_in(&mut rt, &s.id, "", "cd /work/in && md5sum data.bin | cut -c1-8 && wc -c < data.bin").await;
+    assert!(out(&r).ends_with(&data.len().to_string()), "{r:?}");
+    let list = rt
+        .list_dir(pb::ListDirRequest { sandbox_id: s.id.clone(), path: "/work/in".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(list.entries.iter().map(|e| e.name.as_str()).collect::<Vec<_>>(), vec!["data.bin"]);
+    let st = rt
+        .stat(pb::StatRequest { sandbox_id: s.id.clone(), path: "data.bin".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((st.size, st.path.as_str()), (data.len() as u64, "/work/in/data.bin"));
+    let mv = pb::MoveRequest {
+        sandbox_id: s.id.clone(),
+        from: "/work/in/data.bin".into(),
+        to: "/work/moved.bin".into(),
+        ..Default::default()
+    };
+    rt.r#move(mv).await.unwrap();
+    rt.remove(pb::RemoveRequest { sandbox_id: s.id.clone(), path: "/work".into(), recursive: true, ..Default::default() })
+        .await
+        .unwrap();
+    let e = read_all(&mut rt, &s.id, "/work/moved.bin").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+
+    // Processes: started with a tag, listed, fed on stdin, signalled; output by reconnecting.
+    let start = pb::StartProcessRequest {
+        sandbox_id: s.id.clone(),
+        cmd: vec!["sh".into(), "-c".into(), "read line; echo got $line; sleep 600".into()],
+        tag: "worker".into(),
+        ..Default::default()
+    };
+    let pid = rt.start_process(start).await.unwrap().into_inner().pid;
+    let by_tag = || Some(pb::ProcessSelector { by: Some(pb::process_selector::By::Tag("worker".into())) });
+    let input = pb::SendInputRequest { sandbox_id: s.id.clone(), process: by_tag(), data: b"ping\n".to_vec(), eof: false };
+    rt.send_input(input).await.unwrap();
+    let list = rt
+        .list_processes(pb::ListProcessesRequest { sandbox_id: s.id.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(list.processes.iter().any(|p| p.pid == pid && p.tag == "worker" && p.running), "{list:?}");
+    let sig = pb::SignalProcessRequest { sandbox_id: s.id.clone(), process: by_tag(), signal: 15 };
+    rt.signal_process(sig).await.unwrap();
+    let conn = pb::ConnectProcessRequest { sandbox_id: s.id.clone(), process: by_tag(), ..Default::default() };
+    let mut events = rt.connect_process(conn).await.unwrap().into_inner();
+    let (mut output, mut exit) = (Vec::new(), None);
+    while let Some(ev) = events.message().await.unwrap() {
+        match ev.kind {
+            Some(pb::process_event::Kind::Output(o)) => output.extend(o.data),
+            Some(pb::process_event::Kind::Exit(e)) => exit = Some(e),
+            None => {}
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&output), "got ping\n");
+    assert_eq!(exit.map(|e| e.signal), Some(15));
+
+    // Authorization: a principal of another project learns nothing and can do nothing; one
+    // with sandbox.view only cannot operate.
+    f.admin.create_project(pb::CreateProjectRequest { path: "root/other".into(), quota: None }).await.unwrap();
+    let outsider = principal(&f.admin, "outsider", "root/other", &["sandbox.operate"]).await;
+    let viewer = principal(&f.admin, "viewer", "root", &["sandbox.view"]).await;
+    for tok in [&outsider, &viewer] {
+        let mut other = runtime(&f.addr, tok);
+        let e = other
+            .exec(pb::ExecRequest { sandbox_id: s.id.clone(), command: "true".into(), ..Default::default() })
+            .await
+            .unwrap_err();
+        assert_eq!(reason(&e), "permission_denied", "{e:?}");
+    }
+    let mut anonymous = runtime(&f.addr, "dsk.nobody.secret");
+    let e = anonymous.list_processes(pb::ListProcessesRequest { sandbox_id: s.id.clone() }).await.unwrap_err();
+    assert_eq!(reason(&e), "unauthenticated", "{e:?}");
+    // Malformed and unknown sandbox ids.
+    for (id, want) in [("not an id", "invalid_argument"), ("nosuchedge.lease1", "not_found")] {
+        let e = rt.list_processes(pb::ListProcessesRequest { sandbox_id: id.into() }).await.unwrap_err();
+        assert_eq!(reason(&e), want, "{id}: {e:?}");
+    }
+    let e = rt
+        .list_processes(pb::ListProcessesRequest { sandbox_id: format!("{EDGE}.nosuchlease") })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "not_found", "{e:?}");
+    // A sim sandbox has no agent: a clear refusal.
+    let sim = f
+        .admin
+        .create_sandbox(pb::SandboxSpec { backend: "sim".into(), image: String::new(), ..container_spec("", 64, 0) })
+        .await
+        .unwrap();
+    let e = rt.list_processes(pb::ListProcessesRequest { sandbox_id: sim.id.clone() }).await.unwrap_err();
+    assert_eq!(reason(&e), "invalid_argument", "{e:?}");
+    assert!(e.message().contains("no agent"), "{e:?}");
+
+    f.admin.stop_sandbox(&s.id).await.unwrap();
+    f.admin.stop_sandbox(&sim.id).await.unwrap();
+    f.cluster.shutdown().await;
+}
+
+const PROBES: &str = r#"
+import ctypes, os, socket, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def sc(name, n, *args):
+    r = libc.syscall(n, *args)
+    print(f"{name}=" + ("ok" if r >= 0 else os.strerror(ctypes.get_errno())))
+sc("add_key", 248, b"user", b"k", b"v", 1, ctypes.c_int(-2))
+sc("keyctl", 250, 0, ctypes.c_int(-2), 0)
+sc("bpf", 321, 5, 0, 0)
+sc("init_module", 175, 0, 0, b"")
+sc("finit_module", 313, 0, b"", 0)
+sc("unshare", 272, 0x20000)
+sc("mount", 165, b"none", b"/mnt", b"tmpfs", 0, 0)
+sc("mknod", 133, b"/tmp/sda", 0o60600, os.makedev(8, 0))
+host = int(sys.argv[1])
+print("host_pid_visible=" + str(os.path.exists(f"/proc/{host}")))
+sc("ptrace_host", 101, 16, host, 0, 0)
+print("procs=" + str(len([p for p in os.listdir("/proc") if p.isdigit()])))
+for path, name in [("/proc/sys/kernel/sysrq", "procsys"), ("/sys/kernel/mm/transparent_hugepage/enabled", "sys")]:
+    try:
+        open(path, "w").write("1")
+        print(f"{name}=written")
+    except OSError as e:
+        print(f"{name}={e.strerror}")
+print("devices=" + ",".join(sorted(d for d in os.listdir("/dev") if not d.startswith("."))))
+for port in sys.argv[2:]:
+    s = socket.socket()
+    s.settimeout(2)
+    try:
+        s.connect(("127.0.0.1", int(port)))
+        print(f"connect_{port}=connected")
+    except OSError as e:
+        print(f"connect_{port}={e.strerror or e}")
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_workloads_are_contained() {
+    let f = fixture().await;
+    import(&f.addr, &f.cluster.admin_token, &debian_rootfs(), &f.store, "debian:bookworm").await;
+    let mut rt = runtime(&f.addr, &f.cluster.admin_token);
+    let a = f.admin.create_sandbox(container_spec("debian:bookworm", 128, 64)).await.unwrap();
+    let b = f.admin.create_sandbox(container_spec("debian:bookworm", 128, 64)).await.unwrap();
+
+    // Kernel interfaces, host processes, devices and the control plane's sockets.
+    write_all(&mut rt, &a.id, "/tmp/probes.py", PROBES.as_bytes()).await.unwrap();
+    let edge = f.cluster.config.edges.iter().find(|e| e.name == EDGE).unwrap();
+    let edge_port = edge.address.parse::<std::net::SocketAddr>().unwrap().port();
+    let api_port = f.cluster.apiserver_addr.port();
+    let cmd = format!("python3 /tmp/probes.py {} {edge_port} {api_port}", std::process::id());
+    let r = exec_in(&mut rt, &a.id, "probe", &cmd).await;
+    let text = String::from_utf8_lossy(&r.stdout).to_string();
+    let get = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k} in {text}\n{}", String::from_utf8_lossy(&r.stderr)))
+            .to_string()
+    };
+    for k in ["add_key", "keyctl", "bpf", "init_module", "finit_module", "unshare", "mount", "mknod"] {
+        assert_eq!(get(k), "Operation not permitted", "{k}: {text}");
+    }
+    assert_eq!(get("host_pid_visible"), "False");
+    assert_eq!(get("ptrace_host"), "No such process");
+    let procs: usize = get("procs").parse().unwrap();
+    assert!(procs <= 8, "too many processes visible: {text}");
+    assert_eq!(get("procsys"), "Read-only file system");
+    assert_eq!(get("sys"), "Read-only file system");
+    assert_eq!(get("devices"), "full,null,ptmx,pts,random,shm,stderr,stdin,stdout,tty,urandom,zero,fd");
+    for port in [edge_port, api_port] {
+        let v = get(&format!("connect_{port}"));
+        assert_ne!(v, "connected", "the sandbox reached port {port}");
+    }
+    // The agent's socket is on the host, out of the sandbox's sight.
+    let r = exec_in(&mut rt, &a.id, "probe", "ls -a /.opendsec; ls /run/opendsec-agent/sessions").await;
+    assert_eq!(out(&r).lines().filter(|l| l.ends_with(".sock")).count(), 0, "{r:?}");
+
+    // A fork bomb stops at the pids limit; the sandbox keeps answering once its session closes.
+    let bomb = pb::ExecRequest {
+        sandbox_id: a.id.clone(),
+        session_id: "bomb".into(),
+        command: "bomb() { bomb | bomb & }; bomb; sleep 3".into(),
+        timeout_ms: 10_000,
+        ..Default::default()
+    };
+    let _ = rt.exec(bomb).await;
+    rt.close_session(pb::CloseSessionRequest { sandbox_id: a.id.clone(), session_id: "bomb".into() }).await.unwrap();
+    let r = exec_in(&mut rt, &a.id, "after-bomb", "echo alive").await;
+    assert_eq!(out(&r), "alive");
+
+    // A memory hog is OOM-killed in its own cgroup; the agent lives and answers.
+    let r = exec_in(&mut rt, &a.id, "hog", "python3 -c 'b = bytearray(1 << 30); print(len(b))'; echo exit=$?").await;
+    assert!(out(&r).ends_with("exit=137"), "{r:?}");
+    let r = exec_in(&mut rt, &a.id, "hog", "echo alive").await;
+    assert_eq!(out(&r), "alive");
+    assert_eq!(state(&f.admin.get_sandbox(&a.id).await.unwrap()), pb::SandboxState::Running);
+
+    // Filling the disk stops at disk_mb.
+    let r = exec_in(&mut rt, &a.id, "disk", "dd if=/dev/zero of=/big bs=1M count=1000 2>&1 | head -1; rm -f /big").await;
+    assert!(out(&r).contains("No space left on device"), "{r:?}");
+
+    // A gigabyte of output is read and dropped beyond the recorded limit.
+    let loud = pb::ExecRequest {
+        sandbox_id: a.id.clone(),
+        session_id: "loud".into(),
+        command: "head -c 1073741824 /dev/zero".into(),
+        limits: Some(pb::OutputLimits { stdout_max_bytes: 1 << 20, stderr_max_bytes: 0 }),
+        ..Default::default()
+    };
+    let r = rt.exec(loud).await.unwrap().into_inner();
+    assert_eq!((r.exit_code, r.stdout.len() as u64, r.stdout_dropped_bytes), (0, 1 << 20, (1 << 30) - (1 << 20)));
+
+    // Overwriting the shell in one sandbox changes nothing in another; the agent is read-only.
+    let r = exec_in(&mut rt, &a.id, "x", "echo broken > /usr/bin/bash; echo x >> /.opendsec/opendsec-agent; echo $?").await;
+    assert_eq!(out(&r).lines().last(), Some("1"), "{r:?}");
+    let r = exec_in(&mut rt, &b.id, "x", "bash -c 'echo bash works'").await;
+    assert_eq!(out(&r), "bash works");
+
+    // Hostile file-API input: `..` and symlinks resolve inside the sandbox's own root; special
+    // files give clear errors; nothing outside the sandbox is touched.
+    let marker = format!("opendsec-escape-{}", std::process::id());
+    write_all(&mut rt, &a.id, &format!("/../../../../../tmp/{marker}"), b"x").await.unwrap();
+    assert!(!Path::new("/tmp").join(&marker).exists(), "a write escaped to the host's /tmp");
+    let r = exec_in(&mut rt, &a.id, "x", &format!("ls /tmp/{marker} && ln -s /../../../../etc /escape")).await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let hostname = read_all(&mut rt, &a.id, "/escape/hostname").await.unwrap();
+    assert_ne!(hostname, std::fs::read("/etc/hostname").unwrap_or_default());
+    let e = write_all(&mut rt, &a.id, "/dev/full", b"data").await.unwrap_err();
+    assert_ne!(e.code(), tonic::Code::Ok);
+    let huge = vec![7u8; 96 << 20];
+    let e = write_all(&mut rt, &a.id, "/huge.bin", &huge).await.unwrap_err();
+    assert!(e.message().contains("No space left"), "{e:?}");
+    let zero = pb::ReadFileRequest { sandbox_id: a.id.clone(), path: "/dev/zero".into(), length: 4096, ..Default::default() };
+    let mut s = rt.read_file(zero).await.unwrap().into_inner();
+    let mut n = 0;
+    while let Some(c) = s.message().await.unwrap() {
+        n += c.data.len();
+    }
+    assert_eq!(n, 4096);
+
+    f.admin.stop_sandbox(&a.id).await.unwrap();
+    f.admin.stop_sandbox(&b.id).await.unwrap();
+    f.cluster.shutdown().await;
 }

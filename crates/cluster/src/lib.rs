@@ -349,8 +349,9 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
                     state_dir: state.join("containers"),
                     cache_dir: state.join("layers"),
                     init_exe,
-                    init_argv: config.edge.container_init.clone(),
+                    agent: agent_path(config).map_err(err)?,
                     pids_limit: config.edge.container_pids_limit,
+                    pause_reclaim: config.edge.pause_reclaim,
                 };
                 out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
             }
@@ -358,6 +359,32 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
         }
     }
     Ok(out)
+}
+
+/// The static agent: `edge.agent_path`, else the first statically linked `opendsec-agent`
+/// beside the running executable or in cargo's static target directory relative to it.
+pub fn agent_path(config: &Config) -> Result<PathBuf, BackendError> {
+    if let Some(p) = &config.edge.agent_path {
+        return Ok(p.clone());
+    }
+    let exe = std::env::current_exe()
+        .map_err(|e| BackendError::Internal(format!("cannot find the running executable: {e}")))?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    let static_dir = Path::new("x86_64-unknown-linux-gnu/release/opendsec-agent");
+    let tried = [dir.join("opendsec-agent"), dir.join("..").join(static_dir), dir.join("../..").join(static_dir)];
+    for c in &tried {
+        let is_static = std::fs::read(c)
+            .ok()
+            .is_some_and(|b| opendsec_edge::backend::container::check_static_elf(&b).is_ok());
+        if is_static {
+            return Ok(c.clone());
+        }
+    }
+    let shown: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+    Err(BackendError::InvalidArgument(format!(
+        "no statically linked opendsec-agent found (tried {}); build it with `make agent` or set edge.agent_path",
+        shown.join(", ")
+    )))
 }
 
 fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>) -> Running {

@@ -292,11 +292,16 @@ pub struct EdgeConfig {
     /// Stopped and failed records are kept this long for `get`, then removed.
     #[serde(with = "humantime_serde")]
     pub ended_retention: Duration,
-    /// argv of PID 1 in a container sandbox. Empty (the default) refuses container creations
-    /// until the agent is wired in: no silent stand-in.
-    pub container_init: Vec<String>,
+    /// The static `opendsec-agent` binary run as PID 1 of every container sandbox (`make
+    /// agent` builds it). Default: `opendsec-agent` beside the running executable, else
+    /// `../x86_64-unknown-linux-gnu/release/opendsec-agent` from its directory (the cargo
+    /// layout). A dynamically linked binary is refused at start.
+    pub agent_path: Option<PathBuf>,
     /// Maximum number of tasks per container sandbox; 0 = none.
     pub container_pids_limit: u64,
+    /// Push a paused container sandbox's memory out (`process_madvise(MADV_PAGEOUT)`: to swap
+    /// when the host has it, clean file pages dropped) and read it back ahead on resume.
+    pub pause_reclaim: bool,
     /// The binary re-executed as a container's setup process; default: the running executable
     /// (which calls `linuxrt::init::run_if_init()` first in `main`). Tests point it elsewhere.
     pub container_setup_exe: Option<PathBuf>,
@@ -320,8 +325,9 @@ impl Default for EdgeConfig {
             disk_reserve_mb: 1024,
             keep_sandboxes_on_exit: true,
             ended_retention: Duration::from_secs(600),
-            container_init: Vec::new(),
+            agent_path: None,
             container_pids_limit: 1024,
+            pause_reclaim: false,
             container_setup_exe: None,
         }
     }

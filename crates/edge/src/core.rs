@@ -80,6 +80,8 @@ pub(crate) struct Inner {
     pub closing: AtomicBool,
     pressure_cache: std::sync::Mutex<Option<(Instant, Pressure)>>,
     pub tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
+    /// Runtime calls in flight and last activity per sandbox.
+    pub activity: crate::runtime::Activity,
 }
 
 /// Everything `Inner::new` needs.
@@ -120,6 +122,7 @@ impl Inner {
             closing: AtomicBool::new(false),
             pressure_cache: std::sync::Mutex::new(None),
             tasks: std::sync::Mutex::new(Vec::new()),
+            activity: Default::default(),
         }
     }
 
@@ -133,7 +136,7 @@ impl Inner {
         self.backends.iter().find(|b| b.name() == name)
     }
 
-    fn backend_of(&self, rec: &SandboxRecord) -> Result<&Arc<dyn Backend>, EdgeError> {
+    pub(crate) fn backend_of(&self, rec: &SandboxRecord) -> Result<&Arc<dyn Backend>, EdgeError> {
         // Recovery fails every record whose backend is not offered, so this holds for any live
         // sandbox; the error only guards the invariant.
         self.backend(&rec.spec.backend).ok_or_else(|| EdgeError::Backend {
@@ -148,12 +151,12 @@ impl Inner {
         self.backends.iter().map(|b| b.name().to_string()).collect()
     }
 
-    fn not_found(&self, id: &str) -> EdgeError {
+    pub(crate) fn not_found(&self, id: &str) -> EdgeError {
         EdgeError::NotFound { id: id.chars().take(120).collect(), edge: self.name.clone() }
     }
 
     /// The lease of a sandbox id of this edge.
-    fn lease_of<'a>(&self, id: &'a str) -> Result<&'a str, EdgeError> {
+    pub(crate) fn lease_of<'a>(&self, id: &'a str) -> Result<&'a str, EdgeError> {
         let (edge, lease) = ids::split_sandbox_id(id).map_err(|e| EdgeError::InvalidArgument(e.message))?;
         if edge != self.name {
             return Err(self.not_found(id));
@@ -174,6 +177,14 @@ impl Inner {
         Ok((guard, rec))
     }
 
+    /// The sandbox's last runtime activity: `now` while a call runs.
+    fn active_ms(&self, lease: &str, now: i64) -> i64 {
+        match self.activity.of(lease) {
+            (0, last) => last,
+            _ => now,
+        }
+    }
+
     pub(crate) fn to_proto(&self, rec: &SandboxRecord) -> Sandbox {
         Sandbox {
             id: rec.id.clone(),
@@ -184,7 +195,7 @@ impl Inner {
             principal: rec.principal.clone(),
             created_at_ms: rec.created_at_ms,
             updated_at_ms: rec.updated_at_ms,
-            expires_at_ms: ttl::expires_at_ms(rec),
+            expires_at_ms: ttl::expires_at_ms_active(rec, self.active_ms(&rec.lease_id, now_ms())),
             last_active_ms: rec.last_active_ms,
             end_reason: rec.end_reason.clone(),
         }
@@ -654,7 +665,7 @@ impl Inner {
         let mut probe = Vec::new();
         let mut delete = Vec::new();
         for rec in self.table().records() {
-            if ttl::expired(rec, now).is_some() {
+            if ttl::expired_active(rec, now, self.active_ms(&rec.lease_id, now)).is_some() {
                 expired.push(rec.lease_id.clone());
             } else if rec.state.is_adoptable() {
                 probe.push(rec.clone());
@@ -688,7 +699,8 @@ impl Inner {
         let _g = op.lock_owned().await;
         let Some(rec) = self.table().rec(lease) else { return };
         // Looked at again under the lock: a call may have reset the clock meanwhile.
-        let Some(reason) = ttl::expired(&rec, now_ms()) else { return };
+        let now = now_ms();
+        let Some(reason) = ttl::expired_active(&rec, now, self.active_ms(&rec.lease_id, now)) else { return };
         tracing::debug!(sandbox_id = %rec.id, reason, "sandbox expired");
         if let Err(e) = self.stop_locked(rec, reason, Release::Yes).await {
             tracing::warn!(lease_id = %lease, error = %e, "stopping an expired sandbox failed; will retry");
@@ -742,6 +754,7 @@ impl Inner {
         for lease in removed {
             if t.rec(&lease).is_some_and(|r| r.state.is_ended() && r.lease_released) {
                 t.remove(&lease);
+                self.activity.forget(&lease);
             }
         }
         drop(t);

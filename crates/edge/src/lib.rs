@@ -32,6 +32,7 @@ use opendsec_common::config::EdgeConfig;
 use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES, RequireServiceToken};
 use opendsec_common::ids;
 use opendsec_proto::v1::edge_server::EdgeServer;
+use opendsec_proto::v1::runtime_server::RuntimeServer;
 
 pub mod admission;
 pub mod backend;
@@ -43,6 +44,7 @@ pub mod record;
 mod recover;
 mod release;
 mod remote;
+pub mod runtime;
 mod service;
 pub mod state;
 mod table;
@@ -79,6 +81,9 @@ pub struct EdgeOptions {
 
 /// The gRPC service [`Edge::service`] returns: `Edge` behind the service-token check.
 pub type EdgeGrpc = InterceptedService<EdgeServer<EdgeService>, RequireServiceToken>;
+
+/// The gRPC service [`Edge::runtime_service`] returns.
+pub type EdgeRuntimeGrpc = InterceptedService<RuntimeServer<runtime::RuntimeService>, RequireServiceToken>;
 
 /// A running edge. Cheap to clone; when the last handle is dropped, its background loops stop
 /// (without the final release flush: call [`Edge::close`] or let [`Edge::serve`] finish for that).
@@ -159,6 +164,15 @@ impl Edge {
         InterceptedService::new(server, RequireServiceToken::new(&self.inner.service_token))
     }
 
+    /// The `Runtime` gRPC service (forwarding to sandboxes' agents) behind the service-token
+    /// check, to add to the same router as [`Edge::service`].
+    pub fn runtime_service(&self) -> EdgeRuntimeGrpc {
+        let server = RuntimeServer::new(runtime::RuntimeService { inner: self.inner.clone() })
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        InterceptedService::new(server, RequireServiceToken::new(&self.inner.service_token))
+    }
+
     /// Serves the edge on `listener` until `shutdown` completes, then [`Edge::close`]s it.
     pub async fn serve(
         self,
@@ -172,7 +186,7 @@ impl Edge {
                 self.inner.register_now.notify_one();
             }
         }
-        let router = grpc::server().add_service(self.service());
+        let router = grpc::server().add_service(self.service()).add_service(self.runtime_service());
         let served = grpc::serve(router, listener, shutdown).await;
         self.close().await;
         served.map_err(EdgeError::from)

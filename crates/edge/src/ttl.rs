@@ -24,14 +24,21 @@ fn after(base_ms: i64, secs: u64) -> i64 {
 
 /// The deadlines in force for the record's state (none once ended).
 pub fn deadlines(rec: &SandboxRecord) -> impl Iterator<Item = Deadline> {
+    deadlines_active(rec, 0)
+}
+
+/// [`deadlines`] with activity the record does not hold yet: the idle clock runs from the later
+/// of `rec.last_active_ms` and `active_ms` (runtime calls are counted in memory).
+pub fn deadlines_active(rec: &SandboxRecord, active_ms: i64) -> impl Iterator<Item = Deadline> {
     use SandboxStatus::*;
+    let last_active = rec.last_active_ms.max(active_ms);
     let s = &rec.spec;
     let idle = matches!(rec.state, Creating | Running | Pausing) && s.ttl_running_stop_s > 0;
     let paused = matches!(rec.state, Paused | Resuming) && s.ttl_paused_s > 0;
     let max = rec.state.is_live() && s.ttl_max_s > 0;
     [
         idle.then(|| Deadline {
-            at_ms: after(rec.last_active_ms, s.ttl_running_stop_s),
+            at_ms: after(last_active, s.ttl_running_stop_s),
             reason: end_reason::TTL_RUNNING_STOP,
         }),
         paused.then(|| Deadline { at_ms: after(rec.paused_since_ms, s.ttl_paused_s), reason: end_reason::TTL_PAUSED }),
@@ -48,21 +55,45 @@ pub fn next_deadline(rec: &SandboxRecord) -> Option<Deadline> {
 
 /// `expires_at_ms` of the Sandbox message: the earliest deadline, 0 when none.
 pub fn expires_at_ms(rec: &SandboxRecord) -> i64 {
-    next_deadline(rec).map_or(0, |d| d.at_ms)
+    expires_at_ms_active(rec, 0)
+}
+
+/// [`expires_at_ms`] with in-memory activity (see [`deadlines_active`]).
+pub fn expires_at_ms_active(rec: &SandboxRecord, active_ms: i64) -> i64 {
+    deadlines_active(rec, active_ms).min_by_key(|d| d.at_ms).map_or(0, |d| d.at_ms)
 }
 
 /// The end reason if the sandbox should be stopped at `now_ms`. Only settled sandboxes
 /// (RUNNING, PAUSED) expire; one in the middle of an operation is looked at next round.
 pub fn expired(rec: &SandboxRecord, now_ms: i64) -> Option<&'static str> {
+    expired_active(rec, now_ms, 0)
+}
+
+/// [`expired`] with in-memory activity (see [`deadlines_active`]); a call in flight passes
+/// `active_ms = now_ms`, so idle expiry never interrupts it.
+pub fn expired_active(rec: &SandboxRecord, now_ms: i64, active_ms: i64) -> Option<&'static str> {
     if !matches!(rec.state, SandboxStatus::Running | SandboxStatus::Paused) {
         return None;
     }
-    next_deadline(rec).filter(|d| d.at_ms <= now_ms).map(|d| d.reason)
+    deadlines_active(rec, active_ms).filter(|d| d.at_ms <= now_ms).min_by_key(|d| d.at_ms).map(|d| d.reason)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn activity_pushes_the_idle_deadline_only() {
+        // idle 10 s after 1_050_000, max 100 s after 1_000_000.
+        let r = rec(SandboxStatus::Running, 10, 100, 0);
+        assert_eq!(expired_active(&r, 1_060_000, 0), Some(end_reason::TTL_RUNNING_STOP));
+        assert_eq!(expired_active(&r, 1_060_000, 1_055_000), None);
+        assert_eq!(expires_at_ms_active(&r, 1_055_000), 1_065_000);
+        // A call in flight (active = now) never lets the idle TTL fire; the lifetime one still does.
+        assert_eq!(expired_active(&r, 1_100_000, 1_100_000), Some(end_reason::TTL_MAX));
+        // Older activity than the record's changes nothing.
+        assert_eq!(expired_active(&r, 1_060_000, 1), Some(end_reason::TTL_RUNNING_STOP));
+    }
     use crate::record::{RECORD_VERSION, SpecRecord};
 
     fn rec(state: SandboxStatus, idle: u64, max: u64, paused: u64) -> SandboxRecord {

@@ -1,6 +1,8 @@
 //! Root test of the `container` backend through the `Backend` trait: a busybox image in a store,
-//! a sandbox created, paused, resumed, adopted by a second backend instance (as after an edge
-//! restart), stopped; nothing left behind. A guard cleans up on failure.
+//! a sandbox created with the static agent as PID 1, a shell session used through the agent,
+//! paused, resumed, adopted by a second backend instance (as after an edge restart) with the
+//! session's state intact, stopped; nothing left behind; an agent killed is reported gone by
+//! `probe`. A guard cleans up on failure. Needs `make agent` (the static agent) first.
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -13,6 +15,7 @@ use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
 use opendsec_edge::record::{ResourcesRecord, SandboxRecord, SpecRecord};
 use opendsec_edge::state::SandboxStatus;
 use opendsec_images::Store;
+use opendsec_proto::v1 as pb;
 
 const EDGE: &str = "cbtest";
 
@@ -53,16 +56,37 @@ async fn busybox_image(store_dir: &Path, tmp: &Path) {
     store.write_manifest(&manifest).unwrap();
 }
 
-fn options(tmp: &Path, argv: Vec<String>) -> ContainerOptions {
+/// The static agent `make agent` builds (`OPENDSEC_AGENT` overrides).
+fn static_agent() -> PathBuf {
+    let p = std::env::var_os("OPENDSEC_AGENT").map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/x86_64-unknown-linux-gnu/release/opendsec-agent")
+    });
+    assert!(p.exists(), "the static agent {} is missing: run `make agent` first", p.display());
+    p
+}
+
+fn options(tmp: &Path) -> ContainerOptions {
     ContainerOptions {
         edge: EDGE.into(),
         store_dir: tmp.join("store"),
         state_dir: tmp.join("containers"),
         cache_dir: tmp.join("layers"),
         init_exe: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-sandbox-init")),
-        init_argv: argv,
+        agent: static_agent(),
         pids_limit: 64,
+        pause_reclaim: true,
     }
+}
+
+async fn exec(b: &ContainerBackend, id: &str, session: &str, cmd: &str) -> pb::ExecResult {
+    let mut c = b.agent_access().unwrap().agent(id).unwrap();
+    let req = pb::ExecRequest {
+        sandbox_id: id.into(),
+        session_id: session.into(),
+        command: cmd.into(),
+        ..Default::default()
+    };
+    c.exec(req).await.unwrap().into_inner()
 }
 
 fn record(lease: &str, image: &str) -> SandboxRecord {
@@ -115,8 +139,7 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     let tmp = tempfile::tempdir().unwrap();
     let _g = Guard { state: tmp.path().join("containers") };
     busybox_image(&tmp.path().join("store"), tmp.path()).await;
-    let argv: Vec<String> = vec!["/bin/sh".into(), "-c".into(), "while :; do sleep 1; done".into()];
-    let b = ContainerBackend::new(options(tmp.path(), argv.clone())).unwrap();
+    let b = ContainerBackend::new(options(tmp.path())).unwrap();
 
     // An image nobody has: not found, nothing left.
     let missing = record("l0", "nosuch");
@@ -132,6 +155,13 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     let layers: Vec<String> = serde_json::from_slice(&std::fs::read(&inuse).unwrap()).unwrap();
     assert_eq!(layers.len(), 1);
 
+    // PID 1 is the agent; a session keeps its directory between commands.
+    let r = exec(&b, &rec.id, "s1", "cd /tmp && echo $$ > pid && cat /proc/1/cmdline | tr '\\0' ' '").await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    assert!(String::from_utf8_lossy(&r.stdout).contains("opendsec-agent aether"), "{r:?}");
+    let r = exec(&b, &rec.id, "s1", "pwd").await;
+    assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "/tmp");
+
     b.pause(&rec).await.unwrap();
     let adopted = Sandbox::adopt(&tmp.path().join("containers"), &format!("sbx-{}", rec.id)).unwrap();
     assert_eq!(adopted.pid, pid);
@@ -141,11 +171,14 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
 
     // "Edge restart": a new backend instance adopts the sandbox; cleanup keeps it.
     drop(b);
-    let b = ContainerBackend::new(options(tmp.path(), argv)).unwrap();
+    let b = ContainerBackend::new(options(tmp.path())).unwrap();
     assert!(!b.probe(&rec.id).await.unwrap());
     b.adopt(&rec).await.unwrap();
     assert!(b.probe(&rec.id).await.unwrap());
     assert_eq!(b.pid(&rec.id), Some(pid));
+    // The same agent, the same session: its shell kept its directory.
+    let r = exec(&b, &rec.id, "s1", "pwd; cat pid").await;
+    assert!(String::from_utf8_lossy(&r.stdout).starts_with("/tmp\n"), "{r:?}");
     let keep: HashSet<String> = [rec.id.clone()].into();
     assert_eq!(b.cleanup(&keep).await.unwrap(), 0);
     assert!(b.probe(&rec.id).await.unwrap());
@@ -164,6 +197,15 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     // A sandbox no record keeps is removed by cleanup, holder file included.
     let rec2 = record("l2", "busybox");
     b.create(&rec2).await.unwrap();
+    // An agent that dies is noticed through its Watch stream.
+    let pid2 = b.pid(&rec2.id).unwrap();
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid2).unwrap(), rustix::process::Signal::KILL)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.probe(&rec2.id).await.unwrap() {
+        assert!(Instant::now() < deadline, "a killed agent still probes alive");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 1);
     assert!(!b.probe(&rec2.id).await.unwrap());
     assert!(!tmp.path().join("store/inuse").join(&rec2.id).exists());

@@ -60,6 +60,7 @@ fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits
         argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
         env: vec!["PATH=/bin".into()],
         init_exe: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-sandbox-init")),
+        agent_socket: false,
     }
 }
 
@@ -279,4 +280,51 @@ async fn overwriting_the_image_in_one_sandbox_changes_nothing_in_another() {
     }
     assert!(rootfs::loops_under(&state).is_empty());
     assert!(cgroup::list("test-sbx-iso").unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hostile_image_mount_points_are_refused_without_touching_the_host() {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _g = Guard { state: state.clone(), prefix: "test-sbx-evil" };
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    // The host directory a hostile image aims its mount points at.
+    let victim = tmp.path().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    let limits = Limits { cpu_millis: 0, best_effort: true, memory_bytes: 0, pids: 0 };
+    let cases: [(&str, &dyn Fn(&Path), &str); 4] = [
+        ("dev", &|l: &Path| std::os::unix::fs::symlink(&victim, l.join("dev")).unwrap(), "dev: /dev is a symlink"),
+        (
+            "proc",
+            &|l: &Path| std::os::unix::fs::symlink("../../../..", l.join("proc")).unwrap(),
+            "proc: /proc is a symlink",
+        ),
+        ("procfile", &|l: &Path| std::fs::write(l.join("proc"), b"").unwrap(), "proc: /proc is of the wrong type"),
+        ("bind", &|l: &Path| std::os::unix::fs::symlink(&victim, l.join("out")).unwrap(), "binds: /out is a symlink"),
+    ];
+    for (i, (what, make, want)) in cases.iter().enumerate() {
+        let lower = tmp.path().join(format!("lower-{what}"));
+        std::fs::create_dir_all(&lower).unwrap();
+        for d in ["proc", "dev", "sys", "out"] {
+            if !(*what == "bind" && d == "out")
+                && !(d == "dev" && *what == "dev")
+                && !(d == "proc" && what.starts_with("proc"))
+            {
+                std::fs::create_dir_all(lower.join(d)).unwrap();
+            }
+        }
+        make(&lower);
+        let name = format!("test-sbx-evil-{i}");
+        let sp = spec(tmp.path(), &name, lower, &out, "true", limits.clone());
+        let err = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap_err();
+        assert!(err.to_string().contains(want), "{what}: {err}");
+        assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0, "{what}: the host directory was written to");
+        assert!(!state.join(&name).exists());
+    }
+    assert!(rootfs::loops_under(&state).is_empty());
+    assert!(cgroup::list("test-sbx-evil").unwrap().is_empty());
 }

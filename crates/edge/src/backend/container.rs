@@ -15,20 +15,29 @@
 //! - a creation that fails leaves nothing behind (the runtime tears down what it made; the
 //!   inuse file is removed here).
 //!
-//! PID 1 inside is `init_argv` (the agent once it exists); an empty `init_argv` refuses every
-//! creation rather than running something silently different.
+//! PID 1 inside is the static agent (aether), bound read-only at [`AGENT_DIR`] from a
+//! content-keyed copy under `<state>/.agent/`, serving the `Runtime` service on a listening
+//! socket the edge bound in the sandbox's host directory (which the sandbox cannot see) and
+//! handed over as fd 3. A creation returns once aether answers a Watch call; the Watch stream
+//! stays open for the sandbox's life and its end marks the sandbox gone for `probe` (the edge
+//! then fails it as lost). Adoption after an edge restart reconnects to the same socket.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use opendsec_proto::v1::WatchRequest;
+use tonic::transport::Endpoint;
 
 use opendsec_images::{LayerId, Store, StoreError};
 
-use super::{Backend, BackendError, Usage};
+use super::{AgentAccess, AgentClient, Backend, BackendError, Usage};
 use crate::linuxrt::cgroup::Limits;
+use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
+use crate::linuxrt::reclaim;
 use crate::linuxrt::rootfs::{self, LayerCache};
 use crate::linuxrt::sandbox::{self, Sandbox, SandboxError, SandboxSpec};
 use crate::record::{PriorityRecord, SandboxRecord};
@@ -41,6 +50,14 @@ pub const LAYER_CACHE_TTL: Duration = Duration::from_secs(6 * 3600);
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// oom_score_adj of PID 1: lowered so the sandbox's other processes are OOM-killed first.
 const PID1_OOM_SCORE_ADJ: i32 = -500;
+/// Where the agent's directory is bound inside a sandbox (read-only).
+pub const AGENT_DIR: &str = "/.opendsec";
+/// The agent binary's name, in [`AGENT_DIR`] and in the installed copy.
+pub const AGENT_NAME: &str = "opendsec-agent";
+/// How long a new sandbox's agent has to answer before the creation fails.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// Largest gRPC message to or from an agent (the agent's own limit).
+const AGENT_MESSAGE_BYTES: usize = 80 << 20;
 
 /// How the container backend is set up.
 #[derive(Clone, Debug)]
@@ -56,15 +73,32 @@ pub struct ContainerOptions {
     /// The binary re-executed as setup process: the edge's own executable in production (it
     /// calls `linuxrt::init::run_if_init()` first thing in `main`).
     pub init_exe: PathBuf,
-    /// argv of PID 1 inside the sandbox; empty = creations are refused.
-    pub init_argv: Vec<String>,
+    /// The static agent binary (`edge.agent_path`), installed into `<state_dir>/.agent/`.
+    pub agent: PathBuf,
     /// Maximum number of tasks per sandbox; 0 = none.
     pub pids_limit: u64,
+    /// Page a paused sandbox's memory out, and read it back ahead on resume.
+    pub pause_reclaim: bool,
 }
 
 struct Held {
     sandbox: Arc<Sandbox>,
     layers: Vec<LayerId>,
+    agent: AgentConn,
+}
+
+/// The edge's connection to one sandbox's agent.
+struct AgentConn {
+    client: AgentClient,
+    /// False once the Watch stream ended: the agent (PID 1) is gone or cut off.
+    alive: Arc<AtomicBool>,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for AgentConn {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
 }
 
 /// The container backend. Cheap to share: `Arc<ContainerBackend>` is what the edge holds.
@@ -72,6 +106,8 @@ pub struct ContainerBackend {
     opts: ContainerOptions,
     store: Arc<Store>,
     cache: LayerCache,
+    /// The installed agent's directory (bound at [`AGENT_DIR`]).
+    agent_dir: PathBuf,
     held: Mutex<HashMap<String, Held>>,
 }
 
@@ -141,6 +177,124 @@ fn sandbox_err(e: SandboxError) -> BackendError {
     }
 }
 
+/// Whether `bytes` is an ELF executable without a program interpreter (statically linked, so
+/// it runs in any image). Errors say what is wrong.
+pub fn check_static_elf(bytes: &[u8]) -> Result<(), String> {
+    let u16_at = |o: usize| bytes.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |o: usize| bytes.get(o..o + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let u64_at = |o: usize| bytes.get(o..o + 8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes);
+    if bytes.get(..4) != Some(b"\x7fELF".as_slice()) || bytes.get(4) != Some(&2) || bytes.get(5) != Some(&1) {
+        return Err("not a 64-bit little-endian ELF file".into());
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38)) else {
+        return Err("truncated ELF header".into());
+    };
+    for i in 0..usize::from(phnum) {
+        let off = usize::try_from(phoff).unwrap_or(usize::MAX).saturating_add(i * usize::from(phentsize));
+        match u32_at(off) {
+            None => return Err("truncated program headers".into()),
+            Some(3) => return Err("dynamically linked (has a program interpreter); build it with `make agent`".into()),
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Copies the agent into `<dir>/<content hash>/opendsec-agent` (once per content) and returns
+/// that directory. Keyed by content so an upgrade never changes the binary under running
+/// sandboxes (their bind mounts keep the directory they started with).
+fn install_agent(src: &Path, dir: &Path) -> Result<PathBuf, BackendError> {
+    use sha2::Digest;
+    use std::os::unix::fs::PermissionsExt;
+    let bytes = std::fs::read(src).map_err(|e| {
+        BackendError::InvalidArgument(format!(
+            "edge.agent_path {}: {e} (build the agent with `make agent`)",
+            src.display()
+        ))
+    })?;
+    check_static_elf(&bytes)
+        .map_err(|why| BackendError::InvalidArgument(format!("edge.agent_path {}: {why}", src.display())))?;
+    let hash = sha2::Sha256::digest(&bytes);
+    let key: String = hash.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let target = dir.join(key);
+    let bin = target.join(AGENT_NAME);
+    if std::fs::read(&bin).is_ok_and(|b| b == bytes) {
+        return Ok(target);
+    }
+    let fail =
+        |e: std::io::Error| BackendError::Internal(format!("cannot install the agent in {}: {e}", target.display()));
+    std::fs::create_dir_all(&target).map_err(fail)?;
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).map_err(fail)?;
+    let tmp = target.join(format!(".{AGENT_NAME}.tmp{}", rand::random::<u32>()));
+    std::fs::write(&tmp, &bytes).map_err(fail)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).map_err(fail)?;
+    std::fs::rename(&tmp, &bin).map_err(fail)?;
+    Ok(target)
+}
+
+/// A lazily connecting channel to the agent socket in `dir` (reconnects by itself).
+fn agent_client(dir: PathBuf) -> Result<AgentClient, BackendError> {
+    let ep = Endpoint::from_static("http://agent.invalid");
+    let channel = ep.connect_with_connector_lazy(tower::service_fn(move |_| {
+        let dir = dir.clone();
+        async move {
+            let s = sandbox::connect_agent_socket(&dir)?;
+            s.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::from_std(s)?))
+        }
+    }));
+    Ok(AgentClient::new(channel)
+        .max_decoding_message_size(AGENT_MESSAGE_BYTES)
+        .max_encoding_message_size(AGENT_MESSAGE_BYTES))
+}
+
+/// Opens the agent's Watch stream. With `ready`, waits for its first heartbeat (a new
+/// sandbox: the creation succeeds only once the agent answers); without, the stream is opened
+/// in the background (an adopted sandbox may be frozen and answer only after a resume).
+/// The returned connection's `alive` turns false when the stream ends.
+async fn watch_agent(id: &str, client: AgentClient, ready: bool) -> Result<AgentConn, BackendError> {
+    let alive = Arc::new(AtomicBool::new(true));
+    let req = WatchRequest { sandbox_id: id.to_string() };
+    let flag = alive.clone();
+    let sid = id.to_string();
+    let mut c = client.clone();
+    let watch = if ready {
+        let first = async {
+            let mut s = c.watch(req).await?.into_inner();
+            let hb = s.message().await?;
+            Ok::<_, tonic::Status>((s, hb))
+        };
+        let mut stream = match tokio::time::timeout(AGENT_READY_TIMEOUT, first).await {
+            Ok(Ok((s, Some(_)))) => s,
+            Ok(Ok((_, None))) => return Err(BackendError::Internal(format!("agent of {id} ended its Watch stream"))),
+            Ok(Err(st)) => {
+                return Err(BackendError::Internal(format!("agent of {id} did not answer: {}", st.message())));
+            }
+            Err(_) => {
+                return Err(BackendError::Unavailable(format!(
+                    "agent of {id} did not answer within {}s",
+                    AGENT_READY_TIMEOUT.as_secs()
+                )));
+            }
+        };
+        tokio::spawn(async move {
+            while let Ok(Some(_)) = stream.message().await {}
+            flag.store(false, Ordering::SeqCst);
+            tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
+        })
+    } else {
+        tokio::spawn(async move {
+            if let Ok(resp) = c.watch(req).await {
+                let mut stream = resp.into_inner();
+                while let Ok(Some(_)) = stream.message().await {}
+            }
+            flag.store(false, Ordering::SeqCst);
+            tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
+        })
+    };
+    Ok(AgentConn { client, alive, watch })
+}
+
 fn join_err(e: tokio::task::JoinError) -> BackendError {
     BackendError::Internal(format!("blocking task failed: {e}"))
 }
@@ -161,7 +315,8 @@ impl ContainerBackend {
                 .map_err(|e| BackendError::Internal(format!("cannot create {}: {e}", d.display())))?;
         }
         let cache = LayerCache::new(&opts.cache_dir);
-        Ok(ContainerBackend { opts, store: Arc::new(store), cache, held: Mutex::new(HashMap::new()) })
+        let agent_dir = install_agent(&opts.agent, &opts.state_dir.join(".agent"))?;
+        Ok(ContainerBackend { opts, store: Arc::new(store), cache, agent_dir, held: Mutex::new(HashMap::new()) })
     }
 
     /// The host pid of the sandbox's PID 1, when held.
@@ -222,11 +377,6 @@ impl Backend for ContainerBackend {
     }
 
     async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        if self.opts.init_argv.is_empty() {
-            return Err(BackendError::InvalidArgument(
-                "edge.container_init is empty: the agent is not wired yet; set a command".into(),
-            ));
-        }
         // Not applied yet: refuse rather than hand out a sandbox without what was asked for.
         if !sb.spec.user.is_empty() || !sb.spec.workdir.is_empty() || sb.spec.resources.gpus > 0 {
             return Err(BackendError::InvalidArgument(
@@ -248,13 +398,19 @@ impl Backend for ContainerBackend {
             lower_dirs: Vec::new(),
             disk_mb,
             limits: limits_of(sb, self.opts.pids_limit),
-            binds: Vec::new(),
+            binds: vec![Bind { src: self.agent_dir.clone(), dst: AGENT_DIR.into(), readonly: true }],
             masked_paths: Vec::new(),
             readonly_paths: Vec::new(),
             oom_score_adj: PID1_OOM_SCORE_ADJ,
-            argv: self.opts.init_argv.clone(),
+            argv: vec![
+                format!("{AGENT_DIR}/{AGENT_NAME}"),
+                "aether".into(),
+                "--listen-fd".into(),
+                PID1_LISTEN_FD.to_string(),
+            ],
             env: Vec::new(),
             init_exe: self.opts.init_exe.clone(),
+            agent_socket: true,
         };
         let spec_env = sb.spec.env.clone();
         let started = blocking(move || {
@@ -276,7 +432,29 @@ impl Backend for ContainerBackend {
         })
         .await?;
         let (sandbox, layers) = started;
-        self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers });
+        let conn = match agent_client(sandbox.dir.clone()) {
+            Ok(client) => watch_agent(&sb.id, client, true).await,
+            Err(e) => Err(e),
+        };
+        let agent = match conn {
+            Ok(a) => a,
+            Err(e) => {
+                let inuse = self.inuse_path(&sb.id);
+                let log = sandbox.dir.join("console.log");
+                let tail = std::fs::read(&log).map(|b| tail_text(&b, 512)).unwrap_or_default();
+                let _ = blocking(move || {
+                    sandbox.stop().map_err(sandbox_err)?;
+                    remove_inuse(&inuse)
+                })
+                .await;
+                let msg = if tail.is_empty() { e.to_string() } else { format!("{e}; agent output: {tail}") };
+                return Err(match e {
+                    BackendError::Unavailable(_) => BackendError::Unavailable(msg),
+                    _ => BackendError::Internal(msg),
+                });
+            }
+        };
+        self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers, agent });
         Ok(())
     }
 
@@ -313,16 +491,39 @@ impl Backend for ContainerBackend {
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
-        blocking(move || s.freeze().map_err(sandbox_err)).await
+        let reclaim = self.opts.pause_reclaim;
+        let id = sb.id.clone();
+        blocking(move || {
+            s.freeze().map_err(sandbox_err)?;
+            if reclaim {
+                let pids = s.cgroup.pids().unwrap_or_default();
+                let a = reclaim::page_out(&pids);
+                tracing::debug!(sandbox_id = %id, processes = a.processes, bytes = a.bytes, "paged out");
+            }
+            Ok(())
+        })
+        .await
     }
 
     async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
-        blocking(move || s.thaw().map_err(sandbox_err)).await
+        let reclaim = self.opts.pause_reclaim;
+        blocking(move || {
+            if reclaim {
+                reclaim::read_ahead(&s.cgroup.pids().unwrap_or_default());
+            }
+            s.thaw().map_err(sandbox_err)
+        })
+        .await
     }
 
     async fn probe(&self, id: &str) -> Result<bool, BackendError> {
-        let Some(s) = self.handle(id) else { return Ok(false) };
+        let Some((s, alive)) = self.lock().get(id).map(|h| (h.sandbox.clone(), h.agent.alive.clone())) else {
+            return Ok(false);
+        };
+        if !alive.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
         blocking(move || Ok(s.exited().is_none())).await
     }
 
@@ -338,7 +539,8 @@ impl Backend for ContainerBackend {
             Ok((s, read_inuse(&inuse)))
         })
         .await?;
-        self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers });
+        let agent = watch_agent(&sb.id, agent_client(sandbox.dir.clone())?, false).await?;
+        self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers, agent });
         Ok(())
     }
 
@@ -389,6 +591,26 @@ impl Backend for ContainerBackend {
     fn usage(&self) -> Option<Usage> {
         None
     }
+
+    fn agent_access(&self) -> Option<&dyn AgentAccess> {
+        Some(self)
+    }
+}
+
+impl AgentAccess for ContainerBackend {
+    fn agent(&self, id: &str) -> Result<AgentClient, BackendError> {
+        match self.lock().get(id) {
+            Some(h) if h.agent.alive.load(Ordering::SeqCst) => Ok(h.agent.client.clone()),
+            Some(_) => Err(BackendError::Unavailable(format!("the agent of {id} is gone"))),
+            None => Err(BackendError::NotFound(format!("no container sandbox {id} on this edge"))),
+        }
+    }
+}
+
+/// The last `max` bytes of `b` as text on one line (for error messages).
+fn tail_text(b: &[u8], max: usize) -> String {
+    let start = b.len().saturating_sub(max);
+    String::from_utf8_lossy(&b[start..]).trim().replace('\n', " | ")
 }
 
 #[cfg(test)]
@@ -410,19 +632,38 @@ mod tests {
         assert!(!sandbox_name("e10.l1").starts_with(&sandbox_name("e1.")));
     }
 
+    #[test]
+    fn only_static_elf_agents_are_accepted() {
+        assert!(check_static_elf(b"#!/bin/sh\n").unwrap_err().contains("not a 64-bit"));
+        assert!(check_static_elf(b"\x7fELF\x02\x01").unwrap_err().contains("truncated"));
+        // The test binary itself is dynamically linked.
+        let me = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        assert!(check_static_elf(&me).unwrap_err().contains("dynamically linked"));
+        // A minimal ELF header with no program headers has no interpreter.
+        let mut h = vec![0u8; 64];
+        h[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        assert_eq!(check_static_elf(&h), Ok(()));
+    }
+
     #[tokio::test]
-    async fn empty_init_argv_refuses_creation() {
+    async fn a_dynamic_agent_is_refused_and_unknown_sandboxes_stop() {
         let tmp = tempfile::tempdir().unwrap();
-        let b = ContainerBackend::new(ContainerOptions {
+        let opts = ContainerOptions {
             edge: "e1".into(),
             store_dir: tmp.path().join("store"),
             state_dir: tmp.path().join("containers"),
             cache_dir: tmp.path().join("layers"),
             init_exe: "/nonexistent".into(),
-            init_argv: vec![],
+            agent: std::env::current_exe().unwrap(),
             pids_limit: 1024,
-        })
-        .unwrap();
+            pause_reclaim: false,
+        };
+        let e = ContainerBackend::new(opts.clone()).unwrap_err();
+        assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("dynamically linked")), "{e}");
+        let mut h = vec![0u8; 64];
+        h[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        std::fs::write(tmp.path().join("agent"), &h).unwrap();
+        let b = ContainerBackend::new(ContainerOptions { agent: tmp.path().join("agent"), ..opts }).unwrap();
         let rec = SandboxRecord {
             version: 1,
             id: "e1.l1".into(),
@@ -439,8 +680,6 @@ mod tests {
             ended_at_ms: 0,
             lease_released: false,
         };
-        let e = b.create(&rec).await.unwrap_err();
-        assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("container_init")), "{e}");
         // Stopping an unknown sandbox succeeds.
         b.stop(&rec).await.unwrap();
         assert!(!b.probe("e1.l1").await.unwrap());

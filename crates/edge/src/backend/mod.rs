@@ -6,8 +6,9 @@
 //! two lifecycle calls for one sandbox at once; calls for different sandboxes run concurrently.
 //!
 //! Optional capabilities are methods returning `Option<&dyn Capability>` (default `None`):
-//! [`Versioned`] now. `Runtime` (aether's connection), `LossReporter`, `Snapshotter` and
-//! `Networked` come with the issues that need them.
+//! [`Versioned`] and [`AgentAccess`] (the connection to a sandbox's agent, which the edge's
+//! `Runtime` service forwards to) now. `Snapshotter` and `Networked` come with the issues
+//! that need them.
 
 use std::collections::HashSet;
 
@@ -114,6 +115,22 @@ pub trait Backend: Send + Sync {
     fn versioned(&self) -> Option<&dyn Versioned> {
         None
     }
+
+    /// Capability: the in-sandbox agent (shell sessions, files, processes).
+    fn agent_access(&self) -> Option<&dyn AgentAccess> {
+        None
+    }
+}
+
+/// A `Runtime` client of the agent in a sandbox: gRPC over a channel that reconnects by itself.
+pub type AgentClient = opendsec_proto::v1::runtime_client::RuntimeClient<tonic::transport::Channel>;
+
+/// Capability: reaches the agent of a RUNNING sandbox. Liveness rides on the agent too: a
+/// backend with this capability reports a sandbox whose agent's Watch stream broke as gone
+/// from `probe`, and the edge then marks it lost.
+pub trait AgentAccess: Send + Sync {
+    /// A client of sandbox `id`'s agent (cheap: clones a channel).
+    fn agent(&self, id: &str) -> Result<AgentClient, BackendError>;
 }
 
 /// Capability: reports the versions of the runtimes under the backend, e.g. "firecracker 1.17.0".

@@ -5,6 +5,7 @@
 //! Everything here needs root; tests that need it skip themselves otherwise.
 pub mod cgroup;
 pub mod init;
+pub mod reclaim;
 pub mod rootfs;
 pub mod sandbox;
 pub mod seccomp;

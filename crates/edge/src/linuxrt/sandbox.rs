@@ -13,6 +13,8 @@
 #![allow(unsafe_code)]
 
 use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -67,7 +69,14 @@ pub struct SandboxSpec {
     pub env: Vec<String>,
     /// The binary re-executed as setup process (`/proc/self/exe` in the edge).
     pub init_exe: PathBuf,
+    /// Bind a listening unix socket at `<dir>/`[`AGENT_SOCKET`] and hand it to PID 1 as fd
+    /// [`init::PID1_LISTEN_FD`]. The path is in the host's sandbox directory, which the sandbox
+    /// cannot see: only the edge can connect, and nothing inside can replace it.
+    pub agent_socket: bool,
 }
+
+/// The file name of the agent's socket in a sandbox's directory.
+pub const AGENT_SOCKET: &str = "aether.sock";
 
 /// A running sandbox.
 #[derive(Debug)]
@@ -195,9 +204,26 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         oom_score_adj: spec.oom_score_adj,
         argv: spec.argv.clone(),
         env: spec.env.clone(),
+        listen_fd: None,
     };
+    let listener = if spec.agent_socket { Some(bind_agent_socket(dir)?) } else { None };
+    let mut cfg = cfg;
+    cfg.listen_fd = listener.as_ref().map(|l| l.as_raw_fd());
     let json = serde_json::to_vec(&cfg).map_err(|e| SandboxError::Setup(format!("config: {e}")))?;
-    let mut child = Command::new(&spec.init_exe)
+    let mut cmd = Command::new(&spec.init_exe);
+    if let Some(fd) = cfg.listen_fd {
+        // SAFETY: only fcntl (async-signal-safe) between fork and exec; it clears close-on-exec
+        // in the child's own fd table, so the edge's copy stays close-on-exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let mut child = cmd
         .arg(init::MARKER)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -217,13 +243,34 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
     let _ = child.wait();
     joined?;
     wrote?;
-    // The mount inside the namespace now holds the device; our fd can go (autoclear).
+    // The mount inside the namespace now holds the device; our fd can go (autoclear). PID 1
+    // holds the listening socket now.
     drop(dev);
+    drop(listener);
     let started = status.map_err(SandboxError::Setup)?;
     for w in &started.warnings {
         tracing::warn!(sandbox = %spec.name, "sandbox setup: {w}");
     }
     Ok(started.pid)
+}
+
+/// Binds the agent's listening socket in `dir` (through a directory fd: unix socket paths are
+/// limited to 108 bytes, state directories need not be).
+fn bind_agent_socket(dir: &Path) -> Result<std::os::unix::net::UnixListener, SandboxError> {
+    use std::os::unix::fs::PermissionsExt;
+    let d = std::fs::File::open(dir).map_err(io("open", dir))?;
+    let path = PathBuf::from(format!("/proc/self/fd/{}/{AGENT_SOCKET}", d.as_raw_fd()));
+    let sock = dir.join(AGENT_SOCKET);
+    let _ = std::fs::remove_file(&sock);
+    let l = std::os::unix::net::UnixListener::bind(&path).map_err(io("bind", &sock))?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(io("chmod", &sock))?;
+    Ok(l)
+}
+
+/// Connects to the agent socket in `dir` (see [`bind_agent_socket`]); blocking.
+pub fn connect_agent_socket(dir: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+    let d = std::fs::File::open(dir)?;
+    std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}/{AGENT_SOCKET}", d.as_raw_fd()))
 }
 
 /// Kills the cgroup's processes, waits for the loop devices under `dir` to be released

@@ -1,0 +1,240 @@
+//! Issue 4's benchmarks (ignored by default; `make bench-container` runs them in release, as
+//! root). Prints figures, asserts nothing about time. Through the public API of an in-process
+//! cluster (real gRPC between apiserver, edge and agent), beside Debian's `runc` on a bundle
+//! with the same busybox root file system:
+//!
+//! - creation until the agent answers: one by one, and 100 in parallel (p50/p99); `runc run -d`
+//!   one by one;
+//! - exec round trip of `true` in an existing session through the apiserver; `runc exec true`;
+//! - sustained creations per second on the node and the host memory per idle sandbox (agent +
+//!   shell) with `BENCH_IDLE` (default 1,000) idle sandboxes at once;
+//! - streaming throughput of a command printing 1 GiB through `ExecStream`.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use opendsec_proto::v1 as pb;
+
+fn pct(sorted: &[Duration], p: usize) -> Duration {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+fn show(what: &str, mut v: Vec<Duration>) {
+    v.sort();
+    println!(
+        "{what}: n={} p50={:.2} ms p99={:.2} ms",
+        v.len(),
+        pct(&v, 50).as_secs_f64() * 1e3,
+        pct(&v, 99).as_secs_f64() * 1e3
+    );
+}
+
+fn mem_used_mb() -> f64 {
+    let t = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let f = |k: &str| -> f64 {
+        t.lines().find_map(|l| l.strip_prefix(k)).and_then(|v| v.split_whitespace().next()).unwrap().parse().unwrap()
+    };
+    (f("MemTotal:") - f("MemAvailable:")) / 1024.0
+}
+
+fn runc(args: &[&str]) -> std::process::Output {
+    let o = std::process::Command::new("runc").args(args).output().expect("runc (apt install runc)");
+    assert!(o.status.success(), "runc {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+/// An OCI bundle over `rootfs` whose process sleeps (no terminal, no network namespace setup
+/// beyond runc's defaults).
+fn runc_bundle(dir: &Path, rootfs: &Path) -> std::path::PathBuf {
+    let b = dir.join("bundle");
+    std::fs::create_dir_all(&b).unwrap();
+    std::os::unix::fs::symlink(rootfs, b.join("rootfs")).unwrap();
+    let o = std::process::Command::new("runc").args(["spec", "--bundle", b.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success());
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    spec["process"]["terminal"] = false.into();
+    spec["process"]["args"] = serde_json::json!(["sleep", "1000000"]);
+    spec["root"]["readonly"] = true.into();
+    std::fs::write(b.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
+    b
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark: make bench-container"]
+async fn bench_container_sandboxes() {
+    let idle: usize = std::env::var("BENCH_IDLE").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let f = fixture_with(|c| {
+        c.edge.container_pids_limit = 256;
+        // Declared capacity (overcommitted on purpose: idle sandboxes use little of it).
+        c.edge.capacity = opendsec_common::config::CapacityConfig {
+            cpu_millis: 4_000_000,
+            memory_mb: 400_000,
+            disk_mb: 4_000_000,
+            gpus: 0,
+        };
+        c.edge.max_sandboxes = 5000;
+        c.apiserver.rate_per_principal = 100_000.0;
+        c.apiserver.burst_per_principal = 100_000.0;
+    })
+    .await;
+    let token = f.cluster.admin_token.clone();
+    let mut rt = runtime(&f.addr, &token);
+    let spec = pb::SandboxSpec {
+        resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 64, disk_mb: 16, gpus: 0 }),
+        ..container_spec("busybox", 64, 16)
+    };
+
+    // Warm the layer cache and the code paths.
+    let w = f.admin.create_sandbox(spec.clone()).await.unwrap();
+    f.admin.stop_sandbox(&w.id).await.unwrap();
+
+    // 1. Creation until the agent answers, one by one.
+    let mut lat = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..50 {
+        let t = Instant::now();
+        let s = f.admin.create_sandbox(spec.clone()).await.unwrap();
+        lat.push(t.elapsed());
+        ids.push(s.id);
+    }
+    show("create one by one (until the agent answers)", lat);
+    for id in ids.drain(..) {
+        f.admin.stop_sandbox(&id).await.unwrap();
+    }
+
+    // ... and 100 in parallel.
+    let t0 = Instant::now();
+    let tasks: Vec<_> = (0..100)
+        .map(|_| {
+            let (admin, spec) = (f.admin.clone(), spec.clone());
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let s = admin.create_sandbox(spec).await.unwrap();
+                (t.elapsed(), s.id)
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    for t in tasks {
+        let (d, id) = t.await.unwrap();
+        lat.push(d);
+        ids.push(id);
+    }
+    let wall = t0.elapsed();
+    show("create 100 in parallel", lat);
+    println!("create 100 in parallel: {:.1} creations/s", 100.0 / wall.as_secs_f64());
+    for id in ids.drain(..) {
+        f.admin.stop_sandbox(&id).await.unwrap();
+    }
+
+    // runc beside it: the same root file system as a bundle.
+    let dir = tempfile::tempdir().unwrap();
+    let rootfs = busybox_rootfs(dir.path());
+    let bundle = runc_bundle(dir.path(), &rootfs);
+    let mut lat = Vec::new();
+    for i in 0..50 {
+        let name = format!("odbench-{}-{i}", std::process::id());
+        let t = Instant::now();
+        runc(&["run", "-d", "--bundle", bundle.to_str().unwrap(), &name]);
+        lat.push(t.elapsed());
+        ids.push(name);
+    }
+    show("runc run -d (peer)", lat);
+    let mut lat = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        runc(&["exec", &ids[0], "true"]);
+        lat.push(t.elapsed());
+    }
+    show("runc exec true (peer)", lat);
+    for name in ids.drain(..) {
+        let _ = std::process::Command::new("runc").args(["delete", "--force", &name]).output();
+    }
+
+    // 2. Exec round trip of `true` in an existing session, through the apiserver.
+    let s = f.admin.create_sandbox(spec.clone()).await.unwrap();
+    exec_in(&mut rt, &s.id, "bench", "true").await;
+    let mut lat = Vec::new();
+    for _ in 0..1000 {
+        let t = Instant::now();
+        let r = exec_in(&mut rt, &s.id, "bench", "true").await;
+        lat.push(t.elapsed());
+        assert_eq!(r.exit_code, 0);
+    }
+    show("exec `true` in a session via the apiserver", lat);
+
+    // 4. Streaming 1 GiB through ExecStream.
+    let req = pb::ExecRequest {
+        sandbox_id: s.id.clone(),
+        session_id: "stream".into(),
+        command: "head -c 1073741824 /dev/zero".into(),
+        limits: Some(pb::OutputLimits { stdout_max_bytes: 1 << 20, stderr_max_bytes: 0 }),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let mut stream = rt.exec_stream(req).await.unwrap().into_inner();
+    let mut got = 0usize;
+    while let Some(c) = stream.message().await.unwrap() {
+        if let Some(pb::exec_chunk::Kind::Output(o)) = c.kind {
+            got += o.data.len();
+        }
+    }
+    println!(
+        "ExecStream of 1 GiB: {:.0} MiB/s ({} bytes streamed)",
+        1024.0 / t.elapsed().as_secs_f64(),
+        got
+    );
+    f.admin.stop_sandbox(&s.id).await.unwrap();
+
+    // 3. Sustained creations and the memory of idle sandboxes (agent + one session's shell).
+    let before = mem_used_mb();
+    let t0 = Instant::now();
+    let mut done = 0usize;
+    let conc = 16;
+    let mut pending = futures::stream::FuturesUnordered::new();
+    use futures::StreamExt;
+    let mut next = 0;
+    while done < idle {
+        while pending.len() < conc && next < idle {
+            let (admin, spec, mut rt) = (f.admin.clone(), spec.clone(), rt.clone());
+            pending.push(tokio::spawn(async move {
+                let s = admin.create_sandbox(spec).await.unwrap();
+                exec_in(&mut rt, &s.id, "idle", "true").await;
+                s.id
+            }));
+            next += 1;
+        }
+        let id = pending.next().await.unwrap().unwrap();
+        ids.push(id);
+        done += 1;
+    }
+    let wall = t0.elapsed();
+    println!(
+        "sustained: {idle} creations (+ a session each) in {:.1} s: {:.1} creations/s",
+        wall.as_secs_f64(),
+        idle as f64 / wall.as_secs_f64()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = mem_used_mb();
+    println!(
+        "idle sandboxes: {idle} hold {:.0} MiB of host memory: {:.2} MiB each",
+        after - before,
+        (after - before) / idle as f64
+    );
+    let t0 = Instant::now();
+    let stops: Vec<_> = ids
+        .drain(..)
+        .map(|id| {
+            let admin = f.admin.clone();
+            tokio::spawn(async move { admin.stop_sandbox(&id).await.unwrap() })
+        })
+        .collect();
+    for s in stops {
+        s.await.unwrap();
+    }
+    println!("stopped {idle} in {:.1} s", t0.elapsed().as_secs_f64());
+    f.cluster.shutdown().await;
+}

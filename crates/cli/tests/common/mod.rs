@@ -1,0 +1,236 @@
+//! Shared by the container end-to-end tests and benchmarks: a cluster whose edge offers `sim`
+//! and `container` with a busybox image imported, a raw `Runtime` client of the apiserver with
+//! a bearer token, and the test images (busybox from `busybox-static`, Debian from
+//! `scripts/debian-image.sh`). Root only (CI runs as root); each binary uses part of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use opendsec_cli::ctl::{Cli, run};
+use opendsec_cluster::{Cluster, UpOptions};
+use opendsec_common::config::Config;
+use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
+use opendsec_edge::linuxrt::{cgroup, rootfs};
+use opendsec_proto::v1 as pb;
+
+pub const EDGE: &str = "sim-000";
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|v| v.split_whitespace().next() == Some("0"))))
+        .unwrap_or(false)
+}
+
+pub struct Guard {
+    pub containers: PathBuf,
+}
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = sandbox::cleanup_leftovers(&self.containers, &format!("sbx-{EDGE}."), &[]);
+    }
+}
+
+pub fn state(s: &pb::Sandbox) -> pb::SandboxState {
+    pb::SandboxState::try_from(s.state).unwrap_or(pb::SandboxState::Unspecified)
+}
+
+pub fn freezer_state(s: &Sandbox) -> String {
+    let rel = s.cgroup.rel_path().strip_prefix("/").unwrap_or(s.cgroup.rel_path()).to_path_buf();
+    let p = match s.cgroup.layout() {
+        cgroup::Layout::V1 => Path::new("/sys/fs/cgroup/freezer").join(rel).join("freezer.state"),
+        cgroup::Layout::V2 => Path::new("/sys/fs/cgroup").join(rel).join("cgroup.freeze"),
+    };
+    std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
+}
+
+pub async fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A cluster with one edge offering `sim` and `container`, with the busybox image imported as
+/// `busybox:latest` in `root`.
+pub struct Fixture {
+    pub _dir: tempfile::TempDir,
+    pub _guard: Guard,
+    pub cluster: Cluster,
+    pub containers: PathBuf,
+    pub store: PathBuf,
+    pub addr: String,
+    pub admin: opendsec_client::Client,
+}
+
+pub async fn fixture() -> Fixture {
+    fixture_with(|_| {}).await
+}
+
+/// [`fixture`] with the config changed by `tweak` before the cluster starts.
+pub async fn fixture_with(tweak: impl FnOnce(&mut Config)) -> Fixture {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = Config { state_dir: dir.path().join("state"), ..Config::default() };
+    cfg.apiserver.listen = "127.0.0.1:0".into();
+    cfg.apiserver.metrics_listen = String::new();
+    cfg.apiserver.snapshot_refresh = Duration::from_millis(100);
+    cfg.watcher.probe_interval = Duration::from_millis(100);
+    cfg.watcher.probe_timeout = Duration::from_millis(500);
+    cfg.edge.register_interval = Duration::from_millis(500);
+    cfg.edge.ttl_check_interval = Duration::from_millis(200);
+    cfg.edge.backends = vec!["sim".into(), "container".into()];
+    cfg.edge.container_setup_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_opendsec")));
+    cfg.edge.container_pids_limit = 256;
+    tweak(&mut cfg);
+    let containers = cfg.edge_state_dir(EDGE).join("containers");
+    let guard = Guard { containers: containers.clone() };
+    let cluster = Cluster::up(cfg, UpOptions { state_dir: None, sim_edges: Some(1) }).await.unwrap();
+    cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let rootfs_dir = busybox_rootfs(dir.path());
+    let store = cluster.config.image_store_dir();
+    let addr = cluster.apiserver_addr.to_string();
+    import(&addr, &cluster.admin_token, &rootfs_dir, &store, "busybox:latest").await;
+    let admin = opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&cluster.admin_token))
+        .unwrap()
+        .with_retry_timeout(Duration::from_secs(10));
+    Fixture { _dir: dir, _guard: guard, cluster, containers, store, addr, admin }
+}
+
+pub async fn import(addr: &str, token: &str, rootfs: &Path, store: &Path, name: &str) {
+    let argv = [
+        "opendsecctl",
+        "--addr",
+        addr,
+        "--token",
+        token,
+        "--json",
+        "image",
+        "import",
+        "--rootfs",
+        rootfs.to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+        "--name",
+        name,
+    ];
+    run(Cli::try_parse_from(argv).unwrap()).await.unwrap();
+}
+
+pub fn container_spec(image: &str, memory_mb: u64, disk_mb: u64) -> pb::SandboxSpec {
+    pb::SandboxSpec {
+        project: "root".into(),
+        image: image.into(),
+        backend: "container".into(),
+        resources: Some(pb::Resources { cpu_millis: 500, memory_mb, disk_mb, gpus: 0 }),
+        ..Default::default()
+    }
+}
+
+pub type Rt = pb::runtime_client::RuntimeClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>,
+>;
+
+#[derive(Clone)]
+pub struct Bearer(pub String);
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        opendsec_common::grpc::set_bearer(&mut req, &self.0).map_err(|e| e.to_status())?;
+        Ok(req)
+    }
+}
+
+/// A raw `Runtime` client of the apiserver with a bearer token.
+pub fn runtime(addr: &str, token: &str) -> Rt {
+    let ch = opendsec_common::grpc::channel(addr).unwrap();
+    pb::runtime_client::RuntimeClient::with_interceptor(ch, Bearer(token.to_string()))
+        .max_decoding_message_size(64 << 20)
+        .max_encoding_message_size(64 << 20)
+}
+
+pub async fn exec_in(rt: &mut Rt, id: &str, session: &str, cmd: &str) -> pb::ExecResult {
+    let req = pb::ExecRequest {
+        sandbox_id: id.into(),
+        session_id: session.into(),
+        command: cmd.into(),
+        timeout_ms: 60_000,
+        ..Default::default()
+    };
+    rt.exec(req).await.unwrap_or_else(|e| panic!("exec {cmd:?}: {e:?}")).into_inner()
+}
+
+pub fn out(r: &pb::ExecResult) -> String {
+    String::from_utf8_lossy(&r.stdout).trim().to_string()
+}
+
+pub fn reason(s: &tonic::Status) -> String {
+    opendsec_common::ApiError::from_status(s).reason.to_string()
+}
+
+pub fn busybox_rootfs(dir: &Path) -> PathBuf {
+    let root = dir.join("bbroot");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    for d in ["proc", "sys", "dev", "tmp", "etc"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
+    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+        }
+    }
+    root
+}
+
+pub async fn principal(admin: &opendsec_client::Client, name: &str, project: &str, perms: &[&str]) -> String {
+    admin.create_principal(pb::CreatePrincipalRequest { name: name.into(), project: project.into() }).await.unwrap();
+    for p in perms {
+        let grant = pb::Grant { principal: name.into(), project: project.into(), permission: (*p).into() };
+        admin.grant(pb::GrantRequest { grant: Some(grant) }).await.unwrap();
+    }
+    admin
+        .create_token(pb::CreateTokenRequest { principal: name.into(), ttl_s: 0, description: "test".into() })
+        .await
+        .unwrap()
+        .token
+}
+
+pub async fn read_all(rt: &mut Rt, id: &str, path: &str) -> Result<Vec<u8>, tonic::Status> {
+    let req = pb::ReadFileRequest { sandbox_id: id.into(), path: path.into(), ..Default::default() };
+    let mut s = rt.read_file(req).await?.into_inner();
+    let mut data = Vec::new();
+    while let Some(c) = s.message().await? {
+        data.extend_from_slice(&c.data);
+    }
+    Ok(data)
+}
+
+pub async fn write_all(rt: &mut Rt, id: &str, path: &str, data: &[u8]) -> Result<u64, tonic::Status> {
+    let mut msgs = vec![pb::WriteFileRequest {
+        sandbox_id: id.into(),
+        path: path.into(),
+        make_parents: true,
+        ..Default::default()
+    }];
+    for c in data.chunks(1 << 20) {
+        msgs.push(pb::WriteFileRequest { data: c.to_vec(), ..Default::default() });
+    }
+    Ok(rt.write_file(tokio_stream::iter(msgs)).await?.into_inner().bytes_written)
+}
+
+/// The Debian test image's root file system (`scripts/debian-image.sh` builds it once;
+/// `make test` runs it).
+pub fn debian_rootfs() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/debian-image.sh");
+    let o = std::process::Command::new(&script).arg("--path").output().unwrap();
+    let p = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+    assert!(p.join("usr/bin/python3").exists(), "the Debian test image is missing: run {} first", script.display());
+    p
+}
+
+/// Python run in the sandbox: each probe prints `name=result`.
