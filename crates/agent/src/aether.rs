@@ -36,6 +36,7 @@ pub struct Config {
 
 struct Session {
     pid: u32,
+    channel: Channel,
     client: RuntimeClient<Channel>,
 }
 
@@ -80,11 +81,20 @@ impl Aether {
 
     /// The client of session `sid`'s chronus, started as `user` on first use.
     async fn session(self: &Arc<Self>, sid: &str, user: &str) -> Result<RuntimeClient<Channel>, AgentError> {
+        Ok(self.session_of(sid, user).await?.1)
+    }
+
+    /// The channel and client of session `sid`'s chronus, started as `user` on first use.
+    async fn session_of(
+        self: &Arc<Self>,
+        sid: &str,
+        user: &str,
+    ) -> Result<(Channel, RuntimeClient<Channel>), AgentError> {
         let sid = if sid.is_empty() { "default" } else { sid };
         check_id("session id", sid)?;
         let slot = self.sessions().entry(sid.to_string()).or_default().clone();
         let s = slot.get_or_try_init(|| self.start_chronus(sid, user, slot.clone())).await?;
-        Ok(s.client.clone())
+        Ok((s.channel.clone(), s.client.clone()))
     }
 
     async fn start_chronus(self: &Arc<Self>, sid: &str, user: &str, slot: Slot) -> Result<Session, AgentError> {
@@ -142,8 +152,9 @@ impl Aether {
             kill_tree(pid as i32, true);
             return Err(AgentError::Session(sid.into(), "chronus did not start".into()));
         }
-        let client = crate::unix_client(sock).await.map_err(|e| AgentError::Session(sid.into(), e.to_string()))?;
-        Ok(Session { pid, client })
+        let channel = crate::unix_channel(sock).await.map_err(|e| AgentError::Session(sid.into(), e.to_string()))?;
+        let client = crate::runtime_client(channel.clone());
+        Ok(Session { pid, channel, client })
     }
 
     /// Kills a session's whole tree; false when there was none.
@@ -208,28 +219,10 @@ impl Runtime for AetherService {
         let Some(first) = incoming.message().await? else {
             return Err(AgentError::Invalid("empty write stream".into()).into());
         };
-        let mut c = self.0.session(&first.session_id, &first.user).await.map_err(fwd)?;
-        let (tx, rx) = mpsc::channel(8);
-        let _ = tx.send(first).await;
-        // An error on the caller's stream drops the forwarded call, so chronus sees a reset
-        // stream, not a short but "complete" file.
-        let feed = async move {
-            while let Some(m) = incoming.message().await? {
-                if tx.send(m).await.is_err() {
-                    break;
-                }
-            }
-            Ok::<(), Status>(())
-        };
-        let call = c.write_file(ReceiverStream::new(rx));
-        tokio::pin!(call);
-        tokio::select! {
-            r = &mut call => r,
-            f = feed => match f {
-                Err(e) => Err(e),
-                Ok(()) => call.await,
-            },
-        }
+        let (ch, _) = self.0.session_of(&first.session_id, &first.user).await.map_err(fwd)?;
+        // An error on the caller's stream resets the forwarded one with an error, so chronus
+        // never takes a broken upload for a complete file.
+        crate::upload_forward(ch, first, incoming).await
     }
 
     async fn list_dir(&self, r: Request<ListDirRequest>) -> Result<Response<ListDirResponse>, Status> {

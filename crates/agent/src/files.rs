@@ -81,29 +81,57 @@ pub async fn write(cwd: &Path, mut s: Streaming<WriteFileRequest>) -> Result<u64
     {
         tokio::fs::create_dir_all(parent).await.map_err(|e| AgentError::fs("mkdir", parent, e))?;
     }
-    let mode = if first.mode == 0 { 0o644 } else { first.mode & 0o7777 };
-    let mut f = tokio::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .append(first.append)
-        .truncate(!first.append)
-        .mode(mode)
-        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-        .open(&p)
-        .await
-        .map_err(|e| AgentError::fs("open", &p, e))?;
-    let mut n = 0u64;
-    let mut data = first.data;
-    loop {
-        f.write_all(&data).await.map_err(|e| AgentError::fs("write", &p, e))?;
-        n += data.len() as u64;
-        match s.message().await? {
-            Some(m) => data = m.data,
-            None => break,
+    // A replaced file keeps its permission bits unless the caller sets new ones.
+    let existing = tokio::fs::metadata(&p).await.ok().map(|m| m.permissions().mode() & 0o7777);
+    let mode = match (first.mode, existing) {
+        (0, Some(m)) => m,
+        (0, None) => 0o644,
+        (m, _) => m & 0o7777,
+    };
+    // A whole-file write goes to a temporary file beside the target, renamed over it only once
+    // the stream ended cleanly: a broken upload never leaves a short file behind.
+    let target = p.clone();
+    let (path, tmp) = if first.append {
+        (p.clone(), None)
+    } else {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let t = p.with_file_name(format!(".{name}.opendsec-upload-{:08x}", rand::random::<u32>()));
+        (t.clone(), Some(t))
+    };
+    let result = async {
+        let mut f = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .append(first.append)
+            .truncate(!first.append)
+            .mode(mode)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(&path)
+            .await
+            .map_err(|e| AgentError::fs("open", &target, e))?;
+        let mut n = 0u64;
+        let mut data = first.data;
+        loop {
+            f.write_all(&data).await.map_err(|e| AgentError::fs("write", &target, e))?;
+            n += data.len() as u64;
+            match s.message().await? {
+                Some(m) => data = m.data,
+                None => break,
+            }
         }
+        f.flush().await.map_err(|e| AgentError::fs("write", &target, e))?;
+        if tmp.is_some() {
+            tokio::fs::rename(&path, &target).await.map_err(|e| AgentError::fs("rename", &target, e))?;
+        }
+        Ok::<u64, tonic::Status>(n)
     }
-    f.flush().await.map_err(|e| AgentError::fs("write", &p, e))?;
-    Ok(n)
+    .await;
+    if result.is_err()
+        && let Some(t) = &tmp
+    {
+        let _ = tokio::fs::remove_file(t).await;
+    }
+    result
 }
 
 fn info(path: &Path, md: &std::fs::Metadata) -> FileInfo {

@@ -44,9 +44,24 @@ pub async fn unix_channel(path: PathBuf) -> Result<Channel, tonic::transport::Er
 pub async fn unix_client(
     path: PathBuf,
 ) -> Result<opendsec_proto::v1::runtime_client::RuntimeClient<Channel>, tonic::transport::Error> {
-    Ok(opendsec_proto::v1::runtime_client::RuntimeClient::new(unix_channel(path).await?)
+    Ok(runtime_client(unix_channel(path).await?))
+}
+
+/// A Runtime client over `channel` with the agent's message limits.
+pub fn runtime_client(channel: Channel) -> opendsec_proto::v1::runtime_client::RuntimeClient<Channel> {
+    opendsec_proto::v1::runtime_client::RuntimeClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Forwards a WriteFile stream (its first message already read) to the next hop, aborting it
+/// visibly when the incoming side fails (see `opendsec_proto::upload`).
+pub async fn upload_forward(
+    channel: Channel,
+    first: opendsec_proto::v1::WriteFileRequest,
+    incoming: tonic::Streaming<opendsec_proto::v1::WriteFileRequest>,
+) -> Result<tonic::Response<opendsec_proto::v1::WriteFileResponse>, tonic::Status> {
+    opendsec_proto::upload::forward(channel, first, incoming, |_| Ok(()), std::time::Duration::from_secs(10)).await
 }
 
 /// Binds a unix socket at `path` (an old socket file is replaced; the socket is for its owner

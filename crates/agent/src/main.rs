@@ -8,6 +8,9 @@ use opendsec_agent::{aether, chronus};
 
 const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH] [--session-bytes N]\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
 
+/// Blocking threads started up front (see `main`).
+const BLOCKING_THREADS: usize = 2;
+
 struct Args {
     mode: String,
     socket: Option<PathBuf>,
@@ -60,13 +63,30 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    // Every thread the agent will need exists before the sandbox's workload can exhaust its
+    // pids limit (a fork bomb): tokio panics when it cannot spawn a blocking thread while none
+    // is alive, but queues the work when one is. The blocking threads are kept forever.
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(64)
+        .thread_keep_alive(std::time::Duration::from_secs(100 * 365 * 86400))
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("opendsec-agent: runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
+    rt.block_on(async {
+        let warm: Vec<_> = (0..BLOCKING_THREADS)
+            .map(|_| tokio::task::spawn_blocking(|| std::thread::sleep(std::time::Duration::from_millis(5))))
+            .collect();
+        for h in warm {
+            let _ = h.await;
+        }
+    });
     let r = rt.block_on(async {
         match a.mode.as_str() {
             "aether" => {

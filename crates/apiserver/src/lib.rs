@@ -3,7 +3,8 @@
 //! It authenticates bearer tokens (cached, cleared when IAM's security epoch moves), admits
 //! creations (spec bounds, default TTLs, per-principal rate, in-flight cap), places them on an
 //! edge from the watcher snapshot plus its own in-flight overlay, reserves quota through IAM
-//! `Admit`, and forwards every later call to the edge named in the sandbox id. It also proxies
+//! `Admit`, and forwards every later call (and every `Runtime` call: exec, files, processes) to
+//! the edge named in the sandbox id. It also proxies
 //! IAM's `Admin` service with the caller's token, serves the `Images` API over the shared image
 //! store (checking every creation's image), and writes one audit line per public call.
 //!
@@ -20,6 +21,7 @@ mod create;
 pub mod images;
 mod metrics;
 pub mod placement;
+mod runtime;
 mod sandboxes;
 mod state;
 mod upstream;
@@ -33,6 +35,7 @@ use opendsec_common::ApiError;
 use opendsec_common::grpc::{self, AttachServiceToken, MAX_MESSAGE_BYTES};
 use opendsec_proto::v1::admin_server::AdminServer;
 use opendsec_proto::v1::images_server::ImagesServer;
+use opendsec_proto::v1::runtime_server::RuntimeServer;
 use opendsec_proto::v1::sandboxes_server::SandboxesServer;
 use tokio_util::sync::CancellationToken;
 
@@ -74,7 +77,7 @@ pub enum ApiserverError {
     Metrics(std::io::Error),
 }
 
-/// Serves Sandboxes + Admin + Images on `listener` (and /metrics /healthz /readyz on `metrics` when
+/// Serves Sandboxes + Runtime + Admin + Images on `listener` (and /metrics /healthz /readyz on `metrics` when
 /// given) until shutdown; background loops (epoch poll, snapshot refresh, audit writer) end
 /// with it.
 pub async fn serve(
@@ -136,7 +139,10 @@ pub async fn serve(
     let images = ImagesServer::new(images::ImagesService::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let router = grpc::server().add_service(sandboxes).add_service(admin).add_service(images);
+    let runtime = RuntimeServer::new(runtime::RuntimeService::new(shared.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let router = grpc::server().add_service(sandboxes).add_service(admin).add_service(images).add_service(runtime);
     tracing::info!(addr = ?listener.local_addr().ok(), "apiserver serving");
     let served = grpc::serve(router, listener, cancel.clone().cancelled_owned()).await;
 

@@ -17,6 +17,7 @@ use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::admin_client::AdminClient;
 use opendsec_proto::v1::edge_client::EdgeClient;
 use opendsec_proto::v1::iam_client::IamClient;
+use opendsec_proto::v1::runtime_client::RuntimeClient;
 use opendsec_proto::v1::watcher_client::WatcherClient;
 
 /// Longest wait for one IAM or watcher call.
@@ -88,13 +89,25 @@ impl Upstreams {
         Ok(grpc::service_channel(self.pool.get(addr)?, &self.token))
     }
 
+    /// The service channel to the edge at `addr` (for calls the generated clients cannot
+    /// make, such as an abortable upload). An unusable address is `unavailable`.
+    pub fn edge_channel(&self, addr: &str) -> Result<ServiceChannel, ApiError> {
+        self.channel(addr)
+            .map_err(|e| ApiError::unavailable(format!("edge address {addr:?} is not usable: {}", e.message)))
+    }
+
     /// A client of the edge at `addr`. An unusable address means the edge cannot serve, so it
     /// is `unavailable` (a creation then tries another edge), not the caller's mistake.
     pub fn edge(&self, addr: &str) -> Result<EdgeClient<ServiceChannel>, ApiError> {
-        let ch = self
-            .channel(addr)
-            .map_err(|e| ApiError::unavailable(format!("edge address {addr:?} is not usable: {}", e.message)))?;
-        Ok(EdgeClient::new(ch)
+        Ok(EdgeClient::new(self.edge_channel(addr)?)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    /// A client of the `Runtime` service the edge at `addr` serves beside `Edge` (same
+    /// address, same service token); an unusable address is `unavailable`, as for [`Self::edge`].
+    pub fn runtime(&self, addr: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
+        Ok(RuntimeClient::new(self.edge_channel(addr)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }

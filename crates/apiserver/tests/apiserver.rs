@@ -17,6 +17,8 @@ use opendsec_proto::v1::admin_server::{Admin, AdminServer};
 use opendsec_proto::v1::edge_server::{Edge, EdgeServer};
 use opendsec_proto::v1::iam_server::{Iam, IamServer};
 use opendsec_proto::v1::images_client::ImagesClient;
+use opendsec_proto::v1::runtime_client::RuntimeClient;
+use opendsec_proto::v1::runtime_server::{Runtime, RuntimeServer};
 use opendsec_proto::v1::sandboxes_client::SandboxesClient;
 use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -234,6 +236,16 @@ struct EdgeState {
     mode: Mode,
     sandboxes: BTreeMap<String, pb::Sandbox>,
     creates: usize,
+    /// GetSandbox calls (the apiserver caches a sandbox's project for runtime calls).
+    gets: usize,
+    /// Runtime calls as (method, sandbox id).
+    runtime_calls: Vec<(&'static str, String)>,
+    /// Uploads completed: (path, data).
+    files: Vec<(String, Vec<u8>)>,
+    /// Uploads whose stream broke before its end.
+    aborted_uploads: usize,
+    /// Messages of the upload in progress.
+    upload_messages: usize,
 }
 
 #[derive(Clone)]
@@ -246,7 +258,16 @@ impl FakeEdge {
     fn new(name: &str, mode: Mode) -> FakeEdge {
         FakeEdge {
             name: name.into(),
-            st: Arc::new(Mutex::new(EdgeState { mode, sandboxes: BTreeMap::new(), creates: 0 })),
+            st: Arc::new(Mutex::new(EdgeState {
+                mode,
+                sandboxes: BTreeMap::new(),
+                creates: 0,
+                gets: 0,
+                runtime_calls: Vec::new(),
+                files: Vec::new(),
+                aborted_uploads: 0,
+                upload_messages: 0,
+            })),
         }
     }
 
@@ -299,6 +320,7 @@ impl Edge for FakeEdge {
     }
 
     async fn get_sandbox(&self, r: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        self.st.lock().unwrap().gets += 1;
         self.get(&r.get_ref().id).map(Response::new)
     }
 
@@ -334,6 +356,132 @@ impl Edge for FakeEdge {
         r: Request<pb::SetSandboxTimeoutRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
         self.get(&r.get_ref().id).map(Response::new)
+    }
+}
+
+/// The edge's `Runtime` service: Exec echoes the command, ExecStream sends one output chunk
+/// and exit 3, WriteFile keeps what it got, ReadFile sends two chunks; the rest is
+/// unimplemented (async_trait must see every method, so the macro writes the whole impl).
+macro_rules! fake_runtime {
+    ($($name:ident($req:ty) -> $resp:ty;)*) => {
+        #[tonic::async_trait]
+        impl Runtime for FakeEdge {
+            async fn exec(&self, r: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
+                let r = r.into_inner();
+                self.ran("Exec", &r.sandbox_id)?;
+                Ok(Response::new(pb::ExecResult {
+                    stdout: r.command.into_bytes(),
+                    request_id: r.request_id,
+                    ..Default::default()
+                }))
+            }
+
+            type ExecStreamStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::ExecChunk, Status>>>;
+
+            async fn exec_stream(&self, r: Request<pb::ExecRequest>) -> Result<Response<Self::ExecStreamStream>, Status> {
+                let r = r.into_inner();
+                self.ran("ExecStream", &r.sandbox_id)?;
+                let out = pb::OutputData { stream: pb::OutputStream::Stdout as i32, offset: 0, data: r.command.into_bytes() };
+                let chunks = vec![
+                    Ok(pb::ExecChunk { kind: Some(pb::exec_chunk::Kind::Output(out)), request_id: r.request_id }),
+                    Ok(pb::ExecChunk {
+                        kind: Some(pb::exec_chunk::Kind::Exit(pb::ExecExit { exit_code: 3, ..Default::default() })),
+                        request_id: String::new(),
+                    }),
+                ];
+                Ok(Response::new(tokio_stream::iter(chunks)))
+            }
+
+            type ReadFileStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::FileChunk, Status>>>;
+
+            async fn read_file(&self, r: Request<pb::ReadFileRequest>) -> Result<Response<Self::ReadFileStream>, Status> {
+                self.ran("ReadFile", &r.get_ref().sandbox_id)?;
+                let chunks = vec![
+                    Ok(pb::FileChunk { offset: 0, data: b"hello ".to_vec() }),
+                    Ok(pb::FileChunk { offset: 6, data: b"world".to_vec() }),
+                ];
+                Ok(Response::new(tokio_stream::iter(chunks)))
+            }
+
+            async fn write_file(
+                &self,
+                r: Request<tonic::Streaming<pb::WriteFileRequest>>,
+            ) -> Result<Response<pb::WriteFileResponse>, Status> {
+                let mut incoming = r.into_inner();
+                let first = match incoming.message().await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => return Err(Status::invalid_argument("empty")),
+                    Err(e) => {
+                        self.st.lock().unwrap().aborted_uploads += 1;
+                        return Err(e);
+                    }
+                };
+                self.ran("WriteFile", &first.sandbox_id)?;
+                let mut data = first.data;
+                self.st.lock().unwrap().upload_messages = 1;
+                loop {
+                    match incoming.message().await {
+                        Ok(Some(m)) => {
+                            data.extend(m.data);
+                            self.st.lock().unwrap().upload_messages += 1;
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            self.st.lock().unwrap().aborted_uploads += 1;
+                            return Err(e);
+                        }
+                    }
+                }
+                let n = data.len() as u64;
+                self.st.lock().unwrap().files.push((first.path, data));
+                Ok(Response::new(pb::WriteFileResponse { bytes_written: n }))
+            }
+
+            type ConnectProcessStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::ProcessEvent, Status>>>;
+
+            async fn connect_process(
+                &self,
+                _: Request<pb::ConnectProcessRequest>,
+            ) -> Result<Response<Self::ConnectProcessStream>, Status> {
+                Err(Status::unimplemented("fake"))
+            }
+
+            type WatchStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::Heartbeat, Status>>>;
+
+            async fn watch(&self, _: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+                Err(Status::unimplemented("fake"))
+            }
+
+            $(
+                async fn $name(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
+                    Err(Status::unimplemented("fake"))
+                }
+            )*
+        }
+    };
+}
+
+fake_runtime! {
+    get_output(pb::GetOutputRequest) -> pb::GetOutputResponse;
+    close_session(pb::CloseSessionRequest) -> pb::CloseSessionResponse;
+    list_dir(pb::ListDirRequest) -> pb::ListDirResponse;
+    stat(pb::StatRequest) -> pb::FileInfo;
+    make_dir(pb::MakeDirRequest) -> pb::MakeDirResponse;
+    remove(pb::RemoveRequest) -> pb::RemoveResponse;
+    r#move(pb::MoveRequest) -> pb::MoveResponse;
+    http_request(pb::HttpRequestRequest) -> pb::HttpRequestResponse;
+    start_process(pb::StartProcessRequest) -> pb::StartProcessResponse;
+    send_input(pb::SendInputRequest) -> pb::SendInputResponse;
+    signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse;
+    list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse;
+}
+
+impl FakeEdge {
+    /// Records a runtime call; a sandbox this edge does not hold is `not_found`, as on a real edge.
+    fn ran(&self, method: &'static str, id: &str) -> Result<(), Status> {
+        self.get(id)?;
+        self.st.lock().unwrap().runtime_calls.push((method, id.to_string()));
+        Ok(())
     }
 }
 
@@ -494,7 +642,9 @@ impl Cluster {
         for (name, mode, cpu) in edges {
             let fake = FakeEdge::new(name, *mode);
             let (l, addr) = listen().await;
-            let router = grpc::server().add_service(EdgeServer::with_interceptor(fake.clone(), check.clone()));
+            let router = grpc::server()
+                .add_service(EdgeServer::with_interceptor(fake.clone(), check.clone()))
+                .add_service(RuntimeServer::with_interceptor(fake.clone(), check.clone()));
             tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
             watcher.edges.lock().unwrap().push(edge_info(name, addr, *cpu));
             fakes.push(fake);
@@ -535,6 +685,10 @@ impl Cluster {
 
     fn images(&self) -> ImagesClient<Channel> {
         ImagesClient::new(grpc::channel(&self.api.to_string()).unwrap())
+    }
+
+    fn runtime(&self) -> RuntimeClient<Channel> {
+        RuntimeClient::new(grpc::channel(&self.api.to_string()).unwrap())
     }
 
     fn client(&self) -> SandboxesClient<Channel> {
@@ -978,4 +1132,140 @@ async fn images_register_get_list_compose_and_delete() {
     assert!(store.has_layer(&second));
     let audit = c.stop().await;
     assert!(audit.lines().any(|l| l.contains("\"method\":\"RegisterImage\"") && l.contains("\"reason\":\"ok\"")));
+}
+
+fn exec_req(id: &str, command: &str) -> pb::ExecRequest {
+    pb::ExecRequest { sandbox_id: id.into(), command: command.into(), request_id: "r1".into(), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_calls_are_authorized_on_the_sandbox_project_and_forwarded_to_its_edge() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let sb = c.client().create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let mut rt = c.runtime();
+
+    // Unary: forwarded as it is; the project is asked of the edge once, then cached.
+    for _ in 0..3 {
+        let r = rt.exec(with_token(exec_req(&sb.id, "echo hi"), ALICE)).await.unwrap().into_inner();
+        assert_eq!((r.stdout.as_slice(), r.request_id.as_str()), (b"echo hi".as_slice(), "r1"));
+    }
+    assert_eq!(c.edge("e1").st.lock().unwrap().gets, 1, "one GetSandbox for three execs");
+
+    // Server streaming: every item, then the end.
+    let mut s = rt.exec_stream(with_token(exec_req(&sb.id, "make"), ALICE)).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(chunk) = s.message().await.unwrap() {
+        got.push(chunk.kind);
+    }
+    assert_eq!(got.len(), 2);
+    assert!(matches!(&got[1], Some(pb::exec_chunk::Kind::Exit(x)) if x.exit_code == 3));
+    let mut f = rt
+        .read_file(with_token(
+            pb::ReadFileRequest { sandbox_id: sb.id.clone(), path: "/a".into(), ..Default::default() },
+            ALICE,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut data = Vec::new();
+    while let Some(chunk) = f.message().await.unwrap() {
+        data.extend(chunk.data);
+    }
+    assert_eq!(data, b"hello world");
+
+    // Client streaming: the first message names the sandbox, the rest follow.
+    let msgs = vec![
+        pb::WriteFileRequest {
+            sandbox_id: sb.id.clone(),
+            path: "/f".into(),
+            data: b"ab".to_vec(),
+            ..Default::default()
+        },
+        pb::WriteFileRequest { data: b"cd".to_vec(), ..Default::default() },
+        pb::WriteFileRequest { sandbox_id: sb.id.clone(), data: b"e".to_vec(), ..Default::default() },
+    ];
+    let w = rt.write_file(with_token(tokio_stream::iter(msgs), ALICE)).await.unwrap().into_inner();
+    assert_eq!(w.bytes_written, 5);
+    assert_eq!(c.edge("e1").st.lock().unwrap().files, vec![("/f".to_string(), b"abcde".to_vec())]);
+
+    // Another project's sandbox, an unknown edge, a malformed id, no token.
+    let e = rt.exec(with_token(exec_req(&sb.id, "id"), BOB)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let e = rt.exec_stream(with_token(exec_req(&sb.id, "id"), BOB)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let bad = vec![pb::WriteFileRequest { sandbox_id: sb.id.clone(), path: "/g".into(), ..Default::default() }];
+    let e = rt.write_file(with_token(tokio_stream::iter(bad), BOB)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied);
+    let e = rt.exec(with_token(exec_req("nowhere.abc123", "id"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    let e = rt.exec(with_token(exec_req("no-dot", "id"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+    let e = rt.exec(Request::new(exec_req(&sb.id, "id"))).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::Unauthenticated);
+    // A sandbox the edge does not hold: the edge's own not_found comes back.
+    let e = rt.exec(with_token(exec_req("e1.nosuchlease", "id"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound);
+    let calls = c.edge("e1").st.lock().unwrap().runtime_calls.len();
+    assert_eq!(calls, 6, "refused calls never reach the edge");
+
+    let audit = c.stop().await;
+    assert_eq!(audit.lines().filter(|l| l.contains("\"method\":\"Exec\"")).count(), 8);
+    assert!(audit.lines().any(|l| l.contains("\"method\":\"ExecStream\"") && l.contains("\"reason\":\"ok\"")));
+    assert!(
+        audit.lines().any(|l| l.contains("\"method\":\"WriteFile\"") && l.contains("\"reason\":\"permission_denied\""))
+    );
+}
+
+/// Waits (generously) until `cond` holds on the edge's state.
+async fn until_edge(c: &Cluster, what: &str, cond: impl Fn(&EdgeState) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond(&c.edge("e1").st.lock().unwrap()) {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_fails_midway_is_reset_at_the_edge_not_completed() {
+    use opendsec_proto::upload::{self, Upload};
+    use tokio_stream::wrappers::ReceiverStream;
+
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let sb = c.client().create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let authed = || {
+        tonic::service::interceptor::InterceptedService::new(
+            grpc::channel(&c.api.to_string()).unwrap(),
+            |mut r: Request<()>| {
+                grpc::set_bearer(&mut r, ALICE).map_err(|e| e.to_status())?;
+                Ok(r)
+            },
+        )
+    };
+    let first = || {
+        Upload::Message(pb::WriteFileRequest {
+            sandbox_id: sb.id.clone(),
+            path: "/f".into(),
+            data: b"ab".to_vec(),
+            ..Default::default()
+        })
+    };
+
+    // The caller aborts after its first message reached the edge.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(first()).await.unwrap();
+    let call = tokio::spawn(upload::write_file(authed(), ReceiverStream::new(rx)));
+    until_edge(&c, "the first message never reached the edge", |st| st.upload_messages == 1).await;
+    tx.send(Upload::Abort("local read error".into())).await.unwrap();
+    assert!(call.await.unwrap().is_err());
+    until_edge(&c, "the edge never saw the upload fail", |st| st.aborted_uploads == 1).await;
+
+    // A later message for another sandbox fails the upload in the apiserver.
+    let other = Upload::Message(pb::WriteFileRequest { sandbox_id: "e1.other".into(), ..Default::default() });
+    let e = upload::write_file(authed(), tokio_stream::iter(vec![first(), other])).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument);
+    until_edge(&c, "the edge never saw the second upload fail", |st| st.aborted_uploads == 2).await;
+
+    assert!(c.edge("e1").st.lock().unwrap().files.is_empty(), "no short file completed");
+    drop(tx);
+    c.stop().await;
 }

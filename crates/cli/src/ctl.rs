@@ -1,8 +1,10 @@
 //! `opendsecctl`: the public API on the command line, plus `cluster up`, `bench` and the image
-//! store tools (`image import|gc|store-check|merge`).
+//! store tools (`image import|gc|store-check|merge`); commands inside a sandbox (`exec`, `run`,
+//! `cp`, `ps`, `kill`) are in [`crate::runtime`].
 //!
 //! Exit codes: 0 success; 1 a local failure (file, config); 2 usage; 10.. one per error
-//! reason (docs/errors.md, `Reason::exit_code`).
+//! reason (docs/errors.md, `Reason::exit_code`). `exec` and `run` exit with the remote
+//! command's own code once the call succeeded.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -72,6 +74,16 @@ pub enum Command {
     /// Images: the Images API, and local tools on the store (import, gc, store-check, merge).
     #[command(subcommand)]
     Image(crate::image::ImageCmd),
+    /// Run shell text in a sandbox, output streamed; exits with the command's exit code.
+    Exec(crate::runtime::ExecArgs),
+    /// Start a process in a sandbox (argv, outside sessions) and follow its output.
+    Run(crate::runtime::RunArgs),
+    /// Copy a file between a sandbox (SANDBOX_ID:/path) and here (a path, or - for stdin/stdout).
+    Cp(crate::runtime::CpArgs),
+    /// Processes started with `run` (or the process API) in a sandbox.
+    Ps { sandbox: String },
+    /// Signal a process in a sandbox, by pid or tag.
+    Kill(crate::runtime::KillArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -314,7 +326,7 @@ impl std::fmt::Display for CtlError {
     }
 }
 
-fn kv(items: &[String], what: &str) -> Result<HashMap<String, String>, CtlError> {
+pub(crate) fn kv(items: &[String], what: &str) -> Result<HashMap<String, String>, CtlError> {
     items
         .iter()
         .map(|s| {
@@ -389,18 +401,38 @@ fn project_text(p: &pb::Project) -> String {
     )
 }
 
-/// Runs one parsed command line.
-pub async fn run(cli: Cli) -> Result<(), CtlError> {
+/// Runs one parsed command line; `Ok` holds the exit code (the remote command's for `exec` and
+/// `run`, else 0).
+pub async fn run(cli: Cli) -> Result<i32, CtlError> {
     let out = Out { json: cli.json };
     if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges }) = &cli.command {
-        return cluster_up(config.clone(), state_dir.clone(), *sim_edges).await;
+        return cluster_up(config.clone(), state_dir.clone(), *sim_edges).await.map(|()| 0);
     }
     let addrs: Vec<String> = cli.addr.split(',').map(str::to_string).collect();
     let client = Client::new(&addrs, cli.token.as_deref())?;
     let project = cli.project.clone();
     match cli.command {
-        Command::Cluster(_) => unreachable!("handled above"),
-        Command::Sandbox(cmd) => sandbox(&client, &out, project.as_deref(), cmd).await,
+        Command::Exec(a) => crate::runtime::exec(&client, &out, a).await,
+        Command::Run(a) => crate::runtime::run(&client, &out, a).await,
+        Command::Cp(a) => crate::runtime::cp(&client, &out, a).await.map(|()| 0),
+        Command::Ps { sandbox } => crate::runtime::ps(&client, &out, sandbox).await.map(|()| 0),
+        Command::Kill(a) => crate::runtime::kill(&client, &out, a).await.map(|()| 0),
+        other => api(&client, &out, project, other).await.map(|()| 0),
+    }
+}
+
+/// The commands that map one-to-one onto public calls.
+async fn api(client: &Client, out: &Out, project: Option<String>, command: Command) -> Result<(), CtlError> {
+    match command {
+        Command::Cluster(_)
+        | Command::Exec(_)
+        | Command::Run(_)
+        | Command::Cp(_)
+        | Command::Ps { .. }
+        | Command::Kill(_) => {
+            unreachable!("handled in run")
+        }
+        Command::Sandbox(cmd) => sandbox(client, out, project.as_deref(), cmd).await,
         Command::Project(cmd) => match cmd {
             ProjectCmd::Create { path, quota } => {
                 let p = client.create_project(pb::CreateProjectRequest { path, quota: Some(quota.to_pb()) }).await?;
@@ -562,9 +594,9 @@ pub async fn run(cli: Cli) -> Result<(), CtlError> {
             out.print(json!({"restored": file}), || format!("restored from {}", file.display()));
             Ok(())
         }
-        Command::Image(cmd) => crate::image::run(&client, &out, project.as_deref(), cmd).await,
+        Command::Image(cmd) => crate::image::run(client, out, project.as_deref(), cmd).await,
         Command::Bench(BenchCmd::Create(args)) => {
-            let report = crate::bench::create(&client, project.as_deref(), &args).await?;
+            let report = crate::bench::create(client, project.as_deref(), &args).await?;
             out.print(report.to_json(), || report.to_text());
             Ok(())
         }

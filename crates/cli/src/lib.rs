@@ -5,3 +5,4 @@ pub mod bench;
 pub mod ctl;
 pub mod image;
 pub mod json;
+pub mod runtime;

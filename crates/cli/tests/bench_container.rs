@@ -182,11 +182,7 @@ async fn bench_container_sandboxes() {
             got += o.data.len();
         }
     }
-    println!(
-        "ExecStream of 1 GiB: {:.0} MiB/s ({} bytes streamed)",
-        1024.0 / t.elapsed().as_secs_f64(),
-        got
-    );
+    println!("ExecStream of 1 GiB: {:.0} MiB/s ({} bytes streamed)", 1024.0 / t.elapsed().as_secs_f64(), got);
     f.admin.stop_sandbox(&s.id).await.unwrap();
 
     // 3. Sustained creations and the memory of idle sandboxes (agent + one session's shell).

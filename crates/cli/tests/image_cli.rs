@@ -14,7 +14,7 @@ async fn ctl(cluster: &Cluster, args: &[&str]) -> Result<(), CtlError> {
     let addr = cluster.apiserver_addr.to_string();
     let mut argv = vec!["opendsecctl", "--addr", &addr, "--token", &cluster.admin_token, "--json"];
     argv.extend_from_slice(args);
-    run(Cli::try_parse_from(argv).expect("a valid command line")).await
+    run(Cli::try_parse_from(argv).expect("a valid command line")).await.map(|_| ())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

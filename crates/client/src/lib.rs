@@ -5,6 +5,12 @@
 //! - Errors are [`ApiError`]s: decide on `err.reason`, never on the message.
 //! - `create_sandbox` fills in a lease id before the first attempt, so a retry after a lost
 //!   answer returns the sandbox the first attempt created instead of creating a second one.
+//! - Runtime calls (exec, files, processes) go through the apiserver to the sandbox's edge.
+//!   `exec`/`exec_stream` fill in a request id before the first attempt: a retry then finds the
+//!   command the first attempt started (the agent dedupes by request id) instead of running it
+//!   twice. Reads are retried like the sandbox calls; calls that change something and carry no
+//!   such id (start a process, send input, HTTP, write, remove, move, mkdir, signal) are made
+//!   once, since an `unavailable` answer may come after the change was made.
 #![forbid(unsafe_code)]
 
 use std::future::Future;
@@ -16,14 +22,18 @@ use opendsec_common::{ApiError, Reason, grpc};
 use opendsec_proto::v1 as pb;
 use pb::admin_client::AdminClient;
 use pb::images_client::ImagesClient;
+use pb::runtime_client::RuntimeClient;
 use pb::sandboxes_client::SandboxesClient;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
+pub use opendsec_proto::upload;
+
 pub use opendsec_common::{ApiError as ClientError, Reason as ErrorReason};
 pub use opendsec_proto::v1 as proto;
+pub use upload::Upload;
 
 /// Environment variables every client reads.
 pub const ENV_ADDR: &str = "OPENDSEC_ADDR";
@@ -136,13 +146,34 @@ impl Client {
             .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
     }
 
+    pub fn runtime_stub(&self) -> RuntimeClient<AuthedChannel> {
+        stub_r(self.pick())
+    }
+
     /// Runs `f` on one address after another while it fails with `unavailable`.
     async fn retry<T, F, Fut>(&self, f: F) -> Result<T, ApiError>
     where
         F: Fn(AuthedChannel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let deadline = Instant::now() + self.inner.retry_timeout;
+        self.retry_within(self.inner.retry_timeout, f).await
+    }
+
+    /// Runs `f` once, on the next address: for calls a retry could apply twice.
+    async fn once<T, F, Fut>(&self, f: F) -> Result<T, ApiError>
+    where
+        F: Fn(AuthedChannel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        self.retry_within(Duration::ZERO, f).await
+    }
+
+    async fn retry_within<T, F, Fut>(&self, budget: Duration, f: F) -> Result<T, ApiError>
+    where
+        F: Fn(AuthedChannel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let deadline = Instant::now() + budget;
         let mut backoff = Duration::from_millis(20);
         loop {
             match f(self.pick()).await {
@@ -255,6 +286,12 @@ impl Client {
     }
 }
 
+fn stub_r(ch: AuthedChannel) -> RuntimeClient<AuthedChannel> {
+    RuntimeClient::new(ch)
+        .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
+}
+
 fn stub_s(ch: AuthedChannel) -> SandboxesClient<AuthedChannel> {
     SandboxesClient::new(ch)
         .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
@@ -273,13 +310,17 @@ fn stub_i(ch: AuthedChannel) -> ImagesClient<AuthedChannel> {
         .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
 }
 
-/// One method per RPC of a service, each retried on `unavailable` like the sandbox calls.
+/// One method per RPC of a service, each retried on `unavailable` like the sandbox calls (or
+/// made once: `unary_calls! {once stub: ...}`).
 macro_rules! unary_calls {
     ($stub:ident: $($name:ident($req:ty) -> $resp:ty;)*) => {
+        unary_calls! {retry $stub: $($name($req) -> $resp;)*}
+    };
+    ($how:ident $stub:ident: $($name:ident($req:ty) -> $resp:ty;)*) => {
         impl Client {
             $(
                 pub async fn $name(&self, req: $req) -> Result<$resp, ApiError> {
-                    self.retry(|ch| {
+                    self.$how(|ch| {
                         let req = req.clone();
                         async move { $stub(ch).$name(req).await }
                     })
@@ -320,6 +361,126 @@ unary_calls! {stub_a:
     restore(pb::RestoreRequest) -> pb::RestoreResponse;
 }
 
+/// A fresh exec request id: `[A-Za-z0-9._-]`, well under the 128 the agent accepts.
+pub fn new_request_id() -> String {
+    format!("req-{}", grpc::random_secret(24))
+}
+
+impl Client {
+    /// Runs shell text in a session and waits for it. A missing request id is filled in first,
+    /// so the retries on `unavailable` find the same command instead of running it again.
+    pub async fn exec(&self, mut req: pb::ExecRequest) -> Result<pb::ExecResult, ApiError> {
+        if req.request_id.is_empty() {
+            req.request_id = new_request_id();
+        }
+        self.retry(|ch| {
+            let req = req.clone();
+            async move { stub_r(ch).exec(req).await }
+        })
+        .await
+    }
+
+    /// Like [`Client::exec`], output streamed as it comes. The first chunk carries the request
+    /// id; after a broken stream, the same request with the offsets received so far re-attaches.
+    pub async fn exec_stream(&self, mut req: pb::ExecRequest) -> Result<tonic::Streaming<pb::ExecChunk>, ApiError> {
+        if req.request_id.is_empty() {
+            req.request_id = new_request_id();
+        }
+        self.retry(|ch| {
+            let req = req.clone();
+            async move { stub_r(ch).exec_stream(req).await }
+        })
+        .await
+    }
+
+    pub async fn read_file(&self, req: pb::ReadFileRequest) -> Result<tonic::Streaming<pb::FileChunk>, ApiError> {
+        self.retry(|ch| {
+            let req = req.clone();
+            async move { stub_r(ch).read_file(req).await }
+        })
+        .await
+    }
+
+    /// Uploads a stream of messages (the first names the sandbox and path); made once, since
+    /// the stream cannot be replayed. To abort an upload, send [`Upload::Abort`] and wait for
+    /// this call to fail: the server then sees a reset stream, not a short file's clean end
+    /// (dropping the call instead would look like a clean end; see [`upload`]).
+    pub async fn write_file<S>(&self, messages: S) -> Result<pb::WriteFileResponse, ApiError>
+    where
+        S: futures::Stream<Item = Upload<pb::WriteFileRequest>> + Send + 'static,
+    {
+        upload::write_file(self.pick(), messages)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| ApiError::from_status(&s))
+    }
+
+    /// Writes `data` whole as one upload (`first` carries the sandbox, path and options; its
+    /// data is replaced). Retried on `unavailable` unless appending: a retry rewrites the same
+    /// file from the start.
+    pub async fn write_file_all(
+        &self,
+        first: pb::WriteFileRequest,
+        data: &[u8],
+    ) -> Result<pb::WriteFileResponse, ApiError> {
+        const CHUNK: usize = 1 << 20;
+        let mut msgs = Vec::with_capacity(data.len() / CHUNK + 1);
+        let mut chunks = data.chunks(CHUNK);
+        msgs.push(pb::WriteFileRequest { data: chunks.next().unwrap_or_default().to_vec(), ..first.clone() });
+        let id = first.sandbox_id.clone();
+        msgs.extend(chunks.map(|c| pb::WriteFileRequest {
+            sandbox_id: id.clone(),
+            data: c.to_vec(),
+            ..Default::default()
+        }));
+        let budget = if first.append { Duration::ZERO } else { self.inner.retry_timeout };
+        self.retry_within(budget, |ch| {
+            let msgs = msgs.clone();
+            async move { upload::write_file(ch, tokio_stream::iter(msgs.into_iter().map(Upload::Message))).await }
+        })
+        .await
+    }
+
+    pub async fn connect_process(
+        &self,
+        req: pb::ConnectProcessRequest,
+    ) -> Result<tonic::Streaming<pb::ProcessEvent>, ApiError> {
+        self.retry(|ch| {
+            let req = req.clone();
+            async move { stub_r(ch).connect_process(req).await }
+        })
+        .await
+    }
+
+    pub async fn watch(&self, req: pb::WatchRequest) -> Result<tonic::Streaming<pb::Heartbeat>, ApiError> {
+        self.retry(|ch| {
+            let req = req.clone();
+            async move { stub_r(ch).watch(req).await }
+        })
+        .await
+    }
+}
+
+// Runtime reads (and closing a session, which a repeat only finds done): retried.
+unary_calls! {stub_r:
+    get_output(pb::GetOutputRequest) -> pb::GetOutputResponse;
+    close_session(pb::CloseSessionRequest) -> pb::CloseSessionResponse;
+    list_dir(pb::ListDirRequest) -> pb::ListDirResponse;
+    stat(pb::StatRequest) -> pb::FileInfo;
+    list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse;
+}
+
+// Runtime changes without a request id: made once.
+unary_calls! {once stub_r:
+    make_dir(pb::MakeDirRequest) -> pb::MakeDirResponse;
+    remove(pb::RemoveRequest) -> pb::RemoveResponse;
+    r#move(pb::MoveRequest) -> pb::MoveResponse;
+    http_request(pb::HttpRequestRequest) -> pb::HttpRequestResponse;
+    start_process(pb::StartProcessRequest) -> pb::StartProcessResponse;
+    send_input(pb::SendInputRequest) -> pb::SendInputResponse;
+    signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -335,5 +496,26 @@ mod tests {
         let c = Client::new(&["127.0.0.1:1".into()], None).unwrap().with_retry_timeout(Duration::from_millis(100));
         let err = c.get_sandbox("e.x").await.unwrap_err();
         assert_eq!(err.reason, Reason::Unavailable);
+    }
+
+    #[test]
+    fn request_ids_are_fresh_and_in_the_agents_alphabet() {
+        let (a, b) = (new_request_id(), new_request_id());
+        assert_ne!(a, b);
+        assert!(a.len() <= 128);
+        assert!(a.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)), "{a}");
+    }
+
+    #[tokio::test]
+    async fn runtime_calls_without_a_request_id_are_made_once() {
+        // A long retry budget: a retried call would not come back within the test's timeout.
+        let c = Client::new(&["127.0.0.1:1".into()], None).unwrap().with_retry_timeout(Duration::from_secs(3600));
+        let once = tokio::time::timeout(
+            Duration::from_secs(20),
+            c.start_process(pb::StartProcessRequest { sandbox_id: "e.x".into(), ..Default::default() }),
+        )
+        .await
+        .expect("start_process is not retried");
+        assert_eq!(once.unwrap_err().reason, Reason::Unavailable);
     }
 }

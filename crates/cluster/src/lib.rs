@@ -373,9 +373,8 @@ pub fn agent_path(config: &Config) -> Result<PathBuf, BackendError> {
     let static_dir = Path::new("x86_64-unknown-linux-gnu/release/opendsec-agent");
     let tried = [dir.join("opendsec-agent"), dir.join("..").join(static_dir), dir.join("../..").join(static_dir)];
     for c in &tried {
-        let is_static = std::fs::read(c)
-            .ok()
-            .is_some_and(|b| opendsec_edge::backend::container::check_static_elf(&b).is_ok());
+        let is_static =
+            std::fs::read(c).ok().is_some_and(|b| opendsec_edge::backend::container::check_static_elf(&b).is_ok());
         if is_static {
             return Ok(c.clone());
         }

@@ -16,18 +16,19 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use opendsec_common::time::now_ms;
 use opendsec_proto::v1::runtime_server::Runtime;
 use opendsec_proto::v1::*;
 
-use crate::backend::{AgentClient, BackendError};
+use crate::backend::{AgentClient, BackendError, agent_client};
 use crate::core::Inner;
 use crate::error::EdgeError;
 use crate::state::SandboxStatus;
+
+/// How long an aborted upload's reset may take to reach the agent.
+const ABORT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 type BoxStream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
 
@@ -84,7 +85,10 @@ impl Drop for CallGuard {
 impl Inner {
     /// The agent of sandbox `id`, resumed if paused, with the call counted until the guard
     /// drops.
-    pub(crate) async fn runtime_target(self: &Arc<Self>, id: &str) -> Result<(AgentClient, CallGuard), EdgeError> {
+    pub(crate) async fn runtime_target(
+        self: &Arc<Self>,
+        id: &str,
+    ) -> Result<(tonic::transport::Channel, CallGuard), EdgeError> {
         let lease = self.lease_of(id)?.to_string();
         // Unknown sandboxes leave no activity entry behind (ended ones are forgotten with
         // their record).
@@ -112,13 +116,13 @@ impl Inner {
                 backend.name()
             )),
         })?;
-        let client = access.agent(&rec.id).map_err(|source| EdgeError::Backend {
+        let channel = access.agent(&rec.id).map_err(|source| EdgeError::Backend {
             backend: backend.name(),
             op: "reach the agent of",
             id: rec.id.clone(),
             source,
         })?;
-        Ok((client, guard))
+        Ok((channel, guard))
     }
 }
 
@@ -129,6 +133,10 @@ pub struct RuntimeService {
 
 impl RuntimeService {
     async fn target(&self, id: &str) -> Result<(AgentClient, CallGuard), Status> {
+        self.channel(id).await.map(|(ch, g)| (agent_client(ch), g))
+    }
+
+    async fn channel(&self, id: &str) -> Result<(tonic::transport::Channel, CallGuard), Status> {
         self.inner.runtime_target(id).await.map_err(|e| {
             let api = e.to_api();
             tracing::debug!(sandbox_id = id, reason = %api.reason, error = %api.message, "runtime call refused");
@@ -204,28 +212,16 @@ runtime_impl! {
         let Some(first) = incoming.message().await? else {
             return Err(EdgeError::InvalidArgument("empty WriteFile stream".into()).to_api().to_status());
         };
-        let (mut c, _guard) = self.target(&first.sandbox_id).await?;
-        let (tx, rx) = mpsc::channel(8);
-        let _ = tx.send(first).await;
-        // An error on the caller's stream drops the forwarded call, so the agent sees a reset
-        // stream, not a short but "complete" file.
-        let feed = async move {
-            while let Some(m) = incoming.message().await? {
-                if tx.send(m).await.is_err() {
-                    break;
-                }
+        let id = first.sandbox_id.clone();
+        let (ch, _guard) = self.channel(&id).await?;
+        let check = move |m: &WriteFileRequest| {
+            if m.sandbox_id.is_empty() || m.sandbox_id == id {
+                Ok(())
+            } else {
+                Err(EdgeError::InvalidArgument("a WriteFile stream names one sandbox".into()).to_api().to_status())
             }
-            Ok::<(), Status>(())
         };
-        let call = c.write_file(ReceiverStream::new(rx));
-        tokio::pin!(call);
-        tokio::select! {
-            r = &mut call => r,
-            f = feed => match f {
-                Err(e) => Err(e),
-                Ok(()) => call.await,
-            },
-        }
+        opendsec_proto::upload::forward(ch, first, incoming, check, ABORT_WAIT).await
     }
 
     /// The agent's heartbeats, for as long as the caller listens. Watching does not resume a

@@ -79,7 +79,7 @@ fn options(tmp: &Path) -> ContainerOptions {
 }
 
 async fn exec(b: &ContainerBackend, id: &str, session: &str, cmd: &str) -> pb::ExecResult {
-    let mut c = b.agent_access().unwrap().agent(id).unwrap();
+    let mut c = opendsec_edge::backend::agent_client(b.agent_access().unwrap().agent(id).unwrap());
     let req = pb::ExecRequest {
         sandbox_id: id.into(),
         session_id: session.into(),

@@ -1,5 +1,8 @@
-//! Generated code for opendsec's protos. Nothing hand-written lives here but this module list.
+//! Generated code for opendsec's protos, and [`upload`]: the one hand-written piece every hop
+//! forwarding `Runtime.WriteFile` needs (an upload that can be aborted visibly).
 #![allow(clippy::all, clippy::pedantic, missing_docs)]
+
+pub mod upload;
 
 pub mod v1 {
     tonic::include_proto!("opendsec.v1");

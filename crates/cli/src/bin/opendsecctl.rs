@@ -20,8 +20,13 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = rt.block_on(opendsec_cli::ctl::run(cli)) {
-        eprintln!("error: {e}");
-        std::process::exit(e.exit_code());
+    match rt.block_on(opendsec_cli::ctl::run(cli)) {
+        Ok(0) => {}
+        // `exec` and `run`: the remote command's exit code.
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(e.exit_code());
+        }
     }
 }

@@ -11,8 +11,8 @@ use clap::Parser;
 use opendsec_cli::ctl::{Cli, run};
 use opendsec_cluster::{Cluster, UpOptions};
 use opendsec_common::config::Config;
+use opendsec_edge::linuxrt::cgroup;
 use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
-use opendsec_edge::linuxrt::{cgroup, rootfs};
 use opendsec_proto::v1 as pb;
 
 pub const EDGE: &str = "sim-000";
@@ -232,5 +232,3 @@ pub fn debian_rootfs() -> PathBuf {
     assert!(p.join("usr/bin/python3").exists(), "the Debian test image is missing: run {} first", script.display());
     p
 }
-
-/// Python run in the sandbox: each probe prints `name=result`.

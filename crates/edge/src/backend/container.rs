@@ -34,7 +34,7 @@ use tonic::transport::Endpoint;
 
 use opendsec_images::{LayerId, Store, StoreError};
 
-use super::{AgentAccess, AgentClient, Backend, BackendError, Usage};
+use super::{AgentAccess, Backend, BackendError, Usage, agent_client};
 use crate::linuxrt::cgroup::Limits;
 use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
 use crate::linuxrt::reclaim;
@@ -56,8 +56,6 @@ pub const AGENT_DIR: &str = "/.opendsec";
 pub const AGENT_NAME: &str = "opendsec-agent";
 /// How long a new sandbox's agent has to answer before the creation fails.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(15);
-/// Largest gRPC message to or from an agent (the agent's own limit).
-const AGENT_MESSAGE_BYTES: usize = 80 << 20;
 
 /// How the container backend is set up.
 #[derive(Clone, Debug)]
@@ -89,7 +87,7 @@ struct Held {
 
 /// The edge's connection to one sandbox's agent.
 struct AgentConn {
-    client: AgentClient,
+    channel: tonic::transport::Channel,
     /// False once the Watch stream ended: the agent (PID 1) is gone or cut off.
     alive: Arc<AtomicBool>,
     watch: tokio::task::JoinHandle<()>,
@@ -233,31 +231,28 @@ fn install_agent(src: &Path, dir: &Path) -> Result<PathBuf, BackendError> {
 }
 
 /// A lazily connecting channel to the agent socket in `dir` (reconnects by itself).
-fn agent_client(dir: PathBuf) -> Result<AgentClient, BackendError> {
+fn agent_channel(dir: PathBuf) -> tonic::transport::Channel {
     let ep = Endpoint::from_static("http://agent.invalid");
-    let channel = ep.connect_with_connector_lazy(tower::service_fn(move |_| {
+    ep.connect_with_connector_lazy(tower::service_fn(move |_| {
         let dir = dir.clone();
         async move {
             let s = sandbox::connect_agent_socket(&dir)?;
             s.set_nonblocking(true)?;
             Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::from_std(s)?))
         }
-    }));
-    Ok(AgentClient::new(channel)
-        .max_decoding_message_size(AGENT_MESSAGE_BYTES)
-        .max_encoding_message_size(AGENT_MESSAGE_BYTES))
+    }))
 }
 
 /// Opens the agent's Watch stream. With `ready`, waits for its first heartbeat (a new
 /// sandbox: the creation succeeds only once the agent answers); without, the stream is opened
 /// in the background (an adopted sandbox may be frozen and answer only after a resume).
 /// The returned connection's `alive` turns false when the stream ends.
-async fn watch_agent(id: &str, client: AgentClient, ready: bool) -> Result<AgentConn, BackendError> {
+async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) -> Result<AgentConn, BackendError> {
     let alive = Arc::new(AtomicBool::new(true));
     let req = WatchRequest { sandbox_id: id.to_string() };
     let flag = alive.clone();
     let sid = id.to_string();
-    let mut c = client.clone();
+    let mut c = agent_client(channel.clone());
     let watch = if ready {
         let first = async {
             let mut s = c.watch(req).await?.into_inner();
@@ -292,7 +287,7 @@ async fn watch_agent(id: &str, client: AgentClient, ready: bool) -> Result<Agent
             tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
         })
     };
-    Ok(AgentConn { client, alive, watch })
+    Ok(AgentConn { channel, alive, watch })
 }
 
 fn join_err(e: tokio::task::JoinError) -> BackendError {
@@ -432,10 +427,7 @@ impl Backend for ContainerBackend {
         })
         .await?;
         let (sandbox, layers) = started;
-        let conn = match agent_client(sandbox.dir.clone()) {
-            Ok(client) => watch_agent(&sb.id, client, true).await,
-            Err(e) => Err(e),
-        };
+        let conn = watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), true).await;
         let agent = match conn {
             Ok(a) => a,
             Err(e) => {
@@ -539,7 +531,7 @@ impl Backend for ContainerBackend {
             Ok((s, read_inuse(&inuse)))
         })
         .await?;
-        let agent = watch_agent(&sb.id, agent_client(sandbox.dir.clone())?, false).await?;
+        let agent = watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), false).await?;
         self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers, agent });
         Ok(())
     }
@@ -598,9 +590,9 @@ impl Backend for ContainerBackend {
 }
 
 impl AgentAccess for ContainerBackend {
-    fn agent(&self, id: &str) -> Result<AgentClient, BackendError> {
+    fn agent(&self, id: &str) -> Result<tonic::transport::Channel, BackendError> {
         match self.lock().get(id) {
-            Some(h) if h.agent.alive.load(Ordering::SeqCst) => Ok(h.agent.client.clone()),
+            Some(h) if h.agent.alive.load(Ordering::SeqCst) => Ok(h.agent.channel.clone()),
             Some(_) => Err(BackendError::Unavailable(format!("the agent of {id} is gone"))),
             None => Err(BackendError::NotFound(format!("no container sandbox {id} on this edge"))),
         }

@@ -125,12 +125,22 @@ pub trait Backend: Send + Sync {
 /// A `Runtime` client of the agent in a sandbox: gRPC over a channel that reconnects by itself.
 pub type AgentClient = opendsec_proto::v1::runtime_client::RuntimeClient<tonic::transport::Channel>;
 
+/// Largest gRPC message to or from an agent (the agent's own limit).
+pub const AGENT_MESSAGE_BYTES: usize = 80 << 20;
+
+/// A `Runtime` client over an agent's channel, with the agent's message limits.
+pub fn agent_client(channel: tonic::transport::Channel) -> AgentClient {
+    AgentClient::new(channel)
+        .max_decoding_message_size(AGENT_MESSAGE_BYTES)
+        .max_encoding_message_size(AGENT_MESSAGE_BYTES)
+}
+
 /// Capability: reaches the agent of a RUNNING sandbox. Liveness rides on the agent too: a
 /// backend with this capability reports a sandbox whose agent's Watch stream broke as gone
 /// from `probe`, and the edge then marks it lost.
 pub trait AgentAccess: Send + Sync {
-    /// A client of sandbox `id`'s agent (cheap: clones a channel).
-    fn agent(&self, id: &str) -> Result<AgentClient, BackendError>;
+    /// The channel to sandbox `id`'s agent (cheap to clone; see [`agent_client`]).
+    fn agent(&self, id: &str) -> Result<tonic::transport::Channel, BackendError>;
 }
 
 /// Capability: reports the versions of the runtimes under the backend, e.g. "firecracker 1.17.0".

@@ -1,0 +1,515 @@
+//! The public `Runtime` service: shell sessions, files, HTTP and processes inside a sandbox,
+//! forwarded to the edge named in the sandbox id, which serves the same service and routes it
+//! on to the sandbox's agent.
+//!
+//! Every call validates the sandbox id first, authenticates the bearer token, then authorizes
+//! `sandbox.operate` on the sandbox's project. The project comes from the edge (`GetSandbox`)
+//! the first time and from a bounded cache afterwards: a sandbox's project never changes and a
+//! sandbox id is never reused, so a cached entry is never wrong, only possibly stale for a
+//! sandbox that is gone (the edge then answers `not_found` itself). The permission check is
+//! made on every call (cached by [`Shared::authorize`], cleared with IAM's security epoch).
+//!
+//! Unary calls run like the `Sandboxes` ones: in their own task, one audit line each. Streamed
+//! answers are audited once the edge's stream is established; items and the final status are
+//! relayed as the edge sends them. A `WriteFile` upload is authorized on its first message and
+//! forwarded as it arrives; an error on the caller's stream resets the forwarded stream with an
+//! error, so the edge sees a failed upload, never a short file's clean end.
+//!
+//! Time limits: the edge must answer within `edge_call_timeout`, plus the command's own timeout
+//! for `Exec` and `HttpRequest` (an `Exec` without a timeout has no limit here: the caller's
+//! deadline governs). Streams are limited only in how long they take to start.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use opendsec_common::grpc::ServiceChannel;
+use opendsec_common::{ApiError, Reason, ids};
+use opendsec_proto::upload::Upload;
+use opendsec_proto::v1 as pb;
+use opendsec_proto::v1::runtime_client::RuntimeClient;
+use opendsec_proto::v1::runtime_server::Runtime;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::create;
+use crate::sandboxes::{PERM_OPERATE, caller, run};
+use crate::state::{Call, Shared};
+
+/// Sandboxes whose project one apiserver remembers.
+pub const PROJECT_CACHE_ENTRIES: usize = 100_000;
+
+/// Default timeout of an `HttpRequest` inside the sandbox (runtime.proto: 0 = 30 s).
+const HTTP_DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Messages of a `WriteFile` upload buffered between the caller and the edge.
+const UPLOAD_BUFFER: usize = 8;
+
+/// Sandbox id -> project, bounded: when full, the oldest entry goes.
+#[derive(Debug)]
+pub(crate) struct ProjectCache {
+    cap: usize,
+    inner: Mutex<CacheInner>,
+}
+
+#[derive(Debug, Default)]
+struct CacheInner {
+    map: HashMap<String, String>,
+    /// Insertion order, for eviction; holds exactly the keys of `map`.
+    order: VecDeque<String>,
+}
+
+impl ProjectCache {
+    pub(crate) fn new(cap: usize) -> ProjectCache {
+        ProjectCache { cap: cap.max(1), inner: Mutex::new(CacheInner::default()) }
+    }
+
+    pub(crate) fn get(&self, id: &str) -> Option<String> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).cloned()
+    }
+
+    pub(crate) fn put(&self, id: &str, project: &str) {
+        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if c.map.contains_key(id) {
+            return;
+        }
+        while c.map.len() >= self.cap {
+            match c.order.pop_front() {
+                Some(old) => {
+                    c.map.remove(&old);
+                }
+                None => break,
+            }
+        }
+        c.map.insert(id.to_string(), project.to_string());
+        c.order.push_back(id.to_string());
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).map.len()
+    }
+}
+
+/// A runtime request: the sandbox it goes to, and how long the edge may take to answer it.
+trait Routed {
+    fn sandbox_id(&self) -> &str;
+
+    /// The limit on the edge's answer (`None`: no limit here).
+    fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
+        Some(edge_timeout)
+    }
+}
+
+macro_rules! routed {
+    ($($t:ty),* $(,)?) => {
+        $(impl Routed for $t {
+            fn sandbox_id(&self) -> &str {
+                &self.sandbox_id
+            }
+        })*
+    };
+}
+
+routed!(
+    pb::GetOutputRequest,
+    pb::CloseSessionRequest,
+    pb::ReadFileRequest,
+    pb::ListDirRequest,
+    pb::StatRequest,
+    pb::MakeDirRequest,
+    pb::RemoveRequest,
+    pb::MoveRequest,
+    pb::StartProcessRequest,
+    pb::ConnectProcessRequest,
+    pb::SendInputRequest,
+    pb::SignalProcessRequest,
+    pb::ListProcessesRequest,
+    pb::WatchRequest,
+);
+
+impl Routed for pb::ExecRequest {
+    fn sandbox_id(&self) -> &str {
+        &self.sandbox_id
+    }
+
+    fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
+        exec_limit(self.timeout_ms, edge_timeout)
+    }
+}
+
+impl Routed for pb::HttpRequestRequest {
+    fn sandbox_id(&self) -> &str {
+        &self.sandbox_id
+    }
+
+    fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
+        let own = if self.timeout_ms == 0 { HTTP_DEFAULT_TIMEOUT } else { Duration::from_millis(self.timeout_ms) };
+        edge_timeout.checked_add(own)
+    }
+}
+
+/// An exec may take as long as its own timeout plus the usual edge allowance; none = no limit.
+fn exec_limit(timeout_ms: u64, edge_timeout: Duration) -> Option<Duration> {
+    if timeout_ms == 0 { None } else { edge_timeout.checked_add(Duration::from_millis(timeout_ms)) }
+}
+
+/// Validates the id, authenticates the caller and authorizes `sandbox.operate` on the
+/// sandbox's project; returns the sandbox's edge.
+async fn authorized(
+    s: &Shared,
+    projects: &ProjectCache,
+    call: &mut Call,
+    md: &MetadataMap,
+    id: &str,
+) -> Result<String, ApiError> {
+    let (edge, _) = ids::split_sandbox_id(id)?;
+    call.sandbox_id = Some(id.to_string());
+    let (_, ident) = caller(s, call, md).await?;
+    let project = match projects.get(id) {
+        Some(p) => p,
+        None => {
+            let sb = create::edge_get(s, edge, id).await?;
+            let project = sb.spec.map(|sp| sp.project).unwrap_or_default();
+            if project.is_empty() {
+                return Err(ApiError::denied(format!("sandbox {id} has no project")));
+            }
+            projects.put(id, &project);
+            project
+        }
+    };
+    call.project = Some(project.clone());
+    s.authorize(&ident.principal, PERM_OPERATE, &project).await?;
+    Ok(edge.to_string())
+}
+
+/// Waits for an edge's answer within `limit`.
+async fn within<T>(
+    edge: &str,
+    limit: Option<Duration>,
+    fut: impl Future<Output = Result<Response<T>, Status>>,
+) -> Result<T, ApiError> {
+    let answer = match limit {
+        Some(d) => tokio::time::timeout(d, fut).await.map_err(|_| {
+            ApiError::new(Reason::DeadlineExceeded, format!("edge {edge} did not answer within {} s", d.as_secs()))
+                .with("edge", edge)
+        })?,
+        None => fut.await,
+    };
+    answer.map(Response::into_inner).map_err(|st| ApiError::from_status(&st))
+}
+
+fn client(s: &Shared, edge: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
+    s.up.runtime(&s.edge_addr(edge)?)
+}
+
+/// A stream relayed from the edge; its statuses are re-encoded so that transport failures on
+/// the edge hop carry a reason too.
+pub type Relay<T> = BoxStream<'static, Result<T, Status>>;
+
+fn relay<T: Send + 'static>(s: Streaming<T>) -> Relay<T> {
+    s.map_err(|st| ApiError::from_status(&st).to_status()).boxed()
+}
+
+pub struct RuntimeService {
+    shared: Arc<Shared>,
+    projects: Arc<ProjectCache>,
+}
+
+impl RuntimeService {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        RuntimeService { shared, projects: Arc::new(ProjectCache::new(PROJECT_CACHE_ENTRIES)) }
+    }
+
+    /// Authorizes, forwards `f` to the sandbox's edge within `limit`, audits.
+    async fn forward<Q, T, F, Fut>(
+        &self,
+        method: &'static str,
+        request: Request<Q>,
+        limit: fn(&Q, Duration) -> Option<Duration>,
+        f: F,
+    ) -> Result<Response<T>, Status>
+    where
+        Q: Routed + Send + 'static,
+        T: Send + 'static,
+        F: FnOnce(RuntimeClient<ServiceChannel>, Q) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Response<T>, Status>> + Send,
+    {
+        let (md, _, req) = request.into_parts();
+        let projects = self.projects.clone();
+        run(&self.shared, method, move |s, call| {
+            Box::pin(async move {
+                let edge = authorized(s, &projects, call, &md, req.sandbox_id()).await?;
+                let limit = limit(&req, s.cfg.edge_call_timeout);
+                let c = client(s, &edge)?;
+                within(&edge, limit, f(c, req)).await
+            })
+        })
+        .await
+    }
+
+    async fn unary<Q, T, F, Fut>(&self, method: &'static str, request: Request<Q>, f: F) -> Result<Response<T>, Status>
+    where
+        Q: Routed + Send + 'static,
+        T: Send + 'static,
+        F: FnOnce(RuntimeClient<ServiceChannel>, Q) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Response<T>, Status>> + Send,
+    {
+        self.forward(method, request, Q::limit, f).await
+    }
+
+    /// A server-streaming call: limited and audited until the edge's stream starts.
+    async fn stream<Q, T, F, Fut>(
+        &self,
+        method: &'static str,
+        request: Request<Q>,
+        f: F,
+    ) -> Result<Response<Relay<T>>, Status>
+    where
+        Q: Routed + Send + 'static,
+        T: Send + 'static,
+        F: FnOnce(RuntimeClient<ServiceChannel>, Q) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Response<Streaming<T>>, Status>> + Send,
+    {
+        let started = self.forward(method, request, |_, edge_timeout| Some(edge_timeout), f).await?;
+        Ok(Response::new(relay(started.into_inner())))
+    }
+}
+
+/// Forwards an upload: the first message is read and authorized, then it and the rest go to
+/// the edge as they come. Messages after the first must name the same sandbox (or none).
+///
+/// A failure on the caller's side aborts the forwarded stream with an error (see
+/// `opendsec_proto::upload`: merely dropping the call would read as a clean end at the edge).
+/// A caller that cancels its own call is, to tonic, a clean end: the protocol cannot tell that
+/// from a complete upload.
+async fn write_file(
+    s: &Shared,
+    projects: &ProjectCache,
+    call: &mut Call,
+    md: MetadataMap,
+    mut incoming: Streaming<pb::WriteFileRequest>,
+) -> Result<pb::WriteFileResponse, ApiError> {
+    let first = incoming
+        .message()
+        .await
+        .map_err(|st| ApiError::from_status(&st))?
+        .ok_or_else(|| ApiError::invalid("empty WriteFile stream: the first message names the sandbox and path"))?;
+    let id = first.sandbox_id.clone();
+    let edge = authorized(s, projects, call, &md, &id).await?;
+    let ch = s.up.edge_channel(&s.edge_addr(&edge)?)?;
+    let (tx, rx) = mpsc::channel(UPLOAD_BUFFER);
+    // Cannot fail: `rx` is alive until the forwarded call ends.
+    let _ = tx.send(Upload::Message(first)).await;
+    let feed = async {
+        while let Some(m) = incoming.message().await.map_err(|st| ApiError::from_status(&st))? {
+            if !m.sandbox_id.is_empty() && m.sandbox_id != id {
+                return Err(ApiError::invalid(format!(
+                    "WriteFile stream for sandbox {id} carries a message for another sandbox"
+                )));
+            }
+            if tx.send(Upload::Message(m)).await.is_err() {
+                // The edge answered early (an error): its answer is the call's.
+                break;
+            }
+        }
+        Ok(())
+    };
+    let upload = opendsec_proto::upload::write_file(ch, ReceiverStream::new(rx));
+    tokio::pin!(upload);
+    let fed = tokio::select! {
+        r = &mut upload => return r.map(Response::into_inner).map_err(|st| ApiError::from_status(&st)),
+        fed = feed => fed,
+    };
+    match fed {
+        Ok(()) => {
+            drop(tx);
+            within(&edge, Some(s.cfg.edge_call_timeout), upload).await
+        }
+        Err(e) => {
+            // Reset the forwarded stream with an error and let the reset go out before the
+            // call is dropped.
+            let abort = async {
+                let _ = tx.send(Upload::Abort(e.message.clone())).await;
+                drop(tx);
+                let _ = upload.await;
+            };
+            let _ = tokio::time::timeout(s.cfg.edge_call_timeout, abort).await;
+            Err(e)
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Runtime for RuntimeService {
+    async fn exec(&self, r: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
+        self.unary("Exec", r, |mut c, q| async move { c.exec(q).await }).await
+    }
+
+    type ExecStreamStream = Relay<pb::ExecChunk>;
+
+    async fn exec_stream(&self, r: Request<pb::ExecRequest>) -> Result<Response<Self::ExecStreamStream>, Status> {
+        self.stream("ExecStream", r, |mut c, q| async move { c.exec_stream(q).await }).await
+    }
+
+    async fn get_output(&self, r: Request<pb::GetOutputRequest>) -> Result<Response<pb::GetOutputResponse>, Status> {
+        self.unary("GetOutput", r, |mut c, q| async move { c.get_output(q).await }).await
+    }
+
+    async fn close_session(
+        &self,
+        r: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        self.unary("CloseSession", r, |mut c, q| async move { c.close_session(q).await }).await
+    }
+
+    type ReadFileStream = Relay<pb::FileChunk>;
+
+    async fn read_file(&self, r: Request<pb::ReadFileRequest>) -> Result<Response<Self::ReadFileStream>, Status> {
+        self.stream("ReadFile", r, |mut c, q| async move { c.read_file(q).await }).await
+    }
+
+    async fn write_file(
+        &self,
+        r: Request<Streaming<pb::WriteFileRequest>>,
+    ) -> Result<Response<pb::WriteFileResponse>, Status> {
+        let (md, _, incoming) = r.into_parts();
+        let projects = self.projects.clone();
+        run(&self.shared, "WriteFile", move |s, call| {
+            Box::pin(async move { write_file(s, &projects, call, md, incoming).await })
+        })
+        .await
+    }
+
+    async fn list_dir(&self, r: Request<pb::ListDirRequest>) -> Result<Response<pb::ListDirResponse>, Status> {
+        self.unary("ListDir", r, |mut c, q| async move { c.list_dir(q).await }).await
+    }
+
+    async fn stat(&self, r: Request<pb::StatRequest>) -> Result<Response<pb::FileInfo>, Status> {
+        self.unary("Stat", r, |mut c, q| async move { c.stat(q).await }).await
+    }
+
+    async fn make_dir(&self, r: Request<pb::MakeDirRequest>) -> Result<Response<pb::MakeDirResponse>, Status> {
+        self.unary("MakeDir", r, |mut c, q| async move { c.make_dir(q).await }).await
+    }
+
+    async fn remove(&self, r: Request<pb::RemoveRequest>) -> Result<Response<pb::RemoveResponse>, Status> {
+        self.unary("Remove", r, |mut c, q| async move { c.remove(q).await }).await
+    }
+
+    async fn r#move(&self, r: Request<pb::MoveRequest>) -> Result<Response<pb::MoveResponse>, Status> {
+        self.unary("Move", r, |mut c, q| async move { c.r#move(q).await }).await
+    }
+
+    async fn http_request(
+        &self,
+        r: Request<pb::HttpRequestRequest>,
+    ) -> Result<Response<pb::HttpRequestResponse>, Status> {
+        self.unary("HttpRequest", r, |mut c, q| async move { c.http_request(q).await }).await
+    }
+
+    async fn start_process(
+        &self,
+        r: Request<pb::StartProcessRequest>,
+    ) -> Result<Response<pb::StartProcessResponse>, Status> {
+        self.unary("StartProcess", r, |mut c, q| async move { c.start_process(q).await }).await
+    }
+
+    type ConnectProcessStream = Relay<pb::ProcessEvent>;
+
+    async fn connect_process(
+        &self,
+        r: Request<pb::ConnectProcessRequest>,
+    ) -> Result<Response<Self::ConnectProcessStream>, Status> {
+        self.stream("ConnectProcess", r, |mut c, q| async move { c.connect_process(q).await }).await
+    }
+
+    async fn send_input(&self, r: Request<pb::SendInputRequest>) -> Result<Response<pb::SendInputResponse>, Status> {
+        self.unary("SendInput", r, |mut c, q| async move { c.send_input(q).await }).await
+    }
+
+    async fn signal_process(
+        &self,
+        r: Request<pb::SignalProcessRequest>,
+    ) -> Result<Response<pb::SignalProcessResponse>, Status> {
+        self.unary("SignalProcess", r, |mut c, q| async move { c.signal_process(q).await }).await
+    }
+
+    async fn list_processes(
+        &self,
+        r: Request<pb::ListProcessesRequest>,
+    ) -> Result<Response<pb::ListProcessesResponse>, Status> {
+        self.unary("ListProcesses", r, |mut c, q| async move { c.list_processes(q).await }).await
+    }
+
+    type WatchStream = Relay<pb::Heartbeat>;
+
+    async fn watch(&self, r: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
+        self.stream("Watch", r, |mut c, q| async move { c.watch(q).await }).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_remembers_projects() {
+        let c = ProjectCache::new(10);
+        assert_eq!(c.get("e1.a"), None);
+        c.put("e1.a", "root/a");
+        c.put("e1.b", "root/b");
+        assert_eq!(c.get("e1.a").as_deref(), Some("root/a"));
+        assert_eq!(c.get("e1.b").as_deref(), Some("root/b"));
+    }
+
+    #[test]
+    fn a_full_cache_drops_its_oldest_entry() {
+        let c = ProjectCache::new(2);
+        c.put("e1.a", "root/a");
+        c.put("e1.b", "root/b");
+        c.put("e1.c", "root/c");
+        assert_eq!(c.len(), 2);
+        assert_eq!(c.get("e1.a"), None, "the oldest went");
+        assert_eq!(c.get("e1.b").as_deref(), Some("root/b"));
+        assert_eq!(c.get("e1.c").as_deref(), Some("root/c"));
+    }
+
+    #[test]
+    fn putting_a_known_id_again_changes_nothing() {
+        let c = ProjectCache::new(2);
+        c.put("e1.a", "root/a");
+        c.put("e1.a", "root/x");
+        c.put("e1.b", "root/b");
+        assert_eq!(c.len(), 2);
+        assert_eq!(c.get("e1.a").as_deref(), Some("root/a"), "a project never changes");
+        // Only one copy of e1.a in the eviction order: the next insert drops it, not e1.b.
+        c.put("e1.c", "root/c");
+        assert_eq!(c.get("e1.a"), None);
+        assert_eq!(c.get("e1.b").as_deref(), Some("root/b"));
+        assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn a_cache_of_size_zero_still_holds_one() {
+        let c = ProjectCache::new(0);
+        c.put("e1.a", "root/a");
+        assert_eq!(c.get("e1.a").as_deref(), Some("root/a"));
+    }
+
+    #[test]
+    fn exec_and_http_get_their_own_timeout_on_top_of_the_edges() {
+        let edge = Duration::from_secs(30);
+        assert_eq!(exec_limit(0, edge), None, "no timeout: no limit here");
+        assert_eq!(exec_limit(5_000, edge), Some(Duration::from_secs(35)));
+        let http = pb::HttpRequestRequest::default();
+        assert_eq!(http.limit(edge), Some(Duration::from_secs(60)));
+        let other = pb::StatRequest::default();
+        assert_eq!(other.limit(edge), Some(edge));
+    }
+}
