@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint demo bench agent images
+.PHONY: setup build test verify fmt lint demo bench bench-container agent images
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc
@@ -37,6 +37,10 @@ demo:
 # The issue-2 benchmark (release build, 100 sim edges).
 bench:
 	./scripts/bench.sh
+
+# The issue-4 benchmarks (container sandboxes through the API, beside runc), as root, release.
+bench-container: agent
+	$(CARGO) test --release -p opendsec-cli --test bench_container -- --ignored --nocapture --test-threads 1
 
 # The in-sandbox agent as one static binary (target/x86_64-unknown-linux-gnu/release/opendsec-agent).
 # Stripped: it is bound into every sandbox, and nobody debugs it from there.

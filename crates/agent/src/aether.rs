@@ -126,7 +126,7 @@ impl Aether {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())
             .process_group(0);
-        passwd::run_as(&mut c, &u);
+        passwd::run_as(&mut c, &u, None);
         let spawn_err = |e| AgentError::Spawn { what: format!("chronus for session {sid}"), source: e };
         let mut child = c.spawn().map_err(spawn_err)?;
         let pid = child.id();
@@ -342,7 +342,15 @@ pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
     let aether = Aether::new(cfg, reaper)?;
     let listener = match listen {
         Listen::Path(p) => crate::bind_unix(&p)?,
-        Listen::Fd(fd) => crate::inherited_listener(fd)?,
+        Listen::Fd(fd) => {
+            let l = crate::inherited_listener(fd)?;
+            // PID 1 of a sandbox: nothing inside may open our fds through /proc/1/fd or trace
+            // us (the sandbox's root has the same uid and no CAP_SYS_PTRACE), and stdout and
+            // stderr (the edge's console log, a host file) are closed to the sandbox: from here
+            // on the agent and everything it starts write to /dev/null.
+            crate::seal_pid1()?;
+            l
+        }
     };
     crate::serve_unix(listener, AetherService(aether)).await
 }

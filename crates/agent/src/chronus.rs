@@ -530,7 +530,7 @@ impl Runtime for ChronusService {
     }
 
     async fn write_file(&self, r: Request<Streaming<WriteFileRequest>>) -> Result<Response<WriteFileResponse>, Status> {
-        let n = files::write(&self.0.cwd(), r.into_inner()).await?;
+        let n = files::write(&self.0.cwd(), &self.0.dir, r.into_inner()).await?;
         Ok(Response::new(WriteFileResponse { bytes_written: n }))
     }
 

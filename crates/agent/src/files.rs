@@ -66,7 +66,13 @@ pub async fn read(cwd: &Path, path: &str, offset: u64, length: u64) -> Result<Bo
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
 
-pub async fn write(cwd: &Path, mut s: Streaming<WriteFileRequest>) -> Result<u64, tonic::Status> {
+/// Writes a file from a WriteFile stream. The data is staged in `staging` (the session's own
+/// directory) and copied into the target only when a message with `finish` arrived: a stream
+/// that ends without it (a caller that gave up, a broken hop) leaves the target untouched.
+/// The copy writes the target in place, as any program would: an existing file keeps its
+/// owner, mode, links and xattrs, and a symlink is written through. `mode` applies to a new
+/// file (or changes an existing one's when set).
+pub async fn write(cwd: &Path, staging: &Path, mut s: Streaming<WriteFileRequest>) -> Result<u64, tonic::Status> {
     let Some(first) = s.message().await? else {
         return Err(AgentError::Invalid("empty write stream".into()).into());
     };
@@ -76,29 +82,41 @@ pub async fn write(cwd: &Path, mut s: Streaming<WriteFileRequest>) -> Result<u64
     {
         return Err(not_regular("write", &p).into());
     }
-    if first.make_parents
-        && let Some(parent) = p.parent()
-    {
-        tokio::fs::create_dir_all(parent).await.map_err(|e| AgentError::fs("mkdir", parent, e))?;
-    }
-    // A replaced file keeps its permission bits unless the caller sets new ones.
-    let existing = tokio::fs::metadata(&p).await.ok().map(|m| m.permissions().mode() & 0o7777);
-    let mode = match (first.mode, existing) {
-        (0, Some(m)) => m,
-        (0, None) => 0o644,
-        (m, _) => m & 0o7777,
-    };
-    // A whole-file write goes to a temporary file beside the target, renamed over it only once
-    // the stream ended cleanly: a broken upload never leaves a short file behind.
-    let target = p.clone();
-    let (path, tmp) = if first.append {
-        (p.clone(), None)
-    } else {
-        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let t = p.with_file_name(format!(".{name}.opendsec-upload-{:08x}", rand::random::<u32>()));
-        (t.clone(), Some(t))
-    };
+    let stage = staging.join(format!("upload-{:016x}", rand::random::<u64>()));
     let result = async {
+        let mut st = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&stage)
+            .await
+            .map_err(|e| AgentError::fs("stage", &p, e))?;
+        let (mut n, mut finished) = (0u64, first.finish);
+        st.write_all(&first.data).await.map_err(|e| AgentError::fs("write", &p, e))?;
+        n += first.data.len() as u64;
+        while !finished {
+            match s.message().await? {
+                Some(m) => {
+                    st.write_all(&m.data).await.map_err(|e| AgentError::fs("write", &p, e))?;
+                    n += m.data.len() as u64;
+                    finished = m.finish;
+                }
+                None => {
+                    return Err(AgentError::Invalid(
+                        "the upload ended without a message setting `finish`: nothing was written".into(),
+                    )
+                    .into());
+                }
+            }
+        }
+        st.flush().await.map_err(|e| AgentError::fs("write", &p, e))?;
+        drop(st);
+        if first.make_parents
+            && let Some(parent) = p.parent()
+        {
+            tokio::fs::create_dir_all(parent).await.map_err(|e| AgentError::fs("mkdir", parent, e))?;
+        }
+        let mode = if first.mode == 0 { 0o644 } else { first.mode & 0o7777 };
         let mut f = tokio::fs::OpenOptions::new()
             .write(true)
             .create(true)
@@ -106,31 +124,26 @@ pub async fn write(cwd: &Path, mut s: Streaming<WriteFileRequest>) -> Result<u64
             .truncate(!first.append)
             .mode(mode)
             .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-            .open(&path)
+            .open(&p)
             .await
-            .map_err(|e| AgentError::fs("open", &target, e))?;
-        let mut n = 0u64;
-        let mut data = first.data;
-        loop {
-            f.write_all(&data).await.map_err(|e| AgentError::fs("write", &target, e))?;
-            n += data.len() as u64;
-            match s.message().await? {
-                Some(m) => data = m.data,
-                None => break,
-            }
+            .map_err(|e| AgentError::fs("open", &p, e))?;
+        // Opened without following a swap to a special file in between: check what we got.
+        let md = f.metadata().await.map_err(|e| AgentError::fs("stat", &p, e))?;
+        if !md.is_file() {
+            return Err(not_regular("write", &p).into());
         }
-        f.flush().await.map_err(|e| AgentError::fs("write", &target, e))?;
-        if tmp.is_some() {
-            tokio::fs::rename(&path, &target).await.map_err(|e| AgentError::fs("rename", &target, e))?;
+        if first.mode != 0 && md.permissions().mode() & 0o7777 != mode {
+            f.set_permissions(std::fs::Permissions::from_mode(mode))
+                .await
+                .map_err(|e| AgentError::fs("chmod", &p, e))?;
         }
+        let mut src = tokio::fs::File::open(&stage).await.map_err(|e| AgentError::fs("stage", &p, e))?;
+        tokio::io::copy(&mut src, &mut f).await.map_err(|e| AgentError::fs("write", &p, e))?;
+        f.flush().await.map_err(|e| AgentError::fs("write", &p, e))?;
         Ok::<u64, tonic::Status>(n)
     }
     .await;
-    if result.is_err()
-        && let Some(t) = &tmp
-    {
-        let _ = tokio::fs::remove_file(t).await;
-    }
+    let _ = tokio::fs::remove_file(&stage).await;
     result
 }
 

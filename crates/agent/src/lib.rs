@@ -94,6 +94,20 @@ pub fn inherited_listener(fd: i32) -> std::io::Result<tokio::net::UnixListener> 
     tokio::net::UnixListener::from_std(std_listener)
 }
 
+/// Makes this process non-dumpable and points stdout and stderr at /dev/null (see
+/// `aether::main`).
+pub fn seal_pid1() -> std::io::Result<()> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)?;
+    let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null")?;
+    for fd in [1, 2] {
+        // SAFETY: dup2 onto stdout/stderr of this process; `null` stays open until after.
+        if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), fd) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// Serves `svc` on `listener` until the process ends.
 pub async fn serve_unix<S>(listener: tokio::net::UnixListener, svc: S) -> std::io::Result<()>
 where

@@ -34,18 +34,27 @@ pub fn groups(group: &str, name: &str, gid: u32) -> Vec<u32> {
 }
 
 /// Has the command run as `u` (groups, gid, uid in that order, after everything else std does
-/// before exec) when that is not who we are. std's own `uid()` would drop supplementary groups.
-pub fn run_as(c: &mut std::process::Command, u: &User) {
+/// before exec), then enter `cwd` as that user. std's own `uid()` would drop supplementary
+/// groups, and its `current_dir` would enter the directory before the switch.
+pub fn run_as(c: &mut std::process::Command, u: &User, cwd: Option<std::path::PathBuf>) {
     use std::os::unix::process::CommandExt;
-    if rustix::process::geteuid().as_raw() == u.uid && rustix::process::getegid().as_raw() == u.gid {
-        return;
-    }
+    let switch = rustix::process::geteuid().as_raw() != u.uid || rustix::process::getegid().as_raw() != u.gid;
     let (uid, gid, groups) = (u.uid, u.gid, u.groups.clone());
-    // SAFETY: setgroups/setgid/setuid are async-signal-safe; `groups` was allocated before
-    // fork and is only read here.
+    let cwd = cwd.and_then(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()).ok());
+    // SAFETY: setgroups/setgid/setuid/chdir are async-signal-safe; `groups` and `cwd` were
+    // allocated before fork and are only read here.
     unsafe {
         c.pre_exec(move || {
-            if libc::setgroups(groups.len(), groups.as_ptr()) < 0 || libc::setgid(gid) < 0 || libc::setuid(uid) < 0 {
+            if switch
+                && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                    || libc::setgid(gid) < 0
+                    || libc::setuid(uid) < 0)
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            if let Some(d) = &cwd
+                && libc::chdir(d.as_ptr()) < 0
+            {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

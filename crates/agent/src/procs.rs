@@ -75,8 +75,8 @@ impl Procs {
             .envs(&req.env);
         let pty = match &req.pty {
             Some(size) => {
-                let (master, slave) =
-                    pty::open(size).map_err(|e| AgentError::Spawn { what: "a pty".into(), source: e })?;
+                let (master, slave) = pty::open(size, user.uid, user.gid)
+                    .map_err(|e| AgentError::Spawn { what: "a pty".into(), source: e })?;
                 let dup = |f: &std::fs::File| {
                     f.try_clone().map_err(|e| AgentError::Spawn { what: "a pty".into(), source: e })
                 };
@@ -116,8 +116,8 @@ impl Procs {
         } else {
             "/".into()
         };
-        c.current_dir(cwd);
-        crate::passwd::run_as(&mut c, user);
+        // Entered as the user (after the switch), so a directory they cannot enter fails.
+        crate::passwd::run_as(&mut c, user, Some(cwd.into()));
         let mut child = c.spawn().map_err(|e| AgentError::Spawn { what: argv0.clone(), source: e })?;
         let pid = child.id();
         // The parent's copies of the slave side went with `c`'s stdio when spawn returned.
@@ -312,27 +312,39 @@ mod pty {
     use tokio::io::unix::AsyncFd;
     use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-    /// A new terminal of `size` (rows and columns default to 24x80): (master, slave).
-    pub fn open(size: &PtySize) -> std::io::Result<(OwnedFd, std::fs::File)> {
+    /// A new terminal of `size` (rows and columns default to 24x80), its slave side owned by
+    /// `uid`/`gid`: (master, slave). Both ends are close-on-exec from the start: aether spawns
+    /// processes for other users concurrently, and none of them may inherit this terminal.
+    pub fn open(size: &PtySize, uid: u32, gid: u32) -> std::io::Result<(OwnedFd, std::fs::File)> {
         let ws = libc::winsize {
             ws_row: if size.rows == 0 { 24 } else { size.rows.min(u16::MAX.into()) as u16 },
             ws_col: if size.cols == 0 { 80 } else { size.cols.min(u16::MAX.into()) as u16 },
             ws_xpixel: 0,
             ws_ypixel: 0,
         };
-        let (mut m, mut s) = (-1, -1);
-        // SAFETY: openpty writes two fds into the given ints; name and termios are null, the
-        // window size points at a valid struct.
-        let r = unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), &ws) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
+        let err = std::io::Error::last_os_error;
+        // SAFETY: posix_openpt returns a new fd or -1; the ioctls get valid fds and arguments;
+        // every fd returned is owned exactly once.
+        unsafe {
+            let m = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
+            if m < 0 {
+                return Err(err());
+            }
+            let master = OwnedFd::from_raw_fd(m);
+            if libc::grantpt(m) < 0 || libc::unlockpt(m) < 0 {
+                return Err(err());
+            }
+            if libc::ioctl(m, libc::TIOCSWINSZ, &ws) < 0 {
+                return Err(err());
+            }
+            let s = libc::ioctl(m, libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
+            if s < 0 {
+                return Err(err());
+            }
+            let slave = std::fs::File::from(OwnedFd::from_raw_fd(s));
+            std::os::unix::fs::fchown(&slave, Some(uid), Some(gid))?;
+            Ok((master, slave))
         }
-        // SAFETY: both fds were just returned to us by openpty.
-        let (m, s) = unsafe { (OwnedFd::from_raw_fd(m), OwnedFd::from_raw_fd(s)) };
-        for fd in [&m, &s] {
-            rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC)?;
-        }
-        Ok((m, std::fs::File::from(s)))
     }
 
     /// The master side, non-blocking. Reading after the last slave fd closed gives EIO, which

@@ -270,6 +270,7 @@ async fn session_as_another_user() {
             session_id: "u".into(),
             path: "/root/x".into(),
             data: b"x".to_vec(),
+            finish: true,
             ..Default::default()
         }]))
         .await
@@ -295,12 +296,39 @@ async fn file_calls() {
             path: if i == 0 { "sub/big.bin".into() } else { String::new() },
             make_parents: i == 0,
             data: d.to_vec(),
+            finish: i == 2,
             ..Default::default()
         })
         .collect();
     let w = c.write_file(tokio_stream::iter(msgs)).await.unwrap().into_inner();
     assert_eq!(w.bytes_written, 300_000);
     assert_eq!(std::fs::read(base.join("sub/big.bin")).unwrap(), big);
+    // An upload that ends without `finish` writes nothing: not the new file, not over an old one.
+    let unfinished = |path: &str| WriteFileRequest {
+        session_id: "f".into(),
+        path: path.into(),
+        data: b"partial".to_vec(),
+        ..Default::default()
+    };
+    let e = c.write_file(tokio_stream::iter(vec![unfinished("sub/new.bin")])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(!base.join("sub/new.bin").exists());
+    c.write_file(tokio_stream::iter(vec![unfinished("sub/big.bin")])).await.unwrap_err();
+    assert_eq!(std::fs::read(base.join("sub/big.bin")).unwrap(), big);
+    // Overwriting writes in place: the file keeps its mode and inode; nothing is left staged.
+    std::fs::write(base.join("keep.txt"), b"old").unwrap();
+    std::fs::set_permissions(base.join("keep.txt"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(base.join("keep.txt")).unwrap());
+    let w = WriteFileRequest { finish: true, data: b"new".to_vec(), ..unfinished("keep.txt") };
+    c.write_file(tokio_stream::iter(vec![w])).await.unwrap();
+    let md = std::fs::metadata(base.join("keep.txt")).unwrap();
+    assert_eq!(
+        (std::fs::read(base.join("keep.txt")).unwrap(), md.permissions().mode() & 0o777),
+        (b"new".to_vec(), 0o600)
+    );
+    assert_eq!(std::os::unix::fs::MetadataExt::ino(&md), ino);
+    let staged = std::fs::read_dir(a.dir.path().join("state/sessions/f")).unwrap();
+    assert!(staged.flatten().all(|e| !e.file_name().to_string_lossy().starts_with("upload-")));
     let mut s = c
         .read_file(ReadFileRequest {
             session_id: "f".into(),
@@ -364,6 +392,7 @@ async fn file_calls() {
             session_id: "f".into(),
             path: "ff".into(),
             data: b"x".to_vec(),
+            finish: true,
             ..Default::default()
         }]))
         .await

@@ -90,6 +90,14 @@ impl ProjectCache {
         c.order.push_back(id.to_string());
     }
 
+    /// Forgets `id` (its sandbox turned out to be gone or another project's).
+    pub(crate) fn forget(&self, id: &str) {
+        let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if c.map.remove(id).is_some() {
+            c.order.retain(|k| k != id);
+        }
+    }
+
     #[cfg(test)]
     fn len(&self) -> usize {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).map.len()
@@ -160,14 +168,14 @@ fn exec_limit(timeout_ms: u64, edge_timeout: Duration) -> Option<Duration> {
 }
 
 /// Validates the id, authenticates the caller and authorizes `sandbox.operate` on the
-/// sandbox's project; returns the sandbox's edge.
+/// sandbox's project; returns the sandbox's edge and project.
 async fn authorized(
     s: &Shared,
     projects: &ProjectCache,
     call: &mut Call,
     md: &MetadataMap,
     id: &str,
-) -> Result<String, ApiError> {
+) -> Result<(String, String), ApiError> {
     let (edge, _) = ids::split_sandbox_id(id)?;
     call.sandbox_id = Some(id.to_string());
     let (_, ident) = caller(s, call, md).await?;
@@ -185,7 +193,16 @@ async fn authorized(
     };
     call.project = Some(project.clone());
     s.authorize(&ident.principal, PERM_OPERATE, &project).await?;
-    Ok(edge.to_string())
+    Ok((edge.to_string(), project))
+}
+
+/// The request to the edge, naming the project the call was authorized for: the edge refuses
+/// it if the id now names another project's sandbox.
+fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> {
+    let mut r = Request::new(req);
+    let v = project.parse().map_err(|_| ApiError::internal(format!("project {project:?} is not ASCII")))?;
+    r.metadata_mut().insert(opendsec_common::grpc::EXPECT_PROJECT_HEADER, v);
+    Ok(r)
 }
 
 /// Waits for an edge's answer within `limit`.
@@ -237,17 +254,24 @@ impl RuntimeService {
     where
         Q: Routed + Send + 'static,
         T: Send + 'static,
-        F: FnOnce(RuntimeClient<ServiceChannel>, Q) -> Fut + Send + 'static,
+        F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
         let (md, _, req) = request.into_parts();
         let projects = self.projects.clone();
         run(&self.shared, method, move |s, call| {
             Box::pin(async move {
-                let edge = authorized(s, &projects, call, &md, req.sandbox_id()).await?;
+                let id = req.sandbox_id().to_string();
+                let (edge, project) = authorized(s, &projects, call, &md, &id).await?;
                 let limit = limit(&req, s.cfg.edge_call_timeout);
                 let c = client(s, &edge)?;
-                within(&edge, limit, f(c, req)).await
+                let answer = within(&edge, limit, f(c, to_edge(req, &project)?)).await;
+                if answer.as_ref().is_err_and(|e| e.reason == Reason::NotFound) {
+                    // Gone, or the id names another project's sandbox now: ask the edge again
+                    // next time.
+                    projects.forget(&id);
+                }
+                answer
             })
         })
         .await
@@ -257,7 +281,7 @@ impl RuntimeService {
     where
         Q: Routed + Send + 'static,
         T: Send + 'static,
-        F: FnOnce(RuntimeClient<ServiceChannel>, Q) -> Fut + Send + 'static,
+        F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
         self.forward(method, request, Q::limit, f).await
@@ -273,7 +297,7 @@ impl RuntimeService {
     where
         Q: Routed + Send + 'static,
         T: Send + 'static,
-        F: FnOnce(RuntimeClient<ServiceChannel>, Q) -> Fut + Send + 'static,
+        F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<Streaming<T>>, Status>> + Send,
     {
         let started = self.forward(method, request, |_, edge_timeout| Some(edge_timeout), f).await?;
@@ -301,7 +325,7 @@ async fn write_file(
         .map_err(|st| ApiError::from_status(&st))?
         .ok_or_else(|| ApiError::invalid("empty WriteFile stream: the first message names the sandbox and path"))?;
     let id = first.sandbox_id.clone();
-    let edge = authorized(s, projects, call, &md, &id).await?;
+    let (edge, project) = authorized(s, projects, call, &md, &id).await?;
     let ch = s.up.edge_channel(&s.edge_addr(&edge)?)?;
     let (tx, rx) = mpsc::channel(UPLOAD_BUFFER);
     // Cannot fail: `rx` is alive until the forwarded call ends.
@@ -320,7 +344,8 @@ async fn write_file(
         }
         Ok(())
     };
-    let upload = opendsec_proto::upload::write_file(ch, ReceiverStream::new(rx));
+    let md = to_edge((), &project)?.into_parts().0;
+    let upload = opendsec_proto::upload::write_file_with(ch, ReceiverStream::new(rx), md);
     tokio::pin!(upload);
     let fed = tokio::select! {
         r = &mut upload => return r.map(Response::into_inner).map_err(|st| ApiError::from_status(&st)),

@@ -450,6 +450,7 @@ pub async fn cp(client: &Client, out: &Out, a: CpArgs) -> Result<(), CtlError> {
                 data: Vec::new(),
                 user,
                 make_parents: true,
+                finish: false,
             };
             (upload(client, local, first).await?, false)
         }
@@ -508,16 +509,17 @@ async fn upload(client: &Client, src: Place, mut first: pb::WriteFileRequest) ->
         loop {
             let n = read_full(&mut reader, &mut buf).await.map_err(local_err("reading the source failed"))?;
             let data = buf[..n].to_vec();
+            // A short read is the end of the source: that message completes the upload.
+            let finish = n < UPLOAD_CHUNK;
             let msg = match first.take() {
-                Some(f) => pb::WriteFileRequest { data, ..f },
-                None if n == 0 => break,
-                None => pb::WriteFileRequest { sandbox_id: sandbox.clone(), data, ..Default::default() },
+                Some(f) => pb::WriteFileRequest { data, finish, ..f },
+                None => pb::WriteFileRequest { sandbox_id: sandbox.clone(), data, finish, ..Default::default() },
             };
             if tx.send(Upload::Message(msg)).await.is_err() {
                 // The call ended early; its answer says why.
                 break;
             }
-            if n < UPLOAD_CHUNK {
+            if finish {
                 break;
             }
         }

@@ -51,13 +51,13 @@ fn runc(args: &[&str]) -> std::process::Output {
 fn runc_bundle(dir: &Path, rootfs: &Path) -> std::path::PathBuf {
     let b = dir.join("bundle");
     std::fs::create_dir_all(&b).unwrap();
-    std::os::unix::fs::symlink(rootfs, b.join("rootfs")).unwrap();
     let o = std::process::Command::new("runc").args(["spec", "--bundle", b.to_str().unwrap()]).output().unwrap();
     assert!(o.status.success());
     let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
     spec["process"]["terminal"] = false.into();
     spec["process"]["args"] = serde_json::json!(["sleep", "1000000"]);
     spec["root"]["readonly"] = true.into();
+    spec["root"]["path"] = rootfs.to_str().unwrap().into();
     std::fs::write(b.join("config.json"), serde_json::to_vec(&spec).unwrap()).unwrap();
     b
 }

@@ -340,6 +340,12 @@ async fn hostile_workloads_are_contained() {
         let v = get(&format!("connect_{port}"));
         assert_ne!(v, "connected", "the sandbox reached port {port}");
     }
+    // PID 1 (the agent) cannot be opened through /proc or traced: its fds (the host-side
+    // listening socket, once the console log) are out of reach.
+    let r =
+        exec_in(&mut rt, &a.id, "probe", "echo x > /proc/1/fd/1; echo rc=$?; cat /proc/1/environ; echo rc=$?").await;
+    assert_eq!(out(&r), "rc=1\nrc=1", "{r:?}");
+    assert!(String::from_utf8_lossy(&r.stderr).contains("Permission denied"), "{r:?}");
     // The agent's socket is on the host, out of the sandbox's sight.
     let r = exec_in(&mut rt, &a.id, "probe", "ls -a /.opendsec; ls /run/opendsec-agent/sessions").await;
     assert_eq!(out(&r).lines().filter(|l| l.ends_with(".sock")).count(), 0, "{r:?}");

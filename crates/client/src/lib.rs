@@ -433,6 +433,10 @@ impl Client {
             data: c.to_vec(),
             ..Default::default()
         }));
+        // The last message completes the upload (without it the agent writes nothing).
+        if let Some(last) = msgs.last_mut() {
+            last.finish = true;
+        }
         let budget = if first.append { Duration::ZERO } else { self.inner.retry_timeout };
         self.retry_within(budget, |ch| {
             let msgs = msgs.clone();

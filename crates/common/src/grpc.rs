@@ -18,6 +18,10 @@ use crate::reason::{ApiError, Reason};
 
 /// Metadata key of the shared secret between components.
 pub const SERVICE_TOKEN_HEADER: &str = "x-opendsec-service-token";
+/// On `Runtime` calls from an apiserver to an edge: the project the apiserver authorized the
+/// call for. The edge refuses the call (not_found) when the sandbox under that id belongs to
+/// another project (an id reused after the apiserver cached it).
+pub const EXPECT_PROJECT_HEADER: &str = "x-opendsec-expect-project";
 /// Largest message either way (reference section 13).
 pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
 

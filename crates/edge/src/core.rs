@@ -314,6 +314,7 @@ impl Inner {
         // The lease has no record here (a table entry would have been found above).
         if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
             self.table().remove(lease);
+            self.activity.forget(lease);
             return Err(e.into());
         }
 

@@ -7,8 +7,17 @@
 //! - a call is counted from before its state check until its response (or its stream) ends, so
 //!   the TTL loop never stops a sandbox between the check and the forward;
 //! - activity lives in memory ([`Activity`]); the record's `last_active_ms` is only rewritten by
-//!   lifecycle operations. An edge restart therefore counts idle time from the last recorded
-//!   activity or the restart, whichever is later (see `recover`).
+//!   lifecycle operations, so after an edge restart idle time counts from the last recorded
+//!   activity;
+//! - a call from an apiserver names the project it was authorized for
+//!   ([`EXPECT_PROJECT_HEADER`]); a sandbox of another project under that id (an id reused
+//!   after the apiserver cached it) is answered not_found;
+//! - what the agent answers is untrusted: its statuses pass with their code and message only
+//!   (no details, no metadata), so a hostile agent cannot dress up reasons;
+//! - Watch neither resumes a paused sandbox nor counts as activity: an open Watch must not keep a
+//!   sandbox from idling out.
+//!
+//! [`EXPECT_PROJECT_HEADER`]: opendsec_common::grpc::EXPECT_PROJECT_HEADER
 //!
 //! [`AgentAccess`]: crate::backend::AgentAccess
 
@@ -16,7 +25,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
+use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
+
+use opendsec_common::grpc::EXPECT_PROJECT_HEADER;
 
 use opendsec_common::time::now_ms;
 use opendsec_proto::v1::runtime_server::Runtime;
@@ -82,29 +94,50 @@ impl Drop for CallGuard {
     }
 }
 
+/// How a runtime call treats the sandbox.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CallKind {
+    /// Resumes a paused sandbox and counts as activity until it ends.
+    Call,
+    /// Neither (Watch).
+    Observe,
+}
+
 impl Inner {
-    /// The agent of sandbox `id`, resumed if paused, with the call counted until the guard
-    /// drops.
+    /// The agent of sandbox `id` (which must belong to `expect_project` when given). A
+    /// [`CallKind::Call`] resumes a paused sandbox and is counted until the guard drops.
     pub(crate) async fn runtime_target(
         self: &Arc<Self>,
         id: &str,
-    ) -> Result<(tonic::transport::Channel, CallGuard), EdgeError> {
+        expect_project: Option<&str>,
+        kind: CallKind,
+    ) -> Result<(tonic::transport::Channel, Option<CallGuard>), EdgeError> {
         let lease = self.lease_of(id)?.to_string();
-        // Unknown sandboxes leave no activity entry behind (ended ones are forgotten with
-        // their record).
-        if self.table().rec(&lease).is_none() {
+        let rec = self.table().rec(&lease).ok_or_else(|| self.not_found(id))?;
+        if expect_project.is_some_and(|p| p != rec.spec.project) {
             return Err(self.not_found(id));
         }
-        self.activity.begin(&lease);
-        let guard = CallGuard { inner: self.clone(), lease: lease.clone() };
+        let mut guard = None;
+        if kind == CallKind::Call {
+            // Unknown sandboxes leave no activity entry behind (ended ones are forgotten with
+            // their record).
+            self.activity.begin(&lease);
+            guard = Some(CallGuard { inner: self.clone(), lease: lease.clone() });
+        }
         // Read after the call counts: the TTL loop may have acted in between.
         let rec = self.table().rec(&lease).ok_or_else(|| self.not_found(id))?;
-        match rec.state {
-            SandboxStatus::Running => {}
-            SandboxStatus::Paused | SandboxStatus::Pausing | SandboxStatus::Resuming => {
-                self.resume(id).await?;
+        match (rec.state, kind) {
+            (SandboxStatus::Running, _) => {}
+            (SandboxStatus::Paused | SandboxStatus::Pausing | SandboxStatus::Resuming, CallKind::Call) => {
+                // In its own task, as every lifecycle operation: a caller that goes away must
+                // not cut the resume short between its record writes and the backend call.
+                let (inner, sid) = (self.clone(), id.to_string());
+                tokio::spawn(async move { inner.resume(&sid).await })
+                    .await
+                    .map_err(|e| EdgeError::TaskFailed { op: "resume", message: e.to_string() })??;
             }
-            state => return Err(EdgeError::InvalidState { id: rec.id.clone(), state, op: "run calls in it" }),
+            (SandboxStatus::Paused | SandboxStatus::Pausing | SandboxStatus::Resuming, CallKind::Observe) => {}
+            (state, _) => return Err(EdgeError::InvalidState { id: rec.id.clone(), state, op: "run calls in it" }),
         }
         let backend = self.backend_of(&rec)?;
         let access = backend.agent_access().ok_or_else(|| EdgeError::Backend {
@@ -132,12 +165,18 @@ pub struct RuntimeService {
 }
 
 impl RuntimeService {
-    async fn target(&self, id: &str) -> Result<(AgentClient, CallGuard), Status> {
-        self.channel(id).await.map(|(ch, g)| (agent_client(ch), g))
+    async fn target(&self, id: &str, md: &MetadataMap) -> Result<(AgentClient, Option<CallGuard>), Status> {
+        self.channel(id, md, CallKind::Call).await.map(|(ch, g)| (agent_client(ch), g))
     }
 
-    async fn channel(&self, id: &str) -> Result<(tonic::transport::Channel, CallGuard), Status> {
-        self.inner.runtime_target(id).await.map_err(|e| {
+    async fn channel(
+        &self,
+        id: &str,
+        md: &MetadataMap,
+        kind: CallKind,
+    ) -> Result<(tonic::transport::Channel, Option<CallGuard>), Status> {
+        let expect = md.get(EXPECT_PROJECT_HEADER).and_then(|v| v.to_str().ok());
+        self.inner.runtime_target(id, expect, kind).await.map_err(|e| {
             let api = e.to_api();
             tracing::debug!(sandbox_id = id, reason = %api.reason, error = %api.message, "runtime call refused");
             api.to_status()
@@ -145,12 +184,18 @@ impl RuntimeService {
     }
 }
 
-/// Keeps `guard` alive as long as the stream.
-fn guarded<T: Send + 'static>(s: Streaming<T>, guard: CallGuard) -> BoxStream<T> {
+/// Keeps `guard` alive as long as the stream; items' errors are the agent's (see [`untrusted`]).
+fn guarded<T: Send + 'static>(s: Streaming<T>, guard: Option<CallGuard>) -> BoxStream<T> {
     Box::pin(s.map(move |item| {
         let _ = &guard;
-        item
+        item.map_err(untrusted)
     }))
+}
+
+/// A status that came from the agent (or the hop to it): its code and message only, so the
+/// agent cannot forge error details or metadata.
+fn untrusted(s: Status) -> Status {
+    Status::new(s.code(), s.message().chars().take(4096).collect::<String>())
 }
 
 /// The trait impl, generated whole (one macro) so `async_trait` sees every method expanded:
@@ -165,17 +210,17 @@ macro_rules! runtime_impl {
         impl Runtime for RuntimeService {
             $(
                 async fn $method(&self, r: Request<$req>) -> Result<Response<$resp>, Status> {
-                    let req = r.into_inner();
-                    let (mut c, _guard) = self.target(&req.sandbox_id).await?;
-                    c.$method(req).await
+                    let (md, _, req) = r.into_parts();
+                    let (mut c, _guard) = self.target(&req.sandbox_id, &md).await?;
+                    c.$method(req).await.map_err(untrusted)
                 }
             )*
             $(
                 type $alias = BoxStream<$item>;
                 async fn $smethod(&self, r: Request<$sreq>) -> Result<Response<Self::$alias>, Status> {
-                    let req = r.into_inner();
-                    let (mut c, guard) = self.target(&req.sandbox_id).await?;
-                    let s = c.$smethod(req).await?.into_inner();
+                    let (md, _, req) = r.into_parts();
+                    let (mut c, guard) = self.target(&req.sandbox_id, &md).await?;
+                    let s = c.$smethod(req).await.map_err(untrusted)?.into_inner();
                     Ok(Response::new(guarded(s, guard)))
                 }
             )*
@@ -208,12 +253,12 @@ runtime_impl! {
     }
 
     async fn write_file(&self, r: Request<Streaming<WriteFileRequest>>) -> Result<Response<WriteFileResponse>, Status> {
-        let mut incoming = r.into_inner();
+        let (md, _, mut incoming) = r.into_parts();
         let Some(first) = incoming.message().await? else {
             return Err(EdgeError::InvalidArgument("empty WriteFile stream".into()).to_api().to_status());
         };
         let id = first.sandbox_id.clone();
-        let (ch, _guard) = self.channel(&id).await?;
+        let (ch, _guard) = self.channel(&id, &md, CallKind::Call).await?;
         let check = move |m: &WriteFileRequest| {
             if m.sandbox_id.is_empty() || m.sandbox_id == id {
                 Ok(())
@@ -221,16 +266,16 @@ runtime_impl! {
                 Err(EdgeError::InvalidArgument("a WriteFile stream names one sandbox".into()).to_api().to_status())
             }
         };
-        opendsec_proto::upload::forward(ch, first, incoming, check, ABORT_WAIT).await
+        opendsec_proto::upload::forward(ch, first, incoming, check, ABORT_WAIT).await.map_err(untrusted)
     }
 
-    /// The agent's heartbeats, for as long as the caller listens. Watching does not resume a
-    /// paused sandbox's clock: it is a call like any other.
+    /// The agent's heartbeats, for as long as the caller listens. Watching neither resumes a
+    /// paused sandbox (its heartbeats resume with it) nor counts as activity.
     type WatchStream = BoxStream<Heartbeat>;
     async fn watch(&self, r: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
-        let req = r.into_inner();
-        let (mut c, guard) = self.target(&req.sandbox_id).await?;
-        let s = c.watch(req).await?.into_inner();
+        let (md, _, req) = r.into_parts();
+        let (ch, guard) = self.channel(&req.sandbox_id, &md, CallKind::Observe).await?;
+        let s = agent_client(ch).watch(req).await.map_err(untrusted)?.into_inner();
         Ok(Response::new(guarded(s, guard)))
     }
 }

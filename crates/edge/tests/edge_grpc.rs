@@ -874,3 +874,47 @@ async fn failed_releases_stay_queued_and_are_retried() {
     assert_eq!(h.edge.pending_releases(), (0, 0));
     h.shutdown().await;
 }
+
+#[tokio::test]
+async fn runtime_calls_are_routed_checked_and_refused_clearly() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
+    h.create("rt", spec(100, 64)).await.unwrap();
+    let token = AttachServiceToken::new(TOKEN).unwrap();
+    let mut rt = opendsec_proto::v1::runtime_client::RuntimeClient::new(grpc::service_channel(
+        grpc::channel(&h.addr).unwrap(),
+        &token,
+    ));
+    let id = format!("{EDGE}.rt");
+    let call = |project: Option<&str>| {
+        let mut r = tonic::Request::new(opendsec_proto::v1::ListProcessesRequest { sandbox_id: id.clone() });
+        if let Some(p) = project {
+            r.metadata_mut().insert(grpc::EXPECT_PROJECT_HEADER, p.parse().unwrap());
+        }
+        r
+    };
+    // The sim backend has no agent: a clear refusal naming why.
+    let e = ApiError::from(rt.list_processes(call(None)).await.unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e:?}");
+    assert!(e.message.contains("no agent"), "{e:?}");
+    // An apiserver that authorized the call for another project (an id reused since it
+    // cached the project) is told the sandbox does not exist.
+    let e = ApiError::from(rt.list_processes(call(Some("root/other"))).await.unwrap_err());
+    assert_eq!(e.reason, Reason::NotFound, "{e:?}");
+    let e = ApiError::from(rt.list_processes(call(Some(&spec(1, 1).project))).await.unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e:?}");
+    // Unknown and malformed ids, other edges' ids.
+    for (bad, reason) in [("nope", Reason::InvalidArgument), ("other-edge.rt", Reason::NotFound)] {
+        let r = opendsec_proto::v1::ListProcessesRequest { sandbox_id: bad.into() };
+        let e = ApiError::from(rt.list_processes(r).await.unwrap_err());
+        assert_eq!(e.reason, reason, "{bad}: {e:?}");
+    }
+    // Without the service token, nothing.
+    let mut anon = opendsec_proto::v1::runtime_client::RuntimeClient::new(grpc::channel(&h.addr).unwrap());
+    let e = anon.list_processes(opendsec_proto::v1::ListProcessesRequest { sandbox_id: id.clone() }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    h.stop("rt").await.unwrap();
+    let e = ApiError::from(rt.list_processes(call(None)).await.unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidState, "{e:?}");
+    h.shutdown().await;
+}

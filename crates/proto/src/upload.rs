@@ -74,12 +74,29 @@ where
     <T::ResponseBody as Body>::Error: Into<StdError> + Send,
     S: futures::Stream<Item = Upload<pb::WriteFileRequest>> + Send + 'static,
 {
+    write_file_with(channel, messages, tonic::metadata::MetadataMap::new()).await
+}
+
+/// [`write_file`] with request metadata.
+pub async fn write_file_with<T, S>(
+    channel: T,
+    messages: S,
+    metadata: tonic::metadata::MetadataMap,
+) -> Result<tonic::Response<pb::WriteFileResponse>, Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<StdError>,
+    T::ResponseBody: Body<Data = Bytes> + Send + 'static,
+    <T::ResponseBody as Body>::Error: Into<StdError> + Send,
+    S: futures::Stream<Item = Upload<pb::WriteFileRequest>> + Send + 'static,
+{
     let mut grpc = tonic::client::Grpc::new(channel)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     grpc.ready().await.map_err(|e| Status::unknown(format!("service was not ready: {}", e.into())))?;
     let path = http::uri::PathAndQuery::from_static("/opendsec.v1.Runtime/WriteFile");
     let mut req = tonic::Request::new(messages);
+    *req.metadata_mut() = metadata;
     req.extensions_mut().insert(GrpcMethod::new("opendsec.v1.Runtime", "WriteFile"));
     grpc.client_streaming(req, path, WriteFileCodec::default()).await
 }

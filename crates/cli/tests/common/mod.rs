@@ -220,6 +220,9 @@ pub async fn write_all(rt: &mut Rt, id: &str, path: &str, data: &[u8]) -> Result
     for c in data.chunks(1 << 20) {
         msgs.push(pb::WriteFileRequest { data: c.to_vec(), ..Default::default() });
     }
+    if let Some(last) = msgs.last_mut() {
+        last.finish = true;
+    }
     Ok(rt.write_file(tokio_stream::iter(msgs)).await?.into_inner().bytes_written)
 }
 

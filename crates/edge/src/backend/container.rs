@@ -236,9 +236,13 @@ fn agent_channel(dir: PathBuf) -> tonic::transport::Channel {
     ep.connect_with_connector_lazy(tower::service_fn(move |_| {
         let dir = dir.clone();
         async move {
-            let s = sandbox::connect_agent_socket(&dir)?;
-            s.set_nonblocking(true)?;
-            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::from_std(s)?))
+            // Through a directory fd (socket paths are limited to 108 bytes); the connect is
+            // tokio's, so a full backlog (a frozen agent) waits without blocking a worker.
+            let d = std::fs::File::open(&dir)?;
+            let path = format!("/proc/self/fd/{}/{}", std::os::fd::AsRawFd::as_raw_fd(&d), sandbox::AGENT_SOCKET);
+            let s = tokio::net::UnixStream::connect(path).await?;
+            drop(d);
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
         }
     }))
 }

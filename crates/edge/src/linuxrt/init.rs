@@ -121,7 +121,7 @@ pub fn run_if_init() {
     let code = match setup(status) {
         Ok(code) => code,
         Err((stage, msg, mut status)) => {
-            let _ = writeln!(status, "ERR {stage}: {msg}");
+            report(&mut status, format!("ERR {stage}: {msg}"));
             1
         }
     };
@@ -157,16 +157,30 @@ fn setup(mut status: std::fs::File) -> Result<i32, Fail> {
     match unsafe { fork() } {
         Err(e) => Err(("fork", e.to_string(), status)),
         Ok(ForkResult::Parent { child }) => {
-            let _ = writeln!(status, "PID {child}");
+            report(&mut status, format!("PID {child}"));
             Ok(0)
         }
         Ok(ForkResult::Child) => {
             let (stage, msg) = pid1(&cfg, &progs, &mut status);
-            let _ = writeln!(status, "ERR {stage}: {msg}");
+            report(&mut status, format!("ERR {stage}: {msg}"));
             // SAFETY: plain process exit, no destructors needed in the forked child.
             unsafe { libc::_exit(1) }
         }
     }
+}
+
+/// Writes one status line with a single write: PID 1 and the setup process share the pipe,
+/// and a line written in pieces could interleave with the other's (a pipe write of at most
+/// PIPE_BUF bytes is atomic).
+fn report(status: &mut std::fs::File, line: String) {
+    let mut line = line;
+    let mut cut = line.len().min(3000);
+    while !line.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    line.truncate(cut);
+    line.push('\n');
+    let _ = status.write_all(line.as_bytes());
 }
 
 fn p(path: &Path) -> String {
@@ -238,7 +252,7 @@ fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::f
     // raising of its children's scores (always allowed) still ranks them first.
     if let Err(e) = std::fs::write("/proc/self/oom_score_adj", cfg.oom_score_adj.to_string()) {
         if e.kind() == std::io::ErrorKind::PermissionDenied {
-            let _ = writeln!(status, "WARN oom_score_adj: {e}");
+            report(status, format!("WARN oom_score_adj: {e}"));
         } else {
             return ("oom_score_adj", e.to_string());
         }

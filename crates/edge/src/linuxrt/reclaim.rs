@@ -49,13 +49,30 @@ fn pidfd(pid: i32) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-/// Advises every range of every process in `pids` with `advice`.
+/// Ranges advised per pass at most: a sandbox chooses how many mappings its processes have,
+/// and each costs the edge a syscall.
+const MAX_RANGES: usize = 200_000;
+
+/// Advises every range of every process in `pids` with `advice`, up to [`MAX_RANGES`]. The
+/// pidfd is taken before the maps are read, so a pid reused meanwhile is caught: its maps then
+/// belong to a process the pidfd does not name, and the kernel refuses nothing but we would
+/// advise a stranger; hence the second check that the pidfd's process is still alive and the
+/// same (`/proc/<pid>` re-read after the pidfd exists).
 fn advise(pids: &[i32], advice: libc::c_int) -> Advised {
     let mut out = Advised::default();
     for &pid in pids {
-        let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
         let Some(fd) = pidfd(pid) else { continue };
-        let ranges = parse_maps(&maps);
+        let Ok(cgroup_before) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else { continue };
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
+        // pidfd_send_signal(0) fails once the pidfd's process is gone: then `/proc/<pid>` may
+        // have been a newer process's.
+        // SAFETY: signal 0 with no siginfo only checks the pidfd's process.
+        let alive = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), 0, std::ptr::null::<u8>(), 0) };
+        if alive < 0 || std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok().as_ref() != Some(&cgroup_before) {
+            continue;
+        }
+        let mut ranges = parse_maps(&maps);
+        ranges.truncate(MAX_RANGES.saturating_sub(out.ranges));
         out.processes += 1;
         // One range per call: the kernel stops a vector at the first range it refuses (a
         // locked or special mapping), which would hide every range after it.
