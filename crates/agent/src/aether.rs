@@ -32,6 +32,12 @@ pub struct Config {
     pub passwd: PathBuf,
     /// Per-session record budget handed to chronus.
     pub session_bytes: u64,
+    /// The user of sessions and processes whose calls name none (the sandbox's spec.user;
+    /// empty = root).
+    pub default_user: String,
+    /// Where sessions start and processes run when their call names no directory (the
+    /// sandbox's spec.workdir; empty = the user's home).
+    pub workdir: String,
 }
 
 struct Session {
@@ -72,6 +78,7 @@ impl Aether {
     }
 
     fn user(&self, name: &str) -> Result<User, AgentError> {
+        let name = if name.is_empty() { self.cfg.default_user.as_str() } else { name };
         let text = std::fs::read_to_string(&self.cfg.passwd).unwrap_or_default();
         let mut u = passwd::resolve(&text, name)?;
         let group = std::fs::read_to_string(self.cfg.passwd.with_file_name("group")).unwrap_or_default();
@@ -122,6 +129,7 @@ impl Aether {
             .env("HOME", &u.home)
             .env("USER", &u.name)
             .env("LOGNAME", &u.name)
+            .env(crate::chronus::WORKDIR_ENV, &self.cfg.workdir)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())
@@ -264,6 +272,10 @@ impl Runtime for AetherService {
     async fn start_process(&self, r: Request<StartProcessRequest>) -> Result<Response<StartProcessResponse>, Status> {
         let req = r.into_inner();
         let user = self.0.user(&req.user).map_err(fwd)?;
+        let mut req = req;
+        if req.cwd.is_empty() {
+            req.cwd = self.0.cfg.workdir.clone();
+        }
         let pid = self.0.procs.start(&self.0.reaper, req, &user).map_err(fwd)?;
         Ok(Response::new(StartProcessResponse { pid }))
     }
@@ -340,6 +352,13 @@ pub enum Listen {
 pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
     let reaper = Reaper::start();
     let aether = Aether::new(cfg, reaper)?;
+    // A sandbox whose default user is not in its image fails at start, with the reason in
+    // the edge's console log, instead of failing every call later.
+    aether.user("").map_err(|e| std::io::Error::other(e.to_string()))?;
+    // As a container runtime does with WORKDIR: made when the image lacks it.
+    if !aether.cfg.workdir.is_empty() {
+        std::fs::create_dir_all(&aether.cfg.workdir)?;
+    }
     let listener = match listen {
         Listen::Path(p) => crate::bind_unix(&p)?,
         Listen::Fd(fd) => {

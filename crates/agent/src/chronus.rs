@@ -29,9 +29,15 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::{AgentError, check_id};
 use crate::reaper::{Reaper, kill_tree};
-use crate::{BoxStream, CHUNK, files, sh_quote};
+use crate::{BoxStream, files, sh_quote};
 
 pub const DEFAULT_STREAM_LIMIT: u64 = 16 << 20;
+/// Environment variable through which aether gives chronus the sandbox's working directory.
+pub const WORKDIR_ENV: &str = "OPENDSEC_WORKDIR";
+/// Capacity asked for the output fifos, and the pump's read size.
+const PIPE_BYTES: libc::c_int = 1 << 20;
+/// Output bytes per ExecStream message (fewer, larger messages through every hop).
+const STREAM_CHUNK: u64 = 256 << 10;
 pub const DEFAULT_SESSION_BUDGET: u64 = 256 << 20;
 /// How long output may still arrive after a command's status (background processes holding
 /// the fifo keep it open; their later output is not part of the command's record).
@@ -91,8 +97,14 @@ fn shell_path() -> &'static str {
 
 impl Chronus {
     pub fn new(dir: PathBuf, budget: u64, reaper: Reaper) -> Arc<Self> {
+        // The sandbox's working directory (aether passes spec.workdir), else the user's home.
         let home = std::env::var("HOME").unwrap_or_else(|_| "/".into());
-        let cwd = if Path::new(&home).is_dir() { PathBuf::from(home) } else { PathBuf::from("/") };
+        let start = std::env::var(WORKDIR_ENV).ok().filter(|w| Path::new(w).is_dir());
+        let cwd = match start {
+            Some(w) => PathBuf::from(w),
+            None if Path::new(&home).is_dir() => PathBuf::from(home),
+            None => PathBuf::from("/"),
+        };
         Arc::new(Chronus {
             dir,
             nonce: format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>()),
@@ -184,12 +196,13 @@ impl Chronus {
         for ext in ["sh", "out.fifo", "err.fifo"] {
             let _ = std::fs::remove_file(self.path(&cmd.rid, ext));
         }
-        self.evict();
+        self.evict(&cmd.rid);
     }
 
     /// Drops the records of the earliest finished commands while the session holds more than
-    /// its budget (the running command's record is never dropped).
-    fn evict(&self) {
+    /// its budget. Running commands' records are never dropped, nor the one of `just_finished`
+    /// (its caller may still be streaming it): it goes when a later command finishes.
+    fn evict(&self, just_finished: &str) {
         let recs = self.records();
         let mut total: u64 = recs
             .cmds
@@ -202,6 +215,9 @@ impl Chronus {
         for rid in &recs.order {
             if total <= self.budget {
                 break;
+            }
+            if rid == just_finished {
+                continue;
             }
             let Some(c) = recs.cmds.get(rid) else { continue };
             let (done, size) = {
@@ -348,6 +364,20 @@ impl Chronus {
     }
 }
 
+/// Up to `max` bytes of an open record file from `offset` (below `size`).
+fn read_at(f: Option<&std::fs::File>, offset: u64, size: u64, max: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let end = size.min(offset.saturating_add(max));
+    let Some(f) = f else { return vec![] };
+    if end <= offset {
+        return vec![];
+    }
+    let mut buf = vec![0u8; (end - offset) as usize];
+    let n = f.read_at(&mut buf, offset).unwrap_or(0);
+    buf.truncate(n);
+    buf
+}
+
 /// Reads status lines until ours: `Some((code, cwd))`, `None` when the shell ended.
 async fn read_status(
     r: &mut BufReader<tokio::net::unix::pipe::Receiver>,
@@ -383,7 +413,10 @@ fn spawn_pump(fifo: PathBuf, record: PathBuf, limit: u64, cmd: Arc<Cmd>, err: bo
         let Ok(mut src) = std::fs::File::open(&fifo) else {
             return;
         };
-        let mut buf = vec![0u8; CHUNK];
+        // A deeper pipe: a fast writer's output comes in fewer, larger reads (best effort).
+        // SAFETY: F_SETPIPE_SZ on a pipe fd this function owns.
+        unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&src), libc::F_SETPIPE_SZ, PIPE_BYTES) };
+        let mut buf = vec![0u8; PIPE_BYTES as usize];
         let mut kept = 0u64;
         loop {
             let n = match src.read(&mut buf) {
@@ -452,6 +485,8 @@ impl Runtime for ChronusService {
         tokio::spawn(async move {
             let mut st = cmd.state.subscribe();
             let mut first = true;
+            // The record files, opened once for the stream's life.
+            let mut files: [Option<std::fs::File>; 2] = [None, None];
             loop {
                 let s = st.borrow_and_update().clone();
                 if s.evicted {
@@ -461,7 +496,11 @@ impl Runtime for ChronusService {
                 let mut sent = false;
                 for (err, off, size) in [(false, &mut o, s.out), (true, &mut e, s.err)] {
                     while *off < size {
-                        let data = me.read_record(&cmd.rid, err, *off, size, CHUNK as u64);
+                        let f = &mut files[usize::from(err)];
+                        if f.is_none() {
+                            *f = std::fs::File::open(me.path(&cmd.rid, if err { "err" } else { "out" })).ok();
+                        }
+                        let data = read_at(f.as_ref(), *off, size, STREAM_CHUNK);
                         if data.is_empty() {
                             break;
                         }

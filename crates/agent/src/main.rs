@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use opendsec_agent::{aether, chronus};
 
-const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH] [--session-bytes N]\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
+const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
 
 /// Blocking threads started up front (see `main`).
 const BLOCKING_THREADS: usize = 2;
@@ -19,6 +19,8 @@ struct Args {
     passwd: PathBuf,
     dir: Option<PathBuf>,
     session_bytes: u64,
+    user: String,
+    workdir: String,
 }
 
 fn parse() -> Result<Args, String> {
@@ -31,6 +33,8 @@ fn parse() -> Result<Args, String> {
         passwd: PathBuf::from("/etc/passwd"),
         dir: None,
         session_bytes: chronus::DEFAULT_SESSION_BUDGET,
+        user: String::new(),
+        workdir: String::new(),
     };
     while let Some(k) = it.next() {
         let v = it.next().ok_or_else(|| format!("{k} needs a value"))?;
@@ -39,6 +43,8 @@ fn parse() -> Result<Args, String> {
             "--listen-fd" => a.listen_fd = Some(v.parse().map_err(|_| format!("bad --listen-fd {v}"))?),
             "--state-dir" => a.state_dir = v.into(),
             "--passwd" => a.passwd = v.into(),
+            "--user" => a.user = v,
+            "--workdir" => a.workdir = v,
             "--dir" => a.dir = Some(v.into()),
             "--session-bytes" => a.session_bytes = v.parse().map_err(|_| format!("bad --session-bytes {v}"))?,
             _ => return Err(format!("unknown option {k}")),
@@ -90,7 +96,13 @@ fn main() -> ExitCode {
     let r = rt.block_on(async {
         match a.mode.as_str() {
             "aether" => {
-                let cfg = aether::Config { state_dir: a.state_dir, passwd: a.passwd, session_bytes: a.session_bytes };
+                let cfg = aether::Config {
+                    state_dir: a.state_dir,
+                    passwd: a.passwd,
+                    session_bytes: a.session_bytes,
+                    default_user: a.user,
+                    workdir: a.workdir,
+                };
                 aether::main(listen, cfg).await
             }
             "chronus" => {

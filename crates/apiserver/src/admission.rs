@@ -157,6 +157,23 @@ pub fn check_spec(
         .map_err(|message| AdmissionError::Invalid { field: "spec.env", message })?;
     bytes("spec.user", &s.user, MAX_USER_BYTES)?;
     bytes("spec.workdir", &s.workdir, MAX_WORKDIR_BYTES)?;
+    // Both become PID 1's arguments: no control characters (NUL included); the user is a name
+    // or a uid from the image's passwd, the directory an absolute path.
+    for (field, v) in [("spec.user", &s.user), ("spec.workdir", &s.workdir)] {
+        if v.chars().any(char::is_control) {
+            return Err(AdmissionError::Invalid { field, message: "contains control characters".into() });
+        }
+    }
+    for (field, paths) in [("spec.masked_paths", &s.masked_paths), ("spec.readonly_paths", &s.readonly_paths)] {
+        opendsec_common::spec::check_extra_paths(paths)
+            .map_err(|message| AdmissionError::Invalid { field, message })?;
+    }
+    if s.user.starts_with('-') {
+        return Err(AdmissionError::Invalid { field: "spec.user", message: "must not start with '-'".into() });
+    }
+    if !s.workdir.is_empty() && !s.workdir.starts_with('/') {
+        return Err(AdmissionError::Invalid { field: "spec.workdir", message: "must be an absolute path".into() });
+    }
     s.priority = match pb::Priority::try_from(s.priority) {
         Ok(pb::Priority::Unspecified) | Ok(pb::Priority::Guaranteed) => pb::Priority::Guaranteed as i32,
         Ok(pb::Priority::BestEffort) => pb::Priority::BestEffort as i32,
@@ -383,6 +400,13 @@ mod tests {
             (Box::new(|s| s.project = "root/../x".into()), "spec.project"),
             (Box::new(|s| s.priority = 99), "spec.priority"),
             (Box::new(|s| s.user = "u".repeat(300)), "spec.user"),
+            (Box::new(|s| s.user = "a\0b".into()), "spec.user"),
+            (Box::new(|s| s.user = "--help".into()), "spec.user"),
+            (Box::new(|s| s.workdir = "relative/dir".into()), "spec.workdir"),
+            (Box::new(|s| s.masked_paths = vec!["/ok".into(), "/a/../etc".into()]), "spec.masked_paths"),
+            (Box::new(|s| s.readonly_paths = vec!["relative".into()]), "spec.readonly_paths"),
+            (Box::new(|s| s.readonly_paths = vec!["/x".into(); 33]), "spec.readonly_paths"),
+            (Box::new(|s| s.workdir = "/a\nb".into()), "spec.workdir"),
         ];
         for (mutate, field) in cases {
             let mut s = good();

@@ -134,6 +134,18 @@ pub struct SpecArgs {
     pub env: Vec<String>,
     #[arg(long)]
     pub best_effort: bool,
+    /// User of sessions and processes that name none (from the image's /etc/passwd).
+    #[arg(long, default_value = "")]
+    pub user: String,
+    /// Working directory of sessions and processes that name none (absolute).
+    #[arg(long, default_value = "")]
+    pub workdir: String,
+    /// A path inside the sandbox to hide (container backend), repeatable.
+    #[arg(long = "mask")]
+    pub masked_paths: Vec<String>,
+    /// A path inside the sandbox to make read-only (container backend), repeatable.
+    #[arg(long = "readonly")]
+    pub readonly_paths: Vec<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -354,9 +366,11 @@ impl SpecArgs {
             ttl_paused_s: self.ttl_paused,
             env: kv(&self.env, "env")?,
             labels: kv(&self.labels, "label")?,
-            user: String::new(),
-            workdir: String::new(),
+            user: self.user.clone(),
+            workdir: self.workdir.clone(),
             priority: if self.best_effort { pb::Priority::BestEffort as i32 } else { pb::Priority::Guaranteed as i32 },
+            masked_paths: self.masked_paths.clone(),
+            readonly_paths: self.readonly_paths.clone(),
         })
     }
 }

@@ -40,10 +40,17 @@ fn mem_used_mb() -> f64 {
     (f("MemTotal:") - f("MemAvailable:")) / 1024.0
 }
 
-fn runc(args: &[&str]) -> std::process::Output {
-    let o = std::process::Command::new("runc").args(args).output().expect("runc (apt install runc)");
-    assert!(o.status.success(), "runc {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-    o
+/// Runs runc and waits for it (not for the container: a detached container keeps its stdio,
+/// so runc's own stdio goes to /dev/null and a file, never to pipes we would wait on).
+fn runc(args: &[&str], err: &Path) {
+    let status = std::process::Command::new("runc")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(err).unwrap())
+        .status()
+        .expect("runc (apt install runc)");
+    assert!(status.success(), "runc {args:?}: {}", std::fs::read_to_string(err).unwrap_or_default());
 }
 
 /// An OCI bundle over `rootfs` whose process sleeps (no terminal, no network namespace setup
@@ -138,7 +145,7 @@ async fn bench_container_sandboxes() {
     for i in 0..50 {
         let name = format!("odbench-{}-{i}", std::process::id());
         let t = Instant::now();
-        runc(&["run", "-d", "--bundle", bundle.to_str().unwrap(), &name]);
+        runc(&["run", "-d", "--bundle", bundle.to_str().unwrap(), &name], &dir.path().join("runc.err"));
         lat.push(t.elapsed());
         ids.push(name);
     }
@@ -146,7 +153,7 @@ async fn bench_container_sandboxes() {
     let mut lat = Vec::new();
     for _ in 0..200 {
         let t = Instant::now();
-        runc(&["exec", &ids[0], "true"]);
+        runc(&["exec", &ids[0], "true"], &dir.path().join("runc.err"));
         lat.push(t.elapsed());
     }
     show("runc exec true (peer)", lat);
@@ -166,12 +173,20 @@ async fn bench_container_sandboxes() {
     }
     show("exec `true` in a session via the apiserver", lat);
 
-    // 4. Streaming 1 GiB through ExecStream.
+    f.admin.stop_sandbox(&s.id).await.unwrap();
+
+    // 4. Streaming 1 GiB through ExecStream (recorded whole: a disk that holds it, a limit
+    // above it).
+    let big = pb::SandboxSpec {
+        resources: Some(pb::Resources { cpu_millis: 2000, memory_mb: 512, disk_mb: 2048, gpus: 0 }),
+        ..spec.clone()
+    };
+    let s = f.admin.create_sandbox(big).await.unwrap();
     let req = pb::ExecRequest {
         sandbox_id: s.id.clone(),
         session_id: "stream".into(),
-        command: "head -c 1073741824 /dev/zero".into(),
-        limits: Some(pb::OutputLimits { stdout_max_bytes: 1 << 20, stderr_max_bytes: 0 }),
+        command: "dd if=/dev/zero bs=1M count=1024 2>/dev/null".into(),
+        limits: Some(pb::OutputLimits { stdout_max_bytes: 2 << 30, stderr_max_bytes: 0 }),
         ..Default::default()
     };
     let t = Instant::now();
@@ -185,52 +200,51 @@ async fn bench_container_sandboxes() {
     println!("ExecStream of 1 GiB: {:.0} MiB/s ({} bytes streamed)", 1024.0 / t.elapsed().as_secs_f64(), got);
     f.admin.stop_sandbox(&s.id).await.unwrap();
 
-    // 3. Sustained creations and the memory of idle sandboxes (agent + one session's shell).
+    // 3. Sustained creations (16 in flight), then a session in each (agent + shell), then the
+    // host memory they hold, idle.
+    use futures::StreamExt;
     let before = mem_used_mb();
     let t0 = Instant::now();
-    let mut done = 0usize;
-    let conc = 16;
-    let mut pending = futures::stream::FuturesUnordered::new();
-    use futures::StreamExt;
-    let mut next = 0;
-    while done < idle {
-        while pending.len() < conc && next < idle {
-            let (admin, spec, mut rt) = (f.admin.clone(), spec.clone(), rt.clone());
-            pending.push(tokio::spawn(async move {
-                let s = admin.create_sandbox(spec).await.unwrap();
-                exec_in(&mut rt, &s.id, "idle", "true").await;
-                s.id
-            }));
-            next += 1;
-        }
-        let id = pending.next().await.unwrap().unwrap();
-        ids.push(id);
-        done += 1;
-    }
+    let created: Vec<String> = futures::stream::iter(0..idle)
+        .map(|_| {
+            let (admin, spec) = (f.admin.clone(), spec.clone());
+            async move { admin.create_sandbox(spec).await.unwrap().id }
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
     let wall = t0.elapsed();
     println!(
-        "sustained: {idle} creations (+ a session each) in {:.1} s: {:.1} creations/s",
+        "sustained: {idle} creations in {:.1} s: {:.1} creations/s",
         wall.as_secs_f64(),
         idle as f64 / wall.as_secs_f64()
     );
+    let t0 = Instant::now();
+    futures::stream::iter(created.iter().cloned())
+        .map(|id| {
+            let mut rt = rt.clone();
+            async move { exec_in(&mut rt, &id, "idle", "true").await }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
+    println!("a session started in each of {idle} in {:.1} s", t0.elapsed().as_secs_f64());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = mem_used_mb();
     println!(
-        "idle sandboxes: {idle} hold {:.0} MiB of host memory: {:.2} MiB each",
+        "idle sandboxes: {idle} (agent + shell) hold {:.0} MiB of host memory: {:.2} MiB each",
         after - before,
         (after - before) / idle as f64
     );
     let t0 = Instant::now();
-    let stops: Vec<_> = ids
-        .drain(..)
+    futures::stream::iter(created)
         .map(|id| {
             let admin = f.admin.clone();
-            tokio::spawn(async move { admin.stop_sandbox(&id).await.unwrap() })
+            async move { admin.stop_sandbox(&id).await.unwrap() }
         })
-        .collect();
-    for s in stops {
-        s.await.unwrap();
-    }
-    println!("stopped {idle} in {:.1} s", t0.elapsed().as_secs_f64());
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
+    println!("stopped {idle} in {:.1} s (16 at a time)", t0.elapsed().as_secs_f64());
     f.cluster.shutdown().await;
 }

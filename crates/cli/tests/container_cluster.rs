@@ -228,6 +228,35 @@ async fn sessions_files_and_processes_through_the_api() {
     }
     assert_eq!(exit.map(|e| e.signal), Some(15));
 
+    // HTTP to a server inside the sandbox (its own loopback).
+    exec_in(&mut rt, &s.id, "", "mkdir -p /www && echo hello-http > /www/index.html").await;
+    let httpd = pb::StartProcessRequest {
+        sandbox_id: s.id.clone(),
+        cmd: vec!["httpd".into(), "-f".into(), "-p".into(), "127.0.0.1:8080".into(), "-h".into(), "/www".into()],
+        tag: "web".into(),
+        ..Default::default()
+    };
+    rt.start_process(httpd).await.unwrap();
+    let get = pb::HttpRequestRequest {
+        sandbox_id: s.id.clone(),
+        port: 8080,
+        method: "GET".into(),
+        path: "/index.html".into(),
+        ..Default::default()
+    };
+    let mut answer = None;
+    for _ in 0..100 {
+        match rt.http_request(get.clone()).await {
+            Ok(r) => {
+                answer = Some(r.into_inner());
+                break;
+            }
+            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
+    let answer = answer.expect("the server inside never answered");
+    assert_eq!((answer.status, answer.body.as_slice()), (200, &b"hello-http\n"[..]));
+
     // Authorization: a principal of another project learns nothing and can do nothing; one
     // with sandbox.view only cannot operate.
     f.admin.create_project(pb::CreateProjectRequest { path: "root/other".into(), quota: None }).await.unwrap();
@@ -417,7 +446,33 @@ async fn hostile_workloads_are_contained() {
     let e = read_all(&mut rt, &a.id, "/dev/zero").await.unwrap_err();
     assert!(e.message().contains("not a regular file"), "{e:?}");
 
+    // The spec's user, working directory and extra masked / read-only paths.
+    let spec = pb::SandboxSpec {
+        user: "nobody".into(),
+        workdir: "/srv/app".into(),
+        masked_paths: vec!["/etc/shadow".into()],
+        readonly_paths: vec!["/usr".into()],
+        ..container_spec("debian:bookworm", 128, 64)
+    };
+    let c = f.admin.create_sandbox(spec).await.unwrap();
+    let r = exec_in(&mut rt, &c.id, "", "id -u; pwd; wc -c < /etc/shadow").await;
+    assert_eq!(out(&r), "65534\n/srv/app\n0", "{r:?}");
+    let as_root = pb::ExecRequest {
+        sandbox_id: c.id.clone(),
+        session_id: "root".into(),
+        command: "touch /usr/x 2>&1; touch /srv/app/x && echo wrote".into(),
+        user: "root".into(),
+        ..Default::default()
+    };
+    let r = rt.exec(as_root).await.unwrap().into_inner();
+    assert!(out(&r).contains("Read-only file system") && out(&r).ends_with("wrote"), "{r:?}");
+    // A user the image does not have: the creation fails with the reason.
+    let bad = pb::SandboxSpec { user: "no-such-user".into(), ..container_spec("debian:bookworm", 128, 64) };
+    let e = f.admin.create_sandbox(bad).await.unwrap_err();
+    assert!(e.message.contains("no-such-user"), "{e:?}");
+
     f.admin.stop_sandbox(&a.id).await.unwrap();
     f.admin.stop_sandbox(&b.id).await.unwrap();
+    f.admin.stop_sandbox(&c.id).await.unwrap();
     f.cluster.shutdown().await;
 }

@@ -39,9 +39,41 @@ pub fn check_env(env: &HashMap<String, String>) -> Result<(), String> {
     Ok(())
 }
 
+/// Extra masked or read-only paths a sandbox may ask for, at most.
+pub const MAX_EXTRA_PATHS: usize = 32;
+/// Longest such path.
+pub const MAX_EXTRA_PATH_BYTES: usize = 256;
+
+/// Checks `spec.masked_paths` / `spec.readonly_paths`: at most [`MAX_EXTRA_PATHS`] absolute
+/// paths of at most [`MAX_EXTRA_PATH_BYTES`], without `.`/`..` components or control characters.
+pub fn check_extra_paths(paths: &[String]) -> Result<(), String> {
+    if paths.len() > MAX_EXTRA_PATHS {
+        return Err(format!("{} paths; at most {MAX_EXTRA_PATHS}", paths.len()));
+    }
+    for p in paths {
+        if !p.starts_with('/') || p.len() > MAX_EXTRA_PATH_BYTES {
+            return Err(format!("{p:?} must be an absolute path of at most {MAX_EXTRA_PATH_BYTES} bytes"));
+        }
+        if p.chars().any(char::is_control) || p.split('/').any(|c| c == "." || c == "..") {
+            return Err(format!("{p:?} must not contain control characters, `.` or `..`"));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extra_paths_are_absolute_plain_and_bounded() {
+        assert!(check_extra_paths(&["/etc/shadow".into(), "/usr".into()]).is_ok());
+        for bad in ["etc", "/a/../b", "/a/./b", "/a\nb"] {
+            assert!(check_extra_paths(&[bad.to_string()]).is_err(), "{bad}");
+        }
+        assert!(check_extra_paths(&vec!["/x".to_string(); 33]).is_err());
+        assert!(check_extra_paths(&[format!("/{}", "a".repeat(300))]).is_err());
+    }
 
     fn map(k: &str, v: &str) -> HashMap<String, String> {
         [(k.to_string(), v.to_string())].into_iter().collect()

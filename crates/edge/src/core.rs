@@ -633,6 +633,12 @@ impl Inner {
             edge: self.name.clone(),
             boot_id: self.boot_id.clone(),
             backends: self.backend_names(),
+            runtime_versions: self
+                .backends
+                .iter()
+                .filter_map(|b| b.versioned())
+                .flat_map(|v| v.runtime_versions())
+                .collect(),
             capacity: Some(Resources {
                 cpu_millis: u32::try_from(c.cpu_millis).unwrap_or(u32::MAX),
                 memory_mb: c.memory_mb,

@@ -122,6 +122,10 @@ pub struct SpecRecord {
     pub user: String,
     pub workdir: String,
     pub priority: PriorityRecord,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub masked_paths: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub readonly_paths: Vec<String>,
 }
 
 impl SpecRecord {
@@ -140,6 +144,8 @@ impl SpecRecord {
             user: spec.user.clone(),
             workdir: spec.workdir.clone(),
             priority: PriorityRecord::from_proto(spec.priority).unwrap_or_default(),
+            masked_paths: spec.masked_paths.clone(),
+            readonly_paths: spec.readonly_paths.clone(),
         }
     }
 
@@ -157,6 +163,8 @@ impl SpecRecord {
             user: self.user.clone(),
             workdir: self.workdir.clone(),
             priority: self.priority.to_proto() as i32,
+            masked_paths: self.masked_paths.clone(),
+            readonly_paths: self.readonly_paths.clone(),
         }
     }
 }
@@ -561,6 +569,9 @@ mod tests {
                 user: "root".into(),
                 workdir: "/work".into(),
                 priority: PriorityRecord::BestEffort,
+                // Empty lists are not written: records from before these fields stay equal.
+                masked_paths: vec![],
+                readonly_paths: vec![],
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,

@@ -140,6 +140,9 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     let _g = Guard { state: tmp.path().join("containers") };
     busybox_image(&tmp.path().join("store"), tmp.path()).await;
     let b = ContainerBackend::new(options(tmp.path())).unwrap();
+    let versions = b.versioned().unwrap().runtime_versions();
+    assert!(versions[0].starts_with("linuxrt cgroup v"), "{versions:?}");
+    assert!(versions[1].starts_with("core scheduling: "), "{versions:?}");
 
     // An image nobody has: not found, nothing left.
     let missing = record("l0", "nosuch");

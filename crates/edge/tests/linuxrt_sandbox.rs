@@ -61,6 +61,7 @@ fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits
         env: vec!["PATH=/bin".into()],
         init_exe: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-sandbox-init")),
         agent_socket: false,
+        core_sched: false,
     }
 }
 

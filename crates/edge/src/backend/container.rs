@@ -34,8 +34,8 @@ use tonic::transport::Endpoint;
 
 use opendsec_images::{LayerId, Store, StoreError};
 
-use super::{AgentAccess, Backend, BackendError, Usage, agent_client};
-use crate::linuxrt::cgroup::Limits;
+use super::{AgentAccess, Backend, BackendError, Usage, Versioned, agent_client};
+use crate::linuxrt::cgroup::{self, CoreSched, Limits};
 use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
 use crate::linuxrt::reclaim;
 use crate::linuxrt::rootfs::{self, LayerCache};
@@ -106,6 +106,9 @@ pub struct ContainerBackend {
     cache: LayerCache,
     /// The installed agent's directory (bound at [`AGENT_DIR`]).
     agent_dir: PathBuf,
+    /// Detected once at start: every sandbox gets its own cookie when supported.
+    core_sched: CoreSched,
+    cgroup_layout: String,
     held: Mutex<HashMap<String, Held>>,
 }
 
@@ -143,6 +146,19 @@ pub fn merge_env(image: &[String], spec: &BTreeMap<String, String>) -> Vec<Strin
         out.push(DEFAULT_PATH.to_owned());
     }
     out
+}
+
+/// PID 1's command line: aether on the inherited socket, with the spec's default user and
+/// working directory for sessions and processes.
+pub fn agent_argv(user: &str, workdir: &str) -> Vec<String> {
+    let mut argv =
+        vec![format!("{AGENT_DIR}/{AGENT_NAME}"), "aether".into(), "--listen-fd".into(), PID1_LISTEN_FD.to_string()];
+    for (flag, v) in [("--user", user), ("--workdir", workdir)] {
+        if !v.is_empty() {
+            argv.extend([flag.to_string(), v.to_string()]);
+        }
+    }
+    argv
 }
 
 /// Cgroup limits of a sandbox from its record.
@@ -315,7 +331,22 @@ impl ContainerBackend {
         }
         let cache = LayerCache::new(&opts.cache_dir);
         let agent_dir = install_agent(&opts.agent, &opts.state_dir.join(".agent"))?;
-        Ok(ContainerBackend { opts, store: Arc::new(store), cache, agent_dir, held: Mutex::new(HashMap::new()) })
+        let core_sched = cgroup::detect_core_sched();
+        let cgroup_layout = match cgroup::detect_layout() {
+            Ok(cgroup::Layout::V1) => "linuxrt cgroup v1".to_string(),
+            Ok(cgroup::Layout::V2) => "linuxrt cgroup v2".to_string(),
+            Err(e) => format!("linuxrt cgroup unknown ({e})"),
+        };
+        tracing::info!(core_sched = ?core_sched, cgroups = %cgroup_layout, "container backend ready");
+        Ok(ContainerBackend {
+            opts,
+            store: Arc::new(store),
+            cache,
+            agent_dir,
+            core_sched,
+            cgroup_layout,
+            held: Mutex::new(HashMap::new()),
+        })
     }
 
     /// The host pid of the sandbox's PID 1, when held.
@@ -377,10 +408,8 @@ impl Backend for ContainerBackend {
 
     async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         // Not applied yet: refuse rather than hand out a sandbox without what was asked for.
-        if !sb.spec.user.is_empty() || !sb.spec.workdir.is_empty() || sb.spec.resources.gpus > 0 {
-            return Err(BackendError::InvalidArgument(
-                "spec.user, spec.workdir and gpus are not supported by the container backend yet".into(),
-            ));
+        if sb.spec.resources.gpus > 0 {
+            return Err(BackendError::InvalidArgument("gpus are not supported by the container backend yet".into()));
         }
         if self.lock().contains_key(&sb.id) {
             return Err(BackendError::InvalidState(format!("container sandbox {} already exists", sb.id)));
@@ -398,18 +427,14 @@ impl Backend for ContainerBackend {
             disk_mb,
             limits: limits_of(sb, self.opts.pids_limit),
             binds: vec![Bind { src: self.agent_dir.clone(), dst: AGENT_DIR.into(), readonly: true }],
-            masked_paths: Vec::new(),
-            readonly_paths: Vec::new(),
+            masked_paths: sb.spec.masked_paths.clone(),
+            readonly_paths: sb.spec.readonly_paths.clone(),
             oom_score_adj: PID1_OOM_SCORE_ADJ,
-            argv: vec![
-                format!("{AGENT_DIR}/{AGENT_NAME}"),
-                "aether".into(),
-                "--listen-fd".into(),
-                PID1_LISTEN_FD.to_string(),
-            ],
+            argv: agent_argv(&sb.spec.user, &sb.spec.workdir),
             env: Vec::new(),
             init_exe: self.opts.init_exe.clone(),
             agent_socket: true,
+            core_sched: self.core_sched == CoreSched::Supported,
         };
         let spec_env = sb.spec.env.clone();
         let started = blocking(move || {
@@ -591,6 +616,20 @@ impl Backend for ContainerBackend {
     fn agent_access(&self) -> Option<&dyn AgentAccess> {
         Some(self)
     }
+
+    fn versioned(&self) -> Option<&dyn Versioned> {
+        Some(self)
+    }
+}
+
+impl Versioned for ContainerBackend {
+    fn runtime_versions(&self) -> Vec<String> {
+        let cs = match self.core_sched {
+            CoreSched::Supported => "core scheduling: a cookie per sandbox",
+            CoreSched::Unsupported => "core scheduling: not available on this kernel",
+        };
+        vec![self.cgroup_layout.clone(), cs.to_string()]
+    }
 }
 
 impl AgentAccess for ContainerBackend {
@@ -620,6 +659,15 @@ mod tests {
         assert_eq!(env, vec!["A=2".to_string(), "B=x=y".into(), "C=".into(), DEFAULT_PATH.into()]);
         let env = merge_env(&["PATH=/bin".into()], &BTreeMap::new());
         assert_eq!(env, vec!["PATH=/bin".to_string()]);
+    }
+
+    #[test]
+    fn the_agent_gets_the_specs_user_and_workdir() {
+        assert_eq!(agent_argv("", ""), vec!["/.opendsec/opendsec-agent", "aether", "--listen-fd", "3"]);
+        assert_eq!(
+            agent_argv("nobody", "/work")[4..].to_vec(),
+            vec!["--user".to_string(), "nobody".into(), "--workdir".into(), "/work".into()]
+        );
     }
 
     #[test]

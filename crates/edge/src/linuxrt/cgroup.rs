@@ -427,6 +427,19 @@ const PR_SCHED_CORE: libc::c_int = 62;
 const PR_SCHED_CORE_GET: libc::c_ulong = 0;
 const PIDTYPE_PID: libc::c_ulong = 0;
 
+const PR_SCHED_CORE_CREATE: libc::c_ulong = 1;
+const PIDTYPE_TGID: libc::c_ulong = 1;
+
+/// Gives this process (all its threads; children inherit it) a new core scheduling cookie, so
+/// no task of another sandbox shares a physical core's hardware threads with it at once.
+pub fn core_sched_cookie() -> Result<(), String> {
+    // SAFETY: PR_SCHED_CORE_CREATE on the calling process takes only integers.
+    let r = unsafe {
+        libc::prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0 as libc::c_ulong, PIDTYPE_TGID, 0 as libc::c_ulong)
+    };
+    if r < 0 { Err(format!("PR_SCHED_CORE_CREATE: {}", std::io::Error::last_os_error())) } else { Ok(()) }
+}
+
 /// Probes `PR_SCHED_CORE` by reading this process's cookie (harmless, changes nothing).
 pub fn detect_core_sched() -> CoreSched {
     let mut cookie: u64 = 0;

@@ -100,6 +100,9 @@ pub struct InitConfig {
     /// An inherited fd (the agent's listening socket) handed to PID 1 as fd [`PID1_LISTEN_FD`].
     #[serde(default)]
     pub listen_fd: Option<i32>,
+    /// Give PID 1 (and so every process of the sandbox) its own core scheduling cookie.
+    #[serde(default)]
+    pub core_sched: bool,
 }
 
 /// The fd number PID 1 finds its inherited listening socket at.
@@ -240,13 +243,20 @@ fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::f
     for m in DEFAULT_MASKED.iter().copied().chain(cfg.masked_paths.iter().map(String::as_str)) {
         step!("masked paths", mask(Path::new(m)));
     }
-    for r in DEFAULT_READONLY.iter().copied().chain(cfg.readonly_paths.iter().map(String::as_str)) {
-        step!("readonly paths", readonly(Path::new(r)));
+    for r in DEFAULT_READONLY {
+        step!("readonly paths", readonly(Path::new(r), KERNEL_RO));
+    }
+    // The caller's: read-only, nothing else (programs there still run).
+    for r in &cfg.readonly_paths {
+        step!("readonly paths", readonly(Path::new(r), MsFlags::empty()));
     }
     step!("hostname", sethostname(&cfg.hostname));
     step!("loopback", loopback_up());
     step!("hosts", write_hosts(&cfg.hostname));
     step!("rlimits", rlimits());
+    if cfg.core_sched {
+        step!("core scheduling", super::cgroup::core_sched_cookie());
+    }
     // Lowering needs CAP_SYS_RESOURCE, which some hosts (our CI's container) withhold from
     // root: then PID 1 keeps the edge's score, a warning goes to the edge, and the agent's
     // raising of its children's scores (always allowed) still ranks them first.
@@ -466,23 +476,15 @@ fn mask(path: &Path) -> Result<(), String> {
     }
 }
 
-fn readonly(path: &Path) -> Result<(), String> {
+/// Extra flags of Docker's read-only kernel paths.
+const KERNEL_RO: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
+
+fn readonly(path: &Path, extra: MsFlags) -> Result<(), String> {
     if std::fs::symlink_metadata(path).is_err() {
         return Ok(());
     }
     mnt(Some(&p(path)), path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
-    mnt(
-        None,
-        path,
-        None,
-        MsFlags::MS_BIND
-            | MsFlags::MS_REMOUNT
-            | MsFlags::MS_RDONLY
-            | MsFlags::MS_NOSUID
-            | MsFlags::MS_NODEV
-            | MsFlags::MS_NOEXEC,
-        None,
-    )
+    mnt(None, path, None, MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | extra, None)
 }
 
 /// Brings `lo` up in the sandbox's new network namespace (it starts down), so programs inside

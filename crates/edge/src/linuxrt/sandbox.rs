@@ -73,6 +73,8 @@ pub struct SandboxSpec {
     /// [`init::PID1_LISTEN_FD`]. The path is in the host's sandbox directory, which the sandbox
     /// cannot see: only the edge can connect, and nothing inside can replace it.
     pub agent_socket: bool,
+    /// Give the sandbox its own core scheduling cookie (where the kernel has core scheduling).
+    pub core_sched: bool,
 }
 
 /// The file name of the agent's socket in a sandbox's directory.
@@ -205,6 +207,7 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         argv: spec.argv.clone(),
         env: spec.env.clone(),
         listen_fd: None,
+        core_sched: spec.core_sched,
     };
     let listener = if spec.agent_socket { Some(bind_agent_socket(dir)?) } else { None };
     let mut cfg = cfg;
