@@ -476,3 +476,34 @@ async fn hostile_workloads_are_contained() {
     f.admin.stop_sandbox(&c.id).await.unwrap();
     f.cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
+    let f = fixture().await;
+    let mut rt = runtime(&f.addr, &f.cluster.admin_token);
+    let spec = pb::SandboxSpec { ttl_running_stop_s: 2, ..container_spec("busybox", 64, 16) };
+    let s = f.admin.create_sandbox(spec).await.unwrap();
+    // A call that runs past the idle TTL is not cut short by it.
+    let r = exec_in(&mut rt, &s.id, "", "sleep 4; echo survived").await;
+    assert_eq!(out(&r), "survived");
+    // Calls keep resetting the idle clock.
+    for _ in 0..4 {
+        tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+        exec_in(&mut rt, &s.id, "", "true").await;
+    }
+    let got = f.admin.get_sandbox(&s.id).await.unwrap();
+    assert_eq!(state(&got), pb::SandboxState::Running);
+    assert!(got.last_active_ms > got.created_at_ms + 3000, "{got:?}");
+    // Left alone, it idles out.
+    let mut ended = None;
+    for _ in 0..100 {
+        let got = f.admin.get_sandbox(&s.id).await.unwrap();
+        if state(&got) == pb::SandboxState::Stopped {
+            ended = Some(got.end_reason);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(ended.as_deref(), Some("ttl_running_stop"));
+    f.cluster.shutdown().await;
+}

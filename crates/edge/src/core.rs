@@ -186,6 +186,7 @@ impl Inner {
     }
 
     pub(crate) fn to_proto(&self, rec: &SandboxRecord) -> Sandbox {
+        let active = self.active_ms(&rec.lease_id, now_ms());
         Sandbox {
             id: rec.id.clone(),
             edge: rec.edge.clone(),
@@ -195,8 +196,8 @@ impl Inner {
             principal: rec.principal.clone(),
             created_at_ms: rec.created_at_ms,
             updated_at_ms: rec.updated_at_ms,
-            expires_at_ms: ttl::expires_at_ms_active(rec, self.active_ms(&rec.lease_id, now_ms())),
-            last_active_ms: rec.last_active_ms,
+            expires_at_ms: ttl::expires_at_ms_active(rec, active),
+            last_active_ms: rec.last_active_ms.max(active),
             end_reason: rec.end_reason.clone(),
         }
     }

@@ -108,7 +108,13 @@ impl Inner {
                     return Outcome::Failed;
                 };
                 match b.adopt(&rec).await {
-                    Ok(()) => Outcome::Adopted(rec.id),
+                    Ok(()) => {
+                        // Runtime activity lives in memory and was lost with the old process:
+                        // the restart counts as activity, so a sandbox in use is not idled out
+                        // by a stale record.
+                        self.activity.touch(&rec.lease_id);
+                        Outcome::Adopted(rec.id)
+                    }
                     Err(e) => {
                         tracing::warn!(sandbox_id = %rec.id, error = %e, "adoption failed");
                         if let Err(e) = b.stop(&rec).await {

@@ -7,8 +7,8 @@
 //! - a call is counted from before its state check until its response (or its stream) ends, so
 //!   the TTL loop never stops a sandbox between the check and the forward;
 //! - activity lives in memory ([`Activity`]); the record's `last_active_ms` is only rewritten by
-//!   lifecycle operations, so after an edge restart idle time counts from the last recorded
-//!   activity;
+//!   lifecycle operations; an edge restart counts as activity for every sandbox it adopts (the
+//!   calls' activity was lost with the old process);
 //! - a call from an apiserver names the project it was authorized for
 //!   ([`EXPECT_PROJECT_HEADER`]); a sandbox of another project under that id (an id reused
 //!   after the apiserver cached it) is answered not_found;
@@ -69,6 +69,12 @@ impl Activity {
             e.0 = e.0.saturating_sub(1);
             e.1 = now;
         }
+    }
+
+    /// Marks activity now, without a call in flight.
+    pub(crate) fn touch(&self, lease: &str) {
+        let now = now_ms();
+        self.lock().entry(lease.to_string()).or_insert((0, now)).1 = now;
     }
 
     /// (calls in flight, last activity in ms) of a sandbox; (0, 0) when it never had a call.

@@ -14,7 +14,6 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -210,22 +209,20 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         core_sched: spec.core_sched,
     };
     let listener = if spec.agent_socket { Some(bind_agent_socket(dir)?) } else { None };
+    // The setup process inherits the listening socket through a copy that is not
+    // close-on-exec, made just for the spawn (no pre_exec hook: std then spawns with
+    // posix_spawn, which does not copy the edge's page tables as fork would). Processes the
+    // edge spawns meanwhile inherit the copy too; a sandbox's PID 1 marks every inherited fd
+    // but its own close-on-exec before it runs anything (init::pass_fds), and other children
+    // (mkfs) never accept on it.
+    let inheritable = match &listener {
+        Some(l) => Some(dup_inheritable(l).map_err(io("dup", &dir.join(AGENT_SOCKET)))?),
+        None => None,
+    };
     let mut cfg = cfg;
-    cfg.listen_fd = listener.as_ref().map(|l| l.as_raw_fd());
+    cfg.listen_fd = inheritable.as_ref().map(|l| l.as_raw_fd());
     let json = serde_json::to_vec(&cfg).map_err(|e| SandboxError::Setup(format!("config: {e}")))?;
     let mut cmd = Command::new(&spec.init_exe);
-    if let Some(fd) = cfg.listen_fd {
-        // SAFETY: only fcntl (async-signal-safe) between fork and exec; it clears close-on-exec
-        // in the child's own fd table, so the edge's copy stays close-on-exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    }
     let mut child = cmd
         .arg(init::MARKER)
         .stdin(Stdio::piped())
@@ -233,6 +230,7 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         .stderr(Stdio::from(log))
         .spawn()
         .map_err(io("spawn", &spec.init_exe))?;
+    drop(inheritable);
     // Into the cgroup before it unshares its cgroup namespace (it blocks reading the config).
     let joined = cg.add_pid(child.id() as i32);
     let wrote = match (&joined, child.stdin.take()) {
@@ -268,6 +266,18 @@ fn bind_agent_socket(dir: &Path) -> Result<std::os::unix::net::UnixListener, San
     let l = std::os::unix::net::UnixListener::bind(&path).map_err(io("bind", &sock))?;
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(io("chmod", &sock))?;
     Ok(l)
+}
+
+/// A copy of `fd` without close-on-exec (fcntl F_DUPFD leaves the flag clear).
+fn dup_inheritable(fd: &impl AsRawFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: F_DUPFD returns a new fd this process owns, or -1.
+    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD, 3) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `n` was just returned by F_DUPFD and is owned by nobody else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(n) })
 }
 
 /// Connects to the agent socket in `dir` (see [`bind_agent_socket`]); blocking.
