@@ -359,15 +359,16 @@ pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
     if !aether.cfg.workdir.is_empty() {
         std::fs::create_dir_all(&aether.cfg.workdir)?;
     }
+    let aether_log = aether.cfg.state_dir.join("aether.log");
     let listener = match listen {
         Listen::Path(p) => crate::bind_unix(&p)?,
         Listen::Fd(fd) => {
             let l = crate::inherited_listener(fd)?;
             // PID 1 of a sandbox: nothing inside may open our fds through /proc/1/fd or trace
             // us (the sandbox's root has the same uid and no CAP_SYS_PTRACE), and stdout and
-            // stderr (the edge's console log, a host file) are closed to the sandbox: from here
-            // on the agent and everything it starts write to /dev/null.
-            crate::seal_pid1()?;
+            // stderr (the edge's console log, a host file) are left: from here on the agent
+            // writes to a log on the sandbox's own disk, bounded by it.
+            crate::seal_pid1(&aether_log)?;
             l
         }
     };

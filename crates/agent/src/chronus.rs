@@ -645,8 +645,8 @@ impl Runtime for ChronusService {
 pub async fn main(socket: PathBuf, dir: PathBuf, budget: u64) -> std::io::Result<()> {
     // chronus lives only as long as its aether.
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
-    // aether's lowered OOM score is for aether alone: the session's work is killed first.
-    crate::reset_oom_score();
+    // The session's work is killed before aether when the sandbox runs out of memory.
+    crate::raise_oom_score();
     let reaper = Reaper::start();
     let chronus = Chronus::new(dir, budget, reaper);
     let listener = crate::bind_unix(&socket)?;

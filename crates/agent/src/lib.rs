@@ -94,11 +94,12 @@ pub fn inherited_listener(fd: i32) -> std::io::Result<tokio::net::UnixListener> 
     tokio::net::UnixListener::from_std(std_listener)
 }
 
-/// Makes this process non-dumpable and points stdout and stderr at /dev/null (see
-/// `aether::main`).
-pub fn seal_pid1() -> std::io::Result<()> {
+/// Makes this process non-dumpable and points stdout and stderr at `log`, a file in the
+/// sandbox's own file system (see `aether::main`).
+pub fn seal_pid1(log: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)?;
-    let null = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null")?;
+    let null = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(log)?;
     for fd in [1, 2] {
         // SAFETY: dup2 onto stdout/stderr of this process; `null` stays open until after.
         if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), fd) } < 0 {
@@ -123,19 +124,25 @@ where
         .map_err(std::io::Error::other)
 }
 
-/// Sets this process's `oom_score_adj` back to 0 (aether, PID 1, runs lowered so that the
-/// sandbox's own processes are OOM-killed before it; raising needs no privilege).
-pub fn reset_oom_score() {
-    let _ = std::fs::write("/proc/self/oom_score_adj", "0");
+/// `oom_score_adj` of everything the agent starts (sessions, their shells, processes): raised,
+/// so that when the sandbox's memory runs out its workload is killed, not aether. aether runs
+/// lowered where the host lets the edge lower it (CAP_SYS_RESOURCE), and at the edge's score
+/// elsewhere; raising needs no privilege, so this ranking holds on every host.
+pub const WORKLOAD_OOM_SCORE_ADJ: &str = "500";
+
+/// Sets this process's `oom_score_adj` to [`WORKLOAD_OOM_SCORE_ADJ`].
+pub fn raise_oom_score() {
+    let _ = std::fs::write("/proc/self/oom_score_adj", WORKLOAD_OOM_SCORE_ADJ);
 }
 
-/// [`reset_oom_score`] with raw syscalls only, for use between fork and exec.
-pub fn reset_oom_score_raw() {
+/// [`raise_oom_score`] with raw syscalls only, for use between fork and exec.
+pub fn raise_oom_score_raw() {
     // SAFETY: open/write/close with a static NUL-terminated path and buffer.
     unsafe {
         let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
         if fd >= 0 {
-            let _ = libc::write(fd, b"0".as_ptr().cast(), 1);
+            let v = WORKLOAD_OOM_SCORE_ADJ.as_bytes();
+            let _ = libc::write(fd, v.as_ptr().cast(), v.len());
             libc::close(fd);
         }
     }

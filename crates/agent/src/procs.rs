@@ -85,7 +85,7 @@ impl Procs {
                 // score write (open/write/close on a static path).
                 unsafe {
                     c.pre_exec(|| {
-                        crate::reset_oom_score_raw();
+                        crate::raise_oom_score_raw();
                         if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                             return Err(std::io::Error::last_os_error());
                         }
@@ -102,7 +102,7 @@ impl Procs {
                 // SAFETY: only async-signal-safe calls (open/write/close on a static path).
                 unsafe {
                     c.pre_exec(|| {
-                        crate::reset_oom_score_raw();
+                        crate::raise_oom_score_raw();
                         Ok(())
                     });
                 }

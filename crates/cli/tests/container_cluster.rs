@@ -31,7 +31,7 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
     let s = admin.create_sandbox(spec).await.unwrap();
     assert_eq!(state(&s), pb::SandboxState::Running);
     assert_eq!(s.edge, EDGE);
-    let name = format!("sbx-{}", s.id);
+    let name = opendsec_edge::backend::container::sandbox_name(&containers, &s.id);
     let host = Sandbox::adopt(&containers, &name).unwrap();
     let pid = host.pid;
     assert!(Path::new(&format!("/proc/{pid}")).exists());
@@ -70,7 +70,11 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
     let st = admin.stop_sandbox(&s.id).await.unwrap();
     assert_eq!(state(&st), pb::SandboxState::Stopped);
     eventually("PID 1 gone", 10, || !Path::new(&format!("/proc/{pid}")).exists()).await;
-    assert!(cgroup::list(&format!("sbx-{EDGE}.")).unwrap().is_empty());
+    assert!(
+        cgroup::list(&opendsec_edge::backend::container::sandbox_name(&containers, &format!("{EDGE}.")))
+            .unwrap()
+            .is_empty()
+    );
     assert!(rootfs::loops_under(&containers).is_empty());
     assert!(!containers.join(&name).exists());
     assert!(!inuse.exists());
@@ -392,7 +396,10 @@ async fn hostile_workloads_are_contained() {
     let r = exec_in(&mut rt, &a.id, "after-bomb", "echo alive").await;
     assert_eq!(out(&r), "alive");
 
-    // A memory hog is OOM-killed in its own cgroup; the agent lives and answers.
+    // A memory hog is OOM-killed in its own cgroup; the agent lives and answers. The workload
+    // runs with a raised OOM score, so the kernel picks it before the agent.
+    let r = exec_in(&mut rt, &a.id, "hog", "cat /proc/self/oom_score_adj").await;
+    assert_eq!(out(&r), "500");
     let r = exec_in(&mut rt, &a.id, "hog", "python3 -c 'b = bytearray(1 << 30); print(len(b))'; echo exit=$?").await;
     assert!(out(&r).ends_with("exit=137"), "{r:?}");
     let r = exec_in(&mut rt, &a.id, "hog", "echo alive").await;

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions};
+use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions, sandbox_name};
 use opendsec_edge::backend::{Backend, BackendError};
 use opendsec_edge::linuxrt::cgroup;
 use opendsec_edge::linuxrt::rootfs;
@@ -24,7 +24,7 @@ struct Guard {
 }
 impl Drop for Guard {
     fn drop(&mut self) {
-        let _ = sandbox::cleanup_leftovers(&self.state, &format!("sbx-{EDGE}."), &[]);
+        let _ = sandbox::cleanup_leftovers(&self.state, &sandbox_name(&self.state, &format!("{EDGE}.")), &[]);
     }
 }
 
@@ -166,7 +166,8 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     assert_eq!(String::from_utf8_lossy(&r.stdout).trim(), "/tmp");
 
     b.pause(&rec).await.unwrap();
-    let adopted = Sandbox::adopt(&tmp.path().join("containers"), &format!("sbx-{}", rec.id)).unwrap();
+    let adopted =
+        Sandbox::adopt(&tmp.path().join("containers"), &sandbox_name(&tmp.path().join("containers"), &rec.id)).unwrap();
     assert_eq!(adopted.pid, pid);
     wait_for("frozen", 10, || freezer_state(&adopted) == "FROZEN" || freezer_state(&adopted) == "1");
     b.resume(&rec).await.unwrap();
@@ -191,9 +192,9 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     assert!(!b.probe(&rec.id).await.unwrap());
     assert!(!inuse.exists());
     wait_for("PID 1 gone", 10, || !Path::new(&format!("/proc/{pid}")).exists());
-    assert!(cgroup::list(&format!("sbx-{EDGE}.")).unwrap().is_empty());
+    assert!(cgroup::list(&sandbox_name(&tmp.path().join("containers"), &format!("{EDGE}."))).unwrap().is_empty());
     assert!(rootfs::loops_under(&tmp.path().join("containers")).is_empty());
-    assert!(!tmp.path().join("containers").join(format!("sbx-{}", rec.id)).exists());
+    assert!(!tmp.path().join("containers").join(sandbox_name(&tmp.path().join("containers"), &rec.id)).exists());
     // Stopping again (nothing there) succeeds.
     b.stop(&rec).await.unwrap();
 
@@ -212,5 +213,5 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 1);
     assert!(!b.probe(&rec2.id).await.unwrap());
     assert!(!tmp.path().join("store/inuse").join(&rec2.id).exists());
-    assert!(cgroup::list(&format!("sbx-{EDGE}.")).unwrap().is_empty());
+    assert!(cgroup::list(&sandbox_name(&tmp.path().join("containers"), &format!("{EDGE}."))).unwrap().is_empty());
 }

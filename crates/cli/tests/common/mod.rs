@@ -28,7 +28,11 @@ pub struct Guard {
 }
 impl Drop for Guard {
     fn drop(&mut self) {
-        let _ = sandbox::cleanup_leftovers(&self.containers, &format!("sbx-{EDGE}."), &[]);
+        let _ = sandbox::cleanup_leftovers(
+            &self.containers,
+            &opendsec_edge::backend::container::sandbox_name(&self.containers, &format!("{EDGE}.")),
+            &[],
+        );
     }
 }
 

@@ -3,9 +3,10 @@
 //! project upward, its layers are copied into the node-local layer cache and stacked as overlay
 //! lower layers; the sandbox gets its own cgroup, upper disk and namespaces.
 //!
-//! Names: a sandbox `<edge>.<lease>` is the cgroup and state directory `sbx-<edge>.<lease>`,
-//! so one edge's clean-up (prefix `sbx-<edge>.`) never touches another edge's sandboxes on the
-//! same host.
+//! Names: a sandbox `<edge>.<lease>` is the cgroup and state directory
+//! `sbx-<tag>-<edge>.<lease>`, the tag a hash of the backend's state directory, so one edge's
+//! clean-up (prefix `sbx-<tag>-<edge>.`) never touches another edge's sandboxes on the same
+//! host, even one of the same name (another cluster, a test).
 //!
 //! Invariants:
 //! - `<store>/inuse/<sandbox id>` (a JSON array of layer ids, see `opendsec_images::gc`) is
@@ -109,6 +110,8 @@ pub struct ContainerBackend {
     /// Detected once at start: every sandbox gets its own cookie when supported.
     core_sched: CoreSched,
     cgroup_layout: String,
+    /// [`name_tag`] of the state directory, computed once.
+    tag: String,
     held: Mutex<HashMap<String, Held>>,
 }
 
@@ -118,9 +121,21 @@ impl std::fmt::Debug for ContainerBackend {
     }
 }
 
-/// The cgroup and directory name of sandbox `id`.
-pub fn sandbox_name(id: &str) -> String {
-    format!("sbx-{id}")
+/// The cgroup and directory name of sandbox `id` for the backend whose state directory is
+/// `state_dir`: `sbx-<tag>-<id>`, the tag a hash of the state directory. Cgroup names are
+/// host-wide: the tag keeps two edges of the same name on one host (two clusters, or tests)
+/// from taking each other's sandboxes for leftovers.
+pub fn sandbox_name(state_dir: &Path, id: &str) -> String {
+    format!("{}{id}", name_tag(state_dir))
+}
+
+/// `sbx-<tag>-`: what every sandbox name of the backend at `state_dir` starts with.
+pub fn name_tag(state_dir: &Path) -> String {
+    use sha2::Digest;
+    let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let hash = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    let tag: String = hash.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("sbx-{tag}-")
 }
 
 /// PID 1's environment: the image's, then the spec's (a spec variable replaces the image's of
@@ -331,6 +346,7 @@ impl ContainerBackend {
         }
         let cache = LayerCache::new(&opts.cache_dir);
         let agent_dir = install_agent(&opts.agent, &opts.state_dir.join(".agent"))?;
+        let opts_state_dir = opts.state_dir.clone();
         let core_sched = cgroup::detect_core_sched();
         let cgroup_layout = match cgroup::detect_layout() {
             Ok(cgroup::Layout::V1) => "linuxrt cgroup v1".to_string(),
@@ -345,6 +361,7 @@ impl ContainerBackend {
             agent_dir,
             core_sched,
             cgroup_layout,
+            tag: name_tag(&opts_state_dir),
             held: Mutex::new(HashMap::new()),
         })
     }
@@ -367,8 +384,13 @@ impl ContainerBackend {
         self.opts.store_dir.join("inuse").join(id)
     }
 
+    /// The cgroup and directory name of sandbox `id` (see [`sandbox_name`]).
+    pub fn name(&self, id: &str) -> String {
+        format!("{}{id}", self.tag)
+    }
+
     fn prefix(&self) -> String {
-        sandbox_name(&format!("{}.", self.opts.edge))
+        format!("{}{}.", self.tag, self.opts.edge)
     }
 }
 
@@ -417,7 +439,7 @@ impl Backend for ContainerBackend {
         let (store, cache) = (self.store.clone(), self.cache.clone());
         let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
         let inuse = self.inuse_path(&sb.id);
-        let name = sandbox_name(&sb.id);
+        let name = self.name(&sb.id);
         let disk_mb = if sb.resources().disk_mb == 0 { DEFAULT_DISK_MB } else { sb.resources().disk_mb };
         let mut spec = SandboxSpec {
             name: name.clone(),
@@ -482,7 +504,7 @@ impl Backend for ContainerBackend {
     async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let held = self.lock().remove(&sb.id);
         let state_dir = self.opts.state_dir.clone();
-        let name = sandbox_name(&sb.id);
+        let name = self.name(&sb.id);
         let inuse = self.inuse_path(&sb.id);
         blocking(move || {
             let mut handle = held.map(|h| h.sandbox);
@@ -550,7 +572,7 @@ impl Backend for ContainerBackend {
 
     async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let state_dir = self.opts.state_dir.clone();
-        let name = sandbox_name(&sb.id);
+        let name = self.name(&sb.id);
         let inuse = self.inuse_path(&sb.id);
         let (sandbox, layers) = blocking(move || {
             let s = Sandbox::adopt(&state_dir, &name).map_err(|e| match e {
@@ -575,7 +597,7 @@ impl Backend for ContainerBackend {
             gone.iter().filter_map(|id| map.remove(id)).map(|h| h.sandbox).collect()
         };
         let in_use: Vec<LayerId> = self.lock().values().flat_map(|h| h.layers.clone()).collect();
-        let keep_names: Vec<String> = keep.iter().map(|id| sandbox_name(id)).collect();
+        let keep_names: Vec<String> = keep.iter().map(|id| self.name(id)).collect();
         let keep_ids = keep.clone();
         let (state_dir, cache, prefix) = (self.opts.state_dir.clone(), self.cache.clone(), self.prefix());
         let inuse_dir = self.opts.store_dir.join("inuse");
@@ -672,8 +694,11 @@ mod tests {
 
     #[test]
     fn names_carry_the_edge_so_prefixes_do_not_cross_edges() {
-        assert_eq!(sandbox_name("e1.l1"), "sbx-e1.l1");
-        assert!(!sandbox_name("e10.l1").starts_with(&sandbox_name("e1.")));
+        let d = Path::new("/nonexistent/state");
+        assert!(sandbox_name(d, "e1.l1").starts_with("sbx-") && sandbox_name(d, "e1.l1").ends_with("-e1.l1"));
+        assert!(!sandbox_name(d, "e10.l1").starts_with(&sandbox_name(d, "e1.")));
+        // Another state directory, another tag: same edge names do not collide.
+        assert_ne!(name_tag(d), name_tag(Path::new("/nonexistent/other")));
     }
 
     #[test]
