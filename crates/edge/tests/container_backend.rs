@@ -75,6 +75,7 @@ fn options(tmp: &Path) -> ContainerOptions {
         agent: static_agent(),
         pids_limit: 64,
         pause_reclaim: true,
+        agent_silence: Duration::from_secs(3),
     }
 }
 
@@ -210,7 +211,25 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
         assert!(Instant::now() < deadline, "a killed agent still probes alive");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 1);
+    let rec3 = record("l3", "busybox");
+    b.create(&rec3).await.unwrap();
+    // A paused sandbox's silent agent is fine; a running sandbox whose agent stops answering
+    // (stopped by a signal here, as a hung agent would be) is reported gone.
+    b.pause(&rec3).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(b.probe(&rec3.id).await.unwrap(), "a paused sandbox's agent is expected to be silent");
+    b.resume(&rec3).await.unwrap();
+    assert!(b.probe(&rec3.id).await.unwrap());
+    let pid3 = b.pid(&rec3.id).unwrap();
+    let p3 = rustix::process::Pid::from_raw(pid3).unwrap();
+    rustix::process::kill_process(p3, rustix::process::Signal::STOP).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b.probe(&rec3.id).await.unwrap() {
+        assert!(Instant::now() < deadline, "a hung agent still probes alive");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rustix::process::kill_process(p3, rustix::process::Signal::CONT).unwrap();
+    assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 2);
     assert!(!b.probe(&rec2.id).await.unwrap());
     assert!(!tmp.path().join("store/inuse").join(&rec2.id).exists());
     assert!(cgroup::list(&sandbox_name(&tmp.path().join("containers"), &format!("{EDGE}."))).unwrap().is_empty());

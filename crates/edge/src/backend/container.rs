@@ -78,7 +78,14 @@ pub struct ContainerOptions {
     pub pids_limit: u64,
     /// Page a paused sandbox's memory out, and read it back ahead on resume.
     pub pause_reclaim: bool,
+    /// A running sandbox whose agent sent no heartbeat for this long is reported gone by
+    /// `probe` (the edge then fails it as lost): a hung agent, not only a dead one.
+    pub agent_silence: Duration,
 }
+
+/// Default of [`ContainerOptions::agent_silence`]: generous, as a workload may starve its own
+/// agent of CPU for a while (heartbeats come every second).
+pub const AGENT_SILENCE: Duration = Duration::from_secs(60);
 
 struct Held {
     sandbox: Arc<Sandbox>,
@@ -91,7 +98,32 @@ struct AgentConn {
     channel: tonic::transport::Channel,
     /// False once the Watch stream ended: the agent (PID 1) is gone or cut off.
     alive: Arc<AtomicBool>,
+    /// The last heartbeat (or resume, or adoption), for [`ContainerOptions::agent_silence`].
+    last_beat: Arc<std::sync::atomic::AtomicU64>,
+    /// The sandbox is frozen on purpose: its agent's silence means nothing.
+    paused: Arc<AtomicBool>,
     watch: tokio::task::JoinHandle<()>,
+}
+
+impl AgentConn {
+    fn beat_now(&self) {
+        self.last_beat.store(mono_ms(), Ordering::SeqCst);
+    }
+
+    /// Alive: the Watch stream is open and, unless paused, a heartbeat came within `silence`.
+    fn healthy(&self, silence: Duration) -> bool {
+        if !self.alive.load(Ordering::SeqCst) {
+            return false;
+        }
+        let quiet = mono_ms().saturating_sub(self.last_beat.load(Ordering::SeqCst));
+        self.paused.load(Ordering::SeqCst) || u128::from(quiet) <= silence.as_millis()
+    }
+}
+
+/// Milliseconds on a monotonic clock (heartbeat bookkeeping).
+fn mono_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
 }
 
 impl Drop for AgentConn {
@@ -284,6 +316,8 @@ fn agent_channel(dir: PathBuf) -> tonic::transport::Channel {
 /// The returned connection's `alive` turns false when the stream ends.
 async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) -> Result<AgentConn, BackendError> {
     let alive = Arc::new(AtomicBool::new(true));
+    let last_beat = Arc::new(std::sync::atomic::AtomicU64::new(mono_ms()));
+    let beat = last_beat.clone();
     let req = WatchRequest { sandbox_id: id.to_string() };
     let flag = alive.clone();
     let sid = id.to_string();
@@ -308,7 +342,9 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
             }
         };
         tokio::spawn(async move {
-            while let Ok(Some(_)) = stream.message().await {}
+            while let Ok(Some(_)) = stream.message().await {
+                beat.store(mono_ms(), Ordering::SeqCst);
+            }
             flag.store(false, Ordering::SeqCst);
             tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
         })
@@ -316,13 +352,16 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
         tokio::spawn(async move {
             if let Ok(resp) = c.watch(req).await {
                 let mut stream = resp.into_inner();
-                while let Ok(Some(_)) = stream.message().await {}
+                while let Ok(Some(_)) = stream.message().await {
+                    beat.store(mono_ms(), Ordering::SeqCst);
+                }
             }
             flag.store(false, Ordering::SeqCst);
             tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
         })
     };
-    Ok(AgentConn { channel, alive, watch })
+    // An adopted sandbox may be frozen: the caller marks it paused before anyone probes.
+    Ok(AgentConn { channel, alive, last_beat, paused: Arc::new(AtomicBool::new(false)), watch })
 }
 
 fn join_err(e: tokio::task::JoinError) -> BackendError {
@@ -382,6 +421,17 @@ impl ContainerBackend {
 
     fn inuse_path(&self, id: &str) -> PathBuf {
         self.opts.store_dir.join("inuse").join(id)
+    }
+
+    /// Marks a sandbox frozen on purpose (its agent's silence is expected) or not; leaving the
+    /// freeze restarts the silence clock.
+    fn set_paused(&self, id: &str, paused: bool) {
+        if let Some(h) = self.lock().get(id) {
+            h.agent.paused.store(paused, Ordering::SeqCst);
+            if !paused {
+                h.agent.beat_now();
+            }
+        }
     }
 
     /// The cgroup and directory name of sandbox `id` (see [`sandbox_name`]).
@@ -534,9 +584,10 @@ impl Backend for ContainerBackend {
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
+        self.set_paused(&sb.id, true);
         let reclaim = self.opts.pause_reclaim;
         let id = sb.id.clone();
-        blocking(move || {
+        let r = blocking(move || {
             s.freeze().map_err(sandbox_err)?;
             if reclaim {
                 let pids = s.cgroup.pids().unwrap_or_default();
@@ -545,7 +596,11 @@ impl Backend for ContainerBackend {
             }
             Ok(())
         })
-        .await
+        .await;
+        if r.is_err() {
+            self.set_paused(&sb.id, false);
+        }
+        r
     }
 
     async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
@@ -557,14 +612,17 @@ impl Backend for ContainerBackend {
             }
             s.thaw().map_err(sandbox_err)
         })
-        .await
+        .await?;
+        self.set_paused(&sb.id, false);
+        Ok(())
     }
 
     async fn probe(&self, id: &str) -> Result<bool, BackendError> {
-        let Some((s, alive)) = self.lock().get(id).map(|h| (h.sandbox.clone(), h.agent.alive.clone())) else {
+        let silence = self.opts.agent_silence;
+        let Some((s, healthy)) = self.lock().get(id).map(|h| (h.sandbox.clone(), h.agent.healthy(silence))) else {
             return Ok(false);
         };
-        if !alive.load(Ordering::SeqCst) {
+        if !healthy {
             return Ok(false);
         }
         blocking(move || Ok(s.exited().is_none())).await
@@ -583,6 +641,7 @@ impl Backend for ContainerBackend {
         })
         .await?;
         let agent = watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), false).await?;
+        agent.paused.store(sb.state == crate::state::SandboxStatus::Paused, Ordering::SeqCst);
         self.lock().insert(sb.id.clone(), Held { sandbox: Arc::new(sandbox), layers, agent });
         Ok(())
     }
@@ -657,7 +716,7 @@ impl Versioned for ContainerBackend {
 impl AgentAccess for ContainerBackend {
     fn agent(&self, id: &str) -> Result<tonic::transport::Channel, BackendError> {
         match self.lock().get(id) {
-            Some(h) if h.agent.alive.load(Ordering::SeqCst) => Ok(h.agent.channel.clone()),
+            Some(h) if h.agent.healthy(self.opts.agent_silence) => Ok(h.agent.channel.clone()),
             Some(_) => Err(BackendError::Unavailable(format!("the agent of {id} is gone"))),
             None => Err(BackendError::NotFound(format!("no container sandbox {id} on this edge"))),
         }
@@ -726,6 +785,7 @@ mod tests {
             agent: std::env::current_exe().unwrap(),
             pids_limit: 1024,
             pause_reclaim: false,
+            agent_silence: AGENT_SILENCE,
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
         assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("dynamically linked")), "{e}");
