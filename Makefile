@@ -1,10 +1,10 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint demo bench bench-container agent images
+.PHONY: setup build test verify fmt lint demo bench bench-container agent images sdk-test
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
-APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc
+APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
 
 setup:
 	@if dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then echo "system packages present"; else \
@@ -17,6 +17,17 @@ build:
 # image (built once with debootstrap, cached under /var/cache/opendsec): make both first.
 test: agent images
 	$(CARGO) nextest run --workspace --no-fail-fast
+	$(MAKE) sdk-test
+
+# The Python SDK (sdk/python), installed from the repo into a venv, tested against a real
+# local cluster started from the built opendsecctl.
+SDK_VENV ?= target/sdk-venv
+sdk-test: agent
+	$(CARGO) build -p opendsec-cli
+	python3 -m venv $(SDK_VENV)
+	$(SDK_VENV)/bin/pip install -q --upgrade pip
+	$(SDK_VENV)/bin/pip install -q './sdk/python[test]'
+	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl $(SDK_VENV)/bin/pytest -q sdk/python/tests
 
 images:
 	./scripts/debian-image.sh

@@ -1,0 +1,1029 @@
+"""The async opendsec client (grpc.aio) and the :class:`Sandbox` handle.
+
+Invariants kept here:
+
+* Only calls that are safe to repeat are retried, and only on ``unavailable`` (plus the
+  transport failures read as such), with exponential backoff within ``retry_timeout``:
+  reads; ``create_sandbox`` (it always carries a lease id, so a retry returns the sandbox the
+  first attempt made); ``run_shell``/``stream_shell`` (they carry a request id, so a retry
+  re-attaches to the same command instead of running it again); whole-file writes (the upload
+  is staged until ``finish``, so a repeated truncating write is harmless). Appends, batch
+  creation, state changes (stop/pause/resume) and process starts/signals are never retried.
+* Streams (``stream_shell``, ``connect_process``, ``read_file``) resume after a disconnect from
+  the offsets already received, dropping any overlap, so nothing is lost or repeated.
+* Every failed call raises a subclass of :class:`opendsec.errors.OpendsecError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+from typing import (
+    Any,
+    AsyncIterator,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+import grpc
+
+from . import errors
+from ._ids import check_lease_id, check_request_id, new_lease_id, new_request_id
+from ._net import DEFAULT_AVOID_S, DEFAULT_RETRY_TIMEOUT_S, AddressPool, Backoff, parse_addresses
+from ._pb import opendsec_pb2 as pb
+from ._pb import opendsec_pb2_grpc as pb_grpc
+from ._pb import runtime_pb2 as rt
+from ._pb import runtime_pb2_grpc as rt_grpc
+from .types import FileEntry, OutputChunk, ProcessExit, ProcessInfo, ShellExit, ShellResult
+
+MAX_MESSAGE_BYTES = 80 * 1024 * 1024
+WRITE_CHUNK_BYTES = 1024 * 1024
+# The same defaults as `opendsecctl sandbox create`.
+DEFAULT_IMAGE = "scratch"
+DEFAULT_CPU_MILLIS = 1000
+DEFAULT_MEMORY_MB = 1024
+DEFAULT_DISK_MB = 10240
+
+_STATE_NAMES = {v: k[len("SANDBOX_STATE_"):].lower() for k, v in pb.SandboxState.items()}
+_FILE_TYPES = {v: k[len("FILE_TYPE_"):].lower() for k, v in rt.FileType.items()}
+_STREAMS = {rt.OUTPUT_STREAM_STDOUT: "stdout", rt.OUTPUT_STREAM_STDERR: "stderr"}
+
+StateLike = Union[str, int]
+ProcessRef = Union[int, str]
+
+
+def state_name(state: int) -> str:
+    """``SANDBOX_STATE_RUNNING`` -> ``"running"``."""
+    return _STATE_NAMES.get(state, "unspecified")
+
+
+def state_value(state: StateLike) -> int:
+    """``"running"`` (or ``"SANDBOX_STATE_RUNNING"``, or the number) -> the enum value."""
+    if isinstance(state, int):
+        return state
+    name = state.upper()
+    if not name.startswith("SANDBOX_STATE_"):
+        name = "SANDBOX_STATE_" + name
+    return pb.SandboxState.Value(name)
+
+
+def _selector(process: ProcessRef) -> rt.ProcessSelector:
+    if isinstance(process, int):
+        return rt.ProcessSelector(pid=process)
+    return rt.ProcessSelector(tag=process)
+
+
+class _Offsets:
+    """Per-stream offsets received so far; trims overlap after a re-attach."""
+
+    def __init__(self) -> None:
+        self.pos = {"stdout": 0, "stderr": 0}
+
+    def accept(self, out: rt.OutputData) -> Optional[OutputChunk]:
+        name = _STREAMS.get(out.stream, "stdout")
+        have = self.pos[name]
+        data = bytes(out.data)
+        start = out.offset
+        if start + len(data) <= have:
+            return None  # already delivered before the disconnect
+        if start < have:
+            data = data[have - start:]
+            start = have
+        self.pos[name] = start + len(data)
+        return OutputChunk(name, start, data)
+
+
+class AsyncClient:
+    """Async client for opendsec's public API.
+
+    Args:
+        addresses: apiserver addresses (``"host:port"``; a comma-separated string or a list).
+            Default: ``$OPENDSEC_ADDR``. Several are used round-robin; one that fails at the
+            transport is avoided for ``avoid_s`` seconds.
+        token: bearer token. Default: ``$OPENDSEC_TOKEN``.
+        project: default project path for creations and listings. Default:
+            ``$OPENDSEC_PROJECT``, else the caller's own project (server side).
+        retry_timeout: total seconds a retry-safe call keeps retrying on ``unavailable``.
+        avoid_s: how long a broken address is avoided.
+        channel_options: extra ``grpc.aio`` channel options.
+
+    Use as ``async with AsyncClient() as client:`` or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        addresses: Optional[Union[str, Sequence[str]]] = None,
+        token: Optional[str] = None,
+        project: Optional[str] = None,
+        *,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT_S,
+        avoid_s: float = DEFAULT_AVOID_S,
+        channel_options: Optional[Sequence[Tuple[str, Any]]] = None,
+    ) -> None:
+        self.pool = AddressPool(parse_addresses(addresses), avoid_s=avoid_s)
+        self.token = token if token is not None else os.environ.get("OPENDSEC_TOKEN", "")
+        self.project = project if project is not None else os.environ.get("OPENDSEC_PROJECT", "")
+        self.retry_timeout = retry_timeout
+        self._options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 10_000),
+            *(channel_options or []),
+        ]
+        self._channels: Dict[str, grpc.aio.Channel] = {}
+        self._stubs: Dict[Tuple[str, str], Any] = {}
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes every channel."""
+        chans, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for c in chans:
+            await c.close()
+
+    def _stub(self, service: str, address: str) -> Any:
+        key = (service, address)
+        stub = self._stubs.get(key)
+        if stub is None:
+            chan = self._channels.get(address)
+            if chan is None:
+                chan = grpc.aio.insecure_channel(address, options=self._options)
+                self._channels[address] = chan
+            cls = {
+                "Sandboxes": pb_grpc.SandboxesStub,
+                "Admin": pb_grpc.AdminStub,
+                "Images": pb_grpc.ImagesStub,
+                "Runtime": rt_grpc.RuntimeStub,
+            }[service]
+            stub = cls(chan)
+            self._stubs[key] = stub
+        return stub
+
+    def _metadata(self) -> List[Tuple[str, str]]:
+        return [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def _failed(self, address: str, e: grpc.RpcError) -> errors.OpendsecError:
+        """Maps the error and marks the address broken on a transport-level failure."""
+        err = errors.from_rpc_error(e)
+        if isinstance(err, errors.Unavailable) and not err.has_error_info:
+            self.pool.mark_broken(address)
+        return err
+
+    async def _retry_sleep(self, backoff: Optional[Backoff], err: errors.OpendsecError) -> bool:
+        """Sleeps before the next attempt when ``err`` may be retried; False: give up."""
+        if backoff is None or not isinstance(err, errors.Unavailable):
+            return False
+        delay = backoff.next_delay()
+        if delay is None:
+            return False
+        await asyncio.sleep(delay)
+        return True
+
+    def _backoff(self, retry: bool) -> Optional[Backoff]:
+        return Backoff(self.retry_timeout) if retry else None
+
+    async def _unary(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        *,
+        retry: bool,
+        timeout: Optional[float] = None,
+    ) -> Any:
+        backoff = self._backoff(retry)
+        while True:
+            address = self.pool.pick()
+            try:
+                resp = await getattr(self._stub(service, address), method)(
+                    request, metadata=self._metadata(), timeout=timeout
+                )
+            except grpc.RpcError as e:
+                err = self._failed(address, e)
+                if await self._retry_sleep(backoff, err):
+                    continue
+                raise err from None
+            self.pool.mark_ok(address)
+            return resp
+
+    async def _client_stream(
+        self, service: str, method: str, make_requests: Callable[[], Any], *, retry: bool
+    ) -> Any:
+        backoff = self._backoff(retry)
+        while True:
+            address = self.pool.pick()
+            try:
+                resp = await getattr(self._stub(service, address), method)(
+                    make_requests(), metadata=self._metadata()
+                )
+            except grpc.RpcError as e:
+                err = self._failed(address, e)
+                if await self._retry_sleep(backoff, err):
+                    continue
+                raise err from None
+            self.pool.mark_ok(address)
+            return resp
+
+    # -- sandboxes ------------------------------------------------------------------------
+
+    def _spec(
+        self,
+        backend: str,
+        image: str,
+        cpu: int,
+        memory_mb: int,
+        disk_mb: int,
+        gpus: int,
+        project: Optional[str],
+        labels: Optional[Mapping[str, str]],
+        env: Optional[Mapping[str, str]],
+        ttl_running_stop_s: int,
+        ttl_max_s: int,
+        ttl_paused_s: int,
+        user: str,
+        workdir: str,
+        best_effort: bool,
+    ) -> pb.SandboxSpec:
+        if not backend:
+            raise ValueError("backend is required (e.g. 'container', 'sim'): callers choose it")
+        return pb.SandboxSpec(
+            project=self.project if project is None else project,
+            image=image,
+            backend=backend,
+            resources=pb.Resources(cpu_millis=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus),
+            ttl_running_stop_s=ttl_running_stop_s,
+            ttl_max_s=ttl_max_s,
+            ttl_paused_s=ttl_paused_s,
+            env=dict(env or {}),
+            labels=dict(labels or {}),
+            user=user,
+            workdir=workdir,
+            priority=pb.PRIORITY_BEST_EFFORT if best_effort else pb.PRIORITY_GUARANTEED,
+        )
+
+    async def create_sandbox(
+        self,
+        backend: str,
+        image: str = DEFAULT_IMAGE,
+        *,
+        cpu: int = DEFAULT_CPU_MILLIS,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        disk_mb: int = DEFAULT_DISK_MB,
+        gpus: int = 0,
+        project: Optional[str] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        ttl_running_stop_s: int = 0,
+        ttl_max_s: int = 0,
+        ttl_paused_s: int = 0,
+        user: str = "",
+        workdir: str = "",
+        best_effort: bool = False,
+        lease_id: Optional[str] = None,
+    ) -> "Sandbox":
+        """Creates one sandbox and returns it once running.
+
+        Args:
+            backend: ``"container"``, ``"sim"``, ``"microvm"``, ... (required: callers choose).
+            image: ``repo[:tag]``, looked up in the project and its ancestors (default
+                ``scratch``, an empty image every new cluster has in ``root``).
+            cpu: millicores; memory_mb/disk_mb: MiB (defaults as ``opendsecctl``: 1000,
+                1024, 10240).
+            project: project path; default the client's project.
+            labels/env: sandbox labels and environment.
+            ttl_*: idle/lifetime/paused TTLs in seconds (0: cluster defaults).
+            lease_id: idempotency key ``[a-z0-9-]{1,40}``; generated when omitted. Retries on
+                ``unavailable`` reuse it, so they never create a second sandbox.
+        """
+        spec = self._spec(
+            backend, image, cpu, memory_mb, disk_mb, gpus, project, labels, env,
+            ttl_running_stop_s, ttl_max_s, ttl_paused_s, user, workdir, best_effort,
+        )
+        lease = check_lease_id(lease_id) if lease_id is not None else new_lease_id()
+        info = await self._unary(
+            "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease), retry=True
+        )
+        return Sandbox(self, info)
+
+    async def create_sandboxes(
+        self,
+        n: int,
+        backend: str,
+        image: str = DEFAULT_IMAGE,
+        *,
+        cpu: int = DEFAULT_CPU_MILLIS,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        disk_mb: int = DEFAULT_DISK_MB,
+        gpus: int = 0,
+        project: Optional[str] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, str]] = None,
+        ttl_running_stop_s: int = 0,
+        ttl_max_s: int = 0,
+        ttl_paused_s: int = 0,
+        user: str = "",
+        workdir: str = "",
+        best_effort: bool = False,
+        return_exceptions: bool = False,
+        on_progress: Optional[Callable[[int, int], None]] = None,
+    ) -> List[Any]:
+        """Creates ``n`` sandboxes from one spec in one call (``CreateSandboxes``).
+
+        Returns the sandboxes in index order. An item that failed is raised (the first one,
+        after every item has answered; the sandboxes that were created are on the exception's
+        ``created`` attribute, so the caller can stop them), or, with
+        ``return_exceptions=True``, returned in its place as an ``OpendsecError``.
+        ``on_progress(done, n)`` is called as each item completes (for progress bars).
+
+        Not retried: a batch carries no idempotency key.
+        """
+        spec = self._spec(
+            backend, image, cpu, memory_mb, disk_mb, gpus, project, labels, env,
+            ttl_running_stop_s, ttl_max_s, ttl_paused_s, user, workdir, best_effort,
+        )
+        results: List[Any] = [None] * n
+        address = self.pool.pick()
+        call = self._stub("Sandboxes", address).CreateSandboxes(
+            pb.CreateSandboxesRequest(spec=spec, count=n), metadata=self._metadata()
+        )
+        done = 0
+        try:
+            async for item in call:
+                if item.HasField("error") and item.error.reason:
+                    results[item.index] = errors.from_detail(item.error.reason, item.error.message)
+                else:
+                    results[item.index] = Sandbox(self, item.sandbox)
+                done += 1
+                if on_progress is not None:
+                    on_progress(done, n)
+        except grpc.RpcError as e:
+            raise self._failed(address, e) from None
+        self.pool.mark_ok(address)
+        for i, r in enumerate(results):
+            if r is None:
+                results[i] = errors.Internal(f"no answer for batch item {i}")
+        if not return_exceptions:
+            failed = [r for r in results if isinstance(r, errors.OpendsecError)]
+            if failed:
+                first = failed[0]
+                first.created = [r for r in results if isinstance(r, Sandbox)]  # type: ignore[attr-defined]
+                raise first
+        return results
+
+    async def get_sandbox(self, sandbox_id: str) -> "Sandbox":
+        """The sandbox with this id (``not_found`` if none)."""
+        info = await self._unary("Sandboxes", "GetSandbox", pb.GetSandboxRequest(id=sandbox_id), retry=True)
+        return Sandbox(self, info)
+
+    def sandbox(self, sandbox_id: str) -> "Sandbox":
+        """A handle for a known sandbox id without a call (its ``info`` is empty)."""
+        return Sandbox(self, pb.Sandbox(id=sandbox_id))
+
+    async def iter_sandboxes(
+        self,
+        project: Optional[str] = None,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        states: Optional[Iterable[StateLike]] = None,
+        page_size: int = 0,
+    ) -> AsyncIterator["Sandbox"]:
+        """Every sandbox of the project (and its subprojects) matching every label given and
+        one of ``states`` (default: the live states), page by page."""
+        token = ""
+        while True:
+            req = pb.ListSandboxesRequest(
+                project=self.project if project is None else project,
+                states=[state_value(s) for s in states or ()],
+                labels=dict(labels or {}),
+                page_size=page_size,
+                page_token=token,
+            )
+            resp = await self._unary("Sandboxes", "ListSandboxes", req, retry=True)
+            for s in resp.sandboxes:
+                yield Sandbox(self, s)
+            token = resp.next_page_token
+            if not token:
+                return
+
+    async def list_sandboxes(
+        self,
+        project: Optional[str] = None,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        states: Optional[Iterable[StateLike]] = None,
+        page_size: int = 0,
+    ) -> List["Sandbox"]:
+        """All pages of :meth:`iter_sandboxes` as a list."""
+        return [s async for s in self.iter_sandboxes(project, labels=labels, states=states, page_size=page_size)]
+
+    async def stop_sandbox(self, sandbox_id: str) -> "Sandbox":
+        """Stops the sandbox (not retried)."""
+        return Sandbox(self, await self._unary("Sandboxes", "StopSandbox", pb.StopSandboxRequest(id=sandbox_id), retry=False))
+
+    async def pause_sandbox(self, sandbox_id: str) -> "Sandbox":
+        """Pauses the sandbox (not retried)."""
+        return Sandbox(self, await self._unary("Sandboxes", "PauseSandbox", pb.PauseSandboxRequest(id=sandbox_id), retry=False))
+
+    async def resume_sandbox(self, sandbox_id: str) -> "Sandbox":
+        """Resumes a paused sandbox (not retried)."""
+        return Sandbox(self, await self._unary("Sandboxes", "ResumeSandbox", pb.ResumeSandboxRequest(id=sandbox_id), retry=False))
+
+    async def set_sandbox_timeout(
+        self,
+        sandbox_id: str,
+        *,
+        ttl_running_stop_s: Optional[int] = None,
+        ttl_max_s: Optional[int] = None,
+        ttl_paused_s: Optional[int] = None,
+    ) -> "Sandbox":
+        """Replaces the TTLs given (seconds); the others are kept. Retried (it sets values)."""
+        req = pb.SetSandboxTimeoutRequest(id=sandbox_id)
+        if ttl_running_stop_s is not None:
+            req.ttl_running_stop_s = ttl_running_stop_s
+        if ttl_max_s is not None:
+            req.ttl_max_s = ttl_max_s
+        if ttl_paused_s is not None:
+            req.ttl_paused_s = ttl_paused_s
+        return Sandbox(self, await self._unary("Sandboxes", "SetSandboxTimeout", req, retry=True))
+
+    @contextlib.asynccontextmanager
+    async def run_sandbox(self, backend: str, image: str = DEFAULT_IMAGE, **kwargs: Any) -> AsyncIterator["Sandbox"]:
+        """``async with client.run_sandbox("container", "python:3") as sb:`` creates a sandbox
+        (same arguments as :meth:`create_sandbox`) and stops it on exit, error or not."""
+        sb = await self.create_sandbox(backend, image, **kwargs)
+        try:
+            yield sb
+        finally:
+            with contextlib.suppress(errors.NotFound, errors.InvalidState):
+                await asyncio.shield(sb.stop())
+
+    # -- images ---------------------------------------------------------------------------
+
+    async def list_images(self, project: Optional[str] = None, *, recursive: bool = False) -> List[pb.Image]:
+        """Images of the project (and, with ``recursive``, its subprojects)."""
+        req = pb.ListImagesRequest(project=self.project if project is None else project, recursive=recursive)
+        return list((await self._unary("Images", "ListImages", req, retry=True)).images)
+
+    async def get_image(self, name: str, project: Optional[str] = None) -> pb.Image:
+        """The image ``repo[:tag]`` as a sandbox in ``project`` would find it."""
+        req = pb.GetImageRequest(project=self.project if project is None else project, name=name)
+        return await self._unary("Images", "GetImage", req, retry=True)
+
+    async def compose_image(
+        self, name: str, sources: Sequence[str], project: Optional[str] = None, *, replace: bool = False
+    ) -> pb.Image:
+        """Registers ``name`` as the concatenation of the sources' layers (bottom first)."""
+        req = pb.ComposeImageRequest(
+            project=self.project if project is None else project, name=name, sources=list(sources), replace=replace
+        )
+        return await self._unary("Images", "ComposeImage", req, retry=False)
+
+    async def delete_image(self, name: str, project: Optional[str] = None) -> None:
+        """Deletes the image from exactly this project."""
+        req = pb.DeleteImageRequest(project=self.project if project is None else project, name=name)
+        await self._unary("Images", "DeleteImage", req, retry=False)
+
+    # -- identity and access --------------------------------------------------------------
+
+    async def whoami(self) -> pb.WhoAmIResponse:
+        """The caller's principal, project, token and grants."""
+        return await self._unary("Admin", "WhoAmI", pb.WhoAmIRequest(), retry=True)
+
+    async def create_project(self, path: str, quota: Optional[pb.Quota] = None) -> pb.Project:
+        """Creates ``path`` (its parent must exist)."""
+        return await self._unary("Admin", "CreateProject", pb.CreateProjectRequest(path=path, quota=quota), retry=False)
+
+    async def get_project(self, path: str) -> pb.Project:
+        return await self._unary("Admin", "GetProject", pb.GetProjectRequest(path=path), retry=True)
+
+    async def list_projects(self, path: str = "root") -> List[pb.Project]:
+        """``path`` and every project below it."""
+        return list((await self._unary("Admin", "ListProjects", pb.ListProjectsRequest(path=path), retry=True)).projects)
+
+    async def delete_project(self, path: str) -> None:
+        await self._unary("Admin", "DeleteProject", pb.DeleteProjectRequest(path=path), retry=False)
+
+    async def set_quota(self, path: str, quota: pb.Quota) -> pb.Project:
+        """Replaces the project's quota (keys left unset inherit)."""
+        return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=quota), retry=True)
+
+    async def create_principal(self, name: str, project: str) -> pb.Principal:
+        return await self._unary("Admin", "CreatePrincipal", pb.CreatePrincipalRequest(name=name, project=project), retry=False)
+
+    async def list_principals(self, project: str) -> List[pb.Principal]:
+        resp = await self._unary("Admin", "ListPrincipals", pb.ListPrincipalsRequest(project=project), retry=True)
+        return list(resp.principals)
+
+    async def delete_principal(self, name: str) -> None:
+        await self._unary("Admin", "DeletePrincipal", pb.DeletePrincipalRequest(name=name), retry=False)
+
+    async def create_token(self, principal: str = "", *, ttl_s: int = 0, description: str = "") -> pb.CreateTokenResponse:
+        """A new token (``.token`` is shown once)."""
+        req = pb.CreateTokenRequest(principal=principal, ttl_s=ttl_s, description=description)
+        return await self._unary("Admin", "CreateToken", req, retry=False)
+
+    async def list_tokens(self, principal: str = "") -> List[pb.TokenInfo]:
+        return list((await self._unary("Admin", "ListTokens", pb.ListTokensRequest(principal=principal), retry=True)).tokens)
+
+    async def revoke_token(self, token_id: str) -> None:
+        await self._unary("Admin", "RevokeToken", pb.RevokeTokenRequest(id=token_id), retry=True)
+
+    async def grant(self, principal: str, project: str, permission: str) -> None:
+        g = pb.Grant(principal=principal, project=project, permission=permission)
+        await self._unary("Admin", "Grant", pb.GrantRequest(grant=g), retry=True)
+
+    async def revoke_grant(self, principal: str, project: str, permission: str) -> None:
+        g = pb.Grant(principal=principal, project=project, permission=permission)
+        await self._unary("Admin", "RevokeGrant", pb.RevokeGrantRequest(grant=g), retry=True)
+
+    async def list_grants(self, principal: str = "", project: str = "") -> List[pb.Grant]:
+        req = pb.ListGrantsRequest(principal=principal, project=project)
+        return list((await self._unary("Admin", "ListGrants", req, retry=True)).grants)
+
+    async def get_usage(self, project: str) -> List[pb.Project]:
+        """The project and every subproject, with quota and usage."""
+        return list((await self._unary("Admin", "GetUsage", pb.GetUsageRequest(project=project), retry=True)).projects)
+
+
+class Sandbox:
+    """A handle on one sandbox: lifecycle, shell sessions, files and processes.
+
+    ``info`` is the ``opendsec.v1.Sandbox`` as last seen (refresh with :meth:`refresh`).
+    """
+
+    def __init__(self, client: AsyncClient, info: pb.Sandbox) -> None:
+        self.client = client
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.state!r})"
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> str:
+        """``"running"``, ``"paused"``, ``"stopped"``, ..."""
+        return state_name(self.info.state)
+
+    @property
+    def labels(self) -> Dict[str, str]:
+        return dict(self.info.spec.labels)
+
+    @property
+    def backend(self) -> str:
+        return self.info.spec.backend
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def refresh(self) -> "Sandbox":
+        self.info = (await self.client.get_sandbox(self.id)).info
+        return self
+
+    async def stop(self) -> "Sandbox":
+        self.info = (await self.client.stop_sandbox(self.id)).info
+        return self
+
+    async def pause(self) -> "Sandbox":
+        self.info = (await self.client.pause_sandbox(self.id)).info
+        return self
+
+    async def resume(self) -> "Sandbox":
+        self.info = (await self.client.resume_sandbox(self.id)).info
+        return self
+
+    async def set_timeout(
+        self,
+        *,
+        ttl_running_stop_s: Optional[int] = None,
+        ttl_max_s: Optional[int] = None,
+        ttl_paused_s: Optional[int] = None,
+    ) -> "Sandbox":
+        self.info = (
+            await self.client.set_sandbox_timeout(
+                self.id, ttl_running_stop_s=ttl_running_stop_s, ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s
+            )
+        ).info
+        return self
+
+    async def __aenter__(self) -> "Sandbox":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        with contextlib.suppress(errors.NotFound, errors.InvalidState):
+            await self.stop()
+
+    # -- shell sessions -------------------------------------------------------------------
+
+    def _exec_request(
+        self,
+        cmd: str,
+        session: Optional[str],
+        timeout: Optional[float],
+        env: Optional[Mapping[str, str]],
+        cwd: Optional[str],
+        user: Optional[str],
+        request_id: Optional[str],
+    ) -> rt.ExecRequest:
+        return rt.ExecRequest(
+            sandbox_id=self.id,
+            session_id=session or "",
+            command=cmd,
+            request_id=check_request_id(request_id) if request_id else new_request_id(),
+            timeout_ms=int(timeout * 1000) if timeout else 0,
+            env=dict(env or {}),
+            cwd=cwd or "",
+            user=user or "",
+        )
+
+    async def run_shell(
+        self,
+        cmd: str,
+        session: Optional[str] = None,
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        *,
+        request_id: Optional[str] = None,
+    ) -> ShellResult:
+        """Runs shell text in a session's long-lived shell (cd, exports persist) and waits.
+
+        Args:
+            cmd: shell text.
+            session: session id (default: the ``"default"`` session).
+            timeout: seconds; on timeout the command's processes are killed and
+                ``timed_out`` is set (the exit code is not raised as an error).
+            env: exported before the command (persist in the session).
+            cwd: ``cd`` there first (persists).
+            user: the session's user on its first use.
+            request_id: ``[A-Za-z0-9._-]{1,128}``; generated when omitted. Retries reuse it,
+                so the command runs at most once.
+        """
+        req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id)
+        r = await self.client._unary("Runtime", "Exec", req, retry=True)
+        return ShellResult(
+            exit_code=r.exit_code,
+            stdout_bytes=bytes(r.stdout),
+            stderr_bytes=bytes(r.stderr),
+            timed_out=r.timed_out,
+            cwd=r.cwd,
+            request_id=r.request_id or req.request_id,
+            stdout_dropped_bytes=r.stdout_dropped_bytes,
+            stderr_dropped_bytes=r.stderr_dropped_bytes,
+        )
+
+    async def stream_shell(
+        self,
+        cmd: str,
+        session: Optional[str] = None,
+        timeout: Optional[float] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        *,
+        request_id: Optional[str] = None,
+    ) -> AsyncIterator[Union[OutputChunk, ShellExit]]:
+        """Like :meth:`run_shell`, yielding :class:`OutputChunk` items as output comes and a
+        final :class:`ShellExit`. After a disconnect it re-attaches with the same request id
+        from the offsets already received: nothing is lost or repeated."""
+        req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id)
+        offsets = _Offsets()
+        backoff = self.client._backoff(True)
+        while True:
+            req.stdout_offset = offsets.pos["stdout"]
+            req.stderr_offset = offsets.pos["stderr"]
+            address = self.client.pool.pick()
+            call = self.client._stub("Runtime", address).ExecStream(req, metadata=self.client._metadata())
+            try:
+                async for chunk in call:
+                    kind = chunk.WhichOneof("kind")
+                    if kind == "output":
+                        out = offsets.accept(chunk.output)
+                        if out is not None:
+                            yield out
+                    elif kind == "exit":
+                        x = chunk.exit
+                        yield ShellExit(
+                            x.exit_code, x.timed_out, x.cwd, req.request_id,
+                            x.stdout_dropped_bytes, x.stderr_dropped_bytes,
+                        )
+                        self.client.pool.mark_ok(address)
+                        return
+            except grpc.RpcError as e:
+                err = self.client._failed(address, e)
+                if await self.client._retry_sleep(backoff, err):
+                    continue
+                raise err from None
+            finally:
+                call.cancel()
+            # The stream ended without an exit: treat as a disconnect and re-attach.
+            err = errors.Unavailable("exec stream ended without an exit")
+            if not await self.client._retry_sleep(backoff, err):
+                raise err
+
+    async def close_session(self, session: str) -> bool:
+        """Ends a session (its shell and processes die). False when it did not exist."""
+        req = rt.CloseSessionRequest(sandbox_id=self.id, session_id=session)
+        return (await self.client._unary("Runtime", "CloseSession", req, retry=True)).existed
+
+    # -- files ----------------------------------------------------------------------------
+
+    async def iter_file(
+        self, path: str, *, session: Optional[str] = None, user: Optional[str] = None, offset: int = 0, length: int = 0
+    ) -> AsyncIterator[bytes]:
+        """The file's bytes in chunks, resuming after a disconnect from the bytes received."""
+        pos = offset
+        end = offset + length if length else 0
+        backoff = self.client._backoff(True)
+        while True:
+            address = self.client.pool.pick()
+            req = rt.ReadFileRequest(
+                sandbox_id=self.id, session_id=session or "", path=path, offset=pos,
+                length=(end - pos) if end else 0, user=user or "",
+            )
+            call = self.client._stub("Runtime", address).ReadFile(req, metadata=self.client._metadata())
+            try:
+                async for chunk in call:
+                    data = bytes(chunk.data)
+                    if chunk.offset + len(data) <= pos:
+                        continue
+                    if chunk.offset < pos:
+                        data = data[pos - chunk.offset:]
+                    pos += len(data)
+                    if data:
+                        yield data
+                self.client.pool.mark_ok(address)
+                return
+            except grpc.RpcError as e:
+                err = self.client._failed(address, e)
+                if await self.client._retry_sleep(backoff, err):
+                    continue
+                raise err from None
+            finally:
+                call.cancel()
+
+    async def read_file(
+        self, path: str, *, session: Optional[str] = None, user: Optional[str] = None, offset: int = 0, length: int = 0
+    ) -> bytes:
+        """The whole file (or ``length`` bytes from ``offset``)."""
+        return b"".join([c async for c in self.iter_file(path, session=session, user=user, offset=offset, length=length)])
+
+    async def write_file(
+        self,
+        path: str,
+        data: Union[bytes, str],
+        *,
+        session: Optional[str] = None,
+        user: Optional[str] = None,
+        mode: int = 0,
+        append: bool = False,
+        make_parents: bool = False,
+    ) -> int:
+        """Writes ``data`` (str is UTF-8) to ``path``; returns the bytes written.
+
+        Sent in chunks, ``finish`` on the last: an upload cut short writes nothing. Retried on
+        ``unavailable`` unless ``append`` (a repeated append would write twice).
+        """
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+
+        def chunks() -> Iterable[bytes]:
+            return [raw[i:i + WRITE_CHUNK_BYTES] for i in range(0, len(raw), WRITE_CHUNK_BYTES)] or [b""]
+
+        return await self._write(path, chunks, session, user, mode, append, make_parents)
+
+    async def _write(
+        self,
+        path: str,
+        chunks: Callable[[], Iterable[bytes]],
+        session: Optional[str],
+        user: Optional[str],
+        mode: int,
+        append: bool,
+        make_parents: bool,
+    ) -> int:
+        sid = self.id
+
+        async def requests() -> AsyncIterator[rt.WriteFileRequest]:
+            it = iter(chunks())
+            cur = next(it, b"")
+            first = True
+            while True:
+                nxt = next(it, None)
+                req = rt.WriteFileRequest(sandbox_id=sid, session_id=session or "", data=cur, user=user or "")
+                if first:
+                    req.path, req.append, req.mode, req.make_parents = path, append, mode, make_parents
+                    first = False
+                if nxt is None:
+                    req.finish = True
+                    yield req
+                    return
+                yield req
+                cur = nxt
+
+        resp = await self.client._client_stream("Runtime", "WriteFile", requests, retry=not append)
+        return resp.bytes_written
+
+    async def upload(
+        self,
+        local_path: Union[str, os.PathLike],
+        remote_path: str,
+        *,
+        session: Optional[str] = None,
+        user: Optional[str] = None,
+        mode: Optional[int] = None,
+        make_parents: bool = True,
+    ) -> int:
+        """Copies a local file into the sandbox (its permission bits kept unless ``mode``)."""
+        local = Path(local_path)
+        file_mode = mode if mode is not None else local.stat().st_mode & 0o7777
+
+        def chunks() -> Iterable[bytes]:
+            with open(local, "rb") as f:
+                first = True
+                while True:
+                    b = f.read(WRITE_CHUNK_BYTES)
+                    if not b and not first:
+                        return
+                    first = False
+                    yield b
+                    if not b:
+                        return
+
+        return await self._write(remote_path, chunks, session, user, file_mode, False, make_parents)
+
+    async def download(
+        self, remote_path: str, local_path: Union[str, os.PathLike], *, session: Optional[str] = None, user: Optional[str] = None
+    ) -> int:
+        """Copies a sandbox file to a local path (written to a temporary name, then renamed)."""
+        local = Path(local_path)
+        tmp = local.with_name(local.name + ".part")
+        n = 0
+        try:
+            with open(tmp, "wb") as f:
+                async for c in self.iter_file(remote_path, session=session, user=user):
+                    f.write(c)
+                    n += len(c)
+            os.replace(tmp, local)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return n
+
+    @staticmethod
+    def _entry(f: rt.FileInfo) -> FileEntry:
+        return FileEntry(
+            name=f.name, path=f.path, type=_FILE_TYPES.get(f.type, "other"), size=f.size, mode=f.mode,
+            modified_ms=f.modified_ms, uid=f.uid, gid=f.gid, symlink_target=f.symlink_target,
+        )
+
+    async def list_dir(self, path: str, *, session: Optional[str] = None, user: Optional[str] = None) -> List[FileEntry]:
+        """Entries of a directory."""
+        req = rt.ListDirRequest(sandbox_id=self.id, session_id=session or "", path=path, user=user or "")
+        return [self._entry(f) for f in (await self.client._unary("Runtime", "ListDir", req, retry=True)).entries]
+
+    async def stat(self, path: str, *, session: Optional[str] = None, user: Optional[str] = None) -> FileEntry:
+        req = rt.StatRequest(sandbox_id=self.id, session_id=session or "", path=path, user=user or "")
+        return self._entry(await self.client._unary("Runtime", "Stat", req, retry=True))
+
+    async def make_dir(
+        self, path: str, *, parents: bool = True, mode: int = 0, session: Optional[str] = None, user: Optional[str] = None
+    ) -> None:
+        req = rt.MakeDirRequest(sandbox_id=self.id, session_id=session or "", path=path, parents=parents, mode=mode, user=user or "")
+        await self.client._unary("Runtime", "MakeDir", req, retry=parents)
+
+    async def remove(self, path: str, *, recursive: bool = False, session: Optional[str] = None, user: Optional[str] = None) -> None:
+        req = rt.RemoveRequest(sandbox_id=self.id, session_id=session or "", path=path, recursive=recursive, user=user or "")
+        await self.client._unary("Runtime", "Remove", req, retry=False)
+
+    async def move(self, src: str, dst: str, *, session: Optional[str] = None, user: Optional[str] = None) -> None:
+        req = rt.MoveRequest(sandbox_id=self.id, session_id=session or "", to=dst, user=user or "")
+        setattr(req, "from", src)
+        await self.client._unary("Runtime", "Move", req, retry=False)
+
+    # -- processes ------------------------------------------------------------------------
+
+    async def start_process(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[str] = None,
+        tag: Optional[str] = None,
+        pty: Optional[Tuple[int, int]] = None,
+    ) -> int:
+        """Starts a process outside sessions (argv, ``cmd[0]`` looked up in PATH); returns
+        its pid. ``tag`` names it (unique among running processes); ``pty=(rows, cols)``
+        runs it on a terminal. Not retried."""
+        req = rt.StartProcessRequest(
+            sandbox_id=self.id, cmd=list(cmd), env=dict(env or {}), cwd=cwd or "", user=user or "", tag=tag or ""
+        )
+        if pty is not None:
+            req.pty.rows, req.pty.cols = pty
+        return (await self.client._unary("Runtime", "StartProcess", req, retry=False)).pid
+
+    async def connect_process(
+        self, process: ProcessRef, *, stdout_offset: int = 0, stderr_offset: int = 0
+    ) -> AsyncIterator[Union[OutputChunk, ProcessExit]]:
+        """The process's output from the offsets, then a :class:`ProcessExit`; re-attaches
+        after a disconnect from the bytes received (the process keeps running meanwhile)."""
+        offsets = _Offsets()
+        offsets.pos.update(stdout=stdout_offset, stderr=stderr_offset)
+        backoff = self.client._backoff(True)
+        while True:
+            req = rt.ConnectProcessRequest(
+                sandbox_id=self.id, process=_selector(process),
+                stdout_offset=offsets.pos["stdout"], stderr_offset=offsets.pos["stderr"],
+            )
+            address = self.client.pool.pick()
+            call = self.client._stub("Runtime", address).ConnectProcess(req, metadata=self.client._metadata())
+            try:
+                async for ev in call:
+                    kind = ev.WhichOneof("kind")
+                    if kind == "output":
+                        out = offsets.accept(ev.output)
+                        if out is not None:
+                            yield out
+                    elif kind == "exit":
+                        yield ProcessExit(ev.exit.exit_code, ev.exit.signal)
+                        self.client.pool.mark_ok(address)
+                        return
+            except grpc.RpcError as e:
+                err = self.client._failed(address, e)
+                if await self.client._retry_sleep(backoff, err):
+                    continue
+                raise err from None
+            finally:
+                call.cancel()
+            err = errors.Unavailable("process stream ended without an exit")
+            if not await self.client._retry_sleep(backoff, err):
+                raise err
+
+    async def wait_process(self, process: ProcessRef) -> Tuple[ProcessExit, bytes, bytes]:
+        """Collects a process's whole output and waits for its exit: ``(exit, stdout, stderr)``."""
+        out: Dict[str, List[bytes]] = {"stdout": [], "stderr": []}
+        async for ev in self.connect_process(process):
+            if isinstance(ev, ProcessExit):
+                return ev, b"".join(out["stdout"]), b"".join(out["stderr"])
+            out[ev.stream].append(ev.data)
+        raise errors.Internal("process stream ended without an exit")
+
+    async def send_input(self, process: ProcessRef, data: Union[bytes, str] = b"", *, eof: bool = False) -> None:
+        """Writes to the process's stdin (``eof`` closes it afterwards). Not retried."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        req = rt.SendInputRequest(sandbox_id=self.id, process=_selector(process), data=raw, eof=eof)
+        await self.client._unary("Runtime", "SendInput", req, retry=False)
+
+    async def signal_process(self, process: ProcessRef, signal: int = 15) -> None:
+        """Sends a signal (default SIGTERM). Not retried."""
+        req = rt.SignalProcessRequest(sandbox_id=self.id, process=_selector(process), signal=signal)
+        await self.client._unary("Runtime", "SignalProcess", req, retry=False)
+
+    async def list_processes(self) -> List[ProcessInfo]:
+        """Processes started with :meth:`start_process`, running or exited."""
+        resp = await self.client._unary("Runtime", "ListProcesses", rt.ListProcessesRequest(sandbox_id=self.id), retry=True)
+        return [
+            ProcessInfo(
+                pid=p.pid, tag=p.tag, cmd=list(p.cmd), running=p.running,
+                exit=ProcessExit(p.exit.exit_code, p.exit.signal) if p.HasField("exit") else None,
+            )
+            for p in resp.processes
+        ]
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    async def http_request(
+        self,
+        port: int,
+        path: str = "/",
+        *,
+        method: str = "GET",
+        headers: Optional[Mapping[str, str]] = None,
+        body: bytes = b"",
+        timeout: Optional[float] = None,
+    ) -> rt.HttpRequestResponse:
+        """One HTTP/1.1 request to ``127.0.0.1:<port>`` inside the sandbox (retried only for
+        GET/HEAD)."""
+        req = rt.HttpRequestRequest(
+            sandbox_id=self.id, port=port, method=method, path=path,
+            headers=[rt.HttpHeader(name=k, value=v) for k, v in (headers or {}).items()],
+            body=body, timeout_ms=int(timeout * 1000) if timeout else 0,
+        )
+        return await self.client._unary("Runtime", "HttpRequest", req, retry=method in ("GET", "HEAD"))

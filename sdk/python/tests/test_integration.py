@@ -1,0 +1,234 @@
+"""Integration tests against a real local cluster (conftest.py brings it up).
+
+Lifecycle on the ``sim`` backend; shell, files and processes on ``container`` sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import opendsec
+from opendsec import errors
+
+pytestmark = pytest.mark.integration
+
+
+def client(cluster, **kw) -> opendsec.AsyncClient:
+    return opendsec.AsyncClient(cluster.addr, token=cluster.token, **kw)
+
+
+async def test_whoami_and_env_defaults(cluster, monkeypatch) -> None:
+    monkeypatch.setenv("OPENDSEC_ADDR", cluster.addr)
+    monkeypatch.setenv("OPENDSEC_TOKEN", cluster.token)
+    async with opendsec.AsyncClient() as c:
+        me = await c.whoami()
+    assert me.principal == "admin" and me.project == "root"
+
+
+async def test_sim_lifecycle(cluster) -> None:
+    async with client(cluster) as c:
+        await c.create_project("root/sdk-life")
+        sb = await c.create_sandbox("sim", IMG, project="root/sdk-life", labels={"job": "life"}, cpu=100, memory_mb=64)
+        assert sb.state == "running" and sb.labels == {"job": "life"}
+        assert (await c.get_sandbox(sb.id)).id == sb.id
+        await sb.pause()
+        assert (await sb.refresh()).state == "paused"
+        await sb.resume()
+        assert (await sb.refresh()).state == "running"
+        await sb.set_timeout(ttl_running_stop_s=3600, ttl_max_s=7200)
+        assert sb.info.expires_at_ms > sb.info.created_at_ms
+        await sb.stop()
+        assert sb.state in ("stopping", "stopped")
+        with pytest.raises(errors.OpendsecError):
+            await sb.pause()
+
+
+async def test_same_lease_id_is_one_sandbox(cluster) -> None:
+    async with client(cluster) as c:
+        lease = opendsec.new_lease_id()
+        a = await c.create_sandbox("sim", IMG, lease_id=lease)
+        b = await c.create_sandbox("sim", IMG, lease_id=lease)
+        assert a.id == b.id
+        await a.stop()
+
+
+async def test_batch_list_with_labels_and_pagination(cluster) -> None:
+    async with client(cluster) as c:
+        await c.create_project("root/sdk-batch")
+        seen = []
+        sbs = await c.create_sandboxes(
+            25, "sim", IMG, project="root/sdk-batch", labels={"job": "batch"}, on_progress=lambda d, n: seen.append((d, n))
+        )
+        assert len(sbs) == 25 and len({s.id for s in sbs}) == 25 and seen[-1] == (25, 25)
+        other = await c.create_sandbox("sim", IMG, project="root/sdk-batch", labels={"job": "other"})
+        listed = await c.list_sandboxes("root/sdk-batch", labels={"job": "batch"}, page_size=7)
+        assert sorted(s.id for s in listed) == sorted(s.id for s in sbs)
+        assert [s.id for s in await c.list_sandboxes("root/sdk-batch", labels={"job": "other"})] == [other.id]
+        await sbs[0].pause()
+        paused = await c.list_sandboxes("root/sdk-batch", states=["paused"])
+        assert [s.id for s in paused] == [sbs[0].id]
+        await asyncio.gather(*(s.stop() for s in sbs + [other]))
+        assert await c.list_sandboxes("root/sdk-batch", labels={"job": "batch"}) == []
+
+
+async def test_errors_raise_their_class(cluster) -> None:
+    async with client(cluster) as c:
+        with pytest.raises(errors.NotFound) as e:
+            await c.get_sandbox("sim-000.nosuchlease")
+        assert e.value.reason == "not_found" and e.value.has_error_info
+        with pytest.raises(errors.InvalidArgument):
+            await c.get_sandbox("not an id")
+        with pytest.raises(errors.InvalidArgument):
+            await c.create_sandbox("no-such-backend", IMG)
+        await c.create_project("root/sdk-dup")
+        with pytest.raises(errors.AlreadyExists):
+            await c.create_project("root/sdk-dup")
+    async with opendsec.AsyncClient(cluster.addr, token="dsk.bad.token") as c:
+        with pytest.raises(errors.Unauthenticated):
+            await c.whoami()
+
+
+async def test_a_dead_address_next_to_a_live_one(cluster, dead_address) -> None:
+    dead = dead_address
+    async with opendsec.AsyncClient([dead, cluster.addr], token=cluster.token) as c:
+        for _ in range(4):
+            assert (await c.whoami()).principal == "admin"
+        assert c.pool.is_avoided(dead)
+
+
+def test_sync_client(cluster) -> None:
+    with opendsec.Client(cluster.addr, token=cluster.token) as c:
+        assert c.whoami().principal == "admin"
+        with c.run_sandbox("sim", IMG, labels={"job": "sync"}) as sb:
+            assert isinstance(sb, opendsec.SyncSandbox) and sb.state == "running"
+            sid = sb.id
+        assert c.get_sandbox(sid).state in ("stopping", "stopped")
+
+
+# -- container sandboxes ----------------------------------------------------------------------
+
+IMG = "busybox:t"
+RES = dict(cpu=500, memory_mb=128)
+
+
+async def test_run_shell_sessions(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        r = await sb.run_shell("cd /tmp && export GREETING=hello && echo in $(pwd)", session="s1")
+        assert r.ok and r.stdout == "in /tmp\n" and r.cwd == "/tmp"
+        r = await sb.run_shell("echo $GREETING from $(pwd); echo oops >&2; (exit 3)", session="s1")
+        assert (r.exit_code, r.stdout, r.stderr) == (3, "hello from /tmp\n", "oops\n")
+        r = await sb.run_shell("echo ${GREETING:-unset} $V", session="s2", env={"V": "v"}, cwd="/etc")
+        assert r.stdout == "unset v\n" and r.cwd == "/etc"
+        r = await sb.run_shell("sleep 30", session="s3", timeout=0.5)
+        assert r.timed_out and not r.ok
+        assert await sb.close_session("s1") is True
+        r = await sb.run_shell("echo ${GREETING:-gone}", session="s1")
+        assert r.stdout == "gone\n"
+    # run_sandbox stopped it
+    async with client(container) as c:
+        assert (await c.get_sandbox(sb.id)).state in ("stopping", "stopped")
+
+
+async def test_request_id_runs_once(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        rid = opendsec.new_request_id()
+        a = await sb.run_shell("echo x >> /tmp/count; wc -l < /tmp/count", request_id=rid)
+        b = await sb.run_shell("echo x >> /tmp/count; wc -l < /tmp/count", request_id=rid)
+        assert a.stdout.strip() == b.stdout.strip() == "1"
+        assert (await sb.read_file("/tmp/count")) == b"x\n"
+
+
+async def test_run_shell_survives_a_cut_connection_and_runs_once(container, proxy) -> None:
+    async with opendsec.AsyncClient(proxy.address, token=container.token) as c:
+        sb = await c.create_sandbox("container", IMG, **RES)
+        try:
+            task = asyncio.create_task(sb.run_shell("echo run >> /tmp/ran; sleep 1.5; echo done"))
+            await asyncio.sleep(0.7)
+            proxy.cut()
+            r = await task
+            assert r.stdout == "done\n"
+            assert await sb.read_file("/tmp/ran") == b"run\n"
+        finally:
+            await sb.stop()
+
+
+async def test_stream_shell_resumes_byte_exact(container, proxy) -> None:
+    script = "i=0; while [ $i -lt 40 ]; do echo line-$i; echo err-$i >&2; i=$((i+1)); sleep 0.05; done"
+    expected_out = "".join(f"line-{i}\n" for i in range(40)).encode()
+    expected_err = "".join(f"err-{i}\n" for i in range(40)).encode()
+    async with opendsec.AsyncClient(proxy.address, token=container.token) as c:
+        sb = await c.create_sandbox("container", IMG, **RES)
+        try:
+            out = {"stdout": b"", "stderr": b""}
+            cuts = 0
+            exit_ = None
+            async for ch in sb.stream_shell(script):
+                if isinstance(ch, opendsec.ShellExit):
+                    exit_ = ch
+                    break
+                assert ch.offset == len(out[ch.stream])
+                out[ch.stream] += ch.data
+                if cuts < 2 and len(out["stdout"]) > (cuts + 1) * 100:
+                    proxy.cut()
+                    cuts += 1
+            assert cuts == 2 and exit_ is not None and exit_.exit_code == 0
+            assert out["stdout"] == expected_out and out["stderr"] == expected_err
+        finally:
+            await sb.stop()
+
+
+async def test_files(container, tmp_path: Path) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        assert await sb.write_file("/tmp/a/b/hello.txt", "hello\n", make_parents=True) == 6
+        assert await sb.read_file("/tmp/a/b/hello.txt") == b"hello\n"
+        await sb.write_file("/tmp/a/b/hello.txt", b"more\n", append=True)
+        assert await sb.read_file("/tmp/a/b/hello.txt", offset=6) == b"more\n"
+        assert await sb.write_file("/tmp/empty", b"") == 0
+        assert await sb.read_file("/tmp/empty") == b""
+        big = bytes(range(256)) * (3 * 4096 + 7)  # > 3 MiB: several chunks
+        src = tmp_path / "big.bin"
+        src.write_bytes(big)
+        src.chmod(0o750)
+        assert await sb.upload(src, "/tmp/up/big.bin") == len(big)
+        st = await sb.stat("/tmp/up/big.bin")
+        assert st.size == len(big) and st.type == "file" and st.mode & 0o777 == 0o750
+        r = await sb.run_shell("md5sum /tmp/up/big.bin")
+        import hashlib
+
+        assert r.stdout.split()[0] == hashlib.md5(big).hexdigest()
+        dst = tmp_path / "down.bin"
+        assert await sb.download("/tmp/up/big.bin", dst) == len(big)
+        assert dst.read_bytes() == big
+        names = {e.name: e.type for e in await sb.list_dir("/tmp/a")}
+        assert names == {"b": "dir"}
+        with pytest.raises(errors.NotFound):
+            await sb.read_file("/tmp/nope")
+
+
+async def test_processes(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        pid = await sb.start_process(["sh", "-c", "read x; echo got $x; echo e >&2; exit 4"], tag="reader")
+        await sb.send_input("reader", "hi\n", eof=True)
+        exit_, out, err = await sb.wait_process(pid)
+        assert (exit_.exit_code, out, err) == (4, b"got hi\n", b"e\n")
+        sleeper = await sb.start_process(["sleep", "600"], tag="sleeper")
+        procs = {p.tag: p for p in await sb.list_processes()}
+        assert procs["sleeper"].running and procs["sleeper"].pid == sleeper
+        assert procs["reader"].exit is not None and procs["reader"].exit.exit_code == 4
+        await sb.signal_process("sleeper", 15)
+        events = [ev async for ev in sb.connect_process(sleeper)]
+        assert events[-1] == opendsec.ProcessExit(exit_code=-1, signal=15)
+        with pytest.raises(errors.OpendsecError):
+            await sb.signal_process(999999, 15)
+
+
+def test_sync_shell_and_stream(container) -> None:
+    with opendsec.Client(container.addr, token=container.token) as c:
+        with c.run_sandbox("container", IMG, **RES) as sb:
+            assert sb.run_shell("echo sync").stdout == "sync\n"
+            items = list(sb.stream_shell("echo a; echo b"))
+            assert b"".join(i.data for i in items[:-1]) == b"a\nb\n"
+            assert isinstance(items[-1], opendsec.ShellExit)

@@ -1,0 +1,277 @@
+"""Unit tests: error mapping and the catalogue, addresses, backoff, ids, retry safety against
+an in-process fake apiserver."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import List
+
+import grpc
+import pytest
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+import opendsec
+from opendsec import errors
+from opendsec._ids import LEASE_ID_RE, REQUEST_ID_RE, check_lease_id, new_lease_id, new_request_id
+from opendsec._net import AddressPool, Backoff, parse_addresses
+from opendsec._pb import opendsec_pb2 as pb
+from opendsec._pb import opendsec_pb2_grpc as pb_grpc
+from opendsec._pb import runtime_pb2 as rt
+from opendsec._pb import runtime_pb2_grpc as rt_grpc
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+# -- the catalogue ----------------------------------------------------------------------------
+
+
+def doc_reasons() -> List[str]:
+    doc = (REPO / "docs" / "errors.md").read_text()
+    return [l.split("|")[1].strip().strip("`") for l in doc.splitlines() if l.startswith("| `")]
+
+
+def rust_reasons() -> List[str]:
+    src = (REPO / "crates" / "common" / "src" / "reason.rs").read_text()
+    body = src[src.index("pub fn as_str"):]
+    body = body[: body.index("\n    }\n")]
+    return re.findall(r'=>\s*"([a-z_]+)"', body)
+
+
+def test_sdk_reasons_equal_docs_and_rust_catalogue() -> None:
+    sdk = [c.reason for c in errors.ALL]
+    assert doc_reasons() == sdk
+    assert rust_reasons() == sdk
+    assert len(set(sdk)) == len(sdk)
+
+
+def test_sdk_codes_equal_docs() -> None:
+    doc = (REPO / "docs" / "errors.md").read_text()
+    rows = [[c.strip() for c in l.split("|")] for l in doc.splitlines() if l.startswith("| `")]
+    for row, cls in zip(rows, errors.ALL):
+        assert row[2] == cls.grpc_code.name, cls
+
+
+def test_one_class_per_reason_under_one_base() -> None:
+    for cls in errors.ALL:
+        assert issubclass(cls, errors.OpendsecError)
+        assert getattr(errors, cls.__name__) is cls
+        assert errors.BY_REASON[cls.reason] is cls
+        assert "".join(p.title() for p in cls.reason.split("_")) == cls.__name__
+
+
+def details(reason: str, meta: dict, domain: str = "opendsec") -> bytes:
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=meta)
+    a = any_pb2.Any()
+    a.Pack(info)
+    return status_pb2.Status(code=8, message="m", details=[a]).SerializeToString()
+
+
+@pytest.mark.parametrize("cls", errors.ALL, ids=lambda c: c.reason)
+def test_error_info_maps_to_its_class(cls) -> None:
+    md = [("grpc-status-details-bin", details(cls.reason, {"k": "v"}))]
+    e = errors.from_status(cls.grpc_code, "boom", md)
+    assert type(e) is cls
+    assert (e.reason, e.message, e.metadata, e.has_error_info) == (cls.reason, "boom", {"k": "v"}, True)
+    assert str(e) == f"{cls.reason}: boom"
+
+
+def test_missing_or_foreign_error_info_falls_back_to_the_code() -> None:
+    assert type(errors.from_status(grpc.StatusCode.UNAVAILABLE, "refused", [])) is errors.Unavailable
+    assert type(errors.from_status(grpc.StatusCode.CANCELLED, "", None)) is errors.Unavailable
+    assert type(errors.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "", None)) is errors.RateLimited
+    assert type(errors.from_status(grpc.StatusCode.ABORTED, "", None)) is errors.InvalidState
+    assert type(errors.from_status(grpc.StatusCode.UNKNOWN, "", None)) is errors.Internal
+    assert type(errors.from_status(grpc.StatusCode.OUT_OF_RANGE, "", None)) is errors.InvalidArgument
+    foreign = [("grpc-status-details-bin", details("not_found", {}, domain="other"))]
+    e = errors.from_status(grpc.StatusCode.UNAVAILABLE, "", foreign)
+    assert type(e) is errors.Unavailable and not e.has_error_info
+    garbage = [("grpc-status-details-bin", b"\xff\xff")]
+    assert type(errors.from_status(grpc.StatusCode.NOT_FOUND, "", garbage)) is errors.NotFound
+
+
+def test_rate_limited_hint() -> None:
+    md = [("grpc-status-details-bin", details("rate_limited", {"retry_after_ms": "1500"}))]
+    e = errors.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "slow down", md)
+    assert isinstance(e, errors.RateLimited) and e.retry_after_s == 1.5 and e.retryable
+
+
+def test_detail_maps_to_class() -> None:
+    assert type(errors.from_detail("no_capacity", "full")) is errors.NoCapacity
+    assert type(errors.from_detail("what", "x")) is errors.Internal
+
+
+# -- addresses and backoff ------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_parse_addresses(monkeypatch) -> None:
+    monkeypatch.setenv("OPENDSEC_ADDR", " a:1, http://b:2/ ,,c:3")
+    assert parse_addresses(None) == ["a:1", "b:2", "c:3"]
+    assert parse_addresses(["x:1", " y:2 "]) == ["x:1", "y:2"]
+    monkeypatch.delenv("OPENDSEC_ADDR")
+    with pytest.raises(ValueError):
+        AddressPool(parse_addresses(None))
+
+
+def test_round_robin_and_avoidance() -> None:
+    clock = FakeClock()
+    pool = AddressPool(["a", "b", "c"], avoid_s=10, clock=clock)
+    assert [pool.pick() for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    pool.mark_broken("b")
+    assert [pool.pick() for _ in range(4)] == ["a", "c", "a", "c"]
+    clock.t += 10.5
+    assert sorted(pool.pick() for _ in range(3)) == ["a", "b", "c"]
+    pool.mark_broken("a")
+    pool.mark_broken("b")
+    pool.mark_broken("c")
+    clock.t += 1
+    pool.mark_broken("a")
+    assert pool.pick() == "b"  # all avoided: the one whose avoidance ends first
+    pool.mark_ok("c")
+    assert pool.pick() == "c"
+
+
+def test_backoff_grows_and_respects_budget() -> None:
+    clock = FakeClock()
+    b = Backoff(retry_timeout=3, base=0.1, cap=1.0, clock=clock, rand=lambda: 1.0)
+    delays = []
+    while (d := b.next_delay()) is not None:
+        delays.append(d)
+        clock.t += d
+    assert delays[:4] == [0.1, 0.2, 0.4, 0.8]
+    assert max(delays) <= 1.0
+    assert sum(delays) == pytest.approx(3.0)
+    assert Backoff(5, clock=clock).next_delay(hint=2.5) >= 2.5
+
+
+# -- ids --------------------------------------------------------------------------------------
+
+
+def test_ids() -> None:
+    leases = {new_lease_id() for _ in range(1000)}
+    assert len(leases) == 1000
+    assert all(LEASE_ID_RE.match(l) and len(l) == 24 for l in leases)
+    reqs = {new_request_id() for _ in range(1000)}
+    assert len(reqs) == 1000 and all(REQUEST_ID_RE.match(r) for r in reqs)
+    assert check_lease_id("job-1") == "job-1"
+    for bad in ("", "Upper", "-lead", "a" * 41, "under_score"):
+        with pytest.raises(ValueError):
+            check_lease_id(bad)
+
+
+def test_backend_is_required() -> None:
+    c = opendsec.AsyncClient("127.0.0.1:1", token="t")
+    with pytest.raises(ValueError):
+        asyncio.run(c.create_sandbox("", "img"))
+
+
+# -- retry safety against a fake apiserver ----------------------------------------------------
+
+
+class FlakySandboxes(pb_grpc.SandboxesServicer):
+    """Fails the first `fail` calls with a bare UNAVAILABLE after recording the request."""
+
+    def __init__(self, fail: int) -> None:
+        self.fail = fail
+        self.leases: List[str] = []
+        self.tokens: List[str] = []
+
+    async def CreateSandbox(self, request, context):
+        self.leases.append(request.lease_id)
+        self.tokens.append(dict(context.invocation_metadata()).get("authorization", ""))
+        if self.fail > 0:
+            self.fail -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        return pb.Sandbox(id="e." + request.lease_id, spec=request.spec, state=pb.SANDBOX_STATE_RUNNING)
+
+    async def PauseSandbox(self, request, context):
+        self.leases.append("pause")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+
+
+class FlakyRuntime(rt_grpc.RuntimeServicer):
+    def __init__(self, fail: int) -> None:
+        self.fail = fail
+        self.request_ids: List[str] = []
+
+    async def Exec(self, request, context):
+        self.request_ids.append(request.request_id)
+        if self.fail > 0:
+            self.fail -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        return rt.ExecResult(exit_code=0, stdout=b"ok", request_id=request.request_id)
+
+
+async def serve(fail: int):
+    server = grpc.aio.server()
+    sbx, rtm = FlakySandboxes(fail), FlakyRuntime(fail)
+    pb_grpc.add_SandboxesServicer_to_server(sbx, server)
+    rt_grpc.add_RuntimeServicer_to_server(rtm, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", sbx, rtm
+
+
+async def test_create_retries_with_the_same_lease_id() -> None:
+    server, addr, sbx, _ = await serve(fail=2)
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", project="root/p", retry_timeout=20) as c:
+            sb = await c.create_sandbox("sim", labels={"x": "y"})
+        assert len(sbx.leases) == 3 and len(set(sbx.leases)) == 1
+        assert sb.id == "e." + sbx.leases[0] and sb.state == "running" and sb.labels == {"x": "y"}
+        assert sb.info.spec.project == "root/p" and sb.backend == "sim"
+        assert sbx.tokens == ["Bearer tok"] * 3
+    finally:
+        await server.stop(None)
+
+
+async def test_run_shell_retries_with_the_same_request_id() -> None:
+    server, addr, _, rtm = await serve(fail=2)
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+            r = await c.sandbox("e.l").run_shell("echo")
+        assert r.stdout == "ok" and len(rtm.request_ids) == 3 and len(set(rtm.request_ids)) == 1
+    finally:
+        await server.stop(None)
+
+
+async def test_state_changes_are_not_retried() -> None:
+    server, addr, sbx, _ = await serve(fail=0)
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+            with pytest.raises(errors.Unavailable):
+                await c.pause_sandbox("e.l")
+        assert sbx.leases == ["pause"]
+    finally:
+        await server.stop(None)
+
+
+async def test_retry_gives_up_after_retry_timeout(dead_address: str) -> None:
+    dead = dead_address
+    async with opendsec.AsyncClient(dead, token="tok", retry_timeout=0.5) as c:
+        with pytest.raises(errors.Unavailable):
+            await c.get_sandbox("e.l")
+
+
+async def test_a_dead_address_is_avoided(dead_address: str) -> None:
+    server, addr, sbx, _ = await serve(fail=0)
+    dead = dead_address
+    try:
+        async with opendsec.AsyncClient([dead, addr], token="tok", retry_timeout=20) as c:
+            for _ in range(6):
+                await c.create_sandbox("sim")
+            assert c.pool.is_avoided(dead) and not c.pool.is_avoided(addr)
+        # The dead address cost at most one attempt; every creation landed once.
+        assert len(sbx.leases) == 6 and len(set(sbx.leases)) == 6
+    finally:
+        await server.stop(None)
