@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint demo bench bench-container agent images sdk-test
+.PHONY: setup build test verify fmt lint demo bench bench-container agent images sdk-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -44,6 +44,14 @@ fmt:
 # Bring up a local cluster with 100 sim edges, run the main job against it, stop it.
 demo:
 	./scripts/demo.sh
+
+# A local cluster with container sandboxes and the Debian image, left running (as root);
+# `make down` stops it.
+up:
+	./scripts/up.sh
+
+down:
+	./scripts/down.sh
 
 # The issue-2 benchmark (release build, 100 sim edges).
 bench:

@@ -2,7 +2,9 @@
 
 The cluster is ``opendsecctl cluster up`` with one sim edge offering the ``sim`` and
 ``container`` backends, brought up once per test session and killed at the end. A busybox image
-``busybox:t`` is imported from the host's /bin/busybox for container sandboxes (root only).
+``busybox:t`` is imported from the host's /bin/busybox for container sandboxes (root only), and
+the Debian test image (bash, python3; built by ``make images`` through
+``scripts/debian-image.sh``) as ``debian:bookworm`` for the examples (``examples/``).
 ``$OPENDSECCTL`` overrides the binary (default: the repository's target/debug/opendsecctl, else
 target/release/opendsecctl).
 """
@@ -35,6 +37,8 @@ def _default_ctl() -> Path:
 
 CTL = Path(os.environ.get("OPENDSECCTL") or _default_ctl())
 IMAGE = "busybox:t"
+DEBIAN_IMAGE = "debian:bookworm"
+DEBIAN_SCRIPT = REPO / "scripts" / "debian-image.sh"
 
 
 @dataclass
@@ -44,6 +48,8 @@ class Cluster:
     state: Path
     has_container: bool
     has_image: bool = False
+    # Why the Debian image is not there (None: imported as DEBIAN_IMAGE).
+    debian_missing: Optional[str] = "not imported yet"
 
     def env(self) -> dict:
         e = dict(os.environ)
@@ -69,6 +75,28 @@ def _import_busybox(state: Path, cluster_env: dict) -> bool:
         env=cluster_env, check=True, capture_output=True, timeout=120,
     )
     return True
+
+
+def debian_rootfs() -> Path:
+    """The Debian test image's root file system, where ``scripts/debian-image.sh`` builds it
+    (``$OPENDSEC_DEBIAN_ROOTFS`` overrides), as the Rust tests find it."""
+    env = os.environ.get("OPENDSEC_DEBIAN_ROOTFS")
+    if env:
+        return Path(env)
+    out = subprocess.run([str(DEBIAN_SCRIPT), "--path"], capture_output=True, text=True, check=True).stdout
+    return Path(out.strip())
+
+
+def _import_debian(state: Path, cluster_env: dict) -> Optional[str]:
+    """Imports the Debian test image as DEBIAN_IMAGE; returns why not, or None when imported."""
+    rootfs = debian_rootfs()
+    if not (rootfs / "usr" / "bin" / "python3").exists():
+        return f"the Debian test image is missing ({rootfs}): run `make images` (scripts/debian-image.sh) first"
+    subprocess.run(
+        [str(CTL), "image", "import", "--rootfs", str(rootfs), "--name", DEBIAN_IMAGE, "--store", str(state / "images")],
+        env=cluster_env, check=True, capture_output=True, timeout=300,
+    )
+    return None
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +128,7 @@ def cluster() -> Iterator[Cluster]:
         # The image is needed by every backend (sim too); running containers needs root.
         c.has_image = _import_busybox(state, c.env())
         c.has_container = c.has_image and os.geteuid() == 0
+        c.debian_missing = _import_debian(state, c.env())
         yield c
     finally:
         with_pg = True
@@ -133,6 +162,15 @@ def container(cluster: Cluster) -> Cluster:
     if not cluster.has_container:
         pytest.fail("container sandboxes need root and /bin/busybox (CI runs as root; make setup installs busybox-static)")
     return cluster
+
+
+@pytest.fixture
+def debian(container: Cluster) -> Cluster:
+    """A cluster with container sandboxes and the Debian image (bash, python3): never skipped;
+    fails, saying what to run, when the image was not built."""
+    if container.debian_missing is not None:
+        pytest.fail(container.debian_missing)
+    return container
 
 
 class Proxy:
