@@ -37,6 +37,13 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// Whether the command serves (runs servers until stopped) rather than prints.
+    pub fn serves(&self) -> bool {
+        matches!(self.command, Command::Cluster(ClusterCmd::Up { .. }))
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Local cluster tools.
@@ -786,5 +793,17 @@ pub fn reason_of(e: &CtlError) -> Option<Reason> {
     match e {
         CtlError::Api(a) => Some(a.reason),
         CtlError::Local(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_cluster_up_serves() {
+        let p = |a: &[&str]| <Cli as clap::Parser>::try_parse_from(a).unwrap();
+        assert!(p(&["opendsecctl", "cluster", "up"]).serves());
+        assert!(!p(&["opendsecctl", "sandbox", "list"]).serves());
     }
 }

@@ -5,11 +5,11 @@ interpreter (which has the SDK installed), configured only through ``OPENDSEC_AD
 ``OPENDSEC_TOKEN`` and ``OPENDSEC_IMAGE`` (the Debian test image: bash and python3). The
 assertions check the exit code and the lines each example prints about what it showed.
 
-``rl_batch.py`` runs with ``--count $OPENDSEC_EXAMPLES_RL_COUNT`` (default 20, not the
-example's own 200): creating 200 container sandboxes at once on a small shared CI machine
-runs into the edge's CPU-pressure admission (``no_capacity``) and runs out of free loop
-devices (``internal``); ``OPENDSEC_EXAMPLES_RL_COUNT=200`` runs the full size where the machine
-allows it.
+``rl_batch.py`` runs with ``--count $OPENDSEC_EXAMPLES_RL_COUNT`` (default 50, not the
+example's own 200): on a small machine shared with the rest of the suite, the edge's
+CPU-pressure check refuses some of 200 creations (``no_capacity``), which is admission doing
+its job, not something this test is about. ``OPENDSEC_EXAMPLES_RL_COUNT=200`` runs the full
+size.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[3]
 DEBIAN_IMAGE = "debian:bookworm"  # imported by the cluster fixture
 EXAMPLES = REPO / "examples"
 Cluster = Any  # conftest.Cluster
-RL_COUNT = int(os.environ.get("OPENDSEC_EXAMPLES_RL_COUNT", "20"))
+RL_COUNT = int(os.environ.get("OPENDSEC_EXAMPLES_RL_COUNT", "50"))
 
 
 def run_example(cluster: Cluster, name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -84,6 +84,19 @@ def test_files(debian: Cluster, tmp_path: Path) -> None:
     assert lines(run_example(debian, "files.py"))[-1] == "OK: file uploaded, transformed and downloaded"
 
 
+def test_retry_safe(debian: Cluster) -> None:
+    out = lines(run_example(debian, "retry_safe.py"))
+    assert "  first call:  'run number 1' (exit 0)" in out
+    assert "  second call: 'run number 1' (exit 0)" in out
+    assert "  the command ran 1 time(s)" in out
+    assert "new request id: 'run number 2'; the command ran 2 time(s)" in out
+    assert [l for l in out if l.startswith("  (second reader)")] == [
+        f"  (second reader) stdout@{7 * (i - 1)}: 'step {i}\\n'" for i in range(1, 6)
+    ]
+    assert "  exit 0; the command ran 1 time(s) for this request id" in out
+    assert out[-1] == "OK: every request id ran its command exactly once"
+
+
 def test_rl_batch(debian: Cluster) -> None:
     p = run_example(debian, "rl_batch.py", "--count", str(RL_COUNT), timeout=300)
     out = lines(p)
@@ -100,16 +113,3 @@ def test_rl_batch(debian: Cluster) -> None:
     # Clean-up: nothing of the run is left running.
     with opendsec.Client(debian.addr, token=debian.token) as c:
         assert c.list_sandboxes(labels={"example": "rl-batch"}) == []
-
-
-def test_retry_safe(debian: Cluster) -> None:
-    out = lines(run_example(debian, "retry_safe.py"))
-    assert "  first call:  'run number 1' (exit 0)" in out
-    assert "  second call: 'run number 1' (exit 0)" in out
-    assert "  the command ran 1 time(s)" in out
-    assert "new request id: 'run number 2'; the command ran 2 time(s)" in out
-    assert [l for l in out if l.startswith("  (second reader)")] == [
-        f"  (second reader) stdout@{7 * (i - 1)}: 'step {i}\\n'" for i in range(1, 6)
-    ]
-    assert "  exit 0; the command ran 1 time(s) for this request id" in out
-    assert out[-1] == "OK: every request id ran its command exactly once"

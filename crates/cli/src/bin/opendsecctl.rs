@@ -4,15 +4,18 @@ fn main() {
     // `cluster up` edges with the container backend re-execute this binary as a sandbox's
     // setup process: it must branch off before any thread or runtime exists, and never returns.
     opendsec_edge::linuxrt::init::run_if_init();
-    // Die quietly when a reader such as `head` closes the pipe, as Unix tools do, instead of
-    // panicking in println!.
-    // SAFETY: called first thing in main, before any other thread exists; SIG_DFL is a valid
-    // disposition for SIGPIPE.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     opendsec_common::init_tracing_quiet();
     let cli = <opendsec_cli::ctl::Cli as clap::Parser>::parse();
+    // Commands that print die quietly when a reader such as `head` closes the pipe, as Unix
+    // tools do, instead of panicking in println!. Not `cluster up`: it serves, and a write to
+    // a peer that just went away (an agent whose sandbox was stopped) must be an EPIPE error
+    // on that connection, not the end of the whole cluster.
+    if !cli.serves() {
+        // SAFETY: before the runtime (and any thread) starts; SIG_DFL is a valid disposition.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

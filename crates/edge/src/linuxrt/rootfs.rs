@@ -228,8 +228,15 @@ pub fn attach_loop(backing: &Path) -> Result<LoopDevice, RootfsError> {
     let ctl_path = Path::new("/dev/loop-control");
     let ctl = OpenOptions::new().read(true).write(true).open(ctl_path).map_err(io("open", ctl_path))?;
     let back = OpenOptions::new().read(true).write(true).open(backing).map_err(io("open", backing))?;
-    // Another attacher may take the device between GET_FREE and CONFIGURE (EBUSY): retry.
-    for _ in 0..32 {
+    // Attachers of this process take turns (concurrent creations otherwise all get the same
+    // free device and all but one fail); another process may still take the device between
+    // GET_FREE and CONFIGURE (EBUSY): retry, backing off.
+    static ATTACH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = ATTACH.lock().unwrap_or_else(|p| p.into_inner());
+    for attempt in 0..64u64 {
+        if attempt > 4 {
+            std::thread::sleep(std::time::Duration::from_millis(attempt));
+        }
         // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
         let n = unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) };
         if n < 0 {
@@ -272,7 +279,7 @@ pub fn attach_loop(backing: &Path) -> Result<LoopDevice, RootfsError> {
             return Err(RootfsError::Loop(format!("LOOP_CONFIGURE {}: {err}", path.display())));
         }
     }
-    Err(RootfsError::Loop("no free loop device after 32 tries".into()))
+    Err(RootfsError::Loop("no free loop device after 64 tries".into()))
 }
 
 /// Loop devices (`/dev/loopN`) whose backing file lies under `dir`.
