@@ -19,7 +19,19 @@ use serde_json::{Value, json};
 use crate::json as j;
 
 #[derive(Parser, Debug)]
-#[command(name = "opendsecctl", version, about = "opendsec on the command line")]
+#[command(
+    name = "opendsecctl",
+    version,
+    about = "opendsec on the command line",
+    after_help = "Examples:\n  \
+    make up                                  # a local cluster with container sandboxes (as root)\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm\n  \
+    opendsecctl exec ID -- \"python3 -c 'print(6*7)'\"\n  \
+    opendsecctl exec ID --session s1 -- cd /tmp      # a named session keeps its state\n  \
+    opendsecctl cp ./data.csv ID:/work/data.csv\n  \
+    opendsecctl sandbox list --label job=eval --json\n\n\
+    Connect with OPENDSEC_ADDR and OPENDSEC_TOKEN (cluster up prints both). More: docs/cli.md"
+)]
 pub struct Cli {
     /// Apiserver addresses, comma-separated.
     #[arg(long, global = true, env = "OPENDSEC_ADDR", default_value = "127.0.0.1:7000")]
@@ -164,6 +176,7 @@ pub enum SandboxCmd {
         #[arg(long, default_value_t = 1)]
         count: u32,
     },
+    /// List sandboxes of a project and its subprojects (filters: --state, --label).
     List {
         /// Only these states (repeatable): running, paused, stopped, ...
         #[arg(long = "state")]
@@ -178,18 +191,14 @@ pub enum SandboxCmd {
         #[arg(long)]
         all: bool,
     },
-    Get {
-        id: String,
-    },
-    Stop {
-        id: String,
-    },
-    Pause {
-        id: String,
-    },
-    Resume {
-        id: String,
-    },
+    /// Show one sandbox (state, spec, TTL deadline, last activity).
+    Get { id: String },
+    /// Stop a sandbox: its processes end and its quota is released.
+    Stop { id: String },
+    /// Pause a sandbox (frozen; any call on it resumes it).
+    Pause { id: String },
+    /// Resume a paused sandbox.
+    Resume { id: String },
     /// Replace TTLs (seconds).
     SetTimeout {
         id: String,
