@@ -34,6 +34,9 @@ use crate::{BoxStream, files, sh_quote};
 pub const DEFAULT_STREAM_LIMIT: u64 = 16 << 20;
 /// Environment variable through which aether gives chronus the sandbox's working directory.
 pub const WORKDIR_ENV: &str = "OPENDSEC_WORKDIR";
+/// Most bytes per stream one Exec result or GetOutput answer carries (two streams stay below
+/// the 80 MiB message limit, and a caller's limit cannot make the agent allocate more).
+pub const RESULT_MAX: u64 = 32 << 20;
 /// Capacity asked for the output fifos, and the pump's read size.
 const PIPE_BYTES: libc::c_int = 1 << 20;
 /// Output bytes per ExecStream message (fewer, larger messages through every hop).
@@ -346,21 +349,8 @@ impl Chronus {
 
     /// Up to `max` recorded bytes of one stream from `offset`.
     fn read_record(&self, rid: &str, err: bool, offset: u64, size: u64, max: u64) -> Vec<u8> {
-        let end = size.min(offset.saturating_add(max));
-        if end <= offset {
-            return vec![];
-        }
-        let path = self.path(rid, if err { "err" } else { "out" });
-        let mut buf = vec![0u8; (end - offset) as usize];
-        match std::fs::File::open(&path) {
-            Ok(f) => {
-                use std::os::unix::fs::FileExt;
-                let n = f.read_at(&mut buf, offset).unwrap_or(0);
-                buf.truncate(n);
-                buf
-            }
-            Err(_) => vec![],
-        }
+        let f = std::fs::File::open(self.path(rid, if err { "err" } else { "out" })).ok();
+        read_at(f.as_ref(), offset, size, max)
     }
 }
 
@@ -456,7 +446,14 @@ pub struct ChronusService(pub Arc<Chronus>);
 #[tonic::async_trait]
 impl Runtime for ChronusService {
     async fn exec(&self, r: Request<ExecRequest>) -> Result<Response<ExecResult>, Status> {
-        let cmd = self.0.start(r.into_inner())?;
+        // The whole output comes back in one message: each stream records at most
+        // RESULT_MAX here (the rest is dropped and counted); ExecStream has no such cap.
+        let mut req = r.into_inner();
+        let limits = req.limits.get_or_insert_with(Default::default);
+        for v in [&mut limits.stdout_max_bytes, &mut limits.stderr_max_bytes] {
+            *v = (*v).min(RESULT_MAX);
+        }
+        let cmd = self.0.start(req)?;
         let mut rx = cmd.state.subscribe();
         let st = rx.wait_for(|s| s.exit.is_some()).await.map_err(|_| Status::internal("command record gone"))?.clone();
         if st.evicted {
@@ -465,8 +462,9 @@ impl Runtime for ChronusService {
         let exit = st.exit.unwrap_or_default();
         Ok(Response::new(ExecResult {
             exit_code: exit.exit_code,
-            stdout: self.0.read_record(&cmd.rid, false, 0, st.out, u64::MAX),
-            stderr: self.0.read_record(&cmd.rid, true, 0, st.err, u64::MAX),
+            // A repeated request id may name a streamed command with a longer record.
+            stdout: self.0.read_record(&cmd.rid, false, 0, st.out, RESULT_MAX),
+            stderr: self.0.read_record(&cmd.rid, true, 0, st.err, RESULT_MAX),
             stdout_dropped_bytes: exit.stdout_dropped_bytes,
             stderr_dropped_bytes: exit.stderr_dropped_bytes,
             timed_out: exit.timed_out,
@@ -545,7 +543,7 @@ impl Runtime for ChronusService {
         if s.evicted {
             return Err(AgentError::Evicted(cmd.rid.clone()).into());
         }
-        let max = if r.max_bytes == 0 { 4 << 20 } else { r.max_bytes };
+        let max = if r.max_bytes == 0 { 4 << 20 } else { r.max_bytes.min(RESULT_MAX) };
         Ok(Response::new(GetOutputResponse {
             stdout: self.0.read_record(&cmd.rid, false, r.stdout_offset, s.out, max),
             stderr: self.0.read_record(&cmd.rid, true, r.stderr_offset, s.err, max),

@@ -61,7 +61,8 @@ pub async fn upload_forward(
     first: opendsec_proto::v1::WriteFileRequest,
     incoming: tonic::Streaming<opendsec_proto::v1::WriteFileRequest>,
 ) -> Result<tonic::Response<opendsec_proto::v1::WriteFileResponse>, tonic::Status> {
-    opendsec_proto::upload::forward(channel, first, incoming, |_| Ok(()), std::time::Duration::from_secs(10)).await
+    let hop = opendsec_proto::upload::Hop { abort_wait: std::time::Duration::from_secs(10), ..Default::default() };
+    opendsec_proto::upload::forward(channel, first, incoming, |_| Ok(()), hop).await
 }
 
 /// Binds a unix socket at `path` (an old socket file is replaced; the socket is for its owner

@@ -41,6 +41,10 @@ pub fn run_as(c: &mut std::process::Command, u: &User, cwd: Option<std::path::Pa
     let switch = rustix::process::geteuid().as_raw() != u.uid || rustix::process::getegid().as_raw() != u.gid;
     let (uid, gid, groups) = (u.uid, u.gid, u.groups.clone());
     let cwd = cwd.and_then(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()).ok());
+    if !switch && cwd.is_none() {
+        // Nothing to do: no hook, so std can spawn without forking.
+        return;
+    }
     // SAFETY: setgroups/setgid/setuid/chdir are async-signal-safe; `groups` and `cwd` were
     // allocated before fork and are only read here.
     unsafe {

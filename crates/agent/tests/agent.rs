@@ -127,6 +127,20 @@ async fn output_limits_count_dropped_bytes() {
     assert_eq!(r.stdout.len(), 1 << 20);
     assert_eq!(r.stdout_dropped_bytes, 52428800 + 4 - (1 << 20));
     assert_eq!((r.stderr.len(), r.stderr_dropped_bytes), (10, 90));
+    // A limit above what one Exec result carries is capped (the rest counted as dropped); a
+    // huge GetOutput window is capped the same way.
+    let mut q = req("o", "head -c 41943040 /dev/zero");
+    q.limits = Some(OutputLimits { stdout_max_bytes: 1 << 40, stderr_max_bytes: 0 });
+    let r = c.exec(q).await.unwrap().into_inner();
+    let cap = opendsec_agent::chronus::RESULT_MAX;
+    assert_eq!((r.stdout.len() as u64, r.stdout_dropped_bytes), (cap, 41943040 - cap));
+    let g = GetOutputRequest {
+        session_id: "o".into(),
+        request_id: r.request_id,
+        max_bytes: u64::MAX,
+        ..Default::default()
+    };
+    assert_eq!(c.get_output(g).await.unwrap().into_inner().stdout.len() as u64, cap);
 }
 
 async fn collect(

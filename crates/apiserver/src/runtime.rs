@@ -28,12 +28,10 @@ use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use opendsec_common::grpc::ServiceChannel;
 use opendsec_common::{ApiError, Reason, ids};
-use opendsec_proto::upload::Upload;
+use opendsec_proto::upload::{self, Hop};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::runtime_client::RuntimeClient;
 use opendsec_proto::v1::runtime_server::Runtime;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -46,9 +44,6 @@ pub const PROJECT_CACHE_ENTRIES: usize = 100_000;
 
 /// Default timeout of an `HttpRequest` inside the sandbox (runtime.proto: 0 = 30 s).
 const HTTP_DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Messages of a `WriteFile` upload buffered between the caller and the edge.
-const UPLOAD_BUFFER: usize = 8;
 
 /// Sandbox id -> project, bounded: when full, the oldest entry goes.
 #[derive(Debug)]
@@ -327,47 +322,23 @@ async fn write_file(
     let id = first.sandbox_id.clone();
     let (edge, project) = authorized(s, projects, call, &md, &id).await?;
     let ch = s.up.edge_channel(&s.edge_addr(&edge)?)?;
-    let (tx, rx) = mpsc::channel(UPLOAD_BUFFER);
-    // Cannot fail: `rx` is alive until the forwarded call ends.
-    let _ = tx.send(Upload::Message(first)).await;
-    let feed = async {
-        while let Some(m) = incoming.message().await.map_err(|st| ApiError::from_status(&st))? {
-            if !m.sandbox_id.is_empty() && m.sandbox_id != id {
-                return Err(ApiError::invalid(format!(
-                    "WriteFile stream for sandbox {id} carries a message for another sandbox"
-                )));
-            }
-            if tx.send(Upload::Message(m)).await.is_err() {
-                // The edge answered early (an error): its answer is the call's.
-                break;
-            }
+    let check = |m: &pb::WriteFileRequest| {
+        if m.sandbox_id.is_empty() || m.sandbox_id == id {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(format!("WriteFile stream for sandbox {id} carries a message for another sandbox"))
+                .to_status())
         }
-        Ok(())
     };
-    let md = to_edge((), &project)?.into_parts().0;
-    let upload = opendsec_proto::upload::write_file_with(ch, ReceiverStream::new(rx), md);
-    tokio::pin!(upload);
-    let fed = tokio::select! {
-        r = &mut upload => return r.map(Response::into_inner).map_err(|st| ApiError::from_status(&st)),
-        fed = feed => fed,
+    let hop = Hop {
+        metadata: to_edge((), &project)?.into_parts().0,
+        answer_wait: Some(s.cfg.edge_call_timeout),
+        abort_wait: s.cfg.edge_call_timeout,
     };
-    match fed {
-        Ok(()) => {
-            drop(tx);
-            within(&edge, Some(s.cfg.edge_call_timeout), upload).await
-        }
-        Err(e) => {
-            // Reset the forwarded stream with an error and let the reset go out before the
-            // call is dropped.
-            let abort = async {
-                let _ = tx.send(Upload::Abort(e.message.clone())).await;
-                drop(tx);
-                let _ = upload.await;
-            };
-            let _ = tokio::time::timeout(s.cfg.edge_call_timeout, abort).await;
-            Err(e)
-        }
-    }
+    upload::forward(ch, first, incoming, check, hop)
+        .await
+        .map(Response::into_inner)
+        .map_err(|st| ApiError::from_status(&st).with("edge", edge.as_str()))
 }
 
 #[tonic::async_trait]

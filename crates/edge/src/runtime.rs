@@ -29,6 +29,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
 use opendsec_common::grpc::EXPECT_PROJECT_HEADER;
+use opendsec_proto::upload::{self, Hop};
 
 use opendsec_common::time::now_ms;
 use opendsec_proto::v1::runtime_server::Runtime;
@@ -272,7 +273,8 @@ runtime_impl! {
                 Err(EdgeError::InvalidArgument("a WriteFile stream names one sandbox".into()).to_api().to_status())
             }
         };
-        opendsec_proto::upload::forward(ch, first, incoming, check, ABORT_WAIT).await.map_err(untrusted)
+        let hop = Hop { abort_wait: ABORT_WAIT, ..Hop::default() };
+        upload::forward(ch, first, incoming, check, hop).await.map_err(untrusted)
     }
 
     /// The agent's heartbeats, for as long as the caller listens. Watching neither resumes a

@@ -101,16 +101,28 @@ where
     grpc.client_streaming(req, path, WriteFileCodec::default()).await
 }
 
+/// How [`forward`] talks to the next hop.
+#[derive(Clone, Debug, Default)]
+pub struct Hop {
+    /// Sent with the forwarded call.
+    pub metadata: tonic::metadata::MetadataMap,
+    /// How long the next hop may take to answer once the whole upload went out (none: no
+    /// limit); the upload itself takes as long as the caller sends.
+    pub answer_wait: Option<std::time::Duration>,
+    /// How long the reset of an aborted upload may take to go out.
+    pub abort_wait: std::time::Duration,
+}
+
 /// Forwards a WriteFile stream whose first message was already read: `first`, then the rest of
 /// `incoming`, each checked by `check`, to `channel`. A failure on the incoming side (or a
 /// refused message) resets the forwarded stream with an error, so the next hop never commits
-/// a short file; `abort_wait` bounds how long the reset may take to go out.
+/// a short file. Every hop forwarding WriteFile (apiserver, edge, aether) goes through here.
 pub async fn forward<T>(
     channel: T,
     first: pb::WriteFileRequest,
     mut incoming: Streaming<pb::WriteFileRequest>,
     check: impl Fn(&pb::WriteFileRequest) -> Result<(), Status>,
-    abort_wait: std::time::Duration,
+    hop: Hop,
 ) -> Result<tonic::Response<pb::WriteFileResponse>, Status>
 where
     T: tonic::client::GrpcService<tonic::body::Body>,
@@ -131,7 +143,7 @@ where
         }
         Ok::<(), Status>(())
     };
-    let upload = write_file(channel, tokio_stream::wrappers::ReceiverStream::new(rx));
+    let upload = write_file_with(channel, tokio_stream::wrappers::ReceiverStream::new(rx), hop.metadata);
     tokio::pin!(upload);
     let fed = tokio::select! {
         r = &mut upload => return r,
@@ -140,7 +152,12 @@ where
     match fed {
         Ok(()) => {
             drop(tx);
-            upload.await
+            match hop.answer_wait {
+                Some(d) => tokio::time::timeout(d, upload).await.unwrap_or_else(|_| {
+                    Err(Status::deadline_exceeded(format!("the upload got no answer within {} s", d.as_secs())))
+                }),
+                None => upload.await,
+            }
         }
         Err(e) => {
             // Reset the forwarded stream with an error and let the reset go out before the
@@ -150,7 +167,7 @@ where
                 drop(tx);
                 let _ = upload.await;
             };
-            let _ = tokio::time::timeout(abort_wait, abort).await;
+            let _ = tokio::time::timeout(hop.abort_wait, abort).await;
             Err(e)
         }
     }

@@ -298,15 +298,7 @@ fn agent_channel(dir: PathBuf) -> tonic::transport::Channel {
     let ep = Endpoint::from_static("http://agent.invalid");
     ep.connect_with_connector_lazy(tower::service_fn(move |_| {
         let dir = dir.clone();
-        async move {
-            // Through a directory fd (socket paths are limited to 108 bytes); the connect is
-            // tokio's, so a full backlog (a frozen agent) waits without blocking a worker.
-            let d = std::fs::File::open(&dir)?;
-            let path = format!("/proc/self/fd/{}/{}", std::os::fd::AsRawFd::as_raw_fd(&d), sandbox::AGENT_SOCKET);
-            let s = tokio::net::UnixStream::connect(path).await?;
-            drop(d);
-            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
-        }
+        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(sandbox::connect_agent_socket(&dir).await?)) }
     }))
 }
 
@@ -328,7 +320,7 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
             let hb = s.message().await?;
             Ok::<_, tonic::Status>((s, hb))
         };
-        let mut stream = match tokio::time::timeout(AGENT_READY_TIMEOUT, first).await {
+        let stream = match tokio::time::timeout(AGENT_READY_TIMEOUT, first).await {
             Ok(Ok((s, Some(_)))) => s,
             Ok(Ok((_, None))) => return Err(BackendError::Internal(format!("agent of {id} ended its Watch stream"))),
             Ok(Err(st)) => {
@@ -341,27 +333,32 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
                 )));
             }
         };
-        tokio::spawn(async move {
-            while let Ok(Some(_)) = stream.message().await {
-                beat.store(mono_ms(), Ordering::SeqCst);
-            }
-            flag.store(false, Ordering::SeqCst);
-            tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
-        })
+        tokio::spawn(async move { follow(Some(stream), beat, flag, sid).await })
     } else {
         tokio::spawn(async move {
-            if let Ok(resp) = c.watch(req).await {
-                let mut stream = resp.into_inner();
-                while let Ok(Some(_)) = stream.message().await {
-                    beat.store(mono_ms(), Ordering::SeqCst);
-                }
-            }
-            flag.store(false, Ordering::SeqCst);
-            tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
+            let stream = c.watch(req).await.ok().map(|r| r.into_inner());
+            follow(stream, beat, flag, sid).await
         })
     };
     // An adopted sandbox may be frozen: the caller marks it paused before anyone probes.
     Ok(AgentConn { channel, alive, last_beat, paused: Arc::new(AtomicBool::new(false)), watch })
+}
+
+/// Records each heartbeat of an open Watch stream; when it ends (or never opened), the agent is
+/// gone.
+async fn follow(
+    stream: Option<tonic::Streaming<opendsec_proto::v1::Heartbeat>>,
+    beat: Arc<std::sync::atomic::AtomicU64>,
+    alive: Arc<AtomicBool>,
+    sid: String,
+) {
+    if let Some(mut stream) = stream {
+        while let Ok(Some(_)) = stream.message().await {
+            beat.store(mono_ms(), Ordering::SeqCst);
+        }
+    }
+    alive.store(false, Ordering::SeqCst);
+    tracing::warn!(sandbox_id = %sid, "agent's Watch stream ended");
 }
 
 fn join_err(e: tokio::task::JoinError) -> BackendError {

@@ -280,10 +280,13 @@ fn dup_inheritable(fd: &impl AsRawFd) -> std::io::Result<std::os::fd::OwnedFd> {
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(n) })
 }
 
-/// Connects to the agent socket in `dir` (see [`bind_agent_socket`]); blocking.
-pub fn connect_agent_socket(dir: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+/// Connects to the agent socket in `dir` (through a directory fd, see [`bind_agent_socket`]);
+/// tokio's connect, so a full backlog (a frozen agent) waits without blocking a worker.
+pub async fn connect_agent_socket(dir: &Path) -> std::io::Result<tokio::net::UnixStream> {
     let d = std::fs::File::open(dir)?;
-    std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}/{AGENT_SOCKET}", d.as_raw_fd()))
+    let s = tokio::net::UnixStream::connect(format!("/proc/self/fd/{}/{AGENT_SOCKET}", d.as_raw_fd())).await;
+    drop(d);
+    s
 }
 
 /// Kills the cgroup's processes, waits for the loop devices under `dir` to be released
