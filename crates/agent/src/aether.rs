@@ -25,7 +25,7 @@ use crate::BoxStream;
 use crate::error::{AgentError, check_id};
 use crate::passwd::{self, User};
 use crate::procs::Procs;
-use crate::reaper::{Reaper, kill_tree};
+use crate::reaper::{Reaper, kill_tree, wait_gone};
 
 pub struct Config {
     pub state_dir: PathBuf,
@@ -157,8 +157,11 @@ impl Aether {
         let ready =
             tokio::time::timeout(Duration::from_secs(10), tokio::io::BufReader::new(out).read_line(&mut line)).await;
         if !matches!(ready, Ok(Ok(_))) || line.trim() != "ready" {
-            kill_tree(pid as i32, true);
-            return Err(AgentError::Session(sid.into(), "chronus did not start".into()));
+            let _ = kill_tree(pid as i32, true);
+            return Err(AgentError::Session(
+                sid.into(),
+                "its shell host did not start (the sandbox may be at its process or memory limit)".into(),
+            ));
         }
         let channel = crate::unix_channel(sock).await.map_err(|e| AgentError::Session(sid.into(), e.to_string()))?;
         let client = crate::runtime_client(channel.clone());
@@ -173,7 +176,9 @@ impl Aether {
         };
         if let Some(s) = slot.get() {
             let pid = s.pid as i32;
-            let _ = tokio::task::spawn_blocking(move || kill_tree(pid, true)).await;
+            // Return once the session's processes are reaped: until then they hold pids of the
+            // sandbox's limit (a fork bomb's thousand zombies would fail the next session).
+            let _ = tokio::task::spawn_blocking(move || wait_gone(&kill_tree(pid, true), Duration::from_secs(5))).await;
         }
         let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("sessions").join(sid));
         true

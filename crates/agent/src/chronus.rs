@@ -301,7 +301,7 @@ impl Chronus {
                     Err(_) => {
                         timed_out = true;
                         // Kill what the command started; the shell itself then reports.
-                        kill_tree(pid as i32, false);
+                        let _ = kill_tree(pid as i32, false);
                         match tokio::time::timeout(Duration::from_secs(2), &mut status).await {
                             Ok(r) => r,
                             // A builtin loop: only killing the shell stops it.
@@ -315,7 +315,7 @@ impl Chronus {
             Ok(Some((code, cwd))) => (code, Some(cwd)),
             // The shell ended (e.g. `exit`), or is stuck: it is replaced on the next command.
             Ok(None) | Err(_) => {
-                kill_tree(pid as i32, true);
+                let _ = kill_tree(pid as i32, true);
                 let code = match shell.take() {
                     Some(sh) => match tokio::time::timeout(Duration::from_secs(2), sh.exit).await {
                         Ok(Ok(e)) if e.signal == 0 => e.code,

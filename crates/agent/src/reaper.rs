@@ -147,8 +147,9 @@ fn signal(pid: i32, sig: rustix::process::Signal) {
 
 /// Kills `root` and its whole tree: first everything is stopped (so nothing forks or escapes
 /// while we look; re-parented orphans stay under a subreaper `root`), until no new process
-/// appears, then everything is killed, and `root`'s process group too.
-pub fn kill_tree(root: i32, include_root: bool) {
+/// appears, then everything is killed, and `root`'s process group too. Returns the processes
+/// it signalled (with `root` when included), for [`wait_gone`].
+pub fn kill_tree(root: i32, include_root: bool) -> Vec<i32> {
     use rustix::process::Signal;
     let mut all: Vec<i32> = vec![];
     if include_root {
@@ -173,6 +174,26 @@ pub fn kill_tree(root: i32, include_root: bool) {
         if let Some(p) = Pid::from_raw(root) {
             let _ = rustix::process::kill_process_group(p, Signal::KILL);
         }
+        all.push(root);
+    }
+    all
+}
+
+/// Waits until none of `pids` exists any more (a zombie still exists: it holds its pid, and
+/// counts against the sandbox's pids limit, until its reaper collects it), at most `limit`.
+/// True when all are gone.
+pub fn wait_gone(pids: &[i32], limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    let mut left: Vec<i32> = pids.to_vec();
+    loop {
+        left.retain(|&p| Pid::from_raw(p).is_some_and(|p| rustix::process::test_kill_process(p).is_ok()));
+        if left.is_empty() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 
