@@ -15,9 +15,10 @@ The shape of an evaluation or rollout step in a training loop:
 
 Resources are kept small (0.25 CPU, 128 MiB memory, 64 MiB disk each; see --cpu, --memory,
 --disk) so the default 200 fit a local cluster's edge. On a small, busy machine the edge may
-still refuse some with ``no_capacity`` (its final admission also checks the host's actual CPU
-and memory pressure): those are counted as failures, and ``--max-failures`` says how many the
-run tolerates.
+refuse some with ``no_capacity`` (its final admission also checks the host's actual CPU and
+memory pressure); the SDK asks again for those, in one more batch call, until they are made or
+the client's ``retry_timeout`` runs out. What is still refused then counts as a failure, and
+``--max-failures`` says how many the run tolerates.
 
     export OPENDSEC_ADDR=127.0.0.1:7000 OPENDSEC_TOKEN=...
     python examples/rl_batch.py [--count 200] [--parallel 32]

@@ -26,8 +26,8 @@ mkdir -p "$STATE/rootfs/etc" && echo "hello from the demo" >"$STATE/rootfs/etc/m
 ctl --project root/team-a image import --rootfs "$STATE/rootfs" --name tools:1
 ctl --project root/team-a image compose tools:full scratch tools:1
 ctl --project root/team-a image list --recursive
-ctl sandbox create --project root/team-a/rl --image tools:full --label job=demo
-ctl sandbox create --project root/team-a/rl --count 5 --label job=demo
+ctl sandbox create --backend sim --project root/team-a/rl --image tools:full --label job=demo
+ctl sandbox create --backend sim --project root/team-a/rl --count 5 --label job=demo
 ctl sandbox list --project root/team-a --label job=demo
 ctl usage root/team-a
 ctl --project root/team-a/rl bench create --count 20000 --batch 1000 --concurrency 4

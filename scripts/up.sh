@@ -3,20 +3,45 @@
 # installs the Debian packages needed (as root), builds the release binaries and the static
 # agent, builds the Debian image (bash, python3; debootstrap, cached), starts `opendsecctl
 # cluster up` in the background (IAM, watcher, apiserver, one edge offering `container` and
-# `sim`) with its state in ./opendsec-state, imports the image as `debian:bookworm` and prints
-# how to connect. `make down` (scripts/down.sh) stops it.
+# `sim`) with its state in ./opendsec-state, imports the image as `debian:bookworm`, installs
+# the Python SDK into a venv there, writes opendsec-state/env (the variables to connect) and
+# runs examples/quickstart.py against the cluster. `make down` (scripts/down.sh) stops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 [ "$(id -u)" = 0 ] || { echo "run as root: container sandboxes need namespaces, cgroups and loop devices" >&2; exit 1; }
 STATE=${OPENDSEC_STATE:-$PWD/opendsec-state}
-make setup >/dev/null
+
+connect_help() {
+  cat <<MSG
+
+opendsec is running (pid $(cat "$STATE/cluster.pid"); state and log in $STATE).
+Connect from a shell (addresses, token, opendsecctl and the SDK's Python on PATH):
+
+  . $STATE/env
+  opendsecctl sandbox create --backend container --image debian:bookworm
+  opendsecctl exec <id> -- "python3 -c 'print(6*7)'"
+  python3 examples/quickstart.py
+
+Stop it with: make down
+MSG
+}
+
+if [ -f "$STATE/cluster.pid" ] && kill -0 "$(cat "$STATE/cluster.pid")" 2>/dev/null; then
+  echo "a cluster is already running from $STATE"
+  connect_help
+  exit 0
+fi
+
+echo "== packages"
+make setup
+echo "== build (release; a first build takes several minutes)"
 cargo build --release -p opendsec-cli
 make agent >/dev/null
+echo "== the Debian image (bash, python3)"
 ROOTFS=$(./scripts/debian-image.sh)
-if [ -f "$STATE/cluster.pid" ] && kill -0 "$(cat "$STATE/cluster.pid")" 2>/dev/null; then
-  echo "a cluster is already running from $STATE (pid $(cat "$STATE/cluster.pid")); make down stops it" >&2
-  exit 1
-fi
+
+echo "== cluster"
 mkdir -p "$STATE"
 cat >"$STATE/config.json" <<JSON
 {"sim_edges": 1, "edge": {"backends": ["container", "sim"]}}
@@ -27,19 +52,22 @@ echo $! >"$STATE/cluster.pid"
 for _ in $(seq 1 600); do grep -q 'export OPENDSEC_ADDR' "$STATE/cluster.log" && break; sleep 0.1; done
 grep -q 'export OPENDSEC_ADDR' "$STATE/cluster.log" || { cat "$STATE/cluster.log" >&2; exit 1; }
 ADDR=$(sed -n 's/^  apiserver: *//p' "$STATE/cluster.log")
-export OPENDSEC_ADDR=$ADDR OPENDSEC_TOKEN=$(cat "$STATE/admin.token") OPENDSEC_IMAGE_STORE=$STATE/images
-target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookworm >/dev/null
-cat <<MSG
+cat >"$STATE/env" <<ENV
+# Written by make up: . this file to use the local cluster.
+export OPENDSEC_ADDR=$ADDR
+export OPENDSEC_TOKEN=\$(cat $STATE/admin.token)
+export OPENDSEC_IMAGE_STORE=$STATE/images
+export PATH=$REPO/target/release:$STATE/venv/bin:\$PATH
+ENV
+. "$STATE/env"
+target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookworm --replace >/dev/null
+echo "imported debian:bookworm"
 
-opendsec is running (pid $(cat "$STATE/cluster.pid"), state and log in $STATE).
-Connect with:
+echo "== the Python SDK (venv in $STATE/venv)"
+python3 -m venv "$STATE/venv"
+"$STATE/venv/bin/pip" install -q --upgrade pip
+"$STATE/venv/bin/pip" install -q ./sdk/python
 
-  export OPENDSEC_ADDR=$ADDR
-  export OPENDSEC_TOKEN=\$(cat $STATE/admin.token)
-  export OPENDSEC_IMAGE_STORE=$STATE/images
-
-  target/release/opendsecctl sandbox create --backend container --image debian:bookworm
-  target/release/opendsecctl exec <id> -- "python3 -c 'print(6*7)'"
-
-Python: pip install ./sdk/python (see sdk/python/README.md). Stop it with: make down
-MSG
+echo "== a container sandbox runs Python (examples/quickstart.py)"
+"$STATE/venv/bin/python" examples/quickstart.py
+connect_help

@@ -17,6 +17,7 @@ use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
 
 use crate::json as j;
+use crate::table::{Table, age};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -61,7 +62,7 @@ pub enum Command {
     /// Local cluster tools.
     #[command(subcommand)]
     Cluster(ClusterCmd),
-    /// Sandboxes.
+    /// Sandboxes: create, list, get, pause, resume, set-timeout, stop.
     #[command(subcommand)]
     Sandbox(SandboxCmd),
     /// Projects (nested: root/team-a/rl).
@@ -120,7 +121,9 @@ pub enum ClusterCmd {
 
 #[derive(Args, Debug, Default)]
 pub struct SpecArgs {
-    #[arg(long, default_value = "sim")]
+    /// Isolation backend: `container` (namespaces, cgroups, seccomp; what `make up` runs) or
+    /// `sim` (lifecycles without isolation, for scheduling tests).
+    #[arg(long)]
     pub backend: String,
     /// `repo[:tag]`, found in the project or above (`scratch` is in root on a new cluster).
     #[arg(long, default_value = "scratch")]
@@ -169,14 +172,25 @@ pub struct SpecArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum SandboxCmd {
-    /// Create sandboxes (--count > 1 uses one batch call).
+    /// Create sandboxes (--count > 1 uses one batch call); prints their ids.
+    #[command(after_help = "Examples:\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm --cpu 500 --memory 512 \\\n      \
+    --ttl-idle 600 --label job=eval --env SEED=1\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm --count 200   # one batch call\n  \
+    opendsecctl sandbox create --backend sim --count 10000 --json")]
     Create {
         #[command(flatten)]
         spec: SpecArgs,
+        /// How many (more than one: a single batch call, with a progress bar on a terminal).
         #[arg(long, default_value_t = 1)]
         count: u32,
     },
     /// List sandboxes of a project and its subprojects (filters: --state, --label).
+    #[command(after_help = "Examples:\n  \
+    opendsecctl sandbox list\n  \
+    opendsecctl sandbox list --state running --label job=eval\n  \
+    opendsecctl sandbox list --all --json | jq -r '.sandboxes[].id'")]
     List {
         /// Only these states (repeatable): running, paused, stopped, ...
         #[arg(long = "state")]
@@ -405,10 +419,106 @@ impl Out {
     }
 }
 
+fn now_ms() -> i64 {
+    opendsec_common::time::now_ms() as i64
+}
+
+/// Seconds from `from_ms` to `to_ms` for people (`-` when either is unset).
+fn span(from_ms: i64, to_ms: i64) -> String {
+    if from_ms <= 0 || to_ms <= 0 {
+        return "-".into();
+    }
+    age((to_ms - from_ms).max(0) as u64 / 1000)
+}
+
+fn labels_text(l: &HashMap<String, String>) -> String {
+    let mut v: Vec<String> = l.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    v.sort();
+    v.join(",")
+}
+
+fn sandbox_table(items: &[pb::Sandbox]) -> Table {
+    let now = now_ms();
+    let mut t = Table::new(&["ID", "STATE", "BACKEND", "IMAGE", "PROJECT", "AGE", "EXPIRES IN", "LABELS"]);
+    for s in items {
+        let spec = s.spec.clone().unwrap_or_default();
+        let mut state = j::state_name(s.state).to_string();
+        if !s.end_reason.is_empty() {
+            state = format!("{state} ({})", s.end_reason);
+        }
+        let expires =
+            if s.expires_at_ms > 0 && s.expires_at_ms > now { span(now, s.expires_at_ms) } else { "-".into() };
+        t.row(vec![
+            s.id.clone(),
+            state,
+            spec.backend,
+            spec.image,
+            spec.project,
+            span(s.created_at_ms, now),
+            expires,
+            labels_text(&spec.labels),
+        ]);
+    }
+    t
+}
+
+fn sandbox_text(s: &pb::Sandbox) -> String {
+    let spec = s.spec.clone().unwrap_or_default();
+    let r = spec.resources.unwrap_or_default();
+    let now = now_ms();
+    let mut lines = vec![
+        format!("id:          {}", s.id),
+        format!("state:       {}", j::state_name(s.state)),
+        format!("backend:     {}", spec.backend),
+        format!("image:       {}", spec.image),
+        format!("project:     {}", spec.project),
+        format!(
+            "resources:   {} millicores, {} MiB memory, {} MiB disk{}",
+            r.cpu_millis,
+            r.memory_mb,
+            r.disk_mb,
+            if r.gpus > 0 { format!(", {} GPUs", r.gpus) } else { String::new() }
+        ),
+        format!("created:     {} ago by {}", span(s.created_at_ms, now), s.principal),
+        format!("last active: {} ago", span(s.last_active_ms, now)),
+    ];
+    if s.expires_at_ms > now {
+        lines.push(format!("expires in:  {} (unless active)", span(now, s.expires_at_ms)));
+    }
+    if !spec.labels.is_empty() {
+        lines.push(format!("labels:      {}", labels_text(&spec.labels)));
+    }
+    if !s.end_reason.is_empty() {
+        lines.push(format!("ended:       {}", s.end_reason));
+    }
+    lines.join("\n")
+}
+
 fn sandbox_line(s: &pb::Sandbox) -> String {
     let spec = s.spec.clone().unwrap_or_default();
     let end = if s.end_reason.is_empty() { String::new() } else { format!("  ({})", s.end_reason) };
     format!("{}  {:<8}  {}  {}  {}{end}", s.id, j::state_name(s.state), spec.backend, spec.project, spec.image)
+}
+
+/// Projects with `used/limit` per quota key (`-`: no limit on the chain).
+fn usage_table(projects: &[pb::Project]) -> Table {
+    let mut t = Table::new(&["PROJECT", "SANDBOXES", "CPU (millicores)", "MEMORY (MiB)", "DISK (MiB)", "GPUS"]);
+    for p in projects {
+        let q = p.effective.unwrap_or_default();
+        let u = p.usage.unwrap_or_default();
+        let c = |used: u64, lim: Option<u64>| {
+            format!("{used}/{}", lim.map(|v| v.to_string()).unwrap_or_else(|| "-".into()))
+        };
+        t.row(vec![
+            p.path.clone(),
+            c(u.sandboxes, q.sandboxes),
+            c(u.cpu_millis, q.cpu_millis),
+            c(u.memory_mb, q.memory_mb),
+            c(u.disk_mb, q.disk_mb),
+            c(u.gpus, q.gpus),
+        ]);
+    }
+    t
 }
 
 fn project_text(p: &pb::Project) -> String {
@@ -478,7 +588,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                 let path = path.or(project).unwrap_or_else(|| "root".into());
                 let r = client.list_projects(pb::ListProjectsRequest { path }).await?;
                 out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
-                    r.projects.iter().map(|p| p.path.clone()).collect::<Vec<_>>().join("\n")
+                    usage_table(&r.projects).render("no projects")
                 });
                 Ok(())
             }
@@ -515,7 +625,11 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                 let project = project.unwrap_or_else(|| "root".into());
                 let r = client.list_principals(pb::ListPrincipalsRequest { project }).await?;
                 out.print(Value::Array(r.principals.iter().map(j::principal).collect()), || {
-                    r.principals.iter().map(|p| format!("{}  {}", p.name, p.project)).collect::<Vec<_>>().join("\n")
+                    let mut t = Table::new(&["NAME", "PROJECT"]);
+                    for p in &r.principals {
+                        t.row(vec![p.name.clone(), p.project.clone()]);
+                    }
+                    t.render("no principals")
                 });
                 Ok(())
             }
@@ -541,19 +655,18 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             TokenCmd::List { principal } => {
                 let r = client.list_tokens(pb::ListTokensRequest { principal: principal.unwrap_or_default() }).await?;
                 out.print(Value::Array(r.tokens.iter().map(j::token_info).collect()), || {
-                    r.tokens
-                        .iter()
-                        .map(|t| {
-                            format!(
-                                "{}  {}  {}{}",
-                                t.id,
-                                t.principal,
-                                t.description,
-                                if t.revoked { "  (revoked)" } else { "" }
-                            )
-                        })
-                        .collect::<Vec<_>>()
-                        .join("\n")
+                    let now = now_ms();
+                    let mut tb = Table::new(&["ID", "PRINCIPAL", "STATUS", "DESCRIPTION"]);
+                    for t in &r.tokens {
+                        let status = match (t.revoked, t.expires_at_ms) {
+                            (true, _) => "revoked".to_string(),
+                            (false, 0) => "valid, no expiry".to_string(),
+                            (false, e) if e <= now => "expired".to_string(),
+                            (false, e) => format!("expires in {}", span(now, e)),
+                        };
+                        tb.row(vec![t.id.clone(), t.principal.clone(), status, t.description.clone()]);
+                    }
+                    tb.render("no tokens")
                 });
                 Ok(())
             }
@@ -584,11 +697,11 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                     })
                     .await?;
                 out.print(Value::Array(r.grants.iter().map(j::grant).collect()), || {
-                    r.grants
-                        .iter()
-                        .map(|g| format!("{}  {}  {}", g.principal, g.project, g.permission))
-                        .collect::<Vec<_>>()
-                        .join("\n")
+                    let mut t = Table::new(&["PRINCIPAL", "PROJECT", "PERMISSION"]);
+                    for g in &r.grants {
+                        t.row(vec![g.principal.clone(), g.project.clone(), g.permission.clone()]);
+                    }
+                    t.render("no grants")
                 });
                 Ok(())
             }
@@ -597,7 +710,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             let path = p.or(project).unwrap_or_else(|| "root".into());
             let r = client.get_usage(pb::GetUsageRequest { project: path }).await?;
             out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
-                r.projects.iter().map(project_text).collect::<Vec<_>>().join("\n")
+                usage_table(&r.projects).render("no projects")
             });
             Ok(())
         }
@@ -652,24 +765,31 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
             let mut stream = client.create_sandboxes(spec, count).await?;
             let mut results = Vec::new();
             let mut failed = 0u32;
+            // Ids go to stdout as they come (for scripts); the bar to stderr, on a terminal only.
+            let bar = batch_bar(count, out.json);
             while let Some(item) = stream.message().await.map_err(|s| CtlError::Api(ApiError::from_status(&s)))? {
                 match (&item.sandbox, &item.error) {
                     (Some(s), _) => {
                         if !out.json {
-                            println!("{}", s.id);
+                            bar.suspend(|| println!("{}", s.id));
                         }
                         results.push(json!({"index": item.index, "sandbox": j::sandbox(s)}));
                     }
                     (None, Some(e)) => {
                         failed += 1;
                         if !out.json {
-                            eprintln!("#{}: {}: {}", item.index, e.reason, e.message);
+                            bar.suspend(|| eprintln!("#{}: {}: {}", item.index, e.reason, e.message));
                         }
                         results.push(json!({"index": item.index, "error": {"reason": e.reason, "message": e.message}}));
                     }
                     (None, None) => {}
                 }
+                bar.inc(1);
+                if failed > 0 {
+                    bar.set_message(format!("{failed} failed"));
+                }
             }
+            bar.finish_and_clear();
             if out.json {
                 println!("{}", serde_json::to_string_pretty(&Value::Array(results)).unwrap_or_default());
             }
@@ -701,7 +821,7 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
             out.print(
                 json!({"sandboxes": items.iter().map(j::sandbox).collect::<Vec<_>>(), "next_page_token": next}),
                 || {
-                    let mut s = items.iter().map(sandbox_line).collect::<Vec<_>>().join("\n");
+                    let mut s = sandbox_table(&items).render("no sandboxes");
                     if !next.is_empty() {
                         s.push_str(&format!("\n(more: --page-token {next})"));
                     }
@@ -712,7 +832,7 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
         }
         SandboxCmd::Get { id } => {
             let s = client.get_sandbox(&id).await?;
-            out.print(j::sandbox(&s), || sandbox_line(&s));
+            out.print(j::sandbox(&s), || sandbox_text(&s));
             Ok(())
         }
         SandboxCmd::Stop { id } => {
@@ -743,6 +863,22 @@ async fn sandbox(client: &Client, out: &Out, project: Option<&str>, cmd: Sandbox
             Ok(())
         }
     }
+}
+
+/// The progress bar of a batch creation: on stderr when it is a terminal and the output is
+/// text; hidden (every call a no-op) otherwise.
+fn batch_bar(count: u32, json: bool) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if json || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let style = indicatif::ProgressStyle::with_template("creating [{bar:30}] {pos}/{len} {per_sec} {msg}")
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    let bar = indicatif::ProgressBar::with_draw_target(Some(count as u64), indicatif::ProgressDrawTarget::stderr());
+    bar.set_style(style);
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
 }
 
 async fn cluster_up(
@@ -797,6 +933,73 @@ pub async fn wait_for_signal() {
     }
 }
 
+/// What the caller had when a command failed, for [`hint`].
+pub struct HintContext {
+    /// The apiserver addresses tried.
+    pub addr: String,
+    /// Whether a token was given (flag or OPENDSEC_TOKEN).
+    pub has_token: bool,
+}
+
+/// What to do next about a failure, for people (printed under the error; scripts use the exit
+/// code, one per reason). None where the error says it all.
+pub fn hint(e: &CtlError, cx: &HintContext) -> Option<String> {
+    let CtlError::Api(e) = e else {
+        return None;
+    };
+    let meta = |k: &str| e.metadata.get(k).map(String::as_str);
+    let h = match e.reason {
+        Reason::Unavailable if !e.metadata.contains_key("edge") && !e.message.contains("session") => format!(
+            "is a cluster running at {}? `make up` starts a local one (as root); `opendsecctl cluster up` \
+             a sim-only one. Point OPENDSEC_ADDR (or --addr) at its apiserver.",
+            cx.addr
+        ),
+        Reason::Unavailable => "the node or sandbox cannot serve right now; retry in a moment".into(),
+        Reason::Unauthenticated if !cx.has_token => "set OPENDSEC_TOKEN (a local cluster writes its admin token to \
+             opendsec-state/admin.token: export OPENDSEC_TOKEN=$(cat opendsec-state/admin.token))"
+            .into(),
+        Reason::Unauthenticated => {
+            "the token is unknown, expired or revoked: ask for a new one (`opendsecctl token create`)".into()
+        }
+        Reason::PermissionDenied => "`opendsecctl whoami` shows your grants; someone who administers the project \
+             adds one with `opendsecctl grant add PRINCIPAL PROJECT PERMISSION`"
+            .into(),
+        Reason::NotFound if meta("backend").is_some() => format!(
+            "no edge of this cluster runs backend {:?}: `make up` starts a container edge, \
+             `opendsecctl cluster up --sim-edges N` sim edges",
+            meta("backend").unwrap_or_default()
+        ),
+        Reason::NotFound if meta("image").is_some() => "`opendsecctl image list` shows the images the project \
+             sees; `opendsecctl image import` adds one (docs/images.md)"
+            .into(),
+        Reason::NotFound if e.message.contains("sandbox") => {
+            "`opendsecctl sandbox list` shows the sandboxes you can see (a stopped one stays listed a while)".into()
+        }
+        Reason::QuotaExceeded => "`opendsecctl usage PROJECT` shows quota and usage: stop sandboxes, ask for less \
+             (--cpu, --memory, --disk), or raise the quota with `opendsecctl quota set`"
+            .into(),
+        Reason::NoCapacity => "every edge that could run it is full or under pressure: retry later, ask for \
+             less CPU or memory, or add edges"
+            .into(),
+        Reason::RateLimited => "too many creations at once: retry after the wait the message gives, or use \
+             one batch call (`sandbox create --count N`)"
+            .into(),
+        Reason::InvalidState if e.message.contains("sandbox") || meta("state").is_some() => {
+            "`opendsecctl sandbox get ID` shows its state".into()
+        }
+        Reason::DeadlineExceeded => "the call may still have taken effect: check (`sandbox get`, `sandbox list`) \
+             before you repeat it"
+            .into(),
+        Reason::Internal => "this is a bug: please report it with the message above".into(),
+        Reason::InvalidArgument
+        | Reason::AlreadyExists
+        | Reason::InvalidState
+        | Reason::NotFound
+        | Reason::NotLeader => return None,
+    };
+    Some(h)
+}
+
 /// Reason of a failure, for callers that want it.
 pub fn reason_of(e: &CtlError) -> Option<Reason> {
     match e {
@@ -808,6 +1011,25 @@ pub fn reason_of(e: &CtlError) -> Option<Reason> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_say_what_to_do_next() {
+        let cx = HintContext { addr: "127.0.0.1:7000".into(), has_token: false };
+        let h = |e: ApiError| hint(&CtlError::Api(e), &cx).unwrap_or_default();
+        assert!(h(ApiError::new(Reason::Unavailable, "tcp connect error")).contains("make up"));
+        assert!(h(ApiError::new(Reason::Unauthenticated, "no token")).contains("admin.token"));
+        let with_token = HintContext { has_token: true, ..cx };
+        let e = CtlError::Api(ApiError::new(Reason::Unauthenticated, "unknown token"));
+        assert!(hint(&e, &with_token).unwrap_or_default().contains("token create"));
+        let cx = HintContext { addr: String::new(), has_token: true };
+        let h = |e: ApiError| hint(&CtlError::Api(e), &cx).unwrap_or_default();
+        assert!(
+            h(ApiError::new(Reason::NotFound, "no edge offers backend").with("backend", "microvm")).contains("microvm")
+        );
+        assert!(h(ApiError::new(Reason::NotFound, "image x").with("image", "x")).contains("image import"));
+        assert!(h(ApiError::new(Reason::QuotaExceeded, "over")).contains("quota set"));
+        assert_eq!(hint(&CtlError::Local("disk".into()), &cx), None);
+    }
 
     #[test]
     fn only_cluster_up_serves() {

@@ -107,6 +107,12 @@ pub struct ImportArgs {
 pub enum ImageCmd {
     /// Import an image into the store (from a registry, an OCI layout, a docker archive or a
     /// root file system) and register it in the project.
+    #[command(after_help = "Examples (as root, beside the cluster; the store is OPENDSEC_IMAGE_STORE or \
+    opendsec-state/images):\n  \
+    opendsecctl image import 127.0.0.1:5000/library/python:3.12 --insecure\n  \
+    opendsecctl image import --rootfs /var/cache/opendsec/debian-bookworm-*/rootfs --name debian:bookworm\n  \
+    opendsecctl image import --oci-layout ./layout app:v1\n  \
+    opendsecctl image import --docker-archive ./app.tar --name app:v1")]
     Import(ImportArgs),
     /// Images of the project (--project; default: the caller's).
     List {
@@ -189,11 +195,16 @@ pub async fn run(client: &Client, out: &Out, project: Option<&str>, cmd: ImageCm
         ImageCmd::List { recursive } => {
             let r = client.list_images(pb::ListImagesRequest { project, recursive }).await?;
             out.print(Value::Array(r.images.iter().map(j::image).collect()), || {
-                r.images
-                    .iter()
-                    .map(|i| format!("{}  {} layers  {}", image_name(i), i.layers.len(), i.source))
-                    .collect::<Vec<_>>()
-                    .join("\n")
+                let mut t = crate::table::Table::new(&["IMAGE", "PROJECT", "LAYERS", "SOURCE"]);
+                for i in &r.images {
+                    t.row(vec![
+                        format!("{}:{}", i.repo, i.tag),
+                        i.project.clone(),
+                        i.layers.len().to_string(),
+                        i.source.clone(),
+                    ]);
+                }
+                t.render("no images")
             });
             Ok(())
         }

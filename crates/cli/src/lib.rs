@@ -6,3 +6,4 @@ pub mod ctl;
 pub mod image;
 pub mod json;
 pub mod runtime;
+pub mod table;

@@ -34,6 +34,12 @@ const MAX_REATTACH: u32 = 10;
 const INTERRUPTED: i32 = 130;
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  \
+opendsecctl exec ID -- 'echo hello; uname -a'\n  \
+opendsecctl exec ID -- \"python3 -c 'print(6*7)'\"\n  \
+opendsecctl exec ID --session s1 -- cd /tmp        # the session keeps cd, exports, functions\n  \
+opendsecctl exec ID --session s1 -- pwd            # /tmp\n  \
+opendsecctl exec ID --json -- ls /                 # exit code, stdout, stderr as JSON")]
 pub struct ExecArgs {
     pub sandbox: String,
     /// A named session: its shell persists between calls (cd, exports). Default: a fresh
@@ -58,6 +64,11 @@ pub struct ExecArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  \
+opendsecctl run ID -- python3 train.py             # follow its output, exit with its code\n  \
+opendsecctl run ID --tag web --detach -- python3 -m http.server 8000\n  \
+opendsecctl ps ID\n  \
+opendsecctl kill ID web --signal 15")]
 pub struct RunArgs {
     pub sandbox: String,
     /// A name for the process, unique among running ones (usable by `kill`).
@@ -79,6 +90,11 @@ pub struct RunArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  \
+opendsecctl cp ./data.csv ID:/work/data.csv        # upload\n  \
+opendsecctl cp ID:/work/out.json ./out.json        # download\n  \
+tar cz src | opendsecctl cp - ID:/tmp/src.tgz      # from stdin\n  \
+opendsecctl cp ID:/etc/os-release -                # to stdout")]
 pub struct CpArgs {
     /// `SANDBOX_ID:/path`, a local path, or `-` (stdin).
     pub src: String,
@@ -402,11 +418,11 @@ pub async fn ps(client: &Client, out: &Out, sandbox: String) -> Result<(), CtlEr
         })
         .collect();
     out.print(Value::Array(rows), || {
-        let mut lines = vec![format!("{:<8}  {:<16}  {:<12}  CMD", "PID", "TAG", "STATE")];
-        lines.extend(
-            r.processes.iter().map(|p| format!("{:<8}  {:<16}  {:<12}  {}", p.pid, p.tag, state(p), p.cmd.join(" "))),
-        );
-        lines.join("\n")
+        let mut t = crate::table::Table::new(&["PID", "TAG", "STATE", "CMD"]);
+        for p in &r.processes {
+            t.row(vec![p.pid.to_string(), p.tag.clone(), state(p), p.cmd.join(" ")]);
+        }
+        t.render("no processes")
     });
     Ok(())
 }

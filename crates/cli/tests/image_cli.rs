@@ -72,9 +72,11 @@ async fn import_register_use_and_collect() {
     ctl(&cluster, &["image", "list"]).await.unwrap();
     ctl(&cluster, &["image", "get", "hello:v1"]).await.unwrap();
     ctl(&cluster, &["image", "compose", "combo:1", "scratch", "hello:v1"]).await.unwrap();
-    ctl(&cluster, &["sandbox", "create", "--image", "combo:1", "--cpu", "100", "--memory", "64"]).await.unwrap();
-    ctl(&cluster, &["sandbox", "create"]).await.expect("the default image exists on a new cluster");
-    let e = ctl(&cluster, &["sandbox", "create", "--image", "nope"]).await.unwrap_err();
+    ctl(&cluster, &["sandbox", "create", "--backend", "sim", "--image", "combo:1", "--cpu", "100", "--memory", "64"])
+        .await
+        .unwrap();
+    ctl(&cluster, &["sandbox", "create", "--backend", "sim"]).await.expect("the default image exists on a new cluster");
+    let e = ctl(&cluster, &["sandbox", "create", "--backend", "sim", "--image", "nope"]).await.unwrap_err();
     assert_eq!(opendsec_cli::ctl::reason_of(&e), Some(Reason::NotFound));
     assert_eq!(e.exit_code(), Reason::NotFound.exit_code());
 

@@ -53,7 +53,17 @@ def lines(p: subprocess.CompletedProcess) -> List[str]:
 
 def test_every_example_is_tested() -> None:
     names = {p.name for p in EXAMPLES.glob("*.py")}
-    assert names == {"stateful_session.py", "files.py", "rl_batch.py", "retry_safe.py"}
+    assert names == {"quickstart.py", "stateful_session.py", "files.py", "rl_batch.py", "retry_safe.py"}
+
+
+def test_quickstart(debian: Cluster) -> None:
+    """The README's Python example, as it stands there."""
+    readme = (REPO / "README.md").read_text()
+    code = (EXAMPLES / "quickstart.py").read_text()
+    body = code[code.index("import opendsec"):].strip()
+    assert body in readme, "README.md must show examples/quickstart.py's code as it is"
+    out = lines(run_example(debian, "quickstart.py"))
+    assert re.fullmatch(r"\S+\.\S+ exit 0 -> 45 3\.\d+\.\d+", out[-1]), out
 
 
 def test_stateful_session(debian: Cluster) -> None:

@@ -1,10 +1,12 @@
 """Unit tests: error mapping and the catalogue, addresses, backoff, ids, retry safety against
-an in-process fake apiserver."""
+an in-process fake apiserver, and docs/sdk-reference.md being current."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import List
 
@@ -275,3 +277,134 @@ async def test_a_dead_address_is_avoided(dead_address: str) -> None:
         assert len(sbx.leases) == 6 and len(set(sbx.leases)) == 6
     finally:
         await server.stop(None)
+
+
+class BatchSandboxes(pb_grpc.SandboxesServicer):
+    """A batch endpoint whose first call refuses every odd item with ``no_capacity`` (as an
+    edge under pressure would) and one whose items are a permanent ``quota_exceeded``."""
+
+    def __init__(self, permanent: bool = False) -> None:
+        self.counts: List[int] = []
+        self.permanent = permanent
+        self.made = 0
+
+    async def CreateSandboxes(self, request, context):
+        first = not self.counts
+        self.counts.append(request.count)
+        for i in range(request.count):
+            if self.permanent and first and i == 0:
+                yield pb.CreateSandboxesResponse(index=i, error=pb.ErrorDetail(reason="quota_exceeded", message="over"))
+            elif first and i % 2 == 1:
+                yield pb.CreateSandboxesResponse(index=i, error=pb.ErrorDetail(reason="no_capacity", message="cpu pressure"))
+            else:
+                self.made += 1
+                yield pb.CreateSandboxesResponse(
+                    index=i, sandbox=pb.Sandbox(id=f"e.s{self.made}", spec=request.spec, state=pb.SANDBOX_STATE_RUNNING)
+                )
+
+
+async def serve_batch(permanent: bool = False):
+    server = grpc.aio.server()
+    sbx = BatchSandboxes(permanent)
+    pb_grpc.add_SandboxesServicer_to_server(sbx, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", sbx
+
+
+async def test_batch_items_refused_for_a_passing_reason_are_asked_for_again() -> None:
+    server, addr, sbx = await serve_batch()
+    progress: List[int] = []
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+            got = await c.create_sandboxes(7, "sim", on_progress=lambda d, n: progress.append(d))
+        # One call for 7, then one for the 3 refused; every slot filled once, in order.
+        assert sbx.counts == [7, 3]
+        assert len({s.id for s in got}) == 7 and all(s.state == "running" for s in got)
+        assert progress == list(range(1, 8))
+    finally:
+        await server.stop(None)
+
+
+async def test_batch_retry_can_be_turned_off_and_permanent_errors_are_not_retried() -> None:
+    server, addr, sbx = await serve_batch()
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+            got = await c.create_sandboxes(4, "sim", retry=False, return_exceptions=True)
+        assert sbx.counts == [4]
+        assert [type(r).__name__ for r in got] == ["Sandbox", "NoCapacity", "Sandbox", "NoCapacity"]
+    finally:
+        await server.stop(None)
+    server, addr, sbx = await serve_batch(permanent=True)
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+            with pytest.raises(errors.QuotaExceeded) as e:
+                await c.create_sandboxes(2, "sim")
+        # Item 1 was retried once (no_capacity), item 0 (quota) never; the made one is listed.
+        assert sbx.counts == [2, 1] and [s.id for s in e.value.created] == ["e.s1"]
+    finally:
+        await server.stop(None)
+
+
+def test_the_sync_facade_wraps_handles_and_batch_errors() -> None:
+    server_box: dict = {}
+    loop = asyncio.new_event_loop()
+    server, addr, _ = loop.run_until_complete(serve_batch(permanent=True))
+    server_box["s"] = server
+    import threading
+
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        with opendsec.Client(addr, token="tok", retry_timeout=5) as c:
+            assert type(c.sandbox("e.l")).__name__ == "SyncSandbox"
+            with pytest.raises(errors.QuotaExceeded) as e:
+                c.create_sandboxes(2, "sim")
+            assert [type(s).__name__ for s in e.value.created] == ["SyncSandbox"]
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+
+
+class ChunkRuntime(rt_grpc.RuntimeServicer):
+    """Sends the asked-for range then breaks the stream (the answer arrived whole)."""
+
+    def __init__(self) -> None:
+        self.requests: List[tuple] = []
+
+    async def ReadFile(self, request, context):
+        self.requests.append((request.offset, request.length))
+        yield rt.FileChunk(offset=request.offset, data=b"x" * request.length)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "cut")
+
+
+async def test_a_ranged_read_cut_after_its_last_byte_does_not_read_on() -> None:
+    server = grpc.aio.server()
+    rtm = ChunkRuntime()
+    rt_grpc.add_RuntimeServicer_to_server(rtm, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with opendsec.AsyncClient(f"127.0.0.1:{port}", token="tok", retry_timeout=20) as c:
+            data = await c.sandbox("e.l").read_file("/f", offset=10, length=5)
+        assert data == b"xxxxx" and rtm.requests == [(10, 5)]
+    finally:
+        await server.stop(None)
+
+
+# -- the generated reference ------------------------------------------------------------------
+
+
+def test_sdk_reference_is_current() -> None:
+    here = Path(__file__).resolve().parent
+    script = here / ".." / "tools" / "gen_reference.py"
+    committed = here / ".." / ".." / ".." / "docs" / "sdk-reference.md"
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, check=True, cwd=here
+    ).stdout
+    assert committed.read_text() == out, (
+        "docs/sdk-reference.md is out of date with the SDK's docstrings; regenerate it from the "
+        "repository root with: pip install ./sdk/python && "
+        "target/sdk-venv/bin/python sdk/python/tools/gen_reference.py > docs/sdk-reference.md"
+    )

@@ -16,6 +16,7 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
+    let cx = opendsec_cli::ctl::HintContext { addr: cli.addr.clone(), has_token: cli.token.is_some() };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -29,6 +30,9 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("error: {e}");
+            if let Some(h) = opendsec_cli::ctl::hint(&e, &cx) {
+                eprintln!("hint: {h}");
+            }
             std::process::exit(e.exit_code());
         }
     }

@@ -47,6 +47,10 @@ from .types import FileEntry, OutputChunk, ProcessExit, ProcessInfo, ShellExit, 
 
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
 WRITE_CHUNK_BYTES = 1024 * 1024
+# Creation errors that pass: retried (a creation is idempotent by lease id; a failed batch
+# item created nothing).
+CREATE_RETRYABLE: Tuple[type, ...] = (errors.Unavailable, errors.NoCapacity, errors.RateLimited)
+
 # The same defaults as `opendsecctl sandbox create`.
 DEFAULT_IMAGE = "scratch"
 DEFAULT_CPU_MILLIS = 1000
@@ -184,11 +188,18 @@ class AsyncClient:
             self.pool.mark_broken(address)
         return err
 
-    async def _retry_sleep(self, backoff: Optional[Backoff], err: errors.OpendsecError) -> bool:
-        """Sleeps before the next attempt when ``err`` may be retried; False: give up."""
-        if backoff is None or not isinstance(err, errors.Unavailable):
+    async def _retry_sleep(
+        self,
+        backoff: Optional[Backoff],
+        err: errors.OpendsecError,
+        retry_on: Tuple[type, ...] = (errors.Unavailable,),
+    ) -> bool:
+        """Sleeps before the next attempt when ``err`` is one of ``retry_on``; False: give up.
+        A ``rate_limited`` error's ``retry_after_ms`` is the least it waits."""
+        if backoff is None or not isinstance(err, retry_on):
             return False
-        delay = backoff.next_delay()
+        hint = err.retry_after_s if isinstance(err, errors.RateLimited) else None
+        delay = backoff.next_delay(hint)
         if delay is None:
             return False
         await asyncio.sleep(delay)
@@ -205,6 +216,7 @@ class AsyncClient:
         *,
         retry: bool,
         timeout: Optional[float] = None,
+        retry_on: Tuple[type, ...] = (errors.Unavailable,),
     ) -> Any:
         backoff = self._backoff(retry)
         while True:
@@ -215,7 +227,7 @@ class AsyncClient:
                 )
             except grpc.RpcError as e:
                 err = self._failed(address, e)
-                if await self._retry_sleep(backoff, err):
+                if await self._retry_sleep(backoff, err, retry_on):
                     continue
                 raise err from None
             self.pool.mark_ok(address)
@@ -304,11 +316,23 @@ class AsyncClient:
                 ``scratch``, an empty image every new cluster has in ``root``).
             cpu: millicores; memory_mb/disk_mb: MiB (defaults as ``opendsecctl``: 1000,
                 1024, 10240).
+            gpus: GPUs to reserve (default 0).
             project: project path; default the client's project.
             labels/env: sandbox labels and environment.
             ttl_*: idle/lifetime/paused TTLs in seconds (0: cluster defaults).
-            lease_id: idempotency key ``[a-z0-9-]{1,40}``; generated when omitted. Retries on
-                ``unavailable`` reuse it, so they never create a second sandbox.
+            user/workdir: the user and directory sessions and processes use when a call names
+                none ("": root, and the user's home).
+            best_effort: best-effort priority instead of guaranteed.
+            lease_id: idempotency key ``[a-z0-9-]{1,40}``; generated when omitted. Retries
+                reuse it, so they never create a second sandbox.
+
+        Retried within ``retry_timeout`` on ``unavailable``, ``no_capacity`` (every edge full
+        or under pressure, often for seconds only) and ``rate_limited`` (after the wait it
+        names).
+
+        Returns the :class:`Sandbox`. Raises ``ValueError`` for an empty ``backend`` or a
+        malformed ``lease_id`` (before any call), else an :class:`~opendsec.errors.OpendsecError`
+        (e.g. ``quota_exceeded``, ``no_capacity``, ``not_found`` for the image).
         """
         spec = self._spec(
             backend, image, cpu, memory_mb, disk_mb, gpus, project, labels, env,
@@ -316,7 +340,8 @@ class AsyncClient:
         )
         lease = check_lease_id(lease_id) if lease_id is not None else new_lease_id()
         info = await self._unary(
-            "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease), retry=True
+            "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease), retry=True,
+            retry_on=CREATE_RETRYABLE,
         )
         return Sandbox(self, info)
 
@@ -341,6 +366,7 @@ class AsyncClient:
         best_effort: bool = False,
         return_exceptions: bool = False,
         on_progress: Optional[Callable[[int, int], None]] = None,
+        retry: bool = True,
     ) -> List[Any]:
         """Creates ``n`` sandboxes from one spec in one call (``CreateSandboxes``).
 
@@ -349,34 +375,44 @@ class AsyncClient:
         ``created`` attribute, so the caller can stop them), or, with
         ``return_exceptions=True``, returned in its place as an ``OpendsecError``.
         ``on_progress(done, n)`` is called as each item completes (for progress bars).
+        The other arguments are those of :meth:`create_sandbox`.
 
-        Not retried: a batch carries no idempotency key.
+        Items that fail for a passing reason (``no_capacity``, ``rate_limited``,
+        ``unavailable``) are asked for again, in one new batch call for all of them, with
+        backoff within ``retry_timeout`` (``retry=False``: not). That is safe: a failed item
+        created nothing. The call itself is not repeated when its stream breaks (a batch
+        carries no idempotency key; the sandboxes answered so far are on the error's
+        ``created``).
         """
         spec = self._spec(
             backend, image, cpu, memory_mb, disk_mb, gpus, project, labels, env,
             ttl_running_stop_s, ttl_max_s, ttl_paused_s, user, workdir, best_effort,
         )
         results: List[Any] = [None] * n
-        address = self.pool.pick()
-        call = self._stub("Sandboxes", address).CreateSandboxes(
-            pb.CreateSandboxesRequest(spec=spec, count=n), metadata=self._metadata()
-        )
+        backoff = self._backoff(retry)
         done = 0
-        try:
-            async for item in call:
-                if item.HasField("error") and item.error.reason:
-                    results[item.index] = errors.from_detail(item.error.reason, item.error.message)
-                else:
-                    results[item.index] = Sandbox(self, item.sandbox)
+        todo = list(range(n))
+        while todo:
+            got = await self._batch_once(spec, todo, results)
+            again: List[int] = []
+            for i in todo:
+                r = got.get(i)
+                if r is None:
+                    r = errors.Internal(f"no answer for batch item {i}")
+                results[i] = r
+                if retry and isinstance(r, CREATE_RETRYABLE):
+                    again.append(i)
+                    continue
                 done += 1
                 if on_progress is not None:
                     on_progress(done, n)
-        except grpc.RpcError as e:
-            raise self._failed(address, e) from None
-        self.pool.mark_ok(address)
-        for i, r in enumerate(results):
-            if r is None:
-                results[i] = errors.Internal(f"no answer for batch item {i}")
+            if not again or not await self._retry_sleep(backoff, results[again[0]], CREATE_RETRYABLE):
+                for _ in again:  # given up: these answers are final
+                    done += 1
+                    if on_progress is not None:
+                        on_progress(done, n)
+                break
+            todo = again
         if not return_exceptions:
             failed = [r for r in results if isinstance(r, errors.OpendsecError)]
             if failed:
@@ -384,6 +420,32 @@ class AsyncClient:
                 first.created = [r for r in results if isinstance(r, Sandbox)]  # type: ignore[attr-defined]
                 raise first
         return results
+
+    async def _batch_once(self, spec: Any, slots: List[int], results: List[Any]) -> Dict[int, Any]:
+        """One ``CreateSandboxes`` call for ``len(slots)`` sandboxes; item ``k`` of the call
+        answers ``slots[k]``. A broken stream raises, with every sandbox created so far (in
+        ``results`` and in this call) on the error's ``created``."""
+        got: Dict[int, Any] = {}
+        address = self.pool.pick()
+        call = self._stub("Sandboxes", address).CreateSandboxes(
+            pb.CreateSandboxesRequest(spec=spec, count=len(slots)), metadata=self._metadata()
+        )
+        try:
+            async for item in call:
+                if item.index >= len(slots):
+                    continue
+                slot = slots[item.index]
+                if item.HasField("error") and item.error.reason:
+                    got[slot] = errors.from_detail(item.error.reason, item.error.message)
+                else:
+                    got[slot] = Sandbox(self, item.sandbox)
+        except grpc.RpcError as e:
+            err = self._failed(address, e)
+            created = [r for r in list(results) + list(got.values()) if isinstance(r, Sandbox)]
+            err.created = created  # type: ignore[attr-defined]
+            raise err from None
+        self.pool.mark_ok(address)
+        return got
 
     async def get_sandbox(self, sandbox_id: str) -> "Sandbox":
         """The sandbox with this id (``not_found`` if none)."""
@@ -432,15 +494,15 @@ class AsyncClient:
         return [s async for s in self.iter_sandboxes(project, labels=labels, states=states, page_size=page_size)]
 
     async def stop_sandbox(self, sandbox_id: str) -> "Sandbox":
-        """Stops the sandbox (not retried)."""
+        """Stops the sandbox and returns it as updated (not retried)."""
         return Sandbox(self, await self._unary("Sandboxes", "StopSandbox", pb.StopSandboxRequest(id=sandbox_id), retry=False))
 
     async def pause_sandbox(self, sandbox_id: str) -> "Sandbox":
-        """Pauses the sandbox (not retried)."""
+        """Pauses the sandbox and returns it as updated (not retried)."""
         return Sandbox(self, await self._unary("Sandboxes", "PauseSandbox", pb.PauseSandboxRequest(id=sandbox_id), retry=False))
 
     async def resume_sandbox(self, sandbox_id: str) -> "Sandbox":
-        """Resumes a paused sandbox (not retried)."""
+        """Resumes a paused sandbox and returns it as updated (not retried)."""
         return Sandbox(self, await self._unary("Sandboxes", "ResumeSandbox", pb.ResumeSandboxRequest(id=sandbox_id), retry=False))
 
     async def set_sandbox_timeout(
@@ -451,7 +513,8 @@ class AsyncClient:
         ttl_max_s: Optional[int] = None,
         ttl_paused_s: Optional[int] = None,
     ) -> "Sandbox":
-        """Replaces the TTLs given (seconds); the others are kept. Retried (it sets values)."""
+        """Replaces the TTLs given (seconds); the others are kept. Returns the sandbox as
+        updated. Retried (it sets values)."""
         req = pb.SetSandboxTimeoutRequest(id=sandbox_id)
         if ttl_running_stop_s is not None:
             req.ttl_running_stop_s = ttl_running_stop_s
@@ -487,14 +550,16 @@ class AsyncClient:
     async def compose_image(
         self, name: str, sources: Sequence[str], project: Optional[str] = None, *, replace: bool = False
     ) -> pb.Image:
-        """Registers ``name`` as the concatenation of the sources' layers (bottom first)."""
+        """Registers ``name`` as the concatenation of the sources' layers (bottom first) and
+        returns it; ``replace`` overwrites an existing ``name`` (else ``already_exists``). Not
+        retried."""
         req = pb.ComposeImageRequest(
             project=self.project if project is None else project, name=name, sources=list(sources), replace=replace
         )
         return await self._unary("Images", "ComposeImage", req, retry=False)
 
     async def delete_image(self, name: str, project: Optional[str] = None) -> None:
-        """Deletes the image from exactly this project."""
+        """Deletes the image from exactly this project (not its ancestors'). Not retried."""
         req = pb.DeleteImageRequest(project=self.project if project is None else project, name=name)
         await self._unary("Images", "DeleteImage", req, retry=False)
 
@@ -505,10 +570,12 @@ class AsyncClient:
         return await self._unary("Admin", "WhoAmI", pb.WhoAmIRequest(), retry=True)
 
     async def create_project(self, path: str, quota: Optional[pb.Quota] = None) -> pb.Project:
-        """Creates ``path`` (its parent must exist)."""
+        """Creates the project ``path`` (its parent must exist) and returns it; ``quota``
+        unset inherits. Not retried."""
         return await self._unary("Admin", "CreateProject", pb.CreateProjectRequest(path=path, quota=quota), retry=False)
 
     async def get_project(self, path: str) -> pb.Project:
+        """The project ``path`` (``not_found`` if none)."""
         return await self._unary("Admin", "GetProject", pb.GetProjectRequest(path=path), retry=True)
 
     async def list_projects(self, path: str = "root") -> List[pb.Project]:
@@ -516,6 +583,7 @@ class AsyncClient:
         return list((await self._unary("Admin", "ListProjects", pb.ListProjectsRequest(path=path), retry=True)).projects)
 
     async def delete_project(self, path: str) -> None:
+        """Deletes the project ``path``. Not retried."""
         await self._unary("Admin", "DeleteProject", pb.DeleteProjectRequest(path=path), retry=False)
 
     async def set_quota(self, path: str, quota: pb.Quota) -> pb.Project:
@@ -523,35 +591,47 @@ class AsyncClient:
         return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=quota), retry=True)
 
     async def create_principal(self, name: str, project: str) -> pb.Principal:
+        """Creates the principal ``name`` in ``project`` and returns it. Not retried."""
         return await self._unary("Admin", "CreatePrincipal", pb.CreatePrincipalRequest(name=name, project=project), retry=False)
 
     async def list_principals(self, project: str) -> List[pb.Principal]:
+        """The principals of ``project``."""
         resp = await self._unary("Admin", "ListPrincipals", pb.ListPrincipalsRequest(project=project), retry=True)
         return list(resp.principals)
 
     async def delete_principal(self, name: str) -> None:
+        """Deletes the principal ``name``. Not retried."""
         await self._unary("Admin", "DeletePrincipal", pb.DeletePrincipalRequest(name=name), retry=False)
 
     async def create_token(self, principal: str = "", *, ttl_s: int = 0, description: str = "") -> pb.CreateTokenResponse:
-        """A new token (``.token`` is shown once)."""
+        """Creates a token for ``principal`` (default: the caller) valid ``ttl_s`` seconds (0:
+        never expires); ``.token`` of the answer is the secret, shown only this once.
+        Not retried."""
         req = pb.CreateTokenRequest(principal=principal, ttl_s=ttl_s, description=description)
         return await self._unary("Admin", "CreateToken", req, retry=False)
 
     async def list_tokens(self, principal: str = "") -> List[pb.TokenInfo]:
+        """The tokens of ``principal`` (default: the caller), without their secrets."""
         return list((await self._unary("Admin", "ListTokens", pb.ListTokensRequest(principal=principal), retry=True)).tokens)
 
     async def revoke_token(self, token_id: str) -> None:
+        """Revokes the token with id ``token_id``. Retried."""
         await self._unary("Admin", "RevokeToken", pb.RevokeTokenRequest(id=token_id), retry=True)
 
     async def grant(self, principal: str, project: str, permission: str) -> None:
+        """Grants ``permission`` (e.g. ``"sandbox.create"``; ``"*"``: every one) on ``project`` to
+        ``principal``. Retried."""
         g = pb.Grant(principal=principal, project=project, permission=permission)
         await self._unary("Admin", "Grant", pb.GrantRequest(grant=g), retry=True)
 
     async def revoke_grant(self, principal: str, project: str, permission: str) -> None:
+        """Removes the grant made by :meth:`grant` with the same arguments. Not retried: a
+        repeat after a lost answer would fail with ``not_found``."""
         g = pb.Grant(principal=principal, project=project, permission=permission)
-        await self._unary("Admin", "RevokeGrant", pb.RevokeGrantRequest(grant=g), retry=True)
+        await self._unary("Admin", "RevokeGrant", pb.RevokeGrantRequest(grant=g), retry=False)
 
     async def list_grants(self, principal: str = "", project: str = "") -> List[pb.Grant]:
+        """The grants, filtered by ``principal`` and/or ``project`` when given."""
         req = pb.ListGrantsRequest(principal=principal, project=project)
         return list((await self._unary("Admin", "ListGrants", req, retry=True)).grants)
 
@@ -563,7 +643,9 @@ class AsyncClient:
 class Sandbox:
     """A handle on one sandbox: lifecycle, shell sessions, files and processes.
 
-    ``info`` is the ``opendsec.v1.Sandbox`` as last seen (refresh with :meth:`refresh`).
+    ``info`` is the ``opendsec.v1.Sandbox`` as last seen (refresh with :meth:`refresh`);
+    ``client`` is the :class:`AsyncClient` it was obtained from. ``async with sb:`` stops the
+    sandbox on exit (a sandbox already gone or stopped is not an error).
     """
 
     def __init__(self, client: AsyncClient, info: pb.Sandbox) -> None:
@@ -575,6 +657,7 @@ class Sandbox:
 
     @property
     def id(self) -> str:
+        """The sandbox id."""
         return self.info.id
 
     @property
@@ -584,27 +667,33 @@ class Sandbox:
 
     @property
     def labels(self) -> Dict[str, str]:
+        """The sandbox's labels (a copy)."""
         return dict(self.info.spec.labels)
 
     @property
     def backend(self) -> str:
+        """The backend it runs on (``"container"``, ``"sim"``, ...)."""
         return self.info.spec.backend
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def refresh(self) -> "Sandbox":
+        """Reloads ``info`` from the server; returns ``self``."""
         self.info = (await self.client.get_sandbox(self.id)).info
         return self
 
     async def stop(self) -> "Sandbox":
+        """Stops the sandbox (not retried); returns ``self`` with ``info`` updated."""
         self.info = (await self.client.stop_sandbox(self.id)).info
         return self
 
     async def pause(self) -> "Sandbox":
+        """Pauses the sandbox (not retried); returns ``self`` with ``info`` updated."""
         self.info = (await self.client.pause_sandbox(self.id)).info
         return self
 
     async def resume(self) -> "Sandbox":
+        """Resumes the paused sandbox (not retried); returns ``self`` with ``info`` updated."""
         self.info = (await self.client.resume_sandbox(self.id)).info
         return self
 
@@ -615,6 +704,7 @@ class Sandbox:
         ttl_max_s: Optional[int] = None,
         ttl_paused_s: Optional[int] = None,
     ) -> "Sandbox":
+        """Replaces the TTLs given, as :meth:`AsyncClient.set_sandbox_timeout`; returns ``self``."""
         self.info = (
             await self.client.set_sandbox_timeout(
                 self.id, ttl_running_stop_s=ttl_running_stop_s, ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s
@@ -646,7 +736,7 @@ class Sandbox:
             session_id=session or "",
             command=cmd,
             request_id=check_request_id(request_id) if request_id else new_request_id(),
-            timeout_ms=int(timeout * 1000) if timeout else 0,
+            timeout_ms=max(1, int(timeout * 1000)) if timeout else 0,
             env=dict(env or {}),
             cwd=cwd or "",
             user=user or "",
@@ -739,7 +829,8 @@ class Sandbox:
                 raise err
 
     async def close_session(self, session: str) -> bool:
-        """Ends a session (its shell and processes die). False when it did not exist."""
+        """Ends a session (its shell and processes die). Returns False when it did not exist
+        (which a retry after a lost answer also reports)."""
         req = rt.CloseSessionRequest(sandbox_id=self.id, session_id=session)
         return (await self.client._unary("Runtime", "CloseSession", req, retry=True)).existed
 
@@ -748,11 +839,15 @@ class Sandbox:
     async def iter_file(
         self, path: str, *, session: Optional[str] = None, user: Optional[str] = None, offset: int = 0, length: int = 0
     ) -> AsyncIterator[bytes]:
-        """The file's bytes in chunks, resuming after a disconnect from the bytes received."""
+        """The file's bytes in chunks (``length`` bytes from ``offset``; 0: to the end),
+        resuming after a disconnect from the bytes received. ``session``/``user`` choose whose
+        view of the filesystem (relative paths from the session's cwd)."""
         pos = offset
         end = offset + length if length else 0
         backoff = self.client._backoff(True)
         while True:
+            if end and pos >= end:
+                return  # everything asked for arrived before the stream broke
             address = self.client.pool.pick()
             req = rt.ReadFileRequest(
                 sandbox_id=self.id, session_id=session or "", path=path, offset=pos,
@@ -850,7 +945,9 @@ class Sandbox:
         mode: Optional[int] = None,
         make_parents: bool = True,
     ) -> int:
-        """Copies a local file into the sandbox (its permission bits kept unless ``mode``)."""
+        """Copies a local file into the sandbox (its permission bits kept unless ``mode``;
+        missing parent directories made unless ``make_parents=False``); returns the bytes
+        written. Retried like a whole-file :meth:`write_file`."""
         local = Path(local_path)
         file_mode = mode if mode is not None else local.stat().st_mode & 0o7777
 
@@ -871,7 +968,8 @@ class Sandbox:
     async def download(
         self, remote_path: str, local_path: Union[str, os.PathLike], *, session: Optional[str] = None, user: Optional[str] = None
     ) -> int:
-        """Copies a sandbox file to a local path (written to a temporary name, then renamed)."""
+        """Copies a sandbox file to a local path (written to ``<name>.part``, then renamed, so
+        the local path never holds a partial file); returns the bytes copied."""
         local = Path(local_path)
         tmp = local.with_name(local.name + ".part")
         n = 0
@@ -894,25 +992,30 @@ class Sandbox:
         )
 
     async def list_dir(self, path: str, *, session: Optional[str] = None, user: Optional[str] = None) -> List[FileEntry]:
-        """Entries of a directory."""
+        """Entries of a directory (``not_found`` if it does not exist)."""
         req = rt.ListDirRequest(sandbox_id=self.id, session_id=session or "", path=path, user=user or "")
         return [self._entry(f) for f in (await self.client._unary("Runtime", "ListDir", req, retry=True)).entries]
 
     async def stat(self, path: str, *, session: Optional[str] = None, user: Optional[str] = None) -> FileEntry:
+        """The :class:`FileEntry` of ``path`` (``not_found`` if it does not exist)."""
         req = rt.StatRequest(sandbox_id=self.id, session_id=session or "", path=path, user=user or "")
         return self._entry(await self.client._unary("Runtime", "Stat", req, retry=True))
 
     async def make_dir(
         self, path: str, *, parents: bool = True, mode: int = 0, session: Optional[str] = None, user: Optional[str] = None
     ) -> None:
+        """Creates a directory (with ``parents``, like ``mkdir -p``: missing parents made, an
+        existing directory is fine). Retried only with ``parents``."""
         req = rt.MakeDirRequest(sandbox_id=self.id, session_id=session or "", path=path, parents=parents, mode=mode, user=user or "")
         await self.client._unary("Runtime", "MakeDir", req, retry=parents)
 
     async def remove(self, path: str, *, recursive: bool = False, session: Optional[str] = None, user: Optional[str] = None) -> None:
+        """Removes a file or empty directory (with ``recursive``, a whole tree). Not retried."""
         req = rt.RemoveRequest(sandbox_id=self.id, session_id=session or "", path=path, recursive=recursive, user=user or "")
         await self.client._unary("Runtime", "Remove", req, retry=False)
 
     async def move(self, src: str, dst: str, *, session: Optional[str] = None, user: Optional[str] = None) -> None:
+        """Renames ``src`` to ``dst`` inside the sandbox. Not retried."""
         req = rt.MoveRequest(sandbox_id=self.id, session_id=session or "", to=dst, user=user or "")
         setattr(req, "from", src)
         await self.client._unary("Runtime", "Move", req, retry=False)
@@ -992,7 +1095,7 @@ class Sandbox:
         await self.client._unary("Runtime", "SendInput", req, retry=False)
 
     async def signal_process(self, process: ProcessRef, signal: int = 15) -> None:
-        """Sends a signal (default SIGTERM). Not retried."""
+        """Sends a signal number to the process (default 15, SIGTERM). Not retried."""
         req = rt.SignalProcessRequest(sandbox_id=self.id, process=_selector(process), signal=signal)
         await self.client._unary("Runtime", "SignalProcess", req, retry=False)
 
@@ -1020,10 +1123,11 @@ class Sandbox:
         timeout: Optional[float] = None,
     ) -> rt.HttpRequestResponse:
         """One HTTP/1.1 request to ``127.0.0.1:<port>`` inside the sandbox (retried only for
-        GET/HEAD)."""
+        GET/HEAD); returns the raw ``opendsec.v1.HttpRequestResponse`` (status, headers, body).
+        ``timeout`` is in seconds."""
         req = rt.HttpRequestRequest(
             sandbox_id=self.id, port=port, method=method, path=path,
             headers=[rt.HttpHeader(name=k, value=v) for k, v in (headers or {}).items()],
-            body=body, timeout_ms=int(timeout * 1000) if timeout else 0,
+            body=body, timeout_ms=max(1, int(timeout * 1000)) if timeout else 0,
         )
         return await self.client._unary("Runtime", "HttpRequest", req, retry=method in ("GET", "HEAD"))

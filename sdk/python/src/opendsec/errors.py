@@ -24,7 +24,12 @@ class OpendsecError(Exception):
         reason: the stable reason string, e.g. ``"not_found"``.
         message: the server's message, for people (may change; do not parse it).
         metadata: the ``ErrorInfo`` metadata (e.g. ``retry_after_ms`` for ``rate_limited``).
-        code: the gRPC status code of the call, when it came from a call.
+        code: the gRPC status code of the call, when it came from a call (else the class's
+            ``grpc_code``).
+        retryable: whether the same call may succeed later (``rate_limited``,
+            ``no_capacity``, ``not_leader``, ``unavailable``).
+        has_error_info: whether the reason came from an opendsec ``ErrorInfo`` (False: read
+            from the bare gRPC code, e.g. a transport failure).
     """
 
     reason: str = ""

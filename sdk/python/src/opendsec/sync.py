@@ -13,6 +13,7 @@ import threading
 from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, Sequence, TypeVar, Union
 
 from .client import DEFAULT_IMAGE, AsyncClient, Sandbox
+from .errors import OpendsecError
 
 T = TypeVar("T")
 
@@ -66,11 +67,18 @@ class _Proxy:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             result = attr(*args, **kwargs)
-            if asyncio.iscoroutine(result):
-                return _wrap(self._loop, self._loop.run(result))
+            try:
+                if asyncio.iscoroutine(result):
+                    return _wrap(self._loop, self._loop.run(result))
+            except OpendsecError as e:
+                # A failed batch lists the sandboxes it made: as sync handles too.
+                created = getattr(e, "created", None)
+                if created is not None:
+                    e.created = _wrap(self._loop, list(created))  # type: ignore[attr-defined]
+                raise
             if hasattr(result, "__anext__"):
                 return (_wrap(self._loop, v) for v in self._loop.iterate(result))
-            return result
+            return _wrap(self._loop, result)
 
         call.__doc__ = attr.__doc__
         call.__name__ = name

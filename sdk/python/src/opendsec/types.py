@@ -25,10 +25,12 @@ class ShellResult:
 
     @property
     def stdout(self) -> str:
+        """``stdout_bytes`` decoded as UTF-8, invalid bytes replaced."""
         return self.stdout_bytes.decode("utf-8", "replace")
 
     @property
     def stderr(self) -> str:
+        """``stderr_bytes`` decoded as UTF-8, invalid bytes replaced."""
         return self.stderr_bytes.decode("utf-8", "replace")
 
     @property
@@ -48,6 +50,7 @@ class OutputChunk:
 
     @property
     def text(self) -> str:
+        """``data`` decoded as UTF-8, invalid bytes replaced."""
         return self.data.decode("utf-8", "replace")
 
 
