@@ -33,11 +33,24 @@ async fn layer_cache_copies_once_and_prunes() {
     let store = Store::open(tmp.path().join("store")).unwrap();
     let id = busybox_layer(&store, tmp.path()).await;
     let cache = LayerCache::new(tmp.path().join("cache"));
-    let p = cache.ensure(&store, &id).unwrap();
+    // Many first uses at once (a batch from a new image) make one copy, not one each.
+    let paths: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8).map(|_| s.spawn(|| cache.ensure(&store, &id).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(cache.copies(), 1);
+    let p = paths[0].clone();
+    assert!(paths.iter().all(|q| *q == p));
     assert!(p.join("bin/busybox").is_file());
     assert_eq!(std::fs::read_link(p.join("bin/sh")).unwrap(), Path::new("busybox"));
-    // Second use: same path, no copy.
+    // Later use: same path, no copy; no temporary copy left behind.
     assert_eq!(cache.ensure(&store, &id).unwrap(), p);
+    assert_eq!(cache.copies(), 1);
+    let names: Vec<String> = std::fs::read_dir(cache.dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.starts_with(".tmp-")), "{names:?}");
     // In use or fresh: kept.
     assert!(cache.prune(Duration::ZERO, std::slice::from_ref(&id)).unwrap().is_empty());
     assert!(cache.prune(Duration::from_secs(3600), &[]).unwrap().is_empty());

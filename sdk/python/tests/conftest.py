@@ -36,6 +36,8 @@ def _default_ctl() -> Path:
 
 
 CTL = Path(os.environ.get("OPENDSECCTL") or _default_ctl())
+# The SDK's import_image runs the same binary.
+os.environ["OPENDSECCTL"] = str(CTL)
 IMAGE = "busybox:t"
 DEBIAN_IMAGE = "debian:bookworm"
 DEBIAN_SCRIPT = REPO / "scripts" / "debian-image.sh"

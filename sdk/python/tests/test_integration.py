@@ -232,3 +232,36 @@ def test_sync_shell_and_stream(container) -> None:
             items = list(sb.stream_shell("echo a; echo b"))
             assert b"".join(i.data for i in items[:-1]) == b"a\nb\n"
             assert isinstance(items[-1], opendsec.ShellExit)
+
+
+# -- images -----------------------------------------------------------------------------------
+
+
+async def test_import_compose_and_use_images(container, tmp_path: Path) -> None:
+    """import_image runs the store tool (as root, beside the cluster) and registers the image;
+    a sandbox from it runs; compose stacks layers; errors keep their classes."""
+    root = tmp_path / "root"
+    (root / "srv").mkdir(parents=True)
+    (root / "srv" / "hello.txt").write_text("from an imported layer\n")
+    store = container.state / "images"
+    async with client(container) as c:
+        img = await c.import_image(rootfs=root, name="sdk-hello:v1", store=store)
+        assert (img.repo, img.tag, img.project, len(img.layers)) == ("sdk-hello", "v1", "root", 1)
+        assert img.source.startswith("rootfs:")
+        assert "sdk-hello" in {i.repo for i in await c.list_images()}
+        # Over busybox (bottom) so a shell exists: the new layer's file is visible.
+        combo = await c.compose_image("sdk-combo:v1", [IMG, "sdk-hello:v1"])
+        assert list(combo.layers) == list((await c.get_image(IMG)).layers) + list(img.layers)
+        async with c.run_sandbox("container", "sdk-combo:v1", **RES) as sb:
+            assert (await sb.run_shell("cat /srv/hello.txt")).stdout == "from an imported layer\n"
+        with pytest.raises(errors.AlreadyExists):
+            await c.import_image(rootfs=root, name="sdk-hello:v1", store=store)
+        again = await c.import_image(rootfs=root, name="sdk-hello:v1", store=store, replace=True)
+        assert list(again.layers) == list(img.layers)  # the same content: the same layer
+        with pytest.raises(OSError):
+            await c.import_image(rootfs=tmp_path / "absent", name="sdk-absent:v1", store=store)
+        with pytest.raises(FileNotFoundError):
+            await c.import_image(rootfs=root, name="x:v1", store=store, opendsecctl="/nonexistent/opendsecctl")
+        await c.delete_image("sdk-combo:v1")
+        with pytest.raises(errors.NotFound):
+            await c.get_image("sdk-combo:v1")

@@ -54,6 +54,9 @@ def test_sdk_codes_equal_docs() -> None:
     rows = [[c.strip() for c in l.split("|")] for l in doc.splitlines() if l.startswith("| `")]
     for row, cls in zip(rows, errors.ALL):
         assert row[2] == cls.grpc_code.name, cls
+        assert int(row[5]) == errors.EXIT_CODES[cls.reason], cls
+        assert type(errors.from_exit_code(int(row[5]), "m")) is cls
+    assert errors.from_exit_code(1, "local") is None and errors.from_exit_code(0, "") is None
 
 
 def test_one_class_per_reason_under_one_base() -> None:

@@ -5,7 +5,10 @@
 //! - a cached layer `<cache>/layers/<id>` is complete or absent: it is copied whole (`cp -a`,
 //!   which keeps owners, modes, hard links, xattrs such as overlay opaque markers and whiteout
 //!   device nodes) into a temporary name and renamed into place; layers are immutable, so a
-//!   cached copy never needs refreshing, and concurrent first uses just race to the rename;
+//!   cached copy never needs refreshing. Within the edge one copy per layer runs at a time:
+//!   concurrent first uses (a batch of 200 from a new image) wait for it instead of each
+//!   copying the layer; across processes they race to the rename, and the loser's copy is
+//!   dropped;
 //! - each use touches `<cache>/layers/<id>.used` (its mtime is the last-used stamp);
 //!   `prune` removes layers unused for longer than asked and not listed as in use;
 //! - loop devices are attached with `LO_FLAGS_AUTOCLEAR`: once the sandbox's mount namespace
@@ -53,16 +56,25 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
 #[derive(Clone, Debug)]
 pub struct LayerCache {
     dir: PathBuf,
+    /// One gate per layer being copied: later first uses wait on it.
+    copying: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<std::sync::Mutex<()>>>>>,
+    /// Layers copied in from the store by this process (for metrics and tests).
+    copies: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl LayerCache {
     /// A cache rooted at `<root>/layers`.
     pub fn new(root: impl AsRef<Path>) -> LayerCache {
-        LayerCache { dir: root.as_ref().join("layers") }
+        LayerCache { dir: root.as_ref().join("layers"), copying: Default::default(), copies: Default::default() }
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// How many layers this cache (and its clones) copied in from the store.
+    pub fn copies(&self) -> u64 {
+        self.copies.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn layer_path(&self, id: &LayerId) -> PathBuf {
@@ -73,9 +85,26 @@ impl LayerCache {
         self.dir.join(format!("{id}.used"))
     }
 
-    /// The cached copy of `id`, copied from `store` on first use; touches its last-used stamp.
+    /// The cached copy of `id`, copied from `store` on first use (blocking; concurrent first
+    /// uses wait for one copy); touches its last-used stamp.
     pub fn ensure(&self, store: &Store, id: &LayerId) -> Result<PathBuf, RootfsError> {
         let dst = self.layer_path(id);
+        if !dst.is_dir() {
+            let gate = {
+                let mut g = self.copying.lock().unwrap_or_else(|p| p.into_inner());
+                g.entry(id.as_str().to_owned()).or_default().clone()
+            };
+            let _copy = gate.lock().unwrap_or_else(|p| p.into_inner());
+            let res = self.copy_in(store, id, &dst);
+            self.copying.lock().unwrap_or_else(|p| p.into_inner()).remove(id.as_str());
+            res?;
+        }
+        self.touch(id.as_str())?;
+        Ok(dst)
+    }
+
+    /// Copies layer `id` into `dst` unless it is there (whole or not at all).
+    fn copy_in(&self, store: &Store, id: &LayerId, dst: &Path) -> Result<(), RootfsError> {
         if !dst.is_dir() {
             let src = store.layer_rootfs(id);
             if !src.is_dir() {
@@ -97,16 +126,16 @@ impl LayerCache {
                     detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
                 });
             }
-            if let Err(e) = std::fs::rename(&tmp, &dst) {
+            self.copies.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Err(e) = std::fs::rename(&tmp, dst) {
                 let _ = std::fs::remove_dir_all(&tmp);
-                // Another sandbox won the race: its copy is as good as ours.
+                // Another process won the race: its copy is as good as ours.
                 if !dst.is_dir() {
-                    return Err(io("rename into", &dst)(e));
+                    return Err(io("rename into", dst)(e));
                 }
             }
         }
-        self.touch(id.as_str())?;
-        Ok(dst)
+        Ok(())
     }
 
     fn touch(&self, id: &str) -> Result<(), RootfsError> {

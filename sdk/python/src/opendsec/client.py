@@ -17,6 +17,7 @@ Invariants kept here:
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import os
 from pathlib import Path
@@ -562,6 +563,82 @@ class AsyncClient:
         """Deletes the image from exactly this project (not its ancestors'). Not retried."""
         req = pb.DeleteImageRequest(project=self.project if project is None else project, name=name)
         await self._unary("Images", "DeleteImage", req, retry=False)
+
+    async def import_image(
+        self,
+        reference: Optional[str] = None,
+        *,
+        name: Optional[str] = None,
+        rootfs: Optional[Union[str, Path]] = None,
+        oci_layout: Optional[Union[str, Path]] = None,
+        docker_archive: Optional[Union[str, Path]] = None,
+        insecure: bool = False,
+        replace: bool = False,
+        store: Optional[Union[str, Path]] = None,
+        project: Optional[str] = None,
+        opendsecctl: Optional[str] = None,
+    ) -> pb.Image:
+        """Imports an image into the cluster's image store and registers it in the project.
+
+        Sources: a registry ``reference`` (``host[:port]/repo[:tag|@digest]``; ``insecure``
+        for plain http, e.g. a local registry), or one of ``rootfs`` (a directory or tarball,
+        one layer), ``oci_layout`` (with ``reference`` naming the tag when it holds several)
+        or ``docker_archive``. ``name`` is the image's ``repo[:tag]`` in the project (default:
+        from the reference or the file); ``replace`` replaces an image of that name.
+
+        Importing writes layers into the store directory the cluster's nodes mount, so it runs
+        where that directory is (as root, like the edges): it runs ``opendsecctl image
+        import`` (``opendsecctl`` argument, else ``$OPENDSECCTL``, else ``opendsecctl`` on
+        PATH) with this client's addresses, token and project; ``store`` (else
+        ``$OPENDSEC_IMAGE_STORE``) is the store directory. Not retried (the tool reuses
+        layers already in the store, so calling again is cheap).
+
+        Returns the registered image. Raises the reason's class for an API failure (e.g.
+        ``permission_denied`` without ``layer.publish``, ``already_exists`` without
+        ``replace``), ``OSError`` for a local one (a missing file, an unwritable store, no
+        ``opendsecctl``).
+        """
+        args = [opendsecctl or os.environ.get("OPENDSECCTL") or "opendsecctl", "--json", "image", "import"]
+        if reference is not None:
+            args.append(reference)
+        for flag, value in (("--rootfs", rootfs), ("--oci-layout", oci_layout), ("--docker-archive", docker_archive),
+                            ("--name", name), ("--store", store)):
+            if value is not None:
+                args += [flag, str(value)]
+        if insecure:
+            args.append("--insecure")
+        if replace:
+            args.append("--replace")
+        project = self.project if project is None else project
+        if project:
+            args += ["--project", project]
+        env = dict(os.environ)
+        env["OPENDSEC_ADDR"] = ",".join(self.pool.addresses)
+        env["OPENDSEC_TOKEN"] = self.token
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *args, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"image import runs {args[0]!r}, which was not found: build it (cargo build -p opendsec-cli) "
+                "and put it on PATH, or set OPENDSECCTL"
+            ) from None
+        out, err = await proc.communicate()
+        text = err.decode(errors="replace").strip()
+        message = next((l[len("error: "):] for l in text.splitlines() if l.startswith("error: ")), text)
+        # "error: <reason>: <message>": keep the message, the class carries the reason.
+        reason_prefix, _, rest = message.partition(": ")
+        if reason_prefix in errors.BY_REASON and rest:
+            message = rest
+        if proc.returncode != 0:
+            api = errors.from_exit_code(proc.returncode or 0, message)
+            if api is not None:
+                raise api
+            raise OSError(f"image import failed: {message or f'exit code {proc.returncode}'}")
+        image = json.loads(out.decode())["image"]
+        return await self.get_image(f"{image['project']}//{image['repo']}:{image['tag']}")
 
     # -- identity and access --------------------------------------------------------------
 

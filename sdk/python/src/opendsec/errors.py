@@ -247,6 +247,19 @@ def from_rpc_error(err: grpc.RpcError) -> OpendsecError:
     return from_status(code, details or "", trailing)
 
 
+#: reason -> the exit code ``opendsecctl`` uses for it (docs/errors.md, stable).
+EXIT_CODES: Dict[str, int] = {c.reason: 10 + i for i, c in enumerate(ALL)}
+
+
+def from_exit_code(code: int, message: str) -> Optional[OpendsecError]:
+    """The error an ``opendsecctl`` exit code stands for; ``None`` for a code that is no
+    reason's (0, or 1: a local failure such as a file or the image store)."""
+    for reason, c in EXIT_CODES.items():
+        if c == code:
+            return BY_REASON[reason](message)
+    return None
+
+
 def from_detail(reason: str, message: str) -> OpendsecError:
     """The error for an ``ErrorDetail`` inside a streamed or batched answer."""
     return BY_REASON.get(reason, Internal)(message)
@@ -256,6 +269,8 @@ __all__ = [
     "OpendsecError",
     "ALL",
     "BY_REASON",
+    "EXIT_CODES",
+    "from_exit_code",
     "from_rpc_error",
     "from_status",
     "from_detail",
