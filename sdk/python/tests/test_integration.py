@@ -265,3 +265,76 @@ async def test_import_compose_and_use_images(container, tmp_path: Path) -> None:
         await c.delete_image("sdk-combo:v1")
         with pytest.raises(errors.NotFound):
             await c.get_image("sdk-combo:v1")
+
+
+# -- IAM administration -----------------------------------------------------------------------
+
+
+async def test_iam_administration_end_to_end(cluster) -> None:
+    """Projects with quotas, a principal with a grant and a token, the token's reach and its
+    revocation, usage, and the errors on the way, all through the SDK."""
+    async with client(cluster) as admin:
+        team = await admin.create_project("root/sdk-iam", {"sandboxes": 2, "cpu_millis": 4000})
+        assert team.path == "root/sdk-iam"
+        await admin.create_project("root/sdk-iam/rl")
+        assert {p.path for p in await admin.list_projects("root/sdk-iam")} == {"root/sdk-iam", "root/sdk-iam/rl"}
+        p = await admin.set_quota("root/sdk-iam", {"sandboxes": 1, "cpu_millis": 4000})
+        assert p.effective.sandboxes == 1
+        with pytest.raises(ValueError):
+            await admin.set_quota("root/sdk-iam", {"sandbox": 1})
+        await admin.create_principal("sdk-alice", "root/sdk-iam")
+        assert [x.name for x in await admin.list_principals("root/sdk-iam")] == ["sdk-alice"]
+        await admin.grant("sdk-alice", "root/sdk-iam", "sandbox.create")
+        await admin.grant("sdk-alice", "root/sdk-iam", "sandbox.operate")
+        await admin.grant("sdk-alice", "root", "layer.use")  # the images of root (scratch)
+        assert sorted((g.project, g.permission) for g in await admin.list_grants(principal="sdk-alice")) == [
+            ("root", "layer.use"), ("root/sdk-iam", "sandbox.create"), ("root/sdk-iam", "sandbox.operate")
+        ]
+        tok = await admin.create_token("sdk-alice", ttl_s=3600, description="sdk test")
+        assert tok.token.startswith("dsk.") and tok.info.principal == "sdk-alice"
+        assert [t.description for t in await admin.list_tokens("sdk-alice")] == ["sdk test"]
+
+        async with opendsec.AsyncClient(cluster.addr, token=tok.token, project="root/sdk-iam/rl") as alice:
+            me = await alice.whoami()
+            assert me.principal == "sdk-alice"
+            # The grant on root/sdk-iam holds in its subproject; the quota of 1 on the parent
+            # stops the second sandbox; nothing is granted elsewhere.
+            sb = await alice.create_sandbox("sim", cpu=500, memory_mb=64)
+            with pytest.raises(errors.QuotaExceeded):
+                await alice.create_sandbox("sim", cpu=500, memory_mb=64)
+            with pytest.raises(errors.PermissionDenied):
+                await alice.create_sandbox("sim", project="root", cpu=500, memory_mb=64)
+            usage = {u.path: u.usage.sandboxes for u in await admin.get_usage("root/sdk-iam")}
+            assert usage["root/sdk-iam"] == 1 and usage["root/sdk-iam/rl"] == 1
+            with pytest.raises(errors.InvalidState):
+                await admin.delete_project("root/sdk-iam/rl")  # it still has a sandbox
+            await sb.stop()
+
+            await admin.revoke_grant("sdk-alice", "root/sdk-iam", "sandbox.create")
+            with pytest.raises(errors.NotFound):
+                await admin.revoke_grant("sdk-alice", "root/sdk-iam", "sandbox.create")
+            await admin.revoke_token(tok.info.id)
+            with pytest.raises(errors.Unauthenticated):
+                await alice.whoami()
+        await admin.delete_principal("sdk-alice")
+        with pytest.raises(errors.NotFound):
+            await admin.delete_principal("sdk-alice")
+
+
+async def test_http_request_to_a_server_inside(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        await sb.write_file("/www/index.html", "hello over http\n", make_parents=True)
+        await sb.start_process(["httpd", "-f", "-p", "127.0.0.1:8080", "-h", "/www"], tag="web")
+        last: object = None
+        for _ in range(100):
+            try:
+                r = await sb.http_request(8080, "/index.html", method="get", timeout=5)
+                break
+            except errors.OpendsecError as e:  # the server is not listening yet
+                last = e
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"no answer from the server inside: {last!r}")
+        assert r.status == 200 and r.body == b"hello over http\n"
+        r = await sb.http_request(8080, "/absent")
+        assert r.status == 404

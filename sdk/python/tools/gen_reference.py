@@ -248,6 +248,10 @@ def main() -> None:
     for alias in ("StateLike", "ProcessRef"):
         args = typing.get_args(getattr(client_mod, alias))
         aliases.append(f"`{alias}` is `Union[{', '.join(a.__name__ for a in args)}]`")
+    aliases.append(
+        "`QuotaLike` is a mapping with any of " + ", ".join(f"`{k}`" for k in client_mod._QUOTA_KEYS)
+        + " (or a `pb.Quota`)"
+    )
     emit(
         "Names in signatures: " + "; ".join(aliases) + "; `pb.*` and `rt.*` are the generated "
         "messages of `proto/opendsec/v1/opendsec.proto` and `runtime.proto` "

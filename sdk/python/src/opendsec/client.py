@@ -48,6 +48,22 @@ from .types import FileEntry, OutputChunk, ProcessExit, ProcessInfo, ShellExit, 
 
 MAX_MESSAGE_BYTES = 80 * 1024 * 1024
 WRITE_CHUNK_BYTES = 1024 * 1024
+#: A quota: ``{"sandboxes": 100, "cpu_millis": 64000, ...}`` or a ``pb.Quota``.
+QuotaLike = Union[Mapping[str, int], Any]
+
+_QUOTA_KEYS = ("cpu_millis", "memory_mb", "disk_mb", "gpus", "sandboxes")
+
+
+def _quota(q: QuotaLike) -> Any:
+    """A ``pb.Quota`` from a mapping (unknown keys: ``ValueError``) or a ``pb.Quota``."""
+    if isinstance(q, Mapping):
+        unknown = set(q) - set(_QUOTA_KEYS)
+        if unknown:
+            raise ValueError(f"unknown quota keys {sorted(unknown)}; known: {', '.join(_QUOTA_KEYS)}")
+        return pb.Quota(**{k: int(v) for k, v in q.items()})
+    return q
+
+
 # Creation errors that pass: retried (a creation is idempotent by lease id; a failed batch
 # item created nothing).
 CREATE_RETRYABLE: Tuple[type, ...] = (errors.Unavailable, errors.NoCapacity, errors.RateLimited)
@@ -646,10 +662,12 @@ class AsyncClient:
         """The caller's principal, project, token and grants."""
         return await self._unary("Admin", "WhoAmI", pb.WhoAmIRequest(), retry=True)
 
-    async def create_project(self, path: str, quota: Optional[pb.Quota] = None) -> pb.Project:
-        """Creates the project ``path`` (its parent must exist) and returns it; ``quota``
-        unset inherits. Not retried."""
-        return await self._unary("Admin", "CreateProject", pb.CreateProjectRequest(path=path, quota=quota), retry=False)
+    async def create_project(self, path: str, quota: Optional[QuotaLike] = None) -> pb.Project:
+        """Creates the project ``path`` (its parent must exist) and returns it. ``quota``: a
+        mapping with any of ``cpu_millis``, ``memory_mb``, ``disk_mb``, ``gpus``,
+        ``sandboxes`` (or a ``pb.Quota``); keys left out inherit the parent's. Not retried."""
+        req = pb.CreateProjectRequest(path=path, quota=_quota(quota) if quota is not None else None)
+        return await self._unary("Admin", "CreateProject", req, retry=False)
 
     async def get_project(self, path: str) -> pb.Project:
         """The project ``path`` (``not_found`` if none)."""
@@ -663,9 +681,10 @@ class AsyncClient:
         """Deletes the project ``path``. Not retried."""
         await self._unary("Admin", "DeleteProject", pb.DeleteProjectRequest(path=path), retry=False)
 
-    async def set_quota(self, path: str, quota: pb.Quota) -> pb.Project:
-        """Replaces the project's quota (keys left unset inherit)."""
-        return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=quota), retry=True)
+    async def set_quota(self, path: str, quota: QuotaLike) -> pb.Project:
+        """Replaces the project's quota (a mapping as for :meth:`create_project`; keys left
+        out inherit) and returns the project. Retried (replacing is idempotent)."""
+        return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=_quota(quota)), retry=True)
 
     async def create_principal(self, name: str, project: str) -> pb.Principal:
         """Creates the principal ``name`` in ``project`` and returns it. Not retried."""
@@ -1202,6 +1221,7 @@ class Sandbox:
         """One HTTP/1.1 request to ``127.0.0.1:<port>`` inside the sandbox (retried only for
         GET/HEAD); returns the raw ``opendsec.v1.HttpRequestResponse`` (status, headers, body).
         ``timeout`` is in seconds."""
+        method = method.upper()  # "get" means GET here
         req = rt.HttpRequestRequest(
             sandbox_id=self.id, port=port, method=method, path=path,
             headers=[rt.HttpHeader(name=k, value=v) for k, v in (headers or {}).items()],
