@@ -60,7 +60,9 @@ export OPENDSEC_IMAGE_STORE=$STATE/images
 export PATH=$REPO/target/release:$STATE/venv/bin:\$PATH
 ENV
 . "$STATE/env"
-target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookworm --replace >/dev/null
+# (Its warning that /dev's device nodes were left out is expected: sandboxes get their own /dev.)
+target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookworm --replace \
+  >/dev/null 2>"$STATE/import.log" || { cat "$STATE/import.log" >&2; exit 1; }
 echo "imported debian:bookworm"
 
 echo "== the Python SDK (venv in $STATE/venv)"

@@ -442,7 +442,7 @@ fn sandbox_table(items: &[pb::Sandbox]) -> Table {
     let mut t = Table::new(&["ID", "STATE", "BACKEND", "IMAGE", "PROJECT", "AGE", "EXPIRES IN", "LABELS"]);
     for s in items {
         let spec = s.spec.clone().unwrap_or_default();
-        let mut state = j::state_name(s.state).to_string();
+        let mut state = j::state_name(s.state).to_ascii_lowercase();
         if !s.end_reason.is_empty() {
             state = format!("{state} ({})", s.end_reason);
         }
@@ -468,7 +468,7 @@ fn sandbox_text(s: &pb::Sandbox) -> String {
     let now = now_ms();
     let mut lines = vec![
         format!("id:          {}", s.id),
-        format!("state:       {}", j::state_name(s.state)),
+        format!("state:       {}", j::state_name(s.state).to_ascii_lowercase()),
         format!("backend:     {}", spec.backend),
         format!("image:       {}", spec.image),
         format!("project:     {}", spec.project),
@@ -901,7 +901,7 @@ async fn cluster_up(
     if let Some(m) = cluster.metrics_addr {
         println!("  metrics:     http://{m}/metrics");
     }
-    println!("  sim edges:   {}", cluster.edge_names().len());
+    println!("  edges:       {} ({})", cluster.edge_names().len(), cluster.config.edge.backends.join(", "));
     println!("  state:       {}", cluster.config.state_dir.display());
     println!("  admin token: written to {}", cluster.admin_token_path.display());
     println!();

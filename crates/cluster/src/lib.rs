@@ -112,8 +112,9 @@ pub struct UpOptions {
     pub sim_edges: Option<u32>,
 }
 
-pub fn sim_edge_name(i: u32) -> String {
-    format!("sim-{i:03}")
+/// The name of the `i`th edge `cluster up` starts (each offers `edge.backends`, not only sim).
+pub fn edge_name(i: u32) -> String {
+    format!("edge-{i:03}")
 }
 
 impl Cluster {
@@ -146,7 +147,7 @@ impl Cluster {
         config.watcher.addrs = vec![local(&watcher_l).to_string()];
         let mut edge_ls = Vec::new();
         for i in 0..config.sim_edges {
-            let name = sim_edge_name(i);
+            let name = edge_name(i);
             let l = bind(&format!("edge {name}"), &config.edge.listen).await?;
             config.edges.push(EdgeEndpoint { name: name.clone(), address: local(&l).to_string() });
             edge_ls.push((name, l));

@@ -107,7 +107,9 @@ def cluster() -> Iterator[Cluster]:
         pytest.fail(f"{CTL} is not built: run `cargo build -p opendsec-cli` (make sdk-test does)")
     state = Path(tempfile.mkdtemp(prefix="opendsec-sdk-test."))
     cfg = state / "config.json"
-    cfg.write_text(json.dumps({"sim_edges": 1, "apiserver": {"listen": "127.0.0.1:0"}, "edge": {"backends": ["sim", "container"]}}))
+    # Sandboxes end with the cluster: the state directory (and so any later adoption) goes.
+    edge = {"backends": ["sim", "container"], "keep_sandboxes_on_exit": False}
+    cfg.write_text(json.dumps({"sim_edges": 1, "apiserver": {"listen": "127.0.0.1:0"}, "edge": edge}))
     log = open(state / "cluster.log", "w+")
     proc = subprocess.Popen(
         [str(CTL), "cluster", "up", "--state-dir", str(state), "--config", str(cfg)],

@@ -77,7 +77,7 @@ async def test_batch_list_with_labels_and_pagination(cluster) -> None:
 async def test_errors_raise_their_class(cluster) -> None:
     async with client(cluster) as c:
         with pytest.raises(errors.NotFound) as e:
-            await c.get_sandbox("sim-000.nosuchlease")
+            await c.get_sandbox("edge-000.nosuchlease")
         assert e.value.reason == "not_found" and e.value.has_error_info
         with pytest.raises(errors.InvalidArgument):
             await c.get_sandbox("not an id")

@@ -16,7 +16,8 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let cx = opendsec_cli::ctl::HintContext { addr: cli.addr.clone(), has_token: cli.token.is_some() };
+    let has_token = cli.token.as_deref().is_some_and(|t| !t.is_empty());
+    let cx = opendsec_cli::ctl::HintContext { addr: cli.addr.clone(), has_token };
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -15,7 +15,7 @@ use opendsec_edge::linuxrt::cgroup;
 use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
 use opendsec_proto::v1 as pb;
 
-pub const EDGE: &str = "sim-000";
+pub const EDGE: &str = "edge-000";
 pub fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
         .ok()
