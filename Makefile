@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint demo bench bench-container agent images sdk-test up down
+.PHONY: setup build test verify fmt lint demo bench bench-container bench-sdk agent images sdk-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -60,6 +60,13 @@ bench:
 # The issue-4 benchmarks (container sandboxes through the API, beside runc), as root, release.
 bench-container: agent
 	$(CARGO) test --release -p opendsec-cli --test bench_container -- --ignored --nocapture --test-threads 1
+
+# The Python SDK beside the Rust client (opendsecctl bench) on container sandboxes (as root).
+bench-sdk: agent
+	$(CARGO) build --release -p opendsec-cli
+	python3 -m venv $(SDK_VENV)
+	$(SDK_VENV)/bin/pip install -q './sdk/python'
+	OPENDSECCTL=$(CURDIR)/target/release/opendsecctl $(SDK_VENV)/bin/python sdk/python/tools/bench.py
 
 # The in-sandbox agent as one static binary (target/x86_64-unknown-linux-gnu/release/opendsec-agent).
 # Stripped: it is bound into every sandbox, and nobody debugs it from there.

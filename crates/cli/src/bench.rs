@@ -239,3 +239,96 @@ async fn stop_all(client: &Client, ids: &[String], concurrency: usize) -> Phase 
     phase.seconds = started.elapsed().as_secs_f64().max(Duration::from_micros(1).as_secs_f64());
     phase
 }
+
+/// `opendsecctl bench exec`: shell round trips in one session of an existing sandbox.
+#[derive(Args, Debug, Clone)]
+pub struct ExecBenchArgs {
+    /// The sandbox (container backend: it has an agent).
+    #[arg(long)]
+    pub sandbox: String,
+    #[arg(long, default_value_t = 1000)]
+    pub count: u32,
+    /// Calls in flight at once (each in its own session when more than one).
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: u32,
+    /// The shell text each call runs.
+    #[arg(long, default_value = "true")]
+    pub command: String,
+}
+
+/// Runs `count` Exec calls (`concurrency` sessions in parallel, one warm-up call each first, not
+/// counted) and reports their latency; a failed call or a non-zero exit counts as failed.
+pub async fn exec(client: &Client, args: &ExecBenchArgs) -> Result<Phase, CtlError> {
+    if args.count == 0 || args.concurrency == 0 {
+        return Err(CtlError::Api(ApiError::invalid("--count and --concurrency must be at least 1")));
+    }
+    let req = |session: u32| pb::ExecRequest {
+        sandbox_id: args.sandbox.clone(),
+        session_id: format!("bench-{session}"),
+        command: args.command.clone(),
+        timeout_ms: 60_000,
+        ..Default::default()
+    };
+    for s in 0..args.concurrency {
+        client.exec(req(s)).await?;
+    }
+    let per = args.count.div_ceil(args.concurrency);
+    let start = Instant::now();
+    let results: Vec<Vec<Result<f64, ApiError>>> = futures::stream::iter(0..args.concurrency)
+        .map(|s| {
+            let n = per.min(args.count.saturating_sub(s * per));
+            let req = req(s);
+            async move {
+                let mut out = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    let t = Instant::now();
+                    let r = client.exec(req.clone()).await;
+                    out.push(match r {
+                        Ok(x) if x.exit_code == 0 => Ok(t.elapsed().as_secs_f64() * 1e3),
+                        Ok(x) => Err(ApiError::invalid(format!("exit code {}", x.exit_code))),
+                        Err(e) => Err(e),
+                    });
+                }
+                out
+            }
+        })
+        .buffer_unordered(args.concurrency as usize)
+        .collect()
+        .await;
+    let mut phase = Phase { seconds: start.elapsed().as_secs_f64(), ..Phase::default() };
+    for r in results.into_iter().flatten() {
+        match r {
+            Ok(ms) => {
+                phase.ok += 1;
+                phase.latencies_ms.push(ms);
+            }
+            Err(e) => phase.fail(&e),
+        }
+    }
+    Ok(phase)
+}
+
+impl Phase {
+    /// The figures of an exec benchmark, as JSON.
+    pub fn to_json(&self) -> Value {
+        self.json()
+    }
+
+    /// The figures of an exec benchmark, for people.
+    pub fn exec_text(&self) -> String {
+        let mut s = format!(
+            "exec: {} calls ({} failed) in {:.3}s: {:.0} calls/s; p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms",
+            self.ok,
+            self.failed,
+            self.seconds,
+            self.rate(),
+            self.percentile(50.0),
+            self.percentile(90.0),
+            self.percentile(99.0)
+        );
+        if !self.errors.is_empty() {
+            s.push_str(&format!("\n  errors: {:?}", self.errors));
+        }
+        s
+    }
+}

@@ -335,6 +335,8 @@ pub enum GrantCmd {
 pub enum BenchCmd {
     /// Create sandboxes as fast as the cluster takes them, then stop them; print figures.
     Create(crate::bench::BenchArgs),
+    /// Shell round trips (Exec) in an existing sandbox; print latency figures.
+    Exec(crate::bench::ExecBenchArgs),
 }
 
 /// What a command failed with: an API error (exit code by reason) or a local one.
@@ -741,6 +743,11 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
         Command::Bench(BenchCmd::Create(args)) => {
             let report = crate::bench::create(client, project.as_deref(), &args).await?;
             out.print(report.to_json(), || report.to_text());
+            Ok(())
+        }
+        Command::Bench(BenchCmd::Exec(args)) => {
+            let phase = crate::bench::exec(client, &args).await?;
+            out.print(phase.to_json(), || phase.exec_text());
             Ok(())
         }
     }

@@ -338,3 +338,20 @@ async def test_http_request_to_a_server_inside(container) -> None:
         assert r.status == 200 and r.body == b"hello over http\n"
         r = await sb.http_request(8080, "/absent")
         assert r.status == 404
+
+
+async def test_output_limits(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, cpu=500, memory_mb=256, disk_mb=256) as sb:
+        r = await sb.run_shell("printf 0123456789abcdef; printf xyz >&2", max_output_bytes=10)
+        assert (r.stdout, r.stdout_dropped_bytes, r.stderr, r.stderr_dropped_bytes) == ("0123456789", 6, "xyz", 0)
+        # Past the 16 MiB default, when asked for: all of it, and nothing dropped.
+        n = 20 << 20
+        got, dropped = 0, -1
+        async for ch in sb.stream_shell(f"head -c {n} /dev/zero", max_output_bytes=n):
+            if isinstance(ch, opendsec.OutputChunk):
+                got += len(ch.data)
+            else:
+                dropped = ch.stdout_dropped_bytes
+        assert (got, dropped) == (n, 0)
+        with pytest.raises(ValueError):
+            await sb.run_shell("true", max_output_bytes=-1)

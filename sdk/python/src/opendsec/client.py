@@ -826,8 +826,13 @@ class Sandbox:
         cwd: Optional[str],
         user: Optional[str],
         request_id: Optional[str],
+        max_output_bytes: int = 0,
     ) -> rt.ExecRequest:
+        if max_output_bytes < 0:
+            raise ValueError("max_output_bytes must be 0 (the agent's default) or more")
+        limits = rt.OutputLimits(stdout_max_bytes=max_output_bytes, stderr_max_bytes=max_output_bytes)
         return rt.ExecRequest(
+            limits=limits,
             sandbox_id=self.id,
             session_id=session or "",
             command=cmd,
@@ -848,6 +853,7 @@ class Sandbox:
         user: Optional[str] = None,
         *,
         request_id: Optional[str] = None,
+        max_output_bytes: int = 0,
     ) -> ShellResult:
         """Runs shell text in a session's long-lived shell (cd, exports persist) and waits.
 
@@ -861,8 +867,11 @@ class Sandbox:
             user: the session's user on its first use.
             request_id: ``[A-Za-z0-9._-]{1,128}``; generated when omitted. Retries reuse it,
                 so the command runs at most once.
+            max_output_bytes: bytes kept per stream (0: the agent's default, 16 MiB; at most
+                32 MiB here, as the result carries it all: use :meth:`stream_shell` for more);
+                the rest is read, dropped and counted in ``*_dropped_bytes``.
         """
-        req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id)
+        req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id, max_output_bytes)
         r = await self.client._unary("Runtime", "Exec", req, retry=True)
         return ShellResult(
             exit_code=r.exit_code,
@@ -885,11 +894,14 @@ class Sandbox:
         user: Optional[str] = None,
         *,
         request_id: Optional[str] = None,
+        max_output_bytes: int = 0,
     ) -> AsyncIterator[Union[OutputChunk, ShellExit]]:
         """Like :meth:`run_shell`, yielding :class:`OutputChunk` items as output comes and a
         final :class:`ShellExit`. After a disconnect it re-attaches with the same request id
-        from the offsets already received: nothing is lost or repeated."""
-        req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id)
+        from the offsets already received: nothing is lost or repeated. ``max_output_bytes``
+        (per stream; 0: 16 MiB) has no upper bound here: what is kept is recorded in the
+        sandbox (on its disk) so that a re-attach can read it again."""
+        req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id, max_output_bytes)
         offsets = _Offsets()
         backoff = self.client._backoff(True)
         while True:
