@@ -74,6 +74,8 @@ fn disk_on_autoclear_loop_device() {
     let found = rootfs::loops_under(tmp.path());
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].0, dev.path);
+    // The one-device look teardown uses sees the same backing file.
+    assert_eq!(rootfs::loop_backing(&dev.path), Some(disk.clone()));
     drop(dev); // autoclear: the last close detaches
     let mut left = rootfs::loops_under(tmp.path());
     for _ in 0..100 {
@@ -89,7 +91,15 @@ fn disk_on_autoclear_loop_device() {
     let dev = rootfs::attach_loop(&disk).unwrap();
     let path = dev.path.clone();
     let detached = rootfs::detach_under(tmp.path());
-    assert_eq!(detached, vec![path]);
+    assert_eq!(detached, vec![path.clone()]);
     drop(dev);
     assert!(rootfs::loops_under(tmp.path()).is_empty());
+    assert_eq!(rootfs::loop_backing(&path), None);
+    // One device by name (still open here: it goes with the last close), then nothing left.
+    let dev = rootfs::attach_loop(&disk).unwrap();
+    let path = dev.path.clone();
+    assert!(rootfs::detach(&path));
+    drop(dev);
+    assert_eq!(rootfs::loop_backing(&path), None);
+    assert!(!rootfs::detach(&path));
 }

@@ -377,6 +377,9 @@ fn kill_all(cg: &SandboxCgroup) -> Result<(), CgroupError> {
     }
     let _ = cg.thaw();
     let deadline = Instant::now() + Duration::from_secs(10);
+    // Killed processes are usually gone within a millisecond or two: look again soon, then
+    // less often.
+    let mut pause = Duration::from_millis(1);
     loop {
         let left = cg.pids().unwrap_or_default();
         if left.is_empty() {
@@ -388,7 +391,8 @@ fn kill_all(cg: &SandboxCgroup) -> Result<(), CgroupError> {
         for pid in left {
             let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::SIGKILL);
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
     }
 }
 

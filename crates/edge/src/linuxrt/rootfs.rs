@@ -320,13 +320,31 @@ pub fn loops_under(dir: &Path) -> Vec<(PathBuf, PathBuf)> {
         if !name.as_bytes().starts_with(b"loop") {
             continue;
         }
-        let Ok(back) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
-        let back = PathBuf::from(back.trim_end_matches('\n').trim_end_matches(" (deleted)"));
-        if back.starts_with(dir) {
+        if let Some(back) = backing_file(&name)
+            && back.starts_with(dir)
+        {
             out.push((Path::new("/dev").join(OsStr::new(&name)), back));
         }
     }
     out
+}
+
+/// The backing file of loop device `dev` (`/dev/loopN` or `loopN`); None when it has none.
+pub fn loop_backing(dev: &Path) -> Option<PathBuf> {
+    backing_file(dev.file_name()?)
+}
+
+fn backing_file(name: &OsStr) -> Option<PathBuf> {
+    let back = std::fs::read_to_string(Path::new("/sys/block").join(name).join("loop/backing_file")).ok()?;
+    Some(PathBuf::from(back.trim_end_matches('\n').trim_end_matches(" (deleted)")))
+}
+
+/// Detaches loop device `dev` if it still has a backing file. True when the kernel took it:
+/// detached, or (still open or mounted somewhere) marked to detach on its last close.
+pub fn detach(dev: &Path) -> bool {
+    let Ok(f) = OpenOptions::new().read(true).open(dev) else { return false };
+    // SAFETY: LOOP_CLR_FD takes no argument.
+    unsafe { libc::ioctl(f.as_raw_fd(), LOOP_CLR_FD) == 0 }
 }
 
 /// Detaches every loop device whose backing file lies under `dir` (leftover cleanup; a device
@@ -334,10 +352,7 @@ pub fn loops_under(dir: &Path) -> Vec<(PathBuf, PathBuf)> {
 pub fn detach_under(dir: &Path) -> Vec<PathBuf> {
     let mut done = Vec::new();
     for (dev, _) in loops_under(dir) {
-        let Ok(f) = OpenOptions::new().read(true).open(&dev) else { continue };
-        // SAFETY: LOOP_CLR_FD takes no argument.
-        let r = unsafe { libc::ioctl(f.as_raw_fd(), LOOP_CLR_FD) };
-        if r == 0 {
+        if detach(&dev) {
             done.push(dev);
         }
     }

@@ -14,6 +14,7 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -191,6 +192,10 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
     let disk = dir.join("disk.img");
     rootfs::create_disk(&disk, spec.disk_mb)?;
     let dev = rootfs::attach_loop(&disk)?;
+    // Teardown checks this one device rather than scanning every loop device of the host
+    // (thousands on a busy node, several scans per stop).
+    let loop_file = dir.join(LOOP_FILE);
+    std::fs::write(&loop_file, dev.path.as_os_str().as_encoded_bytes()).map_err(io("write", &loop_file))?;
     let log_path = dir.join("console.log");
     let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
     let cfg = InitConfig {
@@ -296,22 +301,58 @@ fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), San
         Some(c) => Some(c),
         None => SandboxCgroup::open(name).ok(),
     };
+    let t0 = Instant::now();
     if let Some(cg) = cg {
         cg.remove()?;
     }
-    // The namespace dies with its last process; the kernel then unmounts and autoclears.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !rootfs::loops_under(dir).is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
+    let t1 = Instant::now();
+    // No directory, no disk: its loop device (backed by a file in it) went before it did.
+    if dir.exists() {
+        // The namespace dies with its last process; the kernel then unmounts and autoclears.
+        let attached = || loops_of(dir);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut pause = Duration::from_millis(1);
+        while !attached().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+        for dev in attached() {
+            rootfs::detach(&dev);
+        }
+        if !attached().is_empty() {
+            return Err(SandboxError::Leftover(name.into(), "loop device still attached".into()));
+        }
     }
-    rootfs::detach_under(dir);
-    if !rootfs::loops_under(dir).is_empty() {
-        return Err(SandboxError::Leftover(name.into(), "loop device still attached".into()));
-    }
+    let t2 = Instant::now();
     if dir.exists() {
         std::fs::remove_dir_all(dir).map_err(io("remove", dir))?;
     }
+    tracing::debug!(
+        sandbox = name,
+        cgroup_ms = (t1 - t0).as_secs_f64() * 1e3,
+        loop_ms = (t2 - t1).as_secs_f64() * 1e3,
+        dir_ms = t2.elapsed().as_secs_f64() * 1e3,
+        "torn down"
+    );
     Ok(())
+}
+
+/// The name of the file in a sandbox's directory that names its loop device.
+const LOOP_FILE: &str = "loop";
+
+/// The loop devices still backed by a file in `dir`: the one its `loop` file names, else (a
+/// creation interrupted before it wrote the file) whatever a scan of every loop device finds.
+fn loops_of(dir: &Path) -> Vec<PathBuf> {
+    match std::fs::read(dir.join(LOOP_FILE)) {
+        Ok(dev) => {
+            let dev = PathBuf::from(std::ffi::OsStr::from_bytes(&dev));
+            match rootfs::loop_backing(&dev) {
+                Some(back) if back.starts_with(dir) => vec![dev],
+                _ => vec![],
+            }
+        }
+        Err(_) => rootfs::loops_under(dir).into_iter().map(|(dev, _)| dev).collect(),
+    }
 }
 
 /// Removes whatever is left of the sandbox named exactly `name` (its processes through its
