@@ -100,7 +100,9 @@ impl Sandbox {
     pub fn start(spec: &SandboxSpec) -> Result<Sandbox, SandboxError> {
         set_subreaper();
         let dir = spec.state_dir.join(&spec.name);
+        let t0 = Instant::now();
         let cg = SandboxCgroup::create(&spec.name, &spec.limits)?;
+        tracing::debug!(sandbox = %spec.name, ms = t0.elapsed().as_secs_f64() * 1e3, "cgroup made");
         match start_in(spec, &dir, &cg) {
             Ok(pid) => Ok(Sandbox { name: spec.name.clone(), pid, dir, cgroup: cg }),
             Err(e) => {
@@ -190,8 +192,16 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
     let run = dir.join("run");
     std::fs::create_dir_all(&run).map_err(io("create", &run))?;
     let disk = dir.join("disk.img");
+    let t0 = Instant::now();
     rootfs::create_disk(&disk, spec.disk_mb)?;
+    let t1 = Instant::now();
     let dev = rootfs::attach_loop(&disk)?;
+    tracing::debug!(
+        sandbox = %spec.name,
+        mkfs_ms = (t1 - t0).as_secs_f64() * 1e3,
+        loop_ms = t1.elapsed().as_secs_f64() * 1e3,
+        "disk ready"
+    );
     // Teardown checks this one device rather than scanning every loop device of the host
     // (thousands on a busy node, several scans per stop).
     let loop_file = dir.join(LOOP_FILE);
@@ -247,6 +257,7 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         None => Err("no status pipe".into()),
     };
     let _ = child.wait();
+    tracing::debug!(sandbox = %spec.name, ms = t1.elapsed().as_secs_f64() * 1e3, "set up (spawn to status)");
     joined?;
     wrote?;
     // The mount inside the namespace now holds the device; our fd can go (autoclear). PID 1
