@@ -879,7 +879,7 @@ fn batch_bar(count: u32, json: bool) -> indicatif::ProgressBar {
     if json || !std::io::stderr().is_terminal() {
         return indicatif::ProgressBar::hidden();
     }
-    let style = indicatif::ProgressStyle::with_template("creating [{bar:30}] {pos}/{len} {per_sec} {msg}")
+    let style = indicatif::ProgressStyle::with_template("creating [{bar:30}] {pos}/{len} {elapsed} {msg}")
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
         .progress_chars("=> ");
     let bar = indicatif::ProgressBar::with_draw_target(Some(count as u64), indicatif::ProgressDrawTarget::stderr());

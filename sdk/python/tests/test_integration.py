@@ -67,6 +67,8 @@ async def test_batch_list_with_labels_and_pagination(cluster) -> None:
         listed = await c.list_sandboxes("root/sdk-batch", labels={"job": "batch"}, page_size=7)
         assert sorted(s.id for s in listed) == sorted(s.id for s in sbs)
         assert [s.id for s in await c.list_sandboxes("root/sdk-batch", labels={"job": "other"})] == [other.id]
+        streamed = [s.id async for s in c.iter_sandboxes("root/sdk-batch", labels={"job": "batch"}, page_size=4)]
+        assert sorted(streamed) == sorted(s.id for s in sbs)
         await sbs[0].pause()
         paused = await c.list_sandboxes("root/sdk-batch", states=["paused"])
         assert [s.id for s in paused] == [sbs[0].id]
@@ -206,6 +208,20 @@ async def test_files(container, tmp_path: Path) -> None:
         assert names == {"b": "dir"}
         with pytest.raises(errors.NotFound):
             await sb.read_file("/tmp/nope")
+        # A range read in chunks; directories made, files moved, trees removed.
+        chunks = [ch async for ch in sb.iter_file("/tmp/up/big.bin", offset=1000, length=2_000_000)]
+        assert len(chunks) > 1 and b"".join(chunks) == big[1000:2_001_000]
+        await sb.make_dir("/tmp/m/n")
+        assert (await sb.stat("/tmp/m/n")).type == "dir"
+        await sb.move("/tmp/a/b/hello.txt", "/tmp/m/n/hello.txt")
+        assert await sb.read_file("/tmp/m/n/hello.txt") == b"hello\nmore\n"
+        with pytest.raises(errors.NotFound):
+            await sb.stat("/tmp/a/b/hello.txt")
+        with pytest.raises(errors.OpendsecError):
+            await sb.remove("/tmp/m")  # not empty
+        await sb.remove("/tmp/m", recursive=True)
+        with pytest.raises(errors.NotFound):
+            await sb.stat("/tmp/m")
 
 
 async def test_processes(container) -> None:
