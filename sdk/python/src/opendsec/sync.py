@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
+from ._net import DEFAULT_AVOID_S, DEFAULT_RETRY_TIMEOUT_S
 from .client import DEFAULT_IMAGE, AsyncClient, Sandbox
 from .errors import OpendsecError
 
@@ -112,12 +113,18 @@ class Client(_Proxy):
         addresses: Optional[Union[str, Sequence[str]]] = None,
         token: Optional[str] = None,
         project: Optional[str] = None,
-        **kwargs: Any,
+        *,
+        retry_timeout: float = DEFAULT_RETRY_TIMEOUT_S,
+        avoid_s: float = DEFAULT_AVOID_S,
+        channel_options: Optional[Sequence[Tuple[str, Any]]] = None,
     ) -> None:
+        """The arguments of :class:`opendsec.AsyncClient`."""
         loop = _Loop()
 
         async def make() -> AsyncClient:
-            return AsyncClient(addresses, token, project, **kwargs)
+            return AsyncClient(
+                addresses, token, project, retry_timeout=retry_timeout, avoid_s=avoid_s, channel_options=channel_options
+            )
 
         try:
             client = loop.run(make())
