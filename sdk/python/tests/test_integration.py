@@ -91,6 +91,11 @@ async def test_errors_raise_their_class(cluster) -> None:
     async with opendsec.AsyncClient(cluster.addr, token="dsk.bad.token") as c:
         with pytest.raises(errors.Unauthenticated):
             await c.whoami()
+    # More memory than any edge has: every edge skipped, retried for retry_timeout, then raised.
+    async with client(cluster, retry_timeout=0.5) as c:
+        with pytest.raises(errors.NoCapacity) as e:
+            await c.create_sandbox("sim", IMG, memory_mb=10_000_000)
+        assert e.value.retryable and "memory" in e.value.message
 
 
 async def test_a_dead_address_next_to_a_live_one(cluster, dead_address) -> None:
