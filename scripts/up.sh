@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 [ "$(id -u)" = 0 ] || { echo "run as root: container sandboxes need namespaces, cgroups and loop devices" >&2; exit 1; }
 STATE=${OPENDSEC_STATE:-$PWD/opendsec-state}
+command -v cargo >/dev/null || { echo "cargo not found: install Rust first (rustup, https://rustup.rs), then run make up again" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "python3 not found: apt-get install python3" >&2; exit 1; }
 
 connect_help() {
   cat <<MSG
