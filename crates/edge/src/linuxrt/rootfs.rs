@@ -188,13 +188,15 @@ pub fn lower_dirs(cache: &LayerCache, store: &Store, layers: &[LayerId]) -> Resu
 }
 
 /// Creates the sparse upper disk of a sandbox: `disk_mb` MiB, ext4 without a journal (the disk
-/// dies with the sandbox, so crash consistency buys nothing and the journal costs writes).
+/// dies with the sandbox, so crash consistency buys nothing and the journal costs writes) and
+/// without the blocks reserved for growing it online (it is never resized; reserving them made
+/// mkfs of a 10 GiB disk 9 ms instead of 2.5 ms).
 pub fn create_disk(path: &Path, disk_mb: u64) -> Result<(), RootfsError> {
     let f = File::create(path).map_err(io("create", path))?;
     f.set_len(disk_mb * 1024 * 1024).map_err(io("size", path))?;
     drop(f);
     let out = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1", "-m", "0"])
+        .args(["-q", "-F", "-O", "^has_journal,^resize_inode", "-E", "nodiscard,lazy_itable_init=1", "-m", "0"])
         .arg(path)
         .output()
         .map_err(io("run mkfs.ext4 on", path))?;
