@@ -11,8 +11,12 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 [ "$(id -u)" = 0 ] || { echo "run as root: container sandboxes need namespaces, cgroups and loop devices" >&2; exit 1; }
 STATE=${OPENDSEC_STATE:-$PWD/opendsec-state}
-command -v cargo >/dev/null || { echo "cargo not found: install Rust first (rustup, https://rustup.rs), then run make up again" >&2; exit 1; }
-command -v python3 >/dev/null || { echo "python3 not found: apt-get install python3" >&2; exit 1; }
+mkdir -p "$STATE" && STATE=$(cd "$STATE" && pwd)
+command -v cargo >/dev/null || {
+  echo "cargo not found: install Rust first (rustup, https://rustup.rs); under sudo, is ~/.cargo/bin on root's PATH?" >&2
+  exit 1
+}
+PY=$(command -v python3) || { echo "python3 not found: apt-get install python3" >&2; exit 1; }
 
 connect_help() {
   cat <<MSG
@@ -20,7 +24,7 @@ connect_help() {
 opendsec is running (pid $(cat "$STATE/cluster.pid"); state and log in $STATE).
 Connect from a shell (addresses, token, opendsecctl and the SDK's Python on PATH):
 
-  . $STATE/env
+  . $(printf %q "$STATE/env")
   opendsecctl sandbox create --backend container --image debian:bookworm
   opendsecctl exec <id> -- "python3 -c 'print(6*7)'"
   python3 examples/quickstart.py
@@ -44,23 +48,32 @@ echo "== the Debian image (bash, python3)"
 ROOTFS=$(./scripts/debian-image.sh)
 
 echo "== cluster"
-mkdir -p "$STATE"
 cat >"$STATE/config.json" <<JSON
 {"sim_edges": 1, "edge": {"backends": ["container", "sim"]}}
 JSON
 nohup target/release/opendsecctl cluster up --config "$STATE/config.json" --state-dir "$STATE" \
   >"$STATE/cluster.log" 2>&1 &
 echo $! >"$STATE/cluster.pid"
+# From here a failure stops the cluster again, so that running make up once more starts over
+# rather than finding a half-prepared cluster "already running".
+UP_OK=0
+stop_unless_up() {
+  [ "$UP_OK" = 1 ] && return
+  echo "make up failed; stopping the cluster (its log: $STATE/cluster.log)" >&2
+  kill "$(cat "$STATE/cluster.pid")" 2>/dev/null || true
+  rm -f "$STATE/cluster.pid"
+}
+trap stop_unless_up EXIT
 for _ in $(seq 1 600); do grep -q 'export OPENDSEC_ADDR' "$STATE/cluster.log" && break; sleep 0.1; done
 grep -q 'export OPENDSEC_ADDR' "$STATE/cluster.log" || { cat "$STATE/cluster.log" >&2; exit 1; }
 ADDR=$(sed -n 's/^  apiserver: *//p' "$STATE/cluster.log")
-cat >"$STATE/env" <<ENV
-# Written by make up: . this file to use the local cluster.
-export OPENDSEC_ADDR=$ADDR
-export OPENDSEC_TOKEN=\$(cat $STATE/admin.token)
-export OPENDSEC_IMAGE_STORE=$STATE/images
-export PATH=$REPO/target/release:$STATE/venv/bin:\$PATH
-ENV
+{
+  echo "# Written by make up: . this file to use the local cluster."
+  printf 'export OPENDSEC_ADDR=%q\n' "$ADDR"
+  printf 'export OPENDSEC_TOKEN="$(cat %q)"\n' "$STATE/admin.token"
+  printf 'export OPENDSEC_IMAGE_STORE=%q\n' "$STATE/images"
+  printf 'export PATH=%q:%q:"$PATH"\n' "$REPO/target/release" "$STATE/venv/bin"
+} >"$STATE/env"
 . "$STATE/env"
 # (Its warning that /dev's device nodes were left out is expected: sandboxes get their own /dev.)
 target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookworm --replace \
@@ -68,10 +81,11 @@ target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookwor
 echo "imported debian:bookworm"
 
 echo "== the Python SDK (venv in $STATE/venv)"
-python3 -m venv "$STATE/venv"
+"$PY" -m venv "$STATE/venv"
 "$STATE/venv/bin/pip" install -q --upgrade pip
 "$STATE/venv/bin/pip" install -q ./sdk/python
 
 echo "== a container sandbox runs Python (examples/quickstart.py)"
 "$STATE/venv/bin/python" examples/quickstart.py
+UP_OK=1
 connect_help

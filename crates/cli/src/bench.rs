@@ -269,12 +269,13 @@ pub async fn exec(client: &Client, args: &ExecBenchArgs) -> Result<Phase, CtlErr
         timeout_ms: 60_000,
         ..Default::default()
     };
-    for s in 0..args.concurrency {
+    let sessions = args.concurrency.min(args.count);
+    for s in 0..sessions {
         client.exec(req(s)).await?;
     }
-    let per = args.count.div_ceil(args.concurrency);
+    let per = args.count.div_ceil(sessions);
     let start = Instant::now();
-    let results: Vec<Vec<Result<f64, ApiError>>> = futures::stream::iter(0..args.concurrency)
+    let results: Vec<Vec<Result<f64, String>>> = futures::stream::iter(0..sessions)
         .map(|s| {
             let n = per.min(args.count.saturating_sub(s * per));
             let req = req(s);
@@ -285,14 +286,14 @@ pub async fn exec(client: &Client, args: &ExecBenchArgs) -> Result<Phase, CtlErr
                     let r = client.exec(req.clone()).await;
                     out.push(match r {
                         Ok(x) if x.exit_code == 0 => Ok(t.elapsed().as_secs_f64() * 1e3),
-                        Ok(x) => Err(ApiError::invalid(format!("exit code {}", x.exit_code))),
-                        Err(e) => Err(e),
+                        Ok(_) => Err("nonzero_exit".to_string()),
+                        Err(e) => Err(e.reason.to_string()),
                     });
                 }
                 out
             }
         })
-        .buffer_unordered(args.concurrency as usize)
+        .buffer_unordered(sessions as usize)
         .collect()
         .await;
     let mut phase = Phase { seconds: start.elapsed().as_secs_f64(), ..Phase::default() };
@@ -302,8 +303,20 @@ pub async fn exec(client: &Client, args: &ExecBenchArgs) -> Result<Phase, CtlErr
                 phase.ok += 1;
                 phase.latencies_ms.push(ms);
             }
-            Err(e) => phase.fail(&e),
+            Err(kind) => {
+                phase.failed += 1;
+                *phase.errors.entry(kind).or_default() += 1;
+            }
         }
+    }
+    // The sessions' shells would otherwise stay in the sandbox.
+    for s in 0..sessions {
+        let _ = client
+            .close_session(pb::CloseSessionRequest {
+                sandbox_id: args.sandbox.clone(),
+                session_id: format!("bench-{s}"),
+            })
+            .await;
     }
     Ok(phase)
 }

@@ -956,11 +956,14 @@ pub fn hint(e: &CtlError, cx: &HintContext) -> Option<String> {
     };
     let meta = |k: &str| e.metadata.get(k).map(String::as_str);
     let h = match e.reason {
-        Reason::Unavailable if !e.metadata.contains_key("edge") && !e.message.contains("session") => format!(
-            "is a cluster running at {}? `make up` starts a local one (as root); `opendsecctl cluster up` \
+        // A connection that failed (the client's own error: no server said anything).
+        Reason::Unavailable if ["connect", "transport", "dns", "connection"].iter().any(|w| e.message.contains(w)) => {
+            format!(
+                "is a cluster running at {}? `make up` starts a local one (as root); `opendsecctl cluster up` \
              a sim-only one. Point OPENDSEC_ADDR (or --addr) at its apiserver.",
-            cx.addr
-        ),
+                cx.addr
+            )
+        }
         Reason::Unavailable => "the node or sandbox cannot serve right now; retry in a moment".into(),
         Reason::Unauthenticated if !cx.has_token => "set OPENDSEC_TOKEN (a local cluster writes its admin token to \
              opendsec-state/admin.token: export OPENDSEC_TOKEN=$(cat opendsec-state/admin.token))"
@@ -1024,6 +1027,9 @@ mod tests {
         let cx = HintContext { addr: "127.0.0.1:7000".into(), has_token: false };
         let h = |e: ApiError| hint(&CtlError::Api(e), &cx).unwrap_or_default();
         assert!(h(ApiError::new(Reason::Unavailable, "tcp connect error")).contains("make up"));
+        // A running cluster that cannot serve this now is not told to start one.
+        let busy = h(ApiError::new(Reason::Unavailable, "a creation with lease id x is in progress"));
+        assert!(!busy.contains("make up") && busy.contains("retry"), "{busy}");
         assert!(h(ApiError::new(Reason::Unauthenticated, "no token")).contains("admin.token"));
         let with_token = HintContext { has_token: true, ..cx };
         let e = CtlError::Api(ApiError::new(Reason::Unauthenticated, "unknown token"));

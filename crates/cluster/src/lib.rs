@@ -117,6 +117,14 @@ pub fn edge_name(i: u32) -> String {
     format!("edge-{i:03}")
 }
 
+/// The name of the `i`th edge of a cluster with this config's state: `edge-NNN`, or the
+/// `sim-NNN` of a state made before edges were renamed (its sandboxes, records and leases
+/// carry that name; a new name would orphan them).
+pub fn edge_name_in(config: &Config, i: u32) -> String {
+    let old = format!("sim-{i:03}");
+    if config.edge_state_dir(&old).is_dir() { old } else { edge_name(i) }
+}
+
 impl Cluster {
     /// Starts IAM, a watcher, `sim_edges` sim edges and an apiserver.
     pub async fn up(mut config: Config, opts: UpOptions) -> Result<Cluster, ClusterError> {
@@ -147,7 +155,7 @@ impl Cluster {
         config.watcher.addrs = vec![local(&watcher_l).to_string()];
         let mut edge_ls = Vec::new();
         for i in 0..config.sim_edges {
-            let name = edge_name(i);
+            let name = edge_name_in(&config, i);
             let l = bind(&format!("edge {name}"), &config.edge.listen).await?;
             config.edges.push(EdgeEndpoint { name: name.clone(), address: local(&l).to_string() });
             edge_ls.push((name, l));
@@ -530,4 +538,19 @@ fn check_backends(config: &Config) -> Result<(), ClusterError> {
 /// The admin token file of a state directory.
 pub fn admin_token_path(state_dir: &Path) -> PathBuf {
     state_dir.join("admin.token")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_from_before_the_rename_keeps_its_edge_names() {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = Config { state_dir: tmp.path().to_path_buf(), ..Config::default() };
+        assert_eq!(edge_name_in(&config, 0), "edge-000");
+        std::fs::create_dir_all(config.edge_state_dir("sim-001")).unwrap();
+        assert_eq!(edge_name_in(&config, 1), "sim-001");
+        assert_eq!(edge_name_in(&config, 2), "edge-002");
+    }
 }

@@ -286,14 +286,17 @@ class BatchSandboxes(pb_grpc.SandboxesServicer):
     """A batch endpoint whose first call refuses every odd item with ``no_capacity`` (as an
     edge under pressure would) and one whose items are a permanent ``quota_exceeded``."""
 
-    def __init__(self, permanent: bool = False) -> None:
+    def __init__(self, permanent: bool = False, first_call_delay: float = 0.0) -> None:
         self.counts: List[int] = []
         self.permanent = permanent
+        self.first_call_delay = first_call_delay
         self.made = 0
 
     async def CreateSandboxes(self, request, context):
         first = not self.counts
         self.counts.append(request.count)
+        if first:
+            await asyncio.sleep(self.first_call_delay)
         for i in range(request.count):
             if self.permanent and first and i == 0:
                 yield pb.CreateSandboxesResponse(index=i, error=pb.ErrorDetail(reason="quota_exceeded", message="over"))
@@ -306,9 +309,9 @@ class BatchSandboxes(pb_grpc.SandboxesServicer):
                 )
 
 
-async def serve_batch(permanent: bool = False):
+async def serve_batch(permanent: bool = False, first_call_delay: float = 0.0):
     server = grpc.aio.server()
-    sbx = BatchSandboxes(permanent)
+    sbx = BatchSandboxes(permanent, first_call_delay)
     pb_grpc.add_SandboxesServicer_to_server(sbx, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -325,6 +328,16 @@ async def test_batch_items_refused_for_a_passing_reason_are_asked_for_again() ->
         assert sbx.counts == [7, 3]
         assert len({s.id for s in got}) == 7 and all(s.state == "running" for s in got)
         assert progress == list(range(1, 8))
+    finally:
+        await server.stop(None)
+
+
+async def test_a_slow_first_batch_call_does_not_use_up_the_retry_budget() -> None:
+    server, addr, sbx = await serve_batch(first_call_delay=0.6)
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=0.5) as c:
+            got = await c.create_sandboxes(4, "sim")
+        assert sbx.counts == [4, 2] and len({s.id for s in got}) == 4
     finally:
         await server.stop(None)
 

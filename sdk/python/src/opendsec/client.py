@@ -36,6 +36,7 @@ from typing import (
 )
 
 import grpc
+from google.protobuf import json_format
 
 from . import errors
 from ._ids import check_lease_id, check_request_id, new_lease_id, new_request_id
@@ -406,7 +407,9 @@ class AsyncClient:
             ttl_running_stop_s, ttl_max_s, ttl_paused_s, user, workdir, best_effort,
         )
         results: List[Any] = [None] * n
-        backoff = self._backoff(retry)
+        # Made at the first refusal: the budget is for asking again, not for the first call
+        # (a batch of thousands may take longer than retry_timeout by itself).
+        backoff: Optional[Backoff] = None
         done = 0
         todo = list(range(n))
         while todo:
@@ -423,6 +426,8 @@ class AsyncClient:
                 done += 1
                 if on_progress is not None:
                     on_progress(done, n)
+            if again and backoff is None:
+                backoff = self._backoff(retry)
             if not again or not await self._retry_sleep(backoff, results[again[0]], CREATE_RETRYABLE):
                 for _ in again:  # given up: these answers are final
                     done += 1
@@ -641,7 +646,12 @@ class AsyncClient:
                 f"image import runs {args[0]!r}, which was not found: build it (cargo build -p opendsec-cli) "
                 "and put it on PATH, or set OPENDSECCTL"
             ) from None
-        out, err = await proc.communicate()
+        try:
+            out, err = await proc.communicate()
+        finally:
+            if proc.returncode is None:  # cancelled: the import must not go on writing the store
+                proc.kill()
+                await proc.wait()
         text = err.decode(errors="replace").strip()
         message = next((l[len("error: "):] for l in text.splitlines() if l.startswith("error: ")), text)
         # "error: <reason>: <message>": keep the message, the class carries the reason.
@@ -653,8 +663,9 @@ class AsyncClient:
             if api is not None:
                 raise api
             raise OSError(f"image import failed: {message or f'exit code {proc.returncode}'}")
-        image = json.loads(out.decode())["image"]
-        return await self.get_image(f"{image['project']}//{image['repo']}:{image['tag']}")
+        # The image as registered (not fetched again: that would need layer.use, which an
+        # importer with only layer.publish need not have).
+        return json_format.ParseDict(json.loads(out.decode())["image"], pb.Image(), ignore_unknown_fields=True)
 
     # -- identity and access --------------------------------------------------------------
 
