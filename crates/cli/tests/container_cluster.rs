@@ -514,3 +514,69 @@ async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
     assert_eq!(ended.as_deref(), Some("ttl_running_stop"));
     f.cluster.shutdown().await;
 }
+
+/// A sandbox whose agent dies, or goes silent past `edge.agent_silence`, is lost: FAILED, its
+/// lease released, and everything of it torn down on the host, a silent agent's still-running
+/// workload included (it must not go on using what its released quota no longer covers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_sandbox_is_torn_down_and_its_quota_released() {
+    let f = fixture_with(|c| c.edge.agent_silence = std::time::Duration::from_secs(2)).await;
+    let (containers, addr, admin) = (f.containers.clone(), f.addr.clone(), f.admin.clone());
+    let mut rt = runtime(&addr, &f.cluster.admin_token);
+    let mut host = Vec::new();
+    for _ in 0..2 {
+        let s = admin.create_sandbox(container_spec("busybox", 64, 32)).await.unwrap();
+        // A workload that would run on if nothing stopped it.
+        let r = exec_in(&mut rt, &s.id, "w", "sleep 1000 >/dev/null 2>&1 & echo started").await;
+        assert_eq!(out(&r), "started", "{r:?}");
+        let name = opendsec_edge::backend::container::sandbox_name(&containers, &s.id);
+        let pid1 = Sandbox::adopt(&containers, &name).unwrap().pid;
+        let pids = cgroup::SandboxCgroup::open(&name).unwrap().pids().unwrap();
+        assert!(pids.len() >= 3, "agent, shell host, sleep: {pids:?}");
+        host.push((s.id, name, pid1, pids));
+    }
+    let usage =
+        |u: pb::GetUsageResponse| u.projects.iter().find(|p| p.path == "root").map(|p| p.usage.unwrap().sandboxes);
+    let root_usage = || async { usage(admin.get_usage(pb::GetUsageRequest { project: "root".into() }).await.unwrap()) };
+    assert_eq!(root_usage().await, Some(2));
+
+    // The first agent dies; the second hangs (stopped from the host), its workload running.
+    let kill = |pid: i32, sig| unsafe { libc::kill(pid, sig) };
+    assert_eq!(kill(host[0].2, libc::SIGKILL), 0);
+    assert_eq!(kill(host[1].2, libc::SIGSTOP), 0);
+
+    for (id, name, _, pids) in &host {
+        let mut ended = String::new();
+        for _ in 0..100 {
+            let s = admin.get_sandbox(id).await.unwrap();
+            if state(&s) == pb::SandboxState::Failed {
+                ended = s.end_reason;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert_eq!(ended, "lost", "{id} was not found lost");
+        eventually("every process of the lost sandbox gone", 10, || {
+            pids.iter().all(|p| !Path::new(&format!("/proc/{p}")).exists())
+        })
+        .await;
+        assert!(cgroup::list(name).unwrap().is_empty(), "{name}: cgroup left behind");
+        assert!(!containers.join(name).exists(), "{name}: directory left behind");
+    }
+    assert!(rootfs::loops_under(&containers).is_empty());
+    let mut released = None;
+    for _ in 0..50 {
+        released = root_usage().await;
+        if released == Some(0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(released, Some(0), "the lost sandboxes' quota is released");
+    // Calls on a lost sandbox fail clearly.
+    let e = rt
+        .exec(pb::ExecRequest { sandbox_id: host[1].0.clone(), command: "true".into(), ..Default::default() })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "invalid_state", "{e:?}");
+}

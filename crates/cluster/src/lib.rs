@@ -361,7 +361,7 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
                     agent: agent_path(config).map_err(err)?,
                     pids_limit: config.edge.container_pids_limit,
                     pause_reclaim: config.edge.pause_reclaim,
-                    agent_silence: opendsec_edge::backend::container::AGENT_SILENCE,
+                    agent_silence: config.edge.agent_silence,
                 };
                 out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
             }

@@ -302,6 +302,10 @@ pub struct EdgeConfig {
     /// Push a paused container sandbox's memory out (`process_madvise(MADV_PAGEOUT)`: to swap
     /// when the host has it, clean file pages dropped) and read it back ahead on resume.
     pub pause_reclaim: bool,
+    /// A running container sandbox whose agent sends no heartbeat for this long is lost: it is
+    /// torn down and its lease released (a paused sandbox's silence is expected).
+    #[serde(with = "humantime_serde")]
+    pub agent_silence: Duration,
     /// The binary re-executed as a container's setup process; default: the running executable
     /// (which calls `linuxrt::init::run_if_init()` first in `main`). Tests point it elsewhere.
     pub container_setup_exe: Option<PathBuf>,
@@ -328,6 +332,7 @@ impl Default for EdgeConfig {
             agent_path: None,
             container_pids_limit: 1024,
             pause_reclaim: false,
+            agent_silence: Duration::from_secs(60),
             container_setup_exe: None,
         }
     }
@@ -524,6 +529,7 @@ impl Config {
             return Err(invalid("edge.max_sandboxes", "must be at least 1"));
         }
         positive("edge.ttl_check_interval", e.ttl_check_interval)?;
+        positive("edge.agent_silence", e.agent_silence)?;
         positive("edge.release_interval", e.release_interval)?;
         positive("edge.register_interval", e.register_interval)?;
         if e.release_batch == 0 {

@@ -515,7 +515,7 @@ impl Inner {
         match backend.probe(&rec.id).await {
             Ok(false) => {
                 tracing::warn!(sandbox_id = %rec.id, op, error = %source, "sandbox lost during an operation");
-                self.fail_locked(rec, end_reason::LOST, Release::Yes).await;
+                self.lose_locked(backend, rec).await;
             }
             _ => {
                 let mut back = rec.clone();
@@ -725,8 +725,20 @@ impl Inner {
         let Some(b) = self.backend(&rec.spec.backend) else { return };
         if let Ok(false) = b.probe(&rec.id).await {
             tracing::warn!(sandbox_id = %rec.id, "sandbox lost");
-            self.fail_locked(&rec, end_reason::LOST, Release::Yes).await;
+            let b = b.clone();
+            self.lose_locked(&b, &rec).await;
         }
+    }
+
+    /// A sandbox found lost (its agent dead, or silent past `agent_silence`): what is left of
+    /// it is torn down first (a silent agent's workload may still run, and must not go on
+    /// using what its released quota no longer covers), then it is FAILED and its lease
+    /// released. A teardown that fails is logged; the leftovers go at the edge's next start.
+    async fn lose_locked(&self, backend: &Arc<dyn Backend>, rec: &SandboxRecord) {
+        if let Err(e) = backend.stop(rec).await {
+            tracing::warn!(sandbox_id = %rec.id, error = %e, "tearing down a lost sandbox failed");
+        }
+        self.fail_locked(rec, end_reason::LOST, Release::Yes).await;
     }
 
     /// Removes ended, released records past their retention: files first, then the table
