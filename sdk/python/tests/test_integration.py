@@ -189,7 +189,9 @@ async def test_stream_shell_resumes_byte_exact(container, proxy) -> None:
 
 async def test_files(container, tmp_path: Path) -> None:
     async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
-        assert await sb.write_file("/tmp/a/b/hello.txt", "hello\n", make_parents=True) == 6
+        with pytest.raises(errors.NotFound):
+            await sb.write_file("/tmp/x/y/no.txt", "no\n", make_parents=False)
+        assert await sb.write_file("/tmp/a/b/hello.txt", "hello\n") == 6  # parents made
         assert await sb.read_file("/tmp/a/b/hello.txt") == b"hello\n"
         await sb.write_file("/tmp/a/b/hello.txt", b"more\n", append=True)
         assert await sb.read_file("/tmp/a/b/hello.txt", offset=6) == b"more\n"

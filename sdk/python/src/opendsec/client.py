@@ -1008,9 +1008,11 @@ class Sandbox:
         user: Optional[str] = None,
         mode: int = 0,
         append: bool = False,
-        make_parents: bool = False,
+        make_parents: bool = True,
     ) -> int:
-        """Writes ``data`` (str is UTF-8) to ``path``; returns the bytes written.
+        """Writes ``data`` (str is UTF-8) to ``path``; returns the bytes written. Missing parent
+        directories are made (as by :meth:`upload` and ``opendsecctl cp``) unless
+        ``make_parents=False``.
 
         Sent in chunks, ``finish`` on the last: an upload cut short writes nothing. Retried on
         ``unavailable`` unless ``append`` (a repeated append would write twice).
