@@ -196,7 +196,10 @@ class FlakySandboxes(pb_grpc.SandboxesServicer):
         self.tokens.append(dict(context.invocation_metadata()).get("authorization", ""))
         if self.fail > 0:
             self.fail -= 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+            # Alternately a bare UNAVAILABLE and a DEADLINE_EXCEEDED (an edge slower than the
+            # apiserver's deadline: the sandbox may exist; the same lease id finds it).
+            code = grpc.StatusCode.UNAVAILABLE if self.fail % 2 else grpc.StatusCode.DEADLINE_EXCEEDED
+            await context.abort(code, "try again")
         return pb.Sandbox(id="e." + request.lease_id, spec=request.spec, state=pb.SANDBOX_STATE_RUNNING)
 
     async def PauseSandbox(self, request, context):

@@ -345,8 +345,9 @@ class AsyncClient:
                 reuse it, so they never create a second sandbox.
 
         Retried within ``retry_timeout`` on ``unavailable``, ``no_capacity`` (every edge full
-        or under pressure, often for seconds only) and ``rate_limited`` (after the wait it
-        names).
+        or under pressure, often for seconds only), ``rate_limited`` (after the wait it names)
+        and ``deadline_exceeded`` (the first attempt may have created it after all: the retry,
+        with the same lease id, finds it).
 
         Returns the :class:`Sandbox`. Raises ``ValueError`` for an empty ``backend`` or a
         malformed ``lease_id`` (before any call), else an :class:`~opendsec.errors.OpendsecError`
@@ -359,7 +360,7 @@ class AsyncClient:
         lease = check_lease_id(lease_id) if lease_id is not None else new_lease_id()
         info = await self._unary(
             "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease), retry=True,
-            retry_on=CREATE_RETRYABLE,
+            retry_on=CREATE_RETRYABLE + (errors.DeadlineExceeded,),
         )
         return Sandbox(self, info)
 
