@@ -43,7 +43,6 @@ pub struct Config {
 struct Session {
     pid: u32,
     channel: Channel,
-    client: RuntimeClient<Channel>,
 }
 
 type Slot = Arc<OnceCell<Session>>;
@@ -86,22 +85,18 @@ impl Aether {
         Ok(u)
     }
 
-    /// The client of session `sid`'s chronus, started as `user` on first use.
+    /// A client of session `sid`'s chronus, started as `user` on first use.
     async fn session(self: &Arc<Self>, sid: &str, user: &str) -> Result<RuntimeClient<Channel>, AgentError> {
-        Ok(self.session_of(sid, user).await?.1)
+        Ok(crate::runtime_client(self.session_channel(sid, user).await?))
     }
 
-    /// The channel and client of session `sid`'s chronus, started as `user` on first use.
-    async fn session_of(
-        self: &Arc<Self>,
-        sid: &str,
-        user: &str,
-    ) -> Result<(Channel, RuntimeClient<Channel>), AgentError> {
+    /// The channel to session `sid`'s chronus, started as `user` on first use.
+    async fn session_channel(self: &Arc<Self>, sid: &str, user: &str) -> Result<Channel, AgentError> {
         let sid = if sid.is_empty() { "default" } else { sid };
         check_id("session id", sid)?;
         let slot = self.sessions().entry(sid.to_string()).or_default().clone();
         let s = slot.get_or_try_init(|| self.start_chronus(sid, user, slot.clone())).await?;
-        Ok((s.channel.clone(), s.client.clone()))
+        Ok(s.channel.clone())
     }
 
     async fn start_chronus(self: &Arc<Self>, sid: &str, user: &str, slot: Slot) -> Result<Session, AgentError> {
@@ -136,7 +131,7 @@ impl Aether {
             .process_group(0);
         passwd::run_as(&mut c, &u, None);
         let spawn_err = |e| AgentError::Spawn { what: format!("chronus for session {sid}"), source: e };
-        let mut child = c.spawn().map_err(spawn_err)?;
+        let mut child = self.reaper.spawn(&mut c).map_err(spawn_err)?;
         let pid = child.id();
         let exit = self.reaper.wait_for(pid);
         // When chronus dies, forget the session so the next call starts a fresh one.
@@ -164,8 +159,7 @@ impl Aether {
             ));
         }
         let channel = crate::unix_channel(sock).await.map_err(|e| AgentError::Session(sid.into(), e.to_string()))?;
-        let client = crate::runtime_client(channel.clone());
-        Ok(Session { pid, channel, client })
+        Ok(Session { pid, channel })
     }
 
     /// Kills a session's whole tree; false when there was none.
@@ -232,7 +226,7 @@ impl Runtime for AetherService {
         let Some(first) = incoming.message().await? else {
             return Err(AgentError::Invalid("empty write stream".into()).into());
         };
-        let (ch, _) = self.0.session_of(&first.session_id, &first.user).await.map_err(fwd)?;
+        let ch = self.0.session_channel(&first.session_id, &first.user).await.map_err(fwd)?;
         // An error on the caller's stream resets the forwarded one with an error, so chronus
         // never takes a broken upload for a complete file.
         crate::upload_forward(ch, first, incoming).await

@@ -133,7 +133,7 @@ impl Chronus {
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null());
-        let mut child = c.spawn().map_err(AgentError::Shell)?;
+        let mut child = self.reaper.spawn(&mut c).map_err(AgentError::Shell)?;
         let pid = child.id();
         let (Some(i), Some(o)) = (child.stdin.take(), child.stdout.take()) else {
             return Err(AgentError::Shell(std::io::Error::other("no shell pipes")));
@@ -405,8 +405,9 @@ fn spawn_pump(fifo: PathBuf, record: PathBuf, limit: u64, cmd: Arc<Cmd>, err: bo
         };
         // A deeper pipe: a fast writer's output comes in fewer, larger reads (best effort).
         // SAFETY: F_SETPIPE_SZ on a pipe fd this function owns.
-        unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&src), libc::F_SETPIPE_SZ, PIPE_BYTES) };
-        let mut buf = vec![0u8; PIPE_BYTES as usize];
+        let granted = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&src), libc::F_SETPIPE_SZ, PIPE_BYTES) };
+        // One read takes at most what the pipe holds.
+        let mut buf = vec![0u8; usize::try_from(granted).unwrap_or(0).max(64 << 10)];
         let mut kept = 0u64;
         loop {
             let n = match src.read(&mut buf) {

@@ -19,8 +19,8 @@ use std::pin::Pin;
 use tonic::Status;
 use tonic::transport::{Channel, Endpoint};
 
-/// Largest gRPC message either way (matches the control plane's limit).
-pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
+/// Largest gRPC message either way (the control plane's limit, one constant for every hop).
+pub use opendsec_proto::upload::MAX_MESSAGE_BYTES;
 /// Chunk size of streamed output and files.
 pub const CHUNK: usize = 64 << 10;
 

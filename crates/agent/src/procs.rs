@@ -118,13 +118,7 @@ impl Procs {
         };
         // Entered as the user (after the switch), so a directory they cannot enter fails.
         crate::passwd::run_as(&mut c, user, Some(cwd.into()));
-        // With pre_exec hooks std forks, and when the exec fails it waits for the child itself;
-        // the reaper (waitpid(-1)) may have reaped it first, and std then panics. That is an
-        // exec failure like any other here, not the end of the call.
-        let spawned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.spawn())).unwrap_or_else(|_| {
-            Err(std::io::Error::other("the program could not be executed (not found or not executable)"))
-        });
-        let mut child = spawned.map_err(|e| AgentError::Spawn { what: argv0.clone(), source: e })?;
+        let mut child = reaper.spawn(&mut c).map_err(|e| AgentError::Spawn { what: argv0.clone(), source: e })?;
         let pid = child.id();
         // The parent's copies of the slave side went with `c`'s stdio when spawn returned.
         drop(c);

@@ -28,6 +28,9 @@ struct Inner {
 #[derive(Clone, Default)]
 pub struct Reaper {
     inner: Arc<Mutex<Inner>>,
+    /// Held while a child is spawned and while reaping: std waits for a child whose exec
+    /// failed by its pid, and must find it there, not already reaped by `waitpid(-1)`.
+    spawning: Arc<Mutex<()>>,
 }
 
 impl Reaper {
@@ -54,6 +57,7 @@ impl Reaper {
     }
 
     fn reap_all(&self) {
+        let _not_spawning = self.spawning.lock().unwrap_or_else(|p| p.into_inner());
         // `wait` is waitpid(-1); rustix's `waitpid(None)` would be waitpid(0), our group only.
         while let Ok(Some((pid, st))) = wait(WaitOptions::NOHANG) {
             let exit = match (st.exit_status(), st.terminating_signal()) {
@@ -79,6 +83,13 @@ impl Reaper {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Spawns `c` with reaping held off, so that std's own wait for a child whose exec failed
+    /// finds it (every spawn of a process that reaps with this must go through here).
+    pub fn spawn(&self, c: &mut std::process::Command) -> std::io::Result<std::process::Child> {
+        let _g = self.spawning.lock().unwrap_or_else(|p| p.into_inner());
+        c.spawn()
     }
 
     /// The exit of child `pid` (call right after spawning it).

@@ -530,6 +530,24 @@ async fn process_api() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Internal);
+    assert!(e.message().contains("No such file"), "the exec's own error: {e:?}");
+    // Failed execs while children keep exiting (the reaper busy with waitpid(-1)): each one
+    // is its own error, never a child std cannot find, and the agent answers after.
+    let mut churn = c.clone();
+    let busy = tokio::spawn(async move {
+        for _ in 0..40 {
+            churn.start_process(StartProcessRequest { cmd: vec!["true".into()], ..Default::default() }).await.unwrap();
+        }
+    });
+    for _ in 0..40 {
+        let e = c
+            .start_process(StartProcessRequest { cmd: vec!["/no/such/binary".into()], ..Default::default() })
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("No such file"), "{e:?}");
+    }
+    busy.await.unwrap();
+    assert!(!c.list_processes(ListProcessesRequest::default()).await.unwrap().into_inner().processes.is_empty());
 }
 
 #[tokio::test]

@@ -37,15 +37,23 @@ async fn edge_call<T>(
     edge: &str,
     fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 ) -> Result<T, ApiError> {
-    match tokio::time::timeout(shared.cfg.edge_call_timeout, fut).await {
-        Ok(Ok(r)) => Ok(r.into_inner()),
-        Ok(Err(s)) => Err(ApiError::from_status(&s)),
-        Err(_) => Err(ApiError::new(
-            Reason::DeadlineExceeded,
-            format!("edge {edge} did not answer within {} s", shared.cfg.edge_call_timeout.as_secs()),
-        )
-        .with("edge", edge)),
-    }
+    within(edge, Some(shared.cfg.edge_call_timeout), fut).await
+}
+
+/// An edge's answer, or `deadline_exceeded` (naming the edge) once `limit` has passed.
+pub(crate) async fn within<T>(
+    edge: &str,
+    limit: Option<std::time::Duration>,
+    fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, ApiError> {
+    let answer = match limit {
+        Some(d) => tokio::time::timeout(d, fut).await.map_err(|_| {
+            ApiError::new(Reason::DeadlineExceeded, format!("edge {edge} did not answer within {} s", d.as_secs()))
+                .with("edge", edge)
+        })?,
+        None => fut.await,
+    };
+    answer.map(tonic::Response::into_inner).map_err(|st| ApiError::from_status(&st))
 }
 
 /// Gets a sandbox from the edge named in its id.

@@ -4,9 +4,11 @@
 //!
 //! Every call validates the sandbox id first, authenticates the bearer token, then authorizes
 //! `sandbox.operate` on the sandbox's project. The project comes from the edge (`GetSandbox`)
-//! the first time and from a bounded cache afterwards: a sandbox's project never changes and a
-//! sandbox id is never reused, so a cached entry is never wrong, only possibly stale for a
-//! sandbox that is gone (the edge then answers `not_found` itself). The permission check is
+//! the first time and from a bounded cache afterwards. A sandbox's project never changes, but
+//! its id can come back (lease ids are the caller's) for a sandbox of another project after the
+//! first one ended: every forwarded call therefore names the project it was authorized for
+//! (`EXPECT_PROJECT_HEADER`), and the edge answers `not_found` when the sandbox it holds under
+//! that id is another project's (the entry is then forgotten). The permission check is
 //! made on every call (cached by [`Shared::authorize`], cleared with IAM's security epoch).
 //!
 //! Unary calls run like the `Sandboxes` ones: in their own task, one audit line each. Streamed
@@ -200,22 +202,6 @@ fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> {
     Ok(r)
 }
 
-/// Waits for an edge's answer within `limit`.
-async fn within<T>(
-    edge: &str,
-    limit: Option<Duration>,
-    fut: impl Future<Output = Result<Response<T>, Status>>,
-) -> Result<T, ApiError> {
-    let answer = match limit {
-        Some(d) => tokio::time::timeout(d, fut).await.map_err(|_| {
-            ApiError::new(Reason::DeadlineExceeded, format!("edge {edge} did not answer within {} s", d.as_secs()))
-                .with("edge", edge)
-        })?,
-        None => fut.await,
-    };
-    answer.map(Response::into_inner).map_err(|st| ApiError::from_status(&st))
-}
-
 fn client(s: &Shared, edge: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
     s.up.runtime(&s.edge_addr(edge)?)
 }
@@ -260,7 +246,7 @@ impl RuntimeService {
                 let (edge, project) = authorized(s, &projects, call, &md, &id).await?;
                 let limit = limit(&req, s.cfg.edge_call_timeout);
                 let c = client(s, &edge)?;
-                let answer = within(&edge, limit, f(c, to_edge(req, &project)?)).await;
+                let answer = create::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
                 if answer.as_ref().is_err_and(|e| e.reason == Reason::NotFound) {
                     // Gone, or the id names another project's sandbox now: ask the edge again
                     // next time.

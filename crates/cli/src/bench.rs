@@ -63,7 +63,7 @@ impl Phase {
         *self.errors.entry(e.reason.to_string()).or_default() += 1;
     }
 
-    fn json(&self) -> Value {
+    pub fn json(&self) -> Value {
         json!({
             "ok": self.ok,
             "failed": self.failed,
@@ -280,7 +280,7 @@ pub async fn exec(client: &Client, args: &ExecBenchArgs) -> Result<Phase, CtlErr
             let n = per.min(args.count.saturating_sub(s * per));
             let req = req(s);
             async move {
-                let mut out = Vec::with_capacity(n as usize);
+                let mut out = Vec::new();
                 for _ in 0..n {
                     let t = Instant::now();
                     let r = client.exec(req.clone()).await;
@@ -322,11 +322,6 @@ pub async fn exec(client: &Client, args: &ExecBenchArgs) -> Result<Phase, CtlErr
 }
 
 impl Phase {
-    /// The figures of an exec benchmark, as JSON.
-    pub fn to_json(&self) -> Value {
-        self.json()
-    }
-
     /// The figures of an exec benchmark, for people.
     pub fn exec_text(&self) -> String {
         let mut s = format!(

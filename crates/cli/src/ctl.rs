@@ -747,7 +747,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
         }
         Command::Bench(BenchCmd::Exec(args)) => {
             let phase = crate::bench::exec(client, &args).await?;
-            out.print(phase.to_json(), || phase.exec_text());
+            out.print(phase.json(), || phase.exec_text());
             Ok(())
         }
     }

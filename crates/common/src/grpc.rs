@@ -23,7 +23,7 @@ pub const SERVICE_TOKEN_HEADER: &str = "x-opendsec-service-token";
 /// another project (an id reused after the apiserver cached it).
 pub const EXPECT_PROJECT_HEADER: &str = "x-opendsec-expect-project";
 /// Largest message either way (reference section 13).
-pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
+pub use opendsec_proto::upload::MAX_MESSAGE_BYTES;
 
 /// A server with the settings every opendsec service uses: idle connections pinged every 20 s
 /// so load balancers do not cut quiet streams.

@@ -61,8 +61,9 @@ impl Codec for WriteFileCodec {
     }
 }
 
-/// Largest WriteFile message either way (the control plane's and the agent's limit).
-const MAX_MESSAGE_BYTES: usize = 80 << 20;
+/// Largest message either way, on every hop (reference section 13); `opendsec_common::grpc`
+/// re-exports it.
+pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
 
 /// Calls `Runtime.WriteFile` over `channel` with an abortable stream of messages (the first
 /// names the sandbox and path).

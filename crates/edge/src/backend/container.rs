@@ -83,10 +83,6 @@ pub struct ContainerOptions {
     pub agent_silence: Duration,
 }
 
-/// Default of [`ContainerOptions::agent_silence`]: generous, as a workload may starve its own
-/// agent of CPU for a while (heartbeats come every second).
-pub const AGENT_SILENCE: Duration = Duration::from_secs(60);
-
 struct Held {
     sandbox: Arc<Sandbox>,
     layers: Vec<LayerId>,
@@ -782,7 +778,7 @@ mod tests {
             agent: std::env::current_exe().unwrap(),
             pids_limit: 1024,
             pause_reclaim: false,
-            agent_silence: AGENT_SILENCE,
+            agent_silence: Duration::from_secs(60),
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
         assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("dynamically linked")), "{e}");

@@ -125,14 +125,10 @@ pub trait Backend: Send + Sync {
 /// A `Runtime` client of the agent in a sandbox: gRPC over a channel that reconnects by itself.
 pub type AgentClient = opendsec_proto::v1::runtime_client::RuntimeClient<tonic::transport::Channel>;
 
-/// Largest gRPC message to or from an agent (the agent's own limit).
-pub const AGENT_MESSAGE_BYTES: usize = 80 << 20;
-
-/// A `Runtime` client over an agent's channel, with the agent's message limits.
+/// A `Runtime` client over an agent's channel, with the message limits of every hop.
 pub fn agent_client(channel: tonic::transport::Channel) -> AgentClient {
-    AgentClient::new(channel)
-        .max_decoding_message_size(AGENT_MESSAGE_BYTES)
-        .max_encoding_message_size(AGENT_MESSAGE_BYTES)
+    use opendsec_common::grpc::MAX_MESSAGE_BYTES;
+    AgentClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES).max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 /// Capability: reaches the agent of a RUNNING sandbox. Liveness rides on the agent too: a

@@ -58,7 +58,7 @@ pub struct LayerCache {
     dir: PathBuf,
     /// One gate per layer being copied: later first uses wait on it.
     copying: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<std::sync::Mutex<()>>>>>,
-    /// Layers copied in from the store by this process (for metrics and tests).
+    /// Layers copied in from the store by this cache and its clones (what tests check).
     copies: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 

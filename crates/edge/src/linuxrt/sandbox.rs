@@ -100,9 +100,7 @@ impl Sandbox {
     pub fn start(spec: &SandboxSpec) -> Result<Sandbox, SandboxError> {
         set_subreaper();
         let dir = spec.state_dir.join(&spec.name);
-        let t0 = Instant::now();
         let cg = SandboxCgroup::create(&spec.name, &spec.limits)?;
-        tracing::debug!(sandbox = %spec.name, ms = t0.elapsed().as_secs_f64() * 1e3, "cgroup made");
         match start_in(spec, &dir, &cg) {
             Ok(pid) => Ok(Sandbox { name: spec.name.clone(), pid, dir, cgroup: cg }),
             Err(e) => {
@@ -192,16 +190,8 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
     let run = dir.join("run");
     std::fs::create_dir_all(&run).map_err(io("create", &run))?;
     let disk = dir.join("disk.img");
-    let t0 = Instant::now();
     rootfs::create_disk(&disk, spec.disk_mb)?;
-    let t1 = Instant::now();
     let dev = rootfs::attach_loop(&disk)?;
-    tracing::debug!(
-        sandbox = %spec.name,
-        mkfs_ms = (t1 - t0).as_secs_f64() * 1e3,
-        loop_ms = t1.elapsed().as_secs_f64() * 1e3,
-        "disk ready"
-    );
     // Teardown checks this one device rather than scanning every loop device of the host
     // (thousands on a busy node, several scans per stop).
     let loop_file = dir.join(LOOP_FILE);
@@ -257,7 +247,6 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         None => Err("no status pipe".into()),
     };
     let _ = child.wait();
-    tracing::debug!(sandbox = %spec.name, ms = t1.elapsed().as_secs_f64() * 1e3, "set up (spawn to status)");
     joined?;
     wrote?;
     // The mount inside the namespace now holds the device; our fd can go (autoclear). PID 1
@@ -312,11 +301,9 @@ fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), San
         Some(c) => Some(c),
         None => SandboxCgroup::open(name).ok(),
     };
-    let t0 = Instant::now();
     if let Some(cg) = cg {
         cg.remove()?;
     }
-    let t1 = Instant::now();
     // No directory, no disk: its loop device (backed by a file in it) went before it did.
     if dir.exists() {
         // The namespace dies with its last process; the kernel then unmounts and autoclears.
@@ -334,17 +321,9 @@ fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), San
             return Err(SandboxError::Leftover(name.into(), "loop device still attached".into()));
         }
     }
-    let t2 = Instant::now();
     if dir.exists() {
         std::fs::remove_dir_all(dir).map_err(io("remove", dir))?;
     }
-    tracing::debug!(
-        sandbox = name,
-        cgroup_ms = (t1 - t0).as_secs_f64() * 1e3,
-        loop_ms = (t2 - t1).as_secs_f64() * 1e3,
-        dir_ms = t2.elapsed().as_secs_f64() * 1e3,
-        "torn down"
-    );
     Ok(())
 }
 
