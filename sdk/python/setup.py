@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -79,7 +78,6 @@ def generate(out_pkg: Path) -> None:
 def runtime_requirements() -> list[str]:
     """The grpcio/protobuf the generated code needs: at least what generated it."""
     try:
-        import grpc_tools
         from google import protobuf
         from importlib.metadata import version
 
@@ -87,7 +85,6 @@ def runtime_requirements() -> list[str]:
         pb = protobuf.__version__
         pb_major_minor = ".".join(pb.split(".")[:2])
         tools_major_minor = ".".join(tools.split(".")[:2])
-        del grpc_tools
         return [
             f"grpcio>={tools_major_minor}",
             f"protobuf>={pb_major_minor}",

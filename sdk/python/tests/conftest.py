@@ -12,14 +12,10 @@ target/release/opendsecctl).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
-import tempfile
-import time
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -27,6 +23,9 @@ from typing import Iterator, List, Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "sdk" / "python" / "tools"))
+from localcluster import LocalCluster  # noqa: E402  (beside the SDK, shared with tools/bench.py)
+
 def _default_ctl() -> Path:
     for profile in ("debug", "release"):
         p = REPO / "target" / profile / "opendsecctl"
@@ -45,38 +44,26 @@ DEBIAN_SCRIPT = REPO / "scripts" / "debian-image.sh"
 
 @dataclass
 class Cluster:
-    addr: str
-    token: str
-    state: Path
-    has_container: bool
+    local: LocalCluster
+    has_container: bool = False
     has_image: bool = False
     # Why the Debian image is not there (None: imported as DEBIAN_IMAGE).
     debian_missing: Optional[str] = "not imported yet"
 
+    @property
+    def addr(self) -> str:
+        return self.local.addr
+
+    @property
+    def token(self) -> str:
+        return self.local.token
+
+    @property
+    def state(self) -> Path:
+        return self.local.state
+
     def env(self) -> dict:
-        e = dict(os.environ)
-        e.update(OPENDSEC_ADDR=self.addr, OPENDSEC_TOKEN=self.token, OPENDSEC_IMAGE_STORE=str(self.state / "images"))
-        return e
-
-
-def _import_busybox(state: Path, cluster_env: dict) -> bool:
-    busybox = shutil.which("busybox") or "/bin/busybox"
-    if not Path(busybox).exists():
-        return False
-    root = state / "busybox"
-    for d in ("bin", "etc", "tmp"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    shutil.copy(busybox, root / "bin" / "busybox")
-    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
-    for a in applets:
-        if a != "busybox" and not (root / "bin" / a).exists():
-            os.symlink("busybox", root / "bin" / a)
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/sh\n")
-    subprocess.run(
-        [str(CTL), "image", "import", "--rootfs", str(root), "--name", IMAGE, "--store", str(state / "images")],
-        env=cluster_env, check=True, capture_output=True, timeout=120,
-    )
-    return True
+        return self.local.env()
 
 
 def debian_rootfs() -> Path:
@@ -89,15 +76,12 @@ def debian_rootfs() -> Path:
     return Path(out.strip())
 
 
-def _import_debian(state: Path, cluster_env: dict) -> Optional[str]:
+def _import_debian(local: LocalCluster) -> Optional[str]:
     """Imports the Debian test image as DEBIAN_IMAGE; returns why not, or None when imported."""
     rootfs = debian_rootfs()
     if not (rootfs / "usr" / "bin" / "python3").exists():
         return f"the Debian test image is missing ({rootfs}): run `make images` (scripts/debian-image.sh) first"
-    subprocess.run(
-        [str(CTL), "image", "import", "--rootfs", str(rootfs), "--name", DEBIAN_IMAGE, "--store", str(state / "images")],
-        env=cluster_env, check=True, capture_output=True, timeout=300,
-    )
+    local.import_rootfs(rootfs, DEBIAN_IMAGE)
     return None
 
 
@@ -105,50 +89,16 @@ def _import_debian(state: Path, cluster_env: dict) -> Optional[str]:
 def cluster() -> Iterator[Cluster]:
     if not CTL.exists():
         pytest.fail(f"{CTL} is not built: run `cargo build -p opendsec-cli` (make sdk-test does)")
-    state = Path(tempfile.mkdtemp(prefix="opendsec-sdk-test."))
-    cfg = state / "config.json"
-    # Sandboxes end with the cluster: the state directory (and so any later adoption) goes.
-    edge = {"backends": ["sim", "container"], "keep_sandboxes_on_exit": False}
-    cfg.write_text(json.dumps({"sim_edges": 1, "apiserver": {"listen": "127.0.0.1:0"}, "edge": edge}))
-    log = open(state / "cluster.log", "w+")
-    proc = subprocess.Popen(
-        [str(CTL), "cluster", "up", "--state-dir", str(state), "--config", str(cfg)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    local = LocalCluster(CTL, ("sim", "container"), prefix="opendsec-sdk-test.")
     try:
-        addr: Optional[str] = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and addr is None:
-            if proc.poll() is not None:
-                raise RuntimeError("cluster up exited early:\n" + (state / "cluster.log").read_text())
-            for line in (state / "cluster.log").read_text().splitlines():
-                if line.startswith("  apiserver:"):
-                    addr = line.split(":", 1)[1].strip()
-            time.sleep(0.1)
-        if addr is None:
-            raise RuntimeError("cluster up printed no address:\n" + (state / "cluster.log").read_text())
-        token = (state / "admin.token").read_text().strip()
-        c = Cluster(addr, token, state, False)
+        c = Cluster(local)
         # The image is needed by every backend (sim too); running containers needs root.
-        c.has_image = _import_busybox(state, c.env())
+        c.has_image = local.import_busybox(IMAGE)
         c.has_container = c.has_image and os.geteuid() == 0
-        c.debian_missing = _import_debian(state, c.env())
+        c.debian_missing = _import_debian(local)
         yield c
     finally:
-        with_pg = True
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            with_pg = False
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            if with_pg:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-        if not os.environ.get("OPENDSEC_KEEP_STATE"):
-            shutil.rmtree(state, ignore_errors=True)
+        local.close()
 
 
 @pytest.fixture

@@ -265,8 +265,18 @@ async def test_state_changes_are_not_retried() -> None:
 
 
 async def test_retry_gives_up_after_retry_timeout(dead_address: str) -> None:
-    dead = dead_address
-    async with opendsec.AsyncClient(dead, token="tok", retry_timeout=0.5) as c:
+    # A server that never creates (unavailable / deadline exceeded in turn): retried, the same
+    # lease each time, then given up with the last answer.
+    server, addr, sbx, _ = await serve(fail=10**9)
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=0.5) as c:
+            with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+                await c.create_sandbox("sim")
+        assert len(sbx.leases) > 1 and len(set(sbx.leases)) == 1
+    finally:
+        await server.stop(None)
+    # Nothing listening at all: the same, as a transport failure.
+    async with opendsec.AsyncClient(dead_address, token="tok", retry_timeout=0.5) as c:
         with pytest.raises(errors.Unavailable):
             await c.get_sandbox("e.l")
 
@@ -279,7 +289,7 @@ async def test_a_dead_address_is_avoided(dead_address: str) -> None:
             for _ in range(6):
                 await c.create_sandbox("sim")
             assert c.pool.is_avoided(dead) and not c.pool.is_avoided(addr)
-        # The dead address cost at most one attempt; every creation landed once.
+        # Every creation landed once.
         assert len(sbx.leases) == 6 and len(set(sbx.leases)) == 6
     finally:
         await server.stop(None)
@@ -366,10 +376,8 @@ async def test_batch_retry_can_be_turned_off_and_permanent_errors_are_not_retrie
 
 
 def test_the_sync_facade_wraps_handles_and_batch_errors() -> None:
-    server_box: dict = {}
     loop = asyncio.new_event_loop()
     server, addr, _ = loop.run_until_complete(serve_batch(permanent=True))
-    server_box["s"] = server
     import threading
 
     t = threading.Thread(target=loop.run_forever, daemon=True)

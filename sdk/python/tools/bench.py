@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import opendsec
+from localcluster import LocalCluster  # beside this file
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,59 +45,6 @@ def lat(name: str, ms: List[float], seconds: float) -> str:
     return (f"{name}: {len(ms)} calls in {seconds:.2f}s ({len(ms) / seconds:.0f}/s); "
             f"p50 {pct(ms, 50):.3f} ms, p90 {pct(ms, 90):.3f} ms, p99 {pct(ms, 99):.3f} ms, "
             f"mean {statistics.fmean(ms):.3f} ms")
-
-
-class LocalCluster:
-    def __init__(self, ctl: Path) -> None:
-        self.ctl = ctl
-        self.state = Path(tempfile.mkdtemp(prefix="opendsec-sdk-bench."))
-        edge = {"backends": ["container"], "keep_sandboxes_on_exit": False}
-        (self.state / "config.json").write_text(json.dumps({"sim_edges": 1, "apiserver": {"listen": "127.0.0.1:0"}, "edge": edge}))
-        self.log = open(self.state / "cluster.log", "w+")
-        self.proc = subprocess.Popen(
-            [str(ctl), "cluster", "up", "--state-dir", str(self.state), "--config", str(self.state / "config.json")],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        self.addr = ""
-        deadline = time.monotonic() + 60
-        while not self.addr and time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit("cluster up exited:\n" + (self.state / "cluster.log").read_text())
-            for line in (self.state / "cluster.log").read_text().splitlines():
-                if line.startswith("  apiserver:"):
-                    self.addr = line.split(":", 1)[1].strip()
-            time.sleep(0.1)
-        if not self.addr:
-            raise SystemExit("cluster up printed no address")
-        self.token = (self.state / "admin.token").read_text().strip()
-        self.env = dict(os.environ, OPENDSEC_ADDR=self.addr, OPENDSEC_TOKEN=self.token,
-                        OPENDSEC_IMAGE_STORE=str(self.state / "images"))
-
-    def ctl_json(self, *args: str) -> Dict:
-        out = subprocess.run([str(self.ctl), "--json", *args], env=self.env, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise SystemExit(f"opendsecctl {' '.join(args)}: {out.stderr}")
-        return json.loads(out.stdout)
-
-    def import_busybox(self) -> str:
-        root = self.state / "busybox"
-        (root / "bin").mkdir(parents=True)
-        (root / "tmp").mkdir()
-        shutil.copy(shutil.which("busybox") or "/bin/busybox", root / "bin" / "busybox")
-        for a in subprocess.run([str(root / "bin" / "busybox"), "--list"], capture_output=True, text=True).stdout.split():
-            if a != "busybox":
-                os.symlink("busybox", root / "bin" / a)
-        self.ctl_json("image", "import", "--rootfs", str(root), "--name", "bench:busybox")
-        return "bench:busybox"
-
-    def close(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-        shutil.rmtree(self.state, ignore_errors=True)
 
 
 async def bench(args: argparse.Namespace, cl: LocalCluster, image: str) -> None:
@@ -197,14 +140,16 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=1000, help="shell round trips per measurement (default 1000)")
     p.add_argument("--sessions", type=int, default=16, help="parallel sessions (default 16)")
     p.add_argument("--stream-mib", type=int, default=256)
-    p.add_argument("--file-mib", type=int, default=32, help="at most 63: one sandbox's disk is 1 GiB, a message 64 MiB")
+    p.add_argument("--file-mib", type=int, default=32, help="size of the file written and read back (the sandbox's disk is 1 GiB)")
     p.add_argument("--opendsecctl", default=os.environ.get("OPENDSECCTL", str(REPO / "target" / "release" / "opendsecctl")))
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root: container sandboxes need namespaces, cgroups and loop devices")
-    cl = LocalCluster(Path(args.opendsecctl))
+    cl = LocalCluster(Path(args.opendsecctl), ("container",), prefix="opendsec-sdk-bench.")
     try:
-        image = cl.import_busybox()
+        image = "bench:busybox"
+        if not cl.import_busybox(image):
+            sys.exit("no /bin/busybox: apt-get install busybox-static")
         print(f"python {sys.version.split()[0]}, grpcio {__import__('grpc').__version__}, "
               f"{os.cpu_count()} CPUs; cluster at {cl.addr}")
         asyncio.run(bench(args, cl, image))

@@ -311,7 +311,7 @@ def main() -> None:
 
     base = errors.OpendsecError
     emit("## Errors", "")
-    emit(f"Module `opendsec.errors` (exported as `opendsec.errors`):", "")
+    emit("Module `opendsec.errors` (exported as `opendsec.errors`):", "")
     emit_doc(inspect.cleandoc(errors.__doc__ or ""))
     emit("### OpendsecError", "")
     emit_constructor(base)

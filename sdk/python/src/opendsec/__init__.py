@@ -6,7 +6,7 @@ Quick use::
 
     async def main():
         async with opendsec.AsyncClient() as client:          # OPENDSEC_ADDR / OPENDSEC_TOKEN
-            async with client.run_sandbox("container", "busybox:t") as sb:
+            async with client.run_sandbox("container", "debian:bookworm") as sb:
                 r = await sb.run_shell("echo hello")
                 print(r.exit_code, r.stdout)
 

@@ -2,13 +2,16 @@
 
 Invariants kept here:
 
-* Only calls that are safe to repeat are retried, and only on ``unavailable`` (plus the
-  transport failures read as such), with exponential backoff within ``retry_timeout``:
-  reads; ``create_sandbox`` (it always carries a lease id, so a retry returns the sandbox the
-  first attempt made); ``run_shell``/``stream_shell`` (they carry a request id, so a retry
-  re-attaches to the same command instead of running it again); whole-file writes (the upload
-  is staged until ``finish``, so a repeated truncating write is harmless). Appends, batch
-  creation, state changes (stop/pause/resume) and process starts/signals are never retried.
+* Only calls that are safe to repeat are retried, on ``unavailable`` (plus the transport
+  failures read as such), with exponential backoff within ``retry_timeout``: reads;
+  ``create_sandbox`` (it always carries a lease id, so a retry returns the sandbox the first
+  attempt made; also retried on ``no_capacity``, ``rate_limited`` and ``deadline_exceeded``);
+  ``run_shell``/``stream_shell`` (they carry a request id, so a retry re-attaches to the same
+  command instead of running it again); whole-file writes (the upload is staged until
+  ``finish``, so a repeated truncating write is harmless). ``create_sandboxes`` asks again,
+  in one new batch, for the items refused with ``no_capacity``/``rate_limited``/
+  ``unavailable`` (a refused item made nothing); a batch whose stream breaks is not repeated.
+  Appends, state changes (stop/pause/resume) and process starts/signals are never retried.
 * Streams (``stream_shell``, ``connect_process``, ``read_file``) resume after a disconnect from
   the offsets already received, dropping any overlap, so nothing is lost or repeated.
 * Every failed call raises a subclass of :class:`opendsec.errors.OpendsecError`.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import (
@@ -104,6 +108,12 @@ def _selector(process: ProcessRef) -> rt.ProcessSelector:
     return rt.ProcessSelector(tag=process)
 
 
+def _fresh(have: int, start: int, data: bytes) -> bytes:
+    """The part of ``data`` (at ``start`` in its stream) past the ``have`` bytes already
+    delivered: what a re-attached stream sends again is dropped."""
+    return data[max(0, have - start):]
+
+
 class _Offsets:
     """Per-stream offsets received so far; trims overlap after a re-attach."""
 
@@ -113,13 +123,10 @@ class _Offsets:
     def accept(self, out: rt.OutputData) -> Optional[OutputChunk]:
         name = _STREAMS.get(out.stream, "stdout")
         have = self.pos[name]
-        data = bytes(out.data)
-        start = out.offset
-        if start + len(data) <= have:
+        data = _fresh(have, out.offset, bytes(out.data))
+        if not data:
             return None  # already delivered before the disconnect
-        if start < have:
-            data = data[have - start:]
-            start = have
+        start = max(have, out.offset)
         self.pos[name] = start + len(data)
         return OutputChunk(name, start, data)
 
@@ -236,12 +243,14 @@ class AsyncClient:
         timeout: Optional[float] = None,
         retry_on: Tuple[type, ...] = (errors.Unavailable,),
     ) -> Any:
+        """One call answered once (a unary call, or a client stream when ``request`` is a
+        callable making a fresh request iterator for each attempt), retried as said above."""
         backoff = self._backoff(retry)
         while True:
             address = self.pool.pick()
             try:
                 resp = await getattr(self._stub(service, address), method)(
-                    request, metadata=self._metadata(), timeout=timeout
+                    request() if callable(request) else request, metadata=self._metadata(), timeout=timeout
                 )
             except grpc.RpcError as e:
                 err = self._failed(address, e)
@@ -251,28 +260,11 @@ class AsyncClient:
             self.pool.mark_ok(address)
             return resp
 
-    async def _client_stream(
-        self, service: str, method: str, make_requests: Callable[[], Any], *, retry: bool
-    ) -> Any:
-        backoff = self._backoff(retry)
-        while True:
-            address = self.pool.pick()
-            try:
-                resp = await getattr(self._stub(service, address), method)(
-                    make_requests(), metadata=self._metadata()
-                )
-            except grpc.RpcError as e:
-                err = self._failed(address, e)
-                if await self._retry_sleep(backoff, err):
-                    continue
-                raise err from None
-            self.pool.mark_ok(address)
-            return resp
-
     # -- sandboxes ------------------------------------------------------------------------
 
     def _spec(
         self,
+        *,
         backend: str,
         image: str,
         cpu: int,
@@ -354,8 +346,9 @@ class AsyncClient:
         (e.g. ``quota_exceeded``, ``no_capacity``, ``not_found`` for the image).
         """
         spec = self._spec(
-            backend, image, cpu, memory_mb, disk_mb, gpus, project, labels, env,
-            ttl_running_stop_s, ttl_max_s, ttl_paused_s, user, workdir, best_effort,
+            backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
+            project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
+            ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
         )
         lease = check_lease_id(lease_id) if lease_id is not None else new_lease_id()
         info = await self._unary(
@@ -404,14 +397,22 @@ class AsyncClient:
         ``created``).
         """
         spec = self._spec(
-            backend, image, cpu, memory_mb, disk_mb, gpus, project, labels, env,
-            ttl_running_stop_s, ttl_max_s, ttl_paused_s, user, workdir, best_effort,
+            backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
+            project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
+            ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
         )
         results: List[Any] = [None] * n
         # Made at the first refusal: the budget is for asking again, not for the first call
         # (a batch of thousands may take longer than retry_timeout by itself).
         backoff: Optional[Backoff] = None
         done = 0
+
+        def settled() -> None:
+            nonlocal done
+            done += 1
+            if on_progress is not None:
+                on_progress(done, n)
+
         todo = list(range(n))
         while todo:
             got = await self._batch_once(spec, todo, results)
@@ -423,17 +424,13 @@ class AsyncClient:
                 results[i] = r
                 if retry and isinstance(r, CREATE_RETRYABLE):
                     again.append(i)
-                    continue
-                done += 1
-                if on_progress is not None:
-                    on_progress(done, n)
+                else:
+                    settled()
             if again and backoff is None:
-                backoff = self._backoff(retry)
+                backoff = self._backoff(True)
             if not again or not await self._retry_sleep(backoff, results[again[0]], CREATE_RETRYABLE):
                 for _ in again:  # given up: these answers are final
-                    done += 1
-                    if on_progress is not None:
-                        on_progress(done, n)
+                    settled()
                 break
             todo = again
         if not return_exceptions:
@@ -555,8 +552,7 @@ class AsyncClient:
         try:
             yield sb
         finally:
-            with contextlib.suppress(errors.NotFound, errors.InvalidState):
-                await asyncio.shield(sb.stop())
+            await asyncio.shield(sb.__aexit__(None, None, None))
 
     # -- images ---------------------------------------------------------------------------
 
@@ -914,39 +910,18 @@ class Sandbox:
         (per stream; 0: 16 MiB) has no upper bound here: what is kept is recorded in the
         sandbox (on its disk) so that a re-attach can read it again."""
         req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id, max_output_bytes)
-        offsets = _Offsets()
-        backoff = self.client._backoff(True)
-        while True:
-            req.stdout_offset = offsets.pos["stdout"]
-            req.stderr_offset = offsets.pos["stderr"]
-            address = self.client.pool.pick()
-            call = self.client._stub("Runtime", address).ExecStream(req, metadata=self.client._metadata())
-            try:
-                async for chunk in call:
-                    kind = chunk.WhichOneof("kind")
-                    if kind == "output":
-                        out = offsets.accept(chunk.output)
-                        if out is not None:
-                            yield out
-                    elif kind == "exit":
-                        x = chunk.exit
-                        yield ShellExit(
-                            x.exit_code, x.timed_out, x.cwd, req.request_id,
-                            x.stdout_dropped_bytes, x.stderr_dropped_bytes,
-                        )
-                        self.client.pool.mark_ok(address)
-                        return
-            except grpc.RpcError as e:
-                err = self.client._failed(address, e)
-                if await self.client._retry_sleep(backoff, err):
-                    continue
-                raise err from None
-            finally:
-                call.cancel()
-            # The stream ended without an exit: treat as a disconnect and re-attach.
-            err = errors.Unavailable("exec stream ended without an exit")
-            if not await self.client._retry_sleep(backoff, err):
-                raise err
+
+        def call(offsets: _Offsets) -> Any:
+            req.stdout_offset, req.stderr_offset = offsets.pos["stdout"], offsets.pos["stderr"]
+            return req
+
+        def done(x: rt.ExecExit) -> ShellExit:
+            return ShellExit(
+                x.exit_code, x.timed_out, x.cwd, req.request_id, x.stdout_dropped_bytes, x.stderr_dropped_bytes
+            )
+
+        async for item in self._resumable("ExecStream", call, done, _Offsets(), "command"):
+            yield item
 
     async def close_session(self, session: str) -> bool:
         """Ends a session (its shell and processes die). Returns False when it did not exist
@@ -976,11 +951,7 @@ class Sandbox:
             call = self.client._stub("Runtime", address).ReadFile(req, metadata=self.client._metadata())
             try:
                 async for chunk in call:
-                    data = bytes(chunk.data)
-                    if chunk.offset + len(data) <= pos:
-                        continue
-                    if chunk.offset < pos:
-                        data = data[pos - chunk.offset:]
+                    data = _fresh(pos, chunk.offset, bytes(chunk.data))
                     pos += len(data)
                     if data:
                         yield data
@@ -1018,10 +989,10 @@ class Sandbox:
         Sent in chunks, ``finish`` on the last: an upload cut short writes nothing. Retried on
         ``unavailable`` unless ``append`` (a repeated append would write twice).
         """
-        raw = data.encode() if isinstance(data, str) else bytes(data)
+        raw = memoryview(data.encode() if isinstance(data, str) else bytes(data))
 
         def chunks() -> Iterable[bytes]:
-            return [raw[i:i + WRITE_CHUNK_BYTES] for i in range(0, len(raw), WRITE_CHUNK_BYTES)] or [b""]
+            return (bytes(raw[i:i + WRITE_CHUNK_BYTES]) for i in range(0, len(raw), WRITE_CHUNK_BYTES))
 
         return await self._write(path, chunks, session, user, mode, append, make_parents)
 
@@ -1039,7 +1010,7 @@ class Sandbox:
 
         async def requests() -> AsyncIterator[rt.WriteFileRequest]:
             it = iter(chunks())
-            cur = next(it, b"")
+            cur = next(it, b"")  # no chunks (an empty file): one message, with finish
             first = True
             while True:
                 nxt = next(it, None)
@@ -1054,7 +1025,7 @@ class Sandbox:
                 yield req
                 cur = nxt
 
-        resp = await self.client._client_stream("Runtime", "WriteFile", requests, retry=not append)
+        resp = await self.client._unary("Runtime", "WriteFile", requests, retry=not append)
         return resp.bytes_written
 
     async def upload(
@@ -1075,15 +1046,7 @@ class Sandbox:
 
         def chunks() -> Iterable[bytes]:
             with open(local, "rb") as f:
-                first = True
-                while True:
-                    b = f.read(WRITE_CHUNK_BYTES)
-                    if not b and not first:
-                        return
-                    first = False
-                    yield b
-                    if not b:
-                        return
+                yield from iter(functools.partial(f.read, WRITE_CHUNK_BYTES), b"")
 
         return await self._write(remote_path, chunks, session, user, file_mode, False, make_parents)
 
@@ -1171,14 +1134,36 @@ class Sandbox:
         after a disconnect from the bytes received (the process keeps running meanwhile)."""
         offsets = _Offsets()
         offsets.pos.update(stdout=stdout_offset, stderr=stderr_offset)
+
+        def call(o: _Offsets) -> Any:
+            return rt.ConnectProcessRequest(
+                sandbox_id=self.id, process=_selector(process),
+                stdout_offset=o.pos["stdout"], stderr_offset=o.pos["stderr"],
+            )
+
+        async for item in self._resumable(
+            "ConnectProcess", call, lambda x: ProcessExit(x.exit_code, x.signal), offsets, "process"
+        ):
+            yield item
+
+    async def _resumable(
+        self,
+        method: str,
+        request: Callable[[_Offsets], Any],
+        on_exit: Callable[[Any], Any],
+        offsets: _Offsets,
+        what: str,
+    ) -> AsyncIterator[Any]:
+        """A stream of output events ending in an exit (``ExecStream``, ``ConnectProcess``):
+        output as it comes, then ``on_exit(exit)``. A disconnect, or an end without an exit,
+        re-attaches with ``request(offsets)`` (the offsets received so far; overlap trimmed)
+        within ``retry_timeout``."""
         backoff = self.client._backoff(True)
         while True:
-            req = rt.ConnectProcessRequest(
-                sandbox_id=self.id, process=_selector(process),
-                stdout_offset=offsets.pos["stdout"], stderr_offset=offsets.pos["stderr"],
-            )
             address = self.client.pool.pick()
-            call = self.client._stub("Runtime", address).ConnectProcess(req, metadata=self.client._metadata())
+            call = getattr(self.client._stub("Runtime", address), method)(
+                request(offsets), metadata=self.client._metadata()
+            )
             try:
                 async for ev in call:
                     kind = ev.WhichOneof("kind")
@@ -1187,7 +1172,7 @@ class Sandbox:
                         if out is not None:
                             yield out
                     elif kind == "exit":
-                        yield ProcessExit(ev.exit.exit_code, ev.exit.signal)
+                        yield on_exit(ev.exit)
                         self.client.pool.mark_ok(address)
                         return
             except grpc.RpcError as e:
@@ -1197,7 +1182,7 @@ class Sandbox:
                 raise err from None
             finally:
                 call.cancel()
-            err = errors.Unavailable("process stream ended without an exit")
+            err = errors.Unavailable(f"the {what}'s stream ended without an exit")
             if not await self.client._retry_sleep(backoff, err):
                 raise err
 

@@ -27,7 +27,9 @@ class OpendsecError(Exception):
         code: the gRPC status code of the call, when it came from a call (else the class's
             ``grpc_code``).
         retryable: whether the same call may succeed later (``rate_limited``,
-            ``no_capacity``, ``not_leader``, ``unavailable``).
+            ``no_capacity``, ``not_leader``, ``unavailable``); what the SDK itself retries,
+            and where, is said in :mod:`opendsec.client` (it does not retry ``not_leader``,
+            which names an IAM leader for components to call, not an apiserver).
         has_error_info: whether the reason came from an opendsec ``ErrorInfo`` (False: read
             from the bare gRPC code, e.g. a transport failure).
     """

@@ -44,6 +44,8 @@ class _Loop:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
 
 
 def _wrap(loop: _Loop, value: Any) -> Any:
@@ -119,19 +121,11 @@ class Client(_Proxy):
         channel_options: Optional[Sequence[Tuple[str, Any]]] = None,
     ) -> None:
         """The arguments of :class:`opendsec.AsyncClient`."""
-        loop = _Loop()
-
-        async def make() -> AsyncClient:
-            return AsyncClient(
-                addresses, token, project, retry_timeout=retry_timeout, avoid_s=avoid_s, channel_options=channel_options
-            )
-
-        try:
-            client = loop.run(make())
-        except BaseException:
-            loop.stop()
-            raise
-        super().__init__(loop, client)
+        # Made before the loop: the client opens its channels lazily, on the loop, at first use.
+        client = AsyncClient(
+            addresses, token, project, retry_timeout=retry_timeout, avoid_s=avoid_s, channel_options=channel_options
+        )
+        super().__init__(_Loop(), client)
 
     @property
     def aio(self) -> AsyncClient:
