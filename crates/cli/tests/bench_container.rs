@@ -248,3 +248,87 @@ async fn bench_container_sandboxes() {
     println!("stopped {idle} in {:.1} s (16 at a time)", t0.elapsed().as_secs_f64());
     f.cluster.shutdown().await;
 }
+
+/// Issue 9: what a user namespace per sandbox costs. Two clusters in one run, the same image
+/// and spec, one with `edge.user_namespaces` (the default), one without; measured in
+/// alternating rounds so that drift of the machine hits both alike.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark: make bench-container"]
+async fn bench_user_namespace_cost() {
+    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+    let sustained: usize = std::env::var("BENCH_SUSTAINED").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+    let tweak = |userns: bool| {
+        move |c: &mut opendsec_common::config::Config| {
+            c.edge.user_namespaces = userns;
+            c.edge.capacity = opendsec_common::config::CapacityConfig {
+                cpu_millis: 4_000_000,
+                memory_mb: 400_000,
+                disk_mb: 4_000_000,
+                gpus: 0,
+            };
+            c.edge.max_sandboxes = 5000;
+            c.apiserver.rate_per_principal = 100_000.0;
+            c.apiserver.burst_per_principal = 100_000.0;
+        }
+    };
+    let with = fixture_with(tweak(true)).await;
+    let without = fixture_with(tweak(false)).await;
+    let spec = container_spec("busybox", 64, 16);
+    for f in [&with, &without] {
+        let w = f.admin.create_sandbox(spec.clone()).await.unwrap();
+        f.admin.stop_sandbox(&w.id).await.unwrap();
+    }
+    let mut lat: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
+    let mut rate: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    use futures::StreamExt;
+    let stop_all = |f: &Fixture, ids: Vec<String>| {
+        let admin = f.admin.clone();
+        async move {
+            futures::stream::iter(ids)
+                .map(|id| {
+                    let admin = admin.clone();
+                    async move { admin.stop_sandbox(&id).await.unwrap() }
+                })
+                .buffer_unordered(16)
+                .collect::<Vec<_>>()
+                .await;
+            // Let the teardowns' kernel work (namespaces, loop devices) finish first.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    };
+    for _ in 0..rounds {
+        // One by one, alternating between the two clusters creation by creation.
+        let mut ids: [Vec<String>; 2] = [Vec::new(), Vec::new()];
+        for _ in 0..20 {
+            for (i, f) in [&with, &without].into_iter().enumerate() {
+                let t = Instant::now();
+                ids[i].push(f.admin.create_sandbox(spec.clone()).await.unwrap().id);
+                lat[i].push(t.elapsed());
+            }
+        }
+        let [a, b] = ids;
+        stop_all(&with, a).await;
+        stop_all(&without, b).await;
+        // Sustained, one cluster at a time.
+        for (i, f) in [&with, &without].into_iter().enumerate() {
+            let t0 = Instant::now();
+            let more: Vec<String> = futures::stream::iter(0..sustained / rounds)
+                .map(|_| {
+                    let (admin, spec) = (f.admin.clone(), spec.clone());
+                    async move { admin.create_sandbox(spec).await.unwrap().id }
+                })
+                .buffer_unordered(16)
+                .collect()
+                .await;
+            rate[i].push(more.len() as f64 / t0.elapsed().as_secs_f64());
+            stop_all(f, more).await;
+        }
+    }
+    for (i, what) in ["with user namespaces", "without user namespaces"].into_iter().enumerate() {
+        show(&format!("create one by one {what}"), lat[i].clone());
+        let mean = rate[i].iter().sum::<f64>() / rate[i].len() as f64;
+        println!("sustained creations {what} (16 in flight): {mean:.1} creations/s (rounds: {:.1?})", rate[i]);
+    }
+    with.cluster.shutdown().await;
+    without.cluster.shutdown().await;
+}

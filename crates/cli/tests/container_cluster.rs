@@ -327,6 +327,34 @@ for path, name in [("/proc/sys/vm/swappiness", "procsys"), ("/sys/class/net/lo/m
         print(f"{name}={e.strerror}")
 print("sysls=" + ",".join(sorted(os.listdir("/sys"))) + ";" + ",".join(sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else []))
 print("devices=" + ",".join(sorted(d for d in os.listdir("/dev") if not d.startswith("."))))
+for name, fam, kind, proto in [("af_vsock", 40, 1, 0), ("af_packet", 17, 3, 0), ("af_alg", 38, 5, 0),
+                               ("icmp_raw", 2, 3, 1), ("icmp_ping", 2, 2, 1)]:
+    try:
+        socket.socket(fam, kind, proto).close()
+        print(f"{name}=ok")
+    except OSError as e:
+        print(f"{name}={e.strerror}")
+try:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 80))
+    print("bind_80=ok")
+except OSError as e:
+    print(f"bind_80={e.strerror}")
+status = open("/proc/self/status").read().splitlines()
+for k in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]:
+    print(k + "=" + [l.split()[1] for l in status if l.startswith(k + ":")][0])
+try:
+    open("/dev/tty", "w")
+    print("tty=opened")
+except OSError as e:
+    print(f"tty={e.strerror}")
+def count(p):
+    try:
+        return str(len(os.listdir(p)))
+    except OSError as e:
+        return e.strerror
+print("blockdevs=" + "/".join(count(p) for p in ["/sys/block", "/sys/class/block", "/sys/dev/block", "/sys/devices/virtual/block"]))
+print("slabinfo=" + str(len(open("/proc/slabinfo").read())))
 for port in sys.argv[2:]:
     s = socket.socket()
     s.settimeout(2)
@@ -369,6 +397,29 @@ async fn hostile_workloads_are_contained() {
     assert_eq!(get("procsys"), "Read-only file system");
     assert_eq!(get("sys"), "Read-only file system", "{}", get("sysls"));
     assert_eq!(get("devices"), "fd,full,null,ptmx,pts,random,shm,stderr,stdin,stdout,tty,urandom,zero");
+    // VM sockets, raw frames and the kernel crypto API are refused; raw ICMP needs the
+    // dropped CAP_NET_RAW while ping sockets work; root binds low ports.
+    for k in ["af_vsock", "af_packet", "af_alg", "icmp_raw"] {
+        assert_eq!(get(k), "Operation not permitted", "{k}: {text}");
+    }
+    assert_eq!(get("icmp_ping"), "ok");
+    assert_eq!(get("bind_80"), "ok");
+    // Root's capabilities: CHOWN, DAC_OVERRIDE, FOWNER, FSETID, KILL, SETGID, SETUID,
+    // NET_BIND_SERVICE, SYS_CHROOT; nothing inheritable or ambient.
+    for (k, v) in [
+        ("CapInh", "0000000000000000"),
+        ("CapPrm", "00000000000404fb"),
+        ("CapEff", "00000000000404fb"),
+        ("CapBnd", "00000000000404fb"),
+        ("CapAmb", "0000000000000000"),
+    ] {
+        assert_eq!(get(k), v, "{k}");
+    }
+    // No controlling terminal; the block devices (whose loop backing files name every
+    // sandbox of the node) and the slab statistics are masked.
+    assert_eq!(get("tty"), "No such device or address");
+    assert_eq!(get("blockdevs"), "0/0/0/0");
+    assert_eq!(get("slabinfo"), "0");
     for port in [edge_port, api_port] {
         let v = get(&format!("connect_{port}"));
         assert_ne!(v, "connected", "the sandbox reached port {port}");
@@ -382,6 +433,50 @@ async fn hostile_workloads_are_contained() {
     // The agent's socket is on the host, out of the sandbox's sight.
     let r = exec_in(&mut rt, &a.id, "probe", "ls -a /.opendsec; ls /run/opendsec-agent/sessions").await;
     assert_eq!(out(&r).lines().filter(|l| l.ends_with(".sock")).count(), 0, "{r:?}");
+
+    // Root inside is an unprivileged host id outside, another in each sandbox; a file sandbox
+    // root makes is owned by that id on the host.
+    let r = exec_in(&mut rt, &a.id, "ids", "touch /tmp/made-by-root; sleep 600 & echo $!").await;
+    let bg: i32 = out(&r).parse().unwrap();
+    let host_pid = |id: &str, ns_pid: i32| {
+        let name = opendsec_edge::backend::container::sandbox_name(&f.containers, id);
+        let pids = opendsec_edge::linuxrt::cgroup::SandboxCgroup::open(&name).unwrap().pids().unwrap();
+        let nspid = |p: &i32| {
+            let st = std::fs::read_to_string(format!("/proc/{p}/status")).unwrap_or_default();
+            st.lines().find_map(|l| l.strip_prefix("NSpid:")).and_then(|v| v.split_whitespace().last()?.parse().ok())
+        };
+        *pids.iter().find(|p| nspid(p) == Some(ns_pid)).unwrap_or_else(|| panic!("no pid {ns_pid} in {id}"))
+    };
+    let uid_of = |pid: i32| -> u32 {
+        let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        st.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap()
+    };
+    let (a1, b1) = (host_pid(&a.id, 1), host_pid(&b.id, 1));
+    let (ua, ub) = (uid_of(a1), uid_of(b1));
+    assert!(
+        ua >= opendsec_edge::linuxrt::idmap::DEFAULT_FIRST_ID && ub >= opendsec_edge::linuxrt::idmap::DEFAULT_FIRST_ID
+    );
+    assert_ne!(ua, ub, "two sandboxes share host ids");
+    assert_eq!(uid_of(host_pid(&a.id, bg)), ua, "sandbox root's shell on the host");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(format!("/proc/{a1}/root/tmp/made-by-root")).unwrap();
+        assert_eq!((m.uid(), m.gid()), (ua, ua), "a file sandbox root made, seen from the host");
+    }
+    // Per-user kernel limits are the sandbox's own: inotify instances exhausted in one leave
+    // the other's, and host root's, alone.
+    let hog = "python3 -c \"import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\nn = 0\nwhile libc.inotify_init1(0) >= 0: n += 1\nopen('/tmp/inotify', 'w').write(f'{n} {os.strerror(ctypes.get_errno())}')\ntime.sleep(600)\" > /dev/null 2>&1 & while [ ! -s /tmp/inotify ]; do sleep 0.05; done; cat /tmp/inotify";
+    let r = exec_in(&mut rt, &a.id, "inotify", hog).await;
+    let (n, why) = out(&r).split_once(' ').map(|(n, w)| (n.parse::<u32>().unwrap(), w.to_string())).unwrap();
+    assert!(n > 0 && why == "Too many open files", "{r:?}");
+    let one = "python3 -c \"import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)\"";
+    assert_eq!(out(&exec_in(&mut rt, &b.id, "inotify", one).await), "True", "the other sandbox lost its inotify");
+    // SAFETY: inotify_init1 takes flags and returns an fd (closed at once) or -1.
+    let fd = unsafe { libc::inotify_init1(libc::IN_CLOEXEC) };
+    assert!(fd >= 0, "host root lost its inotify: {}", std::io::Error::last_os_error());
+    // SAFETY: closing the fd just made.
+    unsafe { libc::close(fd) };
+    rt.close_session(pb::CloseSessionRequest { sandbox_id: a.id.clone(), session_id: "inotify".into() }).await.unwrap();
 
     // A fork bomb stops at the pids limit; the sandbox keeps answering once its session closes.
     let bomb = pb::ExecRequest {
@@ -477,6 +572,10 @@ async fn hostile_workloads_are_contained() {
     let bad = pb::SandboxSpec { user: "no-such-user".into(), ..container_spec("debian:bookworm", 128, 64) };
     let e = f.admin.create_sandbox(bad).await.unwrap_err();
     assert!(e.message.contains("no-such-user"), "{e:?}");
+    // A disk of 0 MiB would be charged as nothing while a disk is allocated: refused.
+    let e = f.admin.create_sandbox(container_spec("debian:bookworm", 128, 0)).await.unwrap_err();
+    assert_eq!(e.reason.to_string(), "invalid_argument", "{e:?}");
+    assert!(e.message.contains("spec.resources.disk_mb"), "{e:?}");
 
     f.admin.stop_sandbox(&a.id).await.unwrap();
     f.admin.stop_sandbox(&b.id).await.unwrap();

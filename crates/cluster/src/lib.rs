@@ -17,6 +17,8 @@ use opendsec_common::grpc;
 use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions};
 use opendsec_edge::backend::sim::SimBackend;
 use opendsec_edge::backend::{Backend, BackendError};
+use opendsec_edge::linuxrt::cgroup::IoLimits;
+use opendsec_edge::linuxrt::idmap::IdPool;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -135,7 +137,7 @@ impl Cluster {
             config.sim_edges = n;
         }
         check_backends(&config)?;
-        std::fs::create_dir_all(&config.state_dir)
+        opendsec_common::fsperm::private_dir(&config.state_dir)
             .map_err(|source| ClusterError::StateDir { path: config.state_dir.clone(), source })?;
         seed_images(&config.image_store_dir())?;
         let toks = tokens::resolve(&config)?;
@@ -362,6 +364,19 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
                     pids_limit: config.edge.container_pids_limit,
                     pause_reclaim: config.edge.pause_reclaim,
                     agent_silence: config.edge.agent_silence,
+                    userns: match config.edge.user_namespaces {
+                        true => Some(
+                            IdPool::new(config.edge.userns_first_id, config.edge.userns_ranges)
+                                .map_err(|e| err(BackendError::InvalidArgument(e.to_string())))?,
+                        ),
+                        false => None,
+                    },
+                    io: IoLimits {
+                        read_bps: config.edge.disk_io.read_bytes_per_s,
+                        write_bps: config.edge.disk_io.write_bytes_per_s,
+                        read_iops: config.edge.disk_io.read_iops,
+                        write_iops: config.edge.disk_io.write_iops,
+                    },
                 };
                 out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
             }

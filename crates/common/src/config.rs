@@ -309,6 +309,39 @@ pub struct EdgeConfig {
     /// The binary re-executed as a container's setup process; default: the running executable
     /// (which calls `linuxrt::init::run_if_init()` first in `main`). Tests point it elsewhere.
     pub container_setup_exe: Option<PathBuf>,
+    /// Run every container sandbox in a user namespace of its own (its root is an
+    /// unprivileged host id). Off only to measure what it costs.
+    pub user_namespaces: bool,
+    /// The first host id of the sandboxes' id ranges (a multiple of 65536); each sandbox
+    /// holds 65536 ids, claimed host-wide (under `/run/opendsec/userns`) so that edges sharing
+    /// a host never hand out the same range.
+    pub userns_first_id: u32,
+    /// How many ranges of 65536 ids from `userns_first_id` this edge may hand out.
+    pub userns_ranges: u32,
+    /// Disk I/O limits of each container sandbox on its own disk.
+    pub disk_io: DiskIoConfig,
+}
+
+/// Disk I/O limits per sandbox (0 = no limit of that kind). On cgroup v1 only direct and
+/// synchronous I/O is throttled; on v2 buffered writeback too.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiskIoConfig {
+    pub read_bytes_per_s: u64,
+    pub write_bytes_per_s: u64,
+    pub read_iops: u64,
+    pub write_iops: u64,
+}
+
+impl Default for DiskIoConfig {
+    fn default() -> Self {
+        DiskIoConfig {
+            read_bytes_per_s: 256 << 20,
+            write_bytes_per_s: 256 << 20,
+            read_iops: 10_000,
+            write_iops: 10_000,
+        }
+    }
 }
 
 impl Default for EdgeConfig {
@@ -334,6 +367,10 @@ impl Default for EdgeConfig {
             pause_reclaim: false,
             agent_silence: Duration::from_secs(60),
             container_setup_exe: None,
+            user_namespaces: true,
+            userns_first_id: 4096 * 65536,
+            userns_ranges: 28672,
+            disk_io: DiskIoConfig::default(),
         }
     }
 }
@@ -516,6 +553,14 @@ impl Config {
         }
         if e.backends.is_empty() {
             return Err(invalid("edge.backends", "must name at least one backend"));
+        }
+        if e.userns_first_id == 0 || !e.userns_first_id.is_multiple_of(65536) {
+            return Err(invalid("edge.userns_first_id", "must be a positive multiple of 65536"));
+        }
+        if e.userns_ranges == 0
+            || u64::from(e.userns_first_id) + u64::from(e.userns_ranges) * 65536 > u64::from(u32::MAX)
+        {
+            return Err(invalid("edge.userns_ranges", "must be at least 1 and end below host id 2^32 - 1"));
         }
         for (i, b) in e.backends.iter().enumerate() {
             if !KNOWN_BACKENDS.contains(&b.as_str()) {

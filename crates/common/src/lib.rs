@@ -1,9 +1,10 @@
 //! Pieces every opendsec process shares: the error reasons and their one mapping to gRPC, the
-//! cluster config, id validation, gRPC serving and channels with the shared service token, and
+//! cluster config, id validation, private host files, gRPC serving and channels with the shared service token, and
 //! the `/metrics` `/healthz` `/readyz` endpoint.
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod fsperm;
 pub mod grpc;
 pub mod http;
 pub mod ids;

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions, sandbox_name};
 use opendsec_edge::backend::{Backend, BackendError};
-use opendsec_edge::linuxrt::cgroup;
+use opendsec_edge::linuxrt::cgroup::{self, IoLimits};
+use opendsec_edge::linuxrt::idmap::{self, IdPool};
 use opendsec_edge::linuxrt::rootfs;
 use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
 use opendsec_edge::record::{ResourcesRecord, SandboxRecord, SpecRecord};
@@ -76,6 +77,8 @@ fn options(tmp: &Path) -> ContainerOptions {
         pids_limit: 64,
         pause_reclaim: true,
         agent_silence: Duration::from_secs(3),
+        userns: Some(IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap()),
+        io: IoLimits { read_bps: 64 << 20, write_bps: 64 << 20, read_iops: 4000, write_iops: 4000 },
     }
 }
 

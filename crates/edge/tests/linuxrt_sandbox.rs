@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use opendsec_edge::linuxrt::cgroup::{self, Limits};
+use opendsec_edge::linuxrt::cgroup::{self, IoLimits, Limits};
+use opendsec_edge::linuxrt::idmap::{self, IdPool};
 use opendsec_edge::linuxrt::init::Bind;
 use opendsec_edge::linuxrt::rootfs::{self, LayerCache};
 use opendsec_edge::linuxrt::sandbox::{self, Sandbox, SandboxSpec};
@@ -45,7 +46,11 @@ async fn busybox_lower(tmp: &Path) -> PathBuf {
     lowers[0].clone()
 }
 
+/// A sandbox running `script` as PID 1 in a user namespace; `out` (made writable for the
+/// sandbox's root, an unprivileged host id) is bound at `/out`.
 fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits: Limits) -> SandboxSpec {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(out, std::fs::Permissions::from_mode(0o777)).unwrap();
     SandboxSpec {
         name: name.into(),
         state_dir: tmp.join("state"),
@@ -62,6 +67,8 @@ fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits
         init_exe: PathBuf::from(env!("CARGO_BIN_EXE_opendsec-sandbox-init")),
         agent_socket: false,
         core_sched: false,
+        userns: Some(IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap()),
+        io: IoLimits { read_bps: 32 << 20, write_bps: 16 << 20, read_iops: 1000, write_iops: 500 },
     }
 }
 
@@ -76,6 +83,16 @@ fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
 const PROBE: &str = r#"
 R=/out/result
 echo "pid=$$" > $R
+echo "uid=$(id -u)" >> $R
+echo "uid_map=$(cat /proc/self/uid_map | tr -s ' ' | sed 's/^ //')" >> $R
+cat /dev/tty 2>/tmp/e; echo "tty=$(cat /tmp/e)" >> $R
+echo "ttynr=$(cut -d' ' -f7 /proc/self/stat)" >> $R
+echo "devnull=$(stat -c '%t:%T %a' /dev/null)" >> $R
+echo hi > /dev/null && echo "devnull_write=ok" >> $R
+echo "root_owner=$(stat -c %u /)" >> $R
+echo "img_owner=$(stat -c %u /bin/busybox)" >> $R
+mkdir /made && echo "mkdir_root=ok" >> $R
+echo "blk=$(ls /sys/block 2>&1 | wc -l)/$(ls /sys/devices/virtual/block 2>&1 | wc -l)/$(cat /proc/slabinfo 2>&1 | wc -c)" >> $R
 echo "hostname=$(hostname)" >> $R
 echo "procs=$(ls -d /proc/[0-9]* | wc -l)" >> $R
 mount -t tmpfs none /mnt 2>/dev/null && echo mount=allowed >> $R || echo mount=denied >> $R
@@ -121,6 +138,40 @@ async fn hostile_busybox_sandbox_is_confined_and_cleaned_up() {
     };
     assert_eq!(get("pid"), "1");
     assert_eq!(get("hostname"), "sbx-test");
+    // Root inside is an unprivileged host id outside; the image's files are root's inside.
+    let range = sbx.id_map.expect("a user namespace");
+    assert!(range.host_first >= idmap::DEFAULT_FIRST_ID);
+    assert_eq!(get("uid"), "0");
+    assert_eq!(get("uid_map"), format!("0 {} 65536", range.host_first));
+    assert_eq!(host_ids(sbx.pid), (range.host_first, range.host_first), "PID 1 seen from the host");
+    assert_eq!(get("root_owner"), "0");
+    assert_eq!(get("img_owner"), "0");
+    assert_eq!(get("mkdir_root"), "ok");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(out.join("result")).unwrap();
+        assert_eq!((m.uid(), m.gid()), (range.host_first, range.host_first), "a file sandbox root made, on the host");
+    }
+    // No controlling terminal; its own device nodes; block devices and slabs masked.
+    assert_eq!(get("tty"), "cat: can't open '/dev/tty': No such device or address");
+    assert_eq!(get("ttynr"), "0");
+    assert_eq!(get("devnull"), "1:3 666");
+    assert_eq!(get("devnull_write"), "ok");
+    assert_eq!(get("blk"), "0/0/0");
+    // The disk I/O limits are on the sandbox's own disk device.
+    let dev = std::fs::read_to_string(sbx.dir.join("loop")).unwrap();
+    let (major, minor) = rootfs::device_number(Path::new(&dev)).unwrap();
+    let blkio = sbx.cgroup.controller_dir("blkio");
+    if sbx.cgroup.layout() == cgroup::Layout::V1 {
+        let wbps = std::fs::read_to_string(blkio.join("blkio.throttle.write_bps_device")).unwrap();
+        assert_eq!(wbps.trim(), format!("{major}:{minor} {}", 16 << 20));
+        let devices = std::fs::read_to_string(sbx.cgroup.controller_dir("devices").join("devices.list")).unwrap();
+        let mut listed: Vec<&str> = devices.lines().collect();
+        listed.sort();
+        let mut want = cgroup::device_allow_list();
+        want.sort();
+        assert_eq!(listed, want, "the device cgroup allows the minimal set only");
+    }
     let procs: u32 = get("procs").trim().parse().unwrap();
     assert!(procs <= 4, "host processes visible: {procs}");
     assert_eq!(get("mount"), "denied");
@@ -170,6 +221,15 @@ async fn hostile_busybox_sandbox_is_confined_and_cleaned_up() {
     assert!(!mounts.contains(tmp.path().to_str().unwrap()));
 }
 
+/// The real uid and gid of host process `pid`.
+fn host_ids(pid: i32) -> (u32, u32) {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |k: &str| {
+        st.lines().find_map(|l| l.strip_prefix(k)).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap()
+    };
+    (field("Uid:"), field("Gid:"))
+}
+
 /// Forks the pids controller refused (`max` in pids.events).
 fn pids_refused(sbx: &Sandbox) -> u64 {
     let rel = sbx.cgroup.rel_path().strip_prefix("/").unwrap().to_path_buf();
@@ -205,7 +265,7 @@ async fn setup_errors_are_reported_and_cleaned_up() {
     let limits = Limits { cpu_millis: 0, best_effort: true, memory_bytes: 0, pids: 0 };
     let sp = spec(tmp.path(), "test-sbx-bad", tmp.path().join("no-such-layer"), &out, "true", limits);
     let err = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap_err();
-    assert!(err.to_string().contains("sandbox setup failed: overlay:"), "{err}");
+    assert!(err.to_string().contains("sandbox setup failed: idmapped layers: open_tree"), "{err}");
     assert!(rootfs::loops_under(&state).is_empty());
     assert!(cgroup::list("test-sbx-bad").unwrap().is_empty());
     assert!(!state.join("test-sbx-bad").exists());

@@ -50,6 +50,15 @@ fn dangerous_syscalls_are_refused() {
                 .and(expect(libc::syscall(435 /* clone3 */, 0, 0), libc::ENOSYS, 9))
                 .and(expect(libc::syscall(libc::SYS_personality, 0x0040000), libc::EPERM, 10))
                 .and(expect(libc::syscall(libc::SYS_reboot, 0, 0, 0, 0), libc::EPERM, 11))
+                .and(expect(libc::syscall(libc::SYS_socket, libc::AF_VSOCK, libc::SOCK_STREAM, 0), libc::EPERM, 12))
+                .and(expect(libc::syscall(libc::SYS_socket, libc::AF_PACKET, libc::SOCK_RAW, 0), libc::EPERM, 13))
+                .and(expect(libc::syscall(libc::SYS_socket, libc::AF_ALG, libc::SOCK_SEQPACKET, 0), libc::EPERM, 14))
+                // High bits set on the family do not slip past the comparison.
+                .and(expect(
+                    libc::syscall(libc::SYS_socket, (1i64 << 32) | libc::AF_VSOCK as i64, libc::SOCK_STREAM, 0),
+                    libc::EPERM,
+                    15,
+                ))
         };
         if let Err(c) = r {
             return c;
@@ -59,6 +68,8 @@ fn dangerous_syscalls_are_refused() {
         let ok = unsafe {
             libc::syscall(libc::SYS_getpid) > 0
                 && libc::syscall(libc::SYS_personality, 0xffff_ffffu32 as libc::c_long) >= 0
+                && libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0) >= 0
+                && libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_STREAM, 0) >= 0
         };
         if ok { 0 } else { 20 }
     }

@@ -36,15 +36,14 @@ use tonic::transport::Endpoint;
 use opendsec_images::{LayerId, Store, StoreError};
 
 use super::{AgentAccess, Backend, BackendError, Usage, Versioned, agent_client};
-use crate::linuxrt::cgroup::{self, CoreSched, Limits};
+use crate::linuxrt::cgroup::{self, CoreSched, IoLimits, Limits};
+use crate::linuxrt::idmap::IdPool;
 use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
 use crate::linuxrt::reclaim;
 use crate::linuxrt::rootfs::{self, LayerCache};
 use crate::linuxrt::sandbox::{self, Sandbox, SandboxError, SandboxSpec};
 use crate::record::{PriorityRecord, SandboxRecord};
 
-/// Upper disk size when the spec asks for none.
-pub const DEFAULT_DISK_MB: u64 = 256;
 /// Cached layers unused for this long are removed by `cleanup`.
 pub const LAYER_CACHE_TTL: Duration = Duration::from_secs(6 * 3600);
 /// PATH given to PID 1 when neither the image nor the spec sets one.
@@ -81,6 +80,11 @@ pub struct ContainerOptions {
     /// A running sandbox whose agent sent no heartbeat for this long is reported gone by
     /// `probe` (the edge then fails it as lost): a hung agent, not only a dead one.
     pub agent_silence: Duration,
+    /// Host id ranges for the sandboxes' user namespaces; None: no user namespace (sandbox
+    /// root is host root; `edge.user_namespaces: false`, for measurements only).
+    pub userns: Option<IdPool>,
+    /// Disk I/O limits of every sandbox on its own disk.
+    pub io: IoLimits,
 }
 
 struct Held {
@@ -372,8 +376,10 @@ impl ContainerBackend {
     /// Opens the image store and creates the state and cache directories.
     pub fn new(opts: ContainerOptions) -> Result<ContainerBackend, BackendError> {
         let store = Store::open(&opts.store_dir).map_err(store_err)?;
+        // Private to the edge: layer copies hold untrusted images' setuid files, sandbox
+        // directories their disks and logs.
         for d in [&opts.state_dir, &opts.cache_dir] {
-            std::fs::create_dir_all(d)
+            opendsec_common::fsperm::private_dir(d)
                 .map_err(|e| BackendError::Internal(format!("cannot create {}: {e}", d.display())))?;
         }
         let cache = LayerCache::new(&opts.cache_dir);
@@ -483,7 +489,11 @@ impl Backend for ContainerBackend {
         let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
         let inuse = self.inuse_path(&sb.id);
         let name = self.name(&sb.id);
-        let disk_mb = if sb.resources().disk_mb == 0 { DEFAULT_DISK_MB } else { sb.resources().disk_mb };
+        // What the lease is charged for is what the disk gets: no hidden default.
+        let disk_mb = sb.resources().disk_mb;
+        if disk_mb == 0 {
+            return Err(BackendError::InvalidArgument("a container sandbox needs disk_mb of at least 1".into()));
+        }
         let mut spec = SandboxSpec {
             name: name.clone(),
             state_dir: self.opts.state_dir.clone(),
@@ -500,6 +510,8 @@ impl Backend for ContainerBackend {
             init_exe: self.opts.init_exe.clone(),
             agent_socket: true,
             core_sched: self.core_sched == CoreSched::Supported,
+            userns: self.opts.userns.clone(),
+            io: self.opts.io,
         };
         let spec_env = sb.spec.env.clone();
         let started = blocking(move || {
@@ -779,6 +791,8 @@ mod tests {
             pids_limit: 1024,
             pause_reclaim: false,
             agent_silence: Duration::from_secs(60),
+            userns: None,
+            io: IoLimits::default(),
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
         assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("dynamically linked")), "{e}");

@@ -47,6 +47,12 @@ pub enum CgroupError {
     Resources(String),
     #[error("processes remain in cgroup {0} after kill")]
     Busy(String),
+    #[error("write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Which cgroup layout the host has, as far as sandboxes are concerned.
@@ -69,6 +75,28 @@ pub struct Limits {
     pub memory_bytes: u64,
     /// Maximum number of tasks; 0 = none.
     pub pids: u64,
+}
+
+/// Disk I/O limits of one sandbox on its own disk device; 0 = no limit of that kind. On v1
+/// (blkio) the kernel throttles direct and synchronous I/O only (buffered writes reach the
+/// device through the host's writeback, which v1 does not attribute); v2 (io.max) throttles
+/// writeback too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IoLimits {
+    pub read_bps: u64,
+    pub write_bps: u64,
+    pub read_iops: u64,
+    pub write_iops: u64,
+}
+
+/// What the device cgroup allows, as v1 `devices.allow` lines: the sandbox's own nodes
+/// ([`super::init::DEVICES`]), `/dev/pts/ptmx` and the pseudo-terminals. Everything else is
+/// denied, mknod included.
+pub fn device_allow_list() -> Vec<String> {
+    let mut l: Vec<String> = super::init::DEVICES.iter().map(|(_, ma, mi)| format!("c {ma}:{mi} rwm")).collect();
+    l.push("c 5:2 rwm".into());
+    l.push("c 136:* rwm".into());
+    l
 }
 
 /// Readings of one sandbox cgroup.
@@ -254,6 +282,16 @@ fn dirs_of(layout: Layout, rel: &Path) -> Vec<PathBuf> {
     }
 }
 
+fn write_file(path: &Path, text: &str) -> Result<(), CgroupError> {
+    std::fs::write(path, text).map_err(|source| CgroupError::Write { path: path.to_path_buf(), source })
+}
+
+/// Whether a sandbox cgroup named `name` exists (in the first hierarchy that has it).
+pub fn exists(name: &str) -> bool {
+    let Ok((layout, parent)) = parent_rel() else { return false };
+    dirs_of(layout, &parent.join(name)).iter().any(|d| d.is_dir())
+}
+
 fn mgr_err(e: impl std::fmt::Display) -> CgroupError {
     CgroupError::Manager(e.to_string())
 }
@@ -277,6 +315,74 @@ impl SandboxCgroup {
             })
             .map_err(mgr_err)?;
         Ok(cg)
+    }
+
+    /// v1: denies every device, then allows [`device_allow_list`] (libcgroups' own defaults
+    /// allow mknod of any device and more nodes than a sandbox has) and, for the setup
+    /// process, block device `setup_disk` (it mounts the sandbox's disk; [`Self::deny_block`]
+    /// takes that back once setup is done). v2 has no device file (a BPF program would do
+    /// it); mknod is refused there by the missing capability and the user namespace, and the
+    /// only nodes a sandbox can open are those of its `/dev`.
+    pub fn restrict_devices(&self, setup_disk: (u32, u32)) -> Result<(), CgroupError> {
+        if self.layout != Layout::V1 {
+            return Ok(());
+        }
+        let dir = self.controller_dir("devices");
+        write_file(&dir.join("devices.deny"), "a")?;
+        for rule in device_allow_list() {
+            write_file(&dir.join("devices.allow"), &rule)?;
+        }
+        write_file(&dir.join("devices.allow"), &format!("b {}:{} rw", setup_disk.0, setup_disk.1))
+    }
+
+    /// v1: denies block device `dev` again (see [`Self::restrict_devices`]).
+    pub fn deny_block(&self, dev: (u32, u32)) -> Result<(), CgroupError> {
+        if self.layout != Layout::V1 {
+            return Ok(());
+        }
+        write_file(&self.controller_dir("devices").join("devices.deny"), &format!("b {}:{} rwm", dev.0, dev.1))
+    }
+
+    /// Limits I/O to block device `major:minor` (the sandbox's disk).
+    pub fn limit_io(&self, major: u32, minor: u32, io: &IoLimits) -> Result<(), CgroupError> {
+        let dev = format!("{major}:{minor}");
+        match self.layout {
+            Layout::V1 => {
+                let dir = self.controller_dir("blkio");
+                for (file, v) in [
+                    ("blkio.throttle.read_bps_device", io.read_bps),
+                    ("blkio.throttle.write_bps_device", io.write_bps),
+                    ("blkio.throttle.read_iops_device", io.read_iops),
+                    ("blkio.throttle.write_iops_device", io.write_iops),
+                ] {
+                    if v > 0 {
+                        write_file(&dir.join(file), &format!("{dev} {v}"))?;
+                    }
+                }
+                Ok(())
+            }
+            Layout::V2 => {
+                let v = |n: u64| if n == 0 { "max".to_string() } else { n.to_string() };
+                let line = format!(
+                    "{dev} rbps={} wbps={} riops={} wiops={}",
+                    v(io.read_bps),
+                    v(io.write_bps),
+                    v(io.read_iops),
+                    v(io.write_iops)
+                );
+                write_file(&self.memory_dir().join("io.max"), &line)
+            }
+        }
+    }
+
+    /// The directory of v1 controller `ctrl` for this cgroup (the unified one on v2).
+    pub fn controller_dir(&self, ctrl: &str) -> PathBuf {
+        let root = Path::new(libcgroups::common::DEFAULT_CGROUP_ROOT);
+        let rel = self.rel.strip_prefix("/").unwrap_or(&self.rel);
+        match self.layout {
+            Layout::V2 => root.join(rel),
+            Layout::V1 => root.join(ctrl).join(rel),
+        }
     }
 
     /// Opens the cgroup `name` without changing its limits (re-adoption, cleanup).
@@ -309,12 +415,7 @@ impl SandboxCgroup {
     /// The directory of the memory controller (v1) or the unified directory (v2): the one the
     /// setup process bind-mounts as the sandbox's own `/sys/fs/cgroup`.
     pub fn memory_dir(&self) -> PathBuf {
-        let root = Path::new(libcgroups::common::DEFAULT_CGROUP_ROOT);
-        let rel = self.rel.strip_prefix("/").unwrap_or(&self.rel);
-        match self.layout {
-            Layout::V2 => root.join(rel),
-            Layout::V1 => root.join("memory").join(rel),
-        }
+        self.controller_dir("memory")
     }
 
     pub fn add_pid(&self, pid: i32) -> Result<(), CgroupError> {

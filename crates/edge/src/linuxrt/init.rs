@@ -6,15 +6,24 @@
 //! in PID 1, so EOF after a `PID` line and no `ERR` means the init command was executed.
 //!
 //! Order (each step needs the previous one's privileges): the parent has already put this
-//! process into the sandbox cgroup; unshare mount, uts, ipc, net, cgroup and pid namespaces;
-//! fork (the child is PID 1 of the new pid namespace; this process reports its pid and exits);
-//! in the child: private mounts, a private tmpfs over the run dir (so nothing of the sandbox
-//! appears in the host's mount table), the upper disk, the overlay, proc, /dev, read-only sys,
-//! the sandbox's own cgroup (read-only), caller bind mounts, pivot_root, masked and read-only
-//! paths, hostname, oom_score_adj, stdio, capabilities, seccomp (last: it forbids mount), exec.
+//! process into the sandbox cgroup; a session of its own (`setsid`: no controlling terminal,
+//! whatever terminal the edge was started from); the sandbox's user namespace, made by a
+//! short-lived helper that drops to the range's first host id and unshares, so the namespace
+//! is owned by that id and per-user kernel limits (inotify instances, mqueues, processes) are
+//! charged to the sandbox, not to host root; unshare mount, uts, ipc, net, cgroup and pid
+//! namespaces (owned by the initial user namespace: sandbox root holds no capability over
+//! them, so it can never mount, unmount or reconfigure them); fork (the child is PID 1 of the
+//! new pid namespace; this process reports its pid and exits); in the child, still host root:
+//! private mounts, a private tmpfs over the run dir (so nothing of the sandbox appears in the
+//! host's mount table), the upper disk, the image layers as idmapped mounts (ids 0..65536 on
+//! disk appear as the sandbox's range), the overlay, proc, /dev (its own device nodes, never
+//! the host's), read-only sys, the sandbox's own cgroup (read-only), caller bind mounts,
+//! pivot_root, network sysctls, masked and read-only paths, hostname, loopback, rlimits,
+//! oom_score_adj; then into the user namespace (setns, ids 0), `/etc/hosts`, stdio,
+//! capabilities, seccomp (last: it forbids mount), exec.
 //!
 //! Invariant: this code runs single-threaded (it is entered first thing in `main`, before any
-//! runtime starts), which is what makes `fork` here sound.
+//! runtime starts), which is what makes `fork` and `setns` into a user namespace sound.
 #![allow(unsafe_code)]
 
 use std::ffi::CString;
@@ -30,10 +39,13 @@ use rustix::io::Errno;
 use serde::{Deserialize, Serialize};
 use std::os::fd::OwnedFd;
 
+use super::idmap::IdRange;
+
 /// argv[1] of a setup process.
 pub const MARKER: &str = "__opendsec-sandbox-init";
 
-/// Docker's default masked paths.
+/// Docker's default masked paths, plus the block device trees (the loop devices' backing
+/// files name every sandbox on the node) and the slab allocator's statistics.
 pub const DEFAULT_MASKED: &[&str] = &[
     "/proc/asound",
     "/proc/acpi",
@@ -46,27 +58,41 @@ pub const DEFAULT_MASKED: &[&str] = &[
     "/proc/scsi",
     "/sys/firmware",
     "/sys/devices/virtual/powercap",
+    "/proc/slabinfo",
+    "/sys/block",
+    "/sys/class/block",
+    "/sys/dev/block",
+    "/sys/devices/virtual/block",
 ];
 
 /// Docker's default read-only paths.
 pub const DEFAULT_READONLY: &[&str] = &["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"];
 
-/// Docker's default capabilities minus CAP_MKNOD.
+/// Docker's default capabilities minus CAP_MKNOD, CAP_NET_RAW (ping works through ICMP
+/// sockets, see [`NET_SYSCTLS`]), CAP_SETFCAP, CAP_SETPCAP and CAP_AUDIT_WRITE. In a user
+/// namespace they hold only over the sandbox's own ids and files.
 pub const CAPS: &[caps::Capability] = &[
     caps::Capability::CAP_CHOWN,
     caps::Capability::CAP_DAC_OVERRIDE,
     caps::Capability::CAP_FSETID,
     caps::Capability::CAP_FOWNER,
-    caps::Capability::CAP_NET_RAW,
     caps::Capability::CAP_SETGID,
     caps::Capability::CAP_SETUID,
-    caps::Capability::CAP_SETFCAP,
-    caps::Capability::CAP_SETPCAP,
     caps::Capability::CAP_NET_BIND_SERVICE,
     caps::Capability::CAP_SYS_CHROOT,
     caps::Capability::CAP_KILL,
-    caps::Capability::CAP_AUDIT_WRITE,
 ];
+
+/// Per-network-namespace sysctls set for every sandbox: any user may bind ports below 1024
+/// (sandbox root holds no capability over its network namespace, which belongs to the initial
+/// user namespace) and open ICMP echo sockets (ping without CAP_NET_RAW), as Docker does.
+pub const NET_SYSCTLS: &[(&str, &str)] =
+    &[("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647")];
+
+/// The device nodes of a sandbox's `/dev` (name, major, minor), made on its own tmpfs; the
+/// device cgroup allows exactly these, the pseudo-terminals and `/dev/pts/ptmx`.
+pub const DEVICES: &[(&str, u32, u32)] =
+    &[("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)];
 
 /// A host path bound into the sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -103,6 +129,10 @@ pub struct InitConfig {
     /// Give PID 1 (and so every process of the sandbox) its own core scheduling cookie.
     #[serde(default)]
     pub core_sched: bool,
+    /// The sandbox's host ids: it runs in a user namespace mapping its ids 0..count onto
+    /// them. None: no user namespace (sandbox root is host root; for measurements only).
+    #[serde(default)]
+    pub id_map: Option<IdRange>,
 }
 
 /// The fd number PID 1 finds its inherited listening socket at.
@@ -114,6 +144,13 @@ pub fn run_if_init() {
     let _ = args.next();
     if args.next().as_deref() != Some(std::ffi::OsStr::new(MARKER)) {
         return;
+    }
+    // Before anything else: leave the edge's session, so no terminal the edge was started
+    // from is this sandbox's controlling terminal (TIOCSTI through /dev/tty could otherwise
+    // type into the operator's shell), and no signal sent to the edge's process group (a
+    // Ctrl-C in that terminal) reaches the sandbox.
+    if rustix::process::setsid().is_err() {
+        std::process::exit(112);
     }
     // Keep the status pipe away from stdout (which PID 1 points elsewhere) and from fd 3
     // (PID 1's listening socket), close-on-exec.
@@ -146,6 +183,10 @@ fn setup(mut status: std::fs::File) -> Result<i32, Fail> {
         Ok(p) => p,
         Err(e) => return Err(("seccomp", e.to_string(), status)),
     };
+    let userns = match cfg.id_map.map(make_userns).transpose() {
+        Ok(u) => u,
+        Err(e) => return Err(("user namespace", e, status)),
+    };
     let flags = CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWUTS
         | CloneFlags::CLONE_NEWIPC
@@ -164,7 +205,7 @@ fn setup(mut status: std::fs::File) -> Result<i32, Fail> {
             Ok(0)
         }
         Ok(ForkResult::Child) => {
-            let (stage, msg) = pid1(&cfg, &progs, &mut status);
+            let (stage, msg) = pid1(&cfg, userns.as_ref(), &progs, &mut status);
             report(&mut status, format!("ERR {stage}: {msg}"));
             // SAFETY: plain process exit, no destructors needed in the forked child.
             unsafe { libc::_exit(1) }
@@ -205,7 +246,12 @@ fn mkdirs(path: &Path) -> Result<(), String> {
 }
 
 /// PID 1's work; returns only on failure.
-fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::fs::File) -> (&'static str, String) {
+fn pid1(
+    cfg: &InitConfig,
+    userns: Option<&OwnedFd>,
+    progs: &[seccompiler::BpfProgram],
+    status: &mut std::fs::File,
+) -> (&'static str, String) {
     macro_rules! step {
         ($stage:literal, $e:expr) => {
             if let Err(e) = $e {
@@ -223,7 +269,16 @@ fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::f
     for d in [&upper, &work, &root] {
         step!("overlay", mkdirs(d));
     }
-    let lowers: Vec<String> = cfg.lower_dirs.iter().map(|d| p(d)).collect();
+    // The upper directory is the sandbox's `/`: its root owns it.
+    let owner = cfg.id_map.map_or(0, |r| r.host_first);
+    step!("overlay", chown(&upper, owner));
+    let lowers: Vec<String> = match userns {
+        Some(ns) => match idmapped_lowers(&cfg.lower_dirs, ns, &run.join("l")) {
+            Ok(l) => l,
+            Err(e) => return ("idmapped layers", e),
+        },
+        None => cfg.lower_dirs.iter().map(|d| p(d)).collect(),
+    };
     let opts = format!("lowerdir={},upperdir={},workdir={}", lowers.join(":"), p(&upper), p(&work));
     step!("overlay", mnt(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NODEV, Some(&opts)));
     // Mount points come from the image: resolve each inside the new root, through no
@@ -233,13 +288,14 @@ fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::f
         Err(e) => return ("overlay", e),
     };
     step!("proc", mount_proc(&rootfd));
-    step!("dev", mount_dev(&rootfd));
+    step!("dev", mount_dev(&rootfd, owner));
     step!("sys", mount_sys(&rootfd, cfg.cgroup_v2));
     for b in &cfg.binds {
         step!("binds", bind(&rootfd, b));
     }
     drop(rootfd);
     step!("pivot_root", enter_root(&root));
+    step!("sysctls", net_sysctls());
     for m in DEFAULT_MASKED.iter().copied().chain(cfg.masked_paths.iter().map(String::as_str)) {
         step!("masked paths", mask(Path::new(m)));
     }
@@ -252,7 +308,6 @@ fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::f
     }
     step!("hostname", sethostname(&cfg.hostname));
     step!("loopback", loopback_up());
-    step!("hosts", write_hosts(&cfg.hostname));
     step!("rlimits", rlimits());
     if cfg.core_sched {
         step!("core scheduling", super::cgroup::core_sched_cookie());
@@ -267,6 +322,11 @@ fn pid1(cfg: &InitConfig, progs: &[seccompiler::BpfProgram], status: &mut std::f
             return ("oom_score_adj", e.to_string());
         }
     }
+    // Last of the host root's work: from here on this process is the sandbox's root.
+    if let Some(ns) = userns {
+        step!("user namespace", enter_userns(ns));
+    }
+    step!("hosts", write_hosts(&cfg.hostname));
     step!("stdio", stdio());
     step!("fds", pass_fds(cfg.listen_fd));
     step!("capabilities", drop_caps());
@@ -289,22 +349,35 @@ fn mount_proc(root: &OwnedFd) -> Result<(), String> {
     mnt(Some("proc"), &fd_path(&t), Some("proc"), f, None)
 }
 
-fn mount_dev(root: &OwnedFd) -> Result<(), String> {
+/// The sandbox's `/dev`: a tmpfs owned by its root (host id `owner`) holding device nodes of
+/// its own. No host node is bound in: a bind would share the host's inode (its owner and
+/// mode), and the host's `/dev/tty` is whatever terminal the edge runs on. The nodes are made
+/// by host root on a tmpfs of the initial user namespace (so they open); the device cgroup
+/// allows only these.
+fn mount_dev(root: &OwnedFd, owner: u32) -> Result<(), String> {
     let mp = in_root(root, Path::new("dev"), Kind::Dir)?;
     mnt(
         Some("tmpfs"),
         &fd_path(&mp),
         Some("tmpfs"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=755,size=64k"),
+        MsFlags::MS_NOSUID,
+        Some(&format!("mode=755,size=64k,uid={owner},gid={owner}")),
     )?;
     // The fresh tmpfs holds nothing of the image: plain paths below it are safe.
     let dev = reopen(root, "dev")?;
-    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+    for (n, major, minor) in DEVICES {
         let t = dev.join(n);
-        std::fs::File::create(&t).map_err(|e| format!("create {}: {e}", p(&t)))?;
-        let src = format!("/dev/{n}");
-        mnt(Some(&src), &t, None, MsFlags::MS_BIND, None)?;
+        rfs::mknodat(
+            rfs::CWD,
+            &t,
+            rfs::FileType::CharacterDevice,
+            Mode::from_raw_mode(0o666),
+            rfs::makedev(*major, *minor),
+        )
+        .map_err(|e| format!("mknod {}: {e}", p(&t)))?;
+        // mknod's mode went through the umask.
+        rfs::chmod(&t, Mode::from_raw_mode(0o666)).map_err(|e| format!("chmod {}: {e}", p(&t)))?;
+        chown(&t, owner)?;
     }
     let pts = dev.join("pts");
     mkdirs(&pts)?;
@@ -322,7 +395,7 @@ fn mount_dev(root: &OwnedFd) -> Result<(), String> {
         &shm,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some("mode=1777,size=65536k"),
+        Some(&format!("mode=1777,size=65536k,uid={owner},gid={owner}")),
     )?;
     for (link, to) in [
         ("ptmx", "pts/ptmx"),
@@ -590,6 +663,155 @@ fn pass_fds(listen: Option<i32>) -> Result<(), String> {
     Ok(())
 }
 
+fn chown(path: &Path, id: u32) -> Result<(), String> {
+    let (u, g) = (Some(rustix::process::Uid::from_raw(id)), Some(rustix::process::Gid::from_raw(id)));
+    rfs::chown(path, u, g).map_err(|e| format!("chown {}: {e}", p(path)))
+}
+
+fn errno_str() -> String {
+    std::io::Error::last_os_error().to_string()
+}
+
+/// Makes the sandbox's user namespace, mapping ids 0..count onto `range`, and returns an fd
+/// naming it. A forked helper takes the range's first host id as its own (so the namespace
+/// is owned by it: per-user limits of everything inside are charged to that id at the host
+/// level), unshares, and waits until this process has written its maps and opened the
+/// namespace; then it exits and the fd keeps the namespace.
+fn make_userns(range: IdRange) -> Result<OwnedFd, String> {
+    let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    let (done_r, done_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    // SAFETY: single-threaded process (module invariant); the child only makes plain
+    // syscalls and exits.
+    match unsafe { fork() } {
+        Err(e) => Err(format!("fork: {e}")),
+        Ok(ForkResult::Child) => {
+            drop((ready_r, done_w));
+            let id = range.host_first;
+            // SAFETY: plain syscalls with integer arguments (setgroups with an empty list).
+            let ok = unsafe {
+                libc::setgroups(0, std::ptr::null()) == 0
+                    && libc::setresgid(id, id, id) == 0
+                    && libc::setresuid(id, id, id) == 0
+                    && libc::unshare(libc::CLONE_NEWUSER) == 0
+            };
+            let _ = rustix::io::write(&ready_w, if ok { b"1" } else { b"0" });
+            let mut b = [0u8; 1];
+            let _ = rustix::io::read(&done_r, &mut b);
+            // SAFETY: plain exit of the forked helper.
+            unsafe { libc::_exit(0) }
+        }
+        Ok(ForkResult::Parent { child }) => {
+            drop((ready_w, done_r));
+            let mut b = [0u8; 1];
+            let got = rustix::io::read(&ready_r, &mut b).map_err(|e| format!("helper: {e}"));
+            let made = match got {
+                Ok(1) if b[0] == b'1' => map_and_open(child.as_raw(), range),
+                Ok(_) => Err("the helper could not take the range's ids or unshare".into()),
+                Err(e) => Err(e),
+            };
+            drop(done_w);
+            let _ = nix::sys::wait::waitpid(child, None);
+            made
+        }
+    }
+}
+
+fn map_and_open(pid: i32, range: IdRange) -> Result<OwnedFd, String> {
+    for f in ["uid_map", "gid_map"] {
+        let path = format!("/proc/{pid}/{f}");
+        std::fs::write(&path, range.map_line()).map_err(|e| format!("write {path}: {e}"))?;
+    }
+    let ns = format!("/proc/{pid}/ns/user");
+    rfs::open(&ns, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).map_err(|e| format!("open {ns}: {e}"))
+}
+
+/// `struct mount_attr` of `<linux/mount.h>`.
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+
+/// Each lower directory as a read-only mount idmapped through `userns`, attached at
+/// `<dir>/<i>` (inside the private run tmpfs, so never in the host's mount table); returns
+/// the mount points, in the order given. The layer cache stays as it was imported (ids as in
+/// the image) and is shared by every sandbox, whatever its range.
+fn idmapped_lowers(lowers: &[PathBuf], userns: &OwnedFd, dir: &Path) -> Result<Vec<String>, String> {
+    use rustix::mount::{MoveMountFlags, OpenTreeFlags, move_mount, open_tree};
+    mkdirs(dir)?;
+    let mut out = Vec::with_capacity(lowers.len());
+    for (i, l) in lowers.iter().enumerate() {
+        let tree = open_tree(rfs::CWD, l, OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC)
+            .map_err(|e| format!("open_tree {}: {e}", p(l)))?;
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: userns.as_raw_fd() as u64,
+        };
+        // SAFETY: mount_setattr reads one `struct mount_attr` of the size given, which `attr`
+        // is (repr(C), the kernel's layout), alive for the call; the path is a NUL-terminated
+        // empty string with AT_EMPTY_PATH, so the fd itself is changed.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        };
+        if r != 0 {
+            return Err(format!("mount_setattr {}: {}", p(l), errno_str()));
+        }
+        let at = dir.join(i.to_string());
+        mkdirs(&at)?;
+        move_mount(&tree, "", rfs::CWD, &at, MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH)
+            .map_err(|e| format!("move_mount {}: {e}", p(&at)))?;
+        out.push(p(&at));
+    }
+    Ok(out)
+}
+
+/// The sandbox's own network sysctls ([`NET_SYSCTLS`]); a kernel without one skips it.
+fn net_sysctls() -> Result<(), String> {
+    for (k, v) in NET_SYSCTLS {
+        let path = Path::new("/proc/sys").join(k);
+        match std::fs::write(&path, v) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{}: {e}", p(&path))),
+        }
+    }
+    Ok(())
+}
+
+/// Joins the sandbox's user namespace and becomes its root (ids 0, no supplementary groups).
+/// The capabilities that setns grants in the namespace are cut down by [`drop_caps`] next.
+fn enter_userns(ns: &OwnedFd) -> Result<(), String> {
+    // SAFETY: setns with an fd naming a user namespace (this process is single-threaded and
+    // shares no fs_struct, as the kernel requires); then plain id syscalls.
+    unsafe {
+        if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWUSER) != 0 {
+            return Err(format!("setns: {}", errno_str()));
+        }
+        if libc::setgroups(0, std::ptr::null()) != 0 {
+            return Err(format!("setgroups: {}", errno_str()));
+        }
+        if libc::setresgid(0, 0, 0) != 0 || libc::setresuid(0, 0, 0) != 0 {
+            return Err(format!("setresuid: {}", errno_str()));
+        }
+    }
+    Ok(())
+}
+
 fn drop_caps() -> Result<(), String> {
     let keep: caps::CapsHashSet = CAPS.iter().copied().collect();
     let e = |e: caps::errors::CapsError| e.to_string();
@@ -599,7 +821,7 @@ fn drop_caps() -> Result<(), String> {
         }
     }
     caps::clear(None, caps::CapSet::Ambient).map_err(e)?;
-    caps::set(None, caps::CapSet::Inheritable, &keep).map_err(e)?;
+    caps::clear(None, caps::CapSet::Inheritable).map_err(e)?;
     caps::set(None, caps::CapSet::Effective, &keep).map_err(e)?;
     caps::set(None, caps::CapSet::Permitted, &keep).map_err(e)?;
     Ok(())

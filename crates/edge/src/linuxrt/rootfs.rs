@@ -331,6 +331,13 @@ pub fn loops_under(dir: &Path) -> Vec<(PathBuf, PathBuf)> {
     out
 }
 
+/// The (major, minor) number of block device `dev`.
+pub fn device_number(dev: &Path) -> std::io::Result<(u32, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let rdev = std::fs::metadata(dev)?.rdev();
+    Ok((rustix::fs::major(rdev), rustix::fs::minor(rdev)))
+}
+
 /// The backing file of loop device `dev` (`/dev/loopN` or `loopN`); None when it has none.
 pub fn loop_backing(dev: &Path) -> Option<PathBuf> {
     backing_file(dev.file_name()?)

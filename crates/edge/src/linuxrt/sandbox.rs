@@ -1,8 +1,10 @@
 //! A small driver over the pieces: start a container sandbox (cgroup, upper disk, loop device,
 //! setup process), freeze/thaw it, read its cgroup, stop it, and clean up leftovers.
 //!
-//! Layout on disk: `<state_dir>/<name>/{disk.img, run/, console.log}`; the cgroup is named
-//! `<name>` too, so leftovers are found by one name prefix in both places.
+//! Layout on disk: `<state_dir>/<name>/{disk.img, run/, console.log, loop, idmap}`; the cgroup
+//! is named `<name>` too, so leftovers are found by one name prefix in both places. `idmap`
+//! names the sandbox's host id range, claimed host-wide under the same name
+//! ([`super::idmap`]) after the cgroup exists and released after the cgroup is gone.
 //!
 //! Invariants:
 //! - everything a failed `start` created is torn down before it returns the error;
@@ -19,7 +21,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::cgroup::{self, CgroupError, CgroupStats, Layout, Limits, SandboxCgroup};
+use super::cgroup::{self, CgroupError, CgroupStats, IoLimits, Layout, Limits, SandboxCgroup};
+use super::idmap::{self, IdPool, IdRange, IdmapError};
 use super::init::{self, Bind, InitConfig};
 use super::rootfs::{self, RootfsError};
 
@@ -30,6 +33,8 @@ pub enum SandboxError {
     Cgroup(#[from] CgroupError),
     #[error(transparent)]
     Rootfs(#[from] RootfsError),
+    #[error(transparent)]
+    Idmap(#[from] IdmapError),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -75,6 +80,11 @@ pub struct SandboxSpec {
     pub agent_socket: bool,
     /// Give the sandbox its own core scheduling cookie (where the kernel has core scheduling).
     pub core_sched: bool,
+    /// Run the sandbox in a user namespace with a host id range from this pool. None: no
+    /// user namespace (sandbox root is host root; for measurements only).
+    pub userns: Option<IdPool>,
+    /// Disk I/O limits on the sandbox's own disk.
+    pub io: IoLimits,
 }
 
 /// The file name of the agent's socket in a sandbox's directory.
@@ -88,6 +98,8 @@ pub struct Sandbox {
     pub pid: i32,
     pub dir: PathBuf,
     pub cgroup: SandboxCgroup,
+    /// The sandbox's host ids (None: no user namespace).
+    pub id_map: Option<IdRange>,
 }
 
 fn set_subreaper() {
@@ -102,7 +114,7 @@ impl Sandbox {
         let dir = spec.state_dir.join(&spec.name);
         let cg = SandboxCgroup::create(&spec.name, &spec.limits)?;
         match start_in(spec, &dir, &cg) {
-            Ok(pid) => Ok(Sandbox { name: spec.name.clone(), pid, dir, cgroup: cg }),
+            Ok((pid, id_map)) => Ok(Sandbox { name: spec.name.clone(), pid, dir, cgroup: cg, id_map }),
             Err(e) => {
                 let _ = teardown(&spec.name, &dir, Some(cg));
                 Err(e)
@@ -115,7 +127,15 @@ impl Sandbox {
     pub fn adopt(state_dir: &Path, name: &str) -> Result<Sandbox, SandboxError> {
         let cg = SandboxCgroup::open(name)?;
         let pid = cg.pids()?.into_iter().find(|p| is_ns_pid1(*p)).ok_or_else(|| SandboxError::Gone(name.into()))?;
-        Ok(Sandbox { name: name.into(), pid, dir: state_dir.join(name), cgroup: cg })
+        // Its ids: what the kernel says PID 1 maps (the identity map: no user namespace),
+        // held again under its name.
+        let path = PathBuf::from(format!("/proc/{pid}/uid_map"));
+        let map = std::fs::read_to_string(&path).map_err(io("read", &path))?;
+        let id_map = IdRange::from_map(&map).filter(|r| r.host_first != 0);
+        if let Some(r) = id_map {
+            IdPool::in_dir(idmap::CLAIMS_DIR, r.host_first, 1)?.confirm(r, name)?;
+        }
+        Ok(Sandbox { name: name.into(), pid, dir: state_dir.join(name), cgroup: cg, id_map })
     }
 
     pub fn freeze(&self) -> Result<(), SandboxError> {
@@ -186,9 +206,18 @@ fn is_ns_pid1(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
-fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, SandboxError> {
+fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<(i32, Option<IdRange>), SandboxError> {
     let run = dir.join("run");
     std::fs::create_dir_all(&run).map_err(io("create", &run))?;
+    let id_map = match &spec.userns {
+        Some(pool) => {
+            let r = pool.claim(&spec.name, cgroup::exists)?;
+            let f = dir.join(IDMAP_FILE);
+            std::fs::write(&f, format!("{} {}\n", r.host_first, r.count)).map_err(io("write", &f))?;
+            Some(r)
+        }
+        None => None,
+    };
     let disk = dir.join("disk.img");
     rootfs::create_disk(&disk, spec.disk_mb)?;
     let dev = rootfs::attach_loop(&disk)?;
@@ -196,6 +225,9 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
     // (thousands on a busy node, several scans per stop).
     let loop_file = dir.join(LOOP_FILE);
     std::fs::write(&loop_file, dev.path.as_os_str().as_encoded_bytes()).map_err(io("write", &loop_file))?;
+    let (major, minor) = rootfs::device_number(&dev.path).map_err(io("stat", &dev.path))?;
+    cg.limit_io(major, minor, &spec.io)?;
+    cg.restrict_devices((major, minor))?;
     let log_path = dir.join("console.log");
     let log = std::fs::File::create(&log_path).map_err(io("create", &log_path))?;
     let cfg = InitConfig {
@@ -212,6 +244,7 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
         env: spec.env.clone(),
         listen_fd: None,
         core_sched: spec.core_sched,
+        id_map,
     };
     let listener = if spec.agent_socket { Some(bind_agent_socket(dir)?) } else { None };
     // The setup process inherits the listening socket through a copy that is not
@@ -254,10 +287,12 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<i32, S
     drop(dev);
     drop(listener);
     let started = status.map_err(SandboxError::Setup)?;
+    // The disk is mounted: nothing in the sandbox opens its device again.
+    cg.deny_block((major, minor))?;
     for w in &started.warnings {
         tracing::warn!(sandbox = %spec.name, "sandbox setup: {w}");
     }
-    Ok(started.pid)
+    Ok((started.pid, id_map))
 }
 
 /// Binds the agent's listening socket in `dir` (through a directory fd: unix socket paths are
@@ -321,6 +356,10 @@ fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), San
             return Err(SandboxError::Leftover(name.into(), "loop device still attached".into()));
         }
     }
+    // Its ids go back once nothing of it runs.
+    if let Some(r) = read_idmap(dir) {
+        idmap::release(Path::new(idmap::CLAIMS_DIR), r, name)?;
+    }
     if dir.exists() {
         std::fs::remove_dir_all(dir).map_err(io("remove", dir))?;
     }
@@ -329,6 +368,14 @@ fn teardown(name: &str, dir: &Path, cg: Option<SandboxCgroup>) -> Result<(), San
 
 /// The name of the file in a sandbox's directory that names its loop device.
 const LOOP_FILE: &str = "loop";
+/// The name of the file in a sandbox's directory that names its host id range.
+const IDMAP_FILE: &str = "idmap";
+
+fn read_idmap(dir: &Path) -> Option<IdRange> {
+    let t = std::fs::read_to_string(dir.join(IDMAP_FILE)).ok()?;
+    let mut it = t.split_whitespace().map(|v| v.parse::<u32>().ok());
+    Some(IdRange { host_first: it.next()??, count: it.next()?? })
+}
 
 /// The loop devices still backed by a file in `dir`: the one its `loop` file names, else (a
 /// creation interrupted before it wrote the file) whatever a scan of every loop device finds.
@@ -373,5 +420,7 @@ pub fn cleanup_leftovers(state_dir: &Path, prefix: &str, keep: &[String]) -> Res
         teardown(&n, &state_dir.join(&n), None)?;
         removed.push(n);
     }
+    // Claims of sandboxes whose directory went before their claim did.
+    idmap::release_leftovers(Path::new(idmap::CLAIMS_DIR), prefix, keep)?;
     Ok(removed)
 }

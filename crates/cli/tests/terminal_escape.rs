@@ -1,0 +1,180 @@
+//! The escape through the operator's terminal, replayed as a user would meet it: a shell on a
+//! pseudo-terminal (made here, standing for a tmux pane) runs `opendsecctl cluster up`, then
+//! goes on reading commands once the cluster exits. A process in a Debian sandbox tries to type
+//! `touch <marker>` into that terminal with TIOCSTI through `/dev/tty`. Before the fix it could
+//! (the sandbox shared the cluster's session and controlling terminal, and `/dev/tty` was the
+//! host's node), and the pane's shell ran the command as root on the host.
+//!
+//! Besides the marker, the test looks from the host at every process of the sandbox: none has
+//! a controlling terminal, none is in the terminal's session, none holds an fd of it.
+//! Root only (CI runs as root); needs `make agent` and the Debian test image.
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::*;
+
+use opendsec_edge::linuxrt::cgroup::SandboxCgroup;
+
+/// A pseudo-terminal pair (master, slave).
+fn openpty() -> (OwnedFd, OwnedFd) {
+    let (mut m, mut s) = (-1, -1);
+    // SAFETY: openpty writes two fds through valid pointers; name, termios and winsize are
+    // optional (null).
+    let r = unsafe { libc::openpty(&mut m, &mut s, std::ptr::null_mut(), std::ptr::null(), std::ptr::null()) };
+    assert_eq!(r, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both fds were just returned by openpty and belong to nobody else.
+    unsafe { (OwnedFd::from_raw_fd(m), OwnedFd::from_raw_fd(s)) }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Field `n` (1-based, as in proc(5)) of `/proc/<pid>/stat`.
+fn stat_field(pid: i32, n: usize) -> Option<i64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which ends at the last ')'; field 3 is the first.
+    s.rsplit_once(')')?.1.split_whitespace().nth(n - 3)?.parse().ok()
+}
+
+/// The children of `pid`.
+fn children(pid: u32) -> Vec<i32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_cannot_type_into_the_terminal_the_cluster_runs_in() {
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let marker = dir.path().join("escaped");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let config = dir.path().join("config.json");
+    let cfg = serde_json::json!({
+        "sim_edges": 1,
+        "apiserver": { "listen": addr, "metrics_listen": "" },
+        "edge": {
+            "backends": ["container"],
+            "keep_sandboxes_on_exit": false,
+            "container_setup_exe": env!("CARGO_BIN_EXE_opendsec"),
+        },
+    });
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    let containers = state.join("edges").join(EDGE).join("containers");
+    let _guard = Guard { containers: containers.clone() };
+
+    // The operator's pane: a shell on the terminal runs the cluster and, once it exits, reads
+    // the next commands from the terminal.
+    let (master, slave) = openpty();
+    let script = format!(
+        "{} cluster up --config {} --state-dir {}; exec sh",
+        env!("CARGO_BIN_EXE_opendsecctl"),
+        config.display(),
+        state.display()
+    );
+    let mut cmd = Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(&script)
+        .env("PS1", "$ ")
+        .current_dir(dir.path())
+        .stdin(Stdio::from(slave.try_clone().unwrap()))
+        .stdout(Stdio::from(slave.try_clone().unwrap()))
+        .stderr(Stdio::from(slave));
+    // SAFETY: between fork and exec only async-signal-safe calls: setsid and the ioctl that
+    // makes the pty (fd 0 by now) the new session's controlling terminal.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut shell = cmd.spawn().unwrap();
+    let terminal_sid = shell.id() as i64;
+    // What the terminal shows, drained all along so that the cluster never blocks writing it.
+    let shown = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let mut reader = std::fs::File::from(master.try_clone().unwrap());
+    let sink = shown.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+    });
+    let text = || String::from_utf8_lossy(&shown.lock().unwrap()).to_string();
+    wait_until("the cluster to start", 120, || text().contains("export OPENDSEC_ADDR"));
+    let token = std::fs::read_to_string(state.join("admin.token")).unwrap().trim().to_string();
+
+    // A Debian sandbox (python3), as in the report.
+    import(&addr, &token, &debian_rootfs(), &state.join("images"), "debian:bookworm").await;
+    let admin = opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&token)).unwrap();
+    let sb = admin.create_sandbox(container_spec("debian:bookworm", 256, 256)).await.unwrap();
+    let mut rt = runtime(&addr, &token);
+    let attack = format!(
+        "python3 -c \"import fcntl,termios; fd=open('/dev/tty','w'); \
+         [fcntl.ioctl(fd, termios.TIOCSTI, c) for c in 'touch {}\\n']\"; echo rc=$?",
+        marker.display()
+    );
+    let r = exec_in(&mut rt, &sb.id, "attack", &attack).await;
+    let err = String::from_utf8_lossy(&r.stderr).to_string();
+    assert_eq!(out(&r), "rc=1", "the attack ran: {r:?}");
+    assert!(err.contains("No such device or address"), "/dev/tty opened: {err}");
+
+    // From the host: no process of the sandbox has a controlling terminal, is in the
+    // terminal's session, or holds an fd of the terminal.
+    let r = exec_in(&mut rt, &sb.id, "bg", "sleep 600 & echo started").await;
+    assert_eq!(out(&r), "started");
+    let name = opendsec_edge::backend::container::sandbox_name(&containers, &sb.id);
+    let pids = SandboxCgroup::open(&name).unwrap().pids().unwrap();
+    assert!(pids.len() >= 3, "agent, session, shell, sleep: {pids:?}");
+    let pty = std::fs::read_link(format!("/proc/self/fd/{}", master.as_raw_fd())).unwrap();
+    for pid in &pids {
+        assert_eq!(stat_field(*pid, 7), Some(0), "process {pid} of the sandbox has a controlling terminal");
+        assert_ne!(stat_field(*pid, 6), Some(terminal_sid), "process {pid} is in the terminal's session");
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+            let to = std::fs::read_link(fd.path()).unwrap_or_default();
+            assert!(!to.starts_with("/dev/pts") && to != pty, "process {pid} holds {}", to.display());
+        }
+    }
+
+    // The operator stops the cluster; the pane's shell takes the terminal again, reads
+    // whatever was typed into it, and is told to exit.
+    let cluster = children(shell.id());
+    assert_eq!(cluster.len(), 1, "the shell runs the cluster: {cluster:?}");
+    // SAFETY: kill with a pid of our own child's child and a signal number.
+    unsafe { libc::kill(cluster[0], libc::SIGTERM) };
+    wait_until("the cluster to exit", 60, || !Path::new(&format!("/proc/{}", cluster[0])).exists());
+    let mut writer = std::fs::File::from(master);
+    std::thread::sleep(Duration::from_millis(300));
+    writer.write_all(b"exit\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while shell.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the pane's shell did not exit: {}", text());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!marker.exists(), "the sandbox typed a command into the operator's terminal:\n{}", text());
+}
