@@ -249,6 +249,24 @@ impl State {
         Ok(target)
     }
 
+    /// Checks `principal.manage` over another principal's identity, for minting its tokens or
+    /// deleting it: on its home project and on every project where it holds a grant. Whoever
+    /// holds a principal's token holds all its grants, so taking over an identity needs
+    /// authority everywhere that identity reaches (the admin of `root/a` cannot become a
+    /// principal of `root/a` that `root/b` granted rights to). An unknown name is checked on
+    /// the root, so a denial looks the same whether or not it exists.
+    pub(crate) fn require_identity(&self, caller: &str, name: &str) -> Result<Option<&PrincipalRecord>, IamError> {
+        let target = self.require_over_principal(caller, "principal.manage", name)?;
+        if let Some(set) = self.grants.get(name) {
+            for (project, _) in set {
+                self.require(caller, "principal.manage", project, || {
+                    format!("principal {name} (granted on {project})")
+                })?;
+            }
+        }
+        Ok(target)
+    }
+
     /// The permission that governs creating, deleting and setting the quota of `path`, and the
     /// project it is checked on: `project.manage` on the parent (so nobody raises their own
     /// project's quota), `iam.admin` on the root for the root itself.
@@ -584,7 +602,7 @@ fn delete_principal(
 ) -> Result<Output, IamError> {
     ids::validate_principal(name).map_err(IamError::invalid)?;
     st.check_actor(actor, now_ms)?;
-    if st.require_over_principal(&actor.principal, "principal.manage", name)?.is_none() {
+    if st.require_identity(&actor.principal, name)?.is_none() {
         return Err(IamError::NotFound { kind: "principal", name: name.into() });
     }
     st.principals.remove(name);
@@ -626,9 +644,7 @@ fn create_token(
         )));
     }
     st.check_actor(actor, now_ms)?;
-    if principal != actor.principal
-        && st.require_over_principal(&actor.principal, "principal.manage", principal)?.is_none()
-    {
+    if principal != actor.principal && st.require_identity(&actor.principal, principal)?.is_none() {
         return Err(IamError::NotFound { kind: "principal", name: principal.into() });
     }
     if st.tokens.contains_key(token_id) {

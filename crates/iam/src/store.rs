@@ -97,7 +97,8 @@ pub fn decode_row(table: Table, key: &str, value: &str) -> Result<Row, IamError>
 
 /// Opens (creates) the database in `data_dir` with every table present.
 pub fn open_db(data_dir: &Path) -> Result<Database, IamError> {
-    std::fs::create_dir_all(data_dir).map_err(|source| IamError::DataDir { path: data_dir.to_path_buf(), source })?;
+    opendsec_common::fsperm::private_dir(data_dir)
+        .map_err(|source| IamError::DataDir { path: data_dir.to_path_buf(), source })?;
     let db = Database::create(data_dir.join(DB_FILE)).map_err(|e| IamError::Store { op: "open", source: e.into() })?;
     let tx = db.begin_write().map_err(|e| IamError::Store { op: "begin write", source: e.into() })?;
     for t in Table::ALL {

@@ -1065,3 +1065,168 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn taking_over_an_identity_needs_authority_wherever_it_is_granted() {
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    h.project("root/b", Quota::default());
+    let a = h.principal("a-admin", "root/a");
+    h.grant("a-admin", "root/a", "*");
+    let b = h.principal("b-admin", "root/b");
+    h.grant("b-admin", "root/b", "*");
+    // y lives in root/a; root/b's admin gives it rights there.
+    h.principal("y", "root/a");
+    h.grant_as(&b, "y", "root/b", "sandbox.create").unwrap();
+    let mint = |h: &mut Harness, by: &Actor, principal: &str, id: &str| {
+        h.run(Command::CreateToken {
+            actor: by.clone(),
+            now_ms: h.now,
+            principal: principal.into(),
+            token_id: id.into(),
+            secret_hash: hash_of(id),
+            expires_at_ms: 0,
+            description: String::new(),
+        })
+    };
+    // root/a's admin can neither become y nor delete it; nor can root/b's (y is not theirs).
+    assert_eq!(reason(&mint(&mut h, &a, "y", "ya1")), Reason::PermissionDenied);
+    let del = |by: &Actor| Command::DeletePrincipal { actor: by.clone(), now_ms: 1_000_000, name: "y".into() };
+    assert_eq!(reason(&h.run(del(&a))), Reason::PermissionDenied);
+    assert_eq!(reason(&mint(&mut h, &b, "y", "yb1")), Reason::PermissionDenied);
+    // A principal of root/a granted only there stays root/a's to manage.
+    h.principal("z", "root/a");
+    h.grant_as(&a, "z", "root/a", "sandbox.view").unwrap();
+    mint(&mut h, &a, "z", "za1").unwrap();
+    // Once root/b takes its grant back, y is root/a's alone again.
+    h.run(Command::RevokeGrant {
+        actor: b.clone(),
+        now_ms: h.now,
+        grant: GrantRecord { principal: "y".into(), project: "root/b".into(), permission: "sandbox.create".into() },
+    })
+    .unwrap();
+    mint(&mut h, &a, "y", "ya2").unwrap();
+    h.run(del(&a)).unwrap();
+    // Someone with authority over both may (the cluster admin).
+    h.principal("w", "root/a");
+    h.grant_as(&b, "w", "root/b", "sandbox.view").unwrap();
+    mint(&mut h, &Harness::admin(), "w", "wadm").unwrap();
+}
+
+/// One IAM call of the authorization model: by actor `by` (an index into the actors).
+#[derive(Clone, Debug)]
+enum AuthOp {
+    CreatePrincipal { name: u8, home: u8 },
+    Grant { principal: u8, project: u8, perm: u8 },
+    Revoke { principal: u8, project: u8, perm: u8 },
+    Mint { principal: u8 },
+    Delete { principal: u8 },
+}
+
+fn auth_op() -> impl Strategy<Value = AuthOp> {
+    prop_oneof![
+        1 => (0u8..6, 0u8..5).prop_map(|(name, home)| AuthOp::CreatePrincipal { name, home }),
+        3 => (0u8..9, 0u8..5, 0u8..11).prop_map(|(principal, project, perm)| AuthOp::Grant { principal, project, perm }),
+        1 => (0u8..9, 0u8..5, 0u8..11).prop_map(|(principal, project, perm)| AuthOp::Revoke { principal, project, perm }),
+        3 => (0u8..9).prop_map(|principal| AuthOp::Mint { principal }),
+        1 => (0u8..9).prop_map(|principal| AuthOp::Delete { principal }),
+    ]
+}
+
+const AUTH_PROJECTS: [&str; 5] = ["root", "root/a", "root/a/x", "root/b", "root/b/y"];
+/// The three actors first, then the pool the calls create, mint for and grant to.
+const AUTH_PRINCIPALS: [&str; 9] = ["a-admin", "b-admin", "a-ops", "p0", "p1", "p2", "p3", "p4", "p5"];
+
+/// What actor `tokens` can reach: every (permission, project) some principal it holds a valid
+/// token of holds, plus everything on projects where one holds `principal.manage` (the power
+/// to act as that project's principals).
+fn reach(h: &Harness, tokens: &[Actor]) -> std::collections::BTreeSet<(&'static str, &'static str)> {
+    let mut out = std::collections::BTreeSet::new();
+    for t in tokens.iter().filter(|t| h.st.check_actor(t, h.now).is_ok()) {
+        for proj in AUTH_PROJECTS {
+            let manages = h.st.holds(&t.principal, "principal.manage", proj);
+            for perm in &crate::model::PERMISSIONS[1..] {
+                if manages || h.st.holds(&t.principal, perm, proj) {
+                    out.insert((*perm, proj));
+                }
+            }
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// No sequence of an actor's own IAM calls lets it reach a permission on a project it did
+    /// not reach before: grants are bounded by what the granter holds, and becoming another
+    /// principal (minting its token) needs authority wherever that principal is granted.
+    /// Actors act in turns; the others' grants between turns (their trust decisions) may
+    /// widen an actor's reach, its own calls never do.
+    #[test]
+    fn no_actor_widens_its_own_reach(turns in proptest::collection::vec((0usize..3, proptest::collection::vec(auth_op(), 1..12)), 1..8)) {
+        let mut h = Harness::new();
+        for p in &AUTH_PROJECTS[1..] {
+            h.project(p, Quota::default());
+        }
+        let mut held: Vec<Vec<Actor>> = vec![
+            vec![h.principal("a-admin", "root/a")],
+            vec![h.principal("b-admin", "root/b")],
+            vec![h.principal("a-ops", "root/a")],
+        ];
+        h.grant("a-admin", "root/a", "*");
+        h.grant("b-admin", "root/b", "*");
+        for perm in ["principal.manage", "grant.manage", "sandbox.create"] {
+            h.grant("a-ops", "root/a/x", perm);
+        }
+        // Identities granted across projects, as tenants set them up for collaboration.
+        h.run(Command::CreatePrincipal { actor: Harness::admin(), now_ms: h.now, name: "p0".into(), project: "root/a".into() }).unwrap();
+        h.run(Command::CreatePrincipal { actor: Harness::admin(), now_ms: h.now, name: "p1".into(), project: "root/b".into() }).unwrap();
+        h.run(Command::CreatePrincipal { actor: Harness::admin(), now_ms: h.now, name: "p2".into(), project: "root/a/x".into() }).unwrap();
+        h.grant("p0", "root/b", "sandbox.create");
+        h.grant("p1", "root/a/x", "sandbox.operate");
+        h.grant("p2", "root/b/y", "layer.use");
+        let mut minted = 0u32;
+        for (by, ops) in turns {
+            let before = reach(&h, &held[by]);
+            for op in ops {
+                h.tick(1);
+                // The actor calls with the first of its tokens that still stands.
+                let Some(actor) = held[by].iter().find(|t| h.st.check_actor(t, h.now).is_ok()).cloned() else { break };
+                let name = |i: u8| AUTH_PRINCIPALS[i as usize].to_string();
+                let grant = |principal: u8, project: u8, perm: u8| GrantRecord {
+                    principal: name(principal),
+                    project: AUTH_PROJECTS[project as usize].into(),
+                    permission: crate::model::PERMISSIONS[perm as usize].into(),
+                };
+                let cmd = match op {
+                    AuthOp::CreatePrincipal { name: n, home } => Command::CreatePrincipal {
+                        actor, now_ms: h.now, name: name(n + 3), project: AUTH_PROJECTS[home as usize].into(),
+                    },
+                    AuthOp::Grant { principal, project, perm } => Command::Grant { actor, now_ms: h.now, grant: grant(principal, project, perm) },
+                    AuthOp::Revoke { principal, project, perm } => Command::RevokeGrant { actor, now_ms: h.now, grant: grant(principal, project, perm) },
+                    AuthOp::Delete { principal } => Command::DeletePrincipal { actor, now_ms: h.now, name: name(principal) },
+                    AuthOp::Mint { principal } => {
+                        minted += 1;
+                        let id = format!("m{minted}");
+                        let cmd = Command::CreateToken {
+                            actor, now_ms: h.now, principal: name(principal), token_id: id.clone(),
+                            secret_hash: hash_of(&id), expires_at_ms: 0, description: String::new(),
+                        };
+                        if h.run(cmd).is_ok() {
+                            held[by].push(Actor { principal: name(principal), token_id: id });
+                        }
+                        let now = reach(&h, &held[by]);
+                        let gained: Vec<_> = now.difference(&before).collect();
+                        prop_assert!(gained.is_empty(), "{} gained {gained:?} by minting", AUTH_PRINCIPALS[by]);
+                        continue;
+                    }
+                };
+                let _ = h.run(cmd);
+                let now = reach(&h, &held[by]);
+                let gained: Vec<_> = now.difference(&before).collect();
+                prop_assert!(gained.is_empty(), "{} gained {gained:?}", AUTH_PRINCIPALS[by]);
+            }
+        }
+    }
+}
