@@ -260,6 +260,10 @@ async fn publish(s: &Shared, m: Manifest, replace: bool) -> Result<pb::Image, Ap
             return Err(StoreError::ImageExists(r.to_string()).into());
         }
         gc::publish_manifest(&store, &m)?;
+        // Whoever may use this image's project may now use its layers.
+        for l in &m.layers {
+            store.add_layer_user(l, &m.project)?;
+        }
         Ok(m)
     })
     .await?;
@@ -297,7 +301,39 @@ async fn register_image(
     let m = manifest_from_request(req.image.as_ref(), &ident.project, time::now_ms())?;
     call.project = Some(m.project.clone());
     s.authorize(&ident.principal, PERM_PUBLISH, &m.project).await?;
+    authorize_layers(s, &ident.principal, &m.layers).await?;
     publish(s, m, req.replace).await
+}
+
+/// A manifest may name a stored layer only if the caller holds `layer.use` or `layer.publish`
+/// on a project the layer was imported into or published in ([`Store::layer_users`]; layers
+/// stored before users were recorded count as the root's): a builder publishes what it
+/// imported, a runner re-tags what it may run. Layers are shared by content: without this,
+/// knowing another project's private layer id would be enough to run it. A layer the caller
+/// may not name is reported as missing, so that ids cannot be probed.
+async fn authorize_layers(s: &Shared, principal: &str, layers: &[LayerId]) -> Result<(), ApiError> {
+    let store = s.images.store.clone();
+    let ids = layers.to_vec();
+    let users = blocking(move || {
+        ids.iter().map(|l| store.layer_users(l).map_err(ImageError::from)).collect::<Result<Vec<_>, _>>()
+    })
+    .await?;
+    for (layer, users) in layers.iter().zip(users) {
+        let users = if users.is_empty() { vec![ids::ROOT_PROJECT.to_string()] } else { users };
+        let mut allowed = false;
+        'users: for p in &users {
+            for perm in [PERM_USE, PERM_PUBLISH] {
+                if s.authorize(principal, perm, p).await.is_ok() {
+                    allowed = true;
+                    break 'users;
+                }
+            }
+        }
+        if !allowed {
+            return Err(ImageError::from(StoreError::LayerNotFound(layer.to_string())).into());
+        }
+    }
+    Ok(())
 }
 
 async fn compose_image(

@@ -264,17 +264,15 @@ pub async fn run(client: &Client, out: &Out, project: Option<&str>, cmd: ImageCm
             out.print(serde_json::to_value(&checks).unwrap_or_default(), || {
                 checks
                     .iter()
-                    .map(|c| {
-                        if c.ok {
-                            format!("PASS  {:<16}  {}", c.name, c.detail)
-                        } else {
-                            format!("FAIL  {:<16}  {}\n      fix: {}", c.name, c.detail, c.fix)
-                        }
+                    .map(|c| match (c.ok, c.required) {
+                        (true, _) => format!("PASS  {:<16}  {}", c.name, c.detail),
+                        (false, true) => format!("FAIL  {:<16}  {}\n      fix: {}", c.name, c.detail, c.fix),
+                        (false, false) => format!("WARN  {:<16}  {}\n      fix: {}", c.name, c.detail, c.fix),
                     })
                     .collect::<Vec<_>>()
                     .join("\n")
             });
-            let failed = checks.iter().filter(|c| !c.ok).count();
+            let failed = checks.iter().filter(|c| !c.ok && c.required).count();
             if failed == 0 {
                 Ok(())
             } else {
@@ -396,6 +394,13 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         "reused_layers": imported.reused_layers,
     });
     if args.no_register {
+        // Recorded for a project named here (no cluster is asked): a later registration by
+        // someone who may use it can name the layers.
+        if !project.is_empty() {
+            for l in &imported.layers {
+                store.add_layer_user(l, project).map_err(local("record the layer's project"))?;
+            }
+        }
         out.print(summary, || layers.join("\n"));
         return Ok(());
     }
@@ -403,6 +408,15 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         let r = ImageRef::parse("root", &name).map_err(|e| CtlError::Api(ApiError::invalid(e.to_string())))?;
         (r.repo, r.tag)
     };
+    // The layers were imported for this project (the caller's when none is named): its users
+    // may name them in manifests.
+    let target = match project {
+        "" => client.who_am_i(pb::WhoAmIRequest {}).await?.project,
+        p => p.to_string(),
+    };
+    for l in &imported.layers {
+        store.add_layer_user(l, &target).map_err(local("record the layer's project"))?;
+    }
     let c = &imported.config;
     let image = pb::Image {
         project: project.to_string(),

@@ -28,8 +28,9 @@ fn with_image(project: &str, image: &str) -> pb::SandboxSpec {
     pb::SandboxSpec { image: image.into(), ..spec(project, 100, 64) }
 }
 
-/// Puts a layer in the store as an import would (content is irrelevant to the API).
-fn put_layer(store: &Store, n: u8) -> String {
+/// Puts a layer in the store as an import for `project` would (content is irrelevant to the
+/// API).
+fn put_layer(store: &Store, n: u8, project: &str) -> String {
     let id = LayerId::from_digest(&[n; 32]);
     let pending = store.begin_layer().unwrap();
     std::fs::write(pending.rootfs().join("file"), [n]).unwrap();
@@ -44,6 +45,7 @@ fn put_layer(store: &Store, n: u8) -> String {
         lowers: vec![],
     };
     store.commit_layer(pending, &meta).unwrap();
+    store.add_layer_user(&id, project).unwrap();
     id.to_string()
 }
 
@@ -78,7 +80,7 @@ async fn a_fresh_cluster_has_scratch_and_missing_images_are_not_found() {
 async fn register_compose_list_and_delete() {
     let t = start(1, |_| {}).await;
     let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
-    let (l1, l2) = (put_layer(&store, 1), put_layer(&store, 2));
+    let (l1, l2) = (put_layer(&store, 1, "root"), put_layer(&store, 2, "root"));
 
     // A manifest naming a missing layer fails clearly and leaves nothing.
     let missing = "ab".repeat(32);
@@ -142,7 +144,7 @@ async fn publishing_and_using_are_separate_permissions() {
     let t = start(1, |_| {}).await;
     project(&t.admin, "root/ml", pb::Quota::default()).await;
     let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
-    let layer = put_layer(&store, 7);
+    let layer = put_layer(&store, 7, "root/ml");
     let builder = client(&t.cluster, &principal(&t.admin, "builder", "root/ml", &["layer.publish"]).await);
     let runner = client(&t.cluster, &principal(&t.admin, "runner", "root/ml", &["layer.use", "sandbox.create"]).await);
     let stranger = client(&t.cluster, &principal(&t.admin, "stranger", "root/ml", &["sandbox.create"]).await);
@@ -179,5 +181,67 @@ async fn publishing_and_using_are_separate_permissions() {
     builder.delete_image(pb::DeleteImageRequest { project: "root/ml".into(), name: "env:v1".into() }).await.unwrap();
     let e = runner.create_sandbox(with_image("root/ml", "env:v1")).await.unwrap_err();
     assert_eq!(e.reason, Reason::NotFound);
+    t.cluster.shutdown().await;
+}
+
+/// Layers are shared by content, not by knowing their ids: a tenant cannot register another
+/// project's private layer under its own name (and so cannot run it), and learns nothing of
+/// whether it exists. Once it may use the other project's images, it may.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_projects_layers_cannot_be_registered_by_id() {
+    // New grants reach the apiserver when its authorization cache expires.
+    let t = start(1, |c| c.apiserver.auth_cache_ttl = std::time::Duration::from_millis(200)).await;
+    project(&t.admin, "root/a", pb::Quota::default()).await;
+    project(&t.admin, "root/b", pb::Quota::default()).await;
+    let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
+    let private = put_layer(&store, 11, "root/b");
+    let own = put_layer(&store, 12, "root/a");
+    let perms = ["layer.publish", "layer.use", "sandbox.create"];
+    let b = client(&t.cluster, &principal(&t.admin, "b-builder", "root/b", &perms).await);
+    b.register_image(register("root/b", "secret:1", &[&private])).await.unwrap();
+    let a = client(&t.cluster, &principal(&t.admin, "a-tenant", "root/a", &perms).await);
+
+    // root/a names root/b's layer by id: refused as if it did not exist, exactly like a
+    // layer that does not exist.
+    let e = a.register_image(register("root/a", "stolen:1", &[&own, &private])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "{e}");
+    assert!(e.message.contains(&private), "{}", e.message);
+    let missing = "cd".repeat(32);
+    let e2 = a.register_image(register("root/a", "stolen:1", &[&own, &missing])).await.unwrap_err();
+    assert_eq!(e2.message.replace(&missing, "X"), e.message.replace(&private, "X"), "the answers differ");
+    let e = a.create_sandbox(with_image("root/a", "stolen:1")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "nothing was registered");
+    // Composing from root/b's image needs layer.use there too (it already did).
+    let e = a
+        .compose_image(pb::ComposeImageRequest {
+            project: "root/a".into(),
+            name: "stolen:2".into(),
+            sources: vec!["root/b//secret:1".into()],
+            replace: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    // Its own layers it registers; layers stored before layers had users count as root's.
+    a.register_image(register("root/a", "mine:1", &[&own])).await.unwrap();
+    let old = put_layer(&store, 13, "root");
+    std::fs::remove_dir_all(store.layer_dir(&LayerId::parse(&old).unwrap()).join("users")).unwrap();
+    assert_eq!(a.register_image(register("root/a", "old:1", &[&old])).await.unwrap_err().reason, Reason::NotFound);
+    t.admin.register_image(register("root", "old:1", &[&old])).await.unwrap();
+
+    // Granted layer.use on root/b, root/a may build on its layers.
+    t.admin
+        .grant(pb::GrantRequest {
+            grant: Some(pb::Grant {
+                principal: "a-tenant".into(),
+                project: "root/b".into(),
+                permission: "layer.use".into(),
+            }),
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    a.register_image(register("root/a", "shared:1", &[&own, &private])).await.unwrap();
+    a.create_sandbox(with_image("root/a", "shared:1")).await.unwrap();
     t.cluster.shutdown().await;
 }

@@ -207,6 +207,9 @@ pub struct LayerMeta {
     pub lowers: Vec<LayerId>,
 }
 
+/// The directory in a layer's directory naming the projects that may use it.
+pub const LAYER_USERS: &str = "users";
+
 /// Layers below this depth of a path are refused (absurdly deep directories).
 pub const MAX_PATH_DEPTH: usize = 128;
 
@@ -215,9 +218,12 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens a store, creating its top-level directories.
+    /// Opens a store, creating its top-level directories. The root is private (0700, or its
+    /// owner's and group's where an operator shares it): layers hold untrusted images' files,
+    /// setuid binaries and file capabilities included, which no host user may reach.
     pub fn open(root: impl Into<PathBuf>) -> Result<Store, StoreError> {
         let root = root.into();
+        opendsec_common::fsperm::private_dir(&root).map_err(io(&root))?;
         for d in ["layers/.tmp", "images", "snapshots", "vmdisks", "inuse"] {
             let p = root.join(d);
             fs::create_dir_all(&p).map_err(io(&p))?;
@@ -255,6 +261,41 @@ impl Store {
             Err(e) => return Err(StoreError::Io { path: p, source: e }),
         };
         serde_json::from_slice(&text).map_err(|source| StoreError::Corrupt { path: p, source })
+    }
+
+    /// Records that `project` may reference layer `id` in its manifests
+    /// (`layers/<id>/users/<project>`, `/` written as `+`): the project it was imported for, and
+    /// every project an image using it was published in. Layers are content-addressed and
+    /// shared, so knowing a layer's id must not be enough to use it.
+    pub fn add_layer_user(&self, id: &LayerId, project: &str) -> Result<(), StoreError> {
+        if !self.has_layer(id) {
+            return Err(StoreError::LayerNotFound(id.to_string()));
+        }
+        let dir = self.layer_dir(id).join(LAYER_USERS);
+        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let p = dir.join(project.replace('/', "+"));
+        if !p.exists() {
+            fs::write(&p, b"").map_err(io(&p))?;
+        }
+        Ok(())
+    }
+
+    /// The projects recorded by [`Store::add_layer_user`] (none for layers stored before
+    /// layers had users).
+    pub fn layer_users(&self, id: &LayerId) -> Result<Vec<String>, StoreError> {
+        if !self.has_layer(id) {
+            return Err(StoreError::LayerNotFound(id.to_string()));
+        }
+        let dir = self.layer_dir(id).join(LAYER_USERS);
+        let rd = match fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(StoreError::Io { path: dir, source: e }),
+        };
+        let mut out: Vec<String> =
+            rd.flatten().filter_map(|e| e.file_name().to_str().map(|n| n.replace('+', "/"))).collect();
+        out.sort();
+        Ok(out)
     }
 
     /// A fresh temporary directory for a layer being written, with an empty `rootfs/`.

@@ -9,6 +9,11 @@
 //! lower file. Each check works in its own scratch directory under `DIR/.store-check-<random>/`
 //! and removes what it made, mounts included; nothing else in DIR is touched. It must run as
 //! root, as edges do.
+//!
+//! Two more are advisory (a failure is a warning, the store still works): DIR is private (no
+//! permission bits for others: layers hold untrusted images' setuid binaries and file
+//! capabilities), and its file system is mounted `nosuid,nodev` (so that even a host user who
+//! reached such a file could not gain from it).
 
 use std::ffi::CString;
 use std::fs;
@@ -27,6 +32,8 @@ pub struct Check {
     pub detail: String,
     /// Empty when `ok`.
     pub fix: String,
+    /// A failed required check means the store does not work; an advisory one is hardening.
+    pub required: bool,
 }
 
 /// Owner the chown check gives its file (not 0, not a usual system id).
@@ -82,6 +89,7 @@ pub fn store_check(dir: &Path) -> Vec<Check> {
                 ok: false,
                 detail: detail.clone(),
                 fix: format!("make {} an existing directory root can write; then: {fix}", dir.display()),
+                required: true,
             })
             .collect();
     }
@@ -96,13 +104,73 @@ pub fn store_check(dir: &Path) -> Vec<Check> {
             // the mount) and says so in its detail.
             let _ = fs::remove_dir_all(&work);
             match result {
-                Ok(detail) => Check { name, ok: true, detail, fix: String::new() },
-                Err(detail) => Check { name, ok: false, detail, fix: (*fix).to_string() },
+                Ok(detail) => Check { name, ok: true, detail, fix: String::new(), required: true },
+                Err(detail) => Check { name, ok: false, detail, fix: (*fix).to_string(), required: true },
             }
         })
-        .collect();
+        .collect::<Vec<_>>();
     let _ = fs::remove_dir(&scratch);
+    let mut out = out;
+    out.push(advisory("private", private(dir), &format!("chmod o-rwx {}", dir.display())));
+    out.push(advisory(
+        "nosuid_nodev",
+        nosuid_nodev(dir),
+        &format!(
+            "mount the store's file system with nosuid,nodev (or bind-mount {} onto itself with them)",
+            dir.display()
+        ),
+    ));
     out
+}
+
+fn advisory(name: &'static str, r: Result<String, String>, fix: &str) -> Check {
+    match r {
+        Ok(detail) => Check { name, ok: true, detail, fix: String::new(), required: false },
+        Err(detail) => Check { name, ok: false, detail, fix: fix.to_string(), required: false },
+    }
+}
+
+fn private(dir: &Path) -> Result<String, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = fs::metadata(dir).map_err(err("cannot stat", dir))?.permissions().mode() & 0o7777;
+    if mode & 0o007 == 0 {
+        Ok(format!("mode {mode:04o}: no access for others"))
+    } else {
+        Err(format!("mode {mode:04o}: others may reach the layers' files"))
+    }
+}
+
+/// The mount options of the file system holding `dir` (the mount whose point is the longest
+/// prefix of its canonical path), from `/proc/self/mountinfo`.
+fn mount_options(dir: &Path) -> Result<(String, Vec<String>), String> {
+    let real = fs::canonicalize(dir).map_err(err("cannot resolve", dir))?;
+    let info =
+        fs::read_to_string("/proc/self/mountinfo").map_err(err("cannot read", Path::new("/proc/self/mountinfo")))?;
+    mount_options_in(&info, &real)
+}
+
+/// [`mount_options`] over the text of a mountinfo file.
+fn mount_options_in(info: &str, real: &Path) -> Result<(String, Vec<String>), String> {
+    let mut best: Option<(String, Vec<String>)> = None;
+    for line in info.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        let (Some(point), Some(opts)) = (f.get(4), f.get(5)) else { continue };
+        let point = point.replace("\\040", " ");
+        if real.starts_with(&point) && best.as_ref().is_none_or(|(b, _)| point.len() >= b.len()) {
+            best = Some((point, opts.split(',').map(str::to_owned).collect()));
+        }
+    }
+    best.ok_or_else(|| format!("no mount holds {}", real.display()))
+}
+
+fn nosuid_nodev(dir: &Path) -> Result<String, String> {
+    let (point, opts) = mount_options(dir)?;
+    let missing: Vec<&str> = ["nosuid", "nodev"].into_iter().filter(|o| !opts.iter().any(|x| x == o)).collect();
+    if missing.is_empty() {
+        Ok(format!("{point} is mounted nosuid,nodev"))
+    } else {
+        Err(format!("{point} is mounted without {}", missing.join(",")))
+    }
 }
 
 fn err(what: &str, path: &Path) -> impl FnOnce(io::Error) -> String {
@@ -275,15 +343,46 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_advisory_checks_see_modes_and_mount_flags() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(private(dir.path()).unwrap_err().contains("0755"));
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o750)).unwrap();
+        assert!(private(dir.path()).is_ok());
+        // The deepest mount holding the path decides; its per-mount options are field 6.
+        let info = "22 1 0:21 / / rw,relatime - ext4 /dev/vda rw\n\
+                    30 22 0:30 / /srv/store rw,nosuid,nodev,relatime - nfs4 h:/s rw\n\
+                    31 22 0:31 / /srv/store2 rw,nosuid - tmpfs t rw\n";
+        let opts = |p: &str| mount_options_in(info, Path::new(p)).unwrap();
+        assert_eq!(opts("/srv/store/layers").0, "/srv/store");
+        assert!(opts("/srv/store/layers").1.contains(&"nodev".to_string()));
+        assert_eq!(opts("/srv/store2").0, "/srv/store2");
+        assert_eq!(opts("/var/lib").0, "/");
+        let (point, _) = mount_options(dir.path()).unwrap();
+        assert!(dir.path().starts_with(&point));
+    }
+
+    #[test]
     fn every_check_passes_in_a_local_directory_as_root_and_cleans_up() {
         let dir = tempfile::tempdir().unwrap();
         let checks = store_check(dir.path());
         assert_eq!(
             checks.iter().map(|c| c.name).collect::<Vec<_>>(),
-            ["root_not_mapped", "chown", "exclusive_create", "rename", "hard_links", "whiteout_device", "overlay"]
+            [
+                "root_not_mapped",
+                "chown",
+                "exclusive_create",
+                "rename",
+                "hard_links",
+                "whiteout_device",
+                "overlay",
+                "private",
+                "nosuid_nodev"
+            ]
         );
         if euid() == 0 {
-            for c in &checks {
+            for c in checks.iter().filter(|c| c.required) {
                 assert!(c.ok, "{}: {} ({})", c.name, c.detail, c.fix);
                 assert!(c.fix.is_empty());
             }
@@ -300,6 +399,7 @@ mod tests {
         let checks = store_check(&dir.path().join("absent"));
         assert_eq!(checks.len(), CHECKS.len());
         assert!(checks.iter().all(|c| !c.ok && c.detail.contains("cannot create") && c.fix.contains("absent")));
+        assert!(checks.iter().all(|c| c.required));
         assert!(!dir.path().join("absent").exists());
     }
 }
