@@ -146,6 +146,17 @@ pub fn check_spec(
     range("spec.resources.cpu_millis", u64::from(r.cpu_millis), 1, MAX_CPU_MILLIS)?;
     range("spec.resources.memory_mb", r.memory_mb, 1, MAX_MEMORY_MB)?;
     range("spec.resources.disk_mb", r.disk_mb, 0, MAX_DISK_MB)?;
+    // Every backend but sim gives the sandbox a disk of this size: a 0 would be charged as
+    // nothing while a disk is still allocated.
+    if r.disk_mb == 0 && s.backend != "sim" {
+        return Err(AdmissionError::Invalid {
+            field: "spec.resources.disk_mb",
+            message: format!(
+                "must be at least 1 (MiB): the {} backend gives the sandbox a disk of this size",
+                s.backend
+            ),
+        });
+    }
     range("spec.resources.gpus", u64::from(r.gpus), 0, MAX_GPUS)?;
     // The sim backend accepts any image name until the image store lands; the name is bounded.
     if s.image.is_empty() {
@@ -199,6 +210,20 @@ pub fn check_lease_id(lease_id: &str) -> Result<Option<String>, AdmissionError> 
     }
     ids::validate_lease(lease_id).map_err(|e| AdmissionError::InvalidId { field: "lease_id", message: e.message })?;
     Ok(Some(lease_id.to_string()))
+}
+
+/// The lease id a creation in `project` with idempotency key `key` gets: 24 hex digits of
+/// SHA-256 over the project and the key. Keys are the caller's choice and often predictable
+/// (`job-42-0`); scoped by project, another project holding the same key can neither squat
+/// it (make this project's creations fail) nor find this project's sandbox through it.
+pub fn scoped_lease_id(project: &str, key: &str) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"opendsec lease\0");
+    h.update((project.len() as u64).to_le_bytes());
+    h.update(project.as_bytes());
+    h.update(key.as_bytes());
+    h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect()
 }
 
 pub fn check_batch_count(count: u32) -> Result<(), AdmissionError> {
@@ -385,6 +410,13 @@ mod tests {
             (Box::new(|s| s.resources.as_mut().unwrap().memory_mb = u64::MAX), "spec.resources.memory_mb"),
             (Box::new(|s| s.resources.as_mut().unwrap().memory_mb = (16 << 20) + 1), "spec.resources.memory_mb"),
             (Box::new(|s| s.resources.as_mut().unwrap().disk_mb = u64::MAX), "spec.resources.disk_mb"),
+            (
+                Box::new(|s| {
+                    s.backend = "container".into();
+                    s.resources.as_mut().unwrap().disk_mb = 0;
+                }),
+                "spec.resources.disk_mb",
+            ),
             (Box::new(|s| s.resources.as_mut().unwrap().gpus = 65), "spec.resources.gpus"),
             (Box::new(|s| s.image = String::new()), "spec.image"),
             (Box::new(|s| s.image = "x".repeat(513)), "spec.image"),
@@ -420,6 +452,20 @@ mod tests {
         huge_but_ok.resources =
             Some(pb::Resources { cpu_millis: 1_024_000, memory_mb: 16 << 20, disk_mb: 64 << 20, gpus: 64 });
         assert!(check_spec(Some(&huge_but_ok), "root/me", &cfg()).is_ok());
+        // A sim sandbox allocates no disk: 0 is fine there.
+        let mut sim_no_disk = good();
+        sim_no_disk.resources.as_mut().unwrap().disk_mb = 0;
+        assert!(check_spec(Some(&sim_no_disk), "root/me", &cfg()).is_ok());
+    }
+
+    #[test]
+    fn idempotency_keys_are_scoped_by_project() {
+        let a = scoped_lease_id("root/a", "job-1");
+        assert_eq!(a, scoped_lease_id("root/a", "job-1"), "the same key finds the same lease");
+        assert_ne!(a, scoped_lease_id("root/b", "job-1"));
+        assert_ne!(scoped_lease_id("root/a", "b\0job-1"), scoped_lease_id("root/a\0b", "job-1"));
+        assert_eq!(a.len(), 24);
+        assert!(ids::validate_lease(&a).is_ok());
     }
 
     #[test]

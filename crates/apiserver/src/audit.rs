@@ -5,7 +5,7 @@
 //! rotates it by size: `<path>.1` is the newest rotated file, `<path>.<keep>` the oldest kept.
 //! Records carry principals, projects and sandbox ids, never a token.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -64,7 +64,7 @@ fn rotated(path: &Path, n: u32) -> PathBuf {
 }
 
 fn open_append(path: &Path) -> Result<(BufWriter<File>, u64), AuditError> {
-    let f = OpenOptions::new()
+    let f = opendsec_common::fsperm::private_file()
         .create(true)
         .append(true)
         .open(path)
@@ -76,7 +76,8 @@ fn open_append(path: &Path) -> Result<(BufWriter<File>, u64), AuditError> {
 impl AuditWriter {
     pub fn open(path: &Path, max_bytes: u64, keep: u32) -> Result<AuditWriter, AuditError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|source| AuditError::CreateDir { path: dir.to_path_buf(), source })?;
+            opendsec_common::fsperm::private_dir(dir)
+                .map_err(|source| AuditError::CreateDir { path: dir.to_path_buf(), source })?;
         }
         let (file, size) = open_append(path)?;
         Ok(AuditWriter { path: path.to_path_buf(), max_bytes, keep, file, size })

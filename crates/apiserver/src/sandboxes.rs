@@ -81,7 +81,7 @@ async fn create_sandbox(
     let (token, ident) = caller(s, call, &md).await?;
     let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
     call.project = Some(spec.project.clone());
-    let lease = admission::check_lease_id(&req.lease_id)?;
+    let lease = admission::check_lease_id(&req.lease_id)?.map(|key| admission::scoped_lease_id(&spec.project, &key));
     images::check_image(s, &ident.principal, &spec).await?;
     let sb = create::create_single(s, &token, &ident, &spec, lease).await?;
     call.sandbox_id = Some(sb.id.clone());

@@ -590,6 +590,7 @@ fn seed_images(dir: &std::path::Path) {
         lowers: vec![],
     };
     store.commit_layer(pending, &meta).unwrap();
+    store.add_layer_user(&meta.id, "root/a").unwrap();
     for (project, repo, tag) in [("root/a", "debian", "12"), ("root/b", "debian", "12"), ("root", "shared", "1")] {
         let m = Manifest {
             v: 1,
@@ -757,7 +758,9 @@ async fn a_creation_goes_place_admit_edge_and_later_calls_are_forwarded() {
     let first = api.create_sandbox(with_token(create_req("job-1"), ALICE)).await.unwrap().into_inner();
     let again = api.create_sandbox(with_token(create_req("job-1"), ALICE)).await.unwrap().into_inner();
     assert_eq!(first.id, again.id);
-    assert_eq!(c.iam.st().admits.iter().filter(|(l, _)| l == "job-1").count(), 1);
+    let scoped = opendsec_apiserver::admission::scoped_lease_id("root/a", "job-1");
+    assert_eq!(first.lease_id, scoped);
+    assert_eq!(c.iam.st().admits.iter().filter(|(l, _)| *l == scoped).count(), 1);
     assert_eq!(c.edge("e1").st.lock().unwrap().creates, 2);
 
     let list = api
@@ -840,9 +843,10 @@ async fn when_every_edge_refuses_the_lease_is_released() {
     assert!(matches!(reason(&e), Reason::NoCapacity | Reason::Unavailable), "{e:?}");
     {
         let st = c.iam.st();
+        let doomed = opendsec_apiserver::admission::scoped_lease_id("root/a", "doomed");
         assert_eq!(st.admits.len(), 2);
-        assert!(st.admits.iter().all(|(l, _)| l == "doomed"));
-        assert_eq!(st.released, vec!["doomed".to_string()]);
+        assert!(st.admits.iter().all(|(l, _)| *l == doomed));
+        assert_eq!(st.released, vec![doomed]);
     }
     c.stop().await;
 }
@@ -1019,6 +1023,7 @@ async fn images_register_get_list_compose_and_delete() {
         lowers: vec![],
     };
     store.commit_layer(pending, &meta).unwrap();
+    store.add_layer_user(&meta.id, "root/a").unwrap();
 
     let tools = images
         .register_image(with_token(register(image("tools", "v1", vec![layer_id(2)]), false), ALICE))

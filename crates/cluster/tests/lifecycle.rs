@@ -249,6 +249,18 @@ async fn a_retried_creation_with_the_same_lease_returns_the_same_sandbox() {
     let b = t.admin.create_sandbox_with(req).await.unwrap();
     assert_eq!(a.id, b.id);
     assert_eq!(usage(&t.admin, "root").await.sandboxes, 1);
+    // Keys are scoped by project: another project using the same key neither squats this
+    // project's key nor finds its sandbox.
+    project(&t.admin, "root/other", pb::Quota::default()).await;
+    let outsider =
+        client(&t.cluster, &principal(&t.admin, "outsider", "root/other", &["sandbox.create", "sandbox.view"]).await);
+    let scratch = pb::Grant { principal: "outsider".into(), project: "root".into(), permission: "layer.use".into() };
+    t.admin.grant(pb::GrantRequest { grant: Some(scratch) }).await.unwrap();
+    let req = pb::CreateSandboxRequest { spec: Some(spec("root/other", 10, 16)), lease_id: "retry-me-1".into() };
+    let c = outsider.create_sandbox_with(req.clone()).await.unwrap();
+    assert_ne!(c.id, a.id);
+    assert_eq!(outsider.create_sandbox_with(req).await.unwrap().id, c.id, "idempotent in its own project");
+    assert_eq!(usage(&t.admin, "root/other").await.sandboxes, 1);
     t.cluster.shutdown().await;
 }
 

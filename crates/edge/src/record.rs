@@ -297,7 +297,10 @@ impl RecordStore {
     /// Opens (creating) `<state_dir>/sandboxes`.
     pub fn open(state_dir: &Path) -> Result<RecordStore, RecordError> {
         let dir = state_dir.join(RECORDS_DIR);
-        fs::create_dir_all(&dir).map_err(|source| RecordError::CreateDir { path: dir.clone(), source })?;
+        // Records hold each spec's env: the owner's alone (0700 directory, 0600 files).
+        opendsec_common::fsperm::private_dir(state_dir)
+            .and_then(|()| opendsec_common::fsperm::private_dir(&dir))
+            .map_err(|source| RecordError::CreateDir { path: dir.clone(), source })?;
         let dir_handle = File::open(&dir).map_err(|source| RecordError::CreateDir { path: dir.clone(), source })?;
         Ok(RecordStore {
             dir,
@@ -344,7 +347,7 @@ impl RecordStore {
     fn write_fresh(&self, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let tmp = self.temp_path();
         let written = (|| {
-            let mut f = OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+            let mut f = opendsec_common::fsperm::private_file().write(true).create_new(true).open(&tmp)?;
             f.write_all(bytes)?;
             drop(f);
             fs::rename(&tmp, path)
@@ -362,7 +365,7 @@ impl RecordStore {
             Some((tmp, f)) => (tmp, f, true),
             None => {
                 let tmp = self.temp_path();
-                let f = OpenOptions::new().write(true).create_new(true).open(&tmp);
+                let f = opendsec_common::fsperm::private_file().write(true).create_new(true).open(&tmp);
                 (tmp, f?, false)
             }
         };
