@@ -18,6 +18,7 @@ trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true; rm -rf "$STATE"' EXI
 for _ in $(seq 1 600); do grep -q 'export OPENDSEC_ADDR' "$LOG" && break; sleep 0.1; done
 export OPENDSEC_ADDR=$(sed -n 's/^  apiserver: *//p' "$LOG")
 export OPENDSEC_TOKEN=$(cat "$STATE/admin.token")
+export OPENDSEC_CA=$STATE/pki/ca.pem
 echo "# batched: $BATCHED sandboxes, batches of 1000, 4 calls at a time"
 "$BIN/opendsecctl" bench create --count "$BATCHED" --batch 1000 --concurrency 4 --json
 echo "# one by one: $SINGLE sandboxes, 64 calls at a time"

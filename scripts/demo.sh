@@ -15,6 +15,7 @@ for _ in $(seq 1 600); do grep -q 'export OPENDSEC_ADDR' "$LOG" && break; sleep 
 cat "$LOG"
 export OPENDSEC_ADDR=$(sed -n 's/^  apiserver: *//p' "$LOG")
 export OPENDSEC_TOKEN=$(cat "$STATE/admin.token")
+export OPENDSEC_CA=$STATE/pki/ca.pem
 ctl() { echo "+ opendsecctl $*" >&2; "$BIN/opendsecctl" "$@"; }
 export OPENDSEC_IMAGE_STORE=$STATE/images
 ctl whoami
@@ -48,6 +49,7 @@ PID=$!
 for _ in $(seq 1 600); do grep -q 'export OPENDSEC_ADDR' "$LOG2" && break; sleep 0.1; done
 export OPENDSEC_ADDR=$(sed -n 's/^  apiserver: *//p' "$LOG2")
 export OPENDSEC_TOKEN=$(cat "$STATE2/admin.token")
+export OPENDSEC_CA=$STATE2/pki/ca.pem
 export OPENDSEC_IMAGE_STORE=$STATE2/images
 ROOTFS=$STATE2/busybox
 mkdir -p "$ROOTFS/bin" "$ROOTFS/etc" "$ROOTFS/tmp"

@@ -71,6 +71,7 @@ ADDR=$(sed -n 's/^  apiserver: *//p' "$STATE/cluster.log")
   echo "# Written by make up: . this file to use the local cluster."
   printf 'export OPENDSEC_ADDR=%q\n' "$ADDR"
   printf 'export OPENDSEC_TOKEN="$(cat %q)"\n' "$STATE/admin.token"
+  printf 'export OPENDSEC_CA=%q\n' "$STATE/pki/ca.pem"
   printf 'export OPENDSEC_IMAGE_STORE=%q\n' "$STATE/images"
   printf 'export PATH=%q:%q:"$PATH"\n' "$REPO/target/release" "$STATE/venv/bin"
 } >"$STATE/env"

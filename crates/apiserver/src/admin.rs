@@ -10,11 +10,12 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use opendsec_common::grpc::{self, ServiceChannel};
+use opendsec_common::grpc;
 use opendsec_common::{ApiError, Reason};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::admin_client::AdminClient;
 use opendsec_proto::v1::admin_server::Admin;
+use tonic::transport::Channel as ServiceChannel;
 use tonic::{Request, Response, Status};
 
 use crate::auth::token_key;

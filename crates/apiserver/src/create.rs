@@ -59,17 +59,17 @@ pub(crate) async fn within<T>(
 /// Gets a sandbox from the edge named in its id.
 pub async fn edge_get(shared: &Shared, edge: &str, id: &str) -> Result<pb::Sandbox, ApiError> {
     let addr = shared.edge_addr(edge)?;
-    let mut c = shared.up.edge(&addr)?;
+    let mut c = shared.up.edge(edge, &addr)?;
     edge_call(shared, edge, c.get_sandbox(pb::GetSandboxRequest { id: id.to_string() })).await
 }
 
 pub async fn edge_forward<T, F, Fut>(shared: &Shared, edge: &str, f: F) -> Result<T, ApiError>
 where
-    F: FnOnce(opendsec_proto::v1::edge_client::EdgeClient<opendsec_common::grpc::ServiceChannel>) -> Fut,
+    F: FnOnce(opendsec_proto::v1::edge_client::EdgeClient<tonic::transport::Channel>) -> Fut,
     Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
     let addr = shared.edge_addr(edge)?;
-    let c = shared.up.edge(&addr)?;
+    let c = shared.up.edge(edge, &addr)?;
     edge_call(shared, edge, f(c)).await
 }
 
@@ -183,7 +183,7 @@ pub async fn create_one(
             }
         };
         let req = pb::EdgeCreateRequest { lease_id: lease.clone(), spec: Some(spec.clone()), principal };
-        let result = match shared.up.edge(&placed.addr) {
+        let result = match shared.up.edge(&placed.edge, &placed.addr) {
             Ok(mut c) => edge_call(shared, &placed.edge, c.create_sandbox(req)).await,
             Err(e) => Err(e),
         };

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use opendsec_common::ApiError;
-use opendsec_common::grpc::{self, AttachServiceToken, MAX_MESSAGE_BYTES};
+use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES};
 use opendsec_proto::v1::admin_server::AdminServer;
 use opendsec_proto::v1::images_server::ImagesServer;
 use opendsec_proto::v1::runtime_server::RuntimeServer;
@@ -43,14 +43,16 @@ use crate::audit::{AuditError, AuditLog, AuditWriter};
 use crate::state::Shared;
 use crate::upstream::Upstreams;
 
-/// Everything `serve` needs, filled from the cluster config. (No `Debug`: it holds the service
-/// token.)
-#[derive(Clone)]
+/// Everything `serve` needs, filled from the cluster config.
+#[derive(Clone, Debug)]
 pub struct ApiserverOptions {
     pub config: opendsec_common::config::ApiserverConfig,
     pub iam_addrs: Vec<String>,
     pub watcher_addrs: Vec<String>,
-    pub service_token: String,
+    /// This apiserver's certificate: the server certificate of the public port (unless
+    /// `config.insecure_plaintext`) and the client certificate of its calls to IAM, watchers
+    /// and edges.
+    pub tls: Arc<opendsec_common::tls::Credentials>,
     pub audit_path: PathBuf,
     /// The shared image store (created if missing).
     pub image_store: PathBuf,
@@ -65,8 +67,8 @@ pub enum ApiserverError {
     NoWatcherAddress,
     #[error("bad upstream address {addr:?}: {source}")]
     BadAddress { addr: String, source: ApiError },
-    #[error("bad service token: {0}")]
-    ServiceToken(ApiError),
+    #[error("apiserver.insecure_plaintext: refused on {0}: plain text is for local development on a loopback address")]
+    PlaintextNotLoopback(String),
     #[error(transparent)]
     Audit(#[from] AuditError),
     #[error("image store {path}: {source}")]
@@ -75,6 +77,8 @@ pub enum ApiserverError {
     Serve(#[from] tonic::transport::Error),
     #[error("metrics endpoint failed: {0}")]
     Metrics(std::io::Error),
+    #[error("cannot read the listen address: {0}")]
+    Listen(std::io::Error),
 }
 
 /// Serves Sandboxes + Runtime + Admin + Images on `listener` (and /metrics /healthz /readyz on `metrics` when
@@ -95,7 +99,13 @@ pub async fn serve(
     for addr in opts.iam_addrs.iter().chain(&opts.watcher_addrs) {
         grpc::channel(addr).map_err(|source| ApiserverError::BadAddress { addr: addr.clone(), source })?;
     }
-    let token = AttachServiceToken::new(&opts.service_token).map_err(ApiserverError::ServiceToken)?;
+    if opts.config.insecure_plaintext {
+        let local = listener.local_addr().map_err(ApiserverError::Listen)?;
+        if !local.ip().is_loopback() {
+            return Err(ApiserverError::PlaintextNotLoopback(local.to_string()));
+        }
+        tracing::warn!(addr = %local, "serving the public API in plain text (insecure_plaintext)");
+    }
     let store = opendsec_images::Store::open(&opts.image_store)
         .map_err(|source| ApiserverError::ImageStore { path: opts.image_store.clone(), source })?;
     let cfg = opts.config;
@@ -106,7 +116,8 @@ pub async fn serve(
     } else {
         (AuditLog::disabled(), None)
     };
-    let up = Upstreams::new(token, opts.iam_addrs, opts.watcher_addrs);
+    let up = Upstreams::new(grpc::Links::new(opts.tls.clone()), opts.iam_addrs, opts.watcher_addrs);
+    let plaintext = cfg.insecure_plaintext;
     let shared = Arc::new(Shared::new(cfg, up, audit, images::ImageStore::new(store)));
 
     let cancel = CancellationToken::new();
@@ -144,7 +155,11 @@ pub async fn serve(
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let router = grpc::server().add_service(sandboxes).add_service(admin).add_service(images).add_service(runtime);
     tracing::info!(addr = ?listener.local_addr().ok(), "apiserver serving");
-    let served = grpc::serve(router, listener, cancel.clone().cancelled_owned()).await;
+    let served = if plaintext {
+        grpc::serve(router, listener, cancel.clone().cancelled_owned()).await
+    } else {
+        grpc::serve_tls(router, listener, &opts.tls, cancel.clone().cancelled_owned()).await
+    };
 
     cancel.cancel();
     while loops.join_next().await.is_some() {}

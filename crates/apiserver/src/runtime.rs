@@ -28,13 +28,13 @@ use std::time::Duration;
 
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
-use opendsec_common::grpc::ServiceChannel;
 use opendsec_common::{ApiError, Reason, ids};
 use opendsec_proto::upload::{self, Hop};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::runtime_client::RuntimeClient;
 use opendsec_proto::v1::runtime_server::Runtime;
 use tonic::metadata::MetadataMap;
+use tonic::transport::Channel as ServiceChannel;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::create;
@@ -195,7 +195,7 @@ async fn authorized(
 
 /// The request to the edge, naming the project the call was authorized for: the edge refuses
 /// it if the id now names another project's sandbox.
-fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> {
+pub(crate) fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> {
     let mut r = Request::new(req);
     let v = project.parse().map_err(|_| ApiError::internal(format!("project {project:?} is not ASCII")))?;
     r.metadata_mut().insert(opendsec_common::grpc::EXPECT_PROJECT_HEADER, v);
@@ -203,7 +203,7 @@ fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> {
 }
 
 fn client(s: &Shared, edge: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
-    s.up.runtime(&s.edge_addr(edge)?)
+    s.up.runtime(edge, &s.edge_addr(edge)?)
 }
 
 /// A stream relayed from the edge; its statuses are re-encoded so that transport failures on
@@ -307,7 +307,7 @@ async fn write_file(
         .ok_or_else(|| ApiError::invalid("empty WriteFile stream: the first message names the sandbox and path"))?;
     let id = first.sandbox_id.clone();
     let (edge, project) = authorized(s, projects, call, &md, &id).await?;
-    let ch = s.up.edge_channel(&s.edge_addr(&edge)?)?;
+    let ch = s.up.edge_channel(&edge, &s.edge_addr(&edge)?)?;
     let check = |m: &pb::WriteFileRequest| {
         if m.sandbox_id.is_empty() || m.sandbox_id == id {
             Ok(())

@@ -88,6 +88,11 @@ async fn create_sandbox(
     Ok(sb)
 }
 
+/// The project of a sandbox the edge answered with (`authorized_get` refuses one without).
+fn project_of(sb: &pb::Sandbox) -> String {
+    sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default()
+}
+
 /// Gets a sandbox from its edge and checks that the caller holds `permission` on its project.
 async fn authorized_get(
     s: &Shared,
@@ -228,7 +233,8 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "StopSandbox", move |s, call| {
             Box::pin(async move {
-                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
                 create::edge_forward(s, &edge, |mut c| async move { c.stop_sandbox(req).await }).await
             })
         })
@@ -239,7 +245,8 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "PauseSandbox", move |s, call| {
             Box::pin(async move {
-                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
                 create::edge_forward(s, &edge, |mut c| async move { c.pause_sandbox(req).await }).await
             })
         })
@@ -253,7 +260,8 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "ResumeSandbox", move |s, call| {
             Box::pin(async move {
-                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
                 create::edge_forward(s, &edge, |mut c| async move { c.resume_sandbox(req).await }).await
             })
         })
@@ -268,7 +276,8 @@ impl Sandboxes for SandboxesService {
         run(&self.shared, "SetSandboxTimeout", move |s, call| {
             Box::pin(async move {
                 admission::check_timeout_update(&req, &s.cfg.ttl)?;
-                let (edge, _) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
                 create::edge_forward(s, &edge, |mut c| async move { c.set_sandbox_timeout(req).await }).await
             })
         })

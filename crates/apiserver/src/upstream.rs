@@ -1,5 +1,6 @@
 //! Clients of the components the apiserver depends on: IAM (internal and Admin services), the
-//! watchers and the edges, all over pooled channels that carry the shared service token.
+//! watchers and the edges, all over pooled mTLS channels with the apiserver's certificate; an
+//! edge must present the certificate of the edge the caller meant.
 //!
 //! IAM may run as several replicas: calls start at the address that answered last and move on
 //! to the next on `unavailable` or `not_leader`. Admin calls move on only on `not_leader` (an
@@ -11,7 +12,10 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use opendsec_common::grpc::{self, AttachServiceToken, ChannelPool, MAX_MESSAGE_BYTES, ServiceChannel};
+use std::sync::Arc;
+
+use opendsec_common::grpc::{Links, MAX_MESSAGE_BYTES};
+use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::admin_client::AdminClient;
@@ -19,6 +23,7 @@ use opendsec_proto::v1::edge_client::EdgeClient;
 use opendsec_proto::v1::iam_client::IamClient;
 use opendsec_proto::v1::runtime_client::RuntimeClient;
 use opendsec_proto::v1::watcher_client::WatcherClient;
+use tonic::transport::Channel as ServiceChannel;
 
 /// Longest wait for one IAM or watcher call.
 pub const UPSTREAM_CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -63,8 +68,7 @@ fn no_answer(e: &ApiError) -> bool {
 }
 
 pub struct Upstreams {
-    pool: ChannelPool,
-    token: AttachServiceToken,
+    links: Arc<Links>,
     iam_addrs: Vec<String>,
     iam_next: AtomicUsize,
     watcher_addrs: Vec<String>,
@@ -73,10 +77,9 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
-    pub fn new(token: AttachServiceToken, iam_addrs: Vec<String>, watcher_addrs: Vec<String>) -> Upstreams {
+    pub fn new(links: Arc<Links>, iam_addrs: Vec<String>, watcher_addrs: Vec<String>) -> Upstreams {
         Upstreams {
-            pool: ChannelPool::default(),
-            token,
+            links,
             iam_addrs,
             iam_next: AtomicUsize::new(0),
             watcher_addrs,
@@ -85,41 +88,38 @@ impl Upstreams {
         }
     }
 
-    fn channel(&self, addr: &str) -> Result<ServiceChannel, ApiError> {
-        Ok(grpc::service_channel(self.pool.get(addr)?, &self.token))
-    }
-
-    /// The service channel to the edge at `addr` (for calls the generated clients cannot
-    /// make, such as an abortable upload). An unusable address is `unavailable`.
-    pub fn edge_channel(&self, addr: &str) -> Result<ServiceChannel, ApiError> {
-        self.channel(addr)
+    /// The channel to edge `name` at `addr` (for calls the generated clients cannot make,
+    /// such as an abortable upload). An unusable address is `unavailable`.
+    pub fn edge_channel(&self, name: &str, addr: &str) -> Result<ServiceChannel, ApiError> {
+        self.links
+            .channel(addr, Role::Edge, Some(name))
             .map_err(|e| ApiError::unavailable(format!("edge address {addr:?} is not usable: {}", e.message)))
     }
 
-    /// A client of the edge at `addr`. An unusable address means the edge cannot serve, so it
-    /// is `unavailable` (a creation then tries another edge), not the caller's mistake.
-    pub fn edge(&self, addr: &str) -> Result<EdgeClient<ServiceChannel>, ApiError> {
-        Ok(EdgeClient::new(self.edge_channel(addr)?)
+    /// A client of edge `name` at `addr`. An unusable address means the edge cannot serve, so
+    /// it is `unavailable` (a creation then tries another edge), not the caller's mistake.
+    pub fn edge(&self, name: &str, addr: &str) -> Result<EdgeClient<ServiceChannel>, ApiError> {
+        Ok(EdgeClient::new(self.edge_channel(name, addr)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
 
-    /// A client of the `Runtime` service the edge at `addr` serves beside `Edge` (same
-    /// address, same service token); an unusable address is `unavailable`, as for [`Self::edge`].
-    pub fn runtime(&self, addr: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
-        Ok(RuntimeClient::new(self.edge_channel(addr)?)
+    /// A client of the `Runtime` service edge `name` serves beside `Edge` (same address);
+    /// an unusable address is `unavailable`, as for [`Self::edge`].
+    pub fn runtime(&self, name: &str, addr: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
+        Ok(RuntimeClient::new(self.edge_channel(name, addr)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
 
     fn iam_client(&self, addr: &str) -> Result<IamClient<ServiceChannel>, ApiError> {
-        Ok(IamClient::new(self.channel(addr)?)
+        Ok(IamClient::new(self.links.channel(addr, Role::Iam, None)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
 
     fn admin_client(&self, addr: &str) -> Result<AdminClient<ServiceChannel>, ApiError> {
-        Ok(AdminClient::new(self.channel(addr)?)
+        Ok(AdminClient::new(self.links.channel(addr, Role::Iam, None)?)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
@@ -197,7 +197,7 @@ impl Upstreams {
         let mut last = ApiError::unavailable("no watcher address configured");
         for i in 0..n {
             let idx = (start + i) % n;
-            let mut client = WatcherClient::new(self.channel(&self.watcher_addrs[idx])?)
+            let mut client = WatcherClient::new(self.links.channel(&self.watcher_addrs[idx], Role::Watcher, None)?)
                 .max_decoding_message_size(MAX_MESSAGE_BYTES);
             let result =
                 match tokio::time::timeout(UPSTREAM_CALL_TIMEOUT, client.get_snapshot(pb::GetSnapshotRequest {})).await

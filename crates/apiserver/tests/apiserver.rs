@@ -1,5 +1,7 @@
 //! The apiserver through real gRPC on 127.0.0.1:0, against small fake IAM, watcher and edge
-//! servers written here (each behind the service-token check the real ones use).
+//! servers written here (each served over mTLS behind the role table the real ones use, with
+//! certificates of a CA made per test). The public port runs in plain text here (loopback,
+//! `insecure_plaintext`); the cluster tests exercise it over TLS.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -8,7 +10,9 @@ use std::time::Duration;
 
 use opendsec_apiserver::{ApiserverOptions, serve};
 use opendsec_common::config::{ApiserverConfig, AuditConfig, PlacementConfig};
-use opendsec_common::grpc::{self, RequireServiceToken};
+use opendsec_common::grpc;
+use opendsec_common::pki::{Identity, Role};
+use opendsec_common::tls::Credentials;
 use opendsec_common::{ApiError, Reason, ids, time};
 use opendsec_images::{ImageConfig, LayerId, LayerMeta, Manifest, Store};
 use opendsec_proto::v1 as pb;
@@ -26,7 +30,9 @@ use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-const SERVICE_TOKEN: &str = "test-service-token";
+fn creds(pki: &std::path::Path, role: Role, name: &str) -> Arc<Credentials> {
+    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
+}
 const ALICE: &str = "dsk.alice.aaaaaaaaaaaaaaaaaaaa";
 const BOB: &str = "dsk.bob.bbbbbbbbbbbbbbbbbbbbbbbb";
 
@@ -614,6 +620,7 @@ fn test_config() -> ApiserverConfig {
         edge_call_timeout: Duration::from_secs(5),
         placement: PlacementConfig { penalty: Duration::from_secs(60), ..defaults.placement.clone() },
         audit: AuditConfig { max_bytes: 1 << 20, ..defaults.audit.clone() },
+        insecure_plaintext: true,
         ..defaults
     }
 }
@@ -631,30 +638,32 @@ impl Cluster {
             s.principals.insert("alice".into(), "root/a".into());
             s.principals.insert("bob".into(), "root/b".into());
         }
-        let check = RequireServiceToken::new(SERVICE_TOKEN);
+        let dir = tempfile::tempdir().unwrap();
+        let pki = dir.path().join("pki");
         let (l, iam_addr) = listen().await;
-        let router = grpc::server()
-            .add_service(IamServer::with_interceptor(iam.clone(), check.clone()))
-            .add_service(AdminServer::with_interceptor(iam.clone(), check.clone()));
-        tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
+        let router =
+            grpc::internal_server().add_service(IamServer::new(iam.clone())).add_service(AdminServer::new(iam.clone()));
+        let (tls, stop) = (creds(&pki, Role::Iam, "0"), stopper(&mut stops));
+        tokio::spawn(async move { grpc::serve_internal(router, l, &tls, stop).await });
 
         let watcher = FakeWatcher::default();
         let mut fakes = Vec::new();
         for (name, mode, cpu) in edges {
             let fake = FakeEdge::new(name, *mode);
             let (l, addr) = listen().await;
-            let router = grpc::server()
-                .add_service(EdgeServer::with_interceptor(fake.clone(), check.clone()))
-                .add_service(RuntimeServer::with_interceptor(fake.clone(), check.clone()));
-            tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
+            let router = grpc::internal_server()
+                .add_service(EdgeServer::new(fake.clone()))
+                .add_service(RuntimeServer::new(fake.clone()));
+            let (tls, stop) = (creds(&pki, Role::Edge, name), stopper(&mut stops));
+            tokio::spawn(async move { grpc::serve_internal(router, l, &tls, stop).await });
             watcher.edges.lock().unwrap().push(edge_info(name, addr, *cpu));
             fakes.push(fake);
         }
         let (l, watcher_addr) = listen().await;
-        let router = grpc::server().add_service(WatcherServer::with_interceptor(watcher, check));
-        tokio::spawn(grpc::serve(router, l, stopper(&mut stops)));
+        let router = grpc::internal_server().add_service(WatcherServer::new(watcher));
+        let (tls, stop) = (creds(&pki, Role::Watcher, "0"), stopper(&mut stops));
+        tokio::spawn(async move { grpc::serve_internal(router, l, &tls, stop).await });
 
-        let dir = tempfile::tempdir().unwrap();
         let audit_path = dir.path().join("audit/apiserver.log");
         let image_store = dir.path().join("images");
         seed_images(&image_store);
@@ -662,7 +671,7 @@ impl Cluster {
             config: cfg,
             iam_addrs: vec![iam_addr.to_string()],
             watcher_addrs: vec![watcher_addr.to_string()],
-            service_token: SERVICE_TOKEN.into(),
+            tls: creds(&pki, Role::Apiserver, "0"),
             audit_path: audit_path.clone(),
             image_store: image_store.clone(),
         };
@@ -1273,4 +1282,23 @@ async fn an_upload_that_fails_midway_is_reset_at_the_edge_not_completed() {
     assert!(c.edge("e1").st.lock().unwrap().files.is_empty(), "no short file completed");
     drop(tx);
     c.stop().await;
+}
+
+/// Plain text on the public port is for local development: refused unless the apiserver listens
+/// on a loopback address (before anything is served).
+#[tokio::test]
+async fn plain_text_is_refused_off_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = ApiserverOptions {
+        config: test_config(),
+        iam_addrs: vec!["127.0.0.1:1".into()],
+        watcher_addrs: vec!["127.0.0.1:1".into()],
+        tls: creds(&dir.path().join("pki"), Role::Apiserver, "0"),
+        audit_path: dir.path().join("audit.log"),
+        image_store: dir.path().join("images"),
+    };
+    let wide = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let e = serve(opts.clone(), wide, None, std::future::pending()).await.unwrap_err();
+    assert!(matches!(e, opendsec_apiserver::ApiserverError::PlaintextNotLoopback(_)), "{e}");
+    assert!(e.to_string().contains("loopback"), "{e}");
 }

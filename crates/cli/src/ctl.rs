@@ -46,6 +46,17 @@ pub struct Cli {
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
+    /// The cluster's CA certificate (PEM), to check the apiserver's TLS certificate with
+    /// (`cluster up` prints its path).
+    #[arg(long, global = true, env = "OPENDSEC_CA")]
+    pub ca: Option<PathBuf>,
+    /// The name the apiserver's certificate must carry (default api.opendsec.internal).
+    #[arg(long, global = true, env = "OPENDSEC_TLS_NAME")]
+    pub tls_name: Option<String>,
+    /// Speak plain text to a cluster started with --insecure-plaintext (the token then
+    /// crosses the network unencrypted).
+    #[arg(long, global = true, env = "OPENDSEC_INSECURE_PLAINTEXT", value_parser = clap::builder::FalseyValueParser::new())]
+    pub insecure_plaintext: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -91,6 +102,9 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// The cluster's certificates: a CA, and one certificate per component (mTLS).
+    #[command(subcommand)]
+    Pki(crate::pki::PkiCmd),
     /// Images: the Images API, and local tools on the store (import, gc, store-check, merge).
     #[command(subcommand)]
     Image(crate::image::ImageCmd),
@@ -116,6 +130,10 @@ pub enum ClusterCmd {
         state_dir: Option<PathBuf>,
         #[arg(long)]
         sim_edges: Option<u32>,
+        /// Serve the public API in plain text (local development; refused unless it listens
+        /// on a loopback address).
+        #[arg(long)]
+        insecure_plaintext: bool,
     },
 }
 
@@ -547,11 +565,16 @@ fn project_text(p: &pb::Project) -> String {
 /// `run`, else 0).
 pub async fn run(cli: Cli) -> Result<i32, CtlError> {
     let out = Out { json: cli.json };
-    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges }) = &cli.command {
-        return cluster_up(config.clone(), state_dir.clone(), *sim_edges).await.map(|()| 0);
+    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges, insecure_plaintext }) = &cli.command {
+        return cluster_up(config.clone(), state_dir.clone(), *sim_edges, *insecure_plaintext).await.map(|()| 0);
+    }
+    if let Command::Pki(cmd) = cli.command {
+        return crate::pki::run(&out, cmd).map(|()| 0);
     }
     let addrs: Vec<String> = cli.addr.split(',').map(str::to_string).collect();
-    let client = Client::new(&addrs, cli.token.as_deref())?;
+    let tls =
+        opendsec_common::grpc::PublicTls::choose(cli.ca.as_deref(), cli.insecure_plaintext, cli.tls_name.as_deref())?;
+    let client = Client::new(&addrs, cli.token.as_deref(), &tls)?;
     let project = cli.project.clone();
     match cli.command {
         Command::Exec(a) => crate::runtime::exec(&client, &out, a).await,
@@ -567,6 +590,7 @@ pub async fn run(cli: Cli) -> Result<i32, CtlError> {
 async fn api(client: &Client, out: &Out, project: Option<String>, command: Command) -> Result<(), CtlError> {
     match command {
         Command::Cluster(_)
+        | Command::Pki(_)
         | Command::Exec(_)
         | Command::Run(_)
         | Command::Cp(_)
@@ -892,11 +916,13 @@ async fn cluster_up(
     config: Option<PathBuf>,
     state_dir: Option<PathBuf>,
     sim_edges: Option<u32>,
+    insecure_plaintext: bool,
 ) -> Result<(), CtlError> {
-    let cfg = match &config {
+    let mut cfg = match &config {
         Some(p) => Config::load(p).map_err(|e| CtlError::Local(e.to_string()))?,
         None => Config::default(),
     };
+    cfg.apiserver.insecure_plaintext |= insecure_plaintext;
     let cluster = opendsec_cluster::Cluster::up(cfg, opendsec_cluster::UpOptions { state_dir, sim_edges })
         .await
         .map_err(|e| CtlError::Local(e.to_string()))?;
@@ -911,9 +937,16 @@ async fn cluster_up(
     println!("  edges:       {} ({})", cluster.edge_names().len(), cluster.config.edge.backends.join(", "));
     println!("  state:       {}", cluster.config.state_dir.display());
     println!("  admin token: written to {}", cluster.admin_token_path.display());
+    let tls_env = if cluster.config.apiserver.insecure_plaintext {
+        println!("  public API:  plain text (--insecure-plaintext)");
+        "OPENDSEC_INSECURE_PLAINTEXT=1".to_string()
+    } else {
+        println!("  CA:          {}", cluster.ca_path.display());
+        format!("OPENDSEC_CA={}", cluster.ca_path.display())
+    };
     println!();
     println!(
-        "  export OPENDSEC_ADDR={} OPENDSEC_TOKEN=$(cat {})",
+        "  export OPENDSEC_ADDR={} OPENDSEC_TOKEN=$(cat {}) {tls_env}",
         cluster.apiserver_addr,
         cluster.admin_token_path.display()
     );

@@ -5,5 +5,6 @@ pub mod bench;
 pub mod ctl;
 pub mod image;
 pub mod json;
+pub mod pki;
 pub mod runtime;
 pub mod table;

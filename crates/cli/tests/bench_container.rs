@@ -88,7 +88,7 @@ async fn bench_container_sandboxes() {
     })
     .await;
     let token = f.cluster.admin_token.clone();
-    let mut rt = runtime(&f.addr, &token);
+    let mut rt = runtime(&f.ca, &f.addr, &token);
     let spec = pb::SandboxSpec {
         resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 64, disk_mb: 16, gpus: 0 }),
         ..container_spec("busybox", 64, 16)

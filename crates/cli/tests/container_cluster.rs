@@ -26,7 +26,7 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
     let f = fixture().await;
     let (containers, store, addr, admin) = (f.containers.clone(), f.store.clone(), f.addr.clone(), f.admin.clone());
     let mut cluster = f.cluster;
-    let mut rt = runtime(&addr, &cluster.admin_token);
+    let mut rt = runtime(&cluster.ca_path, &addr, &cluster.admin_token);
     let spec = container_spec("busybox", 64, 32);
     let s = admin.create_sandbox(spec).await.unwrap();
     assert_eq!(state(&s), pb::SandboxState::Running);
@@ -92,7 +92,7 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
 async fn sessions_files_and_processes_through_the_api() {
     let f = fixture().await;
     let token = f.cluster.admin_token.clone();
-    let mut rt = runtime(&f.addr, &token);
+    let mut rt = runtime(&f.ca, &f.addr, &token);
     let s = f.admin.create_sandbox(container_spec("busybox", 64, 32)).await.unwrap();
 
     // Streamed exec: chunks as they come, then the exit.
@@ -155,7 +155,8 @@ async fn sessions_files_and_processes_through_the_api() {
     // opendsecctl: exec passes the command's exit code through; a named session keeps state;
     // cp uploads and downloads byte for byte.
     let ctl = |args: &[&str]| {
-        let mut argv = vec!["opendsecctl", "--addr", &f.addr, "--token", &token];
+        let ca = f.ca.to_str().unwrap();
+        let mut argv = vec!["opendsecctl", "--addr", &f.addr, "--token", &token, "--ca", ca];
         argv.extend_from_slice(args);
         run(Cli::try_parse_from(argv).unwrap())
     };
@@ -267,14 +268,14 @@ async fn sessions_files_and_processes_through_the_api() {
     let outsider = principal(&f.admin, "outsider", "root/other", &["sandbox.operate"]).await;
     let viewer = principal(&f.admin, "viewer", "root", &["sandbox.view"]).await;
     for tok in [&outsider, &viewer] {
-        let mut other = runtime(&f.addr, tok);
+        let mut other = runtime(&f.ca, &f.addr, tok);
         let e = other
             .exec(pb::ExecRequest { sandbox_id: s.id.clone(), command: "true".into(), ..Default::default() })
             .await
             .unwrap_err();
         assert_eq!(reason(&e), "permission_denied", "{e:?}");
     }
-    let mut anonymous = runtime(&f.addr, "dsk.nobody.secret");
+    let mut anonymous = runtime(&f.ca, &f.addr, "dsk.nobody.secret");
     let e = anonymous.list_processes(pb::ListProcessesRequest { sandbox_id: s.id.clone() }).await.unwrap_err();
     assert_eq!(reason(&e), "unauthenticated", "{e:?}");
     // Malformed and unknown sandbox ids.
@@ -368,8 +369,8 @@ for port in sys.argv[2:]:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_workloads_are_contained() {
     let f = fixture().await;
-    import(&f.addr, &f.cluster.admin_token, &debian_rootfs(), &f.store, "debian:bookworm").await;
-    let mut rt = runtime(&f.addr, &f.cluster.admin_token);
+    import(&f.ca, &f.addr, &f.cluster.admin_token, &debian_rootfs(), &f.store, "debian:bookworm").await;
+    let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
     let a = f.admin.create_sandbox(container_spec("debian:bookworm", 128, 64)).await.unwrap();
     let b = f.admin.create_sandbox(container_spec("debian:bookworm", 128, 64)).await.unwrap();
 
@@ -586,7 +587,7 @@ async fn hostile_workloads_are_contained() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
     let f = fixture().await;
-    let mut rt = runtime(&f.addr, &f.cluster.admin_token);
+    let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
     let spec = pb::SandboxSpec { ttl_running_stop_s: 2, ..container_spec("busybox", 64, 16) };
     let s = f.admin.create_sandbox(spec).await.unwrap();
     // A call that runs past the idle TTL is not cut short by it.
@@ -621,7 +622,7 @@ async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
 async fn a_lost_sandbox_is_torn_down_and_its_quota_released() {
     let f = fixture_with(|c| c.edge.agent_silence = std::time::Duration::from_secs(2)).await;
     let (containers, addr, admin) = (f.containers.clone(), f.addr.clone(), f.admin.clone());
-    let mut rt = runtime(&addr, &f.cluster.admin_token);
+    let mut rt = runtime(&f.ca, &addr, &f.cluster.admin_token);
     let mut host = Vec::new();
     for _ in 0..2 {
         let s = admin.create_sandbox(container_spec("busybox", 64, 32)).await.unwrap();

@@ -12,7 +12,8 @@ use opendsec_common::config::Config;
 
 async fn ctl(cluster: &Cluster, args: &[&str]) -> Result<(), CtlError> {
     let addr = cluster.apiserver_addr.to_string();
-    let mut argv = vec!["opendsecctl", "--addr", &addr, "--token", &cluster.admin_token, "--json"];
+    let ca = cluster.ca_path.to_str().unwrap();
+    let mut argv = vec!["opendsecctl", "--addr", &addr, "--token", &cluster.admin_token, "--ca", ca, "--json"];
     argv.extend_from_slice(args);
     run(Cli::try_parse_from(argv).expect("a valid command line")).await.map(|_| ())
 }
@@ -59,8 +60,12 @@ async fn import_register_use_and_collect() {
     umoci(&["repack", "--image", &format!("{l}:1.36"), b]);
     umoci(&["config", "--image", &format!("{l}:1.36"), "--config.env", "FOO=bar", "--config.cmd", "sh"]);
     ctl(&cluster, &["image", "import", "--oci-layout", l, "1.36", "--store", store]).await.unwrap();
-    let client =
-        opendsec_client::Client::new(&[cluster.apiserver_addr.to_string()], Some(&cluster.admin_token)).unwrap();
+    let client = opendsec_client::Client::new(
+        &[cluster.apiserver_addr.to_string()],
+        Some(&cluster.admin_token),
+        &cluster.client_tls(),
+    )
+    .unwrap();
     let got = client
         .get_image(opendsec_proto::v1::GetImageRequest { project: "root".into(), name: "busybox:1.36".into() })
         .await

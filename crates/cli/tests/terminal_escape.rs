@@ -128,12 +128,16 @@ async fn a_sandbox_cannot_type_into_the_terminal_the_cluster_runs_in() {
     let text = || String::from_utf8_lossy(&shown.lock().unwrap()).to_string();
     wait_until("the cluster to start", 120, || text().contains("export OPENDSEC_ADDR"));
     let token = std::fs::read_to_string(state.join("admin.token")).unwrap().trim().to_string();
+    // The one-command start made the PKI and says where clients find the CA.
+    let ca = state.join("pki/ca.pem");
+    assert!(text().contains(&format!("OPENDSEC_CA={}", ca.display())), "{}", text());
 
     // A Debian sandbox (python3), as in the report.
-    import(&addr, &token, &debian_rootfs(), &state.join("images"), "debian:bookworm").await;
-    let admin = opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&token)).unwrap();
+    import(&ca, &addr, &token, &debian_rootfs(), &state.join("images"), "debian:bookworm").await;
+    let tls = opendsec_common::grpc::PublicTls::with_ca(&std::fs::read(&ca).unwrap(), None).unwrap();
+    let admin = opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&token), &tls).unwrap();
     let sb = admin.create_sandbox(container_spec("debian:bookworm", 256, 256)).await.unwrap();
-    let mut rt = runtime(&addr, &token);
+    let mut rt = runtime(&ca, &addr, &token);
     let attack = format!(
         "python3 -c \"import fcntl,termios; fd=open('/dev/tty','w'); \
          [fcntl.ioctl(fd, termios.TIOCSTI, c) for c in 'touch {}\\n']\"; echo rc=$?",

@@ -70,14 +70,15 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client over `addrs` (`host:port`, tried round-robin) with an optional bearer token.
-    /// Call it inside a tokio runtime (channels connect lazily on it).
-    pub fn new(addrs: &[String], token: Option<&str>) -> Result<Client, ApiError> {
+    /// A client over `addrs` (`host:port`, tried round-robin) with an optional bearer token,
+    /// speaking TLS (or plain text) as `tls` says. Call it inside a tokio runtime (channels
+    /// connect lazily on it).
+    pub fn new(addrs: &[String], token: Option<&str>, tls: &grpc::PublicTls) -> Result<Client, ApiError> {
         let addrs: Vec<String> = addrs.iter().map(|a| a.trim().to_string()).filter(|a| !a.is_empty()).collect();
         if addrs.is_empty() {
             return Err(ApiError::invalid(format!("no apiserver address (set {ENV_ADDR} or --addr)")));
         }
-        let channels = addrs.iter().map(|a| grpc::channel(a)).collect::<Result<Vec<_>, _>>()?;
+        let channels = addrs.iter().map(|a| grpc::public_channel(a, tls)).collect::<Result<Vec<_>, _>>()?;
         let bearer = match token {
             Some(t) => Some(
                 format!("Bearer {}", t.trim())
@@ -97,7 +98,8 @@ impl Client {
         })
     }
 
-    /// `OPENDSEC_ADDR` (comma-separated) and `OPENDSEC_TOKEN`.
+    /// `OPENDSEC_ADDR` (comma-separated), `OPENDSEC_TOKEN`, and `OPENDSEC_CA` or
+    /// `OPENDSEC_INSECURE_PLAINTEXT` ([`grpc::PublicTls::from_env`]).
     pub fn from_env() -> Result<Client, ApiError> {
         let addrs: Vec<String> = std::env::var(ENV_ADDR)
             .unwrap_or_else(|_| "127.0.0.1:7000".into())
@@ -105,7 +107,7 @@ impl Client {
             .map(str::to_string)
             .collect();
         let token = std::env::var(ENV_TOKEN).ok();
-        Client::new(&addrs, token.as_deref())
+        Client::new(&addrs, token.as_deref(), &grpc::PublicTls::from_env()?)
     }
 
     /// How long calls keep retrying `unavailable` (default 30 s; zero: no retries).
@@ -491,13 +493,18 @@ mod tests {
 
     #[tokio::test]
     async fn needs_an_address() {
-        assert_eq!(Client::new(&[], None).err().map(|e| e.reason), Some(Reason::InvalidArgument));
-        assert!(Client::new(&["127.0.0.1:1".into(), " ".into()], Some("dsk.a.b")).is_ok());
+        assert_eq!(
+            Client::new(&[], None, &grpc::PublicTls::Plaintext).err().map(|e| e.reason),
+            Some(Reason::InvalidArgument)
+        );
+        assert!(Client::new(&["127.0.0.1:1".into(), " ".into()], Some("dsk.a.b"), &grpc::PublicTls::Plaintext).is_ok());
     }
 
     #[tokio::test]
     async fn unreachable_addresses_give_unavailable_after_the_retry_budget() {
-        let c = Client::new(&["127.0.0.1:1".into()], None).unwrap().with_retry_timeout(Duration::from_millis(100));
+        let c = Client::new(&["127.0.0.1:1".into()], None, &grpc::PublicTls::Plaintext)
+            .unwrap()
+            .with_retry_timeout(Duration::from_millis(100));
         let err = c.get_sandbox("e.x").await.unwrap_err();
         assert_eq!(err.reason, Reason::Unavailable);
     }
@@ -513,7 +520,9 @@ mod tests {
     #[tokio::test]
     async fn runtime_calls_without_a_request_id_are_made_once() {
         // A long retry budget: a retried call would not come back within the test's timeout.
-        let c = Client::new(&["127.0.0.1:1".into()], None).unwrap().with_retry_timeout(Duration::from_secs(3600));
+        let c = Client::new(&["127.0.0.1:1".into()], None, &grpc::PublicTls::Plaintext)
+            .unwrap()
+            .with_retry_timeout(Duration::from_secs(3600));
         let once = tokio::time::timeout(
             Duration::from_secs(20),
             c.start_process(pb::StartProcessRequest { sandbox_id: "e.x".into(), ..Default::default() }),

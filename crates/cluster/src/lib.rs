@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use opendsec_common::config::{Config, EdgeEndpoint};
 use opendsec_common::grpc;
+use opendsec_common::pki::{self, Identity};
+use opendsec_common::tls::{Credentials, TlsFiles};
 use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions};
 use opendsec_edge::backend::sim::SimBackend;
 use opendsec_edge::backend::{Backend, BackendError};
@@ -53,6 +55,10 @@ pub enum ClusterError {
     ImageStore { path: PathBuf, source: opendsec_images::StoreError },
     #[error("image store {path}: writing the empty layer: {source}")]
     SeedLayer { path: PathBuf, source: opendsec_images::layer::LayerError },
+    #[error("pki: {0}")]
+    Pki(#[from] pki::PkiError),
+    #[error("tls: {0} (make the certificates with `opendsecctl pki init` and `opendsecctl pki issue`)")]
+    Tls(#[from] opendsec_common::tls::TlsError),
 }
 
 /// One running component: its address, its shutdown trigger and its task.
@@ -101,6 +107,10 @@ pub struct Cluster {
     pub metrics_addr: Option<SocketAddr>,
     pub admin_token: String,
     pub admin_token_path: PathBuf,
+    /// The CA file clients of the public API trust (`OPENDSEC_CA`).
+    pub ca_path: PathBuf,
+    /// Renews the components' certificates while the cluster runs.
+    renewer: Option<JoinHandle<()>>,
     iam: Option<Running>,
     watcher: Option<Running>,
     apiserver: Option<Running>,
@@ -141,7 +151,6 @@ impl Cluster {
             .map_err(|source| ClusterError::StateDir { path: config.state_dir.clone(), source })?;
         seed_images(&config.image_store_dir())?;
         let toks = tokens::resolve(&config)?;
-        config.service_token = toks.service_token.clone();
         config.iam.admin_token = toks.admin_token.clone();
 
         // Bind every listener first so each component knows the others' addresses.
@@ -163,11 +172,19 @@ impl Cluster {
             edge_ls.push((name, l));
         }
 
+        // One CA in the state directory, fresh certificates for every component at each start,
+        // renewed while the cluster runs.
+        let ids = cluster_identities(&config);
+        pki::local_pki(&config.pki_dir(), &ids, config.tls.leaf_lifetime)?;
+        let renewer = Some(tokio::spawn(renew_loop(config.pki_dir(), ids, config.tls.leaf_lifetime)));
+
         let mut cluster = Cluster {
             apiserver_addr: local(&api_l),
             metrics_addr: metrics_l.as_ref().map(local),
             admin_token: toks.admin_token,
             admin_token_path: toks.admin_token_path,
+            ca_path: config.tls_ca(),
+            renewer,
             iam: None,
             watcher: None,
             apiserver: None,
@@ -175,15 +192,26 @@ impl Cluster {
             config,
         };
         cluster.iam = Some(start_iam(&cluster.config, iam_l)?);
-        cluster.watcher = Some(start_watcher(&cluster.config, watcher_l));
+        cluster.watcher = Some(start_watcher(&cluster.config, watcher_l)?);
         for (name, l) in edge_ls {
             let backend = Arc::new(SimBackend::new());
             let addr = local(&l);
             let running = start_edge(&cluster.config, &name, addr, backend.clone(), l).await?;
             cluster.edges.insert(name, EdgeSlot { addr, backend, running: Some(running) });
         }
-        cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l));
+        cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l)?);
         Ok(cluster)
+    }
+
+    /// How clients reach this cluster's public API: TLS trusting its CA, or plain text when it
+    /// was started with `apiserver.insecure_plaintext`.
+    pub fn client_tls(&self) -> grpc::PublicTls {
+        if self.config.apiserver.insecure_plaintext {
+            return grpc::PublicTls::Plaintext;
+        }
+        // The CA was written at start; a cluster without it could not have started.
+        let pem = std::fs::read(&self.ca_path).unwrap_or_default();
+        grpc::PublicTls::with_ca(&pem, None).unwrap_or(grpc::PublicTls::Plaintext)
     }
 
     pub fn edge_names(&self) -> Vec<String> {
@@ -199,11 +227,12 @@ impl Cluster {
     /// that snapshot.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), ClusterError> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let token = grpc::AttachServiceToken::new(&self.config.service_token)
+        // As the apiserver would ask (the watcher serves snapshots to apiservers only).
+        let links = grpc::Links::new(credentials(&self.config, &apiserver_identity())?);
+        let ch = links
+            .channel(&self.config.watcher.addrs[0], pki::Role::Watcher, None)
             .map_err(|e| ClusterError::NotReady(timeout, e.message))?;
-        let ch =
-            grpc::channel(&self.config.watcher.addrs[0]).map_err(|e| ClusterError::NotReady(timeout, e.message))?;
-        let mut client = opendsec_proto::v1::watcher_client::WatcherClient::new(grpc::service_channel(ch, &token));
+        let mut client = opendsec_proto::v1::watcher_client::WatcherClient::new(ch);
         let running: Vec<&String> = self.edges.iter().filter(|(_, e)| e.running.is_some()).map(|(n, _)| n).collect();
         let mut last = String::from("no snapshot yet");
         loop {
@@ -259,7 +288,7 @@ impl Cluster {
             return Err(ClusterError::AlreadyRunning("apiserver".into()));
         }
         let l = bind("apiserver", &self.apiserver_addr.to_string()).await?;
-        self.apiserver = Some(start_apiserver(&self.config, l, None));
+        self.apiserver = Some(start_apiserver(&self.config, l, None)?);
         Ok(())
     }
 
@@ -275,14 +304,65 @@ impl Cluster {
                 tracing::warn!(error = %e, "component stopped with an error");
             }
         }
+        if let Some(r) = self.renewer.take() {
+            r.abort();
+        }
+    }
+}
+
+/// The identity of IAM, the watcher and the apiserver: one instance each, named `0`.
+fn single(role: pki::Role) -> Identity {
+    Identity { role, name: "0".into() }
+}
+
+fn apiserver_identity() -> Identity {
+    single(pki::Role::Apiserver)
+}
+
+/// Every identity of a `cluster up` cluster: IAM, the watcher, the apiserver, each edge.
+fn cluster_identities(config: &Config) -> Vec<Identity> {
+    let mut ids = vec![single(pki::Role::Iam), single(pki::Role::Watcher), apiserver_identity()];
+    ids.extend(config.edges.iter().map(|e| Identity { role: pki::Role::Edge, name: e.name.clone() }));
+    ids
+}
+
+/// The credentials of component `id`: the config's CA and, for a daemon, `tls.bundle`, else
+/// `<pki dir>/<role>-<name>.pem`.
+fn credentials(config: &Config, id: &Identity) -> Result<Arc<Credentials>, ClusterError> {
+    let bundle = config.tls.bundle.clone().unwrap_or_else(|| config.tls_bundle_of(id.role.as_str(), &id.name));
+    let creds = Credentials::load(TlsFiles { ca: config.tls_ca(), bundle })?;
+    match creds.identity() {
+        Some(got) if got == *id => Ok(creds),
+        got => Err(ClusterError::Tls(opendsec_common::tls::TlsError::Bad {
+            path: creds.files().bundle.clone(),
+            message: format!(
+                "the certificate is for {}, not {id}",
+                got.map_or_else(|| "no opendsec identity".to_string(), |g| g.to_string())
+            ),
+        })),
+    }
+}
+
+/// Issues every component's certificate again each third of their lifetime (servers and
+/// clients pick the new files up by themselves).
+async fn renew_loop(dir: PathBuf, ids: Vec<Identity>, lifetime: Duration) {
+    let every = (lifetime / 3).max(Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(every).await;
+        let (d, i) = (dir.clone(), ids.clone());
+        match tokio::task::spawn_blocking(move || pki::local_pki(&d, &i, lifetime)).await {
+            Ok(Ok(())) => tracing::info!(certificates = ids.len(), "renewed the components' certificates"),
+            Ok(Err(e)) => tracing::warn!(error = %e, "renewing certificates failed"),
+            Err(e) => tracing::warn!(error = %e, "renewing certificates failed"),
+        }
     }
 }
 
 fn start_iam(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
     let iam = opendsec_iam::Iam::open(opendsec_iam::IamOptions::from_config(config))?;
-    let token = config.service_token.clone();
+    let tls = credentials(config, &single(pki::Role::Iam))?;
     Ok(spawn(move |rx| async move {
-        opendsec_iam::serve(iam, l, &token, async move {
+        opendsec_iam::serve(iam, l, &tls, async move {
             let _ = rx.await;
         })
         .await
@@ -290,21 +370,21 @@ fn start_iam(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
     }))
 }
 
-fn start_watcher(config: &Config, l: TcpListener) -> Running {
+fn start_watcher(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
     let opts = opendsec_watcher::WatcherOptions {
         id: format!("watcher-{}", local(&l)),
         config: config.watcher.clone(),
         edges: config.edges.clone(),
         iam_addrs: config.iam.addrs.clone(),
-        service_token: config.service_token.clone(),
+        tls: credentials(config, &single(pki::Role::Watcher))?,
     };
-    spawn(move |rx| async move {
+    Ok(spawn(move |rx| async move {
         opendsec_watcher::serve(opts, l, async move {
             let _ = rx.await;
         })
         .await
         .map_err(|e| e.to_string())
-    })
+    }))
 }
 
 async fn start_edge(
@@ -322,7 +402,7 @@ async fn start_edge(
         config: ecfg,
         iam_addrs: config.iam.addrs.clone(),
         watcher_addrs: config.watcher.addrs.clone(),
-        service_token: config.service_token.clone(),
+        tls: credentials(config, &Identity { role: pki::Role::Edge, name: name.to_string() })?,
         advertise: addr.to_string(),
     };
     let backends = build_backends(config, name, backend)?;
@@ -411,22 +491,22 @@ pub fn agent_path(config: &Config) -> Result<PathBuf, BackendError> {
     )))
 }
 
-fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>) -> Running {
+fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>) -> Result<Running, ClusterError> {
     let opts = opendsec_apiserver::ApiserverOptions {
         config: config.apiserver.clone(),
         iam_addrs: config.iam.addrs.clone(),
         watcher_addrs: config.watcher.addrs.clone(),
-        service_token: config.service_token.clone(),
+        tls: credentials(config, &apiserver_identity())?,
         audit_path: config.audit_path(),
         image_store: config.image_store_dir(),
     };
-    spawn(move |rx| async move {
+    Ok(spawn(move |rx| async move {
         opendsec_apiserver::serve(opts, l, metrics, async move {
             let _ = rx.await;
         })
         .await
         .map_err(|e| e.to_string())
-    })
+    }))
 }
 
 /// The image every fresh cluster has: `scratch:latest` in `root`, one empty layer. Sandboxes
@@ -482,12 +562,6 @@ pub async fn run_daemon(
     config: Config,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), ClusterError> {
-    if config.service_token.is_empty() {
-        return Err(tokens::TokenError::Missing(
-            "service_token: daemons need the shared service token in the config".into(),
-        )
-        .into());
-    }
     let (tx, rx) = oneshot::channel::<()>();
     let running = match role {
         Role::Iam => {
@@ -499,7 +573,7 @@ pub async fn run_daemon(
             }
             start_iam(&config, bind("iam", &config.iam.listen).await?)?
         }
-        Role::Watcher => start_watcher(&config, bind("watcher", &config.watcher.listen).await?),
+        Role::Watcher => start_watcher(&config, bind("watcher", &config.watcher.listen).await?)?,
         Role::Apiserver => {
             let l = bind("apiserver", &config.apiserver.listen).await?;
             let m = if config.apiserver.metrics_listen.is_empty() {
@@ -507,7 +581,7 @@ pub async fn run_daemon(
             } else {
                 Some(bind("apiserver metrics", &config.apiserver.metrics_listen).await?)
             };
-            start_apiserver(&config, l, m)
+            start_apiserver(&config, l, m)?
         }
         Role::Edge => {
             check_backends(&config)?;

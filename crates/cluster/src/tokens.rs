@@ -1,6 +1,7 @@
-//! The two secrets `cluster up` needs: the shared service token between components and the
-//! administrator's bearer token. Taken from the config when set there; otherwise read from, or
-//! generated into, files in the state directory (mode 0600), so a restarted cluster keeps them.
+//! The administrator's bearer token `cluster up` needs: taken from the config when set there;
+//! otherwise read from, or generated into, a file in the state directory (mode 0600), so a
+//! restarted cluster keeps it. (Components authenticate each other with certificates, see
+//! `opendsec_common::pki`.)
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -22,7 +23,6 @@ pub enum TokenError {
 }
 
 pub struct Tokens {
-    pub service_token: String,
     pub admin_token: String,
     pub admin_token_path: PathBuf,
 }
@@ -34,11 +34,6 @@ pub fn new_token() -> String {
 
 pub fn resolve(config: &Config) -> Result<Tokens, TokenError> {
     let dir = &config.state_dir;
-    let service_token = if config.service_token.is_empty() {
-        read_or_create(&dir.join("service.token"), || random_secret(43))?
-    } else {
-        config.service_token.clone()
-    };
     let admin_token_path = crate::admin_token_path(dir);
     let admin_token = if config.iam.admin_token.is_empty() {
         if !admin_token_path.exists() && config.iam_data_dir().exists() {
@@ -58,7 +53,7 @@ pub fn resolve(config: &Config) -> Result<Tokens, TokenError> {
         write_secret(&admin_token_path, &config.iam.admin_token)?;
         config.iam.admin_token.clone()
     };
-    Ok(Tokens { service_token, admin_token, admin_token_path })
+    Ok(Tokens { admin_token, admin_token_path })
 }
 
 fn read_or_create(path: &Path, make: impl FnOnce() -> String) -> Result<String, TokenError> {
@@ -95,7 +90,6 @@ mod tests {
         let a = resolve(&cfg).unwrap();
         let b = resolve(&cfg).unwrap();
         assert_eq!(a.admin_token, b.admin_token);
-        assert_eq!(a.service_token, b.service_token);
         assert!(parse_token_shape(&a.admin_token).is_some());
         let mode = std::fs::metadata(&a.admin_token_path).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);

@@ -39,7 +39,8 @@ async fn bad_tokens_are_refused() {
         .await
         .unwrap()
         .token;
-    let no_token = opendsec_client::Client::new(&[t.cluster.apiserver_addr.to_string()], None).unwrap();
+    let no_token =
+        opendsec_client::Client::new(&[t.cluster.apiserver_addr.to_string()], None, &t.cluster.client_tls()).unwrap();
     assert_eq!(no_token.get_sandbox("edge-000.abc").await.unwrap_err().reason, Reason::Unauthenticated);
     for bad in ["garbage", "dsk.", "dsk.nope.0123456789abcdef0123", "dsk.x.y.z"] {
         let c = client(&t.cluster, bad);

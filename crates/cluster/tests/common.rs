@@ -39,7 +39,7 @@ pub async fn start(edges: u32, tweak: impl FnOnce(&mut Config)) -> TestCluster {
 }
 
 pub fn client(cluster: &Cluster, token: &str) -> Client {
-    Client::new(&[cluster.apiserver_addr.to_string()], Some(token))
+    Client::new(&[cluster.apiserver_addr.to_string()], Some(token), &cluster.client_tls())
         .expect("client")
         .with_retry_timeout(Duration::from_secs(10))
 }

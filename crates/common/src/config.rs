@@ -31,9 +31,8 @@ fn invalid(field: &str, message: impl Into<String>) -> ConfigError {
 pub struct Config {
     /// Where every component keeps its state (IAM store, edge records, audit log, tokens).
     pub state_dir: PathBuf,
-    /// Shared secret between components (development mode until mTLS lands). Empty: `cluster up`
-    /// generates one and keeps it in `<state_dir>/service.token`.
-    pub service_token: String,
+    /// Certificates of every link (mTLS between components, TLS on the public port).
+    pub tls: TlsConfig,
     pub iam: IamConfig,
     pub apiserver: ApiserverConfig,
     pub watcher: WatcherConfig,
@@ -51,7 +50,7 @@ impl Default for Config {
     fn default() -> Config {
         Config {
             state_dir: PathBuf::from("opendsec-state"),
-            service_token: String::new(),
+            tls: TlsConfig::default(),
             iam: IamConfig::default(),
             apiserver: ApiserverConfig::default(),
             watcher: WatcherConfig::default(),
@@ -60,6 +59,31 @@ impl Default for Config {
             sim_edges: 4,
             images: ImagesConfig::default(),
         }
+    }
+}
+
+/// Where a component finds its certificates (`opendsecctl pki` makes them; `cluster up` makes
+/// its own in `<state_dir>/pki`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// The PKI directory: `ca.pem` and one bundle (certificate + key) per component,
+    /// `<role>-<name>.pem`. Default `<state_dir>/pki`.
+    pub dir: Option<PathBuf>,
+    /// The CA certificates this process trusts. Default `<dir>/ca.pem`.
+    pub ca: Option<PathBuf>,
+    /// This daemon's bundle. Default `<dir>/<role>-<name>.pem` (names: `0` for IAM, the
+    /// watcher and the apiserver, `edge.name` for an edge).
+    pub bundle: Option<PathBuf>,
+    /// How long the certificates `cluster up` issues are valid; it issues them afresh at every
+    /// start and again each third of this while it runs.
+    #[serde(with = "humantime_serde")]
+    pub leaf_lifetime: Duration,
+}
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        TlsConfig { dir: None, ca: None, bundle: None, leaf_lifetime: Duration::from_secs(24 * 3600) }
     }
 }
 
@@ -134,6 +158,9 @@ pub struct ApiserverConfig {
     /// Timeout of one call to an edge.
     #[serde(with = "humantime_serde")]
     pub edge_call_timeout: Duration,
+    /// Serve the public API in plain text instead of TLS: local development only, refused
+    /// unless `listen` is a loopback address.
+    pub insecure_plaintext: bool,
 }
 
 impl Default for ApiserverConfig {
@@ -153,6 +180,7 @@ impl Default for ApiserverConfig {
             placement: PlacementConfig::default(),
             audit: AuditConfig::default(),
             edge_call_timeout: Duration::from_secs(30),
+            insecure_plaintext: false,
         }
     }
 }
@@ -455,6 +483,21 @@ impl Config {
         Ok(cfg)
     }
 
+    /// The PKI directory (`tls.dir`, default `<state_dir>/pki`).
+    pub fn pki_dir(&self) -> PathBuf {
+        self.tls.dir.clone().unwrap_or_else(|| self.state_dir.join("pki"))
+    }
+
+    /// The CA file this process trusts (`tls.ca`, default `<pki dir>/ca.pem`).
+    pub fn tls_ca(&self) -> PathBuf {
+        self.tls.ca.clone().unwrap_or_else(|| self.pki_dir().join("ca.pem"))
+    }
+
+    /// The bundle of component `role`/`name` in the PKI directory (`<role>-<name>.pem`).
+    pub fn tls_bundle_of(&self, role: &str, name: &str) -> PathBuf {
+        self.pki_dir().join(format!("{role}-{name}.pem"))
+    }
+
     pub fn iam_data_dir(&self) -> PathBuf {
         self.iam.data_dir.clone().unwrap_or_else(|| self.state_dir.join("iam"))
     }
@@ -477,7 +520,7 @@ impl Config {
         if self.state_dir.as_os_str().is_empty() {
             return Err(invalid("state_dir", "must not be empty"));
         }
-        check_secret("service_token", &self.service_token)?;
+        positive("tls.leaf_lifetime", self.tls.leaf_lifetime)?;
         check_secret("iam.admin_token", &self.iam.admin_token)?;
         if !self.iam.admin_token.is_empty() && parse_token_shape(&self.iam.admin_token).is_none() {
             return Err(invalid(

@@ -1,41 +1,150 @@
-//! gRPC plumbing shared by every process: the server settings, `serve(listener, shutdown)`,
-//! lazily connected channels pooled per address, the shared service token between components
-//! (development mode until mTLS lands) and the caller's bearer token.
+//! gRPC plumbing shared by every process: the server settings, serving on a listener until a
+//! shutdown future completes (plain text, TLS for the public port, mTLS with the role table of
+//! [`crate::acl`] for internal servers), lazily connected channels (internal ones over mTLS,
+//! pooled per address and expected identity: [`Links`]; public ones with or without TLS:
+//! [`public_channel`]) and the caller's bearer token.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_stream::StreamExt;
+use tonic::Request;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
-use tonic::service::Interceptor;
-use tonic::service::interceptor::InterceptedService;
+use tonic::transport::server::Connected;
 use tonic::transport::{Channel, Endpoint, Server};
-use tonic::{Request, Status};
 
+use crate::acl::AclLayer;
+use crate::pki::Role;
 use crate::reason::{ApiError, Reason};
+use crate::tls::Credentials;
 
-/// Metadata key of the shared secret between components.
-pub const SERVICE_TOKEN_HEADER: &str = "x-opendsec-service-token";
-/// On `Runtime` calls from an apiserver to an edge: the project the apiserver authorized the
-/// call for. The edge refuses the call (not_found) when the sandbox under that id belongs to
-/// another project (an id reused after the apiserver cached it).
+/// On `Runtime` and lifecycle calls from an apiserver to an edge: the project the apiserver
+/// authorized the call for. The edge refuses a call without it, and answers not_found when the
+/// sandbox under that id belongs to another project (an id reused after the apiserver cached
+/// it).
 pub const EXPECT_PROJECT_HEADER: &str = "x-opendsec-expect-project";
+/// Connections a server keeps open at once (more wait in the kernel's backlog).
+pub const MAX_CONNECTIONS: usize = 16_384;
 /// Largest message either way (reference section 13).
 pub use opendsec_proto::upload::MAX_MESSAGE_BYTES;
 
 /// A server with the settings every opendsec service uses: idle connections pinged every 20 s
-/// so load balancers do not cut quiet streams.
+/// so load balancers do not cut quiet streams; at most 1,024 streams per connection and 64 KiB
+/// of headers.
 pub fn server() -> Server {
     Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
-        .concurrency_limit_per_connection(4096)
+        .max_concurrent_streams(Some(1024))
+        .concurrency_limit_per_connection(1024)
+        .http2_max_header_list_size(64 << 10)
 }
 
-/// Serves a router on an already bound listener until `shutdown` completes.
+/// An internal server: [`server`] behind the role table of [`crate::acl`].
+pub fn internal_server() -> Server<tower::layer::util::Stack<AclLayer, tower::layer::util::Identity>> {
+    server().layer(AclLayer)
+}
+
+/// The router an internal server builds.
+pub type InternalRouter =
+    tonic::transport::server::Router<tower::layer::util::Stack<AclLayer, tower::layer::util::Identity>>;
+
+/// Serves an internal router over mTLS on an already bound listener until `shutdown`
+/// completes: only callers with a certificate of the cluster CA get past the handshake, and
+/// only the roles [`crate::acl::TABLE`] names reach a method.
+pub async fn serve_internal(
+    router: InternalRouter,
+    listener: tokio::net::TcpListener,
+    creds: &Arc<Credentials>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = crate::tls::incoming(listener, creds.server_config(true), MAX_CONNECTIONS);
+    router.serve_with_incoming_shutdown(incoming, shutdown).await
+}
+
+/// Serves a public router over TLS (server certificate only) until `shutdown` completes.
+pub async fn serve_tls(
+    router: tonic::transport::server::Router,
+    listener: tokio::net::TcpListener,
+    creds: &Arc<Credentials>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = crate::tls::incoming(listener, creds.server_config(false), MAX_CONNECTIONS);
+    router.serve_with_incoming_shutdown(incoming, shutdown).await
+}
+
+/// An accepted connection holding a slot of its server's connection limit until it closes.
+pub struct Conn<S> {
+    inner: S,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<S> Conn<S> {
+    pub fn new(inner: S, slot: tokio::sync::OwnedSemaphorePermit) -> Conn<S> {
+        Conn { inner, _slot: slot }
+    }
+}
+
+impl<S: Connected> Connected for Conn<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Conn<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Conn<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// Serves a router in plain text on an already bound listener until `shutdown` completes
+/// (local development only: `--insecure-plaintext` on a loopback address).
 pub async fn serve(
     router: tonic::transport::server::Router,
     listener: tokio::net::TcpListener,
@@ -52,93 +161,145 @@ pub async fn serve(
     router.serve_with_incoming_shutdown(incoming, shutdown).await
 }
 
-/// A lazily connected channel to `addr` (`host:port` or a full `http://` URI). Internal clients
-/// ping every 10 s, so a silently lost connection is noticed within about 15 s.
-pub fn channel(addr: &str) -> Result<Channel, ApiError> {
-    let uri = if addr.contains("://") { addr.to_string() } else { format!("http://{addr}") };
-    let ep = Endpoint::from_shared(uri)
+/// The endpoint settings of every channel: clients ping every 10 s, so a silently lost
+/// connection is noticed within about 15 s.
+fn endpoint(addr: &str) -> Result<(Endpoint, String), ApiError> {
+    let hostport = addr.strip_prefix("http://").or_else(|| addr.strip_prefix("https://")).unwrap_or(addr);
+    let ep = Endpoint::from_shared(format!("http://{hostport}"))
         .map_err(|e| ApiError::invalid(format!("bad address {addr:?}: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true)
         .tcp_nodelay(true);
-    Ok(ep.connect_lazy())
+    Ok((ep, hostport.to_string()))
 }
 
-/// Channels pooled per address: one HTTP/2 connection per peer, shared by every caller.
-#[derive(Default)]
-pub struct ChannelPool {
-    channels: Mutex<HashMap<String, Channel>>,
+/// A lazily connected plain-text channel to `addr` (`host:port`).
+pub fn channel(addr: &str) -> Result<Channel, ApiError> {
+    Ok(endpoint(addr)?.0.connect_lazy())
 }
 
-impl ChannelPool {
-    pub fn get(&self, addr: &str) -> Result<Channel, ApiError> {
+/// A lazily connected channel to `addr` whose connections run TLS with `cfg`, checking the
+/// server for `name`.
+pub fn tls_channel(
+    addr: &str,
+    cfg: Arc<rustls::ClientConfig>,
+    name: rustls_pki_types::ServerName<'static>,
+) -> Result<Channel, ApiError> {
+    let (ep, hostport) = endpoint(addr)?;
+    Ok(ep.connect_with_connector_lazy(tower::service_fn(move |_| {
+        let (hostport, cfg, name) = (hostport.clone(), cfg.clone(), name.clone());
+        async move {
+            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(crate::tls::connect(&hostport, cfg, name).await?))
+        }
+    })))
+}
+
+/// How a client reaches the public API.
+#[derive(Clone)]
+pub enum PublicTls {
+    /// Plain text (a cluster started with `--insecure-plaintext`).
+    Plaintext,
+    /// TLS, the server's certificate checked against the CA and for `name`.
+    Tls { cfg: Arc<rustls::ClientConfig>, name: rustls_pki_types::ServerName<'static> },
+}
+
+impl std::fmt::Debug for PublicTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PublicTls::Plaintext => f.write_str("Plaintext"),
+            PublicTls::Tls { name, .. } => write!(f, "Tls({name:?})"),
+        }
+    }
+}
+
+impl PublicTls {
+    /// TLS trusting the CAs in `ca_pem`, checking `name` (default [`crate::pki::PUBLIC_NAME`]).
+    pub fn with_ca(ca_pem: &[u8], name: Option<&str>) -> Result<PublicTls, ApiError> {
+        let cfg = crate::tls::public_client_config(ca_pem).map_err(|e| ApiError::invalid(e.to_string()))?;
+        let name = rustls_pki_types::ServerName::try_from(name.unwrap_or(crate::pki::PUBLIC_NAME).to_string())
+            .map_err(|e| ApiError::invalid(format!("TLS server name: {e}")))?;
+        Ok(PublicTls::Tls { cfg, name })
+    }
+
+    /// From the environment, as every client reads it: `OPENDSEC_CA` (a PEM file of the
+    /// cluster CA; `cluster up` prints its path) with the optional `OPENDSEC_TLS_NAME`, or
+    /// `OPENDSEC_INSECURE_PLAINTEXT=1`. Neither: an error that says so (a token is never sent
+    /// in plain text by default).
+    pub fn from_env() -> Result<PublicTls, ApiError> {
+        let ca = std::env::var_os("OPENDSEC_CA").filter(|v| !v.is_empty());
+        let plain = std::env::var("OPENDSEC_INSECURE_PLAINTEXT").is_ok_and(|v| v == "1" || v == "true");
+        let name = std::env::var("OPENDSEC_TLS_NAME").ok().filter(|v| !v.is_empty());
+        PublicTls::choose(ca.as_deref().map(std::path::Path::new), plain, name.as_deref())
+    }
+
+    /// From explicit settings (see [`PublicTls::from_env`]).
+    pub fn choose(ca: Option<&std::path::Path>, plaintext: bool, name: Option<&str>) -> Result<PublicTls, ApiError> {
+        match (ca, plaintext) {
+            (Some(_), true) => Err(ApiError::invalid("give either a CA (OPENDSEC_CA) or plain text, not both")),
+            (Some(p), false) => {
+                let pem = std::fs::read(p).map_err(|e| ApiError::invalid(format!("CA file {}: {e}", p.display())))?;
+                PublicTls::with_ca(&pem, name)
+            }
+            (None, true) => Ok(PublicTls::Plaintext),
+            (None, false) => Err(ApiError::invalid(
+                "no CA to check the cluster's certificate: set OPENDSEC_CA to the cluster's CA file (cluster up prints \
+                 it) or OPENDSEC_INSECURE_PLAINTEXT=1 for a cluster started with --insecure-plaintext",
+            )),
+        }
+    }
+}
+
+/// A lazily connected channel to an apiserver's public port.
+pub fn public_channel(addr: &str, tls: &PublicTls) -> Result<Channel, ApiError> {
+    match tls {
+        PublicTls::Plaintext => channel(addr),
+        PublicTls::Tls { cfg, name } => tls_channel(addr, cfg.clone(), name.clone()),
+    }
+}
+
+/// Internal links: channels over mTLS with this component's certificate, pooled per
+/// (address, expected identity), one HTTP/2 connection per peer shared by every caller.
+pub struct Links {
+    creds: Arc<Credentials>,
+    cfg: Arc<rustls::ClientConfig>,
+    channels: Mutex<HashMap<(String, String), Channel>>,
+}
+
+impl std::fmt::Debug for Links {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Links").field("creds", &self.creds).finish_non_exhaustive()
+    }
+}
+
+impl Links {
+    pub fn new(creds: Arc<Credentials>) -> Arc<Links> {
+        let cfg = creds.client_config();
+        Arc::new(Links { creds, cfg, channels: Mutex::new(HashMap::new()) })
+    }
+
+    pub fn credentials(&self) -> &Arc<Credentials> {
+        &self.creds
+    }
+
+    /// A channel to the `role` at `addr` (named `name`, when the caller knows which instance
+    /// it means: an edge's name is checked against its certificate).
+    pub fn channel(&self, addr: &str, role: Role, name: Option<&str>) -> Result<Channel, ApiError> {
+        let key = (addr.to_string(), format!("{role}/{}", name.unwrap_or("*")));
         let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = map.get(addr) {
+        if let Some(c) = map.get(&key) {
             return Ok(c.clone());
         }
-        let c = channel(addr)?;
-        map.insert(addr.to_string(), c.clone());
+        let c = tls_channel(addr, self.cfg.clone(), crate::tls::expect(role, name))?;
+        map.insert(key, c.clone());
         Ok(c)
     }
 
-    /// Drops the pooled channel (for example after the peer's address changed).
+    /// Drops the pooled channels to `addr` (for example after the peer's address changed).
     pub fn forget(&self, addr: &str) {
-        self.channels.lock().unwrap_or_else(|p| p.into_inner()).remove(addr);
+        self.channels.lock().unwrap_or_else(|p| p.into_inner()).retain(|(a, _), _| a != addr);
     }
-}
-
-/// Server side: refuses calls without the shared service token.
-#[derive(Clone)]
-pub struct RequireServiceToken {
-    token: Arc<str>,
-}
-
-impl RequireServiceToken {
-    pub fn new(token: &str) -> Self {
-        RequireServiceToken { token: token.into() }
-    }
-}
-
-impl Interceptor for RequireServiceToken {
-    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
-        use subtle::ConstantTimeEq;
-        let got = req.metadata().get(SERVICE_TOKEN_HEADER).map(|v| v.as_bytes()).unwrap_or_default();
-        if got.ct_eq(self.token.as_bytes()).into() {
-            Ok(req)
-        } else {
-            Err(ApiError::new(Reason::Unauthenticated, "missing or wrong service token").to_status())
-        }
-    }
-}
-
-/// Client side: attaches the shared service token, and the caller's bearer token when one is
-/// being forwarded.
-#[derive(Clone)]
-pub struct AttachServiceToken {
-    value: AsciiMetadataValue,
-}
-
-impl AttachServiceToken {
-    pub fn new(token: &str) -> Result<Self, ApiError> {
-        let value = token.parse().map_err(|_| ApiError::invalid("service token is not ASCII"))?;
-        Ok(AttachServiceToken { value })
-    }
-}
-
-impl Interceptor for AttachServiceToken {
-    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        req.metadata_mut().insert(SERVICE_TOKEN_HEADER, self.value.clone());
-        Ok(req)
-    }
-}
-
-/// A channel that carries the service token.
-pub type ServiceChannel = InterceptedService<Channel, AttachServiceToken>;
-
-pub fn service_channel(channel: Channel, token: &AttachServiceToken) -> ServiceChannel {
-    InterceptedService::new(channel, token.clone())
 }
 
 /// The caller's bearer token from `authorization: Bearer <token>`.
@@ -186,18 +347,5 @@ mod tests {
         assert_eq!(bearer(&md).unwrap_err().reason, Reason::Unauthenticated);
         md.insert("authorization", "Bearer dsk.a.b".parse().unwrap());
         assert_eq!(bearer(&md).unwrap(), "dsk.a.b");
-    }
-
-    #[test]
-    fn service_token_is_checked() {
-        let mut check = RequireServiceToken::new("s3cret");
-        assert!(check.call(Request::new(())).is_err());
-        let mut req = Request::new(());
-        AttachServiceToken::new("s3cret").unwrap().call(Request::new(())).unwrap();
-        req.metadata_mut().insert(SERVICE_TOKEN_HEADER, "s3cret".parse().unwrap());
-        assert!(check.call(req).is_ok());
-        let mut wrong = Request::new(());
-        wrong.metadata_mut().insert(SERVICE_TOKEN_HEADER, "nope".parse().unwrap());
-        assert!(check.call(wrong).is_err());
     }
 }

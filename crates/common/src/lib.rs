@@ -1,16 +1,20 @@
 //! Pieces every opendsec process shares: the error reasons and their one mapping to gRPC, the
-//! cluster config, id validation, private host files, gRPC serving and channels with the shared service token, and
-//! the `/metrics` `/healthz` `/readyz` endpoint.
+//! cluster config, id validation, private host files, the PKI and TLS of every link, the role
+//! table of internal calls, gRPC serving and channels, and the `/metrics` `/healthz` `/readyz`
+//! endpoint.
 #![forbid(unsafe_code)]
 
+pub mod acl;
 pub mod config;
 pub mod fsperm;
 pub mod grpc;
 pub mod http;
 pub mod ids;
+pub mod pki;
 pub mod reason;
 pub mod spec;
 pub mod time;
+pub mod tls;
 
 pub use reason::{ApiError, Reason};
 

@@ -26,10 +26,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::sync::watch;
-use tonic::service::interceptor::InterceptedService;
 
 use opendsec_common::config::EdgeConfig;
-use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES, RequireServiceToken};
+use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES};
 use opendsec_common::ids;
 use opendsec_proto::v1::edge_server::EdgeServer;
 use opendsec_proto::v1::runtime_server::RuntimeServer;
@@ -73,17 +72,19 @@ pub struct EdgeOptions {
     pub config: EdgeConfig,
     pub iam_addrs: Vec<String>,
     pub watcher_addrs: Vec<String>,
-    pub service_token: String,
+    /// This edge's certificate: its server (mTLS, role table of `opendsec_common::acl`) and its
+    /// calls to IAM and the watchers.
+    pub tls: Arc<opendsec_common::tls::Credentials>,
     /// The address watchers and apiservers reach this edge at; empty: the listener's address
     /// once [`Edge::serve`] runs.
     pub advertise: String,
 }
 
-/// The gRPC service [`Edge::service`] returns: `Edge` behind the service-token check.
-pub type EdgeGrpc = InterceptedService<EdgeServer<EdgeService>, RequireServiceToken>;
+/// The gRPC service [`Edge::service`] returns.
+pub type EdgeGrpc = EdgeServer<EdgeService>;
 
 /// The gRPC service [`Edge::runtime_service`] returns.
-pub type EdgeRuntimeGrpc = InterceptedService<RuntimeServer<runtime::RuntimeService>, RequireServiceToken>;
+pub type EdgeRuntimeGrpc = RuntimeServer<runtime::RuntimeService>;
 
 /// A running edge. Cheap to clone; when the last handle is dropped, its background loops stop
 /// (without the final release flush: call [`Edge::close`] or let [`Edge::serve`] finish for that).
@@ -120,13 +121,14 @@ impl Edge {
         let store = record::RecordStore::open(&opts.state_dir)?;
         let sim_only = backends.iter().all(|b| b.name() == "sim");
         let capacity = capacity(&opts, sim_only, host.as_ref());
-        let remote = remote::Remote::new(&opts.name, &opts.iam_addrs, &opts.watcher_addrs, &opts.service_token)
+        let links = grpc::Links::new(opts.tls.clone());
+        let remote = remote::Remote::new(&opts.name, &opts.iam_addrs, &opts.watcher_addrs, &links)
             .map_err(|e| EdgeError::Options(e.message))?;
         let inner = Arc::new(Inner::new(InnerParts {
             name: opts.name.clone(),
             cfg: opts.config.clone(),
             state_dir: opts.state_dir.clone(),
-            service_token: opts.service_token.clone(),
+            tls: opts.tls.clone(),
             capacity,
             backends,
             host,
@@ -156,21 +158,19 @@ impl Edge {
         &self.inner.boot_id
     }
 
-    /// The `Edge` gRPC service behind the service-token check, to add to a router.
+    /// The `Edge` gRPC service, to add to an internal router ([`grpc::internal_server`]).
     pub fn service(&self) -> EdgeGrpc {
-        let server = EdgeServer::new(EdgeService { inner: self.inner.clone() })
+        EdgeServer::new(EdgeService { inner: self.inner.clone() })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        InterceptedService::new(server, RequireServiceToken::new(&self.inner.service_token))
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
-    /// The `Runtime` gRPC service (forwarding to sandboxes' agents) behind the service-token
-    /// check, to add to the same router as [`Edge::service`].
+    /// The `Runtime` gRPC service (forwarding to sandboxes' agents), to add to the same router
+    /// as [`Edge::service`].
     pub fn runtime_service(&self) -> EdgeRuntimeGrpc {
-        let server = RuntimeServer::new(runtime::RuntimeService { inner: self.inner.clone() })
+        RuntimeServer::new(runtime::RuntimeService { inner: self.inner.clone() })
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES);
-        InterceptedService::new(server, RequireServiceToken::new(&self.inner.service_token))
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
     /// Serves the edge on `listener` until `shutdown` completes, then [`Edge::close`]s it.
@@ -186,8 +186,9 @@ impl Edge {
                 self.inner.register_now.notify_one();
             }
         }
-        let router = grpc::server().add_service(self.service()).add_service(self.runtime_service());
-        let served = grpc::serve(router, listener, shutdown).await;
+        let router = grpc::internal_server().add_service(self.service()).add_service(self.runtime_service());
+        let tls = self.inner.tls.clone();
+        let served = grpc::serve_internal(router, listener, &tls, shutdown).await;
         self.close().await;
         served.map_err(EdgeError::from)
     }
@@ -350,7 +351,11 @@ mod bench {
             config: EdgeConfig { max_sandboxes: 100_000, ..EdgeConfig::default() },
             iam_addrs: vec![],
             watcher_addrs: vec![],
-            service_token: "t".into(),
+            tls: opendsec_common::tls::Credentials::issue_local(
+                &dir.path().join("pki"),
+                &opendsec_common::pki::Identity::new(opendsec_common::pki::Role::Edge, "bench").unwrap(),
+            )
+            .unwrap(),
             advertise: String::new(),
         };
         let edge = Edge::start(opts, vec![Arc::new(backend::sim::SimBackend::new())]).await.unwrap();

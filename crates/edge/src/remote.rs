@@ -1,5 +1,5 @@
 //! The edge's calls out: IAM (ReleaseLeases, GetLeases) and the watchers (RegisterEdge), over
-//! lazily connected channels that carry the service token.
+//! lazily connected mTLS channels with the edge's own certificate.
 //!
 //! IAM may run as three replicas: a call tries each address in turn, starting with the one that
 //! answered last. Every call has a timeout so a dead peer never holds up a loop for long.
@@ -9,10 +9,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use opendsec_common::ApiError;
-use opendsec_common::grpc::{self, AttachServiceToken, ServiceChannel};
+use opendsec_common::grpc::Links;
+use opendsec_common::pki::Role;
 use opendsec_proto::v1::iam_client::IamClient;
 use opendsec_proto::v1::watcher_client::WatcherClient;
 use opendsec_proto::v1::{GetLeasesRequest, Lease, RegisterEdgeRequest, ReleaseLeasesRequest};
+use tonic::transport::Channel as ServiceChannel;
 
 /// Timeout of one call to IAM or a watcher.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -36,16 +38,14 @@ pub(crate) struct Remote {
 }
 
 impl Remote {
-    pub fn new(edge: &str, iam_addrs: &[String], watcher_addrs: &[String], token: &str) -> Result<Remote, ApiError> {
-        let token = AttachServiceToken::new(token)?;
-        let chan = |addr: &String| -> Result<ServiceChannel, ApiError> {
-            Ok(grpc::service_channel(grpc::channel(addr)?, &token))
-        };
-        let iam =
-            iam_addrs.iter().map(|a| Ok((a.clone(), IamClient::new(chan(a)?)))).collect::<Result<_, ApiError>>()?;
+    pub fn new(edge: &str, iam_addrs: &[String], watcher_addrs: &[String], links: &Links) -> Result<Remote, ApiError> {
+        let iam = iam_addrs
+            .iter()
+            .map(|a| Ok((a.clone(), IamClient::new(links.channel(a, Role::Iam, None)?))))
+            .collect::<Result<_, ApiError>>()?;
         let watchers = watcher_addrs
             .iter()
-            .map(|a| Ok((a.clone(), WatcherClient::new(chan(a)?))))
+            .map(|a| Ok((a.clone(), WatcherClient::new(links.channel(a, Role::Watcher, None)?))))
             .collect::<Result<_, ApiError>>()?;
         Ok(Remote { edge: edge.to_string(), iam, preferred: AtomicUsize::new(0), watchers })
     }

@@ -116,12 +116,12 @@ impl Inner {
     pub(crate) async fn runtime_target(
         self: &Arc<Self>,
         id: &str,
-        expect_project: Option<&str>,
+        expect_project: &str,
         kind: CallKind,
     ) -> Result<(tonic::transport::Channel, Option<CallGuard>), EdgeError> {
         let lease = self.lease_of(id)?.to_string();
         let rec = self.table().rec(&lease).ok_or_else(|| self.not_found(id))?;
-        if expect_project.is_some_and(|p| p != rec.spec.project) {
+        if expect_project != rec.spec.project {
             return Err(self.not_found(id));
         }
         let mut guard = None;
@@ -182,12 +182,24 @@ impl RuntimeService {
         md: &MetadataMap,
         kind: CallKind,
     ) -> Result<(tonic::transport::Channel, Option<CallGuard>), Status> {
-        let expect = md.get(EXPECT_PROJECT_HEADER).and_then(|v| v.to_str().ok());
-        self.inner.runtime_target(id, expect, kind).await.map_err(|e| {
+        let expect = expected_project(md)?;
+        self.inner.runtime_target(id, &expect, kind).await.map_err(|e| {
             let api = e.to_api();
             tracing::debug!(sandbox_id = id, reason = %api.reason, error = %api.message, "runtime call refused");
             api.to_status()
         })
+    }
+}
+
+/// The project the apiserver authorized a forwarded call for ([`EXPECT_PROJECT_HEADER`]):
+/// mandatory, so that no call reaches a sandbox without a project check.
+pub(crate) fn expected_project(md: &MetadataMap) -> Result<String, Status> {
+    match md.get(EXPECT_PROJECT_HEADER).and_then(|v| v.to_str().ok()) {
+        Some(p) if !p.is_empty() => Ok(p.to_string()),
+        _ => Err(opendsec_common::ApiError::invalid(format!(
+            "missing {EXPECT_PROJECT_HEADER}: the project the call was authorized for"
+        ))
+        .to_status()),
     }
 }
 

@@ -14,8 +14,8 @@ use opendsec_proto::v1::{
 use crate::core::Inner;
 use crate::error::EdgeError;
 
-/// The service implementation (wrapped in `EdgeServer` and the service-token check by
-/// [`crate::Edge::service`]).
+/// The service implementation (wrapped in `EdgeServer` by [`crate::Edge::service`]; served
+/// behind the role table of `opendsec_common::acl`).
 pub struct EdgeService {
     pub(crate) inner: Arc<Inner>,
 }
@@ -29,6 +29,17 @@ where
     T: Send + 'static,
 {
     tokio::spawn(f(inner.clone())).await.map_err(|e| EdgeError::TaskFailed { op, message: e.to_string() })?
+}
+
+/// A lifecycle call names the project the apiserver authorized it for; a sandbox of another
+/// project under that id (an id the apiserver cached before it was reused) is not found.
+fn check_project<T>(inner: &Inner, req: &Request<T>, id: &str) -> Result<(), Status> {
+    let expect = crate::runtime::expected_project(req.metadata())?;
+    let lease = inner.lease_of(id).map_err(|e| status("lifecycle", e))?;
+    match inner.table().rec(lease) {
+        Some(rec) if rec.spec.project == expect => Ok(()),
+        _ => Err(status("lifecycle", inner.not_found(id))),
+    }
 }
 
 fn status(method: &'static str, e: EdgeError) -> Status {
@@ -60,6 +71,7 @@ impl EdgeRpc for EdgeService {
     }
 
     async fn stop_sandbox(&self, req: Request<StopSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
         let id = req.into_inner().id;
         detached(&self.inner, "stop", |i| async move { i.stop(&id).await })
             .await
@@ -68,6 +80,7 @@ impl EdgeRpc for EdgeService {
     }
 
     async fn pause_sandbox(&self, req: Request<PauseSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
         let id = req.into_inner().id;
         detached(&self.inner, "pause", |i| async move { i.pause(&id).await })
             .await
@@ -76,6 +89,7 @@ impl EdgeRpc for EdgeService {
     }
 
     async fn resume_sandbox(&self, req: Request<ResumeSandboxRequest>) -> Result<Response<Sandbox>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
         let id = req.into_inner().id;
         detached(&self.inner, "resume", |i| async move { i.resume(&id).await })
             .await
@@ -84,6 +98,7 @@ impl EdgeRpc for EdgeService {
     }
 
     async fn set_sandbox_timeout(&self, req: Request<SetSandboxTimeoutRequest>) -> Result<Response<Sandbox>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
         let req = req.into_inner();
         detached(&self.inner, "set_timeout", |i| async move { i.set_timeout(&req).await })
             .await

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use opendsec_common::config::EdgeConfig;
-use opendsec_common::grpc::{self, AttachServiceToken};
+use opendsec_common::grpc;
+use opendsec_common::pki::{Identity, Role};
+use opendsec_common::tls::Credentials;
 use opendsec_edge::backend::sim::SimBackend;
 use opendsec_edge::{Edge, EdgeOptions};
 use opendsec_proto::v1::edge_client::EdgeClient;
@@ -30,7 +32,7 @@ async fn bench_creations() {
         config: EdgeConfig { max_sandboxes: 100_000, ..EdgeConfig::default() },
         iam_addrs: vec![],
         watcher_addrs: vec![],
-        service_token: "t".into(),
+        tls: Credentials::issue_local(&dir.path().join("pki"), &Identity::new(Role::Edge, "bench").unwrap()).unwrap(),
         advertise: String::new(),
     };
     let edge = Edge::start(opts, vec![Arc::new(SimBackend::new())]).await.unwrap();
@@ -40,8 +42,8 @@ async fn bench_creations() {
     let served = tokio::spawn(edge.clone().serve(listener, async move {
         let _ = rx.await;
     }));
-    let client =
-        EdgeClient::new(grpc::service_channel(grpc::channel(&addr).unwrap(), &AttachServiceToken::new("t").unwrap()));
+    let api = Credentials::issue_local(&dir.path().join("pki"), &Identity::new(Role::Apiserver, "0").unwrap()).unwrap();
+    let client = EdgeClient::new(grpc::Links::new(api).channel(&addr, Role::Edge, Some("bench")).unwrap());
     let spec = SandboxSpec {
         project: "root".into(),
         backend: "sim".into(),

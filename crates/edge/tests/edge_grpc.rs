@@ -1,6 +1,7 @@
-//! The edge through real gRPC on 127.0.0.1:0, with a fake IAM (ReleaseLeases recorded and applied
-//! to a map of bindings, as IAM would with the edge named; GetLeases answered from it) and a
-//! fake watcher (registrations recorded).
+//! The edge through real gRPC and mTLS on 127.0.0.1:0, with a fake IAM (ReleaseLeases recorded
+//! and applied to a map of bindings, as IAM would with the edge named; GetLeases answered from
+//! it) and a fake watcher (registrations recorded), each with its own certificate of a CA made
+//! per test. The harness calls the edge as an apiserver would (and as a watcher for Status).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -12,7 +13,9 @@ use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
 use opendsec_common::config::EdgeConfig;
-use opendsec_common::grpc::{self, AttachServiceToken, RequireServiceToken, ServiceChannel};
+use opendsec_common::grpc;
+use opendsec_common::pki::{Identity, Role};
+use opendsec_common::tls::Credentials;
 use opendsec_common::{ApiError, Reason};
 use opendsec_edge::admission::HostReading;
 use opendsec_edge::backend::sim::SimBackend;
@@ -21,8 +24,8 @@ use opendsec_proto::v1::edge_client::EdgeClient;
 use opendsec_proto::v1::iam_server::{Iam, IamServer};
 use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
 use opendsec_proto::v1::*;
+use tonic::transport::Channel as ServiceChannel;
 
-const TOKEN: &str = "test-service-token";
 const EDGE: &str = "edge-1";
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -163,14 +166,43 @@ impl Watcher for FakeWatcher {
     }
 }
 
-async fn serve_fakes(iam: FakeIam, watcher: FakeWatcher) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    let router = grpc::server()
-        .add_service(IamServer::with_interceptor(iam, RequireServiceToken::new(TOKEN)))
-        .add_service(WatcherServer::with_interceptor(watcher, RequireServiceToken::new(TOKEN)));
-    tokio::spawn(grpc::serve(router, listener, std::future::pending()));
-    addr
+fn creds(pki: &Path, role: Role, name: &str) -> Arc<Credentials> {
+    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
+}
+
+/// Where the fakes serve, and the PKI of the test.
+struct Fakes {
+    iam: String,
+    watcher: String,
+    pki: std::path::PathBuf,
+}
+
+async fn serve_fakes(pki: &Path, iam: FakeIam, watcher: FakeWatcher) -> Fakes {
+    let il = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let wl = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fakes = Fakes {
+        iam: il.local_addr().unwrap().to_string(),
+        watcher: wl.local_addr().unwrap().to_string(),
+        pki: pki.to_path_buf(),
+    };
+    let (it, wt) = (creds(pki, Role::Iam, "0"), creds(pki, Role::Watcher, "0"));
+    let ir = grpc::internal_server().add_service(IamServer::new(iam));
+    let wr = grpc::internal_server().add_service(WatcherServer::new(watcher));
+    tokio::spawn(async move { grpc::serve_internal(ir, il, &it, std::future::pending()).await });
+    tokio::spawn(async move { grpc::serve_internal(wr, wl, &wt, std::future::pending()).await });
+    fakes
+}
+
+/// A client of the edge at `addr` as component `role`/`name`.
+fn edge_client(pki: &Path, addr: &str, role: Role, name: &str) -> EdgeClient<ServiceChannel> {
+    EdgeClient::new(grpc::Links::new(creds(pki, role, name)).channel(addr, Role::Edge, Some(EDGE)).unwrap())
+}
+
+/// `msg` for the edge, naming the project the call was authorized for.
+fn for_project<T>(msg: T, project: &str) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.metadata_mut().insert(grpc::EXPECT_PROJECT_HEADER, project.parse().unwrap());
+    r
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -187,21 +219,25 @@ fn config() -> EdgeConfig {
 
 struct Harness {
     edge: Edge,
+    /// As an apiserver.
     client: EdgeClient<ServiceChannel>,
+    /// As a watcher (Status).
+    watcher: EdgeClient<ServiceChannel>,
     addr: String,
+    pki: std::path::PathBuf,
     stop: Option<oneshot::Sender<()>>,
     served: Option<tokio::task::JoinHandle<Result<(), opendsec_edge::EdgeError>>>,
 }
 
 impl Harness {
-    async fn start(dir: &Path, cfg: EdgeConfig, fakes: &str, backends: Vec<Arc<dyn Backend>>) -> Harness {
+    async fn start(dir: &Path, cfg: EdgeConfig, fakes: &Fakes, backends: Vec<Arc<dyn Backend>>) -> Harness {
         Harness::start_with_host(dir, cfg, fakes, backends, None).await
     }
 
     async fn start_with_host(
         dir: &Path,
         cfg: EdgeConfig,
-        fakes: &str,
+        fakes: &Fakes,
         backends: Vec<Arc<dyn Backend>>,
         host: Option<Arc<FixedHost>>,
     ) -> Harness {
@@ -209,9 +245,9 @@ impl Harness {
             name: EDGE.into(),
             state_dir: dir.to_path_buf(),
             config: cfg,
-            iam_addrs: vec![fakes.to_string()],
-            watcher_addrs: vec![fakes.to_string()],
-            service_token: TOKEN.into(),
+            iam_addrs: vec![fakes.iam.clone()],
+            watcher_addrs: vec![fakes.watcher.clone()],
+            tls: creds(&fakes.pki, Role::Edge, EDGE),
             advertise: String::new(),
         };
         let edge = match host {
@@ -224,9 +260,18 @@ impl Harness {
         let served = tokio::spawn(edge.clone().serve(listener, async move {
             let _ = rx.await;
         }));
-        let token = AttachServiceToken::new(TOKEN).unwrap();
-        let client = EdgeClient::new(grpc::service_channel(grpc::channel(&addr).unwrap(), &token));
-        Harness { edge, client, addr, stop: Some(tx), served: Some(served) }
+        let client = edge_client(&fakes.pki, &addr, Role::Apiserver, "0");
+        let watcher = edge_client(&fakes.pki, &addr, Role::Watcher, "0");
+        Harness { edge, client, watcher, addr, pki: fakes.pki.clone(), stop: Some(tx), served: Some(served) }
+    }
+
+    /// The project of sandbox `lease` (what an apiserver learns before a lifecycle call), or
+    /// "root" for one the edge does not know.
+    async fn project_of(&self, lease: &str) -> String {
+        match self.get(lease).await {
+            Ok(sb) => sb.spec.map(|s| s.project).unwrap_or_default(),
+            Err(_) => "root/team-a".into(),
+        }
     }
 
     /// Stops serving and waits until the edge is closed.
@@ -250,17 +295,17 @@ impl Harness {
     }
 
     async fn stop(&self, lease: &str) -> Result<Sandbox, ApiError> {
-        let req = StopSandboxRequest { id: format!("{EDGE}.{lease}") };
+        let req = for_project(StopSandboxRequest { id: format!("{EDGE}.{lease}") }, &self.project_of(lease).await);
         self.client.clone().stop_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
     }
 
     async fn pause(&self, lease: &str) -> Result<Sandbox, ApiError> {
-        let req = PauseSandboxRequest { id: format!("{EDGE}.{lease}") };
+        let req = for_project(PauseSandboxRequest { id: format!("{EDGE}.{lease}") }, &self.project_of(lease).await);
         self.client.clone().pause_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
     }
 
     async fn resume(&self, lease: &str) -> Result<Sandbox, ApiError> {
-        let req = ResumeSandboxRequest { id: format!("{EDGE}.{lease}") };
+        let req = for_project(ResumeSandboxRequest { id: format!("{EDGE}.{lease}") }, &self.project_of(lease).await);
         self.client.clone().resume_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
     }
 
@@ -269,7 +314,7 @@ impl Harness {
     }
 
     async fn status(&self, include_leases: bool) -> EdgeStatus {
-        self.client.clone().status(StatusRequest { include_leases }).await.unwrap().into_inner()
+        self.watcher.clone().status(StatusRequest { include_leases }).await.unwrap().into_inner()
     }
 }
 
@@ -303,12 +348,12 @@ where
     }
 }
 
-async fn setup() -> (tempfile::TempDir, FakeIam, FakeWatcher, String) {
+async fn setup() -> (tempfile::TempDir, FakeIam, FakeWatcher, Fakes) {
     let dir = tempfile::tempdir().unwrap();
     let iam = FakeIam::default();
     let watcher = FakeWatcher::default();
-    let addr = serve_fakes(iam.clone(), watcher.clone()).await;
-    (dir, iam, watcher, addr)
+    let fakes = serve_fakes(&dir.path().join("pki"), iam.clone(), watcher.clone()).await;
+    (dir, iam, watcher, fakes)
 }
 
 fn sim() -> Arc<SimBackend> {
@@ -388,7 +433,7 @@ async fn lifecycle_create_get_list_pause_resume_stop() {
     let err = h.resume("lease-1").await.unwrap_err();
     assert_eq!(err.reason, Reason::InvalidState);
     let req = SetSandboxTimeoutRequest { id: format!("{EDGE}.lease-1"), ttl_max_s: Some(10), ..Default::default() };
-    let err = ApiError::from(h.client.clone().set_sandbox_timeout(req).await.unwrap_err());
+    let err = ApiError::from(h.client.clone().set_sandbox_timeout(for_project(req, "root/team-a")).await.unwrap_err());
     assert_eq!(err.reason, Reason::InvalidState);
     assert_eq!(h.get("nope").await.unwrap_err().reason, Reason::NotFound);
     assert_eq!(h.get("x").await.unwrap_err().reason, Reason::NotFound);
@@ -487,17 +532,45 @@ async fn bad_input_is_refused_and_changes_nothing() {
     h.shutdown().await;
 }
 
+/// Who may call the edge: apiservers its sandbox calls, watchers its status; nothing without a
+/// certificate of the cluster CA; lifecycle and Runtime calls only with the project the
+/// apiserver authorized them for, and only for sandboxes of that project.
 #[tokio::test]
-async fn the_service_token_is_required() {
+async fn callers_are_checked_by_certificate_role_and_project() {
     let (dir, _iam, _w, fakes) = setup().await;
     let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
+    let sb = h.create("acl", spec(1, 1)).await.unwrap();
+    // Plain text, and a certificate of another CA: no call at all.
     let mut bare = EdgeClient::new(grpc::channel(&h.addr).unwrap());
-    let err = ApiError::from(bare.status(StatusRequest::default()).await.unwrap_err());
-    assert_eq!(err.reason, Reason::Unauthenticated);
-    let wrong = AttachServiceToken::new("wrong").unwrap();
-    let mut wrong = EdgeClient::new(grpc::service_channel(grpc::channel(&h.addr).unwrap(), &wrong));
-    let err = ApiError::from(wrong.status(StatusRequest::default()).await.unwrap_err());
-    assert_eq!(err.reason, Reason::Unauthenticated);
+    assert!(bare.status(StatusRequest::default()).await.is_err());
+    let other = tempfile::tempdir().unwrap();
+    let mut foreign = edge_client(other.path(), &h.addr, Role::Apiserver, "0");
+    assert!(foreign.get_sandbox(GetSandboxRequest { id: sb.id.clone() }).await.is_err());
+    // Roles: another edge may call nothing; a watcher only Status; an apiserver not Status.
+    let reason = |s: Status| ApiError::from(s).reason;
+    let mut peer = edge_client(&h.pki, &h.addr, Role::Edge, "edge-2");
+    assert_eq!(
+        reason(peer.get_sandbox(GetSandboxRequest { id: sb.id.clone() }).await.unwrap_err()),
+        Reason::PermissionDenied
+    );
+    assert_eq!(reason(peer.status(StatusRequest::default()).await.unwrap_err()), Reason::PermissionDenied);
+    let mut w = h.watcher.clone();
+    let stop = |p: Option<&str>| match p {
+        Some(p) => for_project(StopSandboxRequest { id: sb.id.clone() }, p),
+        None => Request::new(StopSandboxRequest { id: sb.id.clone() }),
+    };
+    assert_eq!(reason(w.stop_sandbox(stop(Some("root/team-a"))).await.unwrap_err()), Reason::PermissionDenied);
+    assert_eq!(reason(h.client.clone().status(StatusRequest::default()).await.unwrap_err()), Reason::PermissionDenied);
+    // An edge that is not who the caller meant is refused by the caller.
+    let mut wrong_edge = EdgeClient::new(
+        grpc::Links::new(creds(&h.pki, Role::Apiserver, "0")).channel(&h.addr, Role::Edge, Some("edge-9")).unwrap(),
+    );
+    assert!(wrong_edge.get_sandbox(GetSandboxRequest { id: sb.id.clone() }).await.is_err());
+    // Lifecycle calls need the project, and the right one.
+    assert_eq!(reason(h.client.clone().stop_sandbox(stop(None)).await.unwrap_err()), Reason::InvalidArgument);
+    assert_eq!(reason(h.client.clone().stop_sandbox(stop(Some("root/other"))).await.unwrap_err()), Reason::NotFound);
+    assert_eq!(h.get("acl").await.unwrap().state, SandboxState::Running as i32, "nothing was stopped");
+    h.client.clone().stop_sandbox(stop(Some("root/team-a"))).await.unwrap();
     h.shutdown().await;
 }
 
@@ -536,7 +609,7 @@ async fn set_timeout_replaces_ttls_and_resets_the_idle_clock() {
     let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
     let sb = h.create("t", spec(1, 1)).await.unwrap();
     let req = SetSandboxTimeoutRequest { id: sb.id.clone(), ttl_max_s: Some(5), ..Default::default() };
-    let after = h.client.clone().set_sandbox_timeout(req).await.unwrap().into_inner();
+    let after = h.client.clone().set_sandbox_timeout(for_project(req, "root/team-a")).await.unwrap().into_inner();
     assert_eq!(after.spec.as_ref().unwrap().ttl_max_s, 5);
     assert_eq!(after.spec.as_ref().unwrap().ttl_running_stop_s, 600);
     assert_eq!(after.expires_at_ms, after.created_at_ms + 5000);
@@ -880,11 +953,9 @@ async fn runtime_calls_are_routed_checked_and_refused_clearly() {
     let (dir, _iam, _w, fakes) = setup().await;
     let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
     h.create("rt", spec(100, 64)).await.unwrap();
-    let token = AttachServiceToken::new(TOKEN).unwrap();
-    let mut rt = opendsec_proto::v1::runtime_client::RuntimeClient::new(grpc::service_channel(
-        grpc::channel(&h.addr).unwrap(),
-        &token,
-    ));
+    let links = grpc::Links::new(creds(&h.pki, Role::Apiserver, "0"));
+    let mut rt =
+        opendsec_proto::v1::runtime_client::RuntimeClient::new(links.channel(&h.addr, Role::Edge, Some(EDGE)).unwrap());
     let id = format!("{EDGE}.rt");
     let call = |project: Option<&str>| {
         let mut r = tonic::Request::new(opendsec_proto::v1::ListProcessesRequest { sandbox_id: id.clone() });
@@ -893,28 +964,30 @@ async fn runtime_calls_are_routed_checked_and_refused_clearly() {
         }
         r
     };
-    // The sim backend has no agent: a clear refusal naming why.
+    // Without the project the apiserver authorized it for: refused.
     let e = ApiError::from(rt.list_processes(call(None)).await.unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e:?}");
+    assert!(e.message.contains(grpc::EXPECT_PROJECT_HEADER), "{e:?}");
+    // The sim backend has no agent: a clear refusal naming why.
+    let root = spec(1, 1).project;
+    let e = ApiError::from(rt.list_processes(call(Some(&root))).await.unwrap_err());
     assert_eq!(e.reason, Reason::InvalidArgument, "{e:?}");
     assert!(e.message.contains("no agent"), "{e:?}");
     // An apiserver that authorized the call for another project (an id reused since it
     // cached the project) is told the sandbox does not exist.
     let e = ApiError::from(rt.list_processes(call(Some("root/other"))).await.unwrap_err());
     assert_eq!(e.reason, Reason::NotFound, "{e:?}");
-    let e = ApiError::from(rt.list_processes(call(Some(&spec(1, 1).project))).await.unwrap_err());
-    assert_eq!(e.reason, Reason::InvalidArgument, "{e:?}");
     // Unknown and malformed ids, other edges' ids.
     for (bad, reason) in [("nope", Reason::InvalidArgument), ("other-edge.rt", Reason::NotFound)] {
-        let r = opendsec_proto::v1::ListProcessesRequest { sandbox_id: bad.into() };
+        let r = for_project(opendsec_proto::v1::ListProcessesRequest { sandbox_id: bad.into() }, &root);
         let e = ApiError::from(rt.list_processes(r).await.unwrap_err());
         assert_eq!(e.reason, reason, "{bad}: {e:?}");
     }
-    // Without the service token, nothing.
+    // Without a certificate, nothing.
     let mut anon = opendsec_proto::v1::runtime_client::RuntimeClient::new(grpc::channel(&h.addr).unwrap());
-    let e = anon.list_processes(opendsec_proto::v1::ListProcessesRequest { sandbox_id: id.clone() }).await.unwrap_err();
-    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    assert!(anon.list_processes(opendsec_proto::v1::ListProcessesRequest { sandbox_id: id.clone() }).await.is_err());
     h.stop("rt").await.unwrap();
-    let e = ApiError::from(rt.list_processes(call(None)).await.unwrap_err());
+    let e = ApiError::from(rt.list_processes(call(Some(&root))).await.unwrap_err());
     assert_eq!(e.reason, Reason::InvalidState, "{e:?}");
     h.shutdown().await;
 }

@@ -431,31 +431,27 @@ impl Iam {
 
     // ----- serving -----
 
-    /// The `Iam` gRPC service, behind the shared service token.
-    pub fn iam_service(&self, service_token: &str) -> IamGrpc {
-        service::iam_grpc(self.clone(), service_token)
+    /// The `Iam` gRPC service (internal: who may call which method is the role table of
+    /// `opendsec_common::acl`, checked in front of the server).
+    pub fn iam_service(&self) -> IamGrpc {
+        service::iam_grpc(self.clone())
     }
 
-    /// The `Admin` gRPC service, behind the shared service token (callers' bearer tokens are
-    /// checked per call).
-    pub fn admin_service(&self, service_token: &str) -> AdminGrpc {
-        service::admin_grpc(self.clone(), service_token)
+    /// The `Admin` gRPC service (apiservers only; callers' bearer tokens are checked per call).
+    pub fn admin_service(&self) -> AdminGrpc {
+        service::admin_grpc(self.clone())
     }
 }
 
-/// Serves `Iam` and `Admin` on the listener until `shutdown` completes.
+/// Serves `Iam` and `Admin` over mTLS on the listener until `shutdown` completes.
 pub async fn serve(
     iam: Iam,
     listener: tokio::net::TcpListener,
-    service_token: &str,
+    tls: &std::sync::Arc<opendsec_common::tls::Credentials>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), IamError> {
-    if service_token.is_empty() {
-        return Err(IamError::InvalidArgument("the service token is empty".into()));
-    }
-    let router =
-        grpc::server().add_service(iam.iam_service(service_token)).add_service(iam.admin_service(service_token));
+    let router = grpc::internal_server().add_service(iam.iam_service()).add_service(iam.admin_service());
     drop(iam);
-    grpc::serve(router, listener, shutdown).await?;
+    grpc::serve_internal(router, listener, tls, shutdown).await?;
     Ok(())
 }

@@ -1,15 +1,16 @@
 //! The gRPC layer: `Iam` (internal: apiservers, watchers, edges) and `Admin` (proxied by
-//! apiservers with the caller's bearer token). Both sit behind the shared service token.
+//! apiservers with the caller's bearer token). Both are served over mTLS behind the role table
+//! of `opendsec_common::acl`; an edge releases only leases bound to itself.
 //!
 //! This module only translates between protobuf and [`crate::Iam`]; every decision is made
 //! in the state machine or the read side, and every error is classified once by
 //! [`crate::to_api`].
 
-use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES, RequireServiceToken};
+use opendsec_common::grpc::{self, MAX_MESSAGE_BYTES};
+use opendsec_common::pki::Role;
 use opendsec_proto::v1 as pb;
 use pb::admin_server::{Admin, AdminServer};
 use pb::iam_server::{Iam as IamRpc, IamServer};
-use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 use crate::error::{IamError, to_api};
@@ -18,21 +19,19 @@ use crate::query::Authenticated;
 use crate::state::ProjectView;
 use crate::{Iam, LiveLease};
 
-pub type IamGrpc = InterceptedService<IamServer<IamService>, RequireServiceToken>;
-pub type AdminGrpc = InterceptedService<AdminServer<AdminService>, RequireServiceToken>;
+pub type IamGrpc = IamServer<IamService>;
+pub type AdminGrpc = AdminServer<AdminService>;
 
-pub(crate) fn iam_grpc(iam: Iam, service_token: &str) -> IamGrpc {
-    let server = IamServer::new(IamService { iam })
+pub(crate) fn iam_grpc(iam: Iam) -> IamGrpc {
+    IamServer::new(IamService { iam })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    InterceptedService::new(server, RequireServiceToken::new(service_token))
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-pub(crate) fn admin_grpc(iam: Iam, service_token: &str) -> AdminGrpc {
-    let server = AdminServer::new(AdminService { iam })
+pub(crate) fn admin_grpc(iam: Iam) -> AdminGrpc {
+    AdminServer::new(AdminService { iam })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    InterceptedService::new(server, RequireServiceToken::new(service_token))
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
 fn status(e: IamError) -> Status {
@@ -194,6 +193,10 @@ impl IamRpc for IamService {
     }
 
     async fn release_leases(&self, req: Request<pb::ReleaseLeasesRequest>) -> Rpc<pb::ReleaseLeasesResponse> {
+        // An edge releases leases bound to itself only (an empty edge would mean "wherever").
+        if opendsec_common::acl::peer(&req).is_some_and(|p| p.role == Role::Edge) {
+            opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().edge).map_err(|e| e.to_status())?;
+        }
         let r = req.into_inner();
         let released = self.iam.release_leases(r.lease_ids, &r.edge).await.map_err(status)?;
         ok(pb::ReleaseLeasesResponse { released })

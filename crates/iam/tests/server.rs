@@ -1,17 +1,21 @@
 //! IAM through its real store and its real gRPC server: state survives a reopen (leases and
-//! usage included), group commit under concurrency, backup and restore, and the services
-//! behind the shared service token.
+//! usage included), group commit under concurrency, backup and restore, and the services over
+//! mTLS behind the role table (apiservers decide, edges release their own leases, watchers
+//! reconcile and lock).
 
 use std::time::Duration;
 
-use opendsec_common::grpc::{self, AttachServiceToken};
+use std::sync::Arc;
+
+use opendsec_common::grpc;
+use opendsec_common::pki::{Identity, Role};
+use opendsec_common::tls::Credentials;
 use opendsec_common::{ApiError, Reason};
 use opendsec_iam::{Authenticated, GrantRecord, Iam, IamError, IamOptions, LiveLease, Quota, Resources, State, to_api};
 use opendsec_proto::v1 as pb;
 use tonic::Request;
 
 const ADMIN_TOKEN: &str = "dsk.admin01.AdminSecretAdminSecret0123456789";
-const SERVICE_TOKEN: &str = "service-token-for-tests-0123456789";
 
 fn options(dir: &std::path::Path, admin_token: &str) -> IamOptions {
     IamOptions {
@@ -207,6 +211,7 @@ async fn restore_round_trip() {
 
 struct Server {
     addr: String,
+    pki: std::path::PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), IamError>>,
     _dir: tempfile::TempDir,
@@ -218,23 +223,32 @@ async fn start() -> Server {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let pki = dir.path().join("pki");
+    let tls = creds(&pki, Role::Iam, "0");
     let task = tokio::spawn(async move {
-        opendsec_iam::serve(iam, listener, SERVICE_TOKEN, async {
+        opendsec_iam::serve(iam, listener, &tls, async {
             let _ = rx.await;
         })
         .await
     });
-    Server { addr, stop: Some(tx), task, _dir: dir }
+    Server { addr, pki, stop: Some(tx), task, _dir: dir }
 }
 
-fn iam_client(addr: &str) -> pb::iam_client::IamClient<grpc::ServiceChannel> {
-    let ch = grpc::channel(addr).unwrap();
-    pb::iam_client::IamClient::new(grpc::service_channel(ch, &AttachServiceToken::new(SERVICE_TOKEN).unwrap()))
+fn creds(pki: &std::path::Path, role: Role, name: &str) -> Arc<Credentials> {
+    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
 }
 
-fn admin_client(addr: &str) -> pb::admin_client::AdminClient<grpc::ServiceChannel> {
-    let ch = grpc::channel(addr).unwrap();
-    pb::admin_client::AdminClient::new(grpc::service_channel(ch, &AttachServiceToken::new(SERVICE_TOKEN).unwrap()))
+/// A channel to the server as component `role`/`name`.
+fn channel(server: &Server, role: Role, name: &str) -> tonic::transport::Channel {
+    grpc::Links::new(creds(&server.pki, role, name)).channel(&server.addr, Role::Iam, None).unwrap()
+}
+
+fn iam_client(server: &Server, role: Role, name: &str) -> pb::iam_client::IamClient<tonic::transport::Channel> {
+    pb::iam_client::IamClient::new(channel(server, role, name))
+}
+
+fn admin_client(server: &Server) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
+    pb::admin_client::AdminClient::new(channel(server, Role::Apiserver, "0"))
 }
 
 fn as_caller<T>(token: &str, msg: T) -> Request<T> {
@@ -250,8 +264,8 @@ fn api(s: tonic::Status) -> ApiError {
 #[tokio::test]
 async fn grpc_admit_authenticate_and_revoke() {
     let server = start().await;
-    let mut iam = iam_client(&server.addr);
-    let mut admin = admin_client(&server.addr);
+    let mut iam = iam_client(&server, Role::Apiserver, "0");
+    let mut admin = admin_client(&server);
 
     // Set up a project with room for one sandbox and a worker allowed to create there.
     let quota = pb::Quota { sandboxes: Some(1), ..Default::default() };
@@ -339,26 +353,46 @@ async fn grpc_admit_authenticate_and_revoke() {
     assert_eq!(api(iam.admit(admit("lease-1", "e3")).await.unwrap_err()).reason, Reason::Unauthenticated);
     assert_eq!(api(iam.admit(keep).await.unwrap_err()).reason, Reason::Unauthenticated);
 
+    // An edge releases only leases bound to itself: e1 may not speak for e2, e2 may.
     let released = pb::ReleaseLeasesRequest { lease_ids: vec!["lease-1".into(), "nope".into()], edge: "e2".into() };
-    assert_eq!(iam.release_leases(released).await.unwrap().into_inner().released, 1);
+    let mut e1 = iam_client(&server, Role::Edge, "e1");
+    assert_eq!(api(e1.release_leases(released.clone()).await.unwrap_err()).reason, Reason::PermissionDenied);
+    let anywhere = pb::ReleaseLeasesRequest { edge: String::new(), ..released.clone() };
+    assert_eq!(api(e1.release_leases(anywhere).await.unwrap_err()).reason, Reason::PermissionDenied);
+    // Nor may an edge admit, authenticate or reach the admin API.
+    assert_eq!(api(e1.admit(admit("lease-7", "e1")).await.unwrap_err()).reason, Reason::PermissionDenied);
+    let mut e1_admin = pb::admin_client::AdminClient::new(channel(&server, Role::Edge, "e1"));
+    let e = api(e1_admin.who_am_i(as_caller(ADMIN_TOKEN, pb::WhoAmIRequest {})).await.unwrap_err());
+    assert_eq!(e.reason, Reason::PermissionDenied);
+    let mut e2 = iam_client(&server, Role::Edge, "e2");
+    assert_eq!(e2.release_leases(released).await.unwrap().into_inner().released, 1);
     let after = iam.get_leases(pb::GetLeasesRequest { lease_ids: vec!["lease-1".into()] }).await.unwrap();
     assert!(after.into_inner().leases.is_empty());
 
-    // Locks over the wire.
+    // Locks over the wire, for watchers only.
     let lock = |holder: &str| pb::AcquireLockRequest { name: "watcher".into(), holder: holder.into(), ttl_ms: 60_000 };
-    assert!(iam.acquire_lock(lock("w1")).await.unwrap().into_inner().acquired);
-    let other = iam.acquire_lock(lock("w2")).await.unwrap().into_inner();
+    assert_eq!(api(iam.acquire_lock(lock("w1")).await.unwrap_err()).reason, Reason::PermissionDenied);
+    let mut watcher = iam_client(&server, Role::Watcher, "0");
+    assert!(watcher.acquire_lock(lock("w1")).await.unwrap().into_inner().acquired);
+    let other = watcher.acquire_lock(lock("w2")).await.unwrap().into_inner();
     assert_eq!((other.acquired, other.holder.as_str()), (false, "w1"));
 
-    // Without the service token: unauthenticated, on both services.
+    // Without a certificate of the cluster CA nothing gets through: plain text, or a
+    // certificate of another CA.
     let ch = grpc::channel(&server.addr).unwrap();
     let mut bare = pb::iam_client::IamClient::new(ch.clone());
-    let e = api(bare.get_epoch(pb::GetEpochRequest {}).await.unwrap_err());
-    assert_eq!(e.reason, Reason::Unauthenticated);
+    assert!(bare.get_epoch(pb::GetEpochRequest {}).await.is_err());
     let mut bare_admin = pb::admin_client::AdminClient::new(ch);
-    let e = api(bare_admin.who_am_i(as_caller(ADMIN_TOKEN, pb::WhoAmIRequest {})).await.unwrap_err());
-    assert_eq!(e.reason, Reason::Unauthenticated);
-    // With it but without a bearer token on Admin: unauthenticated too.
+    assert!(bare_admin.who_am_i(as_caller(ADMIN_TOKEN, pb::WhoAmIRequest {})).await.is_err());
+    let other = tempfile::tempdir().unwrap();
+    let foreign = grpc::Links::new(creds(other.path(), Role::Apiserver, "0"));
+    let mut c = pb::iam_client::IamClient::new(foreign.channel(&server.addr, Role::Iam, None).unwrap());
+    assert!(c.get_epoch(pb::GetEpochRequest {}).await.is_err());
+    // A client checks the server too: IAM is not a watcher.
+    let confused = grpc::Links::new(creds(&server.pki, Role::Apiserver, "0"));
+    let mut c = pb::iam_client::IamClient::new(confused.channel(&server.addr, Role::Watcher, None).unwrap());
+    assert!(c.get_epoch(pb::GetEpochRequest {}).await.is_err());
+    // With a certificate but without a bearer token on Admin: unauthenticated.
     let e = api(admin.who_am_i(pb::WhoAmIRequest {}).await.unwrap_err());
     assert_eq!(e.reason, Reason::Unauthenticated);
     // Bad input over the wire: the right reasons.

@@ -14,13 +14,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opendsec_common::config::{EdgeEndpoint, WatcherConfig};
-use opendsec_common::grpc::{self, AttachServiceToken, ChannelPool, RequireServiceToken, ServiceChannel};
+use opendsec_common::grpc::{self, Links};
+use opendsec_common::pki::Role;
 use opendsec_common::time::now_ms;
+use opendsec_common::tls::Credentials;
 use opendsec_common::{ApiError, ids};
 use opendsec_proto::v1 as pb;
 use pb::edge_client::EdgeClient;
 use pb::iam_client::IamClient;
 use pb::watcher_server::{Watcher as WatcherRpc, WatcherServer};
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 /// Name of the IAM lock that elects the reconciling watcher.
@@ -40,7 +43,8 @@ pub struct WatcherOptions {
     pub config: WatcherConfig,
     pub edges: Vec<EdgeEndpoint>,
     pub iam_addrs: Vec<String>,
-    pub service_token: String,
+    /// This watcher's certificate (mTLS to IAM, to edges and for its own server).
+    pub tls: Arc<Credentials>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -76,14 +80,12 @@ struct Inner {
     opts: WatcherOptions,
     edges: Mutex<BTreeMap<String, EdgeEntry>>,
     snapshot: Mutex<Arc<pb::ClusterSnapshot>>,
-    pool: ChannelPool,
-    token: AttachServiceToken,
+    links: Arc<Links>,
     iam: Vec<String>,
 }
 
 impl Watcher {
     pub fn new(opts: WatcherOptions) -> Result<Watcher, WatcherError> {
-        let token = AttachServiceToken::new(&opts.service_token).map_err(WatcherError::Setup)?;
         let now = now_ms();
         let mut edges = BTreeMap::new();
         for e in &opts.edges {
@@ -94,13 +96,13 @@ impl Watcher {
             );
         }
         let iam = opts.iam_addrs.clone();
+        let links = Links::new(opts.tls.clone());
         Ok(Watcher {
             inner: Arc::new(Inner {
                 opts,
                 edges: Mutex::new(edges),
                 snapshot: Mutex::new(Arc::new(pb::ClusterSnapshot::default())),
-                pool: ChannelPool::default(),
-                token,
+                links,
                 iam,
             }),
         })
@@ -127,33 +129,33 @@ impl Watcher {
             ..EdgeEntry::default()
         });
         if entry.address != address {
-            self.inner.pool.forget(&entry.address);
+            self.inner.links.forget(&entry.address);
             entry.address = address.to_string();
             entry.failures = 0;
         }
         Ok(())
     }
 
-    fn edge_client(&self, addr: &str) -> Result<EdgeClient<ServiceChannel>, ApiError> {
-        let ch = self.inner.pool.get(addr)?;
-        Ok(EdgeClient::new(grpc::service_channel(ch, &self.inner.token))
-            .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES))
+    /// The edge `name` at `addr` (its certificate must say it is that edge).
+    fn edge_client(&self, name: &str, addr: &str) -> Result<EdgeClient<Channel>, ApiError> {
+        let ch = self.inner.links.channel(addr, Role::Edge, Some(name))?;
+        Ok(EdgeClient::new(ch).max_decoding_message_size(grpc::MAX_MESSAGE_BYTES))
     }
 
-    fn iam_client(&self) -> Result<IamClient<ServiceChannel>, ApiError> {
+    fn iam_client(&self) -> Result<IamClient<Channel>, ApiError> {
         let n = self.inner.iam.len();
         if n == 0 {
             return Err(ApiError::unavailable("no IAM address configured"));
         }
         let addr = &self.inner.iam[rand::random::<u32>() as usize % n];
-        let ch = self.inner.pool.get(addr)?;
-        Ok(IamClient::new(grpc::service_channel(ch, &self.inner.token))
+        let ch = self.inner.links.channel(addr, Role::Iam, None)?;
+        Ok(IamClient::new(ch)
             .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
             .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES))
     }
 
     async fn status_of(&self, name: &str, addr: &str, include_leases: bool) -> Result<pb::EdgeStatus, ApiError> {
-        let mut client = self.edge_client(addr)?;
+        let mut client = self.edge_client(name, addr)?;
         let mut req = Request::new(pb::StatusRequest { include_leases });
         req.set_timeout(self.inner.opts.config.probe_timeout);
         let status = client.status(req).await.map_err(|s| ApiError::from_status(&s))?.into_inner();
@@ -341,8 +343,9 @@ impl Watcher {
         }
     }
 
-    pub fn service(&self) -> tonic::service::interceptor::InterceptedService<WatcherServer<Rpc>, RequireServiceToken> {
-        WatcherServer::with_interceptor(Rpc(self.clone()), RequireServiceToken::new(&self.inner.opts.service_token))
+    /// The gRPC service (internal: served over mTLS behind `opendsec_common::acl`).
+    pub fn service(&self) -> WatcherServer<Rpc> {
+        WatcherServer::new(Rpc(self.clone()))
     }
 }
 
@@ -362,6 +365,8 @@ impl WatcherRpc for Rpc {
         &self,
         req: Request<pb::RegisterEdgeRequest>,
     ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
+        // An edge registers only under the name its certificate gives it.
+        opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().name).map_err(|e| e.to_status())?;
         let r = req.into_inner();
         self.0.register(&r.name, &r.address).map_err(|e| e.to_status())?;
         Ok(Response::new(pb::RegisterEdgeResponse {}))
@@ -386,8 +391,9 @@ pub async fn serve(
             .await
         })
     };
-    let router = grpc::server().add_service(watcher.service());
-    let result = grpc::serve(router, listener, async move {
+    let router = grpc::internal_server().add_service(watcher.service());
+    let tls = watcher.inner.opts.tls.clone();
+    let result = grpc::serve_internal(router, listener, &tls, async move {
         shutdown.await;
         let _ = stop_tx.send(true);
     })

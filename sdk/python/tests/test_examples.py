@@ -119,5 +119,5 @@ def test_rl_batch(debian: Cluster) -> None:
     assert f"created   [{'#' * 30}] {RL_COUNT}/{RL_COUNT}" in p.stderr
     assert f"scored    [{'#' * 30}] {RL_COUNT}/{RL_COUNT}" in p.stderr
     # Clean-up: nothing of the run is left running.
-    with opendsec.Client(debian.addr, token=debian.token) as c:
+    with opendsec.Client(debian.addr, token=debian.token, ca=debian.local.ca) as c:
         assert c.list_sandboxes(labels={"example": "rl-batch"}) == []

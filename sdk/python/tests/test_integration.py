@@ -17,12 +17,14 @@ pytestmark = pytest.mark.integration
 
 
 def client(cluster, **kw) -> opendsec.AsyncClient:
-    return opendsec.AsyncClient(cluster.addr, token=cluster.token, **kw)
+    return opendsec.AsyncClient(cluster.addr, token=cluster.token, ca=cluster.local.ca, **kw)
 
 
 async def test_whoami_and_env_defaults(cluster, monkeypatch) -> None:
     monkeypatch.setenv("OPENDSEC_ADDR", cluster.addr)
     monkeypatch.setenv("OPENDSEC_TOKEN", cluster.token)
+    monkeypatch.setenv("OPENDSEC_CA", str(cluster.local.ca))
+    monkeypatch.delenv("OPENDSEC_INSECURE_PLAINTEXT", raising=False)
     async with opendsec.AsyncClient() as c:
         me = await c.whoami()
     assert me.principal == "admin" and me.project == "root"
@@ -88,7 +90,7 @@ async def test_errors_raise_their_class(cluster) -> None:
         await c.create_project("root/sdk-dup")
         with pytest.raises(errors.AlreadyExists):
             await c.create_project("root/sdk-dup")
-    async with opendsec.AsyncClient(cluster.addr, token="dsk.bad.token") as c:
+    async with opendsec.AsyncClient(cluster.addr, token="dsk.bad.token", ca=cluster.local.ca) as c:
         with pytest.raises(errors.Unauthenticated):
             await c.whoami()
     # More memory than any edge has: every edge skipped, retried for retry_timeout, then raised.
@@ -100,14 +102,14 @@ async def test_errors_raise_their_class(cluster) -> None:
 
 async def test_a_dead_address_next_to_a_live_one(cluster, dead_address) -> None:
     dead = dead_address
-    async with opendsec.AsyncClient([dead, cluster.addr], token=cluster.token) as c:
+    async with opendsec.AsyncClient([dead, cluster.addr], token=cluster.token, ca=cluster.local.ca) as c:
         for _ in range(4):
             assert (await c.whoami()).principal == "admin"
         assert c.pool.is_avoided(dead)
 
 
 def test_sync_client(cluster) -> None:
-    with opendsec.Client(cluster.addr, token=cluster.token) as c:
+    with opendsec.Client(cluster.addr, token=cluster.token, ca=cluster.local.ca) as c:
         assert c.whoami().principal == "admin"
         with c.run_sandbox("sim", IMG, labels={"job": "sync"}) as sb:
             assert isinstance(sb, opendsec.SyncSandbox) and sb.state == "running"
@@ -149,7 +151,7 @@ async def test_request_id_runs_once(container) -> None:
 
 
 async def test_run_shell_survives_a_cut_connection_and_runs_once(container, proxy) -> None:
-    async with opendsec.AsyncClient(proxy.address, token=container.token) as c:
+    async with opendsec.AsyncClient(proxy.address, token=container.token, ca=container.local.ca) as c:
         sb = await c.create_sandbox("container", IMG, **RES)
         try:
             task = asyncio.create_task(sb.run_shell("echo run >> /tmp/ran; sleep 1.5; echo done"))
@@ -166,7 +168,7 @@ async def test_stream_shell_resumes_byte_exact(container, proxy) -> None:
     script = "i=0; while [ $i -lt 40 ]; do echo line-$i; echo err-$i >&2; i=$((i+1)); sleep 0.05; done"
     expected_out = "".join(f"line-{i}\n" for i in range(40)).encode()
     expected_err = "".join(f"err-{i}\n" for i in range(40)).encode()
-    async with opendsec.AsyncClient(proxy.address, token=container.token) as c:
+    async with opendsec.AsyncClient(proxy.address, token=container.token, ca=container.local.ca) as c:
         sb = await c.create_sandbox("container", IMG, **RES)
         try:
             out = {"stdout": b"", "stderr": b""}
@@ -249,7 +251,7 @@ async def test_processes(container) -> None:
 
 
 def test_sync_shell_and_stream(container) -> None:
-    with opendsec.Client(container.addr, token=container.token) as c:
+    with opendsec.Client(container.addr, token=container.token, ca=container.local.ca) as c:
         with c.run_sandbox("container", IMG, **RES) as sb:
             assert sb.run_shell("echo sync").stdout == "sync\n"
             items = list(sb.stream_shell("echo a; echo b"))
@@ -317,7 +319,7 @@ async def test_iam_administration_end_to_end(cluster) -> None:
         assert tok.token.startswith("dsk.") and tok.info.principal == "sdk-alice"
         assert [t.description for t in await admin.list_tokens("sdk-alice")] == ["sdk test"]
 
-        async with opendsec.AsyncClient(cluster.addr, token=tok.token, project="root/sdk-iam/rl") as alice:
+        async with opendsec.AsyncClient(cluster.addr, token=tok.token, project="root/sdk-iam/rl", ca=cluster.local.ca) as alice:
             me = await alice.whoami()
             assert me.principal == "sdk-alice"
             # The grant on root/sdk-iam holds in its subproject; the quota of 1 on the parent

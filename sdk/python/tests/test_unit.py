@@ -175,7 +175,7 @@ def test_ids() -> None:
 
 
 def test_backend_is_required() -> None:
-    c = opendsec.AsyncClient("127.0.0.1:1", token="t")
+    c = opendsec.AsyncClient("127.0.0.1:1", token="t", insecure_plaintext=True)
     with pytest.raises(ValueError):
         asyncio.run(c.create_sandbox("", "img"))
 
@@ -233,7 +233,7 @@ async def serve(fail: int):
 async def test_create_retries_with_the_same_lease_id() -> None:
     server, addr, sbx, _ = await serve(fail=2)
     try:
-        async with opendsec.AsyncClient(addr, token="tok", project="root/p", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(addr, token="tok", project="root/p", retry_timeout=20, insecure_plaintext=True) as c:
             sb = await c.create_sandbox("sim", labels={"x": "y"})
         assert len(sbx.leases) == 3 and len(set(sbx.leases)) == 1
         assert sb.id == "e." + sbx.leases[0] and sb.state == "running" and sb.labels == {"x": "y"}
@@ -246,7 +246,7 @@ async def test_create_retries_with_the_same_lease_id() -> None:
 async def test_run_shell_retries_with_the_same_request_id() -> None:
     server, addr, _, rtm = await serve(fail=2)
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             r = await c.sandbox("e.l").run_shell("echo")
         assert r.stdout == "ok" and len(rtm.request_ids) == 3 and len(set(rtm.request_ids)) == 1
     finally:
@@ -256,7 +256,7 @@ async def test_run_shell_retries_with_the_same_request_id() -> None:
 async def test_state_changes_are_not_retried() -> None:
     server, addr, sbx, _ = await serve(fail=0)
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             with pytest.raises(errors.Unavailable):
                 await c.pause_sandbox("e.l")
         assert sbx.leases == ["pause"]
@@ -269,14 +269,14 @@ async def test_retry_gives_up_after_retry_timeout(dead_address: str) -> None:
     # lease each time, then given up with the last answer.
     server, addr, sbx, _ = await serve(fail=10**9)
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=0.5) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=0.5, insecure_plaintext=True) as c:
             with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
                 await c.create_sandbox("sim")
         assert len(sbx.leases) > 1 and len(set(sbx.leases)) == 1
     finally:
         await server.stop(None)
     # Nothing listening at all: the same, as a transport failure.
-    async with opendsec.AsyncClient(dead_address, token="tok", retry_timeout=0.5) as c:
+    async with opendsec.AsyncClient(dead_address, token="tok", retry_timeout=0.5, insecure_plaintext=True) as c:
         with pytest.raises(errors.Unavailable):
             await c.get_sandbox("e.l")
 
@@ -285,7 +285,7 @@ async def test_a_dead_address_is_avoided(dead_address: str) -> None:
     server, addr, sbx, _ = await serve(fail=0)
     dead = dead_address
     try:
-        async with opendsec.AsyncClient([dead, addr], token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient([dead, addr], token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             for _ in range(6):
                 await c.create_sandbox("sim")
             assert c.pool.is_avoided(dead) and not c.pool.is_avoided(addr)
@@ -335,7 +335,7 @@ async def test_batch_items_refused_for_a_passing_reason_are_asked_for_again() ->
     server, addr, sbx = await serve_batch()
     progress: List[int] = []
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             got = await c.create_sandboxes(7, "sim", on_progress=lambda d, n: progress.append(d))
         # One call for 7, then one for the 3 refused; every slot filled once, in order.
         assert sbx.counts == [7, 3]
@@ -348,7 +348,7 @@ async def test_batch_items_refused_for_a_passing_reason_are_asked_for_again() ->
 async def test_a_slow_first_batch_call_does_not_use_up_the_retry_budget() -> None:
     server, addr, sbx = await serve_batch(first_call_delay=0.6)
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=0.5) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=0.5, insecure_plaintext=True) as c:
             got = await c.create_sandboxes(4, "sim")
         assert sbx.counts == [4, 2] and len({s.id for s in got}) == 4
     finally:
@@ -358,7 +358,7 @@ async def test_a_slow_first_batch_call_does_not_use_up_the_retry_budget() -> Non
 async def test_batch_retry_can_be_turned_off_and_permanent_errors_are_not_retried() -> None:
     server, addr, sbx = await serve_batch()
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             got = await c.create_sandboxes(4, "sim", retry=False, return_exceptions=True)
         assert sbx.counts == [4]
         assert [type(r).__name__ for r in got] == ["Sandbox", "NoCapacity", "Sandbox", "NoCapacity"]
@@ -366,7 +366,7 @@ async def test_batch_retry_can_be_turned_off_and_permanent_errors_are_not_retrie
         await server.stop(None)
     server, addr, sbx = await serve_batch(permanent=True)
     try:
-        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             with pytest.raises(errors.QuotaExceeded) as e:
                 await c.create_sandboxes(2, "sim")
         # Item 1 was retried once (no_capacity), item 0 (quota) never; the made one is listed.
@@ -383,7 +383,7 @@ def test_the_sync_facade_wraps_handles_and_batch_errors() -> None:
     t = threading.Thread(target=loop.run_forever, daemon=True)
     t.start()
     try:
-        with opendsec.Client(addr, token="tok", retry_timeout=5) as c:
+        with opendsec.Client(addr, token="tok", retry_timeout=5, insecure_plaintext=True) as c:
             assert type(c.sandbox("e.l")).__name__ == "SyncSandbox"
             with pytest.raises(errors.QuotaExceeded) as e:
                 c.create_sandboxes(2, "sim")
@@ -413,7 +413,7 @@ async def test_a_ranged_read_cut_after_its_last_byte_does_not_read_on() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with opendsec.AsyncClient(f"127.0.0.1:{port}", token="tok", retry_timeout=20) as c:
+        async with opendsec.AsyncClient(f"127.0.0.1:{port}", token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             data = await c.sandbox("e.l").read_file("/f", offset=10, length=5)
         assert data == b"xxxxx" and rtm.requests == [(10, 5)]
     finally:
@@ -435,3 +435,31 @@ def test_sdk_reference_is_current() -> None:
         "repository root with: pip install ./sdk/python && "
         "target/sdk-venv/bin/python sdk/python/tools/gen_reference.py > docs/sdk-reference.md"
     )
+
+
+def test_tls_settings_never_default_to_plain_text(monkeypatch, tmp_path) -> None:
+    from opendsec.client import PUBLIC_TLS_NAME, _tls_settings
+
+    for k in ("OPENDSEC_CA", "OPENDSEC_INSECURE_PLAINTEXT", "OPENDSEC_TLS_NAME"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ValueError, match="no CA"):
+        _tls_settings(None, None, None)
+    with pytest.raises(ValueError, match="no CA"):
+        opendsec.AsyncClient("127.0.0.1:1", token="t")
+    assert _tls_settings(None, None, True) == (None, PUBLIC_TLS_NAME, True)
+    assert _tls_settings("/x/ca.pem", "api.example.com", None) == ("/x/ca.pem", "api.example.com", False)
+    with pytest.raises(ValueError, match="not both"):
+        _tls_settings("/x/ca.pem", None, True)
+    # From the environment, and arguments over it.
+    monkeypatch.setenv("OPENDSEC_CA", "/env/ca.pem")
+    assert _tls_settings(None, None, None) == ("/env/ca.pem", PUBLIC_TLS_NAME, False)
+    assert _tls_settings(None, None, True) == (None, PUBLIC_TLS_NAME, True)
+    monkeypatch.setenv("OPENDSEC_INSECURE_PLAINTEXT", "1")
+    with pytest.raises(ValueError, match="both set"):
+        _tls_settings(None, None, None)
+    monkeypatch.delenv("OPENDSEC_CA")
+    assert _tls_settings(None, None, None) == (None, PUBLIC_TLS_NAME, True)
+    # A CA that cannot be read fails at once, naming the file.
+    monkeypatch.delenv("OPENDSEC_INSECURE_PLAINTEXT")
+    with pytest.raises(ValueError, match="missing.pem"):
+        opendsec.AsyncClient("127.0.0.1:1", token="t", ca=tmp_path / "missing.pem")

@@ -49,7 +49,7 @@ def lat(name: str, ms: List[float], seconds: float) -> str:
 
 async def bench(args: argparse.Namespace, cl: LocalCluster, image: str) -> None:
     res = dict(cpu=100, memory_mb=64, disk_mb=64)
-    async with opendsec.AsyncClient(cl.addr, token=cl.token) as c:
+    async with opendsec.AsyncClient(cl.addr, token=cl.token, ca=cl.ca) as c:
         # Batch creation: the SDK, then the Rust client, the same count and spec.
         t = time.perf_counter()
         sbs = await c.create_sandboxes(args.count, "container", image, **res)
@@ -75,7 +75,7 @@ async def bench(args: argparse.Namespace, cl: LocalCluster, image: str) -> None:
                 assert r.exit_code == 0
             print("sdk  async " + lat("run_shell true", ms, time.perf_counter() - t))
 
-            with opendsec.Client(cl.addr, token=cl.token) as sc:
+            with opendsec.Client(cl.addr, token=cl.token, ca=cl.ca) as sc:
                 ssb = sc.sandbox(sb.id)
                 ssb.run_shell("true", session="lat-sync")
                 ms = []

@@ -50,13 +50,24 @@ class LocalCluster:
             time.sleep(0.1)
         raise RuntimeError("cluster up printed no address:\n" + self.log())
 
+    @property
+    def ca(self) -> Path:
+        """The cluster's CA certificate (its public port speaks TLS)."""
+        return self.state / "pki" / "ca.pem"
+
     def log(self) -> str:
         return (self.state / "cluster.log").read_text()
 
     def env(self) -> Dict[str, str]:
         """The environment of a client of this cluster (address, token, image store)."""
         e = dict(os.environ)
-        e.update(OPENDSEC_ADDR=self.addr, OPENDSEC_TOKEN=self.token, OPENDSEC_IMAGE_STORE=str(self.state / "images"))
+        e.pop("OPENDSEC_INSECURE_PLAINTEXT", None)
+        e.update(
+            OPENDSEC_ADDR=self.addr,
+            OPENDSEC_TOKEN=self.token,
+            OPENDSEC_CA=str(self.ca),
+            OPENDSEC_IMAGE_STORE=str(self.state / "images"),
+        )
         return e
 
     def ctl_json(self, *args: str, timeout: float = 600) -> Dict:

@@ -66,6 +66,8 @@ pub struct Fixture {
     pub containers: PathBuf,
     pub store: PathBuf,
     pub addr: String,
+    /// The cluster's CA (its public port speaks TLS).
+    pub ca: PathBuf,
     pub admin: opendsec_client::Client,
 }
 
@@ -98,20 +100,24 @@ pub async fn fixture_with(tweak: impl FnOnce(&mut Config)) -> Fixture {
     let rootfs_dir = busybox_rootfs(dir.path());
     let store = cluster.config.image_store_dir();
     let addr = cluster.apiserver_addr.to_string();
-    import(&addr, &cluster.admin_token, &rootfs_dir, &store, "busybox:latest").await;
-    let admin = opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&cluster.admin_token))
-        .unwrap()
-        .with_retry_timeout(Duration::from_secs(10));
-    Fixture { _dir: dir, _guard: guard, cluster, containers, store, addr, admin }
+    let ca = cluster.ca_path.clone();
+    import(&ca, &addr, &cluster.admin_token, &rootfs_dir, &store, "busybox:latest").await;
+    let admin =
+        opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&cluster.admin_token), &cluster.client_tls())
+            .unwrap()
+            .with_retry_timeout(Duration::from_secs(10));
+    Fixture { _dir: dir, _guard: guard, cluster, containers, store, addr, ca, admin }
 }
 
-pub async fn import(addr: &str, token: &str, rootfs: &Path, store: &Path, name: &str) {
+pub async fn import(ca: &Path, addr: &str, token: &str, rootfs: &Path, store: &Path, name: &str) {
     let argv = [
         "opendsecctl",
         "--addr",
         addr,
         "--token",
         token,
+        "--ca",
+        ca.to_str().unwrap(),
         "--json",
         "image",
         "import",
@@ -148,9 +154,10 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
-/// A raw `Runtime` client of the apiserver with a bearer token.
-pub fn runtime(addr: &str, token: &str) -> Rt {
-    let ch = opendsec_common::grpc::channel(addr).unwrap();
+/// A raw `Runtime` client of the apiserver (TLS, trusting `ca`) with a bearer token.
+pub fn runtime(ca: &Path, addr: &str, token: &str) -> Rt {
+    let tls = opendsec_common::grpc::PublicTls::with_ca(&std::fs::read(ca).unwrap(), None).unwrap();
+    let ch = opendsec_common::grpc::public_channel(addr, &tls).unwrap();
     pb::runtime_client::RuntimeClient::with_interceptor(ch, Bearer(token.to_string()))
         .max_decoding_message_size(64 << 20)
         .max_encoding_message_size(64 << 20)

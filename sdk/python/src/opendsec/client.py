@@ -131,6 +131,39 @@ class _Offsets:
         return OutputChunk(name, start, data)
 
 
+#: The name an apiserver's certificate carries, checked whatever address is dialled.
+PUBLIC_TLS_NAME = "api.opendsec.internal"
+
+
+def _truthy(v: Optional[str]) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes")
+
+
+def _tls_settings(
+    ca: Optional[Union[str, "os.PathLike[str]"]], tls_name: Optional[str], insecure_plaintext: Optional[bool]
+) -> Tuple[Optional[str], str, bool]:
+    """(CA path or None, TLS name, plain text) from the arguments, else the environment.
+
+    An argument given wins over the environment; a CA and plain text together are refused,
+    and so is neither (a token is never sent in the clear by default)."""
+    if ca is not None and insecure_plaintext:
+        raise ValueError("give either ca= or insecure_plaintext=True, not both")
+    if ca is None and insecure_plaintext is None:
+        env_ca = os.environ.get("OPENDSEC_CA") or None
+        env_plain = _truthy(os.environ.get("OPENDSEC_INSECURE_PLAINTEXT"))
+        if env_ca and env_plain:
+            raise ValueError("OPENDSEC_CA and OPENDSEC_INSECURE_PLAINTEXT are both set: keep one")
+        ca, insecure_plaintext = env_ca, env_plain
+    name = tls_name or os.environ.get("OPENDSEC_TLS_NAME") or PUBLIC_TLS_NAME
+    if ca is None and not insecure_plaintext:
+        raise ValueError(
+            "no CA to check the cluster's certificate: pass ca= or set OPENDSEC_CA to the cluster's CA file "
+            "(opendsecctl cluster up prints it), or insecure_plaintext=True / OPENDSEC_INSECURE_PLAINTEXT=1 "
+            "for a cluster started with --insecure-plaintext"
+        )
+    return (str(ca) if ca is not None else None), name, bool(insecure_plaintext)
+
+
 class AsyncClient:
     """Async client for opendsec's public API.
 
@@ -144,6 +177,14 @@ class AsyncClient:
         retry_timeout: total seconds a retry-safe call keeps retrying on ``unavailable``.
         avoid_s: how long a broken address is avoided.
         channel_options: extra ``grpc.aio`` channel options.
+        ca: path of the cluster's CA certificate (PEM) the apiserver's TLS certificate is
+            checked against. Default: ``$OPENDSEC_CA`` (``opendsecctl cluster up`` prints it).
+        tls_name: the name the apiserver's certificate must carry. Default:
+            ``$OPENDSEC_TLS_NAME``, else ``api.opendsec.internal`` (whatever address is dialled).
+        insecure_plaintext: speak plain text, to a cluster started with
+            ``--insecure-plaintext`` (the token then crosses the network unencrypted).
+            Default: ``$OPENDSEC_INSECURE_PLAINTEXT``. With neither a CA nor this, the client
+            refuses to start rather than send a token in the clear.
 
     Use as ``async with AsyncClient() as client:`` or call :meth:`close`.
     """
@@ -157,7 +198,18 @@ class AsyncClient:
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT_S,
         avoid_s: float = DEFAULT_AVOID_S,
         channel_options: Optional[Sequence[Tuple[str, Any]]] = None,
+        ca: Optional[Union[str, "os.PathLike[str]"]] = None,
+        tls_name: Optional[str] = None,
+        insecure_plaintext: Optional[bool] = None,
     ) -> None:
+        self.ca, self.tls_name, self.insecure_plaintext = _tls_settings(ca, tls_name, insecure_plaintext)
+        self._credentials = None
+        if self.ca is not None:
+            try:
+                pem = Path(self.ca).read_bytes()
+            except OSError as e:
+                raise ValueError(f"CA file {self.ca}: {e.strerror or e}") from None
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=pem)
         self.pool = AddressPool(parse_addresses(addresses), avoid_s=avoid_s)
         self.token = token if token is not None else os.environ.get("OPENDSEC_TOKEN", "")
         self.project = project if project is not None else os.environ.get("OPENDSEC_PROJECT", "")
@@ -166,6 +218,7 @@ class AsyncClient:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.keepalive_time_ms", 10_000),
+            *([("grpc.ssl_target_name_override", self.tls_name)] if self._credentials is not None else []),
             *(channel_options or []),
         ]
         self._channels: Dict[str, grpc.aio.Channel] = {}
@@ -191,7 +244,10 @@ class AsyncClient:
         if stub is None:
             chan = self._channels.get(address)
             if chan is None:
-                chan = grpc.aio.insecure_channel(address, options=self._options)
+                if self._credentials is None:
+                    chan = grpc.aio.insecure_channel(address, options=self._options)
+                else:
+                    chan = grpc.aio.secure_channel(address, self._credentials, options=self._options)
                 self._channels[address] = chan
             cls = {
                 "Sandboxes": pb_grpc.SandboxesStub,
@@ -633,6 +689,13 @@ class AsyncClient:
         env = dict(os.environ)
         env["OPENDSEC_ADDR"] = ",".join(self.pool.addresses)
         env["OPENDSEC_TOKEN"] = self.token
+        env.pop("OPENDSEC_CA", None)
+        env.pop("OPENDSEC_INSECURE_PLAINTEXT", None)
+        if self.ca is not None:
+            env["OPENDSEC_CA"] = str(self.ca)
+            env["OPENDSEC_TLS_NAME"] = self.tls_name
+        else:
+            env["OPENDSEC_INSECURE_PLAINTEXT"] = "1"
         try:
             proc = await asyncio.create_subprocess_exec(
                 *args, env=env, stdin=asyncio.subprocess.DEVNULL,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
@@ -119,11 +120,22 @@ class Client(_Proxy):
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT_S,
         avoid_s: float = DEFAULT_AVOID_S,
         channel_options: Optional[Sequence[Tuple[str, Any]]] = None,
+        ca: Optional[Union[str, "os.PathLike[str]"]] = None,
+        tls_name: Optional[str] = None,
+        insecure_plaintext: Optional[bool] = None,
     ) -> None:
         """The arguments of :class:`opendsec.AsyncClient`."""
         # Made before the loop: the client opens its channels lazily, on the loop, at first use.
         client = AsyncClient(
-            addresses, token, project, retry_timeout=retry_timeout, avoid_s=avoid_s, channel_options=channel_options
+            addresses,
+            token,
+            project,
+            retry_timeout=retry_timeout,
+            avoid_s=avoid_s,
+            channel_options=channel_options,
+            ca=ca,
+            tls_name=tls_name,
+            insecure_plaintext=insecure_plaintext,
         )
         super().__init__(_Loop(), client)
 

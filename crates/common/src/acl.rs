@@ -1,0 +1,209 @@
+//! Which component may call which internal method: one table ([`TABLE`]), checked by one
+//! tower layer ([`AclLayer`]) in front of every internal server, before the request is
+//! decoded. The caller's role is the one in its client certificate (mTLS, [`crate::tls`]);
+//! the layer hands the identity to the handlers as a [`Peer`] request extension, for the
+//! checks that depend on the name too (an edge registers and releases leases only as itself).
+//!
+//! Anything not in the table is refused: a method added to a proto without a row here cannot
+//! be called by anyone.
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use rustls_pki_types::CertificateDer;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+
+use crate::pki::{Identity, Role};
+use crate::reason::{ApiError, Reason};
+
+use Role::{Apiserver, Edge, Watcher};
+
+/// `(gRPC path or service prefix ending in '/', roles allowed)`. Exact paths first, then
+/// prefixes.
+pub const TABLE: &[(&str, &[Role])] = &[
+    // IAM's internal API.
+    ("/opendsec.v1.Iam/Authenticate", &[Apiserver]),
+    ("/opendsec.v1.Iam/Authorize", &[Apiserver]),
+    ("/opendsec.v1.Iam/Admit", &[Apiserver]),
+    ("/opendsec.v1.Iam/GetEpoch", &[Apiserver]),
+    // Edges release only leases bound to themselves (checked by the handler with `Peer`).
+    ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),
+    ("/opendsec.v1.Iam/GetLease", &[Apiserver, Edge]),
+    ("/opendsec.v1.Iam/GetLeases", &[Apiserver, Edge]),
+    ("/opendsec.v1.Iam/Reconcile", &[Watcher]),
+    ("/opendsec.v1.Iam/SweepUnbound", &[Watcher]),
+    ("/opendsec.v1.Iam/AcquireLock", &[Watcher]),
+    // IAM's Admin API, which apiservers proxy with the caller's own token.
+    ("/opendsec.v1.Admin/", &[Apiserver]),
+    // The watcher.
+    ("/opendsec.v1.Watcher/GetSnapshot", &[Apiserver]),
+    // Only as the edge of the certificate (checked by the handler with `Peer`).
+    ("/opendsec.v1.Watcher/RegisterEdge", &[Edge]),
+    // An edge.
+    ("/opendsec.v1.Edge/Status", &[Watcher]),
+    ("/opendsec.v1.Edge/CreateSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/GetSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/ListSandboxes", &[Apiserver]),
+    ("/opendsec.v1.Edge/StopSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/PauseSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/ResumeSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/SetSandboxTimeout", &[Apiserver]),
+    // Runtime calls an apiserver forwards to an edge (which passes them to the agent).
+    ("/opendsec.v1.Runtime/", &[Apiserver]),
+];
+
+/// The roles that may call `path` (`/package.Service/Method`); empty: nobody.
+pub fn allowed(path: &str) -> &'static [Role] {
+    if let Some((_, roles)) = TABLE.iter().find(|(p, _)| !p.ends_with('/') && *p == path) {
+        return roles;
+    }
+    TABLE
+        .iter()
+        .filter(|(p, _)| p.ends_with('/'))
+        .find(|(p, _)| path.strip_prefix(p).is_some_and(|m| !m.is_empty() && !m.contains('/')))
+        .map_or(&[], |(_, r)| r)
+}
+
+/// The authenticated caller of an internal call, put into the request's extensions by
+/// [`AclLayer`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer(pub Identity);
+
+/// The caller's identity in a tonic request (set by [`AclLayer`]).
+pub fn peer<T>(req: &tonic::Request<T>) -> Option<&Identity> {
+    req.extensions().get::<Peer>().map(|p| &p.0)
+}
+
+/// Refuses a call unless the caller is `role` named `name` (for calls an edge may make only
+/// as itself).
+pub fn require_self<T>(req: &tonic::Request<T>, role: Role, name: &str) -> Result<(), ApiError> {
+    match peer(req) {
+        Some(id) if id.role != role => Ok(()),
+        Some(id) if id.name == name => Ok(()),
+        Some(id) => {
+            Err(ApiError::new(Reason::PermissionDenied, format!("{id} may act only as itself, not as {role}/{name}")))
+        }
+        None => Err(ApiError::new(Reason::Unauthenticated, "no client certificate")),
+    }
+}
+
+/// The identity in the client certificate of an HTTP request's TLS connection.
+fn identity_of<B>(req: &http::Request<B>) -> Option<Identity> {
+    let info = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>()?;
+    let certs: Arc<Vec<CertificateDer<'static>>> = info.peer_certs()?;
+    Identity::of_cert(certs.first()?)
+}
+
+/// The layer checking [`TABLE`] in front of an internal server.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AclLayer;
+
+impl<S> tower::Layer<S> for AclLayer {
+    type Service = Acl<S>;
+
+    fn layer(&self, inner: S) -> Acl<S> {
+        Acl { inner }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Acl<S> {
+    inner: S,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for Acl<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+    R: Default + Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = http::Response<R>;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        let path = req.uri().path().to_string();
+        let refused = match identity_of(&req) {
+            None => Some(ApiError::new(Reason::Unauthenticated, "no client certificate with an opendsec identity")),
+            Some(id) if allowed(&path).contains(&id.role) => {
+                req.extensions_mut().insert(Peer(id));
+                None
+            }
+            Some(id) => Some(ApiError::new(Reason::PermissionDenied, format!("{id} may not call {path}"))),
+        };
+        match refused {
+            None => Box::pin(self.inner.call(req)),
+            Some(e) => {
+                tracing::warn!(path = %path, reason = %e.reason, error = %e.message, "internal call refused");
+                let resp = e.to_status().into_http();
+                Box::pin(async move { Ok(resp) })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_says_who_calls_what() {
+        assert_eq!(allowed("/opendsec.v1.Iam/Admit"), &[Apiserver]);
+        assert!(allowed("/opendsec.v1.Iam/ReleaseLeases").contains(&Edge));
+        assert_eq!(allowed("/opendsec.v1.Edge/Status"), &[Watcher]);
+        assert_eq!(allowed("/opendsec.v1.Runtime/Exec"), &[Apiserver]);
+        assert_eq!(allowed("/opendsec.v1.Admin/CreateToken"), &[Apiserver]);
+        assert_eq!(allowed("/opendsec.v1.Watcher/RegisterEdge"), &[Edge]);
+        // Unknown methods, and prefix tricks, are nobody's.
+        for p in [
+            "/opendsec.v1.Iam/NewThing",
+            "/opendsec.v1.Runtime/",
+            "/opendsec.v1.Runtime/Exec/x",
+            "/opendsec.v1.RuntimeX/Exec",
+            "/opendsec.v1.Edge/Status/",
+            "",
+        ] {
+            assert!(allowed(p).is_empty(), "{p}");
+        }
+        // Edges never reach IAM's decisions, the admin API, or another edge.
+        for p in [
+            "/opendsec.v1.Iam/Admit",
+            "/opendsec.v1.Iam/Authenticate",
+            "/opendsec.v1.Admin/Grant",
+            "/opendsec.v1.Edge/CreateSandbox",
+            "/opendsec.v1.Runtime/Exec",
+        ] {
+            assert!(!allowed(p).contains(&Edge), "{p}");
+        }
+    }
+
+    #[test]
+    fn every_method_of_the_internal_services_has_a_row() {
+        let protos = [
+            (include_str!("../../../proto/opendsec/v1/iam.proto"), "Iam"),
+            (include_str!("../../../proto/opendsec/v1/cluster.proto"), "Edge"),
+            (include_str!("../../../proto/opendsec/v1/cluster.proto"), "Watcher"),
+            (include_str!("../../../proto/opendsec/v1/runtime.proto"), "Runtime"),
+            (include_str!("../../../proto/opendsec/v1/opendsec.proto"), "Admin"),
+        ];
+        for (text, service) in protos {
+            let body =
+                text.split(&format!("service {service} {{")).nth(1).unwrap_or_else(|| panic!("service {service}"));
+            let body = &body[..body.find('}').unwrap()];
+            let methods: Vec<&str> = body
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("rpc "))
+                .map(|l| &l[..l.find('(').unwrap()])
+                .collect();
+            assert!(!methods.is_empty(), "{service}");
+            for m in methods {
+                let path = format!("/opendsec.v1.{service}/{m}");
+                assert!(!allowed(&path).is_empty(), "{path} has no row in the ACL table");
+            }
+        }
+    }
+}
