@@ -38,7 +38,8 @@ pub async fn request(r: HttpRequestRequest) -> Result<HttpRequestResponse, Agent
     }
     head.push_str(&format!("Content-Length: {}\r\n\r\n", r.body.len()));
     let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms });
-    let max = if r.max_body_bytes == 0 { 16 << 20 } else { r.max_body_bytes };
+    // The caller's limit, within the cap every hop holds answers to (a whole answer is held in memory).
+    let max = if r.max_body_bytes == 0 { 16 << 20 } else { r.max_body_bytes.min(32 << 20) };
     let io = async {
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
         s.write_all(head.as_bytes()).await?;

@@ -8,6 +8,10 @@
 //! A lookup that raced with a clear must not put a pre-revocation answer back: callers take the
 //! generation before asking IAM and insert with it, and inserts from an older generation are
 //! dropped.
+//!
+//! Tokens IAM refused are remembered too, for a shorter time (a negative cache): a client
+//! retrying a bad token costs one IAM call per `negative_ttl`, not one per attempt. A refused
+//! token never turns good (secrets are IAM's random choice), so the epoch does not clear it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -40,6 +44,7 @@ const MAX_ENTRIES: usize = 100_000;
 #[derive(Debug)]
 pub struct AuthCache {
     ttl: Duration,
+    negative_ttl: Duration,
     inner: Mutex<Inner>,
 }
 
@@ -49,11 +54,41 @@ struct Inner {
     epoch: Option<u64>,
     authn: HashMap<TokenKey, (Arc<Identity>, Instant)>,
     authz: HashMap<AuthzKey, (bool, Instant)>,
+    /// Tokens IAM refused, until when they are refused without asking.
+    refused: HashMap<TokenKey, Instant>,
 }
 
 impl AuthCache {
-    pub fn new(ttl: Duration) -> AuthCache {
-        AuthCache { ttl, inner: Mutex::new(Inner::default()) }
+    pub fn new(ttl: Duration, negative_ttl: Duration) -> AuthCache {
+        AuthCache { ttl, negative_ttl, inner: Mutex::new(Inner::default()) }
+    }
+
+    /// Whether IAM refused this token within the negative TTL.
+    pub fn refused(&self, key: &TokenKey, now: Instant) -> bool {
+        let mut g = self.lock();
+        match g.refused.get(key) {
+            Some(until) if *until > now => true,
+            Some(_) => {
+                g.refused.remove(key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Remembers that IAM refused this token.
+    pub fn put_refused(&self, key: TokenKey, now: Instant) {
+        if self.negative_ttl.is_zero() {
+            return;
+        }
+        let mut g = self.lock();
+        if g.refused.len() >= MAX_ENTRIES {
+            g.refused.retain(|_, until| *until > now);
+            if g.refused.len() >= MAX_ENTRIES {
+                g.refused.clear();
+            }
+        }
+        g.refused.insert(key, now + self.negative_ttl);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -169,8 +204,23 @@ mod tests {
     }
 
     #[test]
+    fn refused_tokens_are_remembered_for_the_negative_ttl() {
+        let c = AuthCache::new(Duration::from_secs(30), Duration::from_secs(10));
+        let t0 = Instant::now();
+        let k = token_key("dsk.bad.secretsecretsecret");
+        assert!(!c.refused(&k, t0));
+        c.put_refused(k, t0);
+        assert!(c.refused(&k, t0 + Duration::from_secs(9)));
+        assert!(!c.observe_epoch(5) && c.refused(&k, t0), "an epoch change does not make it good");
+        assert!(!c.refused(&k, t0 + Duration::from_secs(11)));
+        let off = AuthCache::new(Duration::from_secs(30), Duration::ZERO);
+        off.put_refused(k, t0);
+        assert!(!off.refused(&k, t0));
+    }
+
+    #[test]
     fn identities_expire_with_the_ttl_and_the_token() {
-        let c = AuthCache::new(Duration::from_secs(30));
+        let c = AuthCache::new(Duration::from_secs(30), Duration::from_secs(10));
         let t0 = Instant::now();
         let k = token_key("dsk.t1.secretsecretsecret");
         c.put_identity(c.generation(), k, ident(0), t0);
@@ -184,7 +234,7 @@ mod tests {
 
     #[test]
     fn an_epoch_change_clears_and_stale_inserts_are_dropped() {
-        let c = AuthCache::new(Duration::from_secs(30));
+        let c = AuthCache::new(Duration::from_secs(30), Duration::from_secs(10));
         let t0 = Instant::now();
         assert!(!c.observe_epoch(1));
         let k = token_key("tok");

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use opendsec_common::{ApiError, Reason, ids, time};
 use opendsec_proto::v1 as pb;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc};
+
+use crate::limits::FairPermit;
 
 use crate::auth::Identity;
 use crate::placement::Res;
@@ -232,7 +234,11 @@ pub async fn create_single(
         return Err(ApiError::new(Reason::RateLimited, format!("creation rate of {} exceeded", ident.principal))
             .with("retry_after_ms", ms.to_string()));
     }
-    let Ok(permit) = shared.inflight.clone().try_acquire_owned() else {
+    // A slot in turn with every other principal waiting (a batch of another tenant does not
+    // hold this creation up for longer than one round), or `rate_limited` after a while.
+    let Ok(permit) =
+        tokio::time::timeout(shared.cfg.creation_slot_wait, shared.inflight.acquire(&ident.principal)).await
+    else {
         return Err(ApiError::new(Reason::RateLimited, "too many creations in flight on this apiserver")
             .with("retry_after_ms", INFLIGHT_RETRY_AFTER_MS.to_string()));
     };
@@ -243,11 +249,11 @@ pub async fn create_single(
 /// Holds an in-flight permit and mirrors it in the gauge.
 struct InflightGauge<'a> {
     shared: &'a Shared,
-    _permit: OwnedSemaphorePermit,
+    _permit: FairPermit,
 }
 
 impl<'a> InflightGauge<'a> {
-    fn new(shared: &'a Shared, permit: OwnedSemaphorePermit) -> Self {
+    fn new(shared: &'a Shared, permit: FairPermit) -> Self {
         shared.metrics.inflight_creations.inc();
         InflightGauge { shared, _permit: permit }
     }
@@ -349,7 +355,7 @@ async fn batch_item(
         }
     }
     let permit = tokio::select! {
-        p = shared.inflight.clone().acquire_owned() => p.ok()?,
+        p = shared.inflight.acquire(&ident.principal) => p,
         _ = tx.closed() => return None,
     };
     if tx.is_closed() {

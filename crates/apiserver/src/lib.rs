@@ -18,7 +18,9 @@ pub mod admission;
 pub mod audit;
 mod auth;
 mod create;
+mod guard;
 pub mod images;
+pub mod limits;
 mod metrics;
 pub mod placement;
 mod runtime;
@@ -57,6 +59,11 @@ pub struct ApiserverOptions {
     /// The shared image store (created if missing).
     pub image_store: PathBuf,
 }
+
+/// Largest request message of the unary public services (Sandboxes, Images).
+pub const MAX_UNARY_REQUEST_BYTES: usize = 1 << 20;
+/// Largest request message of Runtime: an upload chunk of 1 MiB with its header fits.
+pub const MAX_RUNTIME_REQUEST_BYTES: usize = 2 << 20;
 
 /// Why the apiserver could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
@@ -141,24 +148,35 @@ pub async fn serve(
         tokio::spawn(opendsec_common::http::serve_http(l, registry, ready, cancel.clone().cancelled_owned()))
     });
 
+    // Messages are decoded only after the guard admitted the caller, and only this large:
+    // unary calls carry specs and small requests, uploads stream chunks of at most 1 MiB.
+    // Admin keeps the large limit for Restore (a backup file), which IAM refuses to anyone
+    // without iam.admin before it decodes anything.
     let sandboxes = SandboxesServer::new(sandboxes::SandboxesService::new(shared.clone()))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(MAX_UNARY_REQUEST_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let admin = AdminServer::new(admin::AdminProxy::new(shared.clone()))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let images = ImagesServer::new(images::ImagesService::new(shared.clone()))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(MAX_UNARY_REQUEST_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let runtime = RuntimeServer::new(runtime::RuntimeService::new(shared.clone()))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_decoding_message_size(MAX_RUNTIME_REQUEST_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
-    let router = grpc::server().add_service(sandboxes).add_service(admin).add_service(images).add_service(runtime);
+    let router = grpc::server()
+        .layer(guard::GuardLayer::new(shared.clone()))
+        .add_service(sandboxes)
+        .add_service(admin)
+        .add_service(images)
+        .add_service(runtime);
     tracing::info!(addr = ?listener.local_addr().ok(), "apiserver serving");
+    let stop = cancel.clone().cancelled_owned();
     let served = if plaintext {
-        grpc::serve(router, listener, cancel.clone().cancelled_owned()).await
+        router.serve_with_incoming_shutdown(grpc::plain_incoming(listener), stop).await
     } else {
-        grpc::serve_tls(router, listener, &opts.tls, cancel.clone().cancelled_owned()).await
+        let incoming = opendsec_common::tls::incoming(listener, opts.tls.server_config(false), grpc::MAX_CONNECTIONS);
+        router.serve_with_incoming_shutdown(incoming, stop).await
     };
 
     cancel.cancel();

@@ -102,6 +102,8 @@ impl ProjectCache {
 }
 
 /// A runtime request: the sandbox it goes to, and how long the edge may take to answer it.
+use opendsec_common::bounds::AnswerBytes;
+
 trait Routed {
     fn sandbox_id(&self) -> &str;
 
@@ -109,6 +111,10 @@ trait Routed {
     fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
         Some(edge_timeout)
     }
+
+    /// The most bytes a unary answer can hold (reserved in the result budget while the call
+    /// is in flight).
+    fn result_bytes(&self) -> Result<u64, ApiError>;
 }
 
 macro_rules! routed {
@@ -117,12 +123,15 @@ macro_rules! routed {
             fn sandbox_id(&self) -> &str {
                 &self.sandbox_id
             }
+
+            fn result_bytes(&self) -> Result<u64, ApiError> {
+                self.answer_bytes()
+            }
         })*
     };
 }
 
 routed!(
-    pb::GetOutputRequest,
     pb::CloseSessionRequest,
     pb::ReadFileRequest,
     pb::ListDirRequest,
@@ -146,6 +155,20 @@ impl Routed for pb::ExecRequest {
     fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
         exec_limit(self.timeout_ms, edge_timeout)
     }
+
+    fn result_bytes(&self) -> Result<u64, ApiError> {
+        self.answer_bytes()
+    }
+}
+
+impl Routed for pb::GetOutputRequest {
+    fn sandbox_id(&self) -> &str {
+        &self.sandbox_id
+    }
+
+    fn result_bytes(&self) -> Result<u64, ApiError> {
+        self.answer_bytes()
+    }
 }
 
 impl Routed for pb::HttpRequestRequest {
@@ -157,7 +180,14 @@ impl Routed for pb::HttpRequestRequest {
         let own = if self.timeout_ms == 0 { HTTP_DEFAULT_TIMEOUT } else { Duration::from_millis(self.timeout_ms) };
         edge_timeout.checked_add(own)
     }
+
+    fn result_bytes(&self) -> Result<u64, ApiError> {
+        self.answer_bytes()
+    }
 }
+
+/// How long a caller refused for being busy is told to wait.
+const BUSY_RETRY_AFTER_MS: u64 = 200;
 
 /// An exec may take as long as its own timeout plus the usual edge allowance; none = no limit.
 fn exec_limit(timeout_ms: u64, edge_timeout: Duration) -> Option<Duration> {
@@ -224,12 +254,15 @@ impl RuntimeService {
         RuntimeService { shared, projects: Arc::new(ProjectCache::new(PROJECT_CACHE_ENTRIES)) }
     }
 
-    /// Authorizes, forwards `f` to the sandbox's edge within `limit`, audits.
+    /// Authorizes, forwards `f` to the sandbox's edge within `limit`, audits. The call counts
+    /// against its principal's in-flight Runtime calls, and a unary one (`bytes`: what its
+    /// answer may hold) against the result budget shared by every caller.
     async fn forward<Q, T, F, Fut>(
         &self,
         method: &'static str,
         request: Request<Q>,
         limit: fn(&Q, Duration) -> Option<Duration>,
+        bytes: fn(&Q) -> Result<u64, ApiError>,
         f: F,
     ) -> Result<Response<T>, Status>
     where
@@ -243,7 +276,26 @@ impl RuntimeService {
         run(&self.shared, method, move |s, call| {
             Box::pin(async move {
                 let id = req.sandbox_id().to_string();
+                let reserve = bytes(&req)?;
                 let (edge, project) = authorized(s, &projects, call, &md, &id).await?;
+                let principal = call.principal.clone().unwrap_or_default();
+                let _in_flight = s.runtime_calls.try_take(&principal).ok_or_else(|| {
+                    ApiError::new(
+                        Reason::RateLimited,
+                        format!(
+                            "{principal} has {} Runtime calls in flight already",
+                            s.cfg.max_runtime_calls_per_principal
+                        ),
+                    )
+                    .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
+                })?;
+                let _budget = match reserve {
+                    0 => None,
+                    n => Some(s.result_budget.try_reserve(n).ok_or_else(|| {
+                        ApiError::new(Reason::RateLimited, "this apiserver holds as many answers as it may; try again")
+                            .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
+                    })?),
+                };
                 let limit = limit(&req, s.cfg.edge_call_timeout);
                 let c = client(s, &edge)?;
                 let answer = create::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
@@ -265,7 +317,7 @@ impl RuntimeService {
         F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
-        self.forward(method, request, Q::limit, f).await
+        self.forward(method, request, Q::limit, Q::result_bytes, f).await
     }
 
     /// A server-streaming call: limited and audited until the edge's stream starts.
@@ -281,7 +333,8 @@ impl RuntimeService {
         F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<Streaming<T>>, Status>> + Send,
     {
-        let started = self.forward(method, request, |_, edge_timeout| Some(edge_timeout), f).await?;
+        // A stream holds only what is in flight on it (HTTP/2 flow control): no reservation.
+        let started = self.forward(method, request, |_, edge_timeout| Some(edge_timeout), |_| Ok(0), f).await?;
         Ok(Response::new(relay(started.into_inner())))
     }
 }

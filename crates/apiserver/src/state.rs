@@ -14,13 +14,13 @@ use std::time::Instant;
 use opendsec_common::config::ApiserverConfig;
 use opendsec_common::{ApiError, Reason, time};
 use opendsec_proto::v1 as pb;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::RateLimiter;
 use crate::audit::{AuditLog, AuditRecord};
 use crate::auth::{AuthCache, Identity, token_key};
 use crate::images::ImageStore;
+use crate::limits::{ByteBudget, FailureTracker, FairGate, PerKey};
 use crate::metrics::Metrics;
 use crate::placement::{self, Demand, EdgeView, Inflight, Params, Penalties, PlacementError, Res};
 use crate::upstream::Upstreams;
@@ -98,7 +98,14 @@ pub struct Shared {
     snapshot: RwLock<Arc<Snapshot>>,
     placer: Mutex<Placer>,
     pub limiter: Mutex<RateLimiter>,
-    pub inflight: Arc<Semaphore>,
+    /// Creation slots, round-robin between waiting principals.
+    pub inflight: Arc<FairGate>,
+    /// Failed authentications per source address.
+    pub failures: FailureTracker,
+    /// Runtime calls in flight per principal.
+    pub runtime_calls: Arc<PerKey>,
+    /// Bytes of unary Runtime answers in flight.
+    pub result_budget: ByteBudget,
     pub audit: AuditLog,
     pub metrics: Metrics,
     pub images: ImageStore,
@@ -107,9 +114,12 @@ pub struct Shared {
 impl Shared {
     pub fn new(cfg: ApiserverConfig, up: Upstreams, audit: AuditLog, images: ImageStore) -> Shared {
         Shared {
-            auth: AuthCache::new(cfg.auth_cache_ttl),
+            auth: AuthCache::new(cfg.auth_cache_ttl, cfg.auth_failures.negative_ttl),
             limiter: Mutex::new(RateLimiter::new(cfg.rate_per_principal, cfg.burst_per_principal)),
-            inflight: Arc::new(Semaphore::new(cfg.max_inflight_creations)),
+            inflight: FairGate::new(cfg.max_inflight_creations),
+            failures: FailureTracker::new(cfg.auth_failures.max, cfg.auth_failures.window, cfg.auth_failures.pause),
+            runtime_calls: PerKey::new(cfg.max_runtime_calls_per_principal),
+            result_budget: ByteBudget::new(cfg.runtime_result_budget_mb.saturating_mul(1 << 20)),
             snapshot: RwLock::new(Arc::new(Snapshot::default())),
             placer: Mutex::new(Placer::default()),
             metrics: Metrics::new(),
@@ -141,6 +151,14 @@ impl Shared {
             self.metrics.cache("authn", true);
             return Ok(id);
         }
+        // Not even shaped like a token, or refused by IAM a moment ago: no IAM call.
+        if opendsec_common::config::parse_token_shape(token).is_none() {
+            return Err(ApiError::new(Reason::Unauthenticated, "malformed token: expected dsk.<id>.<secret>"));
+        }
+        if self.auth.refused(&key, Instant::now()) {
+            self.metrics.cache("authn_refused", true);
+            return Err(ApiError::new(Reason::Unauthenticated, "token refused"));
+        }
         self.metrics.cache("authn", false);
         let generation = self.auth.generation();
         let req = pb::AuthenticateRequest { token: token.to_string() };
@@ -150,7 +168,12 @@ impl Shared {
                 let r = req.clone();
                 async move { c.authenticate(r).await }
             })
-            .await?;
+            .await
+            .inspect_err(|e| {
+                if e.reason == Reason::Unauthenticated {
+                    self.auth.put_refused(key, Instant::now());
+                }
+            })?;
         if resp.principal.is_empty() {
             return Err(ApiError::new(Reason::Unauthenticated, "token has no principal"));
         }

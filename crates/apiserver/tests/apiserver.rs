@@ -52,6 +52,8 @@ struct IamState {
     leases: HashMap<String, pb::Lease>,
     /// Bearer tokens seen by Admin.WhoAmI
     admin_bearers: Vec<String>,
+    /// Authenticate calls answered.
+    authentications: usize,
 }
 
 #[derive(Clone, Default)]
@@ -88,6 +90,7 @@ impl Iam for FakeIam {
         &self,
         r: Request<pb::AuthenticateRequest>,
     ) -> Result<Response<pb::AuthenticateResponse>, Status> {
+        self.st().authentications += 1;
         let (principal, project) = self.auth(&r.get_ref().token)?;
         Ok(Response::new(pb::AuthenticateResponse { principal, project, token_id: "t".into(), expires_at_ms: 0 }))
     }
@@ -248,6 +251,8 @@ struct EdgeState {
     runtime_calls: Vec<(&'static str, String)>,
     /// Uploads completed: (path, data).
     files: Vec<(String, Vec<u8>)>,
+    /// How long each creation takes.
+    create_delay: Duration,
     /// Uploads whose stream broke before its end.
     aborted_uploads: usize,
     /// Messages of the upload in progress.
@@ -271,6 +276,7 @@ impl FakeEdge {
                 gets: 0,
                 runtime_calls: Vec::new(),
                 files: Vec::new(),
+                create_delay: Duration::ZERO,
                 aborted_uploads: 0,
                 upload_messages: 0,
             })),
@@ -303,6 +309,8 @@ impl Edge for FakeEdge {
 
     async fn create_sandbox(&self, r: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::Sandbox>, Status> {
         let r = r.into_inner();
+        let delay = self.st.lock().unwrap().create_delay;
+        tokio::time::sleep(delay).await;
         let mut st = self.st.lock().unwrap();
         st.creates += 1;
         match st.mode {
@@ -375,6 +383,10 @@ macro_rules! fake_runtime {
             async fn exec(&self, r: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
                 let r = r.into_inner();
                 self.ran("Exec", &r.sandbox_id)?;
+                // "sleep:<ms>" holds the call that long (calls in flight).
+                if let Some(ms) = r.command.strip_prefix("sleep:").and_then(|v| v.parse().ok()) {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                }
                 Ok(Response::new(pb::ExecResult {
                     stdout: r.command.into_bytes(),
                     request_id: r.request_id,
@@ -1301,4 +1313,133 @@ async fn plain_text_is_refused_off_loopback() {
     let e = serve(opts.clone(), wide, None, std::future::pending()).await.unwrap_err();
     assert!(matches!(e, opendsec_apiserver::ApiserverError::PlaintextNotLoopback(_)), "{e}");
     assert!(e.to_string().contains("loopback"), "{e}");
+}
+
+/// Nothing of a call is decoded before its caller authenticated; bad tokens cost IAM one call
+/// per negative TTL; a source failing too often is paused (even its good tokens wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_authenticate_before_decoding_and_failing_sources_pause() {
+    let mut cfg = test_config();
+    cfg.auth_failures = opendsec_common::config::AuthFailureConfig {
+        max: 3,
+        window: Duration::from_secs(60),
+        pause: Duration::from_millis(800),
+        negative_ttl: Duration::from_secs(60),
+    };
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    let mut api = c.client();
+    let mut big = create_req("");
+    big.spec.as_mut().unwrap().image = "x".repeat(4 << 20);
+    // Without a token: unauthenticated, the 4 MiB body never decoded (failure 1).
+    let e = api.create_sandbox(Request::new(big.clone())).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::Unauthenticated, "{e:?}");
+    // With one: past the guard, the decoder's limit refuses it.
+    let e = api.create_sandbox(with_token(big, ALICE)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{e:?}");
+    // A bad token twice: one IAM call (failures 2 and 3: the source is paused).
+    let n0 = c.iam.st().authentications;
+    let bad = "dsk.nobody.bbbbbbbbbbbbbbbbbbbb";
+    for _ in 0..2 {
+        let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), bad)).await.unwrap_err();
+        assert_eq!(reason(&e), Reason::Unauthenticated, "{e:?}");
+    }
+    assert_eq!(c.iam.st().authentications - n0, 1, "the refused token was asked about once");
+    // Malformed tokens never reach IAM either.
+    let n1 = c.iam.st().authentications;
+    // Paused: even a good token is refused, without asking IAM.
+    let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::Unauthenticated, "{e:?}");
+    assert!(e.message().contains("too many failed authentications"), "{e:?}");
+    assert_eq!(c.iam.st().authentications, n1);
+    // Once the pause is over, it works.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap();
+    c.stop().await;
+}
+
+/// One principal's Runtime calls in flight are capped, and unary answers may hold only so
+/// many bytes at once on an apiserver; oversized HTTP answers are refused up front.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtime_calls_are_capped_per_principal_and_by_answer_bytes() {
+    let mut cfg = test_config();
+    cfg.max_runtime_calls_per_principal = 2;
+    cfg.runtime_result_budget_mb = 40;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    let mut api = c.client();
+    let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let exec = |cmd: &str| pb::ExecRequest { sandbox_id: sb.id.clone(), command: cmd.into(), ..Default::default() };
+    let small = |cmd: &str| pb::ExecRequest {
+        limits: Some(pb::OutputLimits { stdout_max_bytes: 1 << 20, stderr_max_bytes: 1 << 20 }),
+        ..exec(cmd)
+    };
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let (mut rt, req) = (c.runtime(), small("sleep:600"));
+            tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut rt = c.runtime();
+    let e = rt.exec(with_token(small("true"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
+    assert!(ApiError::from_status(&e).metadata.contains_key("retry_after_ms"));
+    for t in slow {
+        t.await.unwrap().unwrap();
+    }
+    // The two defaults (16 MiB per stream) hold 32 MiB of the 40: a second such call waits
+    // its turn (rate_limited), one asking for little goes through.
+    let holder = {
+        let (mut rt, req) = (c.runtime(), exec("sleep:600"));
+        tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let e = rt.exec(with_token(exec("true"), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
+    rt.exec(with_token(small("true"), ALICE)).await.unwrap();
+    holder.await.unwrap().unwrap();
+    let http =
+        pb::HttpRequestRequest { sandbox_id: sb.id.clone(), port: 80, max_body_bytes: 64 << 20, ..Default::default() };
+    let e = rt.http_request(with_token(http, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument, "{e:?}");
+    c.stop().await;
+}
+
+/// Creation slots go round-robin between the principals waiting: a single creation of one
+/// tenant is served while another tenant's large batch is still queued, instead of being
+/// refused for the batch holding every slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_batch_does_not_starve_another_tenants_single_creation() {
+    let mut cfg = test_config();
+    cfg.max_inflight_creations = 2;
+    cfg.batch_concurrency = 16;
+    cfg.rate_per_principal = 100_000.0;
+    cfg.burst_per_principal = 100_000.0;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    c.edge("e1").st.lock().unwrap().create_delay = Duration::from_millis(40);
+    let mut api = c.client();
+    let mut batch = api
+        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec()), count: 40 }, ALICE))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = batch.message().await.unwrap().unwrap();
+    assert!(first.sandbox.is_some(), "{first:?}");
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(1));
+    let d = done.clone();
+    let drain = tokio::spawn(async move {
+        while let Some(item) = batch.message().await.unwrap() {
+            assert!(item.sandbox.is_some(), "{item:?}");
+            d.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let mut bob = c.client();
+    let mut req = create_req("");
+    req.spec.as_mut().unwrap().project = "root/b".into();
+    let sb = bob.create_sandbox(with_token(req, BOB)).await.unwrap().into_inner();
+    let at = done.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(sb.id.starts_with("e1."));
+    assert!(at < 40, "bob's creation waited for the whole batch ({at} of 40 were done)");
+    drain.await.unwrap();
+    assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 40);
+    c.stop().await;
 }

@@ -58,6 +58,7 @@ pub fn limits(c: &ImagesConfig) -> Limits {
         max_layer_bytes: c.max_layer_bytes,
         max_entries: c.max_entries,
         max_depth: c.max_depth,
+        max_image_bytes: c.max_image_bytes,
         ..Limits::default()
     }
 }
@@ -479,10 +480,19 @@ mod tests {
 
     #[test]
     fn limits_mirror_the_config() {
-        let c =
-            ImagesConfig { max_file_bytes: 1, max_layer_bytes: 2, max_entries: 3, max_depth: 4, ..Default::default() };
+        let c = ImagesConfig {
+            max_file_bytes: 1,
+            max_layer_bytes: 2,
+            max_entries: 3,
+            max_depth: 4,
+            max_image_bytes: 5,
+            ..Default::default()
+        };
         let l = limits(&c);
-        assert_eq!((l.max_file_bytes, l.max_layer_bytes, l.max_entries, l.max_depth), (1, 2, 3, 4));
+        assert_eq!(
+            (l.max_file_bytes, l.max_layer_bytes, l.max_entries, l.max_depth, l.max_image_bytes),
+            (1, 2, 3, 4, 5)
+        );
         assert_eq!(l.max_path_bytes, Limits::default().max_path_bytes);
         // The defaults agree.
         let d = limits(&ImagesConfig::default());

@@ -680,3 +680,36 @@ async fn a_lost_sandbox_is_torn_down_and_its_quota_released() {
         .unwrap_err();
     assert_eq!(reason(&e), "invalid_state", "{e:?}");
 }
+
+/// An edge caps the Runtime calls one sandbox has in flight, whichever apiservers they come
+/// through (each holds a connection and, for unary calls, a whole answer at the edge).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_caps_a_sandboxs_calls_in_flight() {
+    let f = fixture_with(|c| c.edge.max_runtime_calls_per_sandbox = 2).await;
+    let sb = f.admin.create_sandbox(container_spec("busybox", 64, 64)).await.unwrap();
+    let rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
+    let slow: Vec<_> = (0..2)
+        .map(|i| {
+            let (mut rt, id) = (rt.clone(), sb.id.clone());
+            tokio::spawn(async move { exec_in(&mut rt, &id, &format!("slow{i}"), "sleep 2; echo done").await })
+        })
+        .collect();
+    // Both are running once their sessions' shells have started them.
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    let mut rt2 = rt.clone();
+    let req = pb::ExecRequest {
+        sandbox_id: sb.id.clone(),
+        session_id: "third".into(),
+        command: "true".into(),
+        ..Default::default()
+    };
+    let e = rt2.exec(req).await.unwrap_err();
+    assert_eq!(reason(&e), "rate_limited", "{e:?}");
+    assert!(e.message().contains("calls in flight"), "the edge refused it: {e:?}");
+    for s in slow {
+        assert_eq!(out(&s.await.unwrap()), "done");
+    }
+    assert_eq!(out(&exec_in(&mut rt2, &sb.id, "third", "echo ok").await), "ok");
+    f.admin.stop_sandbox(&sb.id).await.unwrap();
+    f.cluster.shutdown().await;
+}

@@ -148,8 +148,9 @@ pub struct ApiserverConfig {
     /// Token bucket per principal: creations per second and burst.
     pub rate_per_principal: f64,
     pub burst_per_principal: f64,
-    /// Creations in flight on this apiserver; more are refused with `rate_limited` (single
-    /// creations) or queued (batches).
+    /// Creations in flight on this apiserver. The slots go round-robin between the principals
+    /// waiting; a single creation waits up to `creation_slot_wait` (then `rate_limited`),
+    /// batch items wait.
     pub max_inflight_creations: usize,
     /// Creations of one `CreateSandboxes` call run this many at a time.
     pub batch_concurrency: usize,
@@ -161,6 +162,44 @@ pub struct ApiserverConfig {
     /// Serve the public API in plain text instead of TLS: local development only, refused
     /// unless `listen` is a loopback address.
     pub insecure_plaintext: bool,
+    /// Failed authentications from one source address that pause it.
+    pub auth_failures: AuthFailureConfig,
+    /// Runtime calls (exec, files, HTTP, processes) one principal may have in flight.
+    pub max_runtime_calls_per_principal: u32,
+    /// Bytes the answers of unary Runtime calls in flight (exec results, output, HTTP
+    /// bodies) may hold at once, summed over every caller; beyond, calls get `rate_limited`.
+    pub runtime_result_budget_mb: u64,
+    /// How long a single creation waits for a creation slot (slots go round-robin between
+    /// the principals waiting) before it gets `rate_limited`.
+    #[serde(with = "humantime_serde")]
+    pub creation_slot_wait: Duration,
+}
+
+/// The auth-failure pause (reference section 1): `max` failed authentications from one source
+/// address within `window` make every call from it `unauthenticated` for `pause`, without
+/// asking IAM. Tokens IAM refused are refused again without asking for `negative_ttl`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthFailureConfig {
+    /// 0: never pause.
+    pub max: u32,
+    #[serde(with = "humantime_serde")]
+    pub window: Duration,
+    #[serde(with = "humantime_serde")]
+    pub pause: Duration,
+    #[serde(with = "humantime_serde")]
+    pub negative_ttl: Duration,
+}
+
+impl Default for AuthFailureConfig {
+    fn default() -> Self {
+        AuthFailureConfig {
+            max: 50,
+            window: Duration::from_secs(10),
+            pause: Duration::from_secs(30),
+            negative_ttl: Duration::from_secs(10),
+        }
+    }
 }
 
 impl Default for ApiserverConfig {
@@ -181,6 +220,10 @@ impl Default for ApiserverConfig {
             audit: AuditConfig::default(),
             edge_call_timeout: Duration::from_secs(30),
             insecure_plaintext: false,
+            auth_failures: AuthFailureConfig::default(),
+            max_runtime_calls_per_principal: 256,
+            runtime_result_budget_mb: 2048,
+            creation_slot_wait: Duration::from_secs(5),
         }
     }
 }
@@ -348,6 +391,11 @@ pub struct EdgeConfig {
     pub userns_ranges: u32,
     /// Disk I/O limits of each container sandbox on its own disk.
     pub disk_io: DiskIoConfig,
+    /// Runtime calls one sandbox may have in flight through this edge.
+    pub max_runtime_calls_per_sandbox: u32,
+    /// Bytes the answers of unary Runtime calls in flight through this edge may hold at once;
+    /// beyond, calls get `rate_limited`.
+    pub runtime_result_budget_mb: u64,
 }
 
 /// Disk I/O limits per sandbox (0 = no limit of that kind). On cgroup v1 only direct and
@@ -399,6 +447,8 @@ impl Default for EdgeConfig {
             userns_first_id: 4096 * 65536,
             userns_ranges: 28672,
             disk_io: DiskIoConfig::default(),
+            max_runtime_calls_per_sandbox: 256,
+            runtime_result_budget_mb: 2048,
         }
     }
 }
@@ -439,6 +489,8 @@ pub struct ImagesConfig {
     pub max_entries: u64,
     /// Deepest path in a layer, in components.
     pub max_depth: usize,
+    /// Largest image: the blobs its manifest lists, and the content of all its layers.
+    pub max_image_bytes: u64,
 }
 
 impl Default for ImagesConfig {
@@ -450,6 +502,7 @@ impl Default for ImagesConfig {
             max_layer_bytes: 64 << 30,
             max_entries: 2_000_000,
             max_depth: 128,
+            max_image_bytes: 128 << 30,
         }
     }
 }

@@ -150,15 +150,21 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    router.serve_with_incoming_shutdown(plain_incoming(listener), shutdown).await
+}
+
+/// The connections of `listener`, for a plain-text server.
+pub fn plain_incoming(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     // Settings given to the builder apply only to listeners it binds itself: with our own
     // listener, Nagle must be turned off here, or small answers wait for delayed ACKs (40 ms).
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|conn| {
         if let Ok(c) = &conn {
             let _ = c.set_nodelay(true);
         }
         conn
-    });
-    router.serve_with_incoming_shutdown(incoming, shutdown).await
+    })
 }
 
 /// The endpoint settings of every channel: clients ping every 10 s, so a silently lost

@@ -82,6 +82,10 @@ pub(crate) struct Inner {
     pub tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     /// Runtime calls in flight and last activity per sandbox.
     pub activity: crate::runtime::Activity,
+    /// Runtime calls in flight per sandbox, capped.
+    pub runtime_calls: Arc<opendsec_common::bounds::PerKey>,
+    /// Bytes of unary Runtime answers in flight through this edge.
+    pub result_budget: opendsec_common::bounds::ByteBudget,
 }
 
 /// Everything `Inner::new` needs.
@@ -105,6 +109,10 @@ impl Inner {
         Inner {
             boot_id: format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>()),
             releases: ReleaseQueue::new(p.cfg.release_batch),
+            runtime_calls: opendsec_common::bounds::PerKey::new(p.cfg.max_runtime_calls_per_sandbox),
+            result_budget: opendsec_common::bounds::ByteBudget::new(
+                p.cfg.runtime_result_budget_mb.saturating_mul(1 << 20),
+            ),
             name: p.name,
             cfg: p.cfg,
             state_dir: p.state_dir,

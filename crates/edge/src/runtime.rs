@@ -28,6 +28,7 @@ use futures::StreamExt;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
+use opendsec_common::bounds::AnswerBytes;
 use opendsec_common::grpc::EXPECT_PROJECT_HEADER;
 use opendsec_proto::upload::{self, Hop};
 
@@ -171,9 +172,34 @@ pub struct RuntimeService {
     pub(crate) inner: Arc<Inner>,
 }
 
+/// What a forwarded call holds while it runs: its activity mark (calls, not observers) and
+/// its slot among the sandbox's calls in flight.
+pub(crate) struct Held {
+    _activity: Option<CallGuard>,
+    _slot: opendsec_common::bounds::KeyPermit,
+}
+
+/// How long a caller refused for being busy is told to wait.
+const BUSY_RETRY_AFTER_MS: u64 = 200;
+
+fn busy(message: String) -> Status {
+    opendsec_common::ApiError::new(opendsec_common::Reason::RateLimited, message)
+        .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
+        .to_status()
+}
+
 impl RuntimeService {
-    async fn target(&self, id: &str, md: &MetadataMap) -> Result<(AgentClient, Option<CallGuard>), Status> {
+    async fn target(&self, id: &str, md: &MetadataMap) -> Result<(AgentClient, Held), Status> {
         self.channel(id, md, CallKind::Call).await.map(|(ch, g)| (agent_client(ch), g))
+    }
+
+    /// Reserves what a unary answer may hold in the edge's result budget.
+    fn reserve(&self, req: &impl AnswerBytes) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+        let bytes = req.answer_bytes().map_err(|e| e.to_status())?;
+        self.inner
+            .result_budget
+            .try_reserve(bytes)
+            .ok_or_else(|| busy("this edge holds as many answers as it may; try again".into()))
     }
 
     async fn channel(
@@ -181,13 +207,17 @@ impl RuntimeService {
         id: &str,
         md: &MetadataMap,
         kind: CallKind,
-    ) -> Result<(tonic::transport::Channel, Option<CallGuard>), Status> {
+    ) -> Result<(tonic::transport::Channel, Held), Status> {
         let expect = expected_project(md)?;
-        self.inner.runtime_target(id, &expect, kind).await.map_err(|e| {
+        let slot = self.inner.runtime_calls.try_take(id).ok_or_else(|| {
+            busy(format!("sandbox {id} has {} calls in flight already", self.inner.cfg.max_runtime_calls_per_sandbox))
+        })?;
+        let (ch, activity) = self.inner.runtime_target(id, &expect, kind).await.map_err(|e| {
             let api = e.to_api();
             tracing::debug!(sandbox_id = id, reason = %api.reason, error = %api.message, "runtime call refused");
             api.to_status()
-        })
+        })?;
+        Ok((ch, Held { _activity: activity, _slot: slot }))
     }
 }
 
@@ -204,7 +234,7 @@ pub(crate) fn expected_project(md: &MetadataMap) -> Result<String, Status> {
 }
 
 /// Keeps `guard` alive as long as the stream; items' errors are the agent's (see [`untrusted`]).
-fn guarded<T: Send + 'static>(s: Streaming<T>, guard: Option<CallGuard>) -> BoxStream<T> {
+fn guarded<T: Send + 'static>(s: Streaming<T>, guard: Held) -> BoxStream<T> {
     Box::pin(s.map(move |item| {
         let _ = &guard;
         item.map_err(untrusted)
@@ -230,6 +260,7 @@ macro_rules! runtime_impl {
             $(
                 async fn $method(&self, r: Request<$req>) -> Result<Response<$resp>, Status> {
                     let (md, _, req) = r.into_parts();
+                    let _budget = self.reserve(&req)?;
                     let (mut c, _guard) = self.target(&req.sandbox_id, &md).await?;
                     c.$method(req).await.map_err(untrusted)
                 }

@@ -304,6 +304,16 @@ where
     F: Fn(usize, LayerProgress) -> Fut,
     Fut: Future<Output = Result<Blob, ImportError>> + Send + 'static,
 {
+    // The manifest's sizes are the compressed blobs': less than what unpacks, so a sum over
+    // the cap is refused before a byte is fetched.
+    let listed = jobs.iter().fold(0u64, |a, j| a.saturating_add(j.size));
+    if listed > limits.max_image_bytes {
+        return Err(ImportError::TooLarge {
+            what: format!("image {source}"),
+            size: listed,
+            limit: limits.max_image_bytes,
+        });
+    }
     let mut ids = plan(store, jobs);
     let mut reused = ids.iter().filter(|i| i.is_some()).count();
     let semaphore = Arc::new(tokio::sync::Semaphore::new(DOWNLOAD_CONCURRENCY));
@@ -338,6 +348,11 @@ where
     let result = async {
         let mut ready: HashMap<usize, Blob> = HashMap::new();
         let mut fetched = 0;
+        // Content bytes of the layers so far (reused ones as stored).
+        let mut total = 0u64;
+        for id in ids.iter().flatten() {
+            total = total.saturating_add(store.layer_meta(id).map(|m| m.size_bytes).unwrap_or(0));
+        }
         for i in 0..jobs.len() {
             if ids[i].is_some() {
                 continue;
@@ -374,7 +389,16 @@ where
                 Ok(_) => bar.done(),
                 Err(_) => bar.failed(),
             }
-            ids[i] = Some(meta?.id);
+            let meta = meta?;
+            total = total.saturating_add(meta.size_bytes);
+            if total > limits.max_image_bytes {
+                return Err(ImportError::TooLarge {
+                    what: format!("image {source} (content of its layers)"),
+                    size: total,
+                    limit: limits.max_image_bytes,
+                });
+            }
+            ids[i] = Some(meta.id);
             fetched += 1;
         }
         Ok(fetched)

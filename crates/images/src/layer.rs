@@ -45,6 +45,9 @@ pub struct Limits {
     pub max_depth: usize,
     /// Bytes of one path (and of a hard link's target).
     pub max_path_bytes: usize,
+    /// Bytes of a whole image: its blobs as the manifest lists them (checked before anything
+    /// is fetched) and its layers' contents as unpacked.
+    pub max_image_bytes: u64,
 }
 
 impl Default for Limits {
@@ -55,6 +58,7 @@ impl Default for Limits {
             max_entries: 2_000_000,
             max_depth: crate::store::MAX_PATH_DEPTH,
             max_path_bytes: 4096,
+            max_image_bytes: 128 << 30,
         }
     }
 }

@@ -352,6 +352,9 @@ fn read_meta<R: Read>(entry: &mut tar::Entry<'_, R>, path: &[u8]) -> Result<Meta
 
 /// Linux's XATTR_SIZE_MAX (and XATTR_LIST_MAX): the most one entry's attributes may hold.
 const XATTR_MAX: usize = 64 << 10;
+/// Most bytes of directory xattrs one layer may carry (they are held until the layer's
+/// directories get their attributes, after their contents).
+pub const DIR_XATTRS_MAX: usize = 16 << 20;
 
 /// `secs[.frac]` as PAX writes times.
 fn parse_pax_time(v: &[u8]) -> Option<Timespec> {
@@ -408,6 +411,7 @@ pub(crate) fn unpack(
         cache: DirCache { key: Vec::new(), fd: None },
         buf: vec![0; IO_BUF],
         dirs: HashMap::new(),
+        dir_xattr_bytes: 0,
         opaque: BTreeSet::new(),
         whited: BTreeSet::new(),
         size_bytes: 0,
@@ -480,6 +484,8 @@ struct Writer {
     cache: DirCache,
     buf: Vec<u8>,
     dirs: HashMap<Vec<u8>, DirAttrs>,
+    /// Bytes of directory xattrs held in `dirs` until `finish` ([`DIR_XATTRS_MAX`]).
+    dir_xattr_bytes: usize,
     opaque: BTreeSet<Vec<u8>>,
     whited: BTreeSet<Vec<u8>>,
     size_bytes: u64,
@@ -497,6 +503,27 @@ enum Removed {
 }
 
 impl Writer {
+    /// Keeps a directory's attributes for `finish`; its xattrs count against
+    /// [`DIR_XATTRS_MAX`] (each directory may carry 64 KiB, and a layer millions of them).
+    fn keep_dir_attrs(&mut self, key: Vec<u8>, meta: Meta, raw: &[u8]) -> Result<(), LayerError> {
+        let bytes: usize = meta.xattrs.iter().map(|(n, v)| n.as_bytes().len() + v.len()).sum();
+        let before =
+            self.dirs.get(&key).map_or(0, |d| d.xattrs.iter().map(|(n, v)| n.as_bytes().len() + v.len()).sum());
+        self.dir_xattr_bytes = self.dir_xattr_bytes.saturating_sub(before).saturating_add(bytes);
+        if self.dir_xattr_bytes > DIR_XATTRS_MAX {
+            return Err(LayerError::TooLarge {
+                path: shown(raw),
+                what: "bytes of directory extended attributes in the layer",
+                limit: DIR_XATTRS_MAX as u64,
+            });
+        }
+        self.dirs.insert(
+            key,
+            DirAttrs { uid: meta.uid, gid: meta.gid, mode: meta.mode, mtime: meta.mtime, xattrs: meta.xattrs },
+        );
+        Ok(())
+    }
+
     fn io(&self, path: &[u8], e: impl Into<io::Error>) -> LayerError {
         LayerError::Io { path: self.root_path.join(OsStr::from_bytes(path)), source: e.into() }
     }
@@ -555,10 +582,7 @@ impl Writer {
             if kind != EntryType::Directory {
                 return Err(invalid(&raw, format!("the layer root must be a directory, not {kind:?}")));
             }
-            self.dirs.insert(
-                Vec::new(),
-                DirAttrs { uid: meta.uid, gid: meta.gid, mode: meta.mode, mtime: meta.mtime, xattrs: meta.xattrs },
-            );
+            self.keep_dir_attrs(Vec::new(), meta, &raw)?;
             return self.drain(entry, &raw, state);
         };
         let parent_key = parent.join(&b'/');
@@ -574,10 +598,7 @@ impl Writer {
             }
             EntryType::Directory => {
                 let r = self.dir(name, parent, &key, &raw)?;
-                self.dirs.insert(
-                    key,
-                    DirAttrs { uid: meta.uid, gid: meta.gid, mode: meta.mode, mtime: meta.mtime, xattrs: meta.xattrs },
-                );
+                self.keep_dir_attrs(key, meta, &raw)?;
                 r
             }
             EntryType::Symlink => self.symlink(entry, name, parent, &key, &raw, &meta)?,

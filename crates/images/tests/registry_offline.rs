@@ -278,3 +278,42 @@ async fn rootfs_directory_and_tarball() {
     assert!(matches!(import_rootfs(&store2, &cut, &local_opts()).await, Err(ImportError::Layer { .. })));
     assert_store_clean(&store2);
 }
+
+/// A whole image is capped: blobs listed over the cap are refused before any is read, and
+/// layers whose unpacked content passes it stop the import (each layer within its own limit).
+#[tokio::test]
+async fn a_whole_image_is_capped() {
+    let big = vec![7u8; 64 << 10];
+    let l1 = TarBuilder::new().file("a", &big).finish();
+    let l2 = TarBuilder::new().file("b", &big).finish();
+    let img = image(vec![layer(l1, Comp::Plain), layer(l2, Comp::Plain)], "amd64", &[], &[]);
+    let dir = tempfile::tempdir().unwrap();
+    Layout::new(dir.path()).add_image(&img, "big");
+    let capped = |max_image_bytes: u64| ImportOptions {
+        limits: Limits { max_image_bytes, ..Limits::default() },
+        ..local_opts()
+    };
+    // The two blobs are listed at ~128 KiB together: a 100 KiB cap refuses at once.
+    let (_d, store) = new_store();
+    match import_oci_layout(&store, dir.path(), Some("big"), &capped(100 << 10)).await {
+        Err(ImportError::TooLarge { what, .. }) => assert!(what.starts_with("image "), "{what}"),
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert!(std::fs::read_dir(store.root().join("layers")).unwrap().flatten().all(|e| e.file_name() == ".tmp"));
+    assert_tmp_empty(&store);
+    // With room for the blobs, the content of both layers still fits: imported.
+    let got = import_oci_layout(&store, dir.path(), Some("big"), &capped(1 << 20)).await.unwrap();
+    assert_eq!(got.layers.len(), 2);
+    // Compressed blobs list small; what they unpack to counts too.
+    let zeros = vec![0u8; 64 << 10];
+    let z1 = TarBuilder::new().file("z1", &zeros).finish();
+    let z2 = TarBuilder::new().file("z2", &zeros).finish();
+    let bomb = image(vec![layer(z1, Comp::Gzip), layer(z2, Comp::Gzip)], "amd64", &[], &[]);
+    let dir = tempfile::tempdir().unwrap();
+    Layout::new(dir.path()).add_image(&bomb, "bomb");
+    let (_d, store) = new_store();
+    match import_oci_layout(&store, dir.path(), Some("bomb"), &capped(100 << 10)).await {
+        Err(ImportError::TooLarge { what, .. }) => assert!(what.contains("content of its layers"), "{what}"),
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+}

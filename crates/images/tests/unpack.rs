@@ -400,8 +400,14 @@ fn odd_whiteouts_and_parents_are_refused() {
 #[test]
 fn limits_are_enforced() {
     let (_d, store) = store();
-    let small =
-        Limits { max_file_bytes: 10, max_layer_bytes: 1 << 20, max_entries: 3, max_depth: 4, max_path_bytes: 30 };
+    let small = Limits {
+        max_file_bytes: 10,
+        max_layer_bytes: 1 << 20,
+        max_entries: 3,
+        max_depth: 4,
+        max_path_bytes: 30,
+        ..Limits::default()
+    };
     let too_large = |e: LayerError, what: &str| match e {
         LayerError::TooLarge { what: w, .. } if w.contains(what) => {}
         other => panic!("want TooLarge {what}, got {other:?}"),
@@ -528,5 +534,19 @@ fn oversized_extended_attributes_are_refused() {
     b.append_pax_extensions([("SCHILY.xattr.user.big", &big[..])]).unwrap();
     raw_entry(&mut b, b"d/", EntryType::Directory, b"", None, 0o755, 1);
     assert_invalid(refused(&store, &b.into_inner().unwrap(), &Limits::default()), "extended attributes");
+    assert_clean(&store);
+    // Each within its own limit, but together more than a layer's directories may hold in
+    // memory until its end: refused, nothing left behind.
+    let mut b = tar::Builder::new(Vec::new());
+    let each = vec![b'a'; 60 << 10];
+    let dirs = opendsec_images::unpack::DIR_XATTRS_MAX / each.len() + 2;
+    for i in 0..dirs {
+        b.append_pax_extensions([("SCHILY.xattr.user.x", &each[..])]).unwrap();
+        raw_entry(&mut b, format!("d{i}/").as_bytes(), EntryType::Directory, b"", None, 0o755, 1);
+    }
+    match refused(&store, &b.into_inner().unwrap(), &Limits::default()) {
+        LayerError::TooLarge { what, .. } if what.contains("directory extended attributes") => {}
+        other => panic!("want TooLarge directory xattrs, got {other:?}"),
+    }
     assert_clean(&store);
 }
