@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint demo bench bench-container bench-sdk agent images sdk-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-sdk agent images sdk-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -36,7 +36,24 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-verify: lint test
+verify: lint test fuzz
+
+# Coverage-guided fuzzing (cargo-fuzz, libFuzzer, stable toolchain: no sanitizer) of the
+# public API's request decoding and validation, the layer unpacker, registry documents and the
+# agent's request handling; each target for FUZZ_SECONDS, starting from the seeds in
+# fuzz/seeds. A crash fails the run and leaves its input in fuzz/artifacts/.
+FUZZ_SECONDS ?= 30
+FUZZ_TARGETS = api_requests tar_unpack manifests agent_requests
+fuzz:
+	@command -v cargo-fuzz >/dev/null || $(CARGO) install --locked cargo-fuzz
+	cd fuzz && $(CARGO) fuzz build --sanitizer none
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus/$$t && cp -n fuzz/seeds/$$t/* fuzz/corpus/$$t/ && \
+	  echo "== fuzz $$t ($(FUZZ_SECONDS) s)" && \
+	  (cd fuzz && $(CARGO) fuzz run --sanitizer none $$t -- -max_total_time=$(FUZZ_SECONDS) >$$t.log 2>&1) \
+	    || { tail -n 60 fuzz/$$t.log; exit 1; }; \
+	  grep -E '^Done' fuzz/$$t.log; \
+	done
 
 fmt:
 	$(CARGO) fmt --all

@@ -1,0 +1,36 @@
+//! What the in-sandbox agent takes from its callers and its sandbox, from arbitrary bytes:
+//! Runtime requests decode or fail; ids are checked; paths resolve to absolute paths without
+//! `..`; HTTP answers from a server in the sandbox parse within the body limit; passwd and group
+//! files from the image parse. None of it panics.
+#![no_main]
+
+use std::path::{Component, Path};
+
+use libfuzzer_sys::fuzz_target;
+use opendsec_agent::{error, files, http, passwd};
+use opendsec_proto::v1 as pb;
+use prost::Message;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(r) = pb::ExecRequest::decode(data) {
+        let _ = error::check_id("session", &r.session_id);
+        let _ = error::check_id("request", &r.request_id);
+    }
+    if let Ok(r) = pb::ReadFileRequest::decode(data) {
+        if let Ok(p) = files::resolve(Path::new("/work"), &r.path) {
+            assert!(p.is_absolute(), "{p:?}");
+            assert!(!p.components().any(|c| c == Component::ParentDir), "{p:?}");
+        }
+    }
+    let _ = pb::WriteFileRequest::decode(data);
+    let _ = pb::StartProcessRequest::decode(data);
+    let _ = pb::HttpRequestRequest::decode(data);
+    if let Ok(r) = http::parse_response(data, 1024, 0) {
+        assert!(r.body.len() <= 1024);
+    }
+    if let Ok(s) = std::str::from_utf8(data) {
+        let _ = passwd::resolve(s, "root");
+        let _ = passwd::resolve(s, "1000");
+        let _ = passwd::groups(s, "user", 1000);
+    }
+});

@@ -1,0 +1,2 @@
+
+edge-000.abc	session-1echo hi

@@ -1,0 +1,3 @@
+
+$
+	root/fuzzscratchsim"	è€€job-1
