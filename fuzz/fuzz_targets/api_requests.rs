@@ -32,7 +32,10 @@ fuzz_target!(|data: &[u8]| {
         let _ = admission::check_timeout_update(&req, &cfg.ttl);
         let _ = ids::split_sandbox_id(&req.id);
     }
-    for decoded in [pb::ExecRequest::decode(data).map(|r| r.sandbox_id), pb::ListSandboxesRequest::decode(data).map(|r| r.page_token)] {
+    for decoded in [
+        pb::ExecRequest::decode(data).map(|r| r.sandbox_id),
+        pb::ListSandboxesRequest::decode(data).map(|r| r.page_token),
+    ] {
         if let Ok(s) = decoded {
             let _ = ids::split_sandbox_id(&s);
             let _ = ids::validate_project(&s);

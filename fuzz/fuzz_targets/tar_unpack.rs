@@ -6,8 +6,8 @@
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use opendsec_images::layer::{self, Compression, Limits};
 use opendsec_images::Store;
+use opendsec_images::layer::{self, Compression, Limits};
 
 struct Env {
     _dir: tempfile::TempDir,

@@ -73,7 +73,10 @@ fn runc_bundle(dir: &Path, rootfs: &Path) -> std::path::PathBuf {
 #[ignore = "benchmark: make bench-container"]
 async fn bench_container_sandboxes() {
     let idle: usize = std::env::var("BENCH_IDLE").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    // BENCH_USERNS=0: the same without user namespaces (to compare).
+    let userns = std::env::var("BENCH_USERNS").map_or(true, |v| v != "0");
     let f = fixture_with(|c| {
+        c.edge.user_namespaces = userns;
         c.edge.container_pids_limit = 256;
         // Declared capacity (overcommitted on purpose: idle sandboxes use little of it).
         c.edge.capacity = opendsec_common::config::CapacityConfig {
@@ -256,7 +259,7 @@ async fn bench_container_sandboxes() {
 #[ignore = "benchmark: make bench-container"]
 async fn bench_user_namespace_cost() {
     let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
-    let sustained: usize = std::env::var("BENCH_SUSTAINED").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+    let sustained: usize = std::env::var("BENCH_SUSTAINED").ok().and_then(|v| v.parse().ok()).unwrap_or(800);
     let tweak = |userns: bool| {
         move |c: &mut opendsec_common::config::Config| {
             c.edge.user_namespaces = userns;
@@ -296,21 +299,23 @@ async fn bench_user_namespace_cost() {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     };
-    for _ in 0..rounds {
+    // The sandboxes stay: each round runs with more alive in both clusters (kernel work that
+    // grows with the live sandboxes shows in the later rounds).
+    let mut live: [Vec<String>; 2] = [Vec::new(), Vec::new()];
+    let both = [&with, &without];
+    for r in 0..rounds {
         // One by one, alternating between the two clusters creation by creation.
-        let mut ids: [Vec<String>; 2] = [Vec::new(), Vec::new()];
         for _ in 0..20 {
-            for (i, f) in [&with, &without].into_iter().enumerate() {
+            for (i, f) in both.into_iter().enumerate() {
                 let t = Instant::now();
-                ids[i].push(f.admin.create_sandbox(spec.clone()).await.unwrap().id);
+                live[i].push(f.admin.create_sandbox(spec.clone()).await.unwrap().id);
                 lat[i].push(t.elapsed());
             }
         }
-        let [a, b] = ids;
-        stop_all(&with, a).await;
-        stop_all(&without, b).await;
-        // Sustained, one cluster at a time.
-        for (i, f) in [&with, &without].into_iter().enumerate() {
+        // Sustained, one cluster at a time, the first in turns.
+        for k in 0..2 {
+            let i = (r + k) % 2;
+            let f = both[i];
             let t0 = Instant::now();
             let more: Vec<String> = futures::stream::iter(0..sustained / rounds)
                 .map(|_| {
@@ -321,9 +326,13 @@ async fn bench_user_namespace_cost() {
                 .collect()
                 .await;
             rate[i].push(more.len() as f64 / t0.elapsed().as_secs_f64());
-            stop_all(f, more).await;
+            live[i].extend(more);
         }
     }
+    let [a, b] = live;
+    println!("alive at the end: {} with, {} without user namespaces", a.len(), b.len());
+    stop_all(&with, a).await;
+    stop_all(&without, b).await;
     for (i, what) in ["with user namespaces", "without user namespaces"].into_iter().enumerate() {
         show(&format!("create one by one {what}"), lat[i].clone());
         let mean = rate[i].iter().sum::<f64>() / rate[i].len() as f64;
