@@ -5,18 +5,34 @@
 //! `unauthenticated` without asking IAM (reference section 1, "authentication is paused for a
 //! source address with too many failures").
 //!
+//! A token the apiserver already knows passes even from a paused source: the pause is against
+//! guessing, and one address can be many clients (a proxy, a NAT).
+//!
+//! Once admitted, a call counts against its principal's calls in flight
+//! (`max_calls_per_principal`) until it answers, which bounds the decoded requests one
+//! principal makes an apiserver hold. `Restore` (the one message allowed to be large: a
+//! backup) is decoded only for a principal holding `iam.admin` on root; every other `Admin`
+//! call's body is cut at [`crate::MAX_UNARY_REQUEST_BYTES`] as it arrives.
+//!
 //! The layer only admits; handlers authenticate again (a cache hit) to learn who calls. A call
 //! it refuses for its token still gets an audit line (method, reason); calls from a paused
 //! source do not, one by one: a flood cannot fill the audit log (the pause itself is logged).
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use opendsec_common::{ApiError, Reason};
+use opendsec_common::{ApiError, Reason, time};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
+use crate::auth::{Identity, token_key};
 use crate::state::Shared;
+
+/// How soon a caller at its cap of calls in flight may try again.
+const BUSY_RETRY_AFTER_MS: u64 = 100;
+/// The path prefix of the public Admin service.
+const ADMIN_PREFIX: &str = "/opendsec.v1.Admin/";
 
 /// The layer in front of the public services.
 #[derive(Clone)]
@@ -120,10 +136,15 @@ fn bearer<B>(req: &http::Request<B>) -> Result<String, ApiError> {
 }
 
 impl Shared {
-    /// Admits a call: not from a paused source, with a token IAM knows. A refusal for the
-    /// token counts against the source.
-    async fn admit_call(&self, ip: Option<IpAddr>, token: Result<String, ApiError>) -> Result<(), ApiError> {
+    /// Admits a call: with a token this apiserver knows, or else not from a paused source and
+    /// with a token IAM knows. A refusal for the token counts against the source.
+    async fn admit_call(&self, ip: Option<IpAddr>, token: Result<String, ApiError>) -> Result<Arc<Identity>, ApiError> {
         let now = Instant::now();
+        if let Ok(t) = &token
+            && let Some(id) = self.auth.get_identity(&token_key(t), now, time::now_ms())
+        {
+            return Ok(id);
+        }
         if let Some(ip) = ip
             && let Some(left) = self.failures.paused(ip, now)
         {
@@ -135,7 +156,7 @@ impl Shared {
             .with("retry_after_ms", ms.to_string()));
         }
         let result = match token {
-            Ok(t) => self.authenticate(&t).await.map(|_| ()),
+            Ok(t) => self.authenticate(&t).await,
             Err(e) => Err(e),
         };
         if let (Err(e), Some(ip)) = (&result, ip)
@@ -146,14 +167,70 @@ impl Shared {
         }
         result
     }
+
+    /// What an admitted call may do before its message is decoded: a slot among its
+    /// principal's calls in flight, and for `Restore` the right to restore.
+    async fn admit_decode(&self, id: &Identity, method: &str) -> Result<opendsec_common::bounds::KeyPermit, ApiError> {
+        let permit = self.calls.try_take(&id.principal).ok_or_else(|| {
+            ApiError::new(
+                Reason::RateLimited,
+                format!("{} has {} calls in flight already", id.principal, self.cfg.max_calls_per_principal),
+            )
+            .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
+        })?;
+        if method == "Restore" {
+            self.authorize(&id.principal, "iam.admin", opendsec_common::ids::ROOT_PROJECT).await?;
+        }
+        Ok(permit)
+    }
 }
 
-impl<S, B, R> tower::Service<http::Request<B>> for Guard<S>
+type Body = tonic::body::Body;
+
+/// A request body cut at `left` bytes: beyond, the body fails with an `invalid_argument`
+/// status (which the server answers with) instead of growing a message further.
+struct Capped {
+    inner: Body,
+    left: usize,
+    limit: usize,
+}
+
+impl http_body::Body for Capped {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        if let Some(Ok(f)) = &frame
+            && let Some(d) = f.data_ref()
+        {
+            if d.len() > self.left {
+                let e = ApiError::invalid(format!("request larger than {} bytes", self.limit))
+                    .with("limit_bytes", self.limit.to_string());
+                return Poll::Ready(Some(Err(e.to_status())));
+            }
+            self.left -= d.len();
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<S, R> tower::Service<http::Request<Body>> for Guard<S>
 where
-    S: tower::Service<http::Request<B>, Response = http::Response<R>> + Clone + Send + 'static,
+    S: tower::Service<http::Request<Body>, Response = http::Response<R>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    B: Send + 'static,
     R: Default + Send + 'static,
 {
     type Response = http::Response<R>;
@@ -164,7 +241,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
         // The clone that was polled ready serves this call (tower's rule for cloned services).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -172,11 +249,27 @@ where
         Box::pin(async move {
             let (ip, token) = (source(&req), bearer(&req));
             let paused = ip.is_some_and(|ip| shared.failures.paused(ip, Instant::now()).is_some());
-            let call = crate::state::Call::new(method_of(req.uri().path()));
-            match shared.admit_call(ip, token).await {
-                Ok(()) => inner.call(req).await,
+            let method = method_of(req.uri().path());
+            let mut call = crate::state::Call::new(method);
+            let admitted = match shared.admit_call(ip, token).await {
+                Ok(id) => {
+                    call.principal = Some(id.principal.clone());
+                    shared.admit_decode(&id, method).await
+                }
+                Err(e) => Err(e),
+            };
+            match admitted {
+                Ok(_in_flight) => {
+                    let req = if req.uri().path().starts_with(ADMIN_PREFIX) && method != "Restore" {
+                        let limit = crate::MAX_UNARY_REQUEST_BYTES;
+                        req.map(|b| Body::new(Capped { inner: b, left: limit, limit }))
+                    } else {
+                        req
+                    };
+                    inner.call(req).await
+                }
                 Err(e) => {
-                    if !paused {
+                    if !paused || call.principal.is_some() {
                         shared.finish(call, Err(&e)).await;
                     }
                     Ok(e.to_status().into_http())

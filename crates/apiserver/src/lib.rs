@@ -175,7 +175,9 @@ pub async fn serve(
     let served = if plaintext {
         router.serve_with_incoming_shutdown(grpc::plain_incoming(listener), stop).await
     } else {
-        let incoming = opendsec_common::tls::incoming(listener, opts.tls.server_config(false), grpc::MAX_CONNECTIONS);
+        let per_source = shared.cfg.max_connections_per_source as usize;
+        let incoming =
+            opendsec_common::tls::incoming(listener, opts.tls.server_config(false), grpc::MAX_CONNECTIONS, per_source);
         router.serve_with_incoming_shutdown(incoming, stop).await
     };
 

@@ -102,6 +102,8 @@ pub struct Shared {
     pub inflight: Arc<FairGate>,
     /// Failed authentications per source address.
     pub failures: FailureTracker,
+    /// Public calls in flight per principal (counted by the guard).
+    pub calls: Arc<PerKey>,
     /// Runtime calls in flight per principal.
     pub runtime_calls: Arc<PerKey>,
     /// Bytes of unary Runtime answers in flight.
@@ -118,6 +120,7 @@ impl Shared {
             limiter: Mutex::new(RateLimiter::new(cfg.rate_per_principal, cfg.burst_per_principal)),
             inflight: FairGate::new(cfg.max_inflight_creations),
             failures: FailureTracker::new(cfg.auth_failures.max, cfg.auth_failures.window, cfg.auth_failures.pause),
+            calls: PerKey::new(cfg.max_calls_per_principal),
             runtime_calls: PerKey::new(cfg.max_runtime_calls_per_principal),
             result_budget: ByteBudget::new(cfg.runtime_result_budget_mb.saturating_mul(1 << 20)),
             snapshot: RwLock::new(Arc::new(Snapshot::default())),

@@ -54,6 +54,8 @@ struct IamState {
     admin_bearers: Vec<String>,
     /// Authenticate calls answered.
     authentications: usize,
+    /// Admin calls that reached the fake (any method).
+    admin_calls: usize,
 }
 
 #[derive(Clone, Default)]
@@ -187,6 +189,7 @@ impl Iam for FakeIam {
 }
 
 async fn fake_who_am_i(iam: &FakeIam, r: Request<pb::WhoAmIRequest>) -> Result<Response<pb::WhoAmIResponse>, Status> {
+    iam.st().admin_calls += 1;
     let token = grpc::bearer(r.metadata()).map_err(|e| e.to_status())?.to_string();
     iam.st().admin_bearers.push(token.clone());
     let (principal, project) = iam.auth(&token)?;
@@ -204,6 +207,7 @@ macro_rules! fake_admin {
             }
             $(
                 async fn $name(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
+                    self.st().admin_calls += 1;
                     Err(ApiError::new(Reason::NotFound, "fake admin does not know this").to_status())
                 }
             )*
@@ -1316,7 +1320,7 @@ async fn plain_text_is_refused_off_loopback() {
 }
 
 /// Nothing of a call is decoded before its caller authenticated; bad tokens cost IAM one call
-/// per negative TTL; a source failing too often is paused (even its good tokens wait).
+/// per negative TTL; a source failing too often is paused (tokens the apiserver knows still pass).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callers_authenticate_before_decoding_and_failing_sources_pause() {
     let mut cfg = test_config();
@@ -1346,13 +1350,65 @@ async fn callers_authenticate_before_decoding_and_failing_sources_pause() {
     assert_eq!(c.iam.st().authentications - n0, 1, "the refused token was asked about once");
     // Malformed tokens never reach IAM either.
     let n1 = c.iam.st().authentications;
-    // Paused: even a good token is refused, without asking IAM.
-    let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
+    // Paused: a token this apiserver does not know yet is refused without asking IAM, even a
+    // good one; one it knows (alice's, a moment ago) still passes: the source may be a proxy
+    // or a NAT that many clients share.
+    let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::Unauthenticated, "{e:?}");
     assert!(e.message().contains("too many failed authentications"), "{e:?}");
     assert_eq!(c.iam.st().authentications, n1);
-    // Once the pause is over, it works.
+    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap();
+    // Once the pause is over, bob's works too.
     tokio::time::sleep(Duration::from_millis(900)).await;
+    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap();
+    c.stop().await;
+}
+
+/// Restore, the one large message, is decoded only for a root admin; any other Admin message
+/// is cut at 1 MiB while it arrives (nothing reaches IAM); a principal's calls in flight are
+/// capped, whatever the service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_messages_are_bounded_and_calls_capped_per_principal() {
+    let mut cfg = test_config();
+    cfg.max_calls_per_principal = 2;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    let mut admin = AdminClient::new(grpc::channel(&c.api.to_string()).unwrap()).max_encoding_message_size(usize::MAX);
+    let bearers = || c.iam.st().admin_calls;
+    let n0 = bearers();
+    let restore = pb::RestoreRequest { data: vec![7u8; 8 << 20] };
+    let e = admin.restore(with_token(restore, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("iam.admin"), "{e:?}");
+    let big = pb::CreateProjectRequest { path: format!("root/a/{}", "x".repeat(2 << 20)), quota: None };
+    let e = admin.create_project(with_token(big, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("request larger than 1048576 bytes"), "{e:?}");
+    // A small one still goes through to IAM (the fake answers not_found).
+    let small = pb::CreateProjectRequest { path: "root/a/y".into(), quota: None };
+    let e = admin.create_project(with_token(small, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::NotFound, "{e:?}");
+    admin.who_am_i(with_token(pb::WhoAmIRequest::default(), ALICE)).await.unwrap();
+    assert_eq!(bearers() - n0, 2, "only the small calls reached IAM's Admin");
+
+    // Two slow Runtime calls hold alice's two slots: her third call of any kind waits its
+    // turn; bob's is served.
+    let mut api = c.client();
+    let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let slow: Vec<_> = (0..2)
+        .map(|_| {
+            let mut rt = c.runtime();
+            let req = pb::ExecRequest { sandbox_id: sb.id.clone(), command: "sleep:600".into(), ..Default::default() };
+            tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
+    assert!(e.message().contains("2 calls in flight"), "{e:?}");
+    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap();
+    for t in slow {
+        t.await.unwrap().unwrap();
+    }
     api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap();
     c.stop().await;
 }

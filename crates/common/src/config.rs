@@ -164,6 +164,12 @@ pub struct ApiserverConfig {
     pub insecure_plaintext: bool,
     /// Failed authentications from one source address that pause it.
     pub auth_failures: AuthFailureConfig,
+    /// Public calls of any kind one principal may have in flight (each holds its decoded
+    /// request until it answers); beyond, `rate_limited`.
+    pub max_calls_per_principal: u32,
+    /// Connections one source address may hold open to the public port (0: no cap; behind a
+    /// proxy every client shares its address).
+    pub max_connections_per_source: u32,
     /// Runtime calls (exec, files, HTTP, processes) one principal may have in flight.
     pub max_runtime_calls_per_principal: u32,
     /// Bytes the answers of unary Runtime calls in flight (exec results, output, HTTP
@@ -221,6 +227,8 @@ impl Default for ApiserverConfig {
             edge_call_timeout: Duration::from_secs(30),
             insecure_plaintext: false,
             auth_failures: AuthFailureConfig::default(),
+            max_calls_per_principal: 512,
+            max_connections_per_source: 1024,
             max_runtime_calls_per_principal: 256,
             runtime_result_budget_mb: 2048,
             creation_slot_wait: Duration::from_secs(5),

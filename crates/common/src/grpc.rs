@@ -62,30 +62,34 @@ pub async fn serve_internal(
     creds: &Arc<Credentials>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = crate::tls::incoming(listener, creds.server_config(true), MAX_CONNECTIONS);
+    let incoming = crate::tls::incoming(listener, creds.server_config(true), MAX_CONNECTIONS, 0);
     router.serve_with_incoming_shutdown(incoming, shutdown).await
 }
 
-/// Serves a public router over TLS (server certificate only) until `shutdown` completes.
-pub async fn serve_tls(
-    router: tonic::transport::server::Router,
-    listener: tokio::net::TcpListener,
-    creds: &Arc<Credentials>,
-    shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
-    let incoming = crate::tls::incoming(listener, creds.server_config(false), MAX_CONNECTIONS);
-    router.serve_with_incoming_shutdown(incoming, shutdown).await
-}
-
-/// An accepted connection holding a slot of its server's connection limit until it closes.
+/// An accepted connection holding a slot of its server's connection limit (and of its
+/// source's) until it closes; optionally failing its reads when the peer sends nothing within
+/// a deadline of the start (a client that connects and stays silent holds no slot for long).
 pub struct Conn<S> {
     inner: S,
     _slot: tokio::sync::OwnedSemaphorePermit,
+    _source: Option<crate::tls::SourceSlot>,
+    first_byte: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> Conn<S> {
     pub fn new(inner: S, slot: tokio::sync::OwnedSemaphorePermit) -> Conn<S> {
-        Conn { inner, _slot: slot }
+        Conn { inner, _slot: slot, _source: None, first_byte: None }
+    }
+
+    pub fn with_source(mut self, source: Option<crate::tls::SourceSlot>) -> Conn<S> {
+        self._source = source;
+        self
+    }
+
+    /// Reads fail with `TimedOut` unless the peer's first bytes come within `d`.
+    pub fn first_byte_within(mut self, d: Duration) -> Conn<S> {
+        self.first_byte = Some(Box::pin(tokio::time::sleep(d)));
+        self
     }
 }
 
@@ -103,7 +107,25 @@ impl<S: AsyncRead + Unpin> AsyncRead for Conn<S> {
         cx: &mut std::task::Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if self.first_byte.is_some() {
+            match &r {
+                std::task::Poll::Ready(Ok(())) if buf.filled().len() > before => self.first_byte = None,
+                std::task::Poll::Pending => {
+                    if let Some(d) = self.first_byte.as_mut()
+                        && d.as_mut().poll(cx).is_ready()
+                    {
+                        return std::task::Poll::Ready(Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "the peer sent nothing after connecting",
+                        )));
+                    }
+                }
+                _ => {}
+            }
+        }
+        r
     }
 }
 
@@ -344,6 +366,35 @@ pub fn random_secret(n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A connection whose peer sends nothing fails its read at the deadline; one whose peer
+    /// spoke in time does not fail later for being quiet.
+    #[tokio::test]
+    async fn a_silent_peer_is_cut_at_the_deadline_and_a_talking_one_is_not() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let slots = Arc::new(tokio::sync::Semaphore::new(2));
+        let (a, _a_peer) = tokio::io::duplex(64);
+        let mut silent =
+            Conn::new(a, slots.clone().try_acquire_owned().unwrap()).first_byte_within(Duration::from_millis(50));
+        let mut buf = [0u8; 8];
+        let e = silent.read(&mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        drop(silent);
+        assert_eq!(slots.available_permits(), 2, "the closed connection gave its slot back");
+
+        let (b, mut b_peer) = tokio::io::duplex(64);
+        let mut talking =
+            Conn::new(b, slots.clone().try_acquire_owned().unwrap()).first_byte_within(Duration::from_millis(50));
+        b_peer.write_all(b"PRI").await.unwrap();
+        assert_eq!(talking.read(&mut buf).await.unwrap(), 3);
+        let late = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            b_peer.write_all(b"x").await.unwrap();
+            b_peer
+        });
+        assert_eq!(talking.read(&mut buf).await.unwrap(), 1, "quiet after its first bytes is fine");
+        late.await.unwrap();
+    }
 
     #[test]
     fn bearer_parsing() {

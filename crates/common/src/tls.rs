@@ -394,19 +394,60 @@ pub async fn connect(
     }
 }
 
+/// How many connections of a server each source address holds, capped.
+struct Sources {
+    cap: usize,
+    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+}
+
+/// One source's connection, counted until dropped.
+pub struct SourceSlot {
+    sources: Arc<Sources>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut m = self.sources.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
+impl Sources {
+    fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
+        let mut m = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(SourceSlot { sources: self.clone(), ip })
+    }
+}
+
 /// Accepted, handshaken connections of `listener`: each handshake runs in its own task with
 /// a deadline (a client that never finishes one holds no accept slot); at most `max_conns`
-/// connections are open at once (beyond, new ones wait in the kernel's backlog). The stream
-/// ends when its receiver is dropped, and then the listener is closed too.
+/// connections are open at once (beyond, new ones wait in the kernel's backlog), and at most
+/// `per_source` from one address (0: no such cap; beyond, a new one is closed at once). A
+/// connection that sends nothing within [`HANDSHAKE_TIMEOUT`] of its handshake is closed (see
+/// [`crate::grpc::Conn`]). The stream ends when its receiver is dropped, and then the
+/// listener is closed too.
 pub fn incoming(
     listener: TcpListener,
     cfg: Arc<ServerConfig>,
     max_conns: usize,
+    per_source: usize,
 ) -> tokio_stream::wrappers::ReceiverStream<
     std::io::Result<crate::grpc::Conn<tokio_rustls::server::TlsStream<TcpStream>>>,
 > {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let limit = Arc::new(tokio::sync::Semaphore::new(max_conns.max(1)));
+    let sources = Arc::new(Sources { cap: per_source, open: Default::default() });
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
     tokio::spawn(async move {
         loop {
@@ -427,12 +468,24 @@ pub fn incoming(
                     continue;
                 }
             };
+            let source = match per_source {
+                0 => None,
+                _ => match sources.take(peer.ip()) {
+                    Some(s) => Some(s),
+                    None => {
+                        tracing::debug!(peer = %peer, per_source, "closing a connection over its source's cap");
+                        continue;
+                    }
+                },
+            };
             let _ = tcp.set_nodelay(true);
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(s)) => {
-                        let _ = tx.send(Ok(crate::grpc::Conn::new(s, permit))).await;
+                        let conn =
+                            crate::grpc::Conn::new(s, permit).with_source(source).first_byte_within(HANDSHAKE_TIMEOUT);
+                        let _ = tx.send(Ok(conn)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
                     Err(_) => tracing::debug!(peer = %peer, "TLS handshake timed out"),

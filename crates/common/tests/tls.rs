@@ -85,3 +85,33 @@ async fn a_rotated_certificate_is_served_without_a_restart() {
         assert!(c.get_snapshot(pb::GetSnapshotRequest {}).await.is_err(), "{role}");
     }
 }
+
+/// One source address holds at most `per_source` connections of a server: one over the cap is
+/// closed at once, and the slot comes back when a held one closes.
+#[tokio::test]
+async fn one_source_holds_at_most_its_share_of_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    pki::local_pki(dir.path(), &[id(Role::Watcher, "0"), id(Role::Apiserver, "0")], Duration::from_secs(3600)).unwrap();
+    let server = Credentials::in_dir(dir.path(), &id(Role::Watcher, "0")).unwrap();
+    let client = Credentials::in_dir(dir.path(), &id(Role::Apiserver, "0")).unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let incoming = opendsec_common::tls::incoming(l, server.server_config(true), 64, 3);
+    let router = grpc::server().add_service(pb::watcher_server::WatcherServer::new(Watcher));
+    tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, std::future::pending()).await });
+    let expect = || opendsec_common::tls::expect(Role::Watcher, None);
+
+    // Three handshaken connections that send nothing hold the source's three slots.
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(opendsec_common::tls::connect(&addr, client.client_config(), expect()).await.unwrap());
+    }
+    let over = opendsec_common::tls::connect(&addr, client.client_config(), expect()).await;
+    assert!(over.is_err(), "a fourth connection from the same address got through");
+    // One closes: a real client gets its slot and an answer.
+    drop(idle.pop());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let links = grpc::Links::new(client.clone());
+    let mut c = pb::watcher_client::WatcherClient::new(links.channel(&addr, Role::Watcher, None).unwrap());
+    c.get_snapshot(pb::GetSnapshotRequest {}).await.unwrap();
+}

@@ -35,6 +35,7 @@ fn main() {
     // thread or runtime exists (it forks), and never returns.
     opendsec_edge::linuxrt::init::run_if_init();
     opendsec_common::init_tracing();
+    opendsec_cli::raise_fd_limit();
     let cli = Cli::parse();
     let (role, common) = match cli.role {
         RoleCmd::Iam(c) => (Role::Iam, c),

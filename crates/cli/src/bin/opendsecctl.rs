@@ -10,7 +10,9 @@ fn main() {
     // tools do, instead of panicking in println!. Not `cluster up`: it serves, and a write to
     // a peer that just went away (an agent whose sandbox was stopped) must be an EPIPE error
     // on that connection, not the end of the whole cluster.
-    if !cli.serves() {
+    if cli.serves() {
+        opendsec_cli::raise_fd_limit();
+    } else {
         // SAFETY: before the runtime (and any thread) starts; SIG_DFL is a valid disposition.
         unsafe {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
