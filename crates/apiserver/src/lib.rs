@@ -166,6 +166,7 @@ pub async fn serve(
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let router = grpc::server()
         .layer(guard::GuardLayer::new(shared.clone()))
+        .layer(opendsec_common::bounds::HoldLayer)
         .add_service(sandboxes)
         .add_service(admin)
         .add_service(images)

@@ -6,15 +6,16 @@
 //! - [`FairGate`]: the creation slots of an apiserver, handed out round-robin between the
 //!   principals waiting for one, so a 32,768-item batch of one tenant cannot starve the single
 //!   creations of another;
-//! - per-principal in-flight Runtime calls and the budget of bytes unary answers hold
-//!   (`opendsec_common::bounds`, shared with the edge).
+//! - per-principal in-flight Runtime calls and the budget of bytes unary answers hold, of
+//!   which one principal holds at most its share (`opendsec_common::bounds`, shared with the
+//!   edge).
 //!
 //! Pure logic over a clock the caller passes in, unit-tested here; the gRPC layer only asks.
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
-pub use opendsec_common::bounds::{ByteBudget, PerKey};
+pub use opendsec_common::bounds::{AnswerBudget, PerKey};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;

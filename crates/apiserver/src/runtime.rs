@@ -102,7 +102,7 @@ impl ProjectCache {
 }
 
 /// A runtime request: the sandbox it goes to, and how long the edge may take to answer it.
-use opendsec_common::bounds::AnswerBytes;
+use opendsec_common::bounds::{AnswerBytes, Meter, Metered};
 
 trait Routed {
     fn sandbox_id(&self) -> &str;
@@ -112,8 +112,7 @@ trait Routed {
         Some(edge_timeout)
     }
 
-    /// The most bytes a unary answer can hold (reserved in the result budget while the call
-    /// is in flight).
+    /// The most bytes a unary answer can hold (an error for limits past what a hop holds).
     fn result_bytes(&self) -> Result<u64, ApiError>;
 }
 
@@ -232,8 +231,11 @@ pub(crate) fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> 
     Ok(r)
 }
 
-fn client(s: &Shared, edge: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
-    s.up.runtime(edge, &s.edge_addr(edge)?)
+/// A client of an edge's Runtime service, its unary answers metered.
+type EdgeRuntime = RuntimeClient<Metered<ServiceChannel>>;
+
+fn client(s: &Shared, edge: &str, meter: Option<Meter>) -> Result<EdgeRuntime, ApiError> {
+    s.up.runtime(edge, &s.edge_addr(edge)?, meter)
 }
 
 /// A stream relayed from the edge; its statuses are re-encoded so that transport failures on
@@ -255,8 +257,9 @@ impl RuntimeService {
     }
 
     /// Authorizes, forwards `f` to the sandbox's edge within `limit`, audits. The call counts
-    /// against its principal's in-flight Runtime calls, and a unary one (`bytes`: what its
-    /// answer may hold) against the result budget shared by every caller.
+    /// against its principal's in-flight Runtime calls, and the answer of a unary one (`bytes`
+    /// checks what it may hold; 0 for a stream) against the principal's share of the result
+    /// budget.
     async fn forward<Q, T, F, Fut>(
         &self,
         method: &'static str,
@@ -268,15 +271,15 @@ impl RuntimeService {
     where
         Q: Routed + Send + 'static,
         T: Send + 'static,
-        F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
+        F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
         let (md, _, req) = request.into_parts();
         let projects = self.projects.clone();
-        run(&self.shared, method, move |s, call| {
+        let (answer, meter) = run(&self.shared, method, move |s, call| {
             Box::pin(async move {
                 let id = req.sandbox_id().to_string();
-                let reserve = bytes(&req)?;
+                let metered = bytes(&req)? > 0;
                 let (edge, project) = authorized(s, &projects, call, &md, &id).await?;
                 let principal = call.principal.clone().unwrap_or_default();
                 let _in_flight = s.runtime_calls.try_take(&principal).ok_or_else(|| {
@@ -289,32 +292,35 @@ impl RuntimeService {
                     )
                     .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
                 })?;
-                let _budget = match reserve {
-                    0 => None,
-                    n => Some(s.result_budget.try_reserve(n).ok_or_else(|| {
-                        ApiError::new(Reason::RateLimited, "this apiserver holds as many answers as it may; try again")
-                            .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
-                    })?),
-                };
+                // A unary answer's bytes count against the result budget from when they
+                // arrive until the caller has taken them (the guard holds the meter with the
+                // response body).
+                let meter = metered.then(|| Meter::new(&s.result_budget, &principal));
                 let limit = limit(&req, s.cfg.edge_call_timeout);
-                let c = client(s, &edge)?;
+                let c = client(s, &edge, meter.clone())?;
                 let answer = create::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
                 if answer.as_ref().is_err_and(|e| e.reason == Reason::NotFound) {
                     // Gone, or the id names another project's sandbox now: ask the edge again
                     // next time.
                     projects.forget(&id);
                 }
-                answer
+                answer.map(|a| (a, meter))
             })
         })
-        .await
+        .await?
+        .into_inner();
+        let mut resp = Response::new(answer);
+        if let Some(m) = meter {
+            resp.extensions_mut().insert(m);
+        }
+        Ok(resp)
     }
 
     async fn unary<Q, T, F, Fut>(&self, method: &'static str, request: Request<Q>, f: F) -> Result<Response<T>, Status>
     where
         Q: Routed + Send + 'static,
         T: Send + 'static,
-        F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
+        F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
         self.forward(method, request, Q::limit, Q::result_bytes, f).await
@@ -330,7 +336,7 @@ impl RuntimeService {
     where
         Q: Routed + Send + 'static,
         T: Send + 'static,
-        F: FnOnce(RuntimeClient<ServiceChannel>, Request<Q>) -> Fut + Send + 'static,
+        F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<Streaming<T>>, Status>> + Send,
     {
         // A stream holds only what is in flight on it (HTTP/2 flow control): no reservation.

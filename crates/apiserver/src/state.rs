@@ -20,7 +20,7 @@ use crate::admission::RateLimiter;
 use crate::audit::{AuditLog, AuditRecord};
 use crate::auth::{AuthCache, Identity, token_key};
 use crate::images::ImageStore;
-use crate::limits::{ByteBudget, FailureTracker, FairGate, PerKey};
+use crate::limits::{AnswerBudget, FailureTracker, FairGate, PerKey};
 use crate::metrics::Metrics;
 use crate::placement::{self, Demand, EdgeView, Inflight, Params, Penalties, PlacementError, Res};
 use crate::upstream::Upstreams;
@@ -106,8 +106,8 @@ pub struct Shared {
     pub calls: Arc<PerKey>,
     /// Runtime calls in flight per principal.
     pub runtime_calls: Arc<PerKey>,
-    /// Bytes of unary Runtime answers in flight.
-    pub result_budget: ByteBudget,
+    /// Bytes of unary Runtime answers in flight, shared fairly between principals.
+    pub result_budget: Arc<AnswerBudget>,
     pub audit: AuditLog,
     pub metrics: Metrics,
     pub images: ImageStore,
@@ -122,7 +122,10 @@ impl Shared {
             failures: FailureTracker::new(cfg.auth_failures.max, cfg.auth_failures.window, cfg.auth_failures.pause),
             calls: PerKey::new(cfg.max_calls_per_principal),
             runtime_calls: PerKey::new(cfg.max_runtime_calls_per_principal),
-            result_budget: ByteBudget::new(cfg.runtime_result_budget_mb.saturating_mul(1 << 20)),
+            result_budget: AnswerBudget::new(
+                cfg.runtime_result_budget_mb.saturating_mul(1 << 20),
+                cfg.runtime_result_share_percent,
+            ),
             snapshot: RwLock::new(Arc::new(Snapshot::default())),
             placer: Mutex::new(Placer::default()),
             metrics: Metrics::new(),

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use opendsec_common::bounds::{Meter, Metered};
 use opendsec_common::grpc::{Links, MAX_MESSAGE_BYTES};
 use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason};
@@ -104,10 +105,16 @@ impl Upstreams {
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
 
-    /// A client of the `Runtime` service edge `name` serves beside `Edge` (same address);
-    /// an unusable address is `unavailable`, as for [`Self::edge`].
-    pub fn runtime(&self, name: &str, addr: &str) -> Result<RuntimeClient<ServiceChannel>, ApiError> {
-        Ok(RuntimeClient::new(self.edge_channel(name, addr)?)
+    /// A client of the `Runtime` service edge `name` serves beside `Edge` (same address),
+    /// its unary answers counted in `meter` when given; an unusable address is
+    /// `unavailable`, as for [`Self::edge`].
+    pub fn runtime(
+        &self,
+        name: &str,
+        addr: &str,
+        meter: Option<Meter>,
+    ) -> Result<RuntimeClient<Metered<ServiceChannel>>, ApiError> {
+        Ok(RuntimeClient::new(Metered::new(self.edge_channel(name, addr)?, meter))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }

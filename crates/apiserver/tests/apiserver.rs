@@ -391,6 +391,10 @@ macro_rules! fake_runtime {
                 if let Some(ms) = r.command.strip_prefix("sleep:").and_then(|v| v.parse().ok()) {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                 }
+                // "big:<bytes>": that much output.
+                if let Some(n) = r.command.strip_prefix("big:").and_then(|v| v.parse().ok()) {
+                    return Ok(Response::new(pb::ExecResult { stdout: vec![b'x'; n], request_id: r.request_id, ..Default::default() }));
+                }
                 Ok(Response::new(pb::ExecResult {
                     stdout: r.command.into_bytes(),
                     request_id: r.request_id,
@@ -1413,10 +1417,10 @@ async fn admin_messages_are_bounded_and_calls_capped_per_principal() {
     c.stop().await;
 }
 
-/// One principal's Runtime calls in flight are capped, and unary answers may hold only so
-/// many bytes at once on an apiserver; oversized HTTP answers are refused up front.
+/// One principal's Runtime calls in flight are capped; oversized HTTP answers are refused up
+/// front.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn runtime_calls_are_capped_per_principal_and_by_answer_bytes() {
+async fn runtime_calls_are_capped_per_principal() {
     let mut cfg = test_config();
     cfg.max_runtime_calls_per_principal = 2;
     cfg.runtime_result_budget_mb = 40;
@@ -1424,39 +1428,107 @@ async fn runtime_calls_are_capped_per_principal_and_by_answer_bytes() {
     let mut api = c.client();
     let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
     let exec = |cmd: &str| pb::ExecRequest { sandbox_id: sb.id.clone(), command: cmd.into(), ..Default::default() };
-    let small = |cmd: &str| pb::ExecRequest {
-        limits: Some(pb::OutputLimits { stdout_max_bytes: 1 << 20, stderr_max_bytes: 1 << 20 }),
-        ..exec(cmd)
-    };
     let slow: Vec<_> = (0..2)
         .map(|_| {
-            let (mut rt, req) = (c.runtime(), small("sleep:600"));
+            let (mut rt, req) = (c.runtime(), exec("sleep:600"));
             tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut rt = c.runtime();
-    let e = rt.exec(with_token(small("true"), ALICE)).await.unwrap_err();
+    let e = rt.exec(with_token(exec("true"), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
     assert!(ApiError::from_status(&e).metadata.contains_key("retry_after_ms"));
     for t in slow {
         t.await.unwrap().unwrap();
     }
-    // The two defaults (16 MiB per stream) hold 32 MiB of the 40: a second such call waits
-    // its turn (rate_limited), one asking for little goes through.
-    let holder = {
-        let (mut rt, req) = (c.runtime(), exec("sleep:600"));
-        tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let e = rt.exec(with_token(exec("true"), ALICE)).await.unwrap_err();
-    assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
-    rt.exec(with_token(small("true"), ALICE)).await.unwrap();
-    holder.await.unwrap().unwrap();
+    // Many more calls than the old worst-case reservations allowed (40 MiB / 32 MiB each):
+    // answers count by their real size.
+    let many: Vec<_> = (0..2)
+        .map(|_| {
+            let (mut rt, req) = (c.runtime(), exec("sleep:100"));
+            tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+        })
+        .collect();
+    for t in many {
+        t.await.unwrap().unwrap();
+    }
     let http =
         pb::HttpRequestRequest { sandbox_id: sb.id.clone(), port: 80, max_body_bytes: 64 << 20, ..Default::default() };
     let e = rt.http_request(with_token(http, ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::InvalidArgument, "{e:?}");
+    c.stop().await;
+}
+
+/// Starts a unary Exec over a bare HTTP/2 connection that never reads its answer (a window
+/// of 64 KiB): the apiserver cannot send it, so the answer stays held.
+async fn exec_never_read(
+    api: SocketAddr,
+    token: &str,
+    req: pb::ExecRequest,
+) -> (h2::client::SendRequest<bytes::Bytes>, http::Response<h2::RecvStream>) {
+    use prost::Message;
+    let tcp = tokio::net::TcpStream::connect(api).await.unwrap();
+    let (send, conn) = h2::client::Builder::new().initial_window_size(65_535).handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let msg = req.encode_to_vec();
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    body.extend_from_slice(&msg);
+    let request = http::Request::post(format!("http://{api}/opendsec.v1.Runtime/Exec"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("authorization", format!("Bearer {token}"))
+        .body(())
+        .unwrap();
+    let (resp, mut stream) = send.clone().ready().await.unwrap().send_request(request, false).unwrap();
+    stream.send_data(body.into(), true).unwrap();
+    // The headers come; the body is left unread.
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    (send, resp)
+}
+
+/// Unary answers count against the apiserver's result budget by their size, from when they
+/// arrive until the caller has read them, and one principal holds at most its share: alice's
+/// answer that she does not read holds her share, so her next large answer waits (it is not
+/// refused), while bob's is served at once; when her connection goes, hers comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_that_does_not_read_its_answers_holds_only_its_share() {
+    let mut cfg = test_config();
+    cfg.runtime_result_budget_mb = 40;
+    cfg.runtime_result_share_percent = 50;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    let mut api = c.client();
+    let sa = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let mut req_b = create_req("");
+    req_b.spec.as_mut().unwrap().project = "root/b".into();
+    let sb = api.create_sandbox(with_token(req_b, BOB)).await.unwrap().into_inner();
+    let big = |id: &str| pb::ExecRequest {
+        sandbox_id: id.into(),
+        command: format!("big:{}", 15 << 20),
+        limits: Some(pb::OutputLimits { stdout_max_bytes: 16 << 20, stderr_max_bytes: 0 }),
+        ..Default::default()
+    };
+    let held = exec_never_read(c.api, ALICE, big(&sa.id)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut rt = c.runtime().max_decoding_message_size(64 << 20);
+    let second = {
+        let (mut rt, req) = (rt.clone(), big(&sa.id));
+        tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    if second.is_finished() {
+        panic!(
+            "alice's second answer went past her share: {:?}",
+            second.await.unwrap().map(|r| r.into_inner().stdout.len())
+        );
+    }
+    let r = tokio::time::timeout(Duration::from_secs(10), rt.exec(with_token(big(&sb.id), BOB))).await;
+    assert_eq!(r.expect("bob waited for alice").unwrap().into_inner().stdout.len(), 15 << 20);
+    drop(held);
+    let r = tokio::time::timeout(Duration::from_secs(10), second).await.expect("alice's answer never came");
+    assert_eq!(r.unwrap().unwrap().into_inner().stdout.len(), 15 << 20);
     c.stop().await;
 }
 

@@ -3,8 +3,12 @@
 //! each Runtime request's answer may hold ([`AnswerBytes`]). Every Runtime answer is held whole
 //! in memory at each hop it crosses; the budget is what keeps a tenant asking for many large
 //! answers at once from taking a process's memory.
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use opendsec_proto::v1 as pb;
 
@@ -122,24 +126,317 @@ impl PerKey {
     }
 }
 
-/// Bytes that answers in flight may hold, counted in KiB.
+/// The bytes that answers in flight may hold at one hop, counted in KiB and shared fairly:
+/// one key (a principal at an apiserver, a sandbox at an edge) holds at most `share` of it.
+///
+/// An answer reserves its exact size, which its gRPC frame header gives before any of its
+/// body is taken off the connection ([`Metered`]), and waits, holding nothing, until that
+/// fits: no call is refused for the budget, and the bytes of an answer that waits stay with
+/// its sender (HTTP/2 flow control). Each waiter asks once, so waiters cannot hold parts of
+/// the budget while waiting for more of it.
 #[derive(Debug)]
-pub struct ByteBudget {
-    kib: Arc<tokio::sync::Semaphore>,
-    total_kib: u32,
+pub struct AnswerBudget {
+    all: Arc<Semaphore>,
+    share_kib: u32,
+    keys: Mutex<HashMap<String, Arc<Semaphore>>>,
 }
 
-impl ByteBudget {
-    pub fn new(bytes: u64) -> ByteBudget {
-        let total_kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).max(1);
-        ByteBudget { kib: Arc::new(tokio::sync::Semaphore::new(total_kib as usize)), total_kib }
+/// What one answer holds of an [`AnswerBudget`] until dropped.
+#[derive(Debug)]
+pub struct AnswerPermit {
+    budget: Arc<AnswerBudget>,
+    key: String,
+    sem: Option<Arc<Semaphore>>,
+    held: Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
+}
+
+impl Drop for AnswerPermit {
+    fn drop(&mut self) {
+        self.held = None;
+        let Some(sem) = self.sem.take() else { return };
+        let mut keys = self.budget.keys.lock().unwrap_or_else(|p| p.into_inner());
+        // The map's and this one: no other answer of the key holds or waits for its share.
+        if Arc::strong_count(&sem) == 2 {
+            keys.remove(&self.key);
+        }
+    }
+}
+
+fn kib_of(bytes: u64) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+impl AnswerBudget {
+    /// `bytes` in all, at most `share_percent` of it (1..=100) per key.
+    pub fn new(bytes: u64, share_percent: u32) -> Arc<AnswerBudget> {
+        let total = kib_of(bytes).clamp(1, Semaphore::MAX_PERMITS as u32);
+        let share = (u64::from(total) * u64::from(share_percent.clamp(1, 100)) / 100).max(1) as u32;
+        Arc::new(AnswerBudget {
+            all: Arc::new(Semaphore::new(total as usize)),
+            share_kib: share,
+            keys: Mutex::default(),
+        })
     }
 
-    /// Reserves `bytes` (at most the whole budget) until the permit is dropped; `None` when
-    /// that much is not free now.
-    pub fn try_reserve(&self, bytes: u64) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX).clamp(1, self.total_kib);
-        self.kib.clone().try_acquire_many_owned(kib).ok()
+    /// Waits until `bytes` (at most a whole share) fit in `key`'s share and in the whole.
+    pub async fn reserve(self: &Arc<Self>, key: &str, bytes: u64) -> AnswerPermit {
+        let kib = kib_of(bytes).clamp(1, self.share_kib);
+        let sem = {
+            let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            keys.entry(key.to_string()).or_insert_with(|| Arc::new(Semaphore::new(self.share_kib as usize))).clone()
+        };
+        // Built first, so that a waiter dropped midway still tidies the map.
+        let mut permit =
+            AnswerPermit { budget: self.clone(), key: key.to_string(), sem: Some(sem.clone()), held: None };
+        // Neither semaphore is ever closed.
+        if let (Ok(mine), Ok(all)) = (sem.acquire_many_owned(kib).await, self.all.clone().acquire_many_owned(kib).await)
+        {
+            permit.held = Some((mine, all));
+        }
+        permit
+    }
+
+    /// KiB free in the whole budget now.
+    pub fn free_kib(&self) -> usize {
+        self.all.available_permits()
+    }
+}
+
+/// One call's account with an [`AnswerBudget`]: what its answers reserved stays held until
+/// the last clone is dropped (the caller keeps one until the answer has left the process).
+#[derive(Clone, Debug)]
+pub struct Meter {
+    budget: Arc<AnswerBudget>,
+    key: Arc<str>,
+    held: Arc<Mutex<Vec<AnswerPermit>>>,
+}
+
+impl Meter {
+    pub fn new(budget: &Arc<AnswerBudget>, key: &str) -> Meter {
+        Meter { budget: budget.clone(), key: key.into(), held: Arc::default() }
+    }
+
+    /// How many reservations this call holds now.
+    pub fn held_permits(&self) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// A gRPC client transport whose unary answers are metered: the first message of each
+/// response reserves its size in the call's [`Meter`] before tonic takes its body off the
+/// connection. `None`: not metered (streams, which hold only what flow control lets through).
+#[derive(Clone, Debug)]
+pub struct Metered<S> {
+    inner: S,
+    meter: Option<Meter>,
+}
+
+impl<S> Metered<S> {
+    pub fn new(inner: S, meter: Option<Meter>) -> Metered<S> {
+        Metered { inner, meter }
+    }
+}
+
+type Body = tonic::body::Body;
+
+impl<S> tower::Service<http::Request<Body>> for Metered<S>
+where
+    S: tower::Service<http::Request<Body>, Response = http::Response<Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let fut = self.inner.call(req);
+        let meter = self.meter.clone();
+        Box::pin(async move {
+            let resp = fut.await?;
+            Ok(match meter {
+                None => resp,
+                Some(m) => resp.map(|b| {
+                    Body::new(MeteredBody {
+                        inner: b,
+                        meter: Some(m),
+                        header: Vec::new(),
+                        queued: VecDeque::new(),
+                        waiting: None,
+                    })
+                }),
+            })
+        })
+    }
+}
+
+/// A response body whose first gRPC message waits for its reservation (see [`Metered`]).
+struct MeteredBody {
+    inner: Body,
+    /// Until the first message's size is known and reserved.
+    meter: Option<Meter>,
+    /// The first bytes of the first message (flag and length: 5).
+    header: Vec<u8>,
+    /// Frames read while the header was incomplete or its reservation pending.
+    queued: VecDeque<http_body::Frame<bytes::Bytes>>,
+    waiting: Option<futures::future::BoxFuture<'static, AnswerPermit>>,
+}
+
+/// A gRPC message's prefix: compression flag and a 4-byte big-endian length.
+const GRPC_PREFIX: usize = 5;
+
+impl http_body::Body for MeteredBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        loop {
+            if let Some(w) = self.waiting.as_mut() {
+                let permit = std::task::ready!(w.as_mut().poll(cx));
+                self.waiting = None;
+                if let Some(m) = self.meter.take() {
+                    m.held.lock().unwrap_or_else(|p| p.into_inner()).push(permit);
+                }
+            }
+            if self.meter.is_none() {
+                if let Some(f) = self.queued.pop_front() {
+                    return Poll::Ready(Some(Ok(f)));
+                }
+                return Pin::new(&mut self.inner).poll_frame(cx);
+            }
+            match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+                None => self.meter = None,
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                Some(Ok(f)) => {
+                    if let Some(d) = f.data_ref() {
+                        let take = (GRPC_PREFIX - self.header.len()).min(d.len());
+                        let head = d.slice(..take);
+                        self.header.extend_from_slice(&head);
+                    }
+                    self.queued.push_back(f);
+                    if self.header.len() == GRPC_PREFIX
+                        && let Some(m) = &self.meter
+                    {
+                        let len = u32::from_be_bytes([self.header[1], self.header[2], self.header[3], self.header[4]]);
+                        let (budget, key) = (m.budget.clone(), m.key.clone());
+                        let bytes = u64::from(len) + GRPC_PREFIX as u64;
+                        self.waiting = Some(Box::pin(async move { budget.reserve(&key, bytes).await }));
+                    }
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.queued.is_empty() && self.waiting.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::default()
+    }
+}
+
+/// A server layer that keeps the [`Meter`] a handler put in its response's extensions until
+/// the response body is dropped, that is, until the answer has left the process (or the call
+/// is gone): bytes of an answer count until the client has taken them, however slowly it
+/// reads.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HoldLayer;
+
+impl<S> tower::Layer<S> for HoldLayer {
+    type Service = Hold<S>;
+
+    fn layer(&self, inner: S) -> Hold<S> {
+        Hold { inner }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Hold<S> {
+    inner: S,
+}
+
+impl<S, Q, B> tower::Service<http::Request<Q>> for Hold<S>
+where
+    S: tower::Service<http::Request<Q>, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Holding<B>>;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Q>) -> Self::Future {
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let mut resp = fut.await?;
+            let meter = resp.extensions_mut().remove::<Meter>();
+            Ok(resp.map(|inner| Holding { inner, _meter: meter, rest: bytes::Bytes::new() }))
+        })
+    }
+}
+
+/// A response body holding its call's [`Meter`] (see [`HoldLayer`]). A metered body hands
+/// its data on in pieces of at most [`HOLD_PIECE`]: the HTTP/2 server asks for the next piece
+/// only when the peer's window has room, so the meter goes only once the peer has nearly all
+/// of the answer (a whole message handed on at once would sit in the connection's buffers,
+/// uncounted, for as long as the peer does not read).
+#[derive(Debug, Default)]
+pub struct Holding<B> {
+    inner: B,
+    _meter: Option<Meter>,
+    rest: bytes::Bytes,
+}
+
+/// The largest piece of a metered answer handed to the connection at once.
+pub const HOLD_PIECE: usize = 64 << 10;
+
+impl<B: http_body::Body<Data = bytes::Bytes> + Unpin> http_body::Body for Holding<B> {
+    type Data = bytes::Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        if self._meter.is_none() {
+            return Pin::new(&mut self.inner).poll_frame(cx);
+        }
+        if self.rest.is_empty() {
+            match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(d) => self.rest = d,
+                    Err(f) => return Poll::Ready(Some(Ok(f))),
+                },
+                other => return Poll::Ready(other),
+            }
+        }
+        let n = self.rest.len().min(HOLD_PIECE);
+        let piece = self.rest.split_to(n);
+        Poll::Ready(Some(Ok(http_body::Frame::data(piece))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let mut h = self.inner.size_hint();
+        let rest = self.rest.len() as u64;
+        h.set_lower(h.lower().saturating_add(rest));
+        if let Some(u) = h.upper() {
+            h.set_upper(u.saturating_add(rest));
+        }
+        h
     }
 }
 
@@ -156,15 +453,78 @@ mod tests {
         drop(a);
         assert!(k.try_take("alice").is_some());
         drop(b);
-        let budget = ByteBudget::new(64 << 20);
-        let big = budget.try_reserve(48 << 20).unwrap();
-        assert!(budget.try_reserve(32 << 20).is_none());
-        let small = budget.try_reserve(8 << 20).unwrap();
-        drop(big);
-        assert!(budget.try_reserve(40 << 20).is_some());
-        drop(small);
-        // More than the whole budget takes the whole budget rather than never fitting.
-        assert!(budget.try_reserve(1 << 40).is_some());
+    }
+
+    /// An answer waits until it fits; one key holds at most its share, so another key's
+    /// answer still fits; the keys map is tidied when a key holds nothing.
+    #[tokio::test]
+    async fn answers_wait_their_turn_within_a_fair_share() {
+        let b = AnswerBudget::new(64 << 20, 50);
+        let a1 = b.reserve("alice", 30 << 20).await;
+        // Alice's second 30 MiB is past her 32 MiB share: it waits, while bob's fits.
+        let waiting = {
+            let b = b.clone();
+            tokio::spawn(async move { b.reserve("alice", 30 << 20).await })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "alice went past her share");
+        let bob = tokio::time::timeout(std::time::Duration::from_secs(5), b.reserve("bob", 30 << 20)).await.unwrap();
+        drop(a1);
+        let a2 = tokio::time::timeout(std::time::Duration::from_secs(5), waiting).await.unwrap().unwrap();
+        // More than a share takes a whole share rather than never fitting.
+        drop((a2, bob));
+        assert_eq!(b.free_kib(), 64 << 10);
+        let huge = b.reserve("carol", 1 << 40).await;
+        assert_eq!(b.free_kib(), 32 << 10);
+        drop(huge);
+        assert!(b.keys.lock().unwrap().is_empty(), "keys holding nothing stay in the map");
+        // A waiter dropped midway leaves nothing behind either.
+        let hold = b.reserve("dave", 32 << 20).await;
+        let w = b.reserve("dave", 1 << 20);
+        drop(tokio::time::timeout(std::time::Duration::from_millis(20), w).await);
+        drop(hold);
+        assert!(b.keys.lock().unwrap().is_empty());
+        assert_eq!(b.free_kib(), 64 << 10);
+    }
+
+    /// A metered body reserves its first message's size from the gRPC prefix (split over
+    /// frames or not) before passing any of it on, and the bytes come out unchanged.
+    #[tokio::test]
+    async fn a_metered_body_reserves_its_message_before_passing_it_on() {
+        use http_body_util::BodyExt;
+        let budget = AnswerBudget::new(4 << 20, 100);
+        let mut msg = vec![0u8];
+        msg.extend_from_slice(&(3u32 << 20).to_be_bytes());
+        msg.extend(std::iter::repeat_n(7u8, 3 << 20));
+        // Frames: 2 bytes, 2 bytes, then the rest.
+        let frames: Vec<Result<http_body::Frame<bytes::Bytes>, tonic::Status>> = vec![
+            Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(&msg[..2]))),
+            Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(&msg[2..4]))),
+            Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(&msg[4..]))),
+        ];
+        let body = Body::new(http_body_util::StreamBody::new(futures::stream::iter(frames)));
+        let meter = Meter::new(&budget, "alice");
+        // Another answer holds 2 MiB: this one's 3 MiB waits for it.
+        let other = budget.reserve("bob", 2 << 20).await;
+        let mut metered = MeteredBody {
+            inner: body,
+            meter: Some(meter.clone()),
+            header: Vec::new(),
+            queued: VecDeque::new(),
+            waiting: None,
+        };
+        let first = tokio::time::timeout(std::time::Duration::from_millis(50), metered.frame()).await;
+        assert!(first.is_err(), "a frame was passed on before the answer's bytes were reserved");
+        drop(other);
+        let mut got = Vec::new();
+        while let Some(f) = metered.frame().await {
+            got.extend_from_slice(f.unwrap().data_ref().unwrap());
+        }
+        assert_eq!(got, msg);
+        assert_eq!(meter.held_permits(), 1);
+        assert_eq!(budget.free_kib(), (4 << 10) - (3 << 10) - 1, "3 MiB and the 5-byte prefix");
+        drop((metered, meter));
+        assert_eq!(budget.free_kib(), 4 << 10);
     }
 
     #[test]

@@ -173,8 +173,10 @@ pub struct ApiserverConfig {
     /// Runtime calls (exec, files, HTTP, processes) one principal may have in flight.
     pub max_runtime_calls_per_principal: u32,
     /// Bytes the answers of unary Runtime calls in flight (exec results, output, HTTP
-    /// bodies) may hold at once, summed over every caller; beyond, calls get `rate_limited`.
+    /// bodies) may hold at once, summed over every caller; an answer that does not fit waits.
     pub runtime_result_budget_mb: u64,
+    /// The most of that budget one principal's answers hold at once (percent).
+    pub runtime_result_share_percent: u32,
     /// How long a single creation waits for a creation slot (slots go round-robin between
     /// the principals waiting) before it gets `rate_limited`.
     #[serde(with = "humantime_serde")]
@@ -231,6 +233,7 @@ impl Default for ApiserverConfig {
             max_connections_per_source: 1024,
             max_runtime_calls_per_principal: 256,
             runtime_result_budget_mb: 2048,
+            runtime_result_share_percent: 25,
             creation_slot_wait: Duration::from_secs(5),
         }
     }
@@ -402,8 +405,10 @@ pub struct EdgeConfig {
     /// Runtime calls one sandbox may have in flight through this edge.
     pub max_runtime_calls_per_sandbox: u32,
     /// Bytes the answers of unary Runtime calls in flight through this edge may hold at once;
-    /// beyond, calls get `rate_limited`.
+    /// an answer that does not fit waits.
     pub runtime_result_budget_mb: u64,
+    /// The most of that budget one sandbox's answers hold at once (percent).
+    pub runtime_result_share_percent: u32,
 }
 
 /// Disk I/O limits per sandbox (0 = no limit of that kind). On cgroup v1 only direct and
@@ -457,6 +462,7 @@ impl Default for EdgeConfig {
             disk_io: DiskIoConfig::default(),
             max_runtime_calls_per_sandbox: 256,
             runtime_result_budget_mb: 2048,
+            runtime_result_share_percent: 25,
         }
     }
 }

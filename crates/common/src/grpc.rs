@@ -44,14 +44,20 @@ pub fn server() -> Server {
         .http2_max_header_list_size(64 << 10)
 }
 
-/// An internal server: [`server`] behind the role table of [`crate::acl`].
-pub fn internal_server() -> Server<tower::layer::util::Stack<AclLayer, tower::layer::util::Identity>> {
-    server().layer(AclLayer)
+/// The layers of an internal server: the role table, then what keeps answers' meters.
+pub type InternalLayers = tower::layer::util::Stack<
+    crate::bounds::HoldLayer,
+    tower::layer::util::Stack<AclLayer, tower::layer::util::Identity>,
+>;
+
+/// An internal server: [`server`] behind the role table of [`crate::acl`], holding each
+/// answer's [`crate::bounds::Meter`] until the answer has gone.
+pub fn internal_server() -> Server<InternalLayers> {
+    server().layer(AclLayer).layer(crate::bounds::HoldLayer)
 }
 
 /// The router an internal server builds.
-pub type InternalRouter =
-    tonic::transport::server::Router<tower::layer::util::Stack<AclLayer, tower::layer::util::Identity>>;
+pub type InternalRouter = tonic::transport::server::Router<InternalLayers>;
 
 /// Serves an internal router over mTLS on an already bound listener until `shutdown`
 /// completes: only callers with a certificate of the cluster CA get past the handshake, and

@@ -85,7 +85,7 @@ pub(crate) struct Inner {
     /// Runtime calls in flight per sandbox, capped.
     pub runtime_calls: Arc<opendsec_common::bounds::PerKey>,
     /// Bytes of unary Runtime answers in flight through this edge.
-    pub result_budget: opendsec_common::bounds::ByteBudget,
+    pub result_budget: Arc<opendsec_common::bounds::AnswerBudget>,
 }
 
 /// Everything `Inner::new` needs.
@@ -110,8 +110,9 @@ impl Inner {
             boot_id: format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>()),
             releases: ReleaseQueue::new(p.cfg.release_batch),
             runtime_calls: opendsec_common::bounds::PerKey::new(p.cfg.max_runtime_calls_per_sandbox),
-            result_budget: opendsec_common::bounds::ByteBudget::new(
+            result_budget: opendsec_common::bounds::AnswerBudget::new(
                 p.cfg.runtime_result_budget_mb.saturating_mul(1 << 20),
+                p.cfg.runtime_result_share_percent,
             ),
             name: p.name,
             cfg: p.cfg,

@@ -28,8 +28,8 @@ use futures::StreamExt;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status, Streaming};
 
-use opendsec_common::bounds::AnswerBytes;
-use opendsec_common::grpc::EXPECT_PROJECT_HEADER;
+use opendsec_common::bounds::{AnswerBytes, Meter, Metered};
+use opendsec_common::grpc::{EXPECT_PROJECT_HEADER, MAX_MESSAGE_BYTES};
 use opendsec_proto::upload::{self, Hop};
 
 use opendsec_common::time::now_ms;
@@ -43,6 +43,9 @@ use crate::state::SandboxStatus;
 
 /// How long an aborted upload's reset may take to reach the agent.
 const ABORT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// An agent client whose answers are metered.
+type MeteredAgent = opendsec_proto::v1::runtime_client::RuntimeClient<Metered<tonic::transport::Channel>>;
 
 type BoxStream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
 
@@ -193,13 +196,22 @@ impl RuntimeService {
         self.channel(id, md, CallKind::Call).await.map(|(ch, g)| (agent_client(ch), g))
     }
 
-    /// Reserves what a unary answer may hold in the edge's result budget.
-    fn reserve(&self, req: &impl AnswerBytes) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
-        let bytes = req.answer_bytes().map_err(|e| e.to_status())?;
-        self.inner
-            .result_budget
-            .try_reserve(bytes)
-            .ok_or_else(|| busy("this edge holds as many answers as it may; try again".into()))
+    /// A client for one unary call whose answer counts against the sandbox's share of the
+    /// edge's result budget, from when it arrives until it has gone to the apiserver (the
+    /// server's [`opendsec_common::bounds::HoldLayer`] keeps the meter with the response).
+    async fn unary_target(
+        &self,
+        id: &str,
+        md: &MetadataMap,
+        req: &impl AnswerBytes,
+    ) -> Result<(MeteredAgent, Meter, Held), Status> {
+        req.answer_bytes().map_err(|e| e.to_status())?;
+        let (ch, held) = self.channel(id, md, CallKind::Call).await?;
+        let meter = Meter::new(&self.inner.result_budget, id);
+        let c = opendsec_proto::v1::runtime_client::RuntimeClient::new(Metered::new(ch, Some(meter.clone())))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES);
+        Ok((c, meter, held))
     }
 
     async fn channel(
@@ -260,9 +272,10 @@ macro_rules! runtime_impl {
             $(
                 async fn $method(&self, r: Request<$req>) -> Result<Response<$resp>, Status> {
                     let (md, _, req) = r.into_parts();
-                    let _budget = self.reserve(&req)?;
-                    let (mut c, _guard) = self.target(&req.sandbox_id, &md).await?;
-                    c.$method(req).await.map_err(untrusted)
+                    let (mut c, meter, _guard) = self.unary_target(&req.sandbox_id, &md, &req).await?;
+                    let mut resp = c.$method(req).await.map_err(untrusted)?;
+                    resp.extensions_mut().insert(meter);
+                    Ok(resp)
                 }
             )*
             $(
