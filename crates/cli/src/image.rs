@@ -350,6 +350,15 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         (Some(u), true) => Some(Credentials { username: u.clone(), password: read_password()? }),
         _ => None,
     };
+    // The project the layers are imported for (the caller's when registering and none is
+    // named; none at all with --no-register and no --project): its users may name them in
+    // manifests. Layers stored for other projects are reused only after their blob is read
+    // and matches.
+    let target = match (project, args.no_register) {
+        ("", true) => None,
+        ("", false) => Some(client.who_am_i(pb::WhoAmIRequest {}).await?.project),
+        (p, _) => Some(p.to_string()),
+    };
     let opts = ImportOptions {
         credentials,
         docker_config: args.docker_config.clone(),
@@ -357,6 +366,7 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         limits: limits(&images),
         progress: !out.json,
         timeout: args.timeout,
+        for_project: target.clone(),
     };
     let reference = args.reference.as_deref();
     let derived = || -> Option<String> {
@@ -394,14 +404,14 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         "fetched_layers": imported.fetched_layers,
         "reused_layers": imported.reused_layers,
     });
+    if let Some(t) = &target {
+        for l in &imported.layers {
+            store.add_layer_user(l, t).map_err(local("record the layer's project"))?;
+        }
+    }
     if args.no_register {
         // Recorded for a project named here (no cluster is asked): a later registration by
         // someone who may use it can name the layers.
-        if !project.is_empty() {
-            for l in &imported.layers {
-                store.add_layer_user(l, project).map_err(local("record the layer's project"))?;
-            }
-        }
         out.print(summary, || layers.join("\n"));
         return Ok(());
     }
@@ -409,15 +419,6 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         let r = ImageRef::parse("root", &name).map_err(|e| CtlError::Api(ApiError::invalid(e.to_string())))?;
         (r.repo, r.tag)
     };
-    // The layers were imported for this project (the caller's when none is named): its users
-    // may name them in manifests.
-    let target = match project {
-        "" => client.who_am_i(pb::WhoAmIRequest {}).await?.project,
-        p => p.to_string(),
-    };
-    for l in &imported.layers {
-        store.add_layer_user(l, &target).map_err(local("record the layer's project"))?;
-    }
     let c = &imported.config;
     let image = pb::Image {
         project: project.to_string(),

@@ -125,6 +125,12 @@ pub struct ImportOptions {
     pub progress: bool,
     /// Connect timeout, and the longest silence tolerated while waiting for bytes.
     pub timeout: Duration,
+    /// The project the import is for (its layers get recorded for it). A layer already stored
+    /// is reused without reading its blob only when this project may already use it; any
+    /// other stored layer is fetched and unpacked again, and must match the stored one: an
+    /// image config naming another project's layer grants nothing without its content.
+    /// `None`: every stored layer is reused (the import records no project).
+    pub for_project: Option<String>,
 }
 
 impl Default for ImportOptions {
@@ -136,6 +142,7 @@ impl Default for ImportOptions {
             limits: Limits::default(),
             progress: false,
             timeout: Duration::from_secs(30),
+            for_project: None,
         }
     }
 }
@@ -190,7 +197,7 @@ pub async fn import_from_registry(
         }
     };
     let (layers, fetched_layers, reused_layers) =
-        import_layers(store, &jobs, &source, &opts.limits, &progress, fetch).await?;
+        import_layers(store, &jobs, &source, &opts.limits, opts.for_project.as_deref(), &progress, fetch).await?;
     tracing::info!(%source, layers = layers.len(), fetched_layers, reused_layers, "image imported");
     Ok(Imported { layers, config: config.image_config(), source, fetched_layers, reused_layers })
 }
@@ -264,14 +271,17 @@ pub(crate) enum Blob {
 /// check (plain or opaque-expanded id) applies; above a missing layer only the plain id can
 /// match (an opaque layer's id depends on lower ids not known yet, and a layer stored under
 /// its plain id has no opaque directories, so it is valid on any lowers).
-fn plan(store: &Store, jobs: &[LayerJob]) -> Vec<Option<LayerId>> {
+///
+/// Only layers `for_project` may already use count (see [`ImportOptions::for_project`]).
+fn plan(store: &Store, jobs: &[LayerJob], for_project: Option<&str>) -> Vec<Option<LayerId>> {
     let mut out: Vec<Option<LayerId>> = Vec::with_capacity(jobs.len());
     let mut lowers: Option<Vec<LayerId>> = Some(Vec::new());
     for j in jobs {
         let found = match &lowers {
             Some(l) => existing_layer(store, &j.diff_id, l),
             None => LayerId::parse(&j.diff_id).ok().filter(|id| store.has_layer(id)),
-        };
+        }
+        .filter(|id| reusable(store, id, for_project));
         match (&found, &mut lowers) {
             (Some(id), Some(l)) => l.push(id.clone()),
             (None, _) => lowers = None,
@@ -280,6 +290,18 @@ fn plan(store: &Store, jobs: &[LayerJob]) -> Vec<Option<LayerId>> {
         out.push(found);
     }
     out
+}
+
+/// Whether a stored layer may stand in for an image's layer without its blob being read: the
+/// import records no project, or the project may use the layer already (recorded for it; a
+/// layer recorded for nobody is root's, as the apiserver reads it).
+fn reusable(store: &Store, id: &LayerId, for_project: Option<&str>) -> bool {
+    let Some(project) = for_project else { return true };
+    match store.layer_users(id) {
+        Ok(users) if users.is_empty() => project == opendsec_common::ids::ROOT_PROJECT,
+        Ok(users) => users.iter().any(|u| u == project),
+        Err(_) => false,
+    }
 }
 
 fn short(digest: &str) -> String {
@@ -297,6 +319,7 @@ pub(crate) async fn import_layers<F, Fut>(
     jobs: &[LayerJob],
     source: &str,
     limits: &Limits,
+    for_project: Option<&str>,
     progress: &Progress,
     fetch: F,
 ) -> Result<(Vec<LayerId>, usize, usize), ImportError>
@@ -314,7 +337,7 @@ where
             limit: limits.max_image_bytes,
         });
     }
-    let mut ids = plan(store, jobs);
+    let mut ids = plan(store, jobs, for_project);
     let mut reused = ids.iter().filter(|i| i.is_some()).count();
     let semaphore = Arc::new(tokio::sync::Semaphore::new(DOWNLOAD_CONCURRENCY));
     let mut tasks = tokio::task::JoinSet::new();
@@ -359,7 +382,9 @@ where
             }
             if deferred[i] {
                 let lowers: Vec<LayerId> = ids[..i].iter().flatten().cloned().collect();
-                if let Some(id) = existing_layer(store, &jobs[i].diff_id, &lowers) {
+                if let Some(id) =
+                    existing_layer(store, &jobs[i].diff_id, &lowers).filter(|id| reusable(store, id, for_project))
+                {
                     if let Some(bar) = bars.get(&i) {
                         bar.done();
                     }
@@ -530,10 +555,10 @@ mod tests {
         let b_opaque = crate::layer::opaque_layer_id(&b, std::slice::from_ref(&a));
         put_layer(&store, &b_opaque, vec![a.clone()]);
         put_layer(&store, &d, vec![]);
-        let p = plan(&store, &[job(&a), job(&b), job(&c), job(&d)]);
+        let p = plan(&store, &[job(&a), job(&b), job(&c), job(&d)], None);
         assert_eq!(p, vec![Some(a.clone()), Some(b_opaque.clone()), None, Some(d.clone())]);
         // Above a missing layer, an opaque-expanded id cannot be known.
-        let p = plan(&store, &[job(&c), job(&a), job(&b)]);
+        let p = plan(&store, &[job(&c), job(&a), job(&b)], None);
         assert_eq!(p, vec![None, Some(a), None]);
     }
 

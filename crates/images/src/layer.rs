@@ -117,7 +117,10 @@ pub fn existing_layer(store: &Store, diff_id: &str, lowers: &[LayerId]) -> Optio
 /// Decompresses, hashes (the uncompressed stream must hash to `expected_diff_id` when given)
 /// and safely unpacks one layer tar into a pending layer, expands opaque directories against
 /// `lowers` (bottom first, all in the store), and commits it. Returns its meta. On any error
-/// nothing is left in the store. A layer already stored is returned without reading `blob`.
+/// nothing is left in the store. The blob is always read and checked, even for a layer already
+/// stored (whose meta is then returned and the new copy dropped): callers skip a stored layer
+/// themselves when they may ([`existing_layer`]), so nothing is taken as stored on a digest's
+/// word alone.
 /// `compression` is what the image declares; the blob's magic bytes decide (registries
 /// sometimes mislabel layers), which the diff id check keeps safe.
 pub fn import_layer(
@@ -130,11 +133,6 @@ pub fn import_layer(
     source: &str,
 ) -> Result<LayerMeta, LayerError> {
     let expected = expected_diff_id.map(LayerId::parse).transpose()?;
-    if let Some(want) = &expected
-        && let Some(id) = existing_layer(store, want.as_str(), lowers)
-    {
-        return Ok(store.layer_meta(&id)?);
-    }
     for l in lowers {
         if !store.has_layer(l) {
             return Err(StoreError::LayerNotFound(l.to_string()).into());

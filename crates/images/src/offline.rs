@@ -200,7 +200,7 @@ pub async fn import_oci_layout(
         }
     };
     let (layers, fetched_layers, reused_layers) =
-        import_layers(store, &jobs, &source, &opts.limits, &progress, fetch).await?;
+        import_layers(store, &jobs, &source, &opts.limits, opts.for_project.as_deref(), &progress, fetch).await?;
     Ok(Imported { layers, config: config.image_config(), source, fetched_layers, reused_layers })
 }
 
@@ -423,7 +423,7 @@ pub async fn import_docker_archive(store: &Store, tar: &Path, opts: &ImportOptio
         }
     };
     let (layers, fetched_layers, reused_layers) =
-        import_layers(store, &jobs, &source, &opts.limits, &progress, fetch).await?;
+        import_layers(store, &jobs, &source, &opts.limits, opts.for_project.as_deref(), &progress, fetch).await?;
     let config = save.config.image_config();
     drop(save); // removes the decompressed copy, if any
     Ok(Imported { layers, config, source, fetched_layers, reused_layers })

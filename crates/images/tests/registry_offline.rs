@@ -317,3 +317,41 @@ async fn a_whole_image_is_capped() {
         other => panic!("expected TooLarge, got {other:?}"),
     }
 }
+
+/// An image config naming a layer stored for another project grants nothing without the
+/// layer's content: a stand-in blob is read, fails its diff id and records no project; the
+/// real content is unpacked again, checked, and then recorded (the stored copy kept); an
+/// import for the layer's own project reuses it without reading its blob.
+#[tokio::test]
+async fn a_stored_layer_of_another_project_is_reused_only_with_its_content() {
+    let (_d, store) = new_store();
+    let secret = layer(TarBuilder::new().file("secret", b"of root/a").finish(), Comp::Gzip);
+    let for_project = |p: &str| ImportOptions { for_project: Some(p.into()), ..local_opts() };
+    let dir = tempfile::tempdir().unwrap();
+    Layout::new(dir.path()).add_image(&image(vec![secret.clone()], "amd64", &[], &[]), "a");
+    let got = import_oci_layout(&store, dir.path(), None, &for_project("root/a")).await.unwrap();
+    let id = got.layers[0].clone();
+    store.add_layer_user(&id, "root/a").unwrap();
+
+    // The attacker's image: the secret layer's diff id in its config, any blob as the layer.
+    let dummy = layer(TarBuilder::new().file("nothing", b"").finish(), Comp::Gzip);
+    let forged = Layer { diff_id: secret.diff_id.clone(), ..dummy };
+    let dir = tempfile::tempdir().unwrap();
+    Layout::new(dir.path()).add_image(&image(vec![forged], "amd64", &[], &[]), "b");
+    let err = import_oci_layout(&store, dir.path(), None, &for_project("root/b")).await.unwrap_err();
+    assert!(matches!(err, ImportError::Layer { source: LayerError::DigestMismatch { .. }, .. }), "{err:?}");
+    assert_eq!(store.layer_users(&id).unwrap(), vec!["root/a".to_string()]);
+
+    // The same image with the real content: unpacked (not reused), the stored layer kept.
+    let dir = tempfile::tempdir().unwrap();
+    Layout::new(dir.path()).add_image(&image(vec![secret.clone()], "amd64", &[], &[]), "b");
+    let got = import_oci_layout(&store, dir.path(), None, &for_project("root/b")).await.unwrap();
+    assert_eq!((got.layers[0].clone(), got.fetched_layers, got.reused_layers), (id.clone(), 1, 0));
+    // For its own project, and with no project to record: reused without its blob.
+    for opts in [for_project("root/a"), local_opts()] {
+        let got = import_oci_layout(&store, dir.path(), None, &opts).await.unwrap();
+        assert_eq!((got.fetched_layers, got.reused_layers), (0, 1));
+    }
+    assert_tmp_empty(&store);
+    assert_eq!(stored_layers(&store).len(), 1);
+}
