@@ -11,7 +11,7 @@ use std::sync::Arc;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use opendsec_common::grpc;
-use opendsec_common::{ApiError, Reason};
+use opendsec_common::{ApiError, Reason, ids};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::admin_client::AdminClient;
 use opendsec_proto::v1::admin_server::Admin;
@@ -31,6 +31,32 @@ impl AdminProxy {
     }
 }
 
+/// What the apiserver does around an Admin call besides forwarding it: only a project's
+/// deletion touches what the apiserver holds (the project's images and layer records).
+trait Around {
+    /// The project this call deletes.
+    fn deletes_project(&self) -> Option<&str> {
+        None
+    }
+}
+
+impl Around for pb::DeleteProjectRequest {
+    fn deletes_project(&self) -> Option<&str> {
+        Some(&self.path)
+    }
+}
+
+/// Refuses the deletion of project `path` by the token's principal when IAM would (it may not
+/// manage the project: `project.manage` on its parent), or when the project holds images.
+async fn may_delete_empty(shared: &Shared, token: &str, path: &str) -> Result<(), ApiError> {
+    let Some(parent) = ids::parent_project(path).filter(|_| ids::validate_project(path).is_ok()) else {
+        return Ok(()); // IAM answers for root and malformed paths.
+    };
+    let who = shared.authenticate(token).await?;
+    shared.authorize(&who.principal, "project.manage", parent).await?;
+    shared.images.check_empty(path).await
+}
+
 type AdminCall<Q, R> = fn(AdminClient<ServiceChannel>, Request<Q>) -> BoxFuture<'static, Result<Response<R>, Status>>;
 
 async fn forward<Q, R>(
@@ -40,7 +66,7 @@ async fn forward<Q, R>(
     f: AdminCall<Q, R>,
 ) -> Result<Response<R>, Status>
 where
-    Q: Clone + Send + Sync + 'static,
+    Q: Around + Clone + Send + Sync + 'static,
     R: Send + 'static,
 {
     let (md, _, msg) = request.into_parts();
@@ -55,6 +81,15 @@ where
             }
         };
         call.principal = shared.auth.cached_principal(&token_key(&token));
+        // A project holding images is not deleted (IAM knows nothing of images). Only a
+        // caller who may delete it learns that it holds any: the same rule as IAM's first.
+        let deletes = msg.deletes_project().map(str::to_string);
+        if let Some(p) = &deletes
+            && let Err(e) = may_delete_empty(&shared, &token, p).await
+        {
+            shared.finish(call, Err(&e)).await;
+            return Err(e.to_status());
+        }
         let res = shared
             .up
             .admin(|c| {
@@ -66,6 +101,12 @@ where
             })
             .await;
         let outcome = res.as_ref().map(|_| ()).map_err(ApiError::from_status);
+        if let (Ok(()), Some(p)) = (&outcome, &deletes) {
+            // Gone at IAM: a project later made under the name inherits no layer rights.
+            if let Err(e) = shared.images.forget_project(p).await {
+                tracing::error!(project = %p, error = %e.message, "could not forget a deleted project's layer records");
+            }
+        }
         shared.finish(call, outcome.as_ref().map(|_| ())).await;
         res
     });
@@ -91,6 +132,33 @@ macro_rules! admin_proxy {
         }
     };
 }
+
+/// Nothing around the other calls.
+macro_rules! nothing_around {
+    ($($req:ty),* $(,)?) => {
+        $(impl Around for $req {})*
+    };
+}
+
+nothing_around!(
+    pb::WhoAmIRequest,
+    pb::CreateProjectRequest,
+    pb::GetProjectRequest,
+    pb::ListProjectsRequest,
+    pb::SetQuotaRequest,
+    pb::CreatePrincipalRequest,
+    pb::ListPrincipalsRequest,
+    pb::DeletePrincipalRequest,
+    pb::CreateTokenRequest,
+    pb::ListTokensRequest,
+    pb::RevokeTokenRequest,
+    pb::GrantRequest,
+    pb::RevokeGrantRequest,
+    pb::ListGrantsRequest,
+    pb::GetUsageRequest,
+    pb::BackupRequest,
+    pb::RestoreRequest,
+);
 
 admin_proxy! {
     who_am_i: "WhoAmI", pb::WhoAmIRequest => pb::WhoAmIResponse;

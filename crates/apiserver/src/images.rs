@@ -129,6 +129,29 @@ impl ImageStore {
         self.cache().clear();
     }
 
+    /// Refuses to let `project` go while it holds images (as IAM refuses while it holds
+    /// subprojects, principals or leases): they would pass to a project made later under the
+    /// same name.
+    pub async fn check_empty(&self, project: &str) -> Result<(), ApiError> {
+        let (store, p) = (self.store.clone(), project.to_string());
+        let held = blocking(move || Ok(store.list_manifests(&p, false)?)).await.map_err(ApiError::from)?;
+        match held.first() {
+            None => Ok(()),
+            Some(m) => Err(ApiError::new(
+                Reason::InvalidState,
+                format!("project {project} still has image {}:{}; delete its images first", m.repo, m.tag),
+            )),
+        }
+    }
+
+    /// After `project` was deleted: it is no layer's user any more.
+    pub async fn forget_project(&self, project: &str) -> Result<usize, ApiError> {
+        let (store, p) = (self.store.clone(), project.to_string());
+        let n = blocking(move || Ok(store.remove_layer_users(&p)?)).await.map_err(ApiError::from)?;
+        self.invalidate();
+        Ok(n)
+    }
+
     /// Where `name` (a sandbox's `spec.image`) is found for a sandbox in `project`: cached for
     /// [`RESOLVE_CACHE_TTL`], found or not; store errors are not cached.
     pub async fn resolve(&self, project: &str, name: &str) -> Result<ImageRef, ImageError> {

@@ -245,3 +245,42 @@ async fn another_projects_layers_cannot_be_registered_by_id() {
     a.create_sandbox(with_image("root/a", "shared:1")).await.unwrap();
     t.cluster.shutdown().await;
 }
+
+/// A deleted project leaves nothing to a project made later under its name: its deletion is
+/// refused while it holds images (and a caller who may not delete it does not learn whether
+/// it does), and once it is gone it is no layer's user any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_project_made_again_under_a_deleted_name_inherits_no_images_or_layers() {
+    let t = start(1, |_| {}).await;
+    project(&t.admin, "root/t", pb::Quota::default()).await;
+    project(&t.admin, "root/other", pb::Quota::default()).await;
+    let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
+    let layer = put_layer(&store, 21, "root/t");
+    let perms = ["layer.publish", "layer.use", "sandbox.create"];
+    let old = client(&t.cluster, &principal(&t.admin, "old-builder", "root/t", &perms).await);
+    old.register_image(register("root/t", "private:1", &[&layer])).await.unwrap();
+    let stranger = client(&t.cluster, &principal(&t.admin, "stranger", "root/other", &perms).await);
+    let delete = |p: &str| pb::DeleteProjectRequest { path: p.into() };
+
+    let e = stranger.delete_project(delete("root/t")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    assert!(!e.message.contains("private"), "{}", e.message);
+    let e = t.admin.delete_project(delete("root/t")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidState, "{e}");
+    assert!(e.message.contains("still has image private:1"), "{}", e.message);
+
+    old.delete_image(pb::DeleteImageRequest { project: "root/t".into(), name: "private:1".into() }).await.unwrap();
+    t.admin.delete_principal(pb::DeletePrincipalRequest { name: "old-builder".into() }).await.unwrap();
+    t.admin.delete_project(delete("root/t")).await.unwrap();
+    let id = LayerId::parse(&layer).unwrap();
+    assert!(store.layer_users(&id).unwrap().is_empty(), "{:?}", store.layer_users(&id));
+
+    // The new root/t may not name the old one's layer.
+    project(&t.admin, "root/t", pb::Quota::default()).await;
+    let new = client(&t.cluster, &principal(&t.admin, "new-builder", "root/t", &perms).await);
+    let e = new.register_image(register("root/t", "mine:1", &[&layer])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "{e}");
+    let e = new.get_image(pb::GetImageRequest { project: "root/t".into(), name: "private:1".into() }).await;
+    assert_eq!(e.unwrap_err().reason, Reason::NotFound);
+    t.cluster.shutdown().await;
+}

@@ -280,6 +280,29 @@ impl Store {
         Ok(())
     }
 
+    /// Forgets `project` as a user of every layer (its project was deleted: a project made
+    /// later under the same name must not inherit the right to name them). Returns how many
+    /// records went.
+    pub fn remove_layer_users(&self, project: &str) -> Result<usize, StoreError> {
+        let layers = self.root.join("layers");
+        let rd = match fs::read_dir(&layers) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(StoreError::Io { path: layers, source: e }),
+        };
+        let name = project.replace('/', "+");
+        let mut n = 0;
+        for e in rd.flatten() {
+            let p = e.path().join(LAYER_USERS).join(&name);
+            match fs::remove_file(&p) {
+                Ok(()) => n += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(StoreError::Io { path: p, source: e }),
+            }
+        }
+        Ok(n)
+    }
+
     /// The projects recorded by [`Store::add_layer_user`] (none for layers stored before
     /// layers had users).
     pub fn layer_users(&self, id: &LayerId) -> Result<Vec<String>, StoreError> {
