@@ -286,10 +286,11 @@ fn write_file(path: &Path, text: &str) -> Result<(), CgroupError> {
     std::fs::write(path, text).map_err(|source| CgroupError::Write { path: path.to_path_buf(), source })
 }
 
-/// Whether a sandbox cgroup named `name` exists (in the first hierarchy that has it).
-pub fn exists(name: &str) -> bool {
-    let Ok((layout, parent)) = parent_rel() else { return false };
-    dirs_of(layout, &parent.join(name)).iter().any(|d| d.is_dir())
+/// Whether a cgroup exists at `rel` (a path from the hierarchy roots, as
+/// [`SandboxCgroup::rel_path`] gives, whichever edge made it) in any hierarchy.
+pub fn exists_at(rel: &Path) -> bool {
+    let Ok(layout) = detect_layout() else { return false };
+    dirs_of(layout, rel).iter().any(|d| d.is_dir())
 }
 
 fn mgr_err(e: impl std::fmt::Display) -> CgroupError {

@@ -137,14 +137,16 @@ impl IdPool {
         IdRange { host_first: block * RANGE, count: RANGE }
     }
 
-    /// Claims a free range for `owner`; `alive(owner)` says whether a claim's owner still
-    /// exists (its cgroup), for taking over the claims of sandboxes that died with their edge.
-    pub fn claim(&self, owner: &str, alive: impl Fn(&str) -> bool) -> Result<IdRange, IdmapError> {
+    /// Claims a free range for `owner`, found at `locator` (its cgroup's path from the
+    /// hierarchy roots, the same for every edge of the host); `alive(locator)` says whether a
+    /// claim's holder still exists there, for taking over the claims of sandboxes that died
+    /// with their edge. A claim without a locator is never taken over.
+    pub fn claim(&self, owner: &str, locator: &str, alive: impl Fn(&str) -> bool) -> Result<IdRange, IdmapError> {
         let _lock = self.lock()?;
         let start = NEXT.load(Ordering::Relaxed);
         for i in 0..self.blocks {
             let block = self.first_block + (start.wrapping_add(i) % self.blocks);
-            if self.create(block, owner)? {
+            if self.create(block, owner, locator)? {
                 NEXT.store(block - self.first_block + 1, Ordering::Relaxed);
                 return Ok(IdPool::range(block));
             }
@@ -153,11 +155,11 @@ impl IdPool {
         for i in 0..self.blocks {
             let block = self.first_block + i;
             let path = self.claim_path(block);
-            let Some(holder) = read_owner(&path) else { continue };
-            if !alive(&holder) && older_than(&path, STALE_AFTER) {
+            let Some((holder, Some(at))) = read_claim(&path) else { continue };
+            if !alive(&at) && older_than(&path, STALE_AFTER) {
                 tracing::warn!(holder = %holder, block, "taking over a stale user namespace id claim");
                 std::fs::remove_file(&path).map_err(io("remove", &path))?;
-                if self.create(block, owner)? {
+                if self.create(block, owner, locator)? {
                     return Ok(IdPool::range(block));
                 }
             }
@@ -167,10 +169,10 @@ impl IdPool {
 
     /// Confirms that `range` is `owner`'s (an adopted sandbox), claiming it again if the claim
     /// is missing; fails when another sandbox holds it.
-    pub fn confirm(&self, range: IdRange, owner: &str) -> Result<(), IdmapError> {
+    pub fn confirm(&self, range: IdRange, owner: &str, locator: &str) -> Result<(), IdmapError> {
         let _lock = self.lock()?;
         let path = self.claim_path(range.block());
-        if self.create(range.block(), owner)? {
+        if self.create(range.block(), owner, locator)? {
             return Ok(());
         }
         match read_owner(&path) {
@@ -188,13 +190,13 @@ impl IdPool {
         release(&self.dir, range, owner)
     }
 
-    /// Creates the claim file of `block` for `owner`; false when it exists.
-    fn create(&self, block: u32, owner: &str) -> Result<bool, IdmapError> {
+    /// Creates the claim file of `block` for `owner` at `locator`; false when it exists.
+    fn create(&self, block: u32, owner: &str, locator: &str) -> Result<bool, IdmapError> {
         let path = self.claim_path(block);
         let f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path);
         match f {
             Ok(mut f) => {
-                f.write_all(format!("{owner}\n").as_bytes()).map_err(io("write", &path))?;
+                f.write_all(format!("{owner}\n{locator}\n").as_bytes()).map_err(io("write", &path))?;
                 Ok(true)
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
@@ -261,9 +263,17 @@ fn lock(dir: &Path) -> Result<File, IdmapError> {
     Ok(f)
 }
 
-fn read_owner(path: &Path) -> Option<String> {
+/// A claim file: its owner's name, and where the owner lives (claims written before
+/// locators were recorded have none).
+fn read_claim(path: &Path) -> Option<(String, Option<String>)> {
     let t = std::fs::read_to_string(path).ok()?;
-    Some(t.trim_end_matches('\n').to_owned())
+    let mut lines = t.lines();
+    let owner = lines.next()?.to_owned();
+    Some((owner, lines.next().filter(|l| !l.is_empty()).map(str::to_owned)))
+}
+
+fn read_owner(path: &Path) -> Option<String> {
+    read_claim(path).map(|(o, _)| o)
 }
 
 fn older_than(path: &Path, age: Duration) -> bool {
@@ -296,33 +306,50 @@ mod tests {
     fn claims_are_exclusive_and_released_only_by_their_owner() {
         let tmp = tempfile::tempdir().unwrap();
         let p = pool(tmp.path(), 3);
-        let a = p.claim("sbx-a", |_| true).unwrap();
-        let b = p.claim("sbx-b", |_| true).unwrap();
-        let c = p.claim("sbx-c", |_| true).unwrap();
+        let a = p.claim("sbx-a", "/c/sbx-a", |_| true).unwrap();
+        let b = p.claim("sbx-b", "/c/sbx-b", |_| true).unwrap();
+        let c = p.claim("sbx-c", "/c/sbx-c", |_| true).unwrap();
         let mut firsts = vec![a.host_first, b.host_first, c.host_first];
         firsts.sort();
         assert_eq!(firsts, vec![4 * RANGE, 5 * RANGE, 6 * RANGE]);
-        assert!(matches!(p.claim("sbx-d", |_| true), Err(IdmapError::Exhausted(3))));
+        assert!(matches!(p.claim("sbx-d", "/c/sbx-d", |_| true), Err(IdmapError::Exhausted(3))));
         // Someone else's release changes nothing.
         p.release(a, "sbx-b").unwrap();
-        assert!(p.claim("sbx-d", |_| true).is_err());
+        assert!(p.claim("sbx-d", "/c/sbx-d", |_| true).is_err());
         p.release(a, "sbx-a").unwrap();
-        assert_eq!(p.claim("sbx-d", |_| true).unwrap(), a);
+        assert_eq!(p.claim("sbx-d", "/c/sbx-d", |_| true).unwrap(), a);
     }
 
     #[test]
     fn a_stale_claim_is_taken_over_only_when_its_owner_is_gone_and_old() {
         let tmp = tempfile::tempdir().unwrap();
         let p = pool(tmp.path(), 1);
-        let a = p.claim("sbx-dead", |_| true).unwrap();
+        let a = p.claim("sbx-dead", "/other-edge/sbx-dead", |_| true).unwrap();
         // Young claim of a dead owner: kept (its creation may still be under way).
-        assert!(p.claim("sbx-new", |_| false).is_err());
+        assert!(p.claim("sbx-new", "/c/sbx-new", |_| false).is_err());
         let old = SystemTime::now() - STALE_AFTER * 2;
         File::options().write(true).open(tmp.path().join(a.block().to_string())).unwrap().set_modified(old).unwrap();
-        assert!(p.claim("sbx-new", |_| true).is_err(), "a live owner keeps its claim");
-        assert_eq!(p.claim("sbx-new", |o| o != "sbx-dead").unwrap(), a);
-        assert!(p.confirm(a, "sbx-dead").is_err());
-        p.confirm(a, "sbx-new").unwrap();
+        assert!(p.claim("sbx-new", "/c/sbx-new", |_| true).is_err(), "a live owner keeps its claim");
+        assert_eq!(p.claim("sbx-new", "/c/sbx-new", |at| at != "/other-edge/sbx-dead").unwrap(), a);
+        assert!(p.confirm(a, "sbx-dead", "/x").is_err());
+        p.confirm(a, "sbx-new", "/c/sbx-new").unwrap();
+        // The liveness question names where the holder lives, not who asks: an edge in
+        // another cgroup sees the holder alive at its own path.
+        let seen = std::cell::RefCell::new(Vec::new());
+        assert!(
+            p.claim("sbx-third", "/c/sbx-third", |at| {
+                seen.borrow_mut().push(at.to_string());
+                true
+            })
+            .is_err()
+        );
+        assert_eq!(*seen.borrow(), vec!["/c/sbx-new".to_string()]);
+        // A claim without a locator (written by an older edge) is never taken over.
+        p.release(a, "sbx-new").unwrap();
+        let f = tmp.path().join(a.block().to_string());
+        std::fs::write(&f, "sbx-old\n").unwrap();
+        File::options().write(true).open(&f).unwrap().set_modified(old).unwrap();
+        assert!(p.claim("sbx-third", "/c/sbx-third", |_| false).is_err());
     }
 
     #[test]
@@ -330,10 +357,10 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let p = pool(tmp.path(), 4);
         let r = IdRange { host_first: 6 * RANGE, count: RANGE };
-        p.confirm(r, "sbx-t-e1.a").unwrap();
-        p.confirm(r, "sbx-t-e1.a").unwrap();
-        p.claim("sbx-t-e1.b", |_| true).unwrap();
-        p.claim("sbx-t-e10.c", |_| true).unwrap();
+        p.confirm(r, "sbx-t-e1.a", "/c/a").unwrap();
+        p.confirm(r, "sbx-t-e1.a", "/c/a").unwrap();
+        p.claim("sbx-t-e1.b", "/c/b", |_| true).unwrap();
+        p.claim("sbx-t-e10.c", "/c/c", |_| true).unwrap();
         let n = release_leftovers(tmp.path(), "sbx-t-e1.", &["sbx-t-e1.a".into()]).unwrap();
         assert_eq!(n, 1);
         let left: Vec<String> = std::fs::read_dir(tmp.path())

@@ -133,7 +133,7 @@ impl Sandbox {
         let map = std::fs::read_to_string(&path).map_err(io("read", &path))?;
         let id_map = IdRange::from_map(&map).filter(|r| r.host_first != 0);
         if let Some(r) = id_map {
-            IdPool::in_dir(idmap::CLAIMS_DIR, r.host_first, 1)?.confirm(r, name)?;
+            IdPool::in_dir(idmap::CLAIMS_DIR, r.host_first, 1)?.confirm(r, name, &cg.rel_path().to_string_lossy())?;
         }
         Ok(Sandbox { name: name.into(), pid, dir: state_dir.join(name), cgroup: cg, id_map })
     }
@@ -211,7 +211,8 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<(i32, 
     std::fs::create_dir_all(&run).map_err(io("create", &run))?;
     let id_map = match &spec.userns {
         Some(pool) => {
-            let r = pool.claim(&spec.name, cgroup::exists)?;
+            let at = cg.rel_path().to_string_lossy().into_owned();
+            let r = pool.claim(&spec.name, &at, |holder| cgroup::exists_at(Path::new(holder)))?;
             let f = dir.join(IDMAP_FILE);
             std::fs::write(&f, format!("{} {}\n", r.host_first, r.count)).map_err(io("write", &f))?;
             Some(r)
