@@ -76,7 +76,7 @@ fn open_append(path: &Path) -> Result<(BufWriter<File>, u64), AuditError> {
 impl AuditWriter {
     pub fn open(path: &Path, max_bytes: u64, keep: u32) -> Result<AuditWriter, AuditError> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            opendsec_common::fsperm::private_dir(dir)
+            opendsec_common::fsperm::parent_dir(dir)
                 .map_err(|source| AuditError::CreateDir { path: dir.to_path_buf(), source })?;
         }
         let (file, size) = open_append(path)?;

@@ -8,6 +8,7 @@ pub mod json;
 pub mod pki;
 pub mod runtime;
 pub mod table;
+pub mod term;
 
 /// Raises this process's soft limit of open files to its hard limit: a server holds a socket
 /// per connection, and the usual soft limit (1,024) would make `accept` fail long before the

@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::ctl::{CtlError, Out, kv};
+use crate::term::TermFilter;
 
 /// Size of one upload message.
 pub const UPLOAD_CHUNK: usize = 1 << 20;
@@ -180,17 +181,31 @@ fn opt(s: &Option<String>) -> String {
 }
 
 /// Where a command's output goes: the local stdout/stderr as it comes, or buffers for `--json`.
+/// Output shown on a terminal goes through a [`TermFilter`] per stream (the workload's escape
+/// sequences must not make the operator's terminal answer or remember anything).
 struct Sink {
     json: bool,
     stdout: Vec<u8>,
     stderr: Vec<u8>,
     seen_out: u64,
     seen_err: u64,
+    term_out: Option<TermFilter>,
+    term_err: Option<TermFilter>,
 }
 
 impl Sink {
     fn new(json: bool) -> Sink {
-        Sink { json, stdout: Vec::new(), stderr: Vec::new(), seen_out: 0, seen_err: 0 }
+        use std::io::IsTerminal;
+        let term = |t: bool| (!json && t).then(TermFilter::new);
+        Sink {
+            json,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            seen_out: 0,
+            seen_err: 0,
+            term_out: term(std::io::stdout().is_terminal()),
+            term_err: term(std::io::stderr().is_terminal()),
+        }
     }
 
     async fn output(&mut self, o: &pb::OutputData) -> Result<(), CtlError> {
@@ -209,8 +224,14 @@ impl Sink {
         match (self.json, is_err) {
             (true, false) => self.stdout.extend_from_slice(fresh),
             (true, true) => self.stderr.extend_from_slice(fresh),
-            (false, false) => write_now(&mut tokio::io::stdout(), fresh).await.map_err(failed)?,
-            (false, true) => write_now(&mut tokio::io::stderr(), fresh).await.map_err(failed)?,
+            (false, false) => {
+                let shown = self.term_out.as_mut().map(|f| f.filter(fresh));
+                write_now(&mut tokio::io::stdout(), shown.as_deref().unwrap_or(fresh)).await.map_err(failed)?
+            }
+            (false, true) => {
+                let shown = self.term_err.as_mut().map(|f| f.filter(fresh));
+                write_now(&mut tokio::io::stderr(), shown.as_deref().unwrap_or(fresh)).await.map_err(failed)?
+            }
         }
         Ok(())
     }

@@ -356,6 +356,8 @@ def count(p):
         return e.strerror
 print("blockdevs=" + "/".join(count(p) for p in ["/sys/block", "/sys/class/block", "/sys/dev/block", "/sys/devices/virtual/block"]))
 print("slabinfo=" + str(len(open("/proc/slabinfo").read())))
+print("diskstats=" + "/".join(str(len(open(p).read())) for p in ["/proc/diskstats", "/proc/partitions"]))
+print("disktrees=" + "/".join(count(p) for p in ["/sys/fs/ext4", "/sys/class/bdi", "/sys/devices/virtual/bdi"]))
 for port in sys.argv[2:]:
     s = socket.socket()
     s.settimeout(2)
@@ -417,10 +419,13 @@ async fn hostile_workloads_are_contained() {
         assert_eq!(get(k), v, "{k}");
     }
     // No controlling terminal; the block devices (whose loop backing files name every
-    // sandbox of the node) and the slab statistics are masked.
+    // sandbox of the node), the disks' counts and statistics, and the slab statistics are
+    // masked.
     assert_eq!(get("tty"), "No such device or address");
     assert_eq!(get("blockdevs"), "0/0/0/0");
     assert_eq!(get("slabinfo"), "0");
+    assert_eq!(get("diskstats"), "0/0", "the node's disks are counted and metered in /proc");
+    assert_eq!(get("disktrees"), "0/0/0");
     for port in [edge_port, api_port] {
         let v = get(&format!("connect_{port}"));
         assert_ne!(v, "connected", "the sandbox reached port {port}");

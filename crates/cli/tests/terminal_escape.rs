@@ -6,7 +6,9 @@
 //! host's node), and the pane's shell ran the command as root on the host.
 //!
 //! Besides the marker, the test looks from the host at every process of the sandbox: none has
-//! a controlling terminal, none is in the terminal's session, none holds an fd of it.
+//! a controlling terminal, none is in the terminal's session, none holds an fd of it. And the
+//! sandbox's output, shown on a terminal by `opendsecctl exec`, carries no sequence that makes
+//! the terminal answer or remember.
 //! Root only (CI runs as root); needs `make agent` and the Debian test image.
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -147,6 +149,46 @@ async fn a_sandbox_cannot_type_into_the_terminal_the_cluster_runs_in() {
     let err = String::from_utf8_lossy(&r.stderr).to_string();
     assert_eq!(out(&r), "rc=1", "the attack ran: {r:?}");
     assert!(err.contains("No such device or address"), "/dev/tty opened: {err}");
+
+    // Its output shown on a terminal by `opendsecctl exec` keeps its text and colours but
+    // loses what would make the terminal answer (a device status report, typed back as input)
+    // or remember (the clipboard, the title). Through a pipe it stays as it is.
+    let hostile = r"printf 'A\033]52;c;dG91Y2ggL3RtcC94Cg==\007B\033[6nC\033]0;t\033\\D\033[31mE\033[0m\n'";
+    let (m2, s2) = openpty();
+    let status = Command::new(env!("CARGO_BIN_EXE_opendsecctl"))
+        .args(["exec", &sb.id, "--", hostile])
+        .env("OPENDSEC_ADDR", &addr)
+        .env("OPENDSEC_TOKEN", &token)
+        .env("OPENDSEC_CA", &ca)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(s2.try_clone().unwrap()))
+        .stderr(Stdio::from(s2))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut shown_exec = Vec::new();
+    let mut m2 = std::fs::File::from(m2);
+    let mut buf = [0u8; 4096];
+    // SAFETY: fcntl on an fd this test owns, to read what is there without blocking.
+    unsafe { libc::fcntl(m2.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    while let Ok(n) = m2.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        shown_exec.extend_from_slice(&buf[..n]);
+    }
+    let shown_exec = String::from_utf8_lossy(&shown_exec).to_string();
+    assert!(shown_exec.contains("AB"), "{shown_exec:?}");
+    assert!(shown_exec.contains("CD\x1b[31mE\x1b[0m"), "{shown_exec:?}");
+    assert!(!shown_exec.contains("\x1b]") && !shown_exec.contains("\x1b[6n"), "{shown_exec:?}");
+    let piped = Command::new(env!("CARGO_BIN_EXE_opendsecctl"))
+        .args(["exec", &sb.id, "--", hostile])
+        .env("OPENDSEC_ADDR", &addr)
+        .env("OPENDSEC_TOKEN", &token)
+        .env("OPENDSEC_CA", &ca)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&piped.stdout).contains("\x1b]52;c;"), "{piped:?}");
 
     // From the host: no process of the sandbox has a controlling terminal, is in the
     // terminal's session, or holds an fd of the terminal.

@@ -32,6 +32,19 @@ pub fn private_dir(dir: &Path) -> io::Result<()> {
     }
 }
 
+/// Creates `dir` (and its parents) 0700 when it is missing, and leaves a directory that exists
+/// alone: for the directory of a file the operator named (a certificate's `--out`, the audit
+/// log's path), which may be `/tmp` or `/var/log` and is not ours to narrow. The file itself
+/// is made private.
+pub fn parent_dir(dir: &Path) -> io::Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("{} is not a directory", dir.display()))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => private_dir(dir),
+        Err(e) => Err(e),
+    }
+}
+
 /// Options that create a file readable and writable by its owner only (0600).
 pub fn private_file() -> OpenOptions {
     let mut o = OpenOptions::new();
@@ -64,5 +77,20 @@ mod tests {
         let secret = t.path().join("secret");
         private_file().write(true).create_new(true).open(&secret).unwrap();
         assert_eq!(mode(&secret), 0o600);
+    }
+
+    /// The directory of a file the operator named is made only when missing: an existing one
+    /// (/tmp, /var/log) keeps its mode.
+    #[test]
+    fn a_files_existing_directory_is_left_alone() {
+        let t = tempfile::tempdir().unwrap();
+        let tmp = t.path().join("tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        parent_dir(&tmp).unwrap();
+        assert_eq!(mode(&tmp), 0o1777);
+        let fresh = t.path().join("x/y");
+        parent_dir(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
     }
 }

@@ -147,7 +147,7 @@ fn write_whole(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PkiError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    crate::fsperm::private_dir(dir).map_err(io("create", dir))?;
+    crate::fsperm::parent_dir(dir).map_err(io("create", dir))?;
     let tmp = dir.join(format!(
         ".{}.tmp{:08x}",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("pem"),

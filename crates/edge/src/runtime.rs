@@ -254,9 +254,11 @@ fn guarded<T: Send + 'static>(s: Streaming<T>, guard: Held) -> BoxStream<T> {
 }
 
 /// A status that came from the agent (or the hop to it): its code and message only, so the
-/// agent cannot forge error details or metadata.
+/// agent cannot forge error details or metadata; control characters in the message become
+/// U+FFFD (it ends up in logs and on operators' terminals).
 fn untrusted(s: Status) -> Status {
-    Status::new(s.code(), s.message().chars().take(4096).collect::<String>())
+    let msg: String = s.message().chars().take(4096).map(|c| if c.is_control() { '\u{fffd}' } else { c }).collect();
+    Status::new(s.code(), msg)
 }
 
 /// The trait impl, generated whole (one macro) so `async_trait` sees every method expanded:
@@ -341,5 +343,21 @@ runtime_impl! {
         let (ch, guard) = self.channel(&req.sandbox_id, &md, CallKind::Observe).await?;
         let s = agent_client(ch).watch(req).await.map_err(untrusted)?.into_inner();
         Ok(Response::new(guarded(s, guard)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_agents_status_keeps_code_and_text_only() {
+        let forged = opendsec_common::ApiError::new(opendsec_common::Reason::QuotaExceeded, "x\u{1b}]52;c;AA\u{7}y\nz")
+            .to_status();
+        let s = untrusted(forged);
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(s.message(), "x\u{fffd}]52;c;AA\u{fffd}y\u{fffd}z");
+        assert!(s.details().is_empty(), "the agent's error details were kept");
+        assert_eq!(untrusted(Status::internal("é".repeat(5000))).message().chars().count(), 4096);
     }
 }

@@ -45,7 +45,9 @@ use super::idmap::IdRange;
 pub const MARKER: &str = "__opendsec-sandbox-init";
 
 /// Docker's default masked paths, plus the block device trees (the loop devices' backing
-/// files name every sandbox on the node) and the slab allocator's statistics.
+/// files name every sandbox on the node), what counts and meters the node's disks (every
+/// sandbox has one: how many there are and their I/O is a channel between sandboxes) and the
+/// slab allocator's statistics.
 pub const DEFAULT_MASKED: &[&str] = &[
     "/proc/asound",
     "/proc/acpi",
@@ -63,6 +65,11 @@ pub const DEFAULT_MASKED: &[&str] = &[
     "/sys/class/block",
     "/sys/dev/block",
     "/sys/devices/virtual/block",
+    "/proc/diskstats",
+    "/proc/partitions",
+    "/sys/fs/ext4",
+    "/sys/class/bdi",
+    "/sys/devices/virtual/bdi",
 ];
 
 /// Docker's default read-only paths.
