@@ -27,7 +27,8 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/GetEpoch", &[Apiserver]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
     ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),
-    ("/opendsec.v1.Iam/GetLease", &[Apiserver, Edge]),
+    ("/opendsec.v1.Iam/GetLease", &[Apiserver]),
+    // Edges learn only where leases are bound (the handler strips the rest for them).
     ("/opendsec.v1.Iam/GetLeases", &[Apiserver, Edge]),
     ("/opendsec.v1.Iam/Reconcile", &[Watcher]),
     ("/opendsec.v1.Iam/SweepUnbound", &[Watcher]),
@@ -74,11 +75,14 @@ pub fn peer<T>(req: &tonic::Request<T>) -> Option<&Identity> {
 }
 
 /// Refuses a call unless the caller is `role` named `name` (for calls an edge may make only
-/// as itself).
-pub fn require_self<T>(req: &tonic::Request<T>, role: Role, name: &str) -> Result<(), ApiError> {
+/// as itself) or of one of the roles in `for_others`, which may make it for anyone.
+pub fn require_self<T>(req: &tonic::Request<T>, role: Role, name: &str, for_others: &[Role]) -> Result<(), ApiError> {
     match peer(req) {
-        Some(id) if id.role != role => Ok(()),
-        Some(id) if id.name == name => Ok(()),
+        Some(id) if id.role == role && id.name == name => Ok(()),
+        Some(id) if for_others.contains(&id.role) => Ok(()),
+        Some(id) if id.role != role => {
+            Err(ApiError::new(Reason::PermissionDenied, format!("{id} may not make this call for {role}/{name}")))
+        }
         Some(id) => {
             Err(ApiError::new(Reason::PermissionDenied, format!("{id} may act only as itself, not as {role}/{name}")))
         }
@@ -149,6 +153,23 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An edge acts only as itself; the roles named may act for anyone; any other role, and a
+    /// caller without a certificate, may not.
+    #[test]
+    fn acting_as_oneself() {
+        let call = |role: Role, name: &str| {
+            let mut r = tonic::Request::new(());
+            r.extensions_mut().insert(Peer(Identity::new(role, name).unwrap()));
+            r
+        };
+        let check = |r: &tonic::Request<()>| require_self(r, Edge, "e1", &[Apiserver]).map_err(|e| e.reason);
+        assert_eq!(check(&call(Edge, "e1")), Ok(()));
+        assert_eq!(check(&call(Edge, "e2")), Err(Reason::PermissionDenied));
+        assert_eq!(check(&call(Apiserver, "0")), Ok(()));
+        assert_eq!(check(&call(Watcher, "0")), Err(Reason::PermissionDenied));
+        assert_eq!(check(&tonic::Request::new(())), Err(Reason::Unauthenticated));
+    }
 
     #[test]
     fn the_table_says_who_calls_what() {

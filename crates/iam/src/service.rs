@@ -194,9 +194,8 @@ impl IamRpc for IamService {
 
     async fn release_leases(&self, req: Request<pb::ReleaseLeasesRequest>) -> Rpc<pb::ReleaseLeasesResponse> {
         // An edge releases leases bound to itself only (an empty edge would mean "wherever").
-        if opendsec_common::acl::peer(&req).is_some_and(|p| p.role == Role::Edge) {
-            opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().edge).map_err(|e| e.to_status())?;
-        }
+        opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().edge, &[Role::Apiserver])
+            .map_err(|e| e.to_status())?;
         let r = req.into_inner();
         let released = self.iam.release_leases(r.lease_ids, &r.edge).await.map_err(status)?;
         ok(pb::ReleaseLeasesResponse { released })
@@ -208,8 +207,17 @@ impl IamRpc for IamService {
     }
 
     async fn get_leases(&self, req: Request<pb::GetLeasesRequest>) -> Rpc<pb::GetLeasesResponse> {
+        // An edge learns only where each lease is bound (what it asks for: whether its
+        // sandboxes' leases are still its own), never whose or how large another's are.
+        let edge = opendsec_common::acl::peer(&req).is_some_and(|p| p.role == Role::Edge);
         let leases = self.iam.get_leases(&req.get_ref().lease_ids).map_err(status)?;
-        ok(pb::GetLeasesResponse { leases: leases.into_iter().map(lease_into_pb).collect() })
+        let leases = leases.into_iter().map(lease_into_pb);
+        let leases = if edge {
+            leases.map(|l| pb::Lease { id: l.id, edge: l.edge, ..Default::default() }).collect()
+        } else {
+            leases.collect()
+        };
+        ok(pb::GetLeasesResponse { leases })
     }
 
     async fn reconcile(&self, req: Request<pb::ReconcileRequest>) -> Rpc<pb::ReconcileResponse> {

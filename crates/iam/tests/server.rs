@@ -365,6 +365,14 @@ async fn grpc_admit_authenticate_and_revoke() {
     let e = api(e1_admin.who_am_i(as_caller(ADMIN_TOKEN, pb::WhoAmIRequest {})).await.unwrap_err());
     assert_eq!(e.reason, Reason::PermissionDenied);
     let mut e2 = iam_client(&server, Role::Edge, "e2");
+    // An edge asking where leases are bound learns that and nothing else (not whose they
+    // are or how large), and may not look one up alone.
+    let seen = e1.get_leases(pb::GetLeasesRequest { lease_ids: vec!["lease-1".into()] }).await.unwrap().into_inner();
+    assert_eq!(seen.leases, vec![pb::Lease { id: "lease-1".into(), edge: "e2".into(), ..Default::default() }]);
+    let full = iam.get_leases(pb::GetLeasesRequest { lease_ids: vec!["lease-1".into()] }).await.unwrap().into_inner();
+    assert_eq!(full.leases[0].project, "root/rl", "the apiserver sees the whole lease");
+    let one = e1.get_lease(pb::GetLeaseRequest { lease_id: "lease-1".into() }).await.unwrap_err();
+    assert_eq!(api(one).reason, Reason::PermissionDenied);
     assert_eq!(e2.release_leases(released).await.unwrap().into_inner().released, 1);
     let after = iam.get_leases(pb::GetLeasesRequest { lease_ids: vec!["lease-1".into()] }).await.unwrap();
     assert!(after.into_inner().leases.is_empty());

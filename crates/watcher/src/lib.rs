@@ -366,7 +366,7 @@ impl WatcherRpc for Rpc {
         req: Request<pb::RegisterEdgeRequest>,
     ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
         // An edge registers only under the name its certificate gives it.
-        opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().name).map_err(|e| e.to_status())?;
+        opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().name, &[]).map_err(|e| e.to_status())?;
         let r = req.into_inner();
         self.0.register(&r.name, &r.address).map_err(|e| e.to_status())?;
         Ok(Response::new(pb::RegisterEdgeResponse {}))
