@@ -7,7 +7,7 @@
 
 import opendsec
 
-# The address and token come from OPENDSEC_ADDR and OPENDSEC_TOKEN.
+# The address, token and CA come from OPENDSEC_ADDR, OPENDSEC_TOKEN and OPENDSEC_CA.
 with opendsec.Client() as client:
     with client.run_sandbox("container", "debian:bookworm") as sb:
         sb.write_file("/tmp/task.py", "import sys, platform\nprint(sum(range(10)), platform.python_version())\n")
