@@ -101,7 +101,13 @@ where
             })
             .await;
         let outcome = res.as_ref().map(|_| ()).map_err(ApiError::from_status);
-        if let (Ok(()), Some(p)) = (&outcome, &deletes) {
+        let gone = match &outcome {
+            Ok(()) => true,
+            // Deleted by an earlier try whose answer was lost, or never there: its records
+            // are stale either way (the caller may delete it, as checked above).
+            Err(e) => e.reason == Reason::NotFound,
+        };
+        if let (true, Some(p)) = (gone, &deletes) {
             // Gone at IAM: a project later made under the name inherits no layer rights.
             if let Err(e) = shared.images.forget_project(p).await {
                 tracing::error!(project = %p, error = %e.message, "could not forget a deleted project's layer records");

@@ -9,8 +9,9 @@
 //! guessing, and one address can be many clients (a proxy, a NAT).
 //!
 //! Once admitted, a call counts against its principal's calls in flight
-//! (`max_calls_per_principal`) until it answers, which bounds the decoded requests one
-//! principal makes an apiserver hold. `Restore` (the one message allowed to be large: a
+//! (`max_calls_per_principal`) until its answer has been read (a stream's, until the stream
+//! starts), which bounds the decoded requests and unread answers one principal makes an
+//! apiserver hold. `Restore` (the one message allowed to be large: a
 //! backup) is decoded only for a principal holding `iam.admin` on root; every other `Admin`
 //! call's body is cut at [`crate::MAX_UNARY_REQUEST_BYTES`] as it arrives.
 //!
@@ -187,12 +188,27 @@ impl Shared {
 
 type Body = tonic::body::Body;
 
-/// A request body cut at `left` bytes: beyond, the body fails with an `invalid_argument`
-/// status (which the server answers with) instead of growing a message further.
+/// A request body cut at `limit` bytes: beyond, the body fails with an `invalid_argument`
+/// status (which the server answers with) instead of growing a message further. A message
+/// whose gRPC prefix declares more than the limit fails before tonic reserves room for it.
 struct Capped {
     inner: Body,
     left: usize,
     limit: usize,
+    /// The first message's prefix, until it is whole.
+    prefix: Vec<u8>,
+}
+
+impl Capped {
+    fn new(inner: Body, limit: usize) -> Capped {
+        Capped { inner, left: limit, limit, prefix: Vec::with_capacity(5) }
+    }
+
+    fn too_large(&self) -> tonic::Status {
+        ApiError::invalid(format!("request larger than {} bytes", self.limit))
+            .with("limit_bytes", self.limit.to_string())
+            .to_status()
+    }
 }
 
 impl http_body::Body for Capped {
@@ -208,13 +224,54 @@ impl http_body::Body for Capped {
             && let Some(d) = f.data_ref()
         {
             if d.len() > self.left {
-                let e = ApiError::invalid(format!("request larger than {} bytes", self.limit))
-                    .with("limit_bytes", self.limit.to_string());
-                return Poll::Ready(Some(Err(e.to_status())));
+                return Poll::Ready(Some(Err(self.too_large())));
             }
             self.left -= d.len();
+            if self.prefix.len() < 5 {
+                let take = (5 - self.prefix.len()).min(d.len());
+                let head = d.slice(..take);
+                self.prefix.extend_from_slice(&head);
+                if self.prefix.len() == 5 {
+                    let len = u32::from_be_bytes([self.prefix[1], self.prefix[2], self.prefix[3], self.prefix[4]]);
+                    if len as usize > self.limit {
+                        return Poll::Ready(Some(Err(self.too_large())));
+                    }
+                }
+            }
         }
         Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Methods whose answers are streams: their call slot ends when the stream starts (what an
+/// unread stream holds is bounded by HTTP/2 flow control), where a unary call keeps its slot
+/// until its answer has been read.
+const STREAMING: &[&str] = &["CreateSandboxes", "ExecStream", "ReadFile", "ConnectProcess", "Watch"];
+
+/// A response body holding its call's slot until it is dropped (read whole, or the call gone).
+#[derive(Debug, Default)]
+pub struct Slotted<B> {
+    inner: B,
+    _slot: Option<opendsec_common::bounds::KeyPermit>,
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for Slotted<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -233,7 +290,7 @@ where
     S::Error: Send + 'static,
     R: Default + Send + 'static,
 {
-    type Response = http::Response<R>;
+    type Response = http::Response<Slotted<R>>;
     type Error = S::Error;
     type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
 
@@ -259,14 +316,15 @@ where
                 Err(e) => Err(e),
             };
             match admitted {
-                Ok(_in_flight) => {
+                Ok(slot) => {
                     let req = if req.uri().path().starts_with(ADMIN_PREFIX) && method != "Restore" {
-                        let limit = crate::MAX_UNARY_REQUEST_BYTES;
-                        req.map(|b| Body::new(Capped { inner: b, left: limit, limit }))
+                        req.map(|b| Body::new(Capped::new(b, crate::MAX_UNARY_REQUEST_BYTES)))
                     } else {
                         req
                     };
-                    inner.call(req).await
+                    let resp = inner.call(req).await?;
+                    let slot = (!STREAMING.contains(&method)).then_some(slot);
+                    Ok(resp.map(|inner| Slotted { inner, _slot: slot }))
                 }
                 Err(e) => {
                     if !paused || call.principal.is_some() {

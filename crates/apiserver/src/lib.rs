@@ -64,6 +64,8 @@ pub struct ApiserverOptions {
 pub const MAX_UNARY_REQUEST_BYTES: usize = 1 << 20;
 /// Largest request message of Runtime: an upload chunk of 1 MiB with its header fits.
 pub const MAX_RUNTIME_REQUEST_BYTES: usize = 2 << 20;
+/// The longest a client's connection to the public port lives.
+const PUBLIC_CONNECTION_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Why the apiserver could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
@@ -164,7 +166,10 @@ pub async fn serve(
     let runtime = RuntimeServer::new(runtime::RuntimeService::new(shared.clone()))
         .max_decoding_message_size(MAX_RUNTIME_REQUEST_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    // A public connection lives at most an hour (then it is asked to go, its streams left to
+    // finish): one that holds a slot without calls does not hold it for ever.
     let router = grpc::server()
+        .max_connection_age(PUBLIC_CONNECTION_AGE)
         .layer(guard::GuardLayer::new(shared.clone()))
         .layer(opendsec_common::bounds::HoldLayer)
         .add_service(sandboxes)

@@ -111,9 +111,6 @@ trait Routed {
     fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
         Some(edge_timeout)
     }
-
-    /// The most bytes a unary answer can hold (an error for limits past what a hop holds).
-    fn result_bytes(&self) -> Result<u64, ApiError>;
 }
 
 macro_rules! routed {
@@ -121,10 +118,6 @@ macro_rules! routed {
         $(impl Routed for $t {
             fn sandbox_id(&self) -> &str {
                 &self.sandbox_id
-            }
-
-            fn result_bytes(&self) -> Result<u64, ApiError> {
-                self.answer_bytes()
             }
         })*
     };
@@ -154,19 +147,11 @@ impl Routed for pb::ExecRequest {
     fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
         exec_limit(self.timeout_ms, edge_timeout)
     }
-
-    fn result_bytes(&self) -> Result<u64, ApiError> {
-        self.answer_bytes()
-    }
 }
 
 impl Routed for pb::GetOutputRequest {
     fn sandbox_id(&self) -> &str {
         &self.sandbox_id
-    }
-
-    fn result_bytes(&self) -> Result<u64, ApiError> {
-        self.answer_bytes()
     }
 }
 
@@ -178,10 +163,6 @@ impl Routed for pb::HttpRequestRequest {
     fn limit(&self, edge_timeout: Duration) -> Option<Duration> {
         let own = if self.timeout_ms == 0 { HTTP_DEFAULT_TIMEOUT } else { Duration::from_millis(self.timeout_ms) };
         edge_timeout.checked_add(own)
-    }
-
-    fn result_bytes(&self) -> Result<u64, ApiError> {
-        self.answer_bytes()
     }
 }
 
@@ -265,11 +246,11 @@ impl RuntimeService {
         method: &'static str,
         request: Request<Q>,
         limit: fn(&Q, Duration) -> Option<Duration>,
-        bytes: fn(&Q) -> Result<u64, ApiError>,
+        metered: bool,
         f: F,
     ) -> Result<Response<T>, Status>
     where
-        Q: Routed + Send + 'static,
+        Q: Routed + AnswerBytes + Send + 'static,
         T: Send + 'static,
         F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
@@ -279,7 +260,7 @@ impl RuntimeService {
         let (answer, meter) = run(&self.shared, method, move |s, call| {
             Box::pin(async move {
                 let id = req.sandbox_id().to_string();
-                let metered = bytes(&req)? > 0;
+                req.answer_bytes()?;
                 let (edge, project) = authorized(s, &projects, call, &md, &id).await?;
                 let principal = call.principal.clone().unwrap_or_default();
                 let _in_flight = s.runtime_calls.try_take(&principal).ok_or_else(|| {
@@ -292,10 +273,12 @@ impl RuntimeService {
                     )
                     .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
                 })?;
-                // A unary answer's bytes count against the result budget from when they
-                // arrive until the caller has taken them (the guard holds the meter with the
-                // response body).
-                let meter = metered.then(|| Meter::new(&s.result_budget, &principal));
+                // A unary answer's bytes count against its tenant's share of the result budget
+                // from when they arrive until the caller has taken them (HoldLayer keeps the
+                // meter with the response body).
+                let wait = s.cfg.edge_call_timeout;
+                let meter =
+                    metered.then(|| Meter::new(&s.result_budget, ids::tenant_of(&project), &req, wait)).transpose()?;
                 let limit = limit(&req, s.cfg.edge_call_timeout);
                 let c = client(s, &edge, meter.clone())?;
                 let answer = create::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
@@ -318,12 +301,12 @@ impl RuntimeService {
 
     async fn unary<Q, T, F, Fut>(&self, method: &'static str, request: Request<Q>, f: F) -> Result<Response<T>, Status>
     where
-        Q: Routed + Send + 'static,
+        Q: Routed + AnswerBytes + Send + 'static,
         T: Send + 'static,
         F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
-        self.forward(method, request, Q::limit, Q::result_bytes, f).await
+        self.forward(method, request, Q::limit, true, f).await
     }
 
     /// A server-streaming call: limited and audited until the edge's stream starts.
@@ -334,13 +317,13 @@ impl RuntimeService {
         f: F,
     ) -> Result<Response<Relay<T>>, Status>
     where
-        Q: Routed + Send + 'static,
+        Q: Routed + AnswerBytes + Send + 'static,
         T: Send + 'static,
         F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
         Fut: Future<Output = Result<Response<Streaming<T>>, Status>> + Send,
     {
         // A stream holds only what is in flight on it (HTTP/2 flow control): no reservation.
-        let started = self.forward(method, request, |_, edge_timeout| Some(edge_timeout), |_| Ok(0), f).await?;
+        let started = self.forward(method, request, |_, edge_timeout| Some(edge_timeout), false, f).await?;
         Ok(Response::new(relay(started.into_inner())))
     }
 }

@@ -114,8 +114,9 @@ impl Upstreams {
         addr: &str,
         meter: Option<Meter>,
     ) -> Result<RuntimeClient<Metered<ServiceChannel>>, ApiError> {
+        let decode = meter.as_ref().map_or(MAX_MESSAGE_BYTES, Meter::max_bytes);
         Ok(RuntimeClient::new(Metered::new(self.edge_channel(name, addr)?, meter))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(decode)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
     }
 

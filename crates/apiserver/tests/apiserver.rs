@@ -1513,22 +1513,58 @@ async fn a_principal_that_does_not_read_its_answers_holds_only_its_share() {
     let held = exec_never_read(c.api, ALICE, big(&sa.id)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut rt = c.runtime().max_decoding_message_size(64 << 20);
-    let second = {
-        let (mut rt, req) = (rt.clone(), big(&sa.id));
-        tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
-    };
+    // Three more of hers wait for room, each leaving what its stream's window lets through
+    // unread on the apiserver's one connection to the edge, which every tenant shares.
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            let (mut rt, req) = (rt.clone(), big(&sa.id));
+            tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    if second.is_finished() {
-        panic!(
-            "alice's second answer went past her share: {:?}",
-            second.await.unwrap().map(|r| r.into_inner().stdout.len())
-        );
+    if let Some(done) = waiting.iter().position(|w| w.is_finished()) {
+        panic!("alice's answer {done} went past her share");
     }
-    let r = tokio::time::timeout(Duration::from_secs(10), rt.exec(with_token(big(&sb.id), BOB))).await;
+    let r = tokio::time::timeout(Duration::from_secs(4), rt.exec(with_token(big(&sb.id), BOB))).await;
     assert_eq!(r.expect("bob waited for alice").unwrap().into_inner().stdout.len(), 15 << 20);
     drop(held);
-    let r = tokio::time::timeout(Duration::from_secs(10), second).await.expect("alice's answer never came");
-    assert_eq!(r.unwrap().unwrap().into_inner().stdout.len(), 15 << 20);
+    for w in waiting {
+        let r = tokio::time::timeout(Duration::from_secs(10), w).await.expect("alice's answer never came");
+        assert_eq!(r.unwrap().unwrap().into_inner().stdout.len(), 15 << 20);
+    }
+    // An answer that finds no room within the call timeout fails rather than waiting on.
+    let held = exec_never_read(c.api, ALICE, big(&sa.id)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let e = rt.exec(with_token(big(&sa.id), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
+    assert!(e.message().contains("no room for this answer"), "{e:?}");
+    drop(held);
+    c.stop().await;
+}
+
+/// A unary call keeps its principal's slot until its answer has been read: answers left
+/// unread use up the principal's calls in flight (and only theirs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_answers_hold_their_callers_slots() {
+    let mut cfg = test_config();
+    cfg.max_calls_per_principal = 2;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    let mut api = c.client();
+    let sa = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
+    let big = pb::ExecRequest {
+        sandbox_id: sa.id.clone(),
+        command: format!("big:{}", 4 << 20),
+        limits: Some(pb::OutputLimits { stdout_max_bytes: 8 << 20, stderr_max_bytes: 0 }),
+        ..Default::default()
+    };
+    let unread = [exec_never_read(c.api, ALICE, big.clone()).await, exec_never_read(c.api, ALICE, big).await];
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
+    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap();
+    drop(unread);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap();
     c.stop().await;
 }
 

@@ -1,6 +1,6 @@
 //! Human-readable tables for list commands: a header row and columns padded to their widest
 //! cell (counted in characters, not bytes). `--json` prints the full objects instead; tables are
-//! for people and may drop columns a script would want.
+//! for people and may drop columns a script would want. Cells lose their control characters.
 
 /// A table being built: headers, then rows of the same length.
 pub struct Table {
@@ -13,9 +13,20 @@ impl Table {
         Table { headers: headers.to_vec(), rows: Vec::new() }
     }
 
-    /// Adds a row; missing cells print empty, extra cells are dropped.
+    /// Adds a row; missing cells print empty, extra cells are dropped. Control characters in
+    /// a cell (a process's command line or tag comes from the sandbox) show as `?`: a table
+    /// is for a terminal, and must not drive it.
     pub fn row(&mut self, cells: Vec<String>) -> &mut Table {
-        let mut cells = cells;
+        let mut cells: Vec<String> = cells
+            .into_iter()
+            .map(|c| {
+                if c.chars().any(char::is_control) {
+                    c.chars().map(|ch| if ch.is_control() { '?' } else { ch }).collect()
+                } else {
+                    c
+                }
+            })
+            .collect();
         cells.resize(self.headers.len(), String::new());
         self.rows.push(cells);
         self

@@ -26,10 +26,23 @@ pub const DEFAULT_OUTPUT_WINDOW: u64 = 4 << 20;
 /// The most bytes of an HTTP response body one HttpRequest carries.
 pub const MAX_HTTP_BODY: u64 = 32 << 20;
 
-/// The most bytes the answer to a Runtime request can hold.
+/// The most bytes of a listing (ListDir, ListProcesses) on the wire.
+pub const LIST_ANSWER: u64 = 4 << 20;
+/// How much more memory than wire bytes a listing may take once decoded (an empty entry is 2
+/// bytes on the wire and about a hundred in memory).
+pub const LIST_EXPANSION: u64 = 64;
+
+/// What the answer to a Runtime request can hold.
 pub trait AnswerBytes {
+    /// The most bytes its (one) message can take on the wire: the decoding limit of the hops
+    /// it crosses, and an error for limits past what a hop holds.
     fn answer_bytes(&self) -> Result<u64, ApiError> {
         Ok(SMALL_ANSWER)
+    }
+
+    /// Bytes of memory per wire byte once decoded, at most.
+    fn expansion(&self) -> u64 {
+        1
     }
 }
 
@@ -69,7 +82,6 @@ macro_rules! small_answers {
 small_answers!(
     pb::CloseSessionRequest,
     pb::ReadFileRequest,
-    pb::ListDirRequest,
     pb::StatRequest,
     pb::MakeDirRequest,
     pb::RemoveRequest,
@@ -78,9 +90,24 @@ small_answers!(
     pb::ConnectProcessRequest,
     pb::SendInputRequest,
     pb::SignalProcessRequest,
-    pb::ListProcessesRequest,
     pb::WatchRequest,
 );
+
+macro_rules! list_answers {
+    ($($t:ty),* $(,)?) => {
+        $(impl AnswerBytes for $t {
+            fn answer_bytes(&self) -> Result<u64, ApiError> {
+                Ok(LIST_ANSWER)
+            }
+
+            fn expansion(&self) -> u64 {
+                LIST_EXPANSION
+            }
+        })*
+    };
+}
+
+list_answers!(pb::ListDirRequest, pb::ListProcessesRequest);
 
 /// In-flight counts per key (principal, sandbox), each capped.
 #[derive(Debug)]
@@ -209,11 +236,36 @@ pub struct Meter {
     budget: Arc<AnswerBudget>,
     key: Arc<str>,
     held: Arc<Mutex<Vec<AnswerPermit>>>,
+    /// Memory per wire byte reserved (see [`AnswerBytes::expansion`]).
+    expansion: u64,
+    /// The most wire bytes of the one message allowed.
+    max_bytes: u64,
+    /// How long an answer may wait for room before the call fails.
+    wait: std::time::Duration,
 }
 
 impl Meter {
-    pub fn new(budget: &Arc<AnswerBudget>, key: &str) -> Meter {
-        Meter { budget: budget.clone(), key: key.into(), held: Arc::default() }
+    /// The account of one call answering `req`, charged to `key` (a tenant at an apiserver,
+    /// a sandbox's tenant at an edge); its answer waits at most `wait` for room.
+    pub fn new(
+        budget: &Arc<AnswerBudget>,
+        key: &str,
+        req: &impl AnswerBytes,
+        wait: std::time::Duration,
+    ) -> Result<Meter, ApiError> {
+        Ok(Meter {
+            budget: budget.clone(),
+            key: key.into(),
+            held: Arc::default(),
+            expansion: req.expansion(),
+            max_bytes: req.answer_bytes()?,
+            wait,
+        })
+    }
+
+    /// The decoding limit of the call's answer.
+    pub fn max_bytes(&self) -> usize {
+        usize::try_from(self.max_bytes).unwrap_or(usize::MAX)
     }
 
     /// How many reservations this call holds now.
@@ -259,34 +311,93 @@ where
             let resp = fut.await?;
             Ok(match meter {
                 None => resp,
-                Some(m) => resp.map(|b| {
-                    Body::new(MeteredBody {
-                        inner: b,
-                        meter: Some(m),
-                        header: Vec::new(),
-                        queued: VecDeque::new(),
-                        waiting: None,
-                    })
-                }),
+                Some(m) => resp.map(|b| Body::new(MeteredBody::new(b, m))),
             })
         })
     }
 }
 
-/// A response body whose first gRPC message waits for its reservation (see [`Metered`]).
+/// A response body whose first gRPC message waits for its reservation (see [`Metered`]). It
+/// also holds the answer to what a unary answer is: one uncompressed message of at most the
+/// request's bound; anything else fails the body (and so the call) as it arrives.
 struct MeteredBody {
     inner: Body,
-    /// Until the first message's size is known and reserved.
-    meter: Option<Meter>,
-    /// The first bytes of the first message (flag and length: 5).
+    meter: Meter,
+    /// The first bytes of the message (flag and length: 5).
     header: Vec<u8>,
+    /// Wire bytes allowed in all, once the header is known.
+    allowed: Option<u64>,
+    /// Wire bytes seen so far.
+    seen: u64,
     /// Frames read while the header was incomplete or its reservation pending.
     queued: VecDeque<http_body::Frame<bytes::Bytes>>,
-    waiting: Option<futures::future::BoxFuture<'static, AnswerPermit>>,
+    waiting: Option<futures::future::BoxFuture<'static, Option<AnswerPermit>>>,
+    reserved: bool,
+    /// The inner body has ended.
+    ended: bool,
 }
 
 /// A gRPC message's prefix: compression flag and a 4-byte big-endian length.
 const GRPC_PREFIX: usize = 5;
+
+impl MeteredBody {
+    fn new(inner: Body, meter: Meter) -> MeteredBody {
+        MeteredBody {
+            inner,
+            meter,
+            header: Vec::new(),
+            allowed: None,
+            seen: 0,
+            queued: VecDeque::new(),
+            waiting: None,
+            reserved: false,
+            ended: false,
+        }
+    }
+
+    /// Takes in one data frame (queued until the reservation is held).
+    fn take(&mut self, f: http_body::Frame<bytes::Bytes>) -> Result<(), tonic::Status> {
+        if let Some(d) = f.data_ref() {
+            self.seen += d.len() as u64;
+            if self.header.len() < GRPC_PREFIX {
+                let take = (GRPC_PREFIX - self.header.len()).min(d.len());
+                self.header.extend_from_slice(&d[..take]);
+                if self.header.len() == GRPC_PREFIX {
+                    self.start()?;
+                }
+            }
+            if let Some(allowed) = self.allowed
+                && self.seen > allowed
+            {
+                return Err(ApiError::internal("a unary answer carried more than one message").to_status());
+            }
+        }
+        self.queued.push_back(f);
+        Ok(())
+    }
+
+    /// The header is in: checks it and starts waiting for room.
+    fn start(&mut self) -> Result<(), tonic::Status> {
+        if self.header[0] != 0 {
+            return Err(ApiError::internal("a compressed answer (none is asked for)").to_status());
+        }
+        let len = u64::from(u32::from_be_bytes([self.header[1], self.header[2], self.header[3], self.header[4]]));
+        if len > self.meter.max_bytes {
+            return Err(ApiError::invalid(format!(
+                "an answer of {len} bytes, over the {} this call carries (list a smaller directory, read output by offset)",
+                self.meter.max_bytes
+            ))
+            .to_status());
+        }
+        let total = len + GRPC_PREFIX as u64;
+        self.allowed = Some(total);
+        let (budget, key, wait) = (self.meter.budget.clone(), self.meter.key.clone(), self.meter.wait);
+        let bytes = total.saturating_mul(self.meter.expansion);
+        self.waiting =
+            Some(Box::pin(async move { tokio::time::timeout(wait, budget.reserve(&key, bytes)).await.ok() }));
+        Ok(())
+    }
+}
 
 impl http_body::Body for MeteredBody {
     type Data = bytes::Bytes;
@@ -300,33 +411,39 @@ impl http_body::Body for MeteredBody {
             if let Some(w) = self.waiting.as_mut() {
                 let permit = std::task::ready!(w.as_mut().poll(cx));
                 self.waiting = None;
-                if let Some(m) = self.meter.take() {
-                    m.held.lock().unwrap_or_else(|p| p.into_inner()).push(permit);
-                }
+                let Some(permit) = permit else {
+                    let e = ApiError::new(
+                        crate::Reason::RateLimited,
+                        format!("no room for this answer within {} s; try again", self.meter.wait.as_secs()),
+                    )
+                    .with("retry_after_ms", "1000");
+                    return Poll::Ready(Some(Err(e.to_status())));
+                };
+                self.meter.held.lock().unwrap_or_else(|p| p.into_inner()).push(permit);
+                self.reserved = true;
             }
-            if self.meter.is_none() {
-                if let Some(f) = self.queued.pop_front() {
-                    return Poll::Ready(Some(Ok(f)));
-                }
-                return Pin::new(&mut self.inner).poll_frame(cx);
+            if (self.reserved || self.ended)
+                && let Some(f) = self.queued.pop_front()
+            {
+                return Poll::Ready(Some(Ok(f)));
+            }
+            if self.ended {
+                return Poll::Ready(None);
             }
             match std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx)) {
-                None => self.meter = None,
+                // Ended, perhaps before a whole header (an error's trailers, or nothing): what
+                // was queued goes out as it is.
+                None => self.ended = true,
                 Some(Err(e)) => return Poll::Ready(Some(Err(e))),
                 Some(Ok(f)) => {
-                    if let Some(d) = f.data_ref() {
-                        let take = (GRPC_PREFIX - self.header.len()).min(d.len());
-                        let head = d.slice(..take);
-                        self.header.extend_from_slice(&head);
+                    if let Err(e) = self.take(f) {
+                        return Poll::Ready(Some(Err(e)));
                     }
-                    self.queued.push_back(f);
-                    if self.header.len() == GRPC_PREFIX
-                        && let Some(m) = &self.meter
-                    {
-                        let len = u32::from_be_bytes([self.header[1], self.header[2], self.header[3], self.header[4]]);
-                        let (budget, key) = (m.budget.clone(), m.key.clone());
-                        let bytes = u64::from(len) + GRPC_PREFIX as u64;
-                        self.waiting = Some(Box::pin(async move { budget.reserve(&key, bytes).await }));
+                    if self.reserved {
+                        // Past the reservation: frames go on at once, still counted.
+                        if let Some(f) = self.queued.pop_front() {
+                            return Poll::Ready(Some(Ok(f)));
+                        }
                     }
                 }
             }
@@ -334,7 +451,7 @@ impl http_body::Body for MeteredBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.queued.is_empty() && self.waiting.is_none() && self.inner.is_end_stream()
+        self.queued.is_empty() && self.waiting.is_none() && (self.ended || self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
@@ -487,32 +604,35 @@ mod tests {
         assert_eq!(b.free_kib(), 64 << 10);
     }
 
+    fn grpc_message(len: usize) -> Vec<u8> {
+        let mut msg = vec![0u8];
+        msg.extend_from_slice(&(len as u32).to_be_bytes());
+        msg.extend(std::iter::repeat_n(7u8, len));
+        msg
+    }
+
+    fn body_of(frames: Vec<Vec<u8>>) -> Body {
+        let frames: Vec<Result<http_body::Frame<bytes::Bytes>, tonic::Status>> =
+            frames.into_iter().map(|f| Ok(http_body::Frame::data(bytes::Bytes::from(f)))).collect();
+        Body::new(http_body_util::StreamBody::new(futures::stream::iter(frames)))
+    }
+
+    fn meter(budget: &Arc<AnswerBudget>, req: &impl AnswerBytes, wait_ms: u64) -> Meter {
+        Meter::new(budget, "alice", req, std::time::Duration::from_millis(wait_ms)).unwrap()
+    }
+
     /// A metered body reserves its first message's size from the gRPC prefix (split over
     /// frames or not) before passing any of it on, and the bytes come out unchanged.
     #[tokio::test]
     async fn a_metered_body_reserves_its_message_before_passing_it_on() {
         use http_body_util::BodyExt;
         let budget = AnswerBudget::new(4 << 20, 100);
-        let mut msg = vec![0u8];
-        msg.extend_from_slice(&(3u32 << 20).to_be_bytes());
-        msg.extend(std::iter::repeat_n(7u8, 3 << 20));
-        // Frames: 2 bytes, 2 bytes, then the rest.
-        let frames: Vec<Result<http_body::Frame<bytes::Bytes>, tonic::Status>> = vec![
-            Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(&msg[..2]))),
-            Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(&msg[2..4]))),
-            Ok(http_body::Frame::data(bytes::Bytes::copy_from_slice(&msg[4..]))),
-        ];
-        let body = Body::new(http_body_util::StreamBody::new(futures::stream::iter(frames)));
-        let meter = Meter::new(&budget, "alice");
+        let msg = grpc_message(3 << 20);
+        let body = body_of(vec![msg[..2].to_vec(), msg[2..4].to_vec(), msg[4..].to_vec()]);
+        let meter = meter(&budget, &pb::ExecRequest::default(), 5_000);
         // Another answer holds 2 MiB: this one's 3 MiB waits for it.
         let other = budget.reserve("bob", 2 << 20).await;
-        let mut metered = MeteredBody {
-            inner: body,
-            meter: Some(meter.clone()),
-            header: Vec::new(),
-            queued: VecDeque::new(),
-            waiting: None,
-        };
+        let mut metered = MeteredBody::new(body, meter.clone());
         let first = tokio::time::timeout(std::time::Duration::from_millis(50), metered.frame()).await;
         assert!(first.is_err(), "a frame was passed on before the answer's bytes were reserved");
         drop(other);
@@ -525,6 +645,52 @@ mod tests {
         assert_eq!(budget.free_kib(), (4 << 10) - (3 << 10) - 1, "3 MiB and the 5-byte prefix");
         drop((metered, meter));
         assert_eq!(budget.free_kib(), 4 << 10);
+    }
+
+    /// What a unary answer may not be, from a hostile agent: a second message after a small
+    /// first one, one larger than the request allows, a compressed one; a listing reserves
+    /// its expansion; an answer that finds no room in time fails rather than waiting forever.
+    #[tokio::test]
+    async fn a_metered_body_refuses_what_a_unary_answer_may_not_be() {
+        use http_body_util::BodyExt;
+        let budget = AnswerBudget::new(64 << 20, 100);
+        let fails = |frames: Vec<Vec<u8>>, req: &dyn Fn(&Arc<AnswerBudget>) -> Meter| {
+            let body = MeteredBody::new(body_of(frames), req(&budget));
+            async move {
+                let mut b = body;
+                loop {
+                    match b.frame().await {
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => return Some(ApiError::from_status(&e)),
+                        None => return None,
+                    }
+                }
+            }
+        };
+        let exec = |b: &Arc<AnswerBudget>| meter(b, &pb::ExecRequest::default(), 5_000);
+        let mut two = grpc_message(10);
+        two.extend(grpc_message(1 << 20));
+        let e = fails(vec![two], &exec).await.expect("a second message passed");
+        assert!(e.message.contains("more than one message"), "{e}");
+        let stat = |b: &Arc<AnswerBudget>| meter(b, &pb::StatRequest::default(), 5_000);
+        let e = fails(vec![grpc_message(SMALL_ANSWER as usize + 1)], &stat).await.expect("an oversized answer passed");
+        assert_eq!(e.reason, crate::Reason::InvalidArgument, "{e}");
+        let mut packed = grpc_message(10);
+        packed[0] = 1;
+        assert!(fails(vec![packed], &exec).await.expect("compressed").message.contains("compressed"));
+        assert!(fails(vec![grpc_message(100)], &exec).await.is_none(), "a plain answer failed");
+
+        // A 1 MiB listing reserves 64 MiB: all of the budget, so a second one waits, and
+        // past its wait fails rate_limited.
+        let list = |b: &Arc<AnswerBudget>| meter(b, &pb::ListDirRequest::default(), 100);
+        let m = list(&budget);
+        let mut held = MeteredBody::new(body_of(vec![grpc_message(1 << 20)]), m.clone());
+        while held.frame().await.is_some() {}
+        assert_eq!(budget.free_kib(), 0);
+        let e = fails(vec![grpc_message(1 << 20)], &list).await.expect("a listing found room that was not there");
+        assert_eq!(e.reason, crate::Reason::RateLimited, "{e}");
+        drop((held, m));
+        assert_eq!(budget.free_kib(), 64 << 10);
     }
 
     #[test]

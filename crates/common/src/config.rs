@@ -175,7 +175,8 @@ pub struct ApiserverConfig {
     /// Bytes the answers of unary Runtime calls in flight (exec results, output, HTTP
     /// bodies) may hold at once, summed over every caller; an answer that does not fit waits.
     pub runtime_result_budget_mb: u64,
-    /// The most of that budget one principal's answers hold at once (percent).
+    /// The most of that budget one tenant's answers hold at once (percent; a tenant is a
+    /// top-level project with everything below it).
     pub runtime_result_share_percent: u32,
     /// How long a single creation waits for a creation slot (slots go round-robin between
     /// the principals waiting) before it gets `rate_limited`.
@@ -407,7 +408,7 @@ pub struct EdgeConfig {
     /// Bytes the answers of unary Runtime calls in flight through this edge may hold at once;
     /// an answer that does not fit waits.
     pub runtime_result_budget_mb: u64,
-    /// The most of that budget one sandbox's answers hold at once (percent).
+    /// The most of that budget one tenant's sandboxes' answers hold at once (percent).
     pub runtime_result_share_percent: u32,
 }
 

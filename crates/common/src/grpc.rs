@@ -31,17 +31,29 @@ pub const MAX_CONNECTIONS: usize = 16_384;
 /// Largest message either way (reference section 13).
 pub use opendsec_proto::upload::MAX_MESSAGE_BYTES;
 
+/// Streams per connection.
+pub const MAX_STREAMS: u32 = 1024;
+/// HTTP/2 flow-control window of each stream.
+pub const STREAM_WINDOW: u32 = 512 << 10;
+/// HTTP/2 flow-control window of a whole connection: every stream's window at once, so that
+/// streams whose reader stalls (a tenant that does not read, an answer waiting for room in a
+/// budget) can never use up the connection's window and stall the other streams on it. The
+/// apiserver shares one connection per edge between every tenant's calls.
+pub const CONNECTION_WINDOW: u32 = MAX_STREAMS * STREAM_WINDOW;
+
 /// A server with the settings every opendsec service uses: idle connections pinged every 20 s
-/// so load balancers do not cut quiet streams; at most 1,024 streams per connection and 64 KiB
-/// of headers.
+/// so load balancers do not cut quiet streams; at most [`MAX_STREAMS`] streams per connection
+/// and 64 KiB of headers; windows as [`CONNECTION_WINDOW`] says.
 pub fn server() -> Server {
     Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(20)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .tcp_nodelay(true)
-        .max_concurrent_streams(Some(1024))
-        .concurrency_limit_per_connection(1024)
+        .max_concurrent_streams(Some(MAX_STREAMS))
+        .concurrency_limit_per_connection(MAX_STREAMS as usize)
         .http2_max_header_list_size(64 << 10)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
 }
 
 /// The layers of an internal server: the role table, then what keeps answers' meters.
@@ -73,18 +85,21 @@ pub async fn serve_internal(
 }
 
 /// An accepted connection holding a slot of its server's connection limit (and of its
-/// source's) until it closes; optionally failing its reads when the peer sends nothing within
-/// a deadline of the start (a client that connects and stays silent holds no slot for long).
+/// source's) until it closes; optionally failing its reads when the peer's first bytes do not
+/// come within a deadline of the start (a client that connects and stays silent, or sends a
+/// byte and then nothing, holds no slot for long).
 pub struct Conn<S> {
     inner: S,
     _slot: tokio::sync::OwnedSemaphorePermit,
     _source: Option<crate::tls::SourceSlot>,
     first_byte: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes still awaited before `first_byte`'s deadline.
+    awaited: usize,
 }
 
 impl<S> Conn<S> {
     pub fn new(inner: S, slot: tokio::sync::OwnedSemaphorePermit) -> Conn<S> {
-        Conn { inner, _slot: slot, _source: None, first_byte: None }
+        Conn { inner, _slot: slot, _source: None, first_byte: None, awaited: 0 }
     }
 
     pub fn with_source(mut self, source: Option<crate::tls::SourceSlot>) -> Conn<S> {
@@ -92,9 +107,10 @@ impl<S> Conn<S> {
         self
     }
 
-    /// Reads fail with `TimedOut` unless the peer's first bytes come within `d`.
-    pub fn first_byte_within(mut self, d: Duration) -> Conn<S> {
+    /// Reads fail with `TimedOut` unless the peer's first `n` bytes come within `d`.
+    pub fn first_bytes_within(mut self, n: usize, d: Duration) -> Conn<S> {
         self.first_byte = Some(Box::pin(tokio::time::sleep(d)));
+        self.awaited = n;
         self
     }
 }
@@ -117,7 +133,12 @@ impl<S: AsyncRead + Unpin> AsyncRead for Conn<S> {
         let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
         if self.first_byte.is_some() {
             match &r {
-                std::task::Poll::Ready(Ok(())) if buf.filled().len() > before => self.first_byte = None,
+                std::task::Poll::Ready(Ok(())) if buf.filled().len() > before => {
+                    self.awaited = self.awaited.saturating_sub(buf.filled().len() - before);
+                    if self.awaited == 0 {
+                        self.first_byte = None;
+                    }
+                }
                 std::task::Poll::Pending => {
                     if let Some(d) = self.first_byte.as_mut()
                         && d.as_mut().poll(cx).is_ready()
@@ -205,7 +226,9 @@ fn endpoint(addr: &str) -> Result<(Endpoint, String), ApiError> {
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true)
-        .tcp_nodelay(true);
+        .tcp_nodelay(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW);
     Ok((ep, hostport.to_string()))
 }
 
@@ -373,24 +396,32 @@ pub fn random_secret(n: usize) -> String {
 mod tests {
     use super::*;
 
-    /// A connection whose peer sends nothing fails its read at the deadline; one whose peer
-    /// spoke in time does not fail later for being quiet.
+    /// A connection whose peer sends nothing, or less than awaited, fails its read at the
+    /// deadline; one whose peer spoke in time does not fail later for being quiet.
     #[tokio::test]
-    async fn a_silent_peer_is_cut_at_the_deadline_and_a_talking_one_is_not() {
+    async fn a_silent_or_trickling_peer_is_cut_at_the_deadline_and_a_talking_one_is_not() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let slots = Arc::new(tokio::sync::Semaphore::new(2));
         let (a, _a_peer) = tokio::io::duplex(64);
         let mut silent =
-            Conn::new(a, slots.clone().try_acquire_owned().unwrap()).first_byte_within(Duration::from_millis(50));
+            Conn::new(a, slots.clone().try_acquire_owned().unwrap()).first_bytes_within(3, Duration::from_millis(50));
         let mut buf = [0u8; 8];
         let e = silent.read(&mut buf).await.unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
         drop(silent);
         assert_eq!(slots.available_permits(), 2, "the closed connection gave its slot back");
+        // A byte, then nothing: cut too.
+        let (c, mut c_peer) = tokio::io::duplex(64);
+        let mut trickle =
+            Conn::new(c, slots.clone().try_acquire_owned().unwrap()).first_bytes_within(3, Duration::from_millis(50));
+        c_peer.write_all(b"P").await.unwrap();
+        assert_eq!(trickle.read(&mut buf).await.unwrap(), 1);
+        assert_eq!(trickle.read(&mut buf).await.unwrap_err().kind(), std::io::ErrorKind::TimedOut);
+        drop(trickle);
 
         let (b, mut b_peer) = tokio::io::duplex(64);
         let mut talking =
-            Conn::new(b, slots.clone().try_acquire_owned().unwrap()).first_byte_within(Duration::from_millis(50));
+            Conn::new(b, slots.clone().try_acquire_owned().unwrap()).first_bytes_within(3, Duration::from_millis(50));
         b_peer.write_all(b"PRI").await.unwrap();
         assert_eq!(talking.read(&mut buf).await.unwrap(), 3);
         let late = tokio::spawn(async move {

@@ -50,6 +50,16 @@ pub fn parent_project(path: &str) -> Option<&str> {
 }
 
 /// Whether `path` is `ancestor` or below it.
+/// The tenant a project belongs to: its top-level project (`root/a` for `root/a/b/c`), or
+/// `root` itself. Bounds shared fairly between tenants are keyed by it, so a tenant does not
+/// get more by making more principals or subprojects.
+pub fn tenant_of(path: &str) -> &str {
+    match path.match_indices('/').nth(1) {
+        Some((i, _)) => &path[..i],
+        None => path,
+    }
+}
+
 pub fn project_within(path: &str, ancestor: &str) -> bool {
     path == ancestor || (path.starts_with(ancestor) && path.as_bytes().get(ancestor.len()) == Some(&b'/'))
 }
@@ -96,6 +106,13 @@ pub fn new_lease_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tenants_are_top_level_projects() {
+        assert_eq!(tenant_of("root/a/b/c"), "root/a");
+        assert_eq!(tenant_of("root/a"), "root/a");
+        assert_eq!(tenant_of("root"), "root");
+    }
 
     #[test]
     fn project_paths() {

@@ -31,8 +31,12 @@ use crate::pki::{Identity, Role};
 
 /// How often a [`Credentials`] looks at its files.
 const RELOAD_CHECK: Duration = Duration::from_secs(1);
-/// A TLS handshake must complete within this.
+/// A TLS handshake must complete within this, and so must a connection's opening bytes after
+/// it.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// What an HTTP/2 client sends first: the 24-byte preface and its SETTINGS frame's 9-byte
+/// header.
+const HTTP2_OPENING: usize = 24 + 9;
 /// The suffix of the server names that encode an expected identity ([`expect`]).
 const EXPECT_SUFFIX: &str = "opendsec";
 
@@ -419,7 +423,24 @@ impl Drop for SourceSlot {
 }
 
 impl Sources {
+    /// The source an address counts as: itself for IPv4, its /64 for IPv6 (one host's
+    /// usual allocation).
+    fn source_of(ip: std::net::IpAddr) -> std::net::IpAddr {
+        use std::net::{IpAddr, Ipv6Addr};
+        match ip {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => {
+                    let s = v6.segments();
+                    IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+                }
+            },
+            v4 => v4,
+        }
+    }
+
     fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
+        let ip = Sources::source_of(ip);
         let mut m = self.open.lock().unwrap_or_else(|p| p.into_inner());
         let n = m.entry(ip).or_insert(0);
         if *n >= self.cap {
@@ -433,9 +454,9 @@ impl Sources {
 /// Accepted, handshaken connections of `listener`: each handshake runs in its own task with
 /// a deadline (a client that never finishes one holds no accept slot); at most `max_conns`
 /// connections are open at once (beyond, new ones wait in the kernel's backlog), and at most
-/// `per_source` from one address (0: no such cap; beyond, a new one is closed at once). A
-/// connection that sends nothing within [`HANDSHAKE_TIMEOUT`] of its handshake is closed (see
-/// [`crate::grpc::Conn`]). The stream ends when its receiver is dropped, and then the
+/// `per_source` from one source (an IPv4 address, an IPv6 /64; 0: no such cap; beyond, a new
+/// one is closed at once). A connection whose HTTP/2 opening does not come within
+/// [`HANDSHAKE_TIMEOUT`] of its handshake is closed (see [`crate::grpc::Conn`]). The stream ends when its receiver is dropped, and then the
 /// listener is closed too.
 pub fn incoming(
     listener: TcpListener,
@@ -483,8 +504,9 @@ pub fn incoming(
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(s)) => {
-                        let conn =
-                            crate::grpc::Conn::new(s, permit).with_source(source).first_byte_within(HANDSHAKE_TIMEOUT);
+                        let conn = crate::grpc::Conn::new(s, permit)
+                            .with_source(source)
+                            .first_bytes_within(HTTP2_OPENING, HANDSHAKE_TIMEOUT);
                         let _ = tx.send(Ok(conn)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
@@ -499,6 +521,16 @@ pub fn incoming(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv6_sources_count_by_their_64() {
+        let of = |s: &str| Sources::source_of(s.parse().unwrap()).to_string();
+        assert_eq!(of("2001:db8:1:2:aaaa::1"), of("2001:db8:1:2:bbbb::2"));
+        assert_eq!(of("2001:db8:1:2::1"), "2001:db8:1:2::");
+        assert_ne!(of("2001:db8:1:3::1"), of("2001:db8:1:2::1"));
+        assert_eq!(of("192.0.2.7"), "192.0.2.7");
+        assert_eq!(of("::ffff:192.0.2.7"), "192.0.2.7");
+    }
 
     #[test]
     fn expected_identities_round_trip_through_server_names() {

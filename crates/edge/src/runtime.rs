@@ -182,6 +182,10 @@ pub(crate) struct Held {
     _slot: opendsec_common::bounds::KeyPermit,
 }
 
+/// How long an agent's answer may wait for room in the edge's result budget before the call
+/// fails `rate_limited`.
+const ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// How long a caller refused for being busy is told to wait.
 const BUSY_RETRY_AFTER_MS: u64 = 200;
 
@@ -205,11 +209,11 @@ impl RuntimeService {
         md: &MetadataMap,
         req: &impl AnswerBytes,
     ) -> Result<(MeteredAgent, Meter, Held), Status> {
-        req.answer_bytes().map_err(|e| e.to_status())?;
+        let tenant = opendsec_common::ids::tenant_of(&expected_project(md)?).to_string();
+        let meter = Meter::new(&self.inner.result_budget, &tenant, req, ANSWER_WAIT).map_err(|e| e.to_status())?;
         let (ch, held) = self.channel(id, md, CallKind::Call).await?;
-        let meter = Meter::new(&self.inner.result_budget, id);
         let c = opendsec_proto::v1::runtime_client::RuntimeClient::new(Metered::new(ch, Some(meter.clone())))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_decoding_message_size(meter.max_bytes())
             .max_encoding_message_size(MAX_MESSAGE_BYTES);
         Ok((c, meter, held))
     }

@@ -291,16 +291,25 @@ impl Store {
             Err(e) => return Err(StoreError::Io { path: layers, source: e }),
         };
         let name = project.replace('/', "+");
-        let mut n = 0;
+        let (mut n, mut first_error) = (0, None);
         for e in rd.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
             let p = e.path().join(LAYER_USERS).join(&name);
             match fs::remove_file(&p) {
                 Ok(()) => n += 1,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(StoreError::Io { path: p, source: e }),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => {}
+                // The others still go; the first failure is told.
+                Err(e) => {
+                    first_error.get_or_insert(StoreError::Io { path: p, source: e });
+                }
             }
         }
-        Ok(n)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(n),
+        }
     }
 
     /// The projects recorded by [`Store::add_layer_user`] (none for layers stored before

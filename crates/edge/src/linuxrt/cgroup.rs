@@ -286,11 +286,13 @@ fn write_file(path: &Path, text: &str) -> Result<(), CgroupError> {
     std::fs::write(path, text).map_err(|source| CgroupError::Write { path: path.to_path_buf(), source })
 }
 
-/// Whether a cgroup exists at `rel` (a path from the hierarchy roots, as
-/// [`SandboxCgroup::rel_path`] gives, whichever edge made it) in any hierarchy.
+/// Whether a cgroup may exist at `rel` (a path from the hierarchy roots, as
+/// [`SandboxCgroup::rel_path`] gives, whichever edge made it) in any hierarchy: true when the
+/// hierarchies cannot be read (a holder is taken for gone only when it surely is).
 pub fn exists_at(rel: &Path) -> bool {
-    let Ok(layout) = detect_layout() else { return false };
-    dirs_of(layout, rel).iter().any(|d| d.is_dir())
+    let Ok(layout) = detect_layout() else { return true };
+    let dirs = dirs_of(layout, rel);
+    dirs.is_empty() || dirs.iter().any(|d| d.is_dir())
 }
 
 fn mgr_err(e: impl std::fmt::Display) -> CgroupError {

@@ -175,11 +175,20 @@ impl IdPool {
         if self.create(range.block(), owner, locator)? {
             return Ok(());
         }
-        match read_owner(&path) {
-            Some(h) if h == owner => Ok(()),
+        match read_claim(&path) {
+            Some((h, at)) if h == owner => {
+                if at.as_deref() != Some(locator) {
+                    // Written by an older edge, or the sandbox's cgroup moved: say where it is
+                    // now, so the claim can be judged (and taken over once it is gone).
+                    let tmp = self.dir.join(format!(".{}.tmp", range.block()));
+                    std::fs::write(&tmp, format!("{owner}\n{locator}\n")).map_err(io("write", &tmp))?;
+                    std::fs::rename(&tmp, &path).map_err(io("rename", &path))?;
+                }
+                Ok(())
+            }
             holder => Err(IdmapError::HeldByOther {
                 first: range.host_first,
-                holder: holder.unwrap_or_default(),
+                holder: holder.map(|(h, _)| h).unwrap_or_default(),
                 owner: owner.into(),
             }),
         }
@@ -344,12 +353,15 @@ mod tests {
             .is_err()
         );
         assert_eq!(*seen.borrow(), vec!["/c/sbx-new".to_string()]);
-        // A claim without a locator (written by an older edge) is never taken over.
+        // A claim without a locator (written by an older edge) is never taken over, until its
+        // owner, adopted again, says where it lives.
         p.release(a, "sbx-new").unwrap();
         let f = tmp.path().join(a.block().to_string());
         std::fs::write(&f, "sbx-old\n").unwrap();
         File::options().write(true).open(&f).unwrap().set_modified(old).unwrap();
         assert!(p.claim("sbx-third", "/c/sbx-third", |_| false).is_err());
+        p.confirm(a, "sbx-old", "/c/sbx-old").unwrap();
+        assert_eq!(std::fs::read_to_string(&f).unwrap(), "sbx-old\n/c/sbx-old\n");
     }
 
     #[test]
