@@ -1,23 +1,26 @@
 //! The Rust client of opendsec's public API, used by `opendsecctl` and the end-to-end tests.
 //!
-//! - Several apiserver addresses are used round-robin; a call that fails with `unavailable`
-//!   is retried on the next address with backoff, within `retry_timeout`.
+//! - Several apiserver addresses are used round-robin; each attempt of a call goes to the next.
+//! - Retries follow the one policy of `opendsec_common::retry` (docs/errors.md, "Retries"):
+//!   each call's class says which reasons it retries; backoff with full jitter, never sooner
+//!   than a `retry_after_ms` hint, within `retry_timeout` (30 s) from the first attempt.
 //! - Errors are [`ApiError`]s: decide on `err.reason`, never on the message.
 //! - `create_sandbox` fills in a lease id before the first attempt, so a retry after a lost
 //!   answer returns the sandbox the first attempt created instead of creating a second one.
 //! - Runtime calls (exec, files, processes) go through the apiserver to the sandbox's edge.
 //!   `exec`/`exec_stream` fill in a request id before the first attempt: a retry then finds the
 //!   command the first attempt started (the agent dedupes by request id) instead of running it
-//!   twice. Reads are retried like the sandbox calls; calls that change something and carry no
-//!   such id (start a process, send input, HTTP, write, remove, move, mkdir, signal) are made
+//!   twice. Calls that change something and carry no such id (start a process, send input,
+//!   HTTP other than GET/HEAD, append, remove, move, mkdir without parents, signal) are made
 //!   once, since an `unavailable` answer may come after the change was made.
 #![forbid(unsafe_code)]
 
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use opendsec_common::retry::{self, CallClass, Policy};
 use opendsec_common::{ApiError, Reason, grpc};
 use opendsec_proto::v1 as pb;
 use pb::admin_client::AdminClient;
@@ -60,7 +63,7 @@ struct Inner {
     channels: Vec<Channel>,
     next: AtomicUsize,
     bearer: Bearer,
-    retry_timeout: Duration,
+    policy: Policy,
 }
 
 /// A cheap-to-clone handle on the public API.
@@ -93,7 +96,7 @@ impl Client {
                 channels,
                 next: AtomicUsize::new(rand::random::<u32>() as usize),
                 bearer: Bearer(bearer),
-                retry_timeout: Duration::from_secs(30),
+                policy: Policy::DEFAULT,
             }),
         })
     }
@@ -110,14 +113,15 @@ impl Client {
         Client::new(&addrs, token.as_deref(), &grpc::PublicTls::from_env()?)
     }
 
-    /// How long calls keep retrying `unavailable` (default 30 s; zero: no retries).
+    /// How long, from its first attempt, a call keeps retrying (default 30 s; zero: no
+    /// retries). Which failures are retried is the call's class ([`retry::CALLS`]).
     pub fn with_retry_timeout(self, d: Duration) -> Client {
         let inner = Inner {
             addrs: self.inner.addrs.clone(),
             channels: self.inner.channels.clone(),
             next: AtomicUsize::new(self.inner.next.load(Ordering::Relaxed)),
             bearer: self.inner.bearer.clone(),
-            retry_timeout: d,
+            policy: self.inner.policy.with_budget(d),
         };
         Client { inner: Arc::new(inner) }
     }
@@ -152,45 +156,18 @@ impl Client {
         stub_r(self.pick())
     }
 
-    /// Runs `f` on one address after another while it fails with `unavailable`.
-    async fn retry<T, F, Fut>(&self, f: F) -> Result<T, ApiError>
+    /// Makes the call `f` on one address after another, again while its class retries the
+    /// error ([`retry`]: backoff with full jitter, `retry_after_ms` honoured, within the budget).
+    async fn call<T, F, Fut>(&self, class: CallClass, f: F) -> Result<T, ApiError>
     where
         F: Fn(AuthedChannel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        self.retry_within(self.inner.retry_timeout, f).await
-    }
-
-    /// Runs `f` once, on the next address: for calls a retry could apply twice.
-    async fn once<T, F, Fut>(&self, f: F) -> Result<T, ApiError>
-    where
-        F: Fn(AuthedChannel) -> Fut,
-        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        self.retry_within(Duration::ZERO, f).await
-    }
-
-    async fn retry_within<T, F, Fut>(&self, budget: Duration, f: F) -> Result<T, ApiError>
-    where
-        F: Fn(AuthedChannel) -> Fut,
-        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    {
-        let deadline = Instant::now() + budget;
-        let mut backoff = Duration::from_millis(20);
-        loop {
-            match f(self.pick()).await {
-                Ok(resp) => return Ok(resp.into_inner()),
-                Err(status) => {
-                    let err = ApiError::from_status(&status);
-                    if err.reason != Reason::Unavailable || Instant::now() + backoff > deadline {
-                        return Err(err);
-                    }
-                    tracing::debug!(reason = %err.reason, message = %err.message, "retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                }
-            }
-        }
+        retry::run(class, self.inner.policy, || {
+            let fut = f(self.pick());
+            async move { fut.await.map(tonic::Response::into_inner).map_err(|s| ApiError::from_status(&s)) }
+        })
+        .await
     }
 
     // ---- sandboxes
@@ -201,7 +178,7 @@ impl Client {
     }
 
     pub async fn create_sandbox_with(&self, req: pb::CreateSandboxRequest) -> Result<pb::Sandbox, ApiError> {
-        self.retry(|ch| {
+        self.call(class("Sandboxes/CreateSandbox"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).create_sandbox(req).await }
         })
@@ -215,7 +192,7 @@ impl Client {
         count: u32,
     ) -> Result<tonic::Streaming<pb::CreateSandboxesResponse>, ApiError> {
         let req = pb::CreateSandboxesRequest { spec: Some(spec), count };
-        self.retry(|ch| {
+        self.call(class("Sandboxes/CreateSandboxes"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).create_sandboxes(req).await }
         })
@@ -224,7 +201,7 @@ impl Client {
 
     pub async fn get_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
-        self.retry(|ch| {
+        self.call(class("Sandboxes/GetSandbox"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).get_sandbox(req).await }
         })
@@ -232,7 +209,7 @@ impl Client {
     }
 
     pub async fn list_sandboxes(&self, req: pb::ListSandboxesRequest) -> Result<pb::ListSandboxesResponse, ApiError> {
-        self.retry(|ch| {
+        self.call(class("Sandboxes/ListSandboxes"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).list_sandboxes(req).await }
         })
@@ -254,7 +231,7 @@ impl Client {
 
     pub async fn stop_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::StopSandboxRequest { id: id.to_string() };
-        self.retry(|ch| {
+        self.call(class("Sandboxes/StopSandbox"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).stop_sandbox(req).await }
         })
@@ -263,7 +240,7 @@ impl Client {
 
     pub async fn pause_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::PauseSandboxRequest { id: id.to_string() };
-        self.retry(|ch| {
+        self.call(class("Sandboxes/PauseSandbox"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).pause_sandbox(req).await }
         })
@@ -272,7 +249,7 @@ impl Client {
 
     pub async fn resume_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::ResumeSandboxRequest { id: id.to_string() };
-        self.retry(|ch| {
+        self.call(class("Sandboxes/ResumeSandbox"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).resume_sandbox(req).await }
         })
@@ -280,7 +257,7 @@ impl Client {
     }
 
     pub async fn set_sandbox_timeout(&self, req: pb::SetSandboxTimeoutRequest) -> Result<pb::Sandbox, ApiError> {
-        self.retry(|ch| {
+        self.call(class("Sandboxes/SetSandboxTimeout"), |ch| {
             let req = req.clone();
             async move { stub_s(ch).set_sandbox_timeout(req).await }
         })
@@ -312,17 +289,20 @@ fn stub_i(ch: AuthedChannel) -> ImagesClient<AuthedChannel> {
         .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
 }
 
-/// One method per RPC of a service, each retried on `unavailable` like the sandbox calls (or
-/// made once: `unary_calls! {once stub: ...}`).
+/// The class of a public call ([`retry::CALLS`]; a name not there is made once).
+fn class(method: &str) -> CallClass {
+    let c = retry::class_of(method);
+    debug_assert!(c.is_some(), "{method} is not in retry::CALLS");
+    c.unwrap_or(CallClass::Once)
+}
+
+/// One method per RPC of a service, each made as its class ([`retry::CALLS`]) says.
 macro_rules! unary_calls {
-    ($stub:ident: $($name:ident($req:ty) -> $resp:ty;)*) => {
-        unary_calls! {retry $stub: $($name($req) -> $resp;)*}
-    };
-    ($how:ident $stub:ident: $($name:ident($req:ty) -> $resp:ty;)*) => {
+    ($service:literal $stub:ident: $($name:ident($req:ty) -> $resp:ty = $rpc:literal;)*) => {
         impl Client {
             $(
                 pub async fn $name(&self, req: $req) -> Result<$resp, ApiError> {
-                    self.$how(|ch| {
+                    self.call(class(concat!($service, "/", $rpc)), |ch| {
                         let req = req.clone();
                         async move { $stub(ch).$name(req).await }
                     })
@@ -334,33 +314,33 @@ macro_rules! unary_calls {
 }
 
 // Images: writing needs `layer.publish` on the image's project, reading `layer.use`.
-unary_calls! {stub_i:
-    register_image(pb::RegisterImageRequest) -> pb::Image;
-    compose_image(pb::ComposeImageRequest) -> pb::Image;
-    delete_image(pb::DeleteImageRequest) -> pb::DeleteImageResponse;
-    list_images(pb::ListImagesRequest) -> pb::ListImagesResponse;
-    get_image(pb::GetImageRequest) -> pb::Image;
+unary_calls! {"Images" stub_i:
+    register_image(pb::RegisterImageRequest) -> pb::Image = "RegisterImage";
+    compose_image(pb::ComposeImageRequest) -> pb::Image = "ComposeImage";
+    delete_image(pb::DeleteImageRequest) -> pb::DeleteImageResponse = "DeleteImage";
+    list_images(pb::ListImagesRequest) -> pb::ListImagesResponse = "ListImages";
+    get_image(pb::GetImageRequest) -> pb::Image = "GetImage";
 }
 
-unary_calls! {stub_a:
-    who_am_i(pb::WhoAmIRequest) -> pb::WhoAmIResponse;
-    create_project(pb::CreateProjectRequest) -> pb::Project;
-    get_project(pb::GetProjectRequest) -> pb::Project;
-    list_projects(pb::ListProjectsRequest) -> pb::ListProjectsResponse;
-    delete_project(pb::DeleteProjectRequest) -> pb::DeleteProjectResponse;
-    set_quota(pb::SetQuotaRequest) -> pb::Project;
-    create_principal(pb::CreatePrincipalRequest) -> pb::Principal;
-    list_principals(pb::ListPrincipalsRequest) -> pb::ListPrincipalsResponse;
-    delete_principal(pb::DeletePrincipalRequest) -> pb::DeletePrincipalResponse;
-    create_token(pb::CreateTokenRequest) -> pb::CreateTokenResponse;
-    list_tokens(pb::ListTokensRequest) -> pb::ListTokensResponse;
-    revoke_token(pb::RevokeTokenRequest) -> pb::RevokeTokenResponse;
-    grant(pb::GrantRequest) -> pb::GrantResponse;
-    revoke_grant(pb::RevokeGrantRequest) -> pb::RevokeGrantResponse;
-    list_grants(pb::ListGrantsRequest) -> pb::ListGrantsResponse;
-    get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse;
-    backup(pb::BackupRequest) -> pb::BackupResponse;
-    restore(pb::RestoreRequest) -> pb::RestoreResponse;
+unary_calls! {"Admin" stub_a:
+    who_am_i(pb::WhoAmIRequest) -> pb::WhoAmIResponse = "WhoAmI";
+    create_project(pb::CreateProjectRequest) -> pb::Project = "CreateProject";
+    get_project(pb::GetProjectRequest) -> pb::Project = "GetProject";
+    list_projects(pb::ListProjectsRequest) -> pb::ListProjectsResponse = "ListProjects";
+    delete_project(pb::DeleteProjectRequest) -> pb::DeleteProjectResponse = "DeleteProject";
+    set_quota(pb::SetQuotaRequest) -> pb::Project = "SetQuota";
+    create_principal(pb::CreatePrincipalRequest) -> pb::Principal = "CreatePrincipal";
+    list_principals(pb::ListPrincipalsRequest) -> pb::ListPrincipalsResponse = "ListPrincipals";
+    delete_principal(pb::DeletePrincipalRequest) -> pb::DeletePrincipalResponse = "DeletePrincipal";
+    create_token(pb::CreateTokenRequest) -> pb::CreateTokenResponse = "CreateToken";
+    list_tokens(pb::ListTokensRequest) -> pb::ListTokensResponse = "ListTokens";
+    revoke_token(pb::RevokeTokenRequest) -> pb::RevokeTokenResponse = "RevokeToken";
+    grant(pb::GrantRequest) -> pb::GrantResponse = "Grant";
+    revoke_grant(pb::RevokeGrantRequest) -> pb::RevokeGrantResponse = "RevokeGrant";
+    list_grants(pb::ListGrantsRequest) -> pb::ListGrantsResponse = "ListGrants";
+    get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse = "GetUsage";
+    backup(pb::BackupRequest) -> pb::BackupResponse = "Backup";
+    restore(pb::RestoreRequest) -> pb::RestoreResponse = "Restore";
 }
 
 /// A fresh exec request id: `[A-Za-z0-9._-]`, well under the 128 the agent accepts.
@@ -375,7 +355,7 @@ impl Client {
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
         }
-        self.retry(|ch| {
+        self.call(class("Runtime/Exec"), |ch| {
             let req = req.clone();
             async move { stub_r(ch).exec(req).await }
         })
@@ -388,7 +368,7 @@ impl Client {
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
         }
-        self.retry(|ch| {
+        self.call(class("Runtime/ExecStream"), |ch| {
             let req = req.clone();
             async move { stub_r(ch).exec_stream(req).await }
         })
@@ -396,9 +376,30 @@ impl Client {
     }
 
     pub async fn read_file(&self, req: pb::ReadFileRequest) -> Result<tonic::Streaming<pb::FileChunk>, ApiError> {
-        self.retry(|ch| {
+        self.call(class("Runtime/ReadFile"), |ch| {
             let req = req.clone();
             async move { stub_r(ch).read_file(req).await }
+        })
+        .await
+    }
+
+    /// Makes a directory: a `repeat` call with `parents` (an existing directory is fine), else
+    /// made once.
+    pub async fn make_dir(&self, req: pb::MakeDirRequest) -> Result<pb::MakeDirResponse, ApiError> {
+        let how = if req.parents { class("Runtime/MakeDir") } else { CallClass::Once };
+        self.call(how, |ch| {
+            let req = req.clone();
+            async move { stub_r(ch).make_dir(req).await }
+        })
+        .await
+    }
+
+    /// An HTTP request into the sandbox: GET and HEAD are `repeat` calls, others made once.
+    pub async fn http_request(&self, req: pb::HttpRequestRequest) -> Result<pb::HttpRequestResponse, ApiError> {
+        let how = if matches!(req.method.as_str(), "GET" | "HEAD") { CallClass::Repeat } else { class("Runtime/HttpRequest") };
+        self.call(how, |ch| {
+            let req = req.clone();
+            async move { stub_r(ch).http_request(req).await }
         })
         .await
     }
@@ -418,8 +419,8 @@ impl Client {
     }
 
     /// Writes `data` whole as one upload (`first` carries the sandbox, path and options; its
-    /// data is replaced). Retried on `unavailable` unless appending: a retry rewrites the same
-    /// file from the start.
+    /// data is replaced). A `repeat` call unless appending: a retry rewrites the same file from
+    /// the start.
     pub async fn write_file_all(
         &self,
         first: pb::WriteFileRequest,
@@ -439,8 +440,8 @@ impl Client {
         if let Some(last) = msgs.last_mut() {
             last.finish = true;
         }
-        let budget = if first.append { Duration::ZERO } else { self.inner.retry_timeout };
-        self.retry_within(budget, |ch| {
+        let how = if first.append { CallClass::Once } else { class("Runtime/WriteFile") };
+        self.call(how, |ch| {
             let msgs = msgs.clone();
             async move { upload::write_file(ch, tokio_stream::iter(msgs.into_iter().map(Upload::Message))).await }
         })
@@ -451,7 +452,7 @@ impl Client {
         &self,
         req: pb::ConnectProcessRequest,
     ) -> Result<tonic::Streaming<pb::ProcessEvent>, ApiError> {
-        self.retry(|ch| {
+        self.call(class("Runtime/ConnectProcess"), |ch| {
             let req = req.clone();
             async move { stub_r(ch).connect_process(req).await }
         })
@@ -459,7 +460,7 @@ impl Client {
     }
 
     pub async fn watch(&self, req: pb::WatchRequest) -> Result<tonic::Streaming<pb::Heartbeat>, ApiError> {
-        self.retry(|ch| {
+        self.call(class("Runtime/Watch"), |ch| {
             let req = req.clone();
             async move { stub_r(ch).watch(req).await }
         })
@@ -468,23 +469,21 @@ impl Client {
 }
 
 // Runtime reads (and closing a session, which a repeat only finds done): retried.
-unary_calls! {stub_r:
-    get_output(pb::GetOutputRequest) -> pb::GetOutputResponse;
-    close_session(pb::CloseSessionRequest) -> pb::CloseSessionResponse;
-    list_dir(pb::ListDirRequest) -> pb::ListDirResponse;
-    stat(pb::StatRequest) -> pb::FileInfo;
-    list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse;
+unary_calls! {"Runtime" stub_r:
+    get_output(pb::GetOutputRequest) -> pb::GetOutputResponse = "GetOutput";
+    close_session(pb::CloseSessionRequest) -> pb::CloseSessionResponse = "CloseSession";
+    list_dir(pb::ListDirRequest) -> pb::ListDirResponse = "ListDir";
+    stat(pb::StatRequest) -> pb::FileInfo = "Stat";
+    list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse = "ListProcesses";
 }
 
 // Runtime changes without a request id: made once.
-unary_calls! {once stub_r:
-    make_dir(pb::MakeDirRequest) -> pb::MakeDirResponse;
-    remove(pb::RemoveRequest) -> pb::RemoveResponse;
-    r#move(pb::MoveRequest) -> pb::MoveResponse;
-    http_request(pb::HttpRequestRequest) -> pb::HttpRequestResponse;
-    start_process(pb::StartProcessRequest) -> pb::StartProcessResponse;
-    send_input(pb::SendInputRequest) -> pb::SendInputResponse;
-    signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse;
+unary_calls! {"Runtime" stub_r:
+    remove(pb::RemoveRequest) -> pb::RemoveResponse = "Remove";
+    r#move(pb::MoveRequest) -> pb::MoveResponse = "Move";
+    start_process(pb::StartProcessRequest) -> pb::StartProcessResponse = "StartProcess";
+    send_input(pb::SendInputRequest) -> pb::SendInputResponse = "SendInput";
+    signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse = "SignalProcess";
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod http;
 pub mod ids;
 pub mod pki;
 pub mod reason;
+pub mod retry;
 pub mod spec;
 pub mod time;
 pub mod tls;

@@ -78,7 +78,7 @@ impl Remote {
                     let e = ApiError::from_status(&status);
                     tracing::debug!(iam = %addr, call = what, reason = %e.reason, "IAM call failed");
                     // Only "try elsewhere" answers move on to the next address.
-                    if !e.reason.retryable() {
+                    if !opendsec_common::retry::try_elsewhere(e.reason) {
                         return Err(e);
                     }
                     last = e;

@@ -30,8 +30,13 @@ REPO = Path(__file__).resolve().parents[3]
 # -- the catalogue ----------------------------------------------------------------------------
 
 
+def errors_doc() -> str:
+    """docs/errors.md up to its retry policy (the reasons' table)."""
+    return (REPO / "docs" / "errors.md").read_text().split("\n## Retries")[0]
+
+
 def doc_reasons() -> List[str]:
-    doc = (REPO / "docs" / "errors.md").read_text()
+    doc = errors_doc()
     return [l.split("|")[1].strip().strip("`") for l in doc.splitlines() if l.startswith("| `")]
 
 
@@ -50,7 +55,7 @@ def test_sdk_reasons_equal_docs_and_rust_catalogue() -> None:
 
 
 def test_sdk_codes_equal_docs() -> None:
-    doc = (REPO / "docs" / "errors.md").read_text()
+    doc = errors_doc()
     rows = [[c.strip() for c in l.split("|")] for l in doc.splitlines() if l.startswith("| `")]
     for row, cls in zip(rows, errors.ALL):
         assert row[2] == cls.grpc_code.name, cls
@@ -157,6 +162,50 @@ def test_backoff_grows_and_respects_budget() -> None:
     assert max(delays) <= 1.0
     assert sum(delays) == pytest.approx(3.0)
     assert Backoff(5, clock=clock).next_delay(hint=2.5) >= 2.5
+    # Full jitter: a draw of 0 waits nothing (unless hinted); the budget still cuts a hint.
+    z = Backoff(retry_timeout=3, clock=clock, rand=lambda: 0.0)
+    assert z.next_delay() == 0.0 and z.next_delay(hint=10) == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        Backoff(call_class="sometimes")
+
+
+# -- the retry policy: the same table in docs/errors.md, the SDK and the Rust client ---------
+
+
+def doc_retry_tables():
+    doc = (REPO / "docs" / "errors.md").read_text()
+    section = doc[doc.index("## Retries"):]
+    classes, calls = {}, {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.split("|")]
+        name = cells[1].strip("`")
+        if "/" in name:
+            calls[name] = cells[2].strip("`")
+        else:
+            classes[name] = frozenset(r.strip().strip("`") for r in cells[2].split(",") if r.strip() not in ("", "none"))
+    return classes, calls
+
+
+def rust_retry_calls():
+    src = (REPO / "crates" / "common" / "src" / "retry.rs").read_text()
+    return {m: c.lower() for m, c in re.findall(r'\("([A-Za-z]+/[A-Za-z]+)", ([A-Z][a-z]+)\)', src)}
+
+
+def test_retry_policy_equals_docs_and_rust() -> None:
+    from opendsec._net import CALLS, CLASS_RETRIES
+    classes, calls = doc_retry_tables()
+    assert classes == CLASS_RETRIES
+    assert calls == CALLS
+    assert rust_retry_calls() == CALLS
+    assert list(rust_retry_calls()) == list(CALLS)  # and in the same order
+    # Every reason a class retries is a reason of the catalogue, and `retryable` says whether
+    # any class retries it.
+    every = frozenset().union(*CLASS_RETRIES.values())
+    assert every <= {c.reason for c in errors.ALL}
+    for cls in errors.ALL:
+        assert cls.retryable == (cls.reason in every), cls
 
 
 # -- ids --------------------------------------------------------------------------------------
@@ -203,8 +252,11 @@ class FlakySandboxes(pb_grpc.SandboxesServicer):
         return pb.Sandbox(id="e." + request.lease_id, spec=request.spec, state=pb.SANDBOX_STATE_RUNNING)
 
     async def PauseSandbox(self, request, context):
+        # A `repeat` call: refused twice, then answered (a repeat finds the state reached).
         self.leases.append("pause")
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        if self.leases.count("pause") <= 2:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
+        return pb.Sandbox(id=request.id, state=pb.SANDBOX_STATE_PAUSED)
 
 
 class FlakyRuntime(rt_grpc.RuntimeServicer):
@@ -218,6 +270,11 @@ class FlakyRuntime(rt_grpc.RuntimeServicer):
             self.fail -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
         return rt.ExecResult(exit_code=0, stdout=b"ok", request_id=request.request_id)
+
+    async def StartProcess(self, request, context):
+        # A `once` call: refused as UNAVAILABLE, which must not be repeated.
+        self.request_ids.append("start")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
 
 
 async def serve(fail: int):
@@ -253,15 +310,35 @@ async def test_run_shell_retries_with_the_same_request_id() -> None:
         await server.stop(None)
 
 
-async def test_state_changes_are_not_retried() -> None:
-    server, addr, sbx, _ = await serve(fail=0)
+async def test_once_calls_are_made_once_and_repeat_calls_are_retried() -> None:
+    server, addr, sbx, rtm = await serve(fail=0)
     try:
         async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
             with pytest.raises(errors.Unavailable):
-                await c.pause_sandbox("e.l")
-        assert sbx.leases == ["pause"]
+                await c.sandbox("e.l").start_process(["sleep", "1"])
+            assert rtm.request_ids == ["start"]
+            sb = await c.pause_sandbox("e.l")
+        assert sb.state == "paused" and sbx.leases == ["pause"] * 3
     finally:
         await server.stop(None)
+
+
+async def test_a_retry_waits_at_least_the_servers_hint(monkeypatch) -> None:
+    slept: List[float] = []
+
+    async def sleep(d: float) -> None:
+        slept.append(d)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    async with opendsec.AsyncClient("127.0.0.1:1", token="t", insecure_plaintext=True) as c:
+        limited = errors.RateLimited("slow down", metadata={"retry_after_ms": "1500"})
+        assert await c._retry_sleep(c._backoff("Sandboxes/GetSandbox"), limited)
+        assert slept == [1.5]
+        # A class that does not retry the reason, and a `once` call: no sleep, give up.
+        assert not await c._retry_sleep(c._backoff("Sandboxes/GetSandbox"), errors.NoCapacity("full"))
+        assert c._backoff("Runtime/StartProcess") is None
+        assert await c._retry_sleep(c._backoff("Sandboxes/CreateSandbox"), errors.NoCapacity("full"))
+        assert len(slept) == 2
 
 
 async def test_retry_gives_up_after_retry_timeout(dead_address: str) -> None:

@@ -4,10 +4,10 @@
   at the transport (UNAVAILABLE without an opendsec ErrorInfo: refused, reset, unreachable) is
   avoided for ``avoid_s`` seconds. When every address is being avoided the one whose avoidance
   ends first is used, so a call is always attempted.
-* :class:`Backoff`: exponential backoff with jitter, bounded by a total ``retry_timeout``.
-
-Which calls are retried is decided by the caller (client.py): only calls that are safe to
-repeat (reads; creations with a lease id; exec with a request id; whole-file writes).
+* The retry policy, the same as the Rust client's (``crates/common/src/retry.rs``) and as
+  ``docs/errors.md`` ("Retries") states it: :data:`CALLS` gives each call its class,
+  :data:`CLASS_RETRIES` the reasons each class retries; :class:`Backoff` waits between
+  attempts (full jitter, ``retry_after_ms`` honoured) within a total ``retry_timeout``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,79 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 DEFAULT_RETRY_TIMEOUT_S = 30.0
 DEFAULT_AVOID_S = 10.0
+
+#: The reasons each class of call retries: ``read`` changes nothing; ``create`` carries a
+#: lease id; a ``repeat`` call finds its own earlier effect; a ``once`` call could apply twice.
+CLASS_RETRIES: Dict[str, FrozenSet[str]] = {
+    "read": frozenset({"rate_limited", "not_leader", "unavailable"}),
+    "create": frozenset({"rate_limited", "no_capacity", "not_leader", "unavailable", "deadline_exceeded"}),
+    "repeat": frozenset({"rate_limited", "not_leader", "unavailable"}),
+    "once": frozenset(),
+}
+
+#: Every public call's class. Some calls change class with the request (the callers say so):
+#: an appending WriteFile and a MakeDir without parents are ``once``; an HttpRequest with GET
+#: or HEAD is ``repeat``.
+CALLS: Dict[str, str] = {
+    "Sandboxes/CreateSandbox": "create",
+    "Sandboxes/CreateSandboxes": "create",
+    "Sandboxes/GetSandbox": "read",
+    "Sandboxes/ListSandboxes": "read",
+    "Sandboxes/StopSandbox": "repeat",
+    "Sandboxes/PauseSandbox": "repeat",
+    "Sandboxes/ResumeSandbox": "repeat",
+    "Sandboxes/SetSandboxTimeout": "repeat",
+    "Admin/WhoAmI": "read",
+    "Admin/CreateProject": "once",
+    "Admin/GetProject": "read",
+    "Admin/ListProjects": "read",
+    "Admin/DeleteProject": "once",
+    "Admin/SetQuota": "repeat",
+    "Admin/CreatePrincipal": "once",
+    "Admin/ListPrincipals": "read",
+    "Admin/DeletePrincipal": "once",
+    "Admin/CreateToken": "once",
+    "Admin/ListTokens": "read",
+    "Admin/RevokeToken": "repeat",
+    "Admin/Grant": "repeat",
+    "Admin/RevokeGrant": "once",
+    "Admin/ListGrants": "read",
+    "Admin/GetUsage": "read",
+    "Admin/Backup": "read",
+    "Admin/Restore": "once",
+    "Images/RegisterImage": "once",
+    "Images/ComposeImage": "once",
+    "Images/DeleteImage": "once",
+    "Images/ListImages": "read",
+    "Images/GetImage": "read",
+    "Runtime/Exec": "repeat",
+    "Runtime/ExecStream": "repeat",
+    "Runtime/GetOutput": "read",
+    "Runtime/CloseSession": "repeat",
+    "Runtime/ReadFile": "read",
+    "Runtime/WriteFile": "repeat",
+    "Runtime/ListDir": "read",
+    "Runtime/Stat": "read",
+    "Runtime/MakeDir": "repeat",
+    "Runtime/Remove": "once",
+    "Runtime/Move": "once",
+    "Runtime/HttpRequest": "once",
+    "Runtime/StartProcess": "once",
+    "Runtime/ConnectProcess": "read",
+    "Runtime/SendInput": "once",
+    "Runtime/SignalProcess": "once",
+    "Runtime/ListProcesses": "read",
+    "Runtime/Watch": "read",
+}
+
+
+def class_of(call: str) -> str:
+    """The class of ``Service/Method`` (a call not in :data:`CALLS` is made once)."""
+    return CALLS.get(call, "once")
 
 
 def parse_addresses(value: Optional[Iterable[str] | str]) -> List[str]:
@@ -84,20 +153,27 @@ class AddressPool:
 
 
 class Backoff:
-    """Exponential backoff with full jitter within a total budget.
+    """The retries of one call of class ``call_class``: exponential backoff with full jitter
+    within a total budget.
 
-    ``next_delay()`` returns the time to sleep before the next attempt, or ``None`` once the
-    budget (``retry_timeout`` seconds since construction) would be exceeded.
+    ``retries(reason)`` says whether the class retries that reason; ``next_delay(hint)``
+    returns the time to sleep before the next attempt (a uniform draw below a ceiling that
+    starts at ``base`` and doubles up to ``cap``, at least ``hint``, cut to the budget), or
+    ``None`` once the budget (``retry_timeout`` seconds since construction) is spent.
     """
 
     def __init__(
         self,
         retry_timeout: float = DEFAULT_RETRY_TIMEOUT_S,
+        call_class: str = "read",
         base: float = 0.05,
         cap: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         rand: Callable[[], float] = random.random,
     ) -> None:
+        if call_class not in CLASS_RETRIES:
+            raise ValueError(f"unknown call class {call_class!r}")
+        self.call_class = call_class
         self.deadline = clock() + retry_timeout
         self.base = base
         self.cap = cap
@@ -105,13 +181,16 @@ class Backoff:
         self._rand = rand
         self.attempt = 0
 
+    def retries(self, reason: str) -> bool:
+        return reason in CLASS_RETRIES[self.call_class]
+
     def next_delay(self, hint: Optional[float] = None) -> Optional[float]:
-        ceiling = min(self.cap, self.base * (2 ** self.attempt))
-        self.attempt += 1
-        delay = ceiling * (0.5 + 0.5 * self._rand())
-        if hint is not None:
-            delay = max(delay, hint)
         remaining = self.deadline - self._clock()
         if remaining <= 0:
             return None
+        ceiling = min(self.cap, self.base * (2 ** min(self.attempt, 62)))
+        self.attempt += 1
+        delay = ceiling * self._rand()
+        if hint is not None:
+            delay = max(delay, hint)
         return min(delay, remaining)

@@ -2,16 +2,17 @@
 
 Invariants kept here:
 
-* Only calls that are safe to repeat are retried, on ``unavailable`` (plus the transport
-  failures read as such), with exponential backoff within ``retry_timeout``: reads;
-  ``create_sandbox`` (it always carries a lease id, so a retry returns the sandbox the first
-  attempt made; also retried on ``no_capacity``, ``rate_limited`` and ``deadline_exceeded``);
-  ``run_shell``/``stream_shell`` (they carry a request id, so a retry re-attaches to the same
-  command instead of running it again); whole-file writes (the upload is staged until
-  ``finish``, so a repeated truncating write is harmless). ``create_sandboxes`` asks again,
-  in one new batch, for the items refused with ``no_capacity``/``rate_limited``/
-  ``unavailable`` (a refused item made nothing); a batch whose stream breaks is not repeated.
-  Appends, state changes (stop/pause/resume) and process starts/signals are never retried.
+* Retries follow the one policy (``docs/errors.md``, "Retries"; the same tables as the Rust
+  client's, in :mod:`opendsec._net`): each call's class says which reasons it retries, with
+  full-jitter backoff never sooner than ``retry_after_ms``, within ``retry_timeout``. Reads
+  retry ``unavailable``/``not_leader``/``rate_limited``; ``create_sandbox`` (it always
+  carries a lease id, so a retry returns the sandbox the first attempt made) also
+  ``no_capacity`` and ``deadline_exceeded``; ``repeat`` calls find their own earlier effect:
+  ``run_shell``/``stream_shell`` (a request id: a retry re-attaches to the same command),
+  stop/pause/resume (a repeat answers the state reached), whole-file writes (staged until
+  ``finish``). ``create_sandboxes`` asks again, in one new batch, for the items refused with
+  a ``create`` reason (a refused item made nothing); a batch whose stream breaks is not
+  repeated. Appends, process starts, input and signals are never retried.
 * Streams (``stream_shell``, ``connect_process``, ``read_file``) resume after a disconnect from
   the offsets already received, dropping any overlap, so nothing is lost or repeated.
 * Every failed call raises a subclass of :class:`opendsec.errors.OpendsecError`.
@@ -44,7 +45,7 @@ from google.protobuf import json_format
 
 from . import errors
 from ._ids import check_lease_id, check_request_id, new_lease_id, new_request_id
-from ._net import DEFAULT_AVOID_S, DEFAULT_RETRY_TIMEOUT_S, AddressPool, Backoff, parse_addresses
+from ._net import CLASS_RETRIES, DEFAULT_AVOID_S, DEFAULT_RETRY_TIMEOUT_S, AddressPool, Backoff, class_of, parse_addresses
 from ._pb import opendsec_pb2 as pb
 from ._pb import opendsec_pb2_grpc as pb_grpc
 from ._pb import runtime_pb2 as rt
@@ -68,10 +69,6 @@ def _quota(q: QuotaLike) -> Any:
         return pb.Quota(**{k: int(v) for k, v in q.items()})
     return q
 
-
-# Creation errors that pass: retried (a creation is idempotent by lease id; a failed batch
-# item created nothing).
-CREATE_RETRYABLE: Tuple[type, ...] = (errors.Unavailable, errors.NoCapacity, errors.RateLimited)
 
 # The same defaults as `opendsecctl sandbox create`.
 DEFAULT_IMAGE = "scratch"
@@ -269,25 +266,26 @@ class AsyncClient:
             self.pool.mark_broken(address)
         return err
 
-    async def _retry_sleep(
-        self,
-        backoff: Optional[Backoff],
-        err: errors.OpendsecError,
-        retry_on: Tuple[type, ...] = (errors.Unavailable,),
-    ) -> bool:
-        """Sleeps before the next attempt when ``err`` is one of ``retry_on``; False: give up.
-        A ``rate_limited`` error's ``retry_after_ms`` is the least it waits."""
-        if backoff is None or not isinstance(err, retry_on):
+    async def _retry_sleep(self, backoff: Optional[Backoff], err: errors.OpendsecError) -> bool:
+        """Sleeps before the next attempt when the call's class retries ``err``'s reason;
+        False: give up. An error's ``retry_after_ms`` is the least it waits."""
+        if backoff is None or not backoff.retries(err.reason):
             return False
-        hint = err.retry_after_s if isinstance(err, errors.RateLimited) else None
+        try:
+            hint: Optional[float] = int(err.metadata["retry_after_ms"]) / 1000.0
+        except (KeyError, ValueError, TypeError):
+            hint = None
         delay = backoff.next_delay(hint)
         if delay is None:
             return False
         await asyncio.sleep(delay)
         return True
 
-    def _backoff(self, retry: bool) -> Optional[Backoff]:
-        return Backoff(self.retry_timeout) if retry else None
+    def _backoff(self, call: str, call_class: Optional[str] = None) -> Optional[Backoff]:
+        """The retries of one call of ``Service/Method`` (of class ``call_class`` when the
+        request changes it), as the policy says (``None``: made once)."""
+        cls = call_class or class_of(call)
+        return None if cls == "once" or self.retry_timeout <= 0 else Backoff(self.retry_timeout, cls)
 
     async def _unary(
         self,
@@ -295,13 +293,13 @@ class AsyncClient:
         method: str,
         request: Any,
         *,
-        retry: bool,
+        call_class: Optional[str] = None,
         timeout: Optional[float] = None,
-        retry_on: Tuple[type, ...] = (errors.Unavailable,),
     ) -> Any:
         """One call answered once (a unary call, or a client stream when ``request`` is a
-        callable making a fresh request iterator for each attempt), retried as said above."""
-        backoff = self._backoff(retry)
+        callable making a fresh request iterator for each attempt), retried as its class
+        (:data:`opendsec._net.CALLS`, or ``call_class`` when the request changes it) says."""
+        backoff = self._backoff(f"{service}/{method}", call_class)
         while True:
             address = self.pool.pick()
             try:
@@ -310,7 +308,7 @@ class AsyncClient:
                 )
             except grpc.RpcError as e:
                 err = self._failed(address, e)
-                if await self._retry_sleep(backoff, err, retry_on):
+                if await self._retry_sleep(backoff, err):
                     continue
                 raise err from None
             self.pool.mark_ok(address)
@@ -408,8 +406,7 @@ class AsyncClient:
         )
         lease = check_lease_id(lease_id) if lease_id is not None else new_lease_id()
         info = await self._unary(
-            "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease), retry=True,
-            retry_on=CREATE_RETRYABLE + (errors.DeadlineExceeded,),
+            "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease),
         )
         return Sandbox(self, info)
 
@@ -478,13 +475,13 @@ class AsyncClient:
                 if r is None:
                     r = errors.Internal(f"no answer for batch item {i}")
                 results[i] = r
-                if retry and isinstance(r, CREATE_RETRYABLE):
+                if retry and isinstance(r, errors.OpendsecError) and r.reason in CLASS_RETRIES["create"]:
                     again.append(i)
                 else:
                     settled()
             if again and backoff is None:
-                backoff = self._backoff(True)
-            if not again or not await self._retry_sleep(backoff, results[again[0]], CREATE_RETRYABLE):
+                backoff = self._backoff("Sandboxes/CreateSandboxes")
+            if not again or not await self._retry_sleep(backoff, results[again[0]]):
                 for _ in again:  # given up: these answers are final
                     settled()
                 break
@@ -525,7 +522,7 @@ class AsyncClient:
 
     async def get_sandbox(self, sandbox_id: str) -> "Sandbox":
         """The sandbox with this id (``not_found`` if none)."""
-        info = await self._unary("Sandboxes", "GetSandbox", pb.GetSandboxRequest(id=sandbox_id), retry=True)
+        info = await self._unary("Sandboxes", "GetSandbox", pb.GetSandboxRequest(id=sandbox_id))
         return Sandbox(self, info)
 
     def sandbox(self, sandbox_id: str) -> "Sandbox":
@@ -551,7 +548,7 @@ class AsyncClient:
                 page_size=page_size,
                 page_token=token,
             )
-            resp = await self._unary("Sandboxes", "ListSandboxes", req, retry=True)
+            resp = await self._unary("Sandboxes", "ListSandboxes", req)
             for s in resp.sandboxes:
                 yield Sandbox(self, s)
             token = resp.next_page_token
@@ -571,15 +568,15 @@ class AsyncClient:
 
     async def stop_sandbox(self, sandbox_id: str) -> "Sandbox":
         """Stops the sandbox and returns it as updated (not retried)."""
-        return Sandbox(self, await self._unary("Sandboxes", "StopSandbox", pb.StopSandboxRequest(id=sandbox_id), retry=False))
+        return Sandbox(self, await self._unary("Sandboxes", "StopSandbox", pb.StopSandboxRequest(id=sandbox_id)))
 
     async def pause_sandbox(self, sandbox_id: str) -> "Sandbox":
         """Pauses the sandbox and returns it as updated (not retried)."""
-        return Sandbox(self, await self._unary("Sandboxes", "PauseSandbox", pb.PauseSandboxRequest(id=sandbox_id), retry=False))
+        return Sandbox(self, await self._unary("Sandboxes", "PauseSandbox", pb.PauseSandboxRequest(id=sandbox_id)))
 
     async def resume_sandbox(self, sandbox_id: str) -> "Sandbox":
         """Resumes a paused sandbox and returns it as updated (not retried)."""
-        return Sandbox(self, await self._unary("Sandboxes", "ResumeSandbox", pb.ResumeSandboxRequest(id=sandbox_id), retry=False))
+        return Sandbox(self, await self._unary("Sandboxes", "ResumeSandbox", pb.ResumeSandboxRequest(id=sandbox_id)))
 
     async def set_sandbox_timeout(
         self,
@@ -598,7 +595,7 @@ class AsyncClient:
             req.ttl_max_s = ttl_max_s
         if ttl_paused_s is not None:
             req.ttl_paused_s = ttl_paused_s
-        return Sandbox(self, await self._unary("Sandboxes", "SetSandboxTimeout", req, retry=True))
+        return Sandbox(self, await self._unary("Sandboxes", "SetSandboxTimeout", req))
 
     @contextlib.asynccontextmanager
     async def run_sandbox(self, backend: str, image: str = DEFAULT_IMAGE, **kwargs: Any) -> AsyncIterator["Sandbox"]:
@@ -615,12 +612,12 @@ class AsyncClient:
     async def list_images(self, project: Optional[str] = None, *, recursive: bool = False) -> List[pb.Image]:
         """Images of the project (and, with ``recursive``, its subprojects)."""
         req = pb.ListImagesRequest(project=self.project if project is None else project, recursive=recursive)
-        return list((await self._unary("Images", "ListImages", req, retry=True)).images)
+        return list((await self._unary("Images", "ListImages", req)).images)
 
     async def get_image(self, name: str, project: Optional[str] = None) -> pb.Image:
         """The image ``repo[:tag]`` as a sandbox in ``project`` would find it."""
         req = pb.GetImageRequest(project=self.project if project is None else project, name=name)
-        return await self._unary("Images", "GetImage", req, retry=True)
+        return await self._unary("Images", "GetImage", req)
 
     async def compose_image(
         self, name: str, sources: Sequence[str], project: Optional[str] = None, *, replace: bool = False
@@ -631,12 +628,12 @@ class AsyncClient:
         req = pb.ComposeImageRequest(
             project=self.project if project is None else project, name=name, sources=list(sources), replace=replace
         )
-        return await self._unary("Images", "ComposeImage", req, retry=False)
+        return await self._unary("Images", "ComposeImage", req)
 
     async def delete_image(self, name: str, project: Optional[str] = None) -> None:
         """Deletes the image from exactly this project (not its ancestors'). Not retried."""
         req = pb.DeleteImageRequest(project=self.project if project is None else project, name=name)
-        await self._unary("Images", "DeleteImage", req, retry=False)
+        await self._unary("Images", "DeleteImage", req)
 
     async def import_image(
         self,
@@ -731,80 +728,80 @@ class AsyncClient:
 
     async def whoami(self) -> pb.WhoAmIResponse:
         """The caller's principal, project, token and grants."""
-        return await self._unary("Admin", "WhoAmI", pb.WhoAmIRequest(), retry=True)
+        return await self._unary("Admin", "WhoAmI", pb.WhoAmIRequest())
 
     async def create_project(self, path: str, quota: Optional[QuotaLike] = None) -> pb.Project:
         """Creates the project ``path`` (its parent must exist) and returns it. ``quota``: a
         mapping with any of ``cpu_millis``, ``memory_mb``, ``disk_mb``, ``gpus``,
         ``sandboxes`` (or a ``pb.Quota``); keys left out inherit the parent's. Not retried."""
         req = pb.CreateProjectRequest(path=path, quota=_quota(quota) if quota is not None else None)
-        return await self._unary("Admin", "CreateProject", req, retry=False)
+        return await self._unary("Admin", "CreateProject", req)
 
     async def get_project(self, path: str) -> pb.Project:
         """The project ``path`` (``not_found`` if none)."""
-        return await self._unary("Admin", "GetProject", pb.GetProjectRequest(path=path), retry=True)
+        return await self._unary("Admin", "GetProject", pb.GetProjectRequest(path=path))
 
     async def list_projects(self, path: str = "root") -> List[pb.Project]:
         """``path`` and every project below it."""
-        return list((await self._unary("Admin", "ListProjects", pb.ListProjectsRequest(path=path), retry=True)).projects)
+        return list((await self._unary("Admin", "ListProjects", pb.ListProjectsRequest(path=path))).projects)
 
     async def delete_project(self, path: str) -> None:
         """Deletes the project ``path``. Not retried."""
-        await self._unary("Admin", "DeleteProject", pb.DeleteProjectRequest(path=path), retry=False)
+        await self._unary("Admin", "DeleteProject", pb.DeleteProjectRequest(path=path))
 
     async def set_quota(self, path: str, quota: QuotaLike) -> pb.Project:
         """Replaces the project's quota (a mapping as for :meth:`create_project`; keys left
         out inherit) and returns the project. Retried (replacing is idempotent)."""
-        return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=_quota(quota)), retry=True)
+        return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=_quota(quota)))
 
     async def create_principal(self, name: str, project: str) -> pb.Principal:
         """Creates the principal ``name`` in ``project`` and returns it. Not retried."""
-        return await self._unary("Admin", "CreatePrincipal", pb.CreatePrincipalRequest(name=name, project=project), retry=False)
+        return await self._unary("Admin", "CreatePrincipal", pb.CreatePrincipalRequest(name=name, project=project))
 
     async def list_principals(self, project: str) -> List[pb.Principal]:
         """The principals of ``project``."""
-        resp = await self._unary("Admin", "ListPrincipals", pb.ListPrincipalsRequest(project=project), retry=True)
+        resp = await self._unary("Admin", "ListPrincipals", pb.ListPrincipalsRequest(project=project))
         return list(resp.principals)
 
     async def delete_principal(self, name: str) -> None:
         """Deletes the principal ``name``. Not retried."""
-        await self._unary("Admin", "DeletePrincipal", pb.DeletePrincipalRequest(name=name), retry=False)
+        await self._unary("Admin", "DeletePrincipal", pb.DeletePrincipalRequest(name=name))
 
     async def create_token(self, principal: str = "", *, ttl_s: int = 0, description: str = "") -> pb.CreateTokenResponse:
         """Creates a token for ``principal`` (default: the caller) valid ``ttl_s`` seconds (0:
         never expires); ``.token`` of the answer is the secret, shown only this once.
         Not retried."""
         req = pb.CreateTokenRequest(principal=principal, ttl_s=ttl_s, description=description)
-        return await self._unary("Admin", "CreateToken", req, retry=False)
+        return await self._unary("Admin", "CreateToken", req)
 
     async def list_tokens(self, principal: str = "") -> List[pb.TokenInfo]:
         """The tokens of ``principal`` (default: the caller), without their secrets."""
-        return list((await self._unary("Admin", "ListTokens", pb.ListTokensRequest(principal=principal), retry=True)).tokens)
+        return list((await self._unary("Admin", "ListTokens", pb.ListTokensRequest(principal=principal))).tokens)
 
     async def revoke_token(self, token_id: str) -> None:
         """Revokes the token with id ``token_id``. Retried."""
-        await self._unary("Admin", "RevokeToken", pb.RevokeTokenRequest(id=token_id), retry=True)
+        await self._unary("Admin", "RevokeToken", pb.RevokeTokenRequest(id=token_id))
 
     async def grant(self, principal: str, project: str, permission: str) -> None:
         """Grants ``permission`` (e.g. ``"sandbox.create"``; ``"*"``: every one) on ``project`` to
         ``principal``. Retried."""
         g = pb.Grant(principal=principal, project=project, permission=permission)
-        await self._unary("Admin", "Grant", pb.GrantRequest(grant=g), retry=True)
+        await self._unary("Admin", "Grant", pb.GrantRequest(grant=g))
 
     async def revoke_grant(self, principal: str, project: str, permission: str) -> None:
         """Removes the grant made by :meth:`grant` with the same arguments. Not retried: a
         repeat after a lost answer would fail with ``not_found``."""
         g = pb.Grant(principal=principal, project=project, permission=permission)
-        await self._unary("Admin", "RevokeGrant", pb.RevokeGrantRequest(grant=g), retry=False)
+        await self._unary("Admin", "RevokeGrant", pb.RevokeGrantRequest(grant=g))
 
     async def list_grants(self, principal: str = "", project: str = "") -> List[pb.Grant]:
         """The grants, filtered by ``principal`` and/or ``project`` when given."""
         req = pb.ListGrantsRequest(principal=principal, project=project)
-        return list((await self._unary("Admin", "ListGrants", req, retry=True)).grants)
+        return list((await self._unary("Admin", "ListGrants", req)).grants)
 
     async def get_usage(self, project: str) -> List[pb.Project]:
         """The project and every subproject, with quota and usage."""
-        return list((await self._unary("Admin", "GetUsage", pb.GetUsageRequest(project=project), retry=True)).projects)
+        return list((await self._unary("Admin", "GetUsage", pb.GetUsageRequest(project=project))).projects)
 
 
 class Sandbox:
@@ -943,7 +940,7 @@ class Sandbox:
                 the rest is read, dropped and counted in ``*_dropped_bytes``.
         """
         req = self._exec_request(cmd, session, timeout, env, cwd, user, request_id, max_output_bytes)
-        r = await self.client._unary("Runtime", "Exec", req, retry=True)
+        r = await self.client._unary("Runtime", "Exec", req)
         return ShellResult(
             exit_code=r.exit_code,
             stdout_bytes=bytes(r.stdout),
@@ -990,7 +987,7 @@ class Sandbox:
         """Ends a session (its shell and processes die). Returns False when it did not exist
         (which a retry after a lost answer also reports)."""
         req = rt.CloseSessionRequest(sandbox_id=self.id, session_id=session)
-        return (await self.client._unary("Runtime", "CloseSession", req, retry=True)).existed
+        return (await self.client._unary("Runtime", "CloseSession", req)).existed
 
     # -- files ----------------------------------------------------------------------------
 
@@ -1002,7 +999,7 @@ class Sandbox:
         view of the filesystem (relative paths from the session's cwd)."""
         pos = offset
         end = offset + length if length else 0
-        backoff = self.client._backoff(True)
+        backoff = self.client._backoff("Runtime/ReadFile")
         while True:
             if end and pos >= end:
                 return  # everything asked for arrived before the stream broke
@@ -1088,7 +1085,7 @@ class Sandbox:
                 yield req
                 cur = nxt
 
-        resp = await self.client._unary("Runtime", "WriteFile", requests, retry=not append)
+        resp = await self.client._unary("Runtime", "WriteFile", requests, call_class="once" if append else None)
         return resp.bytes_written
 
     async def upload(
@@ -1142,12 +1139,12 @@ class Sandbox:
     async def list_dir(self, path: str, *, session: Optional[str] = None, user: Optional[str] = None) -> List[FileEntry]:
         """Entries of a directory (``not_found`` if it does not exist)."""
         req = rt.ListDirRequest(sandbox_id=self.id, session_id=session or "", path=path, user=user or "")
-        return [self._entry(f) for f in (await self.client._unary("Runtime", "ListDir", req, retry=True)).entries]
+        return [self._entry(f) for f in (await self.client._unary("Runtime", "ListDir", req)).entries]
 
     async def stat(self, path: str, *, session: Optional[str] = None, user: Optional[str] = None) -> FileEntry:
         """The :class:`FileEntry` of ``path`` (``not_found`` if it does not exist)."""
         req = rt.StatRequest(sandbox_id=self.id, session_id=session or "", path=path, user=user or "")
-        return self._entry(await self.client._unary("Runtime", "Stat", req, retry=True))
+        return self._entry(await self.client._unary("Runtime", "Stat", req))
 
     async def make_dir(
         self, path: str, *, parents: bool = True, mode: int = 0, session: Optional[str] = None, user: Optional[str] = None
@@ -1155,18 +1152,18 @@ class Sandbox:
         """Creates a directory (with ``parents``, like ``mkdir -p``: missing parents made, an
         existing directory is fine). Retried only with ``parents``."""
         req = rt.MakeDirRequest(sandbox_id=self.id, session_id=session or "", path=path, parents=parents, mode=mode, user=user or "")
-        await self.client._unary("Runtime", "MakeDir", req, retry=parents)
+        await self.client._unary("Runtime", "MakeDir", req, call_class=None if parents else "once")
 
     async def remove(self, path: str, *, recursive: bool = False, session: Optional[str] = None, user: Optional[str] = None) -> None:
         """Removes a file or empty directory (with ``recursive``, a whole tree). Not retried."""
         req = rt.RemoveRequest(sandbox_id=self.id, session_id=session or "", path=path, recursive=recursive, user=user or "")
-        await self.client._unary("Runtime", "Remove", req, retry=False)
+        await self.client._unary("Runtime", "Remove", req)
 
     async def move(self, src: str, dst: str, *, session: Optional[str] = None, user: Optional[str] = None) -> None:
         """Renames ``src`` to ``dst`` inside the sandbox. Not retried."""
         req = rt.MoveRequest(sandbox_id=self.id, session_id=session or "", to=dst, user=user or "")
         setattr(req, "from", src)
-        await self.client._unary("Runtime", "Move", req, retry=False)
+        await self.client._unary("Runtime", "Move", req)
 
     # -- processes ------------------------------------------------------------------------
 
@@ -1188,7 +1185,7 @@ class Sandbox:
         )
         if pty is not None:
             req.pty.rows, req.pty.cols = pty
-        return (await self.client._unary("Runtime", "StartProcess", req, retry=False)).pid
+        return (await self.client._unary("Runtime", "StartProcess", req)).pid
 
     async def connect_process(
         self, process: ProcessRef, *, stdout_offset: int = 0, stderr_offset: int = 0
@@ -1221,7 +1218,7 @@ class Sandbox:
         output as it comes, then ``on_exit(exit)``. A disconnect, or an end without an exit,
         re-attaches with ``request(offsets)`` (the offsets received so far; overlap trimmed)
         within ``retry_timeout``."""
-        backoff = self.client._backoff(True)
+        backoff = self.client._backoff(f"Runtime/{method}")
         while True:
             address = self.client.pool.pick()
             call = getattr(self.client._stub("Runtime", address), method)(
@@ -1262,16 +1259,16 @@ class Sandbox:
         """Writes to the process's stdin (``eof`` closes it afterwards). Not retried."""
         raw = data.encode() if isinstance(data, str) else bytes(data)
         req = rt.SendInputRequest(sandbox_id=self.id, process=_selector(process), data=raw, eof=eof)
-        await self.client._unary("Runtime", "SendInput", req, retry=False)
+        await self.client._unary("Runtime", "SendInput", req)
 
     async def signal_process(self, process: ProcessRef, signal: int = 15) -> None:
         """Sends a signal number to the process (default 15, SIGTERM). Not retried."""
         req = rt.SignalProcessRequest(sandbox_id=self.id, process=_selector(process), signal=signal)
-        await self.client._unary("Runtime", "SignalProcess", req, retry=False)
+        await self.client._unary("Runtime", "SignalProcess", req)
 
     async def list_processes(self) -> List[ProcessInfo]:
         """Processes started with :meth:`start_process`, running or exited."""
-        resp = await self.client._unary("Runtime", "ListProcesses", rt.ListProcessesRequest(sandbox_id=self.id), retry=True)
+        resp = await self.client._unary("Runtime", "ListProcesses", rt.ListProcessesRequest(sandbox_id=self.id))
         return [
             ProcessInfo(
                 pid=p.pid, tag=p.tag, cmd=list(p.cmd), running=p.running,
@@ -1301,4 +1298,4 @@ class Sandbox:
             headers=[rt.HttpHeader(name=k, value=v) for k, v in (headers or {}).items()],
             body=body, timeout_ms=max(1, int(timeout * 1000)) if timeout else 0,
         )
-        return await self.client._unary("Runtime", "HttpRequest", req, retry=method in ("GET", "HEAD"))
+        return await self.client._unary("Runtime", "HttpRequest", req, call_class="repeat" if method in ("GET", "HEAD") else None)

@@ -26,10 +26,10 @@ class OpendsecError(Exception):
         metadata: the ``ErrorInfo`` metadata (e.g. ``retry_after_ms`` for ``rate_limited``).
         code: the gRPC status code of the call, when it came from a call (else the class's
             ``grpc_code``).
-        retryable: whether the same call may succeed later (``rate_limited``,
-            ``no_capacity``, ``not_leader``, ``unavailable``); what the SDK itself retries,
-            and where, is said in :mod:`opendsec.client` (it does not retry ``not_leader``,
-            which names an IAM leader for components to call, not an apiserver).
+        retryable: whether some class of call retries this reason (``rate_limited``,
+            ``no_capacity``, ``not_leader``, ``unavailable``, ``deadline_exceeded``); which
+            calls retry which reasons is the policy of ``docs/errors.md`` ("Retries"),
+            :data:`opendsec._net.CLASS_RETRIES`.
         has_error_info: whether the reason came from an opendsec ``ErrorInfo`` (False: read
             from the bare gRPC code, e.g. a transport failure).
     """
@@ -155,6 +155,7 @@ class DeadlineExceeded(OpendsecError):
 
     reason = "deadline_exceeded"
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    retryable = True  # by creations (their lease id finds what the first attempt made)
 
 
 class Internal(OpendsecError):
