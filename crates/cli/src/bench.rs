@@ -28,6 +28,15 @@ pub struct BenchArgs {
     pub backend: String,
     #[arg(long, default_value = "scratch")]
     pub image: String,
+    /// CPU in millicores (default: 10 on `sim`, else what `sandbox create` gives).
+    #[arg(long)]
+    pub cpu: Option<u32>,
+    /// Memory in MiB (default: 16 on `sim`, else what `sandbox create` gives).
+    #[arg(long)]
+    pub memory: Option<u64>,
+    /// Disk in MiB (default: 0 on `sim`, else what `sandbox create` gives).
+    #[arg(long)]
+    pub disk: Option<u64>,
     /// Leave the sandboxes running (no stop phase).
     #[arg(long)]
     pub keep: bool,
@@ -132,16 +141,36 @@ impl Report {
     }
 }
 
+/// The resources of every sandbox of the run: tiny on `sim` (it runs nothing, and a cluster
+/// of sim edges should hold tens of thousands), else `sandbox create`'s defaults, so that a
+/// container's agent does not start under a 1 % CPU quota.
+pub fn resources(args: &BenchArgs) -> pb::Resources {
+    let (cpu, memory, disk) = if args.backend == "sim" {
+        (10, 16, 0)
+    } else {
+        (crate::ctl::DEFAULT_CPU_MILLIS, crate::ctl::DEFAULT_MEMORY_MB, crate::ctl::DEFAULT_DISK_MB)
+    };
+    pb::Resources {
+        cpu_millis: args.cpu.unwrap_or(cpu),
+        memory_mb: args.memory.unwrap_or(memory),
+        disk_mb: args.disk.unwrap_or(disk),
+        gpus: 0,
+    }
+}
+
 pub async fn create(client: &Client, project: Option<&str>, args: &BenchArgs) -> Result<Report, CtlError> {
     if args.count == 0 || args.batch == 0 || args.concurrency == 0 {
         return Err(CtlError::Api(ApiError::invalid("--count, --batch and --concurrency must be at least 1")));
     }
+    // One call first: a cluster that cannot be reached (or a TLS setting that does not match
+    // it) is one error after the retry budget, not one per sandbox.
+    client.who_am_i(pb::WhoAmIRequest {}).await?;
     let run = opendsec_common::ids::new_lease_id();
     let spec = pb::SandboxSpec {
         project: project.unwrap_or_default().to_string(),
         image: args.image.clone(),
         backend: args.backend.clone(),
-        resources: Some(pb::Resources { cpu_millis: 10, memory_mb: 16, disk_mb: 0, gpus: 0 }),
+        resources: Some(resources(args)),
         labels: [("bench".to_string(), run)].into_iter().collect(),
         ..Default::default()
     };

@@ -134,8 +134,17 @@ pub enum ClusterCmd {
         /// on a loopback address).
         #[arg(long)]
         insecure_plaintext: bool,
+        /// Leave the sandboxes running when the cluster stops (the next `cluster up` with the
+        /// same state directory adopts them). Without it, stopping the cluster stops them.
+        #[arg(long)]
+        keep_sandboxes: bool,
     },
 }
+
+/// What `sandbox create` gives a sandbox unless told (the SDK's defaults too).
+pub const DEFAULT_CPU_MILLIS: u32 = 1000;
+pub const DEFAULT_MEMORY_MB: u64 = 1024;
+pub const DEFAULT_DISK_MB: u64 = 10240;
 
 #[derive(Args, Debug, Default)]
 pub struct SpecArgs {
@@ -147,13 +156,13 @@ pub struct SpecArgs {
     #[arg(long, default_value = "scratch")]
     pub image: String,
     /// CPU in millicores.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = DEFAULT_CPU_MILLIS)]
     pub cpu: u32,
     /// Memory in MiB.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = DEFAULT_MEMORY_MB)]
     pub memory: u64,
     /// Disk in MiB.
-    #[arg(long, default_value_t = 10240)]
+    #[arg(long, default_value_t = DEFAULT_DISK_MB)]
     pub disk: u64,
     #[arg(long, default_value_t = 0)]
     pub gpus: u32,
@@ -565,8 +574,12 @@ fn project_text(p: &pb::Project) -> String {
 /// `run`, else 0).
 pub async fn run(cli: Cli) -> Result<i32, CtlError> {
     let out = Out { json: cli.json };
-    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges, insecure_plaintext }) = &cli.command {
-        return cluster_up(config.clone(), state_dir.clone(), *sim_edges, *insecure_plaintext).await.map(|()| 0);
+    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges, insecure_plaintext, keep_sandboxes }) =
+        &cli.command
+    {
+        return cluster_up(config.clone(), state_dir.clone(), *sim_edges, *insecure_plaintext, *keep_sandboxes)
+            .await
+            .map(|()| 0);
     }
     if let Command::Pki(cmd) = cli.command {
         return crate::pki::run(&out, cmd).map(|()| 0);
@@ -917,12 +930,16 @@ async fn cluster_up(
     state_dir: Option<PathBuf>,
     sim_edges: Option<u32>,
     insecure_plaintext: bool,
+    keep_sandboxes: bool,
 ) -> Result<(), CtlError> {
     let mut cfg = match &config {
         Some(p) => Config::load(p).map_err(|e| CtlError::Local(e.to_string()))?,
         None => Config::default(),
     };
     cfg.apiserver.insecure_plaintext |= insecure_plaintext;
+    // A one-process development cluster: "down" means down unless asked otherwise. (A node's
+    // `opendsec edge` daemon keeps its sandboxes across restarts: edge.keep_sandboxes_on_exit.)
+    cfg.edge.keep_sandboxes_on_exit = keep_sandboxes;
     let cluster = opendsec_cluster::Cluster::up(cfg, opendsec_cluster::UpOptions { state_dir, sim_edges })
         .await
         .map_err(|e| CtlError::Local(e.to_string()))?;
@@ -950,11 +967,32 @@ async fn cluster_up(
         cluster.apiserver_addr,
         cluster.admin_token_path.display()
     );
-    println!("Ctrl-C stops the cluster.");
+    if keep_sandboxes {
+        println!("Ctrl-C stops the cluster; its sandboxes keep running (--keep-sandboxes).");
+    } else {
+        println!("Ctrl-C stops the cluster and its sandboxes (--keep-sandboxes leaves them running).");
+    }
     wait_for_signal().await;
+    let live = if keep_sandboxes { None } else { live_sandboxes(&cluster).await };
     println!("stopping");
     cluster.shutdown().await;
+    match (keep_sandboxes, live) {
+        (true, _) => println!("stopped the cluster; its sandboxes are left running for the next `cluster up` to adopt"),
+        (false, Some(n)) => println!("stopped the cluster and {n} live sandbox{}", if n == 1 { "" } else { "es" }),
+        (false, None) => println!("stopped the cluster and its live sandboxes"),
+    }
     Ok(())
+}
+
+/// How many live sandboxes the cluster holds (None: it could not say).
+async fn live_sandboxes(cluster: &opendsec_cluster::Cluster) -> Option<usize> {
+    let addr = [cluster.apiserver_addr.to_string()];
+    let client = Client::new(&addr, Some(&cluster.admin_token), &cluster.client_tls())
+        .ok()?
+        .with_retry_timeout(std::time::Duration::ZERO);
+    let req = pb::ListSandboxesRequest { project: "root".into(), page_size: 1000, ..Default::default() };
+    let all = tokio::time::timeout(std::time::Duration::from_secs(5), client.list_all_sandboxes(req)).await.ok()?;
+    all.ok().map(|v| v.len())
 }
 
 /// Resolves on SIGINT or SIGTERM.

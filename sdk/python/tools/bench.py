@@ -59,7 +59,10 @@ async def bench(args: argparse.Namespace, cl: LocalCluster, image: str) -> None:
         stopped = time.perf_counter() - t
         print(f"sdk  batch create {args.count}: {made:.2f}s ({args.count / made:.0f}/s); stop all: {stopped:.2f}s")
         r = cl.ctl_json("bench", "create", "--backend", "container", "--image", image, "--count", str(args.count),
-                        "--batch", str(args.count), "--concurrency", "1")
+                        "--batch", str(args.count), "--concurrency", "1", "--cpu", str(res["cpu"]),
+                        "--memory", str(res["memory_mb"]), "--disk", str(res["disk_mb"]))
+        if r["create"]["failed"] or r["stop"]["failed"]:
+            raise RuntimeError(f"the Rust client's batch failed: {r['create']['errors']} {r['stop']['errors']}")
         print(f"rust batch create {args.count}: {r['create']['seconds']:.2f}s ({r['create']['per_second']:.0f}/s); "
               f"stop all: {r['stop']['seconds']:.2f}s")
 
