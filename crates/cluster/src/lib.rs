@@ -431,7 +431,7 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
                 let init_exe = match &config.edge.container_setup_exe {
                     Some(p) => p.clone(),
                     None => std::env::current_exe()
-                        .map_err(|e| err(BackendError::Internal(format!("cannot find the running executable: {e}"))))?,
+                        .map_err(|e| err(BackendError::internal(format!("cannot find the running executable: {e}"))))?,
                 };
                 let state = config.edge_state_dir(name);
                 let opts = ContainerOptions {
@@ -447,7 +447,7 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
                     userns: match config.edge.user_namespaces {
                         true => Some(
                             IdPool::new(config.edge.userns_first_id, config.edge.userns_ranges)
-                                .map_err(|e| err(BackendError::InvalidArgument(e.to_string())))?,
+                                .map_err(|e| err(BackendError::invalid_argument(e.to_string())))?,
                         ),
                         false => None,
                     },
@@ -473,7 +473,7 @@ pub fn agent_path(config: &Config) -> Result<PathBuf, BackendError> {
         return Ok(p.clone());
     }
     let exe = std::env::current_exe()
-        .map_err(|e| BackendError::Internal(format!("cannot find the running executable: {e}")))?;
+        .map_err(|e| BackendError::internal(format!("cannot find the running executable: {e}")))?;
     let dir = exe.parent().unwrap_or(Path::new("/"));
     let static_dir = Path::new("x86_64-unknown-linux-gnu/release/opendsec-agent");
     let tried = [dir.join("opendsec-agent"), dir.join("..").join(static_dir), dir.join("../..").join(static_dir)];
@@ -485,7 +485,7 @@ pub fn agent_path(config: &Config) -> Result<PathBuf, BackendError> {
         }
     }
     let shown: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
-    Err(BackendError::InvalidArgument(format!(
+    Err(BackendError::invalid_argument(format!(
         "no statically linked opendsec-agent found (tried {}); build it with `make agent` or set edge.agent_path",
         shown.join(", ")
     )))

@@ -152,7 +152,7 @@ impl Inner {
             backend: "none",
             op: "find",
             id: rec.id.clone(),
-            source: BackendError::Internal(format!("backend {} is not offered here", rec.spec.backend)),
+            source: BackendError::internal(format!("backend {} is not offered here", rec.spec.backend)),
         })
     }
 
@@ -328,11 +328,15 @@ impl Inner {
             return Err(e.into());
         }
 
-        if let Err(source) = backend.create(&rec).await {
-            tracing::debug!(sandbox_id = %rec.id, error = %source, "creation failed");
-            // The backend cleans up after itself; this stop only catches leftovers.
+        if let Err(mut source) = backend.create(&rec).await {
+            tracing::debug!(sandbox_id = %rec.id, error = %source.report(), "creation failed");
+            // The backend cleans up after itself; this stop only catches leftovers. If it
+            // fails, the error says so beside the creation's own failure.
             if let Err(e) = backend.stop(&rec).await {
-                tracing::warn!(sandbox_id = %rec.id, error = %e, "cleanup after a failed creation failed");
+                tracing::warn!(sandbox_id = %rec.id, error = %e.report(), "cleanup after a failed creation failed");
+                if source.cleanup().is_none() {
+                    source = source.with_cleanup(e);
+                }
             }
             self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
             return Err(EdgeError::Backend { backend: backend.name(), op: "create", id: rec.id.clone(), source });

@@ -19,7 +19,7 @@ pub enum EdgeError {
     InvalidState { id: String, state: SandboxStatus, op: &'static str },
     #[error("edge {edge} has no capacity: {detail}")]
     NoCapacity { edge: String, detail: String },
-    #[error("backend {backend} failed to {op} sandbox {id}: {source}")]
+    #[error("backend {backend} failed to {op} sandbox {id}: {}", .source.report())]
     Backend {
         backend: &'static str,
         op: &'static str,
@@ -88,7 +88,7 @@ mod tests {
             backend: "sim",
             op: "create",
             id: "e.l".into(),
-            source: BackendError::NoCapacity("full".into()),
+            source: BackendError::no_capacity("full"),
         };
         assert_eq!(e.reason(), Reason::NoCapacity);
         let e = EdgeError::Record(RecordError::Join { lease: "l".into(), message: "x".into() });

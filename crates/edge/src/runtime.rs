@@ -155,7 +155,7 @@ impl Inner {
             backend: backend.name(),
             op: "reach the agent of",
             id: rec.id.clone(),
-            source: BackendError::InvalidArgument(format!(
+            source: BackendError::invalid_argument(format!(
                 "backend {} has no agent: sessions, files and processes need a container sandbox",
                 backend.name()
             )),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions, sandbox_name};
-use opendsec_edge::backend::{Backend, BackendError};
+use opendsec_edge::backend::{Backend, BackendErrorKind};
 use opendsec_edge::linuxrt::cgroup::{self, IoLimits};
 use opendsec_edge::linuxrt::idmap::{self, IdPool};
 use opendsec_edge::linuxrt::rootfs;
@@ -150,7 +150,7 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
 
     // An image nobody has: not found, nothing left.
     let missing = record("l0", "nosuch");
-    assert!(matches!(b.create(&missing).await, Err(BackendError::NotFound(_))));
+    assert!(matches!(b.create(&missing).await, Err(ref e) if e.kind() == BackendErrorKind::NotFound));
     assert!(!tmp.path().join("store/inuse").join(&missing.id).exists());
 
     let rec = record("l1", "busybox");

@@ -35,7 +35,7 @@ use tonic::transport::Endpoint;
 
 use opendsec_images::{LayerId, Store, StoreError};
 
-use super::{AgentAccess, Backend, BackendError, Usage, Versioned, agent_client};
+use super::{BackendErrorKind, AgentAccess, Backend, BackendError, Usage, Versioned, agent_client};
 use crate::linuxrt::cgroup::{self, CoreSched, IoLimits, Limits};
 use crate::linuxrt::idmap::IdPool;
 use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
@@ -220,22 +220,21 @@ pub fn limits_of(sb: &SandboxRecord, pids_limit: u64) -> Limits {
 }
 
 fn store_err(e: StoreError) -> BackendError {
-    match e {
-        StoreError::ImageNotFound(_) | StoreError::LayerNotFound(_) => BackendError::NotFound(e.to_string()),
-        StoreError::InvalidName { .. } => BackendError::InvalidArgument(e.to_string()),
-        other => BackendError::Unavailable(format!("image store: {other}")),
-    }
+    let kind = match e {
+        StoreError::ImageNotFound(_) | StoreError::LayerNotFound(_) => BackendErrorKind::NotFound,
+        StoreError::InvalidName { .. } => BackendErrorKind::InvalidArgument,
+        _ => BackendErrorKind::Unavailable,
+    };
+    BackendError::new(kind, "image store").caused_by(e)
 }
 
 fn rootfs_err(e: rootfs::RootfsError) -> BackendError {
-    BackendError::Internal(format!("layer cache: {e}"))
+    BackendError::internal("layer cache").caused_by(e)
 }
 
 fn sandbox_err(e: SandboxError) -> BackendError {
-    match e {
-        SandboxError::Gone(_) => BackendError::NotFound(e.to_string()),
-        other => BackendError::Internal(other.to_string()),
-    }
+    let kind = if matches!(e, SandboxError::Gone(_)) { BackendErrorKind::NotFound } else { BackendErrorKind::Internal };
+    BackendError::new(kind, "sandbox").caused_by(e)
 }
 
 /// Whether `bytes` is an ELF executable without a program interpreter (statically linked, so
@@ -268,13 +267,13 @@ fn install_agent(src: &Path, dir: &Path) -> Result<PathBuf, BackendError> {
     use sha2::Digest;
     use std::os::unix::fs::PermissionsExt;
     let bytes = std::fs::read(src).map_err(|e| {
-        BackendError::InvalidArgument(format!(
+        BackendError::invalid_argument(format!(
             "edge.agent_path {}: {e} (build the agent with `make agent`)",
             src.display()
         ))
     })?;
     check_static_elf(&bytes)
-        .map_err(|why| BackendError::InvalidArgument(format!("edge.agent_path {}: {why}", src.display())))?;
+        .map_err(|why| BackendError::invalid_argument(format!("edge.agent_path {}: {why}", src.display())))?;
     let hash = sha2::Sha256::digest(&bytes);
     let key: String = hash.iter().take(8).map(|b| format!("{b:02x}")).collect();
     let target = dir.join(key);
@@ -283,7 +282,7 @@ fn install_agent(src: &Path, dir: &Path) -> Result<PathBuf, BackendError> {
         return Ok(target);
     }
     let fail =
-        |e: std::io::Error| BackendError::Internal(format!("cannot install the agent in {}: {e}", target.display()));
+        |e: std::io::Error| BackendError::internal(format!("cannot install the agent in {}: {e}", target.display()));
     std::fs::create_dir_all(&target).map_err(fail)?;
     std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755)).map_err(fail)?;
     let tmp = target.join(format!(".{AGENT_NAME}.tmp{}", rand::random::<u32>()));
@@ -322,12 +321,12 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
         };
         let stream = match tokio::time::timeout(AGENT_READY_TIMEOUT, first).await {
             Ok(Ok((s, Some(_)))) => s,
-            Ok(Ok((_, None))) => return Err(BackendError::Internal(format!("agent of {id} ended its Watch stream"))),
+            Ok(Ok((_, None))) => return Err(BackendError::internal(format!("agent of {id} ended its Watch stream"))),
             Ok(Err(st)) => {
-                return Err(BackendError::Internal(format!("agent of {id} did not answer: {}", st.message())));
+                return Err(BackendError::internal(format!("agent of {id} did not answer: {}", st.message())));
             }
             Err(_) => {
-                return Err(BackendError::Unavailable(format!(
+                return Err(BackendError::unavailable(format!(
                     "agent of {id} did not answer within {}s",
                     AGENT_READY_TIMEOUT.as_secs()
                 )));
@@ -362,7 +361,7 @@ async fn follow(
 }
 
 fn join_err(e: tokio::task::JoinError) -> BackendError {
-    BackendError::Internal(format!("blocking task failed: {e}"))
+    BackendError::internal(format!("blocking task failed: {e}"))
 }
 
 /// Runs blocking work on a blocking thread.
@@ -380,7 +379,7 @@ impl ContainerBackend {
         // directories their disks and logs.
         for d in [&opts.state_dir, &opts.cache_dir] {
             opendsec_common::fsperm::private_dir(d)
-                .map_err(|e| BackendError::Internal(format!("cannot create {}: {e}", d.display())))?;
+                .map_err(|e| BackendError::internal(format!("cannot create {}: {e}", d.display())))?;
         }
         let cache = LayerCache::new(&opts.cache_dir);
         let agent_dir = install_agent(&opts.agent, &opts.state_dir.join(".agent"))?;
@@ -446,9 +445,9 @@ impl ContainerBackend {
 /// Writes `<store>/inuse/<id>` whole (temp file + rename).
 fn write_inuse(path: &Path, layers: &[LayerId]) -> Result<(), BackendError> {
     let ids: Vec<&str> = layers.iter().map(|l| l.as_str()).collect();
-    let bytes = serde_json::to_vec(&ids).map_err(|e| BackendError::Internal(format!("inuse encoding: {e}")))?;
+    let bytes = serde_json::to_vec(&ids).map_err(|e| BackendError::internal(format!("inuse encoding: {e}")))?;
     let tmp = path.with_extension(format!("tmp{}", rand::random::<u32>()));
-    let fail = |e: std::io::Error| BackendError::Unavailable(format!("cannot write {}: {e}", path.display()));
+    let fail = |e: std::io::Error| BackendError::unavailable(format!("cannot write {}: {e}", path.display()));
     std::fs::write(&tmp, bytes).map_err(fail)?;
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
@@ -467,7 +466,7 @@ fn remove_inuse(path: &Path) -> Result<(), BackendError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(BackendError::Unavailable(format!("cannot remove {}: {e}", path.display()))),
+        Err(e) => Err(BackendError::unavailable(format!("cannot remove {}: {e}", path.display()))),
     }
 }
 
@@ -480,10 +479,10 @@ impl Backend for ContainerBackend {
     async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         // Not applied yet: refuse rather than hand out a sandbox without what was asked for.
         if sb.spec.resources.gpus > 0 {
-            return Err(BackendError::InvalidArgument("gpus are not supported by the container backend yet".into()));
+            return Err(BackendError::invalid_argument("gpus are not supported by the container backend yet"));
         }
         if self.lock().contains_key(&sb.id) {
-            return Err(BackendError::InvalidState(format!("container sandbox {} already exists", sb.id)));
+            return Err(BackendError::invalid_state(format!("container sandbox {} already exists", sb.id)));
         }
         let (store, cache) = (self.store.clone(), self.cache.clone());
         let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
@@ -492,7 +491,7 @@ impl Backend for ContainerBackend {
         // What the lease is charged for is what the disk gets: no hidden default.
         let disk_mb = sb.resources().disk_mb;
         if disk_mb == 0 {
-            return Err(BackendError::InvalidArgument("a container sandbox needs disk_mb of at least 1".into()));
+            return Err(BackendError::invalid_argument("a container sandbox needs disk_mb of at least 1"));
         }
         let mut spec = SandboxSpec {
             name: name.clone(),
@@ -525,10 +524,10 @@ impl Backend for ContainerBackend {
             };
             match run() {
                 Ok(s) => Ok((s, manifest.layers)),
-                Err(e) => {
-                    let _ = remove_inuse(&inuse);
-                    Err(e)
-                }
+                Err(e) => match remove_inuse(&inuse) {
+                    Ok(()) => Err(e),
+                    Err(cleanup) => Err(e.with_cleanup(cleanup)),
+                },
             }
         })
         .await?;
@@ -540,15 +539,22 @@ impl Backend for ContainerBackend {
                 let inuse = self.inuse_path(&sb.id);
                 let log = sandbox.dir.join("console.log");
                 let tail = std::fs::read(&log).map(|b| tail_text(&b, 512)).unwrap_or_default();
-                let _ = blocking(move || {
+                let cleanup = blocking(move || {
                     sandbox.stop().map_err(sandbox_err)?;
                     remove_inuse(&inuse)
                 })
                 .await;
-                let msg = if tail.is_empty() { e.to_string() } else { format!("{e}; agent output: {tail}") };
-                return Err(match e {
-                    BackendError::Unavailable(_) => BackendError::Unavailable(msg),
-                    _ => BackendError::Internal(msg),
+                let context = if tail.is_empty() {
+                    format!("the agent of {} did not come up", sb.id)
+                } else {
+                    format!("the agent of {} did not come up (its output: {tail})", sb.id)
+                };
+                // Unavailable stays unavailable (a slow start); anything else is ours.
+                let kind = if e.kind() == BackendErrorKind::Unavailable { e.kind() } else { BackendErrorKind::Internal };
+                let err = BackendError::new(kind, context).caused_by(e);
+                return Err(match cleanup {
+                    Ok(()) => err,
+                    Err(c) => err.with_cleanup(c),
                 });
             }
         };
@@ -578,7 +584,7 @@ impl Backend for ContainerBackend {
                 }
             }
             if handle.is_some() {
-                return Err(BackendError::Unavailable(format!("sandbox {name} is busy; stop again")));
+                return Err(BackendError::unavailable(format!("sandbox {name} is busy; stop again")));
             }
             // Not held (or just stopped): remove whatever is left under its name.
             sandbox::remove_named(&state_dir, &name).map_err(sandbox_err)?;
@@ -588,7 +594,7 @@ impl Backend for ContainerBackend {
     }
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
+        let s = self.handle(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
         self.set_paused(&sb.id, true);
         let reclaim = self.opts.pause_reclaim;
         let id = sb.id.clone();
@@ -609,7 +615,7 @@ impl Backend for ContainerBackend {
     }
 
     async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        let s = self.handle(&sb.id).ok_or_else(|| BackendError::NotFound(format!("no container sandbox {}", sb.id)))?;
+        let s = self.handle(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
         let reclaim = self.opts.pause_reclaim;
         blocking(move || {
             if reclaim {
@@ -639,7 +645,7 @@ impl Backend for ContainerBackend {
         let inuse = self.inuse_path(&sb.id);
         let (sandbox, layers) = blocking(move || {
             let s = Sandbox::adopt(&state_dir, &name).map_err(|e| match e {
-                SandboxError::Cgroup(c) => BackendError::NotFound(format!("sandbox {name}: {c}")),
+                SandboxError::Cgroup(c) => BackendError::not_found(format!("sandbox {name}: {c}")),
                 other => sandbox_err(other),
             })?;
             Ok((s, read_inuse(&inuse)))
@@ -722,8 +728,8 @@ impl AgentAccess for ContainerBackend {
     fn agent(&self, id: &str) -> Result<tonic::transport::Channel, BackendError> {
         match self.lock().get(id) {
             Some(h) if h.agent.healthy(self.opts.agent_silence) => Ok(h.agent.channel.clone()),
-            Some(_) => Err(BackendError::Unavailable(format!("the agent of {id} is gone"))),
-            None => Err(BackendError::NotFound(format!("no container sandbox {id} on this edge"))),
+            Some(_) => Err(BackendError::unavailable(format!("the agent of {id} is gone"))),
+            None => Err(BackendError::not_found(format!("no container sandbox {id} on this edge"))),
         }
     }
 }
@@ -795,7 +801,7 @@ mod tests {
             io: IoLimits::default(),
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
-        assert!(matches!(e, BackendError::InvalidArgument(ref m) if m.contains("dynamically linked")), "{e}");
+        assert!(matches!(e.kind(), BackendErrorKind::InvalidArgument) && (e.report().contains("dynamically linked")), "{e}");
         let mut h = vec![0u8; 64];
         h[..6].copy_from_slice(b"\x7fELF\x02\x01");
         std::fs::write(tmp.path().join("agent"), &h).unwrap();

@@ -14,62 +14,13 @@ use std::collections::HashSet;
 
 use async_trait::async_trait;
 
-use opendsec_common::Reason;
-
 use crate::record::SandboxRecord;
 
 pub mod container;
+mod error;
 pub mod sim;
 
-/// Why a backend call failed; each kind maps to one public reason.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum BackendError {
-    /// The node cannot hold this sandbox right now (another node may).
-    #[error("no capacity: {0}")]
-    NoCapacity(String),
-    /// The sandbox is not in a state that allows the call.
-    #[error("invalid state: {0}")]
-    InvalidState(String),
-    /// The backend knows no such sandbox.
-    #[error("not found: {0}")]
-    NotFound(String),
-    /// The spec asks for something this backend cannot do.
-    #[error("invalid argument: {0}")]
-    InvalidArgument(String),
-    /// The backend cannot serve now (its runtime is down, a timeout); retrying may work.
-    #[error("unavailable: {0}")]
-    Unavailable(String),
-    /// A broken invariant or an unexpected failure of the backend.
-    #[error("internal: {0}")]
-    Internal(String),
-}
-
-impl BackendError {
-    /// The public reason this error surfaces as.
-    pub fn reason(&self) -> Reason {
-        match self {
-            BackendError::NoCapacity(_) => Reason::NoCapacity,
-            BackendError::InvalidState(_) => Reason::InvalidState,
-            BackendError::NotFound(_) => Reason::NotFound,
-            BackendError::InvalidArgument(_) => Reason::InvalidArgument,
-            BackendError::Unavailable(_) => Reason::Unavailable,
-            BackendError::Internal(_) => Reason::Internal,
-        }
-    }
-
-    /// An error of the kind closest to `reason` (test hooks and fakes inject failures by reason).
-    pub fn from_reason(reason: Reason, message: impl Into<String>) -> BackendError {
-        let message = message.into();
-        match reason {
-            Reason::NoCapacity | Reason::QuotaExceeded | Reason::RateLimited => BackendError::NoCapacity(message),
-            Reason::InvalidState | Reason::AlreadyExists => BackendError::InvalidState(message),
-            Reason::NotFound => BackendError::NotFound(message),
-            Reason::InvalidArgument => BackendError::InvalidArgument(message),
-            Reason::Unavailable | Reason::NotLeader | Reason::DeadlineExceeded => BackendError::Unavailable(message),
-            Reason::Unauthenticated | Reason::PermissionDenied | Reason::Internal => BackendError::Internal(message),
-        }
-    }
-}
+pub use error::{BackendError, Kind as BackendErrorKind};
 
 /// What a backend measures its sandboxes actually use, in absolute units; the edge turns it into
 /// shares of the node's capacity.
@@ -147,20 +98,6 @@ pub trait Versioned: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reasons_round_trip_for_backend_kinds() {
-        for r in [
-            Reason::NoCapacity,
-            Reason::InvalidState,
-            Reason::NotFound,
-            Reason::InvalidArgument,
-            Reason::Unavailable,
-            Reason::Internal,
-        ] {
-            assert_eq!(BackendError::from_reason(r, "x").reason(), r);
-        }
-    }
 
     #[test]
     fn the_trait_is_object_safe() {

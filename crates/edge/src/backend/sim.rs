@@ -15,6 +15,8 @@ use async_trait::async_trait;
 use opendsec_common::Reason;
 
 use super::{Backend, BackendError, Usage, Versioned};
+#[cfg(test)]
+use super::BackendErrorKind;
 use crate::record::{ResourcesRecord, SandboxRecord};
 use crate::state::SandboxStatus;
 
@@ -91,10 +93,10 @@ impl SimBackend {
 
     fn set_paused(&self, id: &str, paused: bool) -> Result<(), BackendError> {
         let mut map = self.lock();
-        let sb = map.get_mut(id).ok_or_else(|| BackendError::NotFound(format!("sim sandbox {id} does not exist")))?;
+        let sb = map.get_mut(id).ok_or_else(|| BackendError::not_found(format!("sim sandbox {id} does not exist")))?;
         if sb.paused == paused {
             let what = if paused { "paused" } else { "running" };
-            return Err(BackendError::InvalidState(format!("sim sandbox {id} is already {what}")));
+            return Err(BackendError::invalid_state(format!("sim sandbox {id} is already {what}")));
         }
         sb.paused = paused;
         Ok(())
@@ -207,13 +209,13 @@ mod tests {
         assert!(b.probe("e.a").await.unwrap());
         b.pause(&r).await.unwrap();
         assert_eq!(b.is_paused("e.a"), Some(true));
-        assert!(matches!(b.pause(&r).await, Err(BackendError::InvalidState(_))));
+        assert!(matches!(b.pause(&r).await, Err(ref e) if e.kind() == BackendErrorKind::InvalidState));
         b.resume(&r).await.unwrap();
         assert_eq!(b.usage(), Some(Usage { cpu_millis: 500, memory_mb: 50 }));
         b.stop(&r).await.unwrap();
         b.stop(&r).await.unwrap();
         assert!(!b.probe("e.a").await.unwrap());
-        assert!(matches!(b.resume(&r).await, Err(BackendError::NotFound(_))));
+        assert!(matches!(b.resume(&r).await, Err(ref e) if e.kind() == BackendErrorKind::NotFound));
     }
 
     #[tokio::test]
