@@ -396,7 +396,11 @@ impl Client {
 
     /// An HTTP request into the sandbox: GET and HEAD are `repeat` calls, others made once.
     pub async fn http_request(&self, req: pb::HttpRequestRequest) -> Result<pb::HttpRequestResponse, ApiError> {
-        let how = if matches!(req.method.as_str(), "GET" | "HEAD") { CallClass::Repeat } else { class("Runtime/HttpRequest") };
+        let how = if matches!(req.method.as_str(), "GET" | "HEAD") {
+            CallClass::Repeat
+        } else {
+            class("Runtime/HttpRequest")
+        };
         self.call(how, |ch| {
             let req = req.clone();
             async move { stub_r(ch).http_request(req).await }

@@ -59,7 +59,9 @@ impl CallClass {
         use Reason::*;
         match self {
             CallClass::Read | CallClass::Repeat => matches!(reason, Unavailable | NotLeader | RateLimited),
-            CallClass::Create => matches!(reason, Unavailable | NotLeader | RateLimited | NoCapacity | DeadlineExceeded),
+            CallClass::Create => {
+                matches!(reason, Unavailable | NotLeader | RateLimited | NoCapacity | DeadlineExceeded)
+            }
             CallClass::Once => false,
         }
     }
@@ -248,9 +250,13 @@ mod tests {
             let cells: Vec<&str> = line.split('|').map(str::trim).collect();
             let name = cells[1].trim_matches('`');
             if let Some(class) = CallClass::parse(name) {
-                let listed: Vec<&str> =
-                    cells[2].split(',').map(|s| s.trim().trim_matches('`')).filter(|s| !s.is_empty() && *s != "none").collect();
-                let ours: Vec<&str> = Reason::ALL.into_iter().filter(|r| class.retries(*r)).map(Reason::as_str).collect();
+                let listed: Vec<&str> = cells[2]
+                    .split(',')
+                    .map(|s| s.trim().trim_matches('`'))
+                    .filter(|s| !s.is_empty() && *s != "none")
+                    .collect();
+                let ours: Vec<&str> =
+                    Reason::ALL.into_iter().filter(|r| class.retries(*r)).map(Reason::as_str).collect();
                 assert_eq!(listed, ours, "class {name}");
                 seen.push(class);
             } else {

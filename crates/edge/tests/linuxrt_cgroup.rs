@@ -138,7 +138,8 @@ fn core_sched_expected() -> Option<CoreSched> {
 
 #[test]
 fn core_sched_detection_matches_the_machine() {
-    let expected = core_sched_expected()
-        .expect("neither /sys/devices/system/cpu/smt/active nor the kernel's config says whether core scheduling works");
+    let expected = core_sched_expected().expect(
+        "neither /sys/devices/system/cpu/smt/active nor the kernel's config says whether core scheduling works",
+    );
     assert_eq!(cgroup::detect_core_sched(), expected);
 }

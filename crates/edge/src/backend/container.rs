@@ -35,7 +35,7 @@ use tonic::transport::Endpoint;
 
 use opendsec_images::{LayerId, Store, StoreError};
 
-use super::{BackendErrorKind, AgentAccess, Backend, BackendError, Usage, Versioned, agent_client};
+use super::{AgentAccess, Backend, BackendError, BackendErrorKind, Usage, Versioned, agent_client};
 use crate::linuxrt::cgroup::{self, CoreSched, IoLimits, Limits};
 use crate::linuxrt::idmap::IdPool;
 use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
@@ -550,7 +550,8 @@ impl Backend for ContainerBackend {
                     format!("the agent of {} did not come up (its output: {tail})", sb.id)
                 };
                 // Unavailable stays unavailable (a slow start); anything else is ours.
-                let kind = if e.kind() == BackendErrorKind::Unavailable { e.kind() } else { BackendErrorKind::Internal };
+                let kind =
+                    if e.kind() == BackendErrorKind::Unavailable { e.kind() } else { BackendErrorKind::Internal };
                 let err = BackendError::new(kind, context).caused_by(e);
                 return Err(match cleanup {
                     Ok(()) => err,
@@ -594,7 +595,8 @@ impl Backend for ContainerBackend {
     }
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        let s = self.handle(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
+        let s =
+            self.handle(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
         self.set_paused(&sb.id, true);
         let reclaim = self.opts.pause_reclaim;
         let id = sb.id.clone();
@@ -615,7 +617,8 @@ impl Backend for ContainerBackend {
     }
 
     async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        let s = self.handle(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
+        let s =
+            self.handle(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
         let reclaim = self.opts.pause_reclaim;
         blocking(move || {
             if reclaim {
@@ -801,7 +804,10 @@ mod tests {
             io: IoLimits::default(),
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
-        assert!(matches!(e.kind(), BackendErrorKind::InvalidArgument) && (e.report().contains("dynamically linked")), "{e}");
+        assert!(
+            matches!(e.kind(), BackendErrorKind::InvalidArgument) && (e.report().contains("dynamically linked")),
+            "{e}"
+        );
         let mut h = vec![0u8; 64];
         h[..6].copy_from_slice(b"\x7fELF\x02\x01");
         std::fs::write(tmp.path().join("agent"), &h).unwrap();

@@ -184,12 +184,18 @@ mod tests {
             .with_cleanup(BackendError::unavailable("cannot detach loop7").caused_by(std::io::Error::other("EBUSY")));
         assert_eq!(e.kind(), Kind::Internal);
         let source = e.source().expect("a source");
-        assert_eq!(source.downcast_ref::<std::io::Error>().map(|e| e.kind()), Some(std::io::ErrorKind::PermissionDenied));
+        assert_eq!(
+            source.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+            Some(std::io::ErrorKind::PermissionDenied)
+        );
         assert_eq!(e.cleanup().map(BackendError::kind), Some(Kind::Unavailable));
         assert_eq!(
             e.report(),
             "cannot create the cgroup of sbx-1: EACCES on /sys/fs/cgroup/x; cleaning up also failed: cannot detach loop7: EBUSY"
         );
-        assert_eq!(e.to_string(), "cannot create the cgroup of sbx-1; cleaning up also failed: cannot detach loop7: EBUSY");
+        assert_eq!(
+            e.to_string(),
+            "cannot create the cgroup of sbx-1; cleaning up also failed: cannot detach loop7: EBUSY"
+        );
     }
 }

@@ -14,9 +14,9 @@ use async_trait::async_trait;
 
 use opendsec_common::Reason;
 
-use super::{Backend, BackendError, Usage, Versioned};
 #[cfg(test)]
 use super::BackendErrorKind;
+use super::{Backend, BackendError, Usage, Versioned};
 use crate::record::{ResourcesRecord, SandboxRecord};
 use crate::state::SandboxStatus;
 
