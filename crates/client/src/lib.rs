@@ -172,16 +172,52 @@ impl Client {
 
     // ---- sandboxes
 
+    /// Creates a sandbox under a lease id of its own. Retried as a `create` call; after a
+    /// `no_capacity` (every edge refused: nothing was made) the next attempt takes a fresh
+    /// lease id, since the refused one now names a FAILED sandbox.
     pub async fn create_sandbox(&self, spec: pb::SandboxSpec) -> Result<pb::Sandbox, ApiError> {
-        let req = pb::CreateSandboxRequest { spec: Some(spec), lease_id: opendsec_common::ids::new_lease_id() };
-        self.create_sandbox_with(req).await
+        let lease = std::sync::Mutex::new(opendsec_common::ids::new_lease_id());
+        let class = class("Sandboxes/CreateSandbox");
+        retry::run(class, self.inner.policy, || {
+            let req = pb::CreateSandboxRequest {
+                spec: Some(spec.clone()),
+                lease_id: lease.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            };
+            let ch = self.pick();
+            let lease = &lease;
+            async move {
+                let r = stub_s(ch).create_sandbox(req).await.map(tonic::Response::into_inner);
+                r.map_err(|s| {
+                    let e = ApiError::from_status(&s);
+                    if e.reason == Reason::NoCapacity {
+                        *lease.lock().unwrap_or_else(|p| p.into_inner()) = opendsec_common::ids::new_lease_id();
+                    }
+                    e
+                })
+            }
+        })
+        .await
     }
 
+    /// Creates a sandbox under the caller's lease id (an idempotency key: the same key answers
+    /// with the same sandbox). Retried as a `create` call except on `no_capacity`, whose
+    /// refused key now names a FAILED sandbox: that outcome is the caller's to see.
     pub async fn create_sandbox_with(&self, req: pb::CreateSandboxRequest) -> Result<pb::Sandbox, ApiError> {
-        self.call(class("Sandboxes/CreateSandbox"), |ch| {
-            let req = req.clone();
-            async move { stub_s(ch).create_sandbox(req).await }
-        })
+        let class = class("Sandboxes/CreateSandbox");
+        retry::run_while(
+            self.inner.policy,
+            |e| e.reason != Reason::NoCapacity && class.retries(e.reason),
+            || {
+                let (ch, req) = (self.pick(), req.clone());
+                async move {
+                    stub_s(ch)
+                        .create_sandbox(req)
+                        .await
+                        .map(tonic::Response::into_inner)
+                        .map_err(|s| ApiError::from_status(&s))
+                }
+            },
+        )
         .await
     }
 

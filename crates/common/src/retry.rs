@@ -218,8 +218,22 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
+    run_while(policy, |e| class.retries(e.reason), attempt).await
+}
+
+/// Like [`run`], retrying the errors `retries` accepts (a narrower rule than a class's, for a
+/// call that knows more: a creation under a caller's lease id does not retry `no_capacity`).
+pub async fn run_while<T, F, Fut>(
+    policy: Policy,
+    retries: impl Fn(&ApiError) -> bool,
+    attempt: F,
+) -> Result<T, ApiError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, ApiError>>,
+{
     let mut attempt = attempt;
-    if class == CallClass::Once || policy.budget.is_zero() {
+    if policy.budget.is_zero() {
         return attempt().await;
     }
     let mut backoff = policy.backoff();
@@ -227,7 +241,7 @@ where
     (|| attempt())
         .retry(std::iter::repeat(Duration::ZERO))
         .sleep(tokio::time::sleep)
-        .when(|e: &ApiError| class.retries(e.reason))
+        .when(|e: &ApiError| retries(e))
         .adjust(|e: &ApiError, _| backoff.next_delay(retry_after(e)))
         .notify(|e: &ApiError, d| tracing::debug!(reason = %e.reason, message = %e.message, delay = ?d, "retrying"))
         .await

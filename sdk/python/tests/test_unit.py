@@ -243,6 +243,9 @@ class FlakySandboxes(pb_grpc.SandboxesServicer):
     async def CreateSandbox(self, request, context):
         self.leases.append(request.lease_id)
         self.tokens.append(dict(context.invocation_metadata()).get("authorization", ""))
+        if self.full > 0:
+            self.full -= 1
+            await self._refuse_full(context)
         if self.fail > 0:
             self.fail -= 1
             # Alternately a bare UNAVAILABLE and a DEADLINE_EXCEEDED (an edge slower than the
@@ -250,6 +253,19 @@ class FlakySandboxes(pb_grpc.SandboxesServicer):
             code = grpc.StatusCode.UNAVAILABLE if self.fail % 2 else grpc.StatusCode.DEADLINE_EXCEEDED
             await context.abort(code, "try again")
         return pb.Sandbox(id="e." + request.lease_id, spec=request.spec, state=pb.SANDBOX_STATE_RUNNING)
+
+    full: int = 0  # creations refused with no_capacity before the `fail` ones
+
+    async def _refuse_full(self, context) -> None:
+        details = status_pb2.Status(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="every edge is full")
+        info = error_details_pb2.ErrorInfo(reason="no_capacity", domain="opendsec")
+        any_info = any_pb2.Any()
+        any_info.Pack(info)
+        details.details.append(any_info)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "every edge is full",
+            trailing_metadata=(("grpc-status-details-bin", details.SerializeToString()),),
+        )
 
     async def PauseSandbox(self, request, context):
         # A `repeat` call: refused twice, then answered (a repeat finds the state reached).
@@ -296,6 +312,22 @@ async def test_create_retries_with_the_same_lease_id() -> None:
         assert sb.id == "e." + sbx.leases[0] and sb.state == "running" and sb.labels == {"x": "y"}
         assert sb.info.spec.project == "root/p" and sb.backend == "sim"
         assert sbx.tokens == ["Bearer tok"] * 3
+    finally:
+        await server.stop(None)
+
+
+async def test_after_no_capacity_a_creation_takes_a_fresh_lease_unless_the_caller_chose_it() -> None:
+    # The refused lease id names a FAILED sandbox at the edge: repeating it would answer that.
+    server, addr, sbx, _ = await serve(fail=0)
+    sbx.full = 2
+    try:
+        async with opendsec.AsyncClient(addr, token="tok", retry_timeout=20, insecure_plaintext=True) as c:
+            sb = await c.create_sandbox("sim")
+            assert len(sbx.leases) == 3 and len(set(sbx.leases)) == 3 and sb.id == "e." + sbx.leases[-1]
+            sbx.full, sbx.leases = 1, []
+            with pytest.raises(errors.NoCapacity):
+                await c.create_sandbox("sim", lease_id="my-key")
+            assert sbx.leases == ["my-key"]
     finally:
         await server.stop(None)
 

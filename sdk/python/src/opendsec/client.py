@@ -393,7 +393,9 @@ class AsyncClient:
         Retried within ``retry_timeout`` on ``unavailable``, ``no_capacity`` (every edge full
         or under pressure, often for seconds only), ``rate_limited`` (after the wait it names)
         and ``deadline_exceeded`` (the first attempt may have created it after all: the retry,
-        with the same lease id, finds it).
+        with the same lease id, finds it). After ``no_capacity`` nothing was made and the
+        refused lease id names a FAILED sandbox: a generated lease id is replaced by a fresh
+        one for the next attempt; a ``lease_id`` you gave is not retried on ``no_capacity``.
 
         Returns the :class:`Sandbox`. Raises ``ValueError`` for an empty ``backend`` or a
         malformed ``lease_id`` (before any call), else an :class:`~opendsec.errors.OpendsecError`
@@ -404,11 +406,26 @@ class AsyncClient:
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
         )
-        lease = check_lease_id(lease_id) if lease_id is not None else new_lease_id()
-        info = await self._unary(
-            "Sandboxes", "CreateSandbox", pb.CreateSandboxRequest(spec=spec, lease_id=lease),
-        )
-        return Sandbox(self, info)
+        own = lease_id is None
+        lease = new_lease_id() if own else check_lease_id(lease_id)
+        backoff = self._backoff("Sandboxes/CreateSandbox")
+        while True:
+            address = self.pool.pick()
+            try:
+                info = await self._stub("Sandboxes", address).CreateSandbox(
+                    pb.CreateSandboxRequest(spec=spec, lease_id=lease), metadata=self._metadata()
+                )
+            except grpc.RpcError as e:
+                err = self._failed(address, e)
+                if isinstance(err, errors.NoCapacity):
+                    if not own:
+                        raise err from None  # the caller's key: its outcome is theirs to see
+                    lease = new_lease_id()  # a refusal made nothing; the old key names a FAILED sandbox
+                if await self._retry_sleep(backoff, err):
+                    continue
+                raise err from None
+            self.pool.mark_ok(address)
+            return Sandbox(self, info)
 
     async def create_sandboxes(
         self,
