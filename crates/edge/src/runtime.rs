@@ -6,7 +6,7 @@
 //! Invariants:
 //! - a call is counted from before its state check until its response (or its stream) ends, so
 //!   the TTL loop never stops a sandbox between the check and the forward;
-//! - activity lives in memory ([`Activity`]); the record's `last_active_ms` is only rewritten by
+//! - activity lives in memory (`core::sweep::Activity`, the idle clock beside the sweeps); the record's `last_active_ms` is only rewritten by
 //!   lifecycle operations; an edge restart counts as activity for every sandbox it adopts (the
 //!   calls' activity was lost with the old process);
 //! - a call from an apiserver names the project it was authorized for
@@ -21,7 +21,6 @@
 //!
 //! [`AgentAccess`]: crate::backend::AgentAccess
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -32,7 +31,6 @@ use opendsec_common::bounds::{AnswerBytes, Meter, Metered};
 use opendsec_common::grpc::{EXPECT_PROJECT_HEADER, MAX_MESSAGE_BYTES};
 use opendsec_proto::upload::{self, Hop};
 
-use opendsec_common::time::now_ms;
 use opendsec_proto::v1::runtime_server::Runtime;
 use opendsec_proto::v1::*;
 
@@ -48,50 +46,6 @@ const ABORT_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 type MeteredAgent = opendsec_proto::v1::runtime_client::RuntimeClient<Metered<tonic::transport::Channel>>;
 
 type BoxStream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
-
-/// Calls in flight and the last activity per sandbox (by lease).
-#[derive(Default)]
-pub(crate) struct Activity {
-    map: std::sync::Mutex<HashMap<String, (u32, i64)>>,
-}
-
-impl Activity {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u32, i64)>> {
-        self.map.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn begin(&self, lease: &str) {
-        let now = now_ms();
-        let mut m = self.lock();
-        let e = m.entry(lease.to_string()).or_insert((0, now));
-        e.0 += 1;
-        e.1 = now;
-    }
-
-    fn end(&self, lease: &str) {
-        let now = now_ms();
-        if let Some(e) = self.lock().get_mut(lease) {
-            e.0 = e.0.saturating_sub(1);
-            e.1 = now;
-        }
-    }
-
-    /// Marks activity now, without a call in flight.
-    pub(crate) fn touch(&self, lease: &str) {
-        let now = now_ms();
-        self.lock().entry(lease.to_string()).or_insert((0, now)).1 = now;
-    }
-
-    /// (calls in flight, last activity in ms) of a sandbox; (0, 0) when it never had a call.
-    pub(crate) fn of(&self, lease: &str) -> (u32, i64) {
-        self.lock().get(lease).copied().unwrap_or((0, 0))
-    }
-
-    /// Forgets an ended sandbox.
-    pub(crate) fn forget(&self, lease: &str) {
-        self.lock().remove(lease);
-    }
-}
 
 /// One call in flight; ends the call (and marks activity) when dropped.
 pub(crate) struct CallGuard {

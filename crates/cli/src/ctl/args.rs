@@ -1,0 +1,376 @@
+//! The command tree of `opendsecctl` (clap): every command, its arguments and their defaults.
+
+use super::*;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "opendsecctl",
+    version,
+    about = "opendsec on the command line",
+    after_help = "Examples:\n  \
+    make up                                  # a local cluster with container sandboxes (as root)\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm\n  \
+    opendsecctl exec ID -- \"python3 -c 'print(6*7)'\"\n  \
+    opendsecctl exec ID --session s1 -- cd /tmp      # a named session keeps its state\n  \
+    opendsecctl cp ./data.csv ID:/work/data.csv\n  \
+    opendsecctl sandbox list --label job=eval --json\n\n\
+    Connect with OPENDSEC_ADDR and OPENDSEC_TOKEN (cluster up prints both). More: docs/cli.md"
+)]
+pub struct Cli {
+    /// Apiserver addresses, comma-separated.
+    #[arg(long, global = true, env = "OPENDSEC_ADDR", default_value = "127.0.0.1:7000")]
+    pub addr: String,
+    /// Bearer token (dsk.<id>.<secret>).
+    #[arg(long, global = true, env = "OPENDSEC_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Default project for commands that take one.
+    #[arg(long, global = true, env = "OPENDSEC_PROJECT")]
+    pub project: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// The cluster's CA certificate (PEM), to check the apiserver's TLS certificate with
+    /// (`cluster up` prints its path).
+    #[arg(long, global = true, env = "OPENDSEC_CA")]
+    pub ca: Option<PathBuf>,
+    /// The name the apiserver's certificate must carry (default api.opendsec.internal).
+    #[arg(long, global = true, env = "OPENDSEC_TLS_NAME")]
+    pub tls_name: Option<String>,
+    /// Speak plain text to a cluster started with --insecure-plaintext (the token then
+    /// crosses the network unencrypted).
+    #[arg(long, global = true, env = "OPENDSEC_INSECURE_PLAINTEXT", value_parser = clap::builder::FalseyValueParser::new())]
+    pub insecure_plaintext: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+impl Cli {
+    /// Whether the command serves (runs servers until stopped) rather than prints.
+    pub fn serves(&self) -> bool {
+        matches!(self.command, Command::Cluster(ClusterCmd::Up { .. }))
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Local cluster tools.
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+    /// Sandboxes: create, list, get, pause, resume, set-timeout, stop.
+    #[command(subcommand)]
+    Sandbox(SandboxCmd),
+    /// Projects (nested: root/team-a/rl).
+    #[command(subcommand)]
+    Project(ProjectCmd),
+    /// Project quotas.
+    #[command(subcommand)]
+    Quota(QuotaCmd),
+    /// Principals (users and service accounts).
+    #[command(subcommand)]
+    Principal(PrincipalCmd),
+    /// Bearer tokens.
+    #[command(subcommand)]
+    Token(TokenCmd),
+    /// Permissions granted on projects.
+    #[command(subcommand)]
+    Grant(GrantCmd),
+    /// Quota and usage of a project and its subprojects.
+    Usage { project: Option<String> },
+    /// Who the token belongs to and what it may do.
+    Whoami,
+    /// Write IAM's backup (gzipped JSON) to a file.
+    Backup { file: PathBuf },
+    /// Restore IAM from a backup file.
+    Restore { file: PathBuf },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// The cluster's certificates: a CA, and one certificate per component (mTLS).
+    #[command(subcommand)]
+    Pki(crate::pki::PkiCmd),
+    /// Images: the Images API, and local tools on the store (import, gc, store-check, merge).
+    #[command(subcommand)]
+    Image(crate::image::ImageCmd),
+    /// Run shell text in a sandbox, output streamed; exits with the command's exit code.
+    Exec(crate::runtime::ExecArgs),
+    /// Start a process in a sandbox (argv, outside sessions) and follow its output.
+    Run(crate::runtime::RunArgs),
+    /// Copy a file between a sandbox (SANDBOX_ID:/path) and here (a path, or - for stdin/stdout).
+    Cp(crate::runtime::CpArgs),
+    /// Processes started with `run` (or the process API) in a sandbox.
+    Ps { sandbox: String },
+    /// Signal a process in a sandbox, by pid or tag.
+    Kill(crate::runtime::KillArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCmd {
+    /// Start IAM, a watcher, an apiserver and sim edges in this process (until Ctrl-C).
+    Up {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        #[arg(long)]
+        sim_edges: Option<u32>,
+        /// Serve the public API in plain text (local development; refused unless it listens
+        /// on a loopback address).
+        #[arg(long)]
+        insecure_plaintext: bool,
+        /// Leave the sandboxes running when the cluster stops (the next `cluster up` with the
+        /// same state directory adopts them). Without it, stopping the cluster stops them.
+        #[arg(long)]
+        keep_sandboxes: bool,
+    },
+}
+
+/// What `sandbox create` gives a sandbox unless told (the SDK's defaults too).
+pub const DEFAULT_CPU_MILLIS: u32 = 1000;
+pub const DEFAULT_MEMORY_MB: u64 = 1024;
+pub const DEFAULT_DISK_MB: u64 = 10240;
+
+#[derive(Args, Debug, Default)]
+pub struct SpecArgs {
+    /// Isolation backend: `container` (namespaces, cgroups, seccomp; what `make up` runs) or
+    /// `sim` (lifecycles without isolation, for scheduling tests).
+    #[arg(long)]
+    pub backend: String,
+    /// `repo[:tag]`, found in the project or above (`scratch` is in root on a new cluster).
+    #[arg(long, default_value = "scratch")]
+    pub image: String,
+    /// CPU in millicores.
+    #[arg(long, default_value_t = DEFAULT_CPU_MILLIS)]
+    pub cpu: u32,
+    /// Memory in MiB.
+    #[arg(long, default_value_t = DEFAULT_MEMORY_MB)]
+    pub memory: u64,
+    /// Disk in MiB.
+    #[arg(long, default_value_t = DEFAULT_DISK_MB)]
+    pub disk: u64,
+    #[arg(long, default_value_t = 0)]
+    pub gpus: u32,
+    /// Idle timeout in seconds (0: cluster default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl_idle: u64,
+    /// Lifetime in seconds (0: cluster default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl_max: u64,
+    /// Paused timeout in seconds (0: cluster default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl_paused: u64,
+    /// KEY=VALUE, repeatable.
+    #[arg(long = "label")]
+    pub labels: Vec<String>,
+    /// KEY=VALUE, repeatable.
+    #[arg(long = "env")]
+    pub env: Vec<String>,
+    #[arg(long)]
+    pub best_effort: bool,
+    /// User of sessions and processes that name none (from the image's /etc/passwd).
+    #[arg(long, default_value = "")]
+    pub user: String,
+    /// Working directory of sessions and processes that name none (absolute).
+    #[arg(long, default_value = "")]
+    pub workdir: String,
+    /// A path inside the sandbox to hide (container backend), repeatable.
+    #[arg(long = "mask")]
+    pub masked_paths: Vec<String>,
+    /// A path inside the sandbox to make read-only (container backend), repeatable.
+    #[arg(long = "readonly")]
+    pub readonly_paths: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SandboxCmd {
+    /// Create sandboxes (--count > 1 uses one batch call); prints their ids.
+    #[command(after_help = "Examples:\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm --cpu 500 --memory 512 \\\n      \
+    --ttl-idle 600 --label job=eval --env SEED=1\n  \
+    opendsecctl sandbox create --backend container --image debian:bookworm --count 200   # one batch call\n  \
+    opendsecctl sandbox create --backend sim --count 10000 --json")]
+    Create {
+        #[command(flatten)]
+        spec: SpecArgs,
+        /// How many (more than one: a single batch call, with a progress bar on a terminal).
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
+    /// List sandboxes of a project and its subprojects (filters: --state, --label).
+    #[command(after_help = "Examples:\n  \
+    opendsecctl sandbox list\n  \
+    opendsecctl sandbox list --state running --label job=eval\n  \
+    opendsecctl sandbox list --all --json | jq -r '.sandboxes[].id'")]
+    List {
+        /// Only these states (repeatable): running, paused, stopped, ...
+        #[arg(long = "state")]
+        states: Vec<String>,
+        #[arg(long = "label")]
+        labels: Vec<String>,
+        #[arg(long, default_value_t = 0)]
+        page_size: u32,
+        #[arg(long, default_value = "")]
+        page_token: String,
+        /// Follow every page.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Show one sandbox (state, spec, TTL deadline, last activity).
+    Get { id: String },
+    /// Stop a sandbox: its processes end and its quota is released.
+    Stop { id: String },
+    /// Pause a sandbox (frozen; any call on it resumes it).
+    Pause { id: String },
+    /// Resume a paused sandbox.
+    Resume { id: String },
+    /// Replace TTLs (seconds).
+    SetTimeout {
+        id: String,
+        #[arg(long)]
+        idle: Option<u64>,
+        #[arg(long)]
+        max: Option<u64>,
+        #[arg(long)]
+        paused: Option<u64>,
+    },
+}
+
+#[derive(Args, Debug, Default, Clone)]
+pub struct QuotaArgs {
+    #[arg(long)]
+    pub cpu: Option<u64>,
+    #[arg(long)]
+    pub memory: Option<u64>,
+    #[arg(long)]
+    pub disk: Option<u64>,
+    #[arg(long)]
+    pub gpus: Option<u64>,
+    #[arg(long)]
+    pub sandboxes: Option<u64>,
+}
+
+impl QuotaArgs {
+    pub(crate) fn to_pb(&self) -> pb::Quota {
+        pb::Quota {
+            cpu_millis: self.cpu,
+            memory_mb: self.memory,
+            disk_mb: self.disk,
+            gpus: self.gpus,
+            sandboxes: self.sandboxes,
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ProjectCmd {
+    Create {
+        path: String,
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+    Get {
+        path: String,
+    },
+    /// The project and everything below it (default: root).
+    List {
+        path: Option<String>,
+    },
+    Delete {
+        path: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum QuotaCmd {
+    /// Replace a project's quota (keys left out inherit the parent's).
+    Set {
+        path: String,
+        #[command(flatten)]
+        quota: QuotaArgs,
+    },
+    Get {
+        path: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PrincipalCmd {
+    Create { name: String },
+    List,
+    Delete { name: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokenCmd {
+    Create {
+        /// Default: the caller.
+        #[arg(long)]
+        principal: Option<String>,
+        /// Seconds; 0: never expires.
+        #[arg(long, default_value_t = 0)]
+        ttl: u64,
+        #[arg(long, default_value = "")]
+        description: String,
+    },
+    List {
+        #[arg(long)]
+        principal: Option<String>,
+    },
+    Revoke {
+        id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GrantCmd {
+    Add {
+        principal: String,
+        project: String,
+        permission: String,
+    },
+    Remove {
+        principal: String,
+        project: String,
+        permission: String,
+    },
+    List {
+        #[arg(long = "of")]
+        principal: Option<String>,
+        #[arg(long = "on")]
+        on_project: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Create sandboxes as fast as the cluster takes them, then stop them; print figures.
+    Create(crate::bench::BenchArgs),
+    /// Shell round trips (Exec) in an existing sandbox; print latency figures.
+    Exec(crate::bench::ExecBenchArgs),
+}
+
+impl SpecArgs {
+    pub fn to_spec(&self, project: Option<&str>) -> Result<pb::SandboxSpec, CtlError> {
+        Ok(pb::SandboxSpec {
+            project: project.unwrap_or_default().to_string(),
+            image: self.image.clone(),
+            backend: self.backend.clone(),
+            resources: Some(pb::Resources {
+                cpu_millis: self.cpu,
+                memory_mb: self.memory,
+                disk_mb: self.disk,
+                gpus: self.gpus,
+            }),
+            ttl_running_stop_s: self.ttl_idle,
+            ttl_max_s: self.ttl_max,
+            ttl_paused_s: self.ttl_paused,
+            env: kv(&self.env, "env")?,
+            labels: kv(&self.labels, "label")?,
+            user: self.user.clone(),
+            workdir: self.workdir.clone(),
+            priority: if self.best_effort { pb::Priority::BestEffort as i32 } else { pb::Priority::Guaranteed as i32 },
+            masked_paths: self.masked_paths.clone(),
+            readonly_paths: self.readonly_paths.clone(),
+        })
+    }
+}

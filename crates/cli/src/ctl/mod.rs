@@ -1,0 +1,320 @@
+//! `opendsecctl`: the public API on the command line, plus `cluster up`, `bench` and the image
+//! store tools (`image import|gc|store-check|merge`); commands inside a sandbox (`exec`, `run`,
+//! `cp`, `ps`, `kill`) are in [`crate::runtime`].
+//!
+//! Exit codes: 0 success; 1 a local failure (file, config); 2 usage; 10.. one per error
+//! reason (docs/errors.md, `Reason::exit_code`). `exec` and `run` exit with the remote
+//! command's own code once the call succeeded.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use opendsec_client::Client;
+use opendsec_common::config::Config;
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use serde_json::{Value, json};
+
+use crate::json as j;
+use crate::table::{Table, age};
+
+mod args;
+mod cluster;
+mod error;
+mod output;
+mod sandbox;
+
+pub use args::*;
+use cluster::cluster_up;
+pub use error::*;
+pub use output::*;
+use sandbox::sandbox;
+
+pub(crate) fn kv(items: &[String], what: &str) -> Result<HashMap<String, String>, CtlError> {
+    items
+        .iter()
+        .map(|s| {
+            s.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| CtlError::Api(ApiError::invalid(format!("{what} {s:?} is not KEY=VALUE"))))
+        })
+        .collect()
+}
+
+/// Runs one parsed command line; `Ok` holds the exit code (the remote command's for `exec` and
+/// `run`, else 0).
+pub async fn run(cli: Cli) -> Result<i32, CtlError> {
+    let out = Out { json: cli.json };
+    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges, insecure_plaintext, keep_sandboxes }) =
+        &cli.command
+    {
+        return cluster_up(config.clone(), state_dir.clone(), *sim_edges, *insecure_plaintext, *keep_sandboxes)
+            .await
+            .map(|()| 0);
+    }
+    if let Command::Pki(cmd) = cli.command {
+        return crate::pki::run(&out, cmd).map(|()| 0);
+    }
+    let addrs: Vec<String> = cli.addr.split(',').map(str::to_string).collect();
+    let tls =
+        opendsec_common::grpc::PublicTls::choose(cli.ca.as_deref(), cli.insecure_plaintext, cli.tls_name.as_deref())?;
+    let client = Client::new(&addrs, cli.token.as_deref(), &tls)?;
+    let project = cli.project.clone();
+    match cli.command {
+        Command::Exec(a) => crate::runtime::exec(&client, &out, a).await,
+        Command::Run(a) => crate::runtime::run(&client, &out, a).await,
+        Command::Cp(a) => crate::runtime::cp(&client, &out, a).await.map(|()| 0),
+        Command::Ps { sandbox } => crate::runtime::ps(&client, &out, sandbox).await.map(|()| 0),
+        Command::Kill(a) => crate::runtime::kill(&client, &out, a).await.map(|()| 0),
+        other => api(&client, &out, project, other).await.map(|()| 0),
+    }
+}
+
+/// The commands that map one-to-one onto public calls.
+async fn api(client: &Client, out: &Out, project: Option<String>, command: Command) -> Result<(), CtlError> {
+    match command {
+        Command::Cluster(_)
+        | Command::Pki(_)
+        | Command::Exec(_)
+        | Command::Run(_)
+        | Command::Cp(_)
+        | Command::Ps { .. }
+        | Command::Kill(_) => {
+            unreachable!("handled in run")
+        }
+        Command::Sandbox(cmd) => sandbox(client, out, project.as_deref(), cmd).await,
+        Command::Project(cmd) => match cmd {
+            ProjectCmd::Create { path, quota } => {
+                let p = client.create_project(pb::CreateProjectRequest { path, quota: Some(quota.to_pb()) }).await?;
+                out.print(j::project(&p), || format!("created {}", p.path));
+                Ok(())
+            }
+            ProjectCmd::Get { path } => {
+                let p = client.get_project(pb::GetProjectRequest { path }).await?;
+                out.print(j::project(&p), || project_text(&p));
+                Ok(())
+            }
+            ProjectCmd::List { path } => {
+                let path = path.or(project).unwrap_or_else(|| "root".into());
+                let r = client.list_projects(pb::ListProjectsRequest { path }).await?;
+                out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
+                    usage_table(&r.projects).render("no projects")
+                });
+                Ok(())
+            }
+            ProjectCmd::Delete { path } => {
+                client.delete_project(pb::DeleteProjectRequest { path: path.clone() }).await?;
+                out.print(json!({"deleted": path}), || format!("deleted {path}"));
+                Ok(())
+            }
+        },
+        Command::Quota(cmd) => match cmd {
+            QuotaCmd::Set { path, quota } => {
+                let p = client.set_quota(pb::SetQuotaRequest { path, quota: Some(quota.to_pb()) }).await?;
+                out.print(j::project(&p), || project_text(&p));
+                Ok(())
+            }
+            QuotaCmd::Get { path } => {
+                let p = client.get_project(pb::GetProjectRequest { path }).await?;
+                out.print(
+                    json!({"path": p.path, "quota": j::quota(&p.quota), "effective": j::quota(&p.effective)}),
+                    || project_text(&p),
+                );
+                Ok(())
+            }
+        },
+        Command::Principal(cmd) => match cmd {
+            PrincipalCmd::Create { name } => {
+                let project =
+                    project.ok_or_else(|| CtlError::Api(ApiError::invalid("principal create needs --project")))?;
+                let p = client.create_principal(pb::CreatePrincipalRequest { name, project }).await?;
+                out.print(j::principal(&p), || format!("created principal {} in {}", p.name, p.project));
+                Ok(())
+            }
+            PrincipalCmd::List => {
+                let project = project.unwrap_or_else(|| "root".into());
+                let r = client.list_principals(pb::ListPrincipalsRequest { project }).await?;
+                out.print(Value::Array(r.principals.iter().map(j::principal).collect()), || {
+                    let mut t = Table::new(&["NAME", "PROJECT"]);
+                    for p in &r.principals {
+                        t.row(vec![p.name.clone(), p.project.clone()]);
+                    }
+                    t.render("no principals")
+                });
+                Ok(())
+            }
+            PrincipalCmd::Delete { name } => {
+                client.delete_principal(pb::DeletePrincipalRequest { name: name.clone() }).await?;
+                out.print(json!({"deleted": name}), || format!("deleted principal {name}"));
+                Ok(())
+            }
+        },
+        Command::Token(cmd) => match cmd {
+            TokenCmd::Create { principal, ttl, description } => {
+                let r = client
+                    .create_token(pb::CreateTokenRequest {
+                        principal: principal.unwrap_or_default(),
+                        ttl_s: ttl,
+                        description,
+                    })
+                    .await?;
+                let info = r.info.clone().unwrap_or_default();
+                out.print(json!({"token": r.token, "info": j::token_info(&info)}), || r.token.clone());
+                Ok(())
+            }
+            TokenCmd::List { principal } => {
+                let r = client.list_tokens(pb::ListTokensRequest { principal: principal.unwrap_or_default() }).await?;
+                out.print(Value::Array(r.tokens.iter().map(j::token_info).collect()), || {
+                    let now = now_ms();
+                    let mut tb = Table::new(&["ID", "PRINCIPAL", "STATUS", "DESCRIPTION"]);
+                    for t in &r.tokens {
+                        let status = match (t.revoked, t.expires_at_ms) {
+                            (true, _) => "revoked".to_string(),
+                            (false, 0) => "valid, no expiry".to_string(),
+                            (false, e) if e <= now => "expired".to_string(),
+                            (false, e) => format!("expires in {}", span(now, e)),
+                        };
+                        tb.row(vec![t.id.clone(), t.principal.clone(), status, t.description.clone()]);
+                    }
+                    tb.render("no tokens")
+                });
+                Ok(())
+            }
+            TokenCmd::Revoke { id } => {
+                client.revoke_token(pb::RevokeTokenRequest { id: id.clone() }).await?;
+                out.print(json!({"revoked": id}), || format!("revoked {id}"));
+                Ok(())
+            }
+        },
+        Command::Grant(cmd) => match cmd {
+            GrantCmd::Add { principal, project, permission } => {
+                let g = pb::Grant { principal, project, permission };
+                client.grant(pb::GrantRequest { grant: Some(g.clone()) }).await?;
+                out.print(j::grant(&g), || format!("granted {} on {} to {}", g.permission, g.project, g.principal));
+                Ok(())
+            }
+            GrantCmd::Remove { principal, project, permission } => {
+                let g = pb::Grant { principal, project, permission };
+                client.revoke_grant(pb::RevokeGrantRequest { grant: Some(g.clone()) }).await?;
+                out.print(j::grant(&g), || format!("revoked {} on {} from {}", g.permission, g.project, g.principal));
+                Ok(())
+            }
+            GrantCmd::List { principal, on_project } => {
+                let r = client
+                    .list_grants(pb::ListGrantsRequest {
+                        principal: principal.unwrap_or_default(),
+                        project: on_project.unwrap_or_default(),
+                    })
+                    .await?;
+                out.print(Value::Array(r.grants.iter().map(j::grant).collect()), || {
+                    let mut t = Table::new(&["PRINCIPAL", "PROJECT", "PERMISSION"]);
+                    for g in &r.grants {
+                        t.row(vec![g.principal.clone(), g.project.clone(), g.permission.clone()]);
+                    }
+                    t.render("no grants")
+                });
+                Ok(())
+            }
+        },
+        Command::Usage { project: p } => {
+            let path = p.or(project).unwrap_or_else(|| "root".into());
+            let r = client.get_usage(pb::GetUsageRequest { project: path }).await?;
+            out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
+                usage_table(&r.projects).render("no projects")
+            });
+            Ok(())
+        }
+        Command::Whoami => {
+            let r = client.who_am_i(pb::WhoAmIRequest {}).await?;
+            out.print(
+                json!({"principal": r.principal, "project": r.project, "token_id": r.token_id, "token_expires_at_ms": r.token_expires_at_ms, "grants": r.grants.iter().map(j::grant).collect::<Vec<_>>()}),
+                || format!("{} ({})", r.principal, r.project),
+            );
+            Ok(())
+        }
+        Command::Backup { file } => {
+            let r = client.backup(pb::BackupRequest {}).await?;
+            write_file_atomic(&file, &r.data)?;
+            out.print(json!({"file": file, "bytes": r.data.len()}), || {
+                format!("wrote {} bytes to {}", r.data.len(), file.display())
+            });
+            Ok(())
+        }
+        Command::Restore { file } => {
+            let data =
+                std::fs::read(&file).map_err(|e| CtlError::Local(format!("failed to read {}: {e}", file.display())))?;
+            client.restore(pb::RestoreRequest { data }).await?;
+            out.print(json!({"restored": file}), || format!("restored from {}", file.display()));
+            Ok(())
+        }
+        Command::Image(cmd) => crate::image::run(client, out, project.as_deref(), cmd).await,
+        Command::Bench(BenchCmd::Create(args)) => {
+            let report = crate::bench::create(client, project.as_deref(), &args).await?;
+            out.print(report.to_json(), || report.to_text());
+            Ok(())
+        }
+        Command::Bench(BenchCmd::Exec(args)) => {
+            let phase = crate::bench::exec(client, &args).await?;
+            out.print(phase.json(), || phase.exec_text());
+            Ok(())
+        }
+    }
+}
+
+fn write_file_atomic(path: &std::path::Path, data: &[u8]) -> Result<(), CtlError> {
+    let err = |e: std::io::Error| CtlError::Local(format!("failed to write {}: {e}", path.display()));
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_say_what_to_do_next() {
+        let cx = HintContext { addr: "127.0.0.1:7000".into(), has_token: false };
+        let h = |e: ApiError| hint(&CtlError::Api(e), &cx).unwrap_or_default();
+        assert!(h(ApiError::new(Reason::Unavailable, "tcp connect error")).contains("make up"));
+        // A running cluster that cannot serve this now is not told to start one.
+        let busy = h(ApiError::new(Reason::Unavailable, "a creation with lease id x is in progress"));
+        assert!(!busy.contains("make up") && busy.contains("retry"), "{busy}");
+        assert!(h(ApiError::new(Reason::Unauthenticated, "no token")).contains("admin.token"));
+        let with_token = HintContext { has_token: true, ..cx };
+        let e = CtlError::Api(ApiError::new(Reason::Unauthenticated, "unknown token"));
+        assert!(hint(&e, &with_token).unwrap_or_default().contains("token create"));
+        let cx = HintContext { addr: String::new(), has_token: true };
+        let h = |e: ApiError| hint(&CtlError::Api(e), &cx).unwrap_or_default();
+        assert!(
+            h(ApiError::new(Reason::NotFound, "no edge offers backend").with("backend", "microvm")).contains("microvm")
+        );
+        assert!(h(ApiError::new(Reason::NotFound, "image x").with("image", "x")).contains("image import"));
+        assert!(h(ApiError::new(Reason::QuotaExceeded, "over")).contains("quota set"));
+        assert_eq!(hint(&CtlError::Local("disk".into()), &cx), None);
+    }
+
+    #[test]
+    fn only_cluster_up_serves() {
+        let p = |a: &[&str]| <Cli as clap::Parser>::try_parse_from(a).unwrap();
+        assert!(p(&["opendsecctl", "cluster", "up"]).serves());
+        assert!(!p(&["opendsecctl", "sandbox", "list"]).serves());
+    }
+}

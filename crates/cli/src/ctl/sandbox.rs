@@ -1,0 +1,120 @@
+//! `opendsecctl sandbox ...`: create (one or a batch), list, get, pause, resume, set-timeout, stop.
+
+use super::*;
+
+pub(crate) async fn sandbox(
+    client: &Client,
+    out: &Out,
+    project: Option<&str>,
+    cmd: SandboxCmd,
+) -> Result<(), CtlError> {
+    match cmd {
+        SandboxCmd::Create { spec, count } => {
+            let spec = spec.to_spec(project)?;
+            if count <= 1 {
+                let s = client.create_sandbox(spec).await?;
+                out.print(j::sandbox(&s), || s.id.clone());
+                return Ok(());
+            }
+            let mut stream = client.create_sandboxes(spec, count).await?;
+            let mut results = Vec::new();
+            let mut failed = 0u32;
+            // Ids go to stdout as they come (for scripts); the bar to stderr, on a terminal only.
+            let bar = batch_bar(count, out.json);
+            while let Some(item) = stream.message().await.map_err(|s| CtlError::Api(ApiError::from_status(&s)))? {
+                match (&item.sandbox, &item.error) {
+                    (Some(s), _) => {
+                        if !out.json {
+                            bar.suspend(|| println!("{}", s.id));
+                        }
+                        results.push(json!({"index": item.index, "sandbox": j::sandbox(s)}));
+                    }
+                    (None, Some(e)) => {
+                        failed += 1;
+                        if !out.json {
+                            bar.suspend(|| eprintln!("#{}: {}: {}", item.index, e.reason, e.message));
+                        }
+                        results.push(json!({"index": item.index, "error": {"reason": e.reason, "message": e.message}}));
+                    }
+                    (None, None) => {}
+                }
+                bar.inc(1);
+                if failed > 0 {
+                    bar.set_message(format!("{failed} failed"));
+                }
+            }
+            bar.finish_and_clear();
+            if out.json {
+                println!("{}", serde_json::to_string_pretty(&Value::Array(results)).unwrap_or_default());
+            }
+            if failed > 0 {
+                return Err(CtlError::Local(format!("{failed} of {count} creations failed")));
+            }
+            Ok(())
+        }
+        SandboxCmd::List { states, labels, page_size, page_token, all } => {
+            let mut st = Vec::new();
+            for s in &states {
+                let v = j::parse_state(s)
+                    .ok_or_else(|| CtlError::Api(ApiError::invalid(format!("unknown state {s:?}"))))?;
+                st.push(v as i32);
+            }
+            let req = pb::ListSandboxesRequest {
+                project: project.unwrap_or_default().to_string(),
+                states: st,
+                labels: kv(&labels, "label")?,
+                page_size,
+                page_token,
+            };
+            let (items, next) = if all {
+                (client.list_all_sandboxes(req).await?, String::new())
+            } else {
+                let r = client.list_sandboxes(req).await?;
+                (r.sandboxes, r.next_page_token)
+            };
+            out.print(
+                json!({"sandboxes": items.iter().map(j::sandbox).collect::<Vec<_>>(), "next_page_token": next}),
+                || {
+                    let mut s = sandbox_table(&items).render("no sandboxes");
+                    if !next.is_empty() {
+                        s.push_str(&format!("\n(more: --page-token {next})"));
+                    }
+                    s
+                },
+            );
+            Ok(())
+        }
+        SandboxCmd::Get { id } => {
+            let s = client.get_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_text(&s));
+            Ok(())
+        }
+        SandboxCmd::Stop { id } => {
+            let s = client.stop_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::Pause { id } => {
+            let s = client.pause_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::Resume { id } => {
+            let s = client.resume_sandbox(&id).await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+        SandboxCmd::SetTimeout { id, idle, max, paused } => {
+            let s = client
+                .set_sandbox_timeout(pb::SetSandboxTimeoutRequest {
+                    id,
+                    ttl_running_stop_s: idle,
+                    ttl_max_s: max,
+                    ttl_paused_s: paused,
+                })
+                .await?;
+            out.print(j::sandbox(&s), || sandbox_line(&s));
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Creating a sandbox: final admission, the record first, then the backend; a retry with the same
+//! lease finds the first attempt's sandbox; a sandbox whose lease IAM bound elsewhere is stopped.
+
+use super::*;
+
+impl Inner {
+    pub(crate) async fn create(&self, req: EdgeCreateRequest) -> Result<Sandbox, EdgeError> {
+        if self.closing.load(Ordering::Relaxed) {
+            return Err(EdgeError::ShuttingDown { edge: self.name.clone() });
+        }
+        admission::validate_create(&req).map_err(EdgeError::InvalidArgument)?;
+        let Some(spec) = req.spec.as_ref() else {
+            return Err(EdgeError::InvalidArgument("spec is required".into()));
+        };
+        let lease = req.lease_id.as_str();
+
+        // Idempotent per lease: a retry gets what the first attempt made (once it finished).
+        if let Some(op) = self.op_lock(lease) {
+            return self.existing(op, lease).await;
+        }
+
+        let backend = self.backend(&spec.backend).ok_or_else(|| EdgeError::NoCapacity {
+            edge: self.name.clone(),
+            detail: format!(
+                "backend {} is not offered here (offered: {})",
+                spec.backend,
+                self.backend_names().join(", ")
+            ),
+        })?;
+        if let Some(dim) = admission::pressure_refusal(&self.pressure()) {
+            return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: format!("{dim} pressure") });
+        }
+
+        let now = now_ms();
+        let rec = SandboxRecord {
+            version: RECORD_VERSION,
+            id: ids::sandbox_id(&self.name, lease),
+            edge: self.name.clone(),
+            lease_id: lease.to_string(),
+            principal: req.principal.clone(),
+            spec: SpecRecord::from_proto(spec),
+            state: SandboxStatus::Creating,
+            created_at_ms: now,
+            updated_at_ms: now,
+            last_active_ms: now,
+            paused_since_ms: 0,
+            end_reason: String::new(),
+            ended_at_ms: 0,
+            lease_released: false,
+        };
+        let rec = Arc::new(rec);
+        let op = OpLock::default();
+        // Held until the creation is settled: a concurrent retry or stop waits for it.
+        let guard = op.clone().lock_owned().await;
+        let raced = {
+            let mut t = self.table();
+            match t.get(lease) {
+                Some(e) => Some(e.op.clone()),
+                None => {
+                    // Capacity is checked and reserved in one critical section.
+                    admission::check_capacity(&self.capacity, &t.used(), rec.resources())
+                        .map_err(|r| EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() })?;
+                    t.insert(rec.clone(), op);
+                    None
+                }
+            }
+        };
+        if let Some(op) = raced {
+            drop(guard);
+            return self.existing(op, lease).await;
+        }
+
+        // The lease has no record here (a table entry would have been found above).
+        if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
+            self.table().remove(lease);
+            self.activity.forget(lease);
+            return Err(e.into());
+        }
+
+        if let Err(mut source) = backend.create(&rec).await {
+            tracing::debug!(sandbox_id = %rec.id, error = %source.report(), "creation failed");
+            // The backend cleans up after itself; this stop only catches leftovers. If it
+            // fails, the error says so beside the creation's own failure.
+            if let Err(e) = backend.stop(&rec).await {
+                tracing::warn!(sandbox_id = %rec.id, error = %e.report(), "cleanup after a failed creation failed");
+                if source.cleanup().is_none() {
+                    source = source.with_cleanup(e);
+                }
+            }
+            self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
+            return Err(EdgeError::Backend { backend: backend.name(), op: "create", id: rec.id.clone(), source });
+        }
+
+        let mut running = (*rec).clone();
+        running.state = SandboxStatus::Running;
+        running.updated_at_ms = now_ms();
+        let running = match self.persist_then_publish(running).await {
+            Ok(r) => r,
+            Err(e) => {
+                // Without a record the sandbox would not survive a restart: undo it.
+                if let Err(se) = backend.stop(&rec).await {
+                    tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
+                }
+                self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
+                return Err(e);
+            }
+        };
+        drop(guard);
+
+        // Where IAM binds the lease is looked up in batches (see `release`).
+        if self.remote.has_iam() {
+            self.releases.push_check(lease.to_string());
+        }
+        Ok(self.to_proto(&running))
+    }
+
+    pub(super) async fn existing(&self, op: OpLock, lease: &str) -> Result<Sandbox, EdgeError> {
+        let _g = op.lock_owned().await;
+        let rec = self.table().rec(lease).ok_or_else(|| self.not_found(&ids::sandbox_id(&self.name, lease)))?;
+        Ok(self.to_proto(&rec))
+    }
+
+    /// The post-creation check found the lease bound elsewhere or gone: the caller moved on
+    /// (retried elsewhere, or gave up and released it). Stops the sandbox without releasing
+    /// the lease, which is not ours.
+    pub(crate) async fn stop_moved(&self, lease: &str, binding: &LeaseBinding) {
+        let id = ids::sandbox_id(&self.name, lease);
+        let Ok((_g, rec)) = self.lock_op(&id).await else { return };
+        if !rec.state.can_stop() {
+            return;
+        }
+        tracing::info!(sandbox_id = %id, binding = ?binding, "lease moved; stopping the sandbox");
+        if let Err(e) = self.stop_locked(rec, end_reason::LEASE_MOVED, Release::No).await {
+            tracing::warn!(sandbox_id = %id, error = %e, "stop after lease move failed");
+        }
+    }
+}

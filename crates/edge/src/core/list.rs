@@ -1,0 +1,34 @@
+//! Reading sandboxes: one, or a page of a filtered listing.
+
+use super::*;
+
+impl Inner {
+    pub(crate) fn get(&self, id: &str) -> Result<Sandbox, EdgeError> {
+        let lease = self.lease_of(id)?;
+        let rec = self.table().rec(lease).ok_or_else(|| self.not_found(id))?;
+        Ok(self.to_proto(&rec))
+    }
+
+    pub(crate) fn list(&self, req: &EdgeListRequest) -> Result<EdgeListResponse, EdgeError> {
+        if !req.project.is_empty() {
+            ids::validate_project(&req.project).map_err(|e| EdgeError::InvalidArgument(e.message))?;
+        }
+        let states = req
+            .states
+            .iter()
+            .map(|s| {
+                SandboxState::try_from(*s)
+                    .ok()
+                    .and_then(SandboxStatus::from_proto)
+                    .ok_or_else(|| EdgeError::InvalidArgument(format!("states: {s} is not a sandbox state")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let filter = ListFilter { project: req.project.clone(), states, labels: req.labels.clone() };
+        let limit = match req.limit as usize {
+            0 => LIST_DEFAULT,
+            n => n.min(LIST_MAX),
+        };
+        let (recs, more) = self.table().list(&self.name, &filter, &req.after, limit);
+        Ok(EdgeListResponse { sandboxes: recs.iter().map(|r| self.to_proto(r)).collect(), more })
+    }
+}

@@ -1,0 +1,215 @@
+//! The background sweeps, together: TTL expiry (by the idle clock of runtime activity), liveness
+//! probes of running sandboxes, deletion of ended records past retention, and marking released
+//! leases.
+
+use std::collections::HashMap;
+
+use super::*;
+
+impl Inner {
+    /// The sandbox's last runtime activity: `now` while a call runs.
+    pub(super) fn active_ms(&self, lease: &str, now: i64) -> i64 {
+        match self.activity.of(lease) {
+            (0, last) => last,
+            _ => now,
+        }
+    }
+
+    /// One round of the TTL loop: expire, probe liveness, delete ended records past retention.
+    pub(crate) async fn ttl_round(&self) {
+        let now = now_ms();
+        let retention = i64::try_from(self.cfg.ended_retention.as_millis()).unwrap_or(i64::MAX);
+        let mut expired = Vec::new();
+        let mut probe = Vec::new();
+        let mut delete = Vec::new();
+        for rec in self.table().records() {
+            if ttl::expired_active(rec, now, self.active_ms(&rec.lease_id, now)).is_some() {
+                expired.push(rec.lease_id.clone());
+            } else if rec.state.is_adoptable() {
+                probe.push(rec.clone());
+            } else if rec.state.is_ended() && rec.lease_released && rec.ended_at_ms.saturating_add(retention) <= now {
+                delete.push(rec.lease_id.clone());
+            }
+        }
+        futures::stream::iter(expired)
+            .for_each_concurrent(LOOP_CONCURRENCY, |lease| async move { self.expire(&lease).await })
+            .await;
+        futures::stream::iter(probe)
+            .for_each_concurrent(LOOP_CONCURRENCY, |rec| async move {
+                let Some(b) = self.backend(&rec.spec.backend) else { return };
+                if let Ok(false) = b.probe(&rec.id).await {
+                    self.check_lost(&rec.lease_id).await;
+                }
+            })
+            .await;
+        if !delete.is_empty() {
+            self.delete_ended(delete).await;
+        }
+        if !self.sim_only {
+            // Keeps the CPU window fed and the pressure cache fresh between creations.
+            let _ = self.host.cpu_use();
+            let _ = self.pressure();
+        }
+    }
+
+    pub(super) async fn expire(&self, lease: &str) {
+        let Some(op) = self.op_lock(lease) else { return };
+        let _g = op.lock_owned().await;
+        let Some(rec) = self.table().rec(lease) else { return };
+        // Looked at again under the lock: a call may have reset the clock meanwhile.
+        let now = now_ms();
+        let Some(reason) = ttl::expired_active(&rec, now, self.active_ms(&rec.lease_id, now)) else { return };
+        tracing::debug!(sandbox_id = %rec.id, reason, "sandbox expired");
+        if let Err(e) = self.stop_locked(rec, reason, Release::Yes).await {
+            tracing::warn!(lease_id = %lease, error = %e, "stopping an expired sandbox failed; will retry");
+        }
+    }
+
+    pub(super) async fn check_lost(&self, lease: &str) {
+        let Some(op) = self.op_lock(lease) else { return };
+        let _g = op.lock_owned().await;
+        let Some(rec) = self.table().rec(lease) else { return };
+        if !rec.state.is_adoptable() {
+            return;
+        }
+        let Some(b) = self.backend(&rec.spec.backend) else { return };
+        if let Ok(false) = b.probe(&rec.id).await {
+            tracing::warn!(sandbox_id = %rec.id, "sandbox lost");
+            let b = b.clone();
+            self.lose_locked(&b, &rec).await;
+        }
+    }
+
+    /// A sandbox found lost (its agent dead, or silent past `agent_silence`): what is left of
+    /// it is torn down first (a silent agent's workload may still run, and must not go on
+    /// using what its released quota no longer covers), then it is FAILED and its lease
+    /// released. A teardown that fails is logged; the leftovers go at the edge's next start.
+    pub(super) async fn lose_locked(&self, backend: &Arc<dyn Backend>, rec: &SandboxRecord) {
+        if let Err(e) = backend.stop(rec).await {
+            tracing::warn!(sandbox_id = %rec.id, error = %e, "tearing down a lost sandbox failed");
+        }
+        self.fail_locked(rec, end_reason::LOST, Release::Yes).await;
+    }
+
+    /// Removes ended, released records past their retention: files first, then the table
+    /// entries, each under its operation lock so a creation reusing the lease cannot have its
+    /// new record removed.
+    pub(super) async fn delete_ended(&self, leases: Vec<String>) {
+        let mut guards = Vec::new();
+        let mut chosen = Vec::new();
+        for lease in leases {
+            let Some(op) = self.op_lock(&lease) else { continue };
+            if let Ok(g) = op.try_lock_owned() {
+                guards.push(g);
+                chosen.push(lease);
+            }
+        }
+        let store = self.store.clone();
+        let files = chosen.clone();
+        let removed = tokio::task::spawn_blocking(move || {
+            files
+                .into_iter()
+                .filter(|l| match store.remove(l) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "removing an ended record failed");
+                        false
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        let mut t = self.table();
+        for lease in removed {
+            if t.rec(&lease).is_some_and(|r| r.state.is_ended() && r.lease_released) {
+                t.remove(&lease);
+                self.activity.forget(&lease);
+            }
+        }
+        drop(t);
+        drop(guards);
+    }
+
+    /// Marks confirmed releases in the records (non-durable: losing the mark in a crash only
+    /// repeats an idempotent release), then in memory.
+    pub(crate) async fn mark_released(&self, leases: &[String]) {
+        let recs: Vec<SandboxRecord> = {
+            let t = self.table();
+            leases
+                .iter()
+                .filter_map(|l| t.rec(l))
+                .filter(|r| r.state.is_ended() && !r.lease_released)
+                .map(|r| {
+                    let mut r = (*r).clone();
+                    r.lease_released = true;
+                    r
+                })
+                .collect()
+        };
+        if recs.is_empty() {
+            return;
+        }
+        let writes: Vec<(String, Vec<u8>)> =
+            recs.iter().filter_map(|r| r.encode().ok().map(|b| (r.lease_id.clone(), b))).collect();
+        let store = self.store.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            for (lease, bytes) in writes {
+                if let Err(e) = store.write(&lease, &bytes, WriteMode::Lazy) {
+                    tracing::warn!(error = %e, "marking a released lease failed");
+                }
+            }
+        })
+        .await;
+        let mut t = self.table();
+        for r in recs {
+            if t.rec(&r.lease_id).is_some_and(|cur| cur.state.is_ended() && !cur.lease_released) {
+                t.publish(Arc::new(r));
+            }
+        }
+    }
+}
+
+/// Calls in flight and the last activity per sandbox (by lease).
+#[derive(Default)]
+pub(crate) struct Activity {
+    map: std::sync::Mutex<HashMap<String, (u32, i64)>>,
+}
+
+impl Activity {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u32, i64)>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn begin(&self, lease: &str) {
+        let now = now_ms();
+        let mut m = self.lock();
+        let e = m.entry(lease.to_string()).or_insert((0, now));
+        e.0 += 1;
+        e.1 = now;
+    }
+
+    pub(crate) fn end(&self, lease: &str) {
+        let now = now_ms();
+        if let Some(e) = self.lock().get_mut(lease) {
+            e.0 = e.0.saturating_sub(1);
+            e.1 = now;
+        }
+    }
+
+    /// Marks activity now, without a call in flight.
+    pub(crate) fn touch(&self, lease: &str) {
+        let now = now_ms();
+        self.lock().entry(lease.to_string()).or_insert((0, now)).1 = now;
+    }
+
+    /// (calls in flight, last activity in ms) of a sandbox; (0, 0) when it never had a call.
+    pub(crate) fn of(&self, lease: &str) -> (u32, i64) {
+        self.lock().get(lease).copied().unwrap_or((0, 0))
+    }
+
+    /// Forgets an ended sandbox.
+    pub(crate) fn forget(&self, lease: &str) {
+        self.lock().remove(lease);
+    }
+}
