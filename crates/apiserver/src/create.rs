@@ -24,6 +24,7 @@ use tokio::sync::{Semaphore, mpsc};
 use crate::limits::FairPermit;
 
 use crate::auth::Identity;
+use crate::forward;
 use crate::placement::Res;
 use crate::state::{Call, Shared};
 
@@ -32,48 +33,6 @@ const INFLIGHT_RETRY_AFTER_MS: u64 = 100;
 
 /// Items of a batch whose answers wait for a slow client.
 const BATCH_CHANNEL: usize = 256;
-
-/// Runs an edge call with the configured timeout.
-async fn edge_call<T>(
-    shared: &Shared,
-    edge: &str,
-    fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-) -> Result<T, ApiError> {
-    within(edge, Some(shared.cfg.edge_call_timeout), fut).await
-}
-
-/// An edge's answer, or `deadline_exceeded` (naming the edge) once `limit` has passed.
-pub(crate) async fn within<T>(
-    edge: &str,
-    limit: Option<std::time::Duration>,
-    fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-) -> Result<T, ApiError> {
-    let answer = match limit {
-        Some(d) => tokio::time::timeout(d, fut).await.map_err(|_| {
-            ApiError::new(Reason::DeadlineExceeded, format!("edge {edge} did not answer within {} s", d.as_secs()))
-                .with("edge", edge)
-        })?,
-        None => fut.await,
-    };
-    answer.map(tonic::Response::into_inner).map_err(|st| ApiError::from_status(&st))
-}
-
-/// Gets a sandbox from the edge named in its id.
-pub async fn edge_get(shared: &Shared, edge: &str, id: &str) -> Result<pb::Sandbox, ApiError> {
-    let addr = shared.edge_addr(edge)?;
-    let mut c = shared.up.edge(edge, &addr)?;
-    edge_call(shared, edge, c.get_sandbox(pb::GetSandboxRequest { id: id.to_string() })).await
-}
-
-pub async fn edge_forward<T, F, Fut>(shared: &Shared, edge: &str, f: F) -> Result<T, ApiError>
-where
-    F: FnOnce(opendsec_proto::v1::edge_client::EdgeClient<tonic::transport::Channel>) -> Fut,
-    Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-{
-    let addr = shared.edge_addr(edge)?;
-    let c = shared.up.edge(edge, &addr)?;
-    edge_call(shared, edge, f(c)).await
-}
 
 async fn release(shared: &Shared, lease: &str) {
     let req = pb::ReleaseLeasesRequest { lease_ids: vec![lease.to_string()], edge: String::new() };
@@ -100,7 +59,7 @@ async fn existing(shared: &Shared, lease: &str, edge: &str, bound_at_ms: i64) ->
     if edge.is_empty() || shared.edge_addr(edge).is_err() {
         return Ok(None);
     }
-    match edge_get(shared, edge, &ids::sandbox_id(edge, lease)).await {
+    match forward::edge_get(shared, edge, &ids::sandbox_id(edge, lease)).await {
         Ok(sb) => Ok(Some(sb)),
         // Bound so recently that the first attempt may still be on its way to the edge: placing
         // it elsewhere now could run the sandbox twice, so the client retries a little later.
@@ -186,7 +145,7 @@ pub async fn create_one(
         };
         let req = pb::EdgeCreateRequest { lease_id: lease.clone(), spec: Some(spec.clone()), principal };
         let result = match shared.up.edge(&placed.edge, &placed.addr) {
-            Ok(mut c) => edge_call(shared, &placed.edge, c.create_sandbox(req)).await,
+            Ok(mut c) => forward::edge_call(shared, &placed.edge, c.create_sandbox(req)).await,
             Err(e) => Err(e),
         };
         match result {

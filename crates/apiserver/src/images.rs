@@ -17,12 +17,11 @@
 //! Store errors map once, here: a bad name is `invalid_argument`, a missing image or layer
 //! `not_found`, an unreadable or corrupt store `unavailable` (this node cannot serve).
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
-use opendsec_common::{ApiError, Reason, ids, time};
+use opendsec_common::{ApiError, ids, time};
 use opendsec_images::compose::{self, ComposeError, Source};
 use opendsec_images::{ImageConfig, ImageRef, LayerId, Manifest, Store, StoreError, gc};
 use opendsec_proto::v1 as pb;
@@ -30,159 +29,18 @@ use opendsec_proto::v1::images_server::Images;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
-use crate::sandboxes::{caller, run};
+use crate::call::{caller, run};
+use crate::image_store::blocking;
+pub use crate::image_store::{ImageError, ImageStore, RESOLVE_CACHE_TTL};
 use crate::state::{Call, Shared};
 
 pub const PERM_PUBLISH: &str = "layer.publish";
 pub const PERM_USE: &str = "layer.use";
 
-/// How long one resolution of (project, image) is reused.
-pub const RESOLVE_CACHE_TTL: Duration = Duration::from_secs(2);
-
-/// Entries kept before expired ones are swept (and, if that is not enough, all are dropped).
-const MAX_CACHE_ENTRIES: usize = 100_000;
-
 /// Bounds of a registered image's config (the message limit alone would allow 80 MB).
 const MAX_LIST_ENTRIES: usize = 1024;
 const MAX_STRING_BYTES: usize = 32 * 1024;
 const MAX_SOURCE_BYTES: usize = 1024;
-
-/// Why an image call failed, before it becomes an [`ApiError`].
-#[derive(Debug, thiserror::Error)]
-pub enum ImageError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Compose(#[from] ComposeError),
-    #[error("image {name} not found in {project} or above")]
-    NotFound { name: String, project: String },
-    #[error("{field}: {message}")]
-    Invalid { field: &'static str, message: String },
-    #[error("the image store task failed: {0}")]
-    Task(String),
-}
-
-fn store_error(e: StoreError) -> ApiError {
-    let msg = e.to_string();
-    match e {
-        StoreError::InvalidName { what, .. } => ApiError::invalid(msg).with("field", what),
-        StoreError::ImageNotFound(name) => ApiError::not_found(msg).with("image", name),
-        StoreError::LayerNotFound(layer) => ApiError::not_found(msg).with("layer", layer),
-        StoreError::ImageExists(name) => ApiError::new(Reason::AlreadyExists, msg).with("image", name),
-        // The store cannot be read or holds garbage: this apiserver cannot serve images now.
-        StoreError::Io { .. } | StoreError::Corrupt { .. } => {
-            tracing::warn!(error = %msg, "image store error");
-            ApiError::unavailable(format!("image store: {msg}"))
-        }
-    }
-}
-
-impl From<ImageError> for ApiError {
-    fn from(e: ImageError) -> ApiError {
-        let msg = e.to_string();
-        match e {
-            ImageError::Store(s) => store_error(s),
-            ImageError::Compose(c) => match c {
-                ComposeError::NoSources | ComposeError::TooManySources(_) | ComposeError::TooManyLayers { .. } => {
-                    ApiError::invalid(msg).with("field", "sources")
-                }
-                ComposeError::Store(s) => store_error(s),
-            },
-            ImageError::NotFound { name, project } => {
-                ApiError::not_found(msg).with("image", name).with("project", project)
-            }
-            ImageError::Invalid { field, .. } => ApiError::invalid(msg).with("field", field),
-            ImageError::Task(_) => ApiError::unavailable(msg),
-        }
-    }
-}
-
-/// Runs store I/O on the blocking pool (the store may be a slow network file system).
-async fn blocking<T, F>(f: F) -> Result<T, ImageError>
-where
-    T: Send + 'static,
-    F: FnOnce() -> Result<T, ImageError> + Send + 'static,
-{
-    tokio::task::spawn_blocking(f).await.map_err(|e| ImageError::Task(e.to_string()))?
-}
-
-/// (project, image name) -> when resolved, and where the image was found (`None`: nowhere).
-type ResolveCache = HashMap<(String, String), (Instant, Option<ImageRef>)>;
-
-/// The store and the creation path's resolution cache.
-pub struct ImageStore {
-    store: Arc<Store>,
-    cache: Mutex<ResolveCache>,
-}
-
-impl ImageStore {
-    pub fn new(store: Store) -> ImageStore {
-        ImageStore { store: Arc::new(store), cache: Mutex::new(HashMap::new()) }
-    }
-
-    fn cache(&self) -> std::sync::MutexGuard<'_, ResolveCache> {
-        self.cache.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Drops every cached resolution (after a write through this apiserver).
-    pub fn invalidate(&self) {
-        self.cache().clear();
-    }
-
-    /// Refuses to let `project` go while it holds images (as IAM refuses while it holds
-    /// subprojects, principals or leases): they would pass to a project made later under the
-    /// same name.
-    pub async fn check_empty(&self, project: &str) -> Result<(), ApiError> {
-        let (store, p) = (self.store.clone(), project.to_string());
-        let held = blocking(move || Ok(store.list_manifests(&p, false)?)).await.map_err(ApiError::from)?;
-        match held.first() {
-            None => Ok(()),
-            Some(m) => Err(ApiError::new(
-                Reason::InvalidState,
-                format!("project {project} still has image {}:{}; delete its images first", m.repo, m.tag),
-            )),
-        }
-    }
-
-    /// After `project` was deleted: it is no layer's user any more.
-    pub async fn forget_project(&self, project: &str) -> Result<usize, ApiError> {
-        let (store, p) = (self.store.clone(), project.to_string());
-        let n = blocking(move || Ok(store.remove_layer_users(&p)?)).await.map_err(ApiError::from)?;
-        self.invalidate();
-        Ok(n)
-    }
-
-    /// Where `name` (a sandbox's `spec.image`) is found for a sandbox in `project`: cached for
-    /// [`RESOLVE_CACHE_TTL`], found or not; store errors are not cached.
-    pub async fn resolve(&self, project: &str, name: &str) -> Result<ImageRef, ImageError> {
-        let key = (project.to_string(), name.to_string());
-        let now = Instant::now();
-        if let Some((at, found)) = self.cache().get(&key)
-            && now.duration_since(*at) < RESOLVE_CACHE_TTL
-        {
-            return found.clone().ok_or_else(|| ImageError::NotFound { name: key.1.clone(), project: key.0.clone() });
-        }
-        let store = self.store.clone();
-        let (p, n) = key.clone();
-        let found = blocking(move || match Source::parse(&n)?.resolve(&store, &p) {
-            Ok((r, _)) => Ok(Some(r)),
-            Err(StoreError::ImageNotFound(_)) => Ok(None),
-            Err(e) => Err(e.into()),
-        })
-        .await?;
-        {
-            let mut c = self.cache();
-            if c.len() >= MAX_CACHE_ENTRIES {
-                c.retain(|_, (at, _)| now.duration_since(*at) < RESOLVE_CACHE_TTL);
-                if c.len() >= MAX_CACHE_ENTRIES {
-                    c.clear();
-                }
-            }
-            c.insert(key.clone(), (now, found.clone()));
-        }
-        found.ok_or(ImageError::NotFound { name: key.1, project: key.0 })
-    }
-}
 
 /// The image check of a creation (one per `CreateSandbox`, one per batch): the image exists in
 /// the sandbox's project or above, and the caller holds `layer.use` where it was found.
@@ -498,6 +356,7 @@ impl Images for ImagesService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opendsec_common::Reason;
 
     fn id(n: u8) -> String {
         format!("{n:02x}").repeat(32)

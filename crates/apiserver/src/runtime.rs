@@ -37,8 +37,8 @@ use tonic::metadata::MetadataMap;
 use tonic::transport::Channel as ServiceChannel;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::create;
-use crate::sandboxes::{PERM_OPERATE, caller, run};
+use crate::call::{PERM_OPERATE, caller, run};
+use crate::forward::{self, to_edge};
 use crate::state::{Call, Shared};
 
 /// Sandboxes whose project one apiserver remembers.
@@ -189,7 +189,7 @@ async fn authorized(
     let project = match projects.get(id) {
         Some(p) => p,
         None => {
-            let sb = create::edge_get(s, edge, id).await?;
+            let sb = forward::edge_get(s, edge, id).await?;
             let project = sb.spec.map(|sp| sp.project).unwrap_or_default();
             if project.is_empty() {
                 return Err(ApiError::denied(format!("sandbox {id} has no project")));
@@ -201,15 +201,6 @@ async fn authorized(
     call.project = Some(project.clone());
     s.authorize(&ident.principal, PERM_OPERATE, &project).await?;
     Ok((edge.to_string(), project))
-}
-
-/// The request to the edge, naming the project the call was authorized for: the edge refuses
-/// it if the id now names another project's sandbox.
-pub(crate) fn to_edge<Q>(req: Q, project: &str) -> Result<Request<Q>, ApiError> {
-    let mut r = Request::new(req);
-    let v = project.parse().map_err(|_| ApiError::internal(format!("project {project:?} is not ASCII")))?;
-    r.metadata_mut().insert(opendsec_common::grpc::EXPECT_PROJECT_HEADER, v);
-    Ok(r)
 }
 
 /// A client of an edge's Runtime service, its unary answers metered.
@@ -281,7 +272,7 @@ impl RuntimeService {
                     metered.then(|| Meter::new(&s.result_budget, ids::tenant_of(&project), &req, wait)).transpose()?;
                 let limit = limit(&req, s.cfg.edge_call_timeout);
                 let c = client(s, &edge, meter.clone())?;
-                let answer = create::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
+                let answer = forward::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
                 if answer.as_ref().is_err_and(|e| e.reason == Reason::NotFound) {
                     // Gone, or the id names another project's sandbox now: ask the edge again
                     // next time.

@@ -10,8 +10,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
-use opendsec_common::{ApiError, grpc, ids};
+use opendsec_common::{ApiError, ids};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::sandboxes_server::Sandboxes;
 use tokio_stream::wrappers::ReceiverStream;
@@ -19,12 +18,11 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use crate::admission;
+use crate::call::{PERM_OPERATE, PERM_VIEW, caller, run};
 use crate::create::{self, BatchItem};
+use crate::forward;
 use crate::images;
 use crate::state::{Call, Shared};
-
-pub const PERM_VIEW: &str = "sandbox.view";
-pub const PERM_OPERATE: &str = "sandbox.operate";
 
 pub struct SandboxesService {
     shared: Arc<Shared>,
@@ -34,42 +32,6 @@ impl SandboxesService {
     pub fn new(shared: Arc<Shared>) -> Self {
         SandboxesService { shared }
     }
-}
-
-/// Runs one call in its own task (so that it completes and is audited even if the client
-/// leaves) and maps its error to a status once.
-pub(crate) async fn run<T, F>(shared: &Arc<Shared>, method: &'static str, f: F) -> Result<Response<T>, Status>
-where
-    T: Send + 'static,
-    F: for<'a> FnOnce(&'a Shared, &'a mut Call) -> BoxFuture<'a, Result<T, ApiError>> + Send + 'static,
-{
-    let shared = shared.clone();
-    let task = tokio::spawn(async move {
-        let mut call = Call::new(method);
-        let res = f(&shared, &mut call).await;
-        shared.finish(call, res.as_ref().map(|_| ())).await;
-        res
-    });
-    match task.await {
-        Ok(Ok(v)) => Ok(Response::new(v)),
-        Ok(Err(e)) => Err(e.to_status()),
-        Err(e) => {
-            tracing::error!(method, error = %e, "call task failed");
-            Err(ApiError::internal(format!("{method} failed inside the apiserver")).to_status())
-        }
-    }
-}
-
-/// Authenticates the caller and notes the principal on the call.
-pub(crate) async fn caller(
-    s: &Shared,
-    call: &mut Call,
-    md: &MetadataMap,
-) -> Result<(String, Arc<crate::auth::Identity>), ApiError> {
-    let token = grpc::bearer(md)?.to_string();
-    let ident = s.authenticate(&token).await?;
-    call.principal = Some(ident.principal.clone());
-    Ok((token, ident))
 }
 
 async fn create_sandbox(
@@ -104,7 +66,7 @@ async fn authorized_get(
     let (_, ident) = caller(s, call, md).await?;
     let (edge, _) = ids::split_sandbox_id(id)?;
     call.sandbox_id = Some(id.to_string());
-    let sb = create::edge_get(s, edge, id).await?;
+    let sb = forward::edge_get(s, edge, id).await?;
     let project = sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default();
     if project.is_empty() {
         return Err(ApiError::denied(format!("sandbox {id} has no project")));
@@ -137,7 +99,7 @@ async fn list_sandboxes(
     };
     let calls = snap.addrs.iter().filter(|(_, (_, healthy))| *healthy).map(|(name, _)| {
         let r = edge_req.clone();
-        async move { create::edge_forward(s, name, |mut c| async move { c.list_sandboxes(r).await }).await }
+        async move { forward::edge_forward(s, name, |mut c| async move { c.list_sandboxes(r).await }).await }
     });
     let limit = page_size as usize + 1;
     let mut merged = BTreeMap::new();
@@ -234,8 +196,8 @@ impl Sandboxes for SandboxesService {
         run(&self.shared, "StopSandbox", move |s, call| {
             Box::pin(async move {
                 let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
-                create::edge_forward(s, &edge, |mut c| async move { c.stop_sandbox(req).await }).await
+                let req = forward::to_edge(req, &project_of(&sb))?;
+                forward::edge_forward(s, &edge, |mut c| async move { c.stop_sandbox(req).await }).await
             })
         })
         .await
@@ -246,8 +208,8 @@ impl Sandboxes for SandboxesService {
         run(&self.shared, "PauseSandbox", move |s, call| {
             Box::pin(async move {
                 let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
-                create::edge_forward(s, &edge, |mut c| async move { c.pause_sandbox(req).await }).await
+                let req = forward::to_edge(req, &project_of(&sb))?;
+                forward::edge_forward(s, &edge, |mut c| async move { c.pause_sandbox(req).await }).await
             })
         })
         .await
@@ -261,8 +223,8 @@ impl Sandboxes for SandboxesService {
         run(&self.shared, "ResumeSandbox", move |s, call| {
             Box::pin(async move {
                 let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
-                create::edge_forward(s, &edge, |mut c| async move { c.resume_sandbox(req).await }).await
+                let req = forward::to_edge(req, &project_of(&sb))?;
+                forward::edge_forward(s, &edge, |mut c| async move { c.resume_sandbox(req).await }).await
             })
         })
         .await
@@ -277,8 +239,8 @@ impl Sandboxes for SandboxesService {
             Box::pin(async move {
                 admission::check_timeout_update(&req, &s.cfg.ttl)?;
                 let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = crate::runtime::to_edge(req, &project_of(&sb))?;
-                create::edge_forward(s, &edge, |mut c| async move { c.set_sandbox_timeout(req).await }).await
+                let req = forward::to_edge(req, &project_of(&sb))?;
+                forward::edge_forward(s, &edge, |mut c| async move { c.set_sandbox_timeout(req).await }).await
             })
         })
         .await

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::RateLimiter;
 use crate::audit::{AuditLog, AuditRecord};
 use crate::auth::{AuthCache, Identity, token_key};
-use crate::images::ImageStore;
+use crate::image_store::ImageStore;
 use crate::limits::{AnswerBudget, FailureTracker, FairGate, PerKey};
 use crate::metrics::Metrics;
 use crate::placement::{self, Demand, EdgeView, Inflight, Params, Penalties, PlacementError, Res};
