@@ -646,6 +646,7 @@ async fn a_lost_sandbox_is_torn_down_and_its_quota_released() {
     assert_eq!(root_usage().await, Some(2));
 
     // The first agent dies; the second hangs (stopped from the host), its workload running.
+    // SAFETY: kill takes a pid and a signal number and touches no memory of ours.
     let kill = |pid: i32, sig| unsafe { libc::kill(pid, sig) };
     assert_eq!(kill(host[0].2, libc::SIGKILL), 0);
     assert_eq!(kill(host[1].2, libc::SIGSTOP), 0);
