@@ -7,6 +7,7 @@
 //! view without holding a lock across an await. Placement and the overlay update happen under
 //! one lock, so two placements on this apiserver always see each other.
 
+use opendsec_common::periodic::{self, Cancel, Start};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
@@ -294,18 +295,9 @@ impl Shared {
 
 /// Polls IAM's security epoch; a change clears the auth caches.
 pub async fn epoch_loop(shared: Arc<Shared>, cancel: CancellationToken) {
-    let mut tick = tokio::time::interval(shared.cfg.epoch_poll_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let res = tokio::select! {
-            _ = cancel.cancelled() => return,
-            r = shared.up.iam(|mut c| async move { c.get_epoch(pb::GetEpochRequest {}).await }) => r,
-        };
-        match res {
+    let every = shared.cfg.epoch_poll_interval;
+    periodic::every(every, Start::Now, Cancel::Anytime, cancel.cancelled(), || async {
+        match shared.up.iam(|mut c| async move { c.get_epoch(pb::GetEpochRequest {}).await }).await {
             Ok(r) => {
                 if shared.auth.observe_epoch(r.epoch) {
                     shared.metrics.epoch_changes.inc();
@@ -314,25 +306,18 @@ pub async fn epoch_loop(shared: Arc<Shared>, cancel: CancellationToken) {
             }
             Err(e) => tracing::warn!(reason = %e.reason, error = %e.message, "polling the IAM epoch failed"),
         }
-    }
+    })
+    .await
 }
 
 /// Fetches the cluster snapshot every `snapshot_refresh`; on failure the last one is kept.
 pub async fn snapshot_loop(shared: Arc<Shared>, cancel: CancellationToken) {
-    let mut tick = tokio::time::interval(shared.cfg.snapshot_refresh);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let res = tokio::select! {
-            _ = cancel.cancelled() => return,
-            r = shared.up.snapshot() => r,
-        };
-        match res {
+    let every = shared.cfg.snapshot_refresh;
+    periodic::every(every, Start::Now, Cancel::Anytime, cancel.cancelled(), || async {
+        match shared.up.snapshot().await {
             Ok(s) => shared.set_snapshot(&s),
             Err(e) => tracing::warn!(reason = %e.reason, error = %e.message, "fetching the cluster snapshot failed"),
         }
-    }
+    })
+    .await
 }

@@ -346,16 +346,18 @@ fn credentials(config: &Config, id: &Identity) -> Result<Arc<Credentials>, Clust
 /// Issues every component's certificate again each third of their lifetime (servers and
 /// clients pick the new files up by themselves).
 async fn renew_loop(dir: PathBuf, ids: Vec<Identity>, lifetime: Duration) {
-    let every = (lifetime / 3).max(Duration::from_secs(1));
-    loop {
-        tokio::time::sleep(every).await;
+    use opendsec_common::periodic::{Cancel, Start, every};
+    let period = (lifetime / 3).max(Duration::from_secs(1));
+    // Stopped by aborting the task (Cluster::shutdown).
+    every(period, Start::AfterOnePeriod, Cancel::Anytime, std::future::pending(), || async {
         let (d, i) = (dir.clone(), ids.clone());
         match tokio::task::spawn_blocking(move || pki::local_pki(&d, &i, lifetime)).await {
             Ok(Ok(())) => tracing::info!(certificates = ids.len(), "renewed the components' certificates"),
             Ok(Err(e)) => tracing::warn!(error = %e, "renewing certificates failed"),
             Err(e) => tracing::warn!(error = %e, "renewing certificates failed"),
         }
-    }
+    })
+    .await
 }
 
 fn start_iam(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {

@@ -11,6 +11,7 @@ pub mod fsperm;
 pub mod grpc;
 pub mod http;
 pub mod ids;
+pub mod periodic;
 pub mod pki;
 pub mod reason;
 pub mod retry;

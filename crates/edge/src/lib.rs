@@ -288,17 +288,12 @@ fn capacity(opts: &EdgeOptions, sim_only: bool, host: &dyn HostProbe) -> Capacit
 
 /// TTL expiry, liveness probes and removal of ended records, every `ttl_check_interval`.
 async fn ttl_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
-    let every = inner.cfg.ttl_check_interval;
-    loop {
-        if *shutdown.borrow() {
-            return;
-        }
-        tokio::select! {
-            _ = shutdown.changed() => return,
-            _ = tokio::time::sleep(every) => {}
-        }
-        inner.ttl_round().await;
-    }
+    use opendsec_common::periodic::{Cancel, Start, every};
+    let stop = async move {
+        let _ = shutdown.wait_for(|closing| *closing).await;
+    };
+    // A round that started stopping expired sandboxes finishes.
+    every(inner.cfg.ttl_check_interval, Start::AfterOnePeriod, Cancel::BetweenRounds, stop, || inner.ttl_round()).await
 }
 
 /// RegisterEdge with every watcher: at once, then every `register_interval` (and at once when

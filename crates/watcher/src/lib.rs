@@ -318,24 +318,14 @@ impl Watcher {
     /// Runs the probe and reconcile loops until `shutdown`.
     pub async fn run_loops(&self, shutdown: impl Future<Output = ()> + Send) {
         let cfg = self.inner.opts.config.clone();
-        let probe = async {
-            let mut tick = tokio::time::interval(cfg.probe_interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                self.probe_round().await;
-            }
-        };
-        let reconcile = async {
-            let mut tick = tokio::time::interval(cfg.reconcile_interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            tick.tick().await; // the first round waits one interval: edges get probed first
-            loop {
-                tick.tick().await;
-                let r = self.reconcile_round().await;
-                tracing::debug!(?r, "reconcile round");
-            }
-        };
+        use opendsec_common::periodic::{Cancel, Start, every};
+        let never = std::future::pending::<()>;
+        let probe = every(cfg.probe_interval, Start::Now, Cancel::Anytime, never(), || self.probe_round());
+        // The first reconcile waits one interval: edges get probed first.
+        let reconcile = every(cfg.reconcile_interval, Start::AfterOnePeriod, Cancel::Anytime, never(), || async {
+            let r = self.reconcile_round().await;
+            tracing::debug!(?r, "reconcile round");
+        });
         tokio::select! {
             _ = probe => {}
             _ = reconcile => {}
