@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use opendsec_common::Reason;
@@ -19,13 +19,11 @@ async fn a_revoked_token_is_refused_within_two_seconds() {
     let s = alice.create_sandbox(spec("", 10, 16)).await.unwrap();
     alice.get_sandbox(&s.id).await.unwrap();
     let id = alice.who_am_i(pb::WhoAmIRequest {}).await.unwrap().token_id;
-    let revoked_at = Instant::now();
     t.admin.revoke_token(pb::RevokeTokenRequest { id }).await.unwrap();
     eventually(Duration::from_secs(2), "revoked token refused", || async {
         matches!(alice.get_sandbox(&s.id).await, Err(e) if e.reason == Reason::Unauthenticated)
     })
     .await;
-    assert!(revoked_at.elapsed() < Duration::from_secs(2));
     assert_eq!(alice.create_sandbox(spec("", 10, 16)).await.unwrap_err().reason, Reason::Unauthenticated);
     t.cluster.shutdown().await;
 }
