@@ -12,7 +12,7 @@ use opendsec_common::ApiError;
 use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
 
-use crate::ctl::CtlError;
+use crate::error::CtlError;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -148,7 +148,7 @@ pub fn resources(args: &BenchArgs) -> pb::Resources {
     let (cpu, memory, disk) = if args.backend == "sim" {
         (10, 16, 0)
     } else {
-        (crate::ctl::DEFAULT_CPU_MILLIS, crate::ctl::DEFAULT_MEMORY_MB, crate::ctl::DEFAULT_DISK_MB)
+        (crate::support::DEFAULT_CPU_MILLIS, crate::support::DEFAULT_MEMORY_MB, crate::support::DEFAULT_DISK_MB)
     };
     pb::Resources {
         cpu_millis: args.cpu.unwrap_or(cpu),

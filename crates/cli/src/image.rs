@@ -20,8 +20,9 @@ use opendsec_images::{ImageRef, LayerId, Store, gc, merge, storecheck};
 use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
 
-use crate::ctl::{CtlError, Out};
+use crate::error::CtlError;
 use crate::json as j;
+use crate::output::Out;
 
 /// Where the store is, for the local tools.
 #[derive(Args, Debug, Clone, Default)]

@@ -3,10 +3,13 @@
 
 pub mod bench;
 pub mod ctl;
+pub mod error;
 pub mod image;
 pub mod json;
+pub mod output;
 pub mod pki;
 pub mod runtime;
+pub mod support;
 pub mod table;
 pub mod term;
 

@@ -8,7 +8,8 @@ use clap::Subcommand;
 use opendsec_common::pki::{self, Identity, Names, Role};
 use serde_json::json;
 
-use crate::ctl::{CtlError, Out};
+use crate::error::CtlError;
+use crate::output::Out;
 
 #[derive(Subcommand, Debug)]
 pub enum PkiCmd {

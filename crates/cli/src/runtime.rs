@@ -22,7 +22,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::ctl::{CtlError, Out, kv};
+use crate::error::CtlError;
+use crate::output::Out;
+use crate::support::kv;
 use crate::term::TermFilter;
 
 /// Size of one upload message.
@@ -341,7 +343,7 @@ pub async fn exec(client: &Client, out: &Out, a: ExecArgs) -> Result<i32, CtlErr
     };
     let outcome = tokio::select! {
         r = follow(&mut sink, open, exec_event) => r.map(Some),
-        _ = crate::ctl::wait_for_signal() => Ok(None),
+        _ = crate::support::wait_for_signal() => Ok(None),
     };
     if one_shot && started.load(std::sync::atomic::Ordering::Relaxed) {
         // Closing the one-shot session also ends what the command left running (or, after
@@ -400,7 +402,7 @@ pub async fn run(client: &Client, out: &Out, a: RunArgs) -> Result<i32, CtlError
     // Interrupted: the process keeps running (`kill` ends it).
     let exit = tokio::select! {
         r = follow(&mut sink, open, process_event) => r?,
-        _ = crate::ctl::wait_for_signal() => return Ok(INTERRUPTED),
+        _ = crate::support::wait_for_signal() => return Ok(INTERRUPTED),
     };
     if out.json {
         let v = json!({

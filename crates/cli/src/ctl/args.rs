@@ -124,11 +124,6 @@ pub enum ClusterCmd {
     },
 }
 
-/// What `sandbox create` gives a sandbox unless told (the SDK's defaults too).
-pub const DEFAULT_CPU_MILLIS: u32 = 1000;
-pub const DEFAULT_MEMORY_MB: u64 = 1024;
-pub const DEFAULT_DISK_MB: u64 = 10240;
-
 #[derive(Args, Debug, Default)]
 pub struct SpecArgs {
     /// Isolation backend: `container` (namespaces, cgroups, seccomp; what `make up` runs) or

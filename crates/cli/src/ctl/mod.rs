@@ -6,41 +6,28 @@
 //! reason (docs/errors.md, `Reason::exit_code`). `exec` and `run` exit with the remote
 //! command's own code once the call succeeded.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use opendsec_client::Client;
+use opendsec_common::ApiError;
 use opendsec_common::config::Config;
-use opendsec_common::{ApiError, Reason};
 use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
 
 use crate::json as j;
-use crate::table::{Table, age};
+use crate::table::Table;
 
 mod args;
 mod cluster;
-mod error;
-mod output;
 mod sandbox;
 
+pub use crate::error::*;
+pub use crate::output::*;
+pub use crate::support::{DEFAULT_CPU_MILLIS, DEFAULT_DISK_MB, DEFAULT_MEMORY_MB, kv, wait_for_signal};
 pub use args::*;
 use cluster::cluster_up;
-pub use error::*;
-pub use output::*;
 use sandbox::sandbox;
-
-pub(crate) fn kv(items: &[String], what: &str) -> Result<HashMap<String, String>, CtlError> {
-    items
-        .iter()
-        .map(|s| {
-            s.split_once('=')
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .ok_or_else(|| CtlError::Api(ApiError::invalid(format!("{what} {s:?} is not KEY=VALUE"))))
-        })
-        .collect()
-}
 
 /// Runs one parsed command line; `Ok` holds the exit code (the remote command's for `exec` and
 /// `run`, else 0).
@@ -269,25 +256,10 @@ fn write_file_atomic(path: &std::path::Path, data: &[u8]) -> Result<(), CtlError
     std::fs::rename(&tmp, path).map_err(err)
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn wait_for_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opendsec_common::Reason;
 
     #[test]
     fn errors_say_what_to_do_next() {

@@ -1,6 +1,6 @@
 //! The errors of `opendsecctl`, their exit codes, and the hints that say what to do next.
 
-use super::*;
+use opendsec_common::{ApiError, Reason};
 
 /// What a command failed with: an API error (exit code by reason) or a local one.
 #[derive(Debug)]

@@ -1,6 +1,12 @@
 //! Output: JSON (`--json`) or text (tables, one-line summaries, the batch progress bar).
 
-use super::*;
+use std::collections::HashMap;
+
+use opendsec_proto::v1 as pb;
+use serde_json::Value;
+
+use crate::json as j;
+use crate::table::{Table, age};
 
 pub struct Out {
     pub json: bool,
