@@ -1,13 +1,12 @@
-//! The one periodic loop every component runs its background rounds with: a round every
-//! `period` (delays after a slow round, no burst of missed rounds), until `stop` resolves.
+//! The one periodic loop every component runs its background rounds with: a round, then a rest
+//! of `period`, and again, until `stop` resolves. The rest is counted from the end of a round,
+//! so a slow round (probing a thousand sandboxes) never makes rounds run back to back.
 //! `stop` ends the wait between rounds at once; a round in progress is either finished first
 //! ([`Cancel::BetweenRounds`]: rounds that change state, e.g. stopping expired sandboxes) or
 //! dropped where it is ([`Cancel::Anytime`]: rounds that only read, e.g. polling IAM).
 
 use std::future::Future;
 use std::time::Duration;
-
-use tokio::time::MissedTickBehavior;
 
 /// Where `stop` may cut a loop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,25 +26,25 @@ pub enum Start {
     AfterOnePeriod,
 }
 
-/// Runs `round` every `period` until `stop` resolves.
+/// Runs `round`, rests `period`, and again, until `stop` resolves.
 pub async fn every<F, Fut>(period: Duration, start: Start, cancel: Cancel, stop: impl Future<Output = ()>, mut round: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = ()>,
 {
     let period = period.max(Duration::from_millis(1));
-    let mut tick = match start {
-        Start::Now => tokio::time::interval(period),
-        Start::AfterOnePeriod => tokio::time::interval_at(tokio::time::Instant::now() + period, period),
+    let mut rest = match start {
+        Start::Now => Duration::ZERO,
+        Start::AfterOnePeriod => period,
     };
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     tokio::pin!(stop);
     loop {
         tokio::select! {
             biased;
             _ = &mut stop => return,
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(rest) => {}
         }
+        rest = period;
         match cancel {
             Cancel::BetweenRounds => round().await,
             Cancel::Anytime => tokio::select! {
@@ -91,6 +90,29 @@ mod tests {
         task.await.unwrap();
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert_eq!(rounds.load(Ordering::SeqCst), 3, "no round after stop");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_rest_is_counted_from_the_end_of_a_round() {
+        let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let t0 = tokio::time::Instant::now();
+        let s = starts.clone();
+        let task = tokio::spawn(every(
+            Duration::from_secs(10),
+            Start::Now,
+            Cancel::BetweenRounds,
+            std::future::pending(),
+            move || {
+                let s = s.clone();
+                async move {
+                    s.lock().unwrap().push(t0.elapsed().as_secs());
+                    tokio::time::sleep(Duration::from_secs(25)).await; // a slow round
+                }
+            },
+        ));
+        tokio::time::sleep(Duration::from_secs(75)).await;
+        task.abort();
+        assert_eq!(*starts.lock().unwrap(), vec![0, 35, 70], "a 10 s rest after each 25 s round");
     }
 
     #[tokio::test(start_paused = true)]
