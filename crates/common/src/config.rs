@@ -434,6 +434,50 @@ impl Default for DiskIoConfig {
     }
 }
 
+impl EdgeConfig {
+    /// The edge section's own rules: checked by [`Config::validate`] for a whole config and by
+    /// the edge itself for the options it was started with (one place for both).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let e = self;
+        if !e.name.is_empty() {
+            crate::ids::validate_edge(&e.name).map_err(|err| invalid("edge.name", err.message))?;
+        }
+        if e.backends.is_empty() {
+            return Err(invalid("edge.backends", "must name at least one backend"));
+        }
+        if e.userns_first_id == 0 || !e.userns_first_id.is_multiple_of(65536) {
+            return Err(invalid("edge.userns_first_id", "must be a positive multiple of 65536"));
+        }
+        if e.userns_ranges == 0
+            || u64::from(e.userns_first_id) + u64::from(e.userns_ranges) * 65536 > u64::from(u32::MAX)
+        {
+            return Err(invalid("edge.userns_ranges", "must be at least 1 and end below host id 2^32 - 1"));
+        }
+        for (i, b) in e.backends.iter().enumerate() {
+            if !KNOWN_BACKENDS.contains(&b.as_str()) {
+                return Err(invalid(
+                    &format!("edge.backends[{i}]"),
+                    format!("unknown backend {b:?}; known: {}", KNOWN_BACKENDS.join(", ")),
+                ));
+            }
+        }
+        if e.max_sandboxes == 0 {
+            return Err(invalid("edge.max_sandboxes", "must be at least 1"));
+        }
+        positive("edge.ttl_check_interval", e.ttl_check_interval)?;
+        positive("edge.agent_silence", e.agent_silence)?;
+        positive("edge.release_interval", e.release_interval)?;
+        positive("edge.register_interval", e.register_interval)?;
+        if e.release_batch == 0 {
+            return Err(invalid("edge.release_batch", "must be at least 1"));
+        }
+        if !(0.0..0.9).contains(&e.memory_reserve_fraction) {
+            return Err(invalid("edge.memory_reserve_fraction", "must be in [0, 0.9)"));
+        }
+        Ok(())
+    }
+}
+
 impl Default for EdgeConfig {
     fn default() -> Self {
         EdgeConfig {
@@ -658,42 +702,7 @@ impl Config {
         if w.failure_threshold == 0 {
             return Err(invalid("watcher.failure_threshold", "must be at least 1"));
         }
-        let e = &self.edge;
-        if !e.name.is_empty() {
-            crate::ids::validate_edge(&e.name).map_err(|err| invalid("edge.name", err.message))?;
-        }
-        if e.backends.is_empty() {
-            return Err(invalid("edge.backends", "must name at least one backend"));
-        }
-        if e.userns_first_id == 0 || !e.userns_first_id.is_multiple_of(65536) {
-            return Err(invalid("edge.userns_first_id", "must be a positive multiple of 65536"));
-        }
-        if e.userns_ranges == 0
-            || u64::from(e.userns_first_id) + u64::from(e.userns_ranges) * 65536 > u64::from(u32::MAX)
-        {
-            return Err(invalid("edge.userns_ranges", "must be at least 1 and end below host id 2^32 - 1"));
-        }
-        for (i, b) in e.backends.iter().enumerate() {
-            if !KNOWN_BACKENDS.contains(&b.as_str()) {
-                return Err(invalid(
-                    &format!("edge.backends[{i}]"),
-                    format!("unknown backend {b:?}; known: {}", KNOWN_BACKENDS.join(", ")),
-                ));
-            }
-        }
-        if e.max_sandboxes == 0 {
-            return Err(invalid("edge.max_sandboxes", "must be at least 1"));
-        }
-        positive("edge.ttl_check_interval", e.ttl_check_interval)?;
-        positive("edge.agent_silence", e.agent_silence)?;
-        positive("edge.release_interval", e.release_interval)?;
-        positive("edge.register_interval", e.register_interval)?;
-        if e.release_batch == 0 {
-            return Err(invalid("edge.release_batch", "must be at least 1"));
-        }
-        if !(0.0..0.9).contains(&e.memory_reserve_fraction) {
-            return Err(invalid("edge.memory_reserve_fraction", "must be in [0, 0.9)"));
-        }
+        self.edge.validate()?;
         for (i, ep) in self.edges.iter().enumerate() {
             crate::ids::validate_edge(&ep.name).map_err(|err| invalid(&format!("edges[{i}].name"), err.message))?;
             if ep.address.is_empty() {

@@ -242,23 +242,8 @@ fn check_options(opts: &EdgeOptions, backends: &[Arc<dyn Backend>]) -> Result<()
             return bad(format!("backend {} given twice", b.name()));
         }
     }
-    let c = &opts.config;
-    for (field, d) in [
-        ("ttl_check_interval", c.ttl_check_interval),
-        ("release_interval", c.release_interval),
-        ("register_interval", c.register_interval),
-    ] {
-        if d.is_zero() {
-            return bad(format!("edge.{field} must be positive"));
-        }
-    }
-    if c.release_batch == 0 {
-        return bad("edge.release_batch must be at least 1".into());
-    }
-    if c.max_sandboxes == 0 {
-        return bad("edge.max_sandboxes must be at least 1".into());
-    }
-    Ok(())
+    // The config's own rules live with the config (the same checks a config file gets).
+    opts.config.validate().map_err(|e| EdgeError::Options(e.to_string()))
 }
 
 /// The configured capacity; with real backends, zero fields are measured on the host.
