@@ -6,7 +6,8 @@
 //! Invariants:
 //! - a call is counted from before its state check until its response (or its stream) ends, so
 //!   the TTL loop never stops a sandbox between the check and the forward;
-//! - activity lives in memory (`core::sweep::Activity`, the idle clock beside the sweeps); the record's `last_active_ms` is only rewritten by
+//! - activity lives in memory (`core::sweep::Activity`, the idle clock beside the sweeps); the
+//!   record's `last_active_ms` is only rewritten by
 //!   lifecycle operations; an edge restart counts as activity for every sandbox it adopts (the
 //!   calls' activity was lost with the old process);
 //! - a call from an apiserver names the project it was authorized for

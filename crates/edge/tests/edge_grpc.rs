@@ -48,6 +48,8 @@ struct IamState {
     fail_releases: bool,
     /// GetLeases answers `unavailable` (and records nothing) while set.
     fail_lookups: bool,
+    /// Calls refused while failing: (ReleaseLeases, GetLeases).
+    refused: (u32, u32),
 }
 
 #[derive(Clone, Default)]
@@ -80,6 +82,10 @@ impl FakeIam {
     fn lookups(&self) -> Vec<Vec<String>> {
         self.0.lock().unwrap().lookups.clone()
     }
+    /// How many calls were refused while failing: (ReleaseLeases, GetLeases).
+    fn refused(&self) -> (u32, u32) {
+        self.0.lock().unwrap().refused
+    }
 }
 
 fn unimplemented<T>() -> Result<Response<T>, Status> {
@@ -104,6 +110,7 @@ impl Iam for FakeIam {
         let ReleaseLeasesRequest { lease_ids, edge } = req.into_inner();
         let mut st = self.0.lock().unwrap();
         if st.fail_releases {
+            st.refused.0 += 1;
             return Err(ApiError::unavailable("IAM is down").to_status());
         }
         let mut n = 0;
@@ -126,6 +133,7 @@ impl Iam for FakeIam {
         let ids = req.into_inner().lease_ids;
         let mut st = self.0.lock().unwrap();
         if st.fail_lookups {
+            st.refused.1 += 1;
             return Err(ApiError::unavailable("IAM is down").to_status());
         }
         let leases = ids
@@ -723,8 +731,9 @@ async fn lease_checks_survive_iam_failures_and_keep_the_sandbox() {
     let sim = sim();
     let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
     h.create("moved", spec(100, 10)).await.unwrap();
-    // IAM cannot be asked: several rounds fail, the sandbox runs on and the check stays queued.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // IAM cannot be asked: several rounds fail (counted on the fake), the sandbox runs on and
+    // the check stays queued.
+    eventually("two refused lookups", || async { iam.refused().1 >= 2 }).await;
     assert_eq!(h.edge.pending_releases(), (0, 1));
     assert_eq!(state(&h.get("moved").await.unwrap()), SandboxState::Running);
     assert!(iam.lookups().is_empty());
@@ -937,8 +946,8 @@ async fn failed_releases_stay_queued_and_are_retried() {
     let h = Harness::start(dir.path(), config(), &fakes, vec![sim()]).await;
     h.create("r", spec(1, 1)).await.unwrap();
     h.stop("r").await.unwrap();
-    // Several release rounds fail; the lease stays queued and unmarked.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Several release rounds fail (counted on the fake); the lease stays queued and unmarked.
+    eventually("two refused releases", || async { iam.refused().0 >= 2 }).await;
     assert_eq!(h.edge.pending_releases(), (1, 0));
     assert!(!record_file(dir.path(), "r").lease_released);
     iam.fail_releases(false);
