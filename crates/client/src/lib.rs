@@ -176,45 +176,38 @@ impl Client {
     /// `no_capacity` (every edge refused: nothing was made) the next attempt takes a fresh
     /// lease id, since the refused one now names a FAILED sandbox.
     pub async fn create_sandbox(&self, spec: pb::SandboxSpec) -> Result<pb::Sandbox, ApiError> {
-        let lease = std::sync::Mutex::new(opendsec_common::ids::new_lease_id());
-        let class = class("Sandboxes/CreateSandbox");
-        retry::run(class, self.inner.policy, || {
-            let req = pb::CreateSandboxRequest {
-                spec: Some(spec.clone()),
-                lease_id: lease.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-            };
-            let ch = self.pick();
-            let lease = &lease;
-            async move {
-                let r = stub_s(ch).create_sandbox(req).await.map(tonic::Response::into_inner);
-                r.map_err(|s| {
-                    let e = ApiError::from_status(&s);
-                    if e.reason == Reason::NoCapacity {
-                        *lease.lock().unwrap_or_else(|p| p.into_inner()) = opendsec_common::ids::new_lease_id();
-                    }
-                    e
-                })
-            }
-        })
-        .await
+        let req = pb::CreateSandboxRequest { spec: Some(spec), lease_id: opendsec_common::ids::new_lease_id() };
+        self.create(req, true).await
     }
 
     /// Creates a sandbox under the caller's lease id (an idempotency key: the same key answers
     /// with the same sandbox). Retried as a `create` call except on `no_capacity`, whose
     /// refused key now names a FAILED sandbox: that outcome is the caller's to see.
     pub async fn create_sandbox_with(&self, req: pb::CreateSandboxRequest) -> Result<pb::Sandbox, ApiError> {
-        let class = class("Sandboxes/CreateSandbox");
+        self.create(req, false).await
+    }
+
+    /// One creation, retried as a `create` call; `own_lease`: the lease id is ours to replace
+    /// after a `no_capacity`, else that refusal is final.
+    async fn create(&self, req: pb::CreateSandboxRequest, own_lease: bool) -> Result<pb::Sandbox, ApiError> {
+        let class = const { retry::class("Sandboxes/CreateSandbox") };
+        let req = std::sync::Mutex::new(req);
+        let current = || req.lock().unwrap_or_else(|p| p.into_inner()).clone();
         retry::run_while(
             self.inner.policy,
-            |e| e.reason != Reason::NoCapacity && class.retries(e.reason),
+            |e| class.retries(e.reason) && (own_lease || e.reason != Reason::NoCapacity),
             || {
-                let (ch, req) = (self.pick(), req.clone());
+                let (ch, attempt, req) = (self.pick(), current(), &req);
                 async move {
-                    stub_s(ch)
-                        .create_sandbox(req)
-                        .await
-                        .map(tonic::Response::into_inner)
-                        .map_err(|s| ApiError::from_status(&s))
+                    let answer = stub_s(ch).create_sandbox(attempt).await;
+                    answer.map(tonic::Response::into_inner).map_err(|s| {
+                        let e = ApiError::from_status(&s);
+                        if own_lease && e.reason == Reason::NoCapacity {
+                            req.lock().unwrap_or_else(|p| p.into_inner()).lease_id =
+                                opendsec_common::ids::new_lease_id();
+                        }
+                        e
+                    })
                 }
             },
         )
@@ -228,7 +221,7 @@ impl Client {
         count: u32,
     ) -> Result<tonic::Streaming<pb::CreateSandboxesResponse>, ApiError> {
         let req = pb::CreateSandboxesRequest { spec: Some(spec), count };
-        self.call(class("Sandboxes/CreateSandboxes"), |ch| {
+        self.call(const { retry::class("Sandboxes/CreateSandboxes") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).create_sandboxes(req).await }
         })
@@ -237,7 +230,7 @@ impl Client {
 
     pub async fn get_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
-        self.call(class("Sandboxes/GetSandbox"), |ch| {
+        self.call(const { retry::class("Sandboxes/GetSandbox") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).get_sandbox(req).await }
         })
@@ -245,7 +238,7 @@ impl Client {
     }
 
     pub async fn list_sandboxes(&self, req: pb::ListSandboxesRequest) -> Result<pb::ListSandboxesResponse, ApiError> {
-        self.call(class("Sandboxes/ListSandboxes"), |ch| {
+        self.call(const { retry::class("Sandboxes/ListSandboxes") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).list_sandboxes(req).await }
         })
@@ -267,7 +260,7 @@ impl Client {
 
     pub async fn stop_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::StopSandboxRequest { id: id.to_string() };
-        self.call(class("Sandboxes/StopSandbox"), |ch| {
+        self.call(const { retry::class("Sandboxes/StopSandbox") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).stop_sandbox(req).await }
         })
@@ -276,7 +269,7 @@ impl Client {
 
     pub async fn pause_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::PauseSandboxRequest { id: id.to_string() };
-        self.call(class("Sandboxes/PauseSandbox"), |ch| {
+        self.call(const { retry::class("Sandboxes/PauseSandbox") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).pause_sandbox(req).await }
         })
@@ -285,7 +278,7 @@ impl Client {
 
     pub async fn resume_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::ResumeSandboxRequest { id: id.to_string() };
-        self.call(class("Sandboxes/ResumeSandbox"), |ch| {
+        self.call(const { retry::class("Sandboxes/ResumeSandbox") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).resume_sandbox(req).await }
         })
@@ -293,7 +286,7 @@ impl Client {
     }
 
     pub async fn set_sandbox_timeout(&self, req: pb::SetSandboxTimeoutRequest) -> Result<pb::Sandbox, ApiError> {
-        self.call(class("Sandboxes/SetSandboxTimeout"), |ch| {
+        self.call(const { retry::class("Sandboxes/SetSandboxTimeout") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).set_sandbox_timeout(req).await }
         })
@@ -325,20 +318,13 @@ fn stub_i(ch: AuthedChannel) -> ImagesClient<AuthedChannel> {
         .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES)
 }
 
-/// The class of a public call ([`retry::CALLS`]; a name not there is made once).
-fn class(method: &str) -> CallClass {
-    let c = retry::class_of(method);
-    debug_assert!(c.is_some(), "{method} is not in retry::CALLS");
-    c.unwrap_or(CallClass::Once)
-}
-
 /// One method per RPC of a service, each made as its class ([`retry::CALLS`]) says.
 macro_rules! unary_calls {
     ($service:literal $stub:ident: $($name:ident($req:ty) -> $resp:ty = $rpc:literal;)*) => {
         impl Client {
             $(
                 pub async fn $name(&self, req: $req) -> Result<$resp, ApiError> {
-                    self.call(class(concat!($service, "/", $rpc)), |ch| {
+                    self.call(const { retry::class(concat!($service, "/", $rpc)) }, |ch| {
                         let req = req.clone();
                         async move { $stub(ch).$name(req).await }
                     })
@@ -391,7 +377,7 @@ impl Client {
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
         }
-        self.call(class("Runtime/Exec"), |ch| {
+        self.call(const { retry::class("Runtime/Exec") }, |ch| {
             let req = req.clone();
             async move { stub_r(ch).exec(req).await }
         })
@@ -404,7 +390,7 @@ impl Client {
         if req.request_id.is_empty() {
             req.request_id = new_request_id();
         }
-        self.call(class("Runtime/ExecStream"), |ch| {
+        self.call(const { retry::class("Runtime/ExecStream") }, |ch| {
             let req = req.clone();
             async move { stub_r(ch).exec_stream(req).await }
         })
@@ -412,7 +398,7 @@ impl Client {
     }
 
     pub async fn read_file(&self, req: pb::ReadFileRequest) -> Result<tonic::Streaming<pb::FileChunk>, ApiError> {
-        self.call(class("Runtime/ReadFile"), |ch| {
+        self.call(const { retry::class("Runtime/ReadFile") }, |ch| {
             let req = req.clone();
             async move { stub_r(ch).read_file(req).await }
         })
@@ -422,7 +408,7 @@ impl Client {
     /// Makes a directory: a `repeat` call with `parents` (an existing directory is fine), else
     /// made once.
     pub async fn make_dir(&self, req: pb::MakeDirRequest) -> Result<pb::MakeDirResponse, ApiError> {
-        let how = if req.parents { class("Runtime/MakeDir") } else { CallClass::Once };
+        let how = if req.parents { const { retry::class("Runtime/MakeDir") } } else { CallClass::Once };
         self.call(how, |ch| {
             let req = req.clone();
             async move { stub_r(ch).make_dir(req).await }
@@ -435,7 +421,7 @@ impl Client {
         let how = if matches!(req.method.as_str(), "GET" | "HEAD") {
             CallClass::Repeat
         } else {
-            class("Runtime/HttpRequest")
+            const { retry::class("Runtime/HttpRequest") }
         };
         self.call(how, |ch| {
             let req = req.clone();
@@ -480,7 +466,7 @@ impl Client {
         if let Some(last) = msgs.last_mut() {
             last.finish = true;
         }
-        let how = if first.append { CallClass::Once } else { class("Runtime/WriteFile") };
+        let how = if first.append { CallClass::Once } else { const { retry::class("Runtime/WriteFile") } };
         self.call(how, |ch| {
             let msgs = msgs.clone();
             async move { upload::write_file(ch, tokio_stream::iter(msgs.into_iter().map(Upload::Message))).await }
@@ -492,7 +478,7 @@ impl Client {
         &self,
         req: pb::ConnectProcessRequest,
     ) -> Result<tonic::Streaming<pb::ProcessEvent>, ApiError> {
-        self.call(class("Runtime/ConnectProcess"), |ch| {
+        self.call(const { retry::class("Runtime/ConnectProcess") }, |ch| {
             let req = req.clone();
             async move { stub_r(ch).connect_process(req).await }
         })
@@ -500,7 +486,7 @@ impl Client {
     }
 
     pub async fn watch(&self, req: pb::WatchRequest) -> Result<tonic::Streaming<pb::Heartbeat>, ApiError> {
-        self.call(class("Runtime/Watch"), |ch| {
+        self.call(const { retry::class("Runtime/Watch") }, |ch| {
             let req = req.clone();
             async move { stub_r(ch).watch(req).await }
         })

@@ -125,9 +125,41 @@ pub const CALLS: &[(&str, CallClass)] = {
     ]
 };
 
-/// The class of `Service/Method`, if it is a public RPC.
-pub fn class_of(method: &str) -> Option<CallClass> {
-    CALLS.iter().find(|(m, _)| *m == method).map(|(_, c)| *c)
+/// The class of `Service/Method`, if it is a public RPC. A `const fn`, so that a client can
+/// look its calls up at compile time (`const { ... }`): no search on the call path, and a name
+/// missing from [`CALLS`] fails the build.
+pub const fn class_of(method: &str) -> Option<CallClass> {
+    let mut i = 0;
+    while i < CALLS.len() {
+        if bytes_eq(CALLS[i].0.as_bytes(), method.as_bytes()) {
+            return Some(CALLS[i].1);
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The class of a public RPC, for use in `const` context: a name not in [`CALLS`] is a
+/// compile-time error there.
+pub const fn class(method: &str) -> CallClass {
+    match class_of(method) {
+        Some(c) => c,
+        None => panic!("not a public RPC in retry::CALLS"),
+    }
+}
+
+const fn bytes_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// Whether a call that failed with `reason` should be tried at another replica of the same
@@ -303,6 +335,18 @@ mod tests {
         }
         let ours: Vec<String> = CALLS.iter().map(|(m, _)| m.to_string()).collect();
         assert_eq!(rpcs, ours);
+    }
+
+    #[test]
+    fn lookups_find_every_call_and_nothing_else() {
+        for (m, c) in CALLS {
+            assert_eq!(class_of(m), Some(*c), "{m}");
+        }
+        assert_eq!(class_of("Runtime/Exe"), None);
+        assert_eq!(class_of("Runtime/Execs"), None);
+        assert_eq!(class_of(""), None);
+        const EXEC: CallClass = class("Runtime/Exec");
+        assert_eq!(EXEC, CallClass::Repeat);
     }
 
     #[test]
