@@ -295,10 +295,12 @@ class AsyncClient:
         *,
         call_class: Optional[str] = None,
         timeout: Optional[float] = None,
+        on_error: Optional[Callable[[errors.OpendsecError], bool]] = None,
     ) -> Any:
         """One call answered once (a unary call, or a client stream when ``request`` is a
-        callable making a fresh request iterator for each attempt), retried as its class
-        (:data:`opendsec._net.CALLS`, or ``call_class`` when the request changes it) says."""
+        callable making a fresh request for each attempt), retried as its class
+        (:data:`opendsec._net.CALLS`, or ``call_class`` when the request changes it) says.
+        ``on_error(err)`` sees each failure first; False: it is final."""
         backoff = self._backoff(f"{service}/{method}", call_class)
         while True:
             address = self.pool.pick()
@@ -308,7 +310,7 @@ class AsyncClient:
                 )
             except grpc.RpcError as e:
                 err = self._failed(address, e)
-                if await self._retry_sleep(backoff, err):
+                if (on_error is None or on_error(err)) and await self._retry_sleep(backoff, err):
                     continue
                 raise err from None
             self.pool.mark_ok(address)
@@ -407,25 +409,19 @@ class AsyncClient:
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
         )
         own = lease_id is None
-        lease = new_lease_id() if own else check_lease_id(lease_id)
-        backoff = self._backoff("Sandboxes/CreateSandbox")
-        while True:
-            address = self.pool.pick()
-            try:
-                info = await self._stub("Sandboxes", address).CreateSandbox(
-                    pb.CreateSandboxRequest(spec=spec, lease_id=lease), metadata=self._metadata()
-                )
-            except grpc.RpcError as e:
-                err = self._failed(address, e)
-                if isinstance(err, errors.NoCapacity):
-                    if not own:
-                        raise err from None  # the caller's key: its outcome is theirs to see
-                    lease = new_lease_id()  # a refusal made nothing; the old key names a FAILED sandbox
-                if await self._retry_sleep(backoff, err):
-                    continue
-                raise err from None
-            self.pool.mark_ok(address)
-            return Sandbox(self, info)
+        lease = [new_lease_id() if own else check_lease_id(lease_id)]
+
+        def refused(err: errors.OpendsecError) -> bool:
+            if isinstance(err, errors.NoCapacity):
+                if not own:
+                    return False  # the caller's key: its outcome is theirs to see
+                lease[0] = new_lease_id()  # a refusal made nothing; the old key names a FAILED sandbox
+            return True
+
+        info = await self._unary(
+            "Sandboxes", "CreateSandbox", lambda: pb.CreateSandboxRequest(spec=spec, lease_id=lease[0]), on_error=refused
+        )
+        return Sandbox(self, info)
 
     async def create_sandboxes(
         self,
