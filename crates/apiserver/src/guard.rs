@@ -196,12 +196,12 @@ struct Capped {
     left: usize,
     limit: usize,
     /// The first message's prefix, until it is whole.
-    prefix: Vec<u8>,
+    prefix: opendsec_common::bounds::MessagePrefix,
 }
 
 impl Capped {
     fn new(inner: Body, limit: usize) -> Capped {
-        Capped { inner, left: limit, limit, prefix: Vec::with_capacity(5) }
+        Capped { inner, left: limit, limit, prefix: Default::default() }
     }
 
     fn too_large(&self) -> tonic::Status {
@@ -227,16 +227,10 @@ impl http_body::Body for Capped {
                 return Poll::Ready(Some(Err(self.too_large())));
             }
             self.left -= d.len();
-            if self.prefix.len() < 5 {
-                let take = (5 - self.prefix.len()).min(d.len());
-                let head = d.slice(..take);
-                self.prefix.extend_from_slice(&head);
-                if self.prefix.len() == 5 {
-                    let len = u32::from_be_bytes([self.prefix[1], self.prefix[2], self.prefix[3], self.prefix[4]]);
-                    if len as usize > self.limit {
-                        return Poll::Ready(Some(Err(self.too_large())));
-                    }
-                }
+            if let Some((_, len)) = self.prefix.feed(d)
+                && len as usize > self.limit
+            {
+                return Poll::Ready(Some(Err(self.too_large())));
             }
         }
         Poll::Ready(frame)

@@ -324,7 +324,7 @@ struct MeteredBody {
     inner: Body,
     meter: Meter,
     /// The first bytes of the message (flag and length: 5).
-    header: Vec<u8>,
+    header: MessagePrefix,
     /// Wire bytes allowed in all, once the header is known.
     allowed: Option<u64>,
     /// Wire bytes seen so far.
@@ -340,12 +340,37 @@ struct MeteredBody {
 /// A gRPC message's prefix: compression flag and a 4-byte big-endian length.
 const GRPC_PREFIX: usize = 5;
 
+/// The prefix of a body's first gRPC message, gathered from its frames as they come (a frame
+/// may hold part of it). Used to size or refuse a message before it is decoded.
+#[derive(Debug, Default)]
+pub struct MessagePrefix {
+    bytes: [u8; GRPC_PREFIX],
+    have: usize,
+}
+
+impl MessagePrefix {
+    /// Takes from `data` what the prefix still lacks; the call that completes it answers
+    /// (compressed, declared length), every other call `None`.
+    pub fn feed(&mut self, data: &[u8]) -> Option<(bool, u32)> {
+        if self.have == GRPC_PREFIX {
+            return None;
+        }
+        let take = (GRPC_PREFIX - self.have).min(data.len());
+        self.bytes[self.have..self.have + take].copy_from_slice(&data[..take]);
+        self.have += take;
+        (self.have == GRPC_PREFIX).then(|| {
+            let b = &self.bytes;
+            (b[0] != 0, u32::from_be_bytes([b[1], b[2], b[3], b[4]]))
+        })
+    }
+}
+
 impl MeteredBody {
     fn new(inner: Body, meter: Meter) -> MeteredBody {
         MeteredBody {
             inner,
             meter,
-            header: Vec::new(),
+            header: MessagePrefix::default(),
             allowed: None,
             seen: 0,
             queued: VecDeque::new(),
@@ -359,12 +384,8 @@ impl MeteredBody {
     fn take(&mut self, f: http_body::Frame<bytes::Bytes>) -> Result<(), tonic::Status> {
         if let Some(d) = f.data_ref() {
             self.seen += d.len() as u64;
-            if self.header.len() < GRPC_PREFIX {
-                let take = (GRPC_PREFIX - self.header.len()).min(d.len());
-                self.header.extend_from_slice(&d[..take]);
-                if self.header.len() == GRPC_PREFIX {
-                    self.start()?;
-                }
+            if let Some((compressed, len)) = self.header.feed(d) {
+                self.start(compressed, len)?;
             }
             if let Some(allowed) = self.allowed
                 && self.seen > allowed
@@ -377,11 +398,11 @@ impl MeteredBody {
     }
 
     /// The header is in: checks it and starts waiting for room.
-    fn start(&mut self) -> Result<(), tonic::Status> {
-        if self.header[0] != 0 {
+    fn start(&mut self, compressed: bool, len: u32) -> Result<(), tonic::Status> {
+        if compressed {
             return Err(ApiError::internal("a compressed answer (none is asked for)").to_status());
         }
-        let len = u64::from(u32::from_be_bytes([self.header[1], self.header[2], self.header[3], self.header[4]]));
+        let len = u64::from(len);
         if len > self.meter.max_bytes {
             return Err(ApiError::invalid(format!(
                 "an answer of {len} bytes, over the {} this call carries (list a smaller directory, read output by offset)",
@@ -560,6 +581,17 @@ impl<B: http_body::Body<Data = bytes::Bytes> + Unpin> http_body::Body for Holdin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefix_split_across_frames_is_read_once_whole() {
+        let mut p = MessagePrefix::default();
+        assert_eq!(p.feed(&[0, 0]), None);
+        assert_eq!(p.feed(&[]), None);
+        assert_eq!(p.feed(&[1, 0x10, 0x00, 0xff, 0xee]), Some((false, 0x0001_1000)));
+        assert_eq!(p.feed(&[1, 2, 3, 4, 5]), None, "only the first message's prefix");
+        let mut p = MessagePrefix::default();
+        assert_eq!(p.feed(&[1, 0xff, 0xff, 0xff, 0xff, 9, 9]), Some((true, u32::MAX)));
+    }
 
     #[test]
     fn per_key_caps_and_byte_budgets() {
