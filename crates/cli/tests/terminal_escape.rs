@@ -34,18 +34,6 @@ fn openpty() -> (OwnedFd, OwnedFd) {
     unsafe { (OwnedFd::from_raw_fd(m), OwnedFd::from_raw_fd(s)) }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Field `n` (1-based, as in proc(5)) of `/proc/<pid>/stat`.
 fn stat_field(pid: i32, n: usize) -> Option<i64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -163,6 +163,13 @@ async fn container_conforms() {
     let root: PathBuf = tmp.path().to_path_buf();
     let _g = support::Guard { state: root.join("containers") };
     support::busybox_image(&root.join("store"), &root).await;
+    // A hostile image: its /proc is a symlink out of the root. Setup refuses it after the
+    // sandbox's cgroup, disk and loop device exist, so the backend must undo all of them.
+    let hostile = root.join("hostile");
+    let bad_root = support::busybox_rootfs(&hostile, &[]);
+    std::fs::remove_dir(bad_root.join("proc")).unwrap();
+    std::os::unix::fs::symlink("/tmp", bad_root.join("proc")).unwrap();
+    support::image_from(&root.join("store"), &bad_root, "hostile").await;
     let opts = support::options(&root);
     let make_opts = opts.clone();
     let (state, store) = (root.join("containers"), root.join("store"));
@@ -173,8 +180,7 @@ async fn container_conforms() {
         record: Box::new(|lease| support::record(lease, "busybox")),
         failing: Box::new(move || -> (Arc<dyn Backend>, SandboxRecord) {
             let b = opendsec_edge::backend::container::ContainerBackend::new(opts.clone()).unwrap();
-            // An image the store does not have.
-            (Arc::new(b), support::record("conf-bad", "nosuch"))
+            (Arc::new(b), support::record("conf-bad", "hostile"))
         }),
         held: Box::new(move |id| container_held(&state, &store, id)),
     };

@@ -1,6 +1,7 @@
 //! Root tests of whole container sandboxes: a busybox image from the store, a shell script as
 //! PID 1 that probes its confinement and writes its findings to a bound host directory.
 //! Skipped when not root. Every test removes what it made, also on failure (a guard).
+mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -27,18 +28,7 @@ impl Drop for Guard {
 
 /// A busybox root file system with every applet linked, imported as one layer and cached.
 async fn busybox_lower(tmp: &Path) -> PathBuf {
-    let root = tmp.join("bbroot");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    for d in ["proc", "sys", "dev", "tmp", "etc", "mnt", "out"] {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-        }
-    }
+    let root = support::busybox_rootfs(tmp, &["mnt", "out"]);
     let store = Store::open(tmp.join("store")).unwrap();
     let imported = opendsec_images::offline::import_rootfs(&store, &root, &Default::default()).await.unwrap();
     let lowers = rootfs::lower_dirs(&LayerCache::new(tmp.join("cache")), &store, &imported.layers).unwrap();

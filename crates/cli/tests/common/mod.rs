@@ -246,3 +246,17 @@ pub fn debian_rootfs() -> PathBuf {
     assert!(p.join("usr/bin/python3").exists(), "the Debian test image is missing: run {} first", script.display());
     p
 }
+
+/// A free loopback port (for a listener a child process binds).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Waits (blocking) until `f` holds, at most `secs` seconds.
+pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

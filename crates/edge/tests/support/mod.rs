@@ -26,10 +26,12 @@ impl Drop for Guard {
     }
 }
 
-pub async fn busybox_image(store_dir: &Path, tmp: &Path) {
+/// A busybox root file system under `tmp/bbroot`: every applet linked, the usual mount points
+/// and `extra` directories.
+pub fn busybox_rootfs(tmp: &Path, extra: &[&str]) -> PathBuf {
     let root = tmp.join("bbroot");
     std::fs::create_dir_all(root.join("bin")).unwrap();
-    for d in ["proc", "sys", "dev", "tmp", "etc"] {
+    for d in ["proc", "sys", "dev", "tmp", "etc"].iter().chain(extra) {
         std::fs::create_dir_all(root.join(d)).unwrap();
     }
     std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
@@ -39,12 +41,23 @@ pub async fn busybox_image(store_dir: &Path, tmp: &Path) {
             std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
         }
     }
+    root
+}
+
+/// `busybox:latest` in project root of the store at `store_dir`.
+pub async fn busybox_image(store_dir: &Path, tmp: &Path) {
+    let root = busybox_rootfs(tmp, &[]);
+    image_from(store_dir, &root, "busybox").await;
+}
+
+/// The root file system at `root` as image `<repo>:latest` in project root.
+pub async fn image_from(store_dir: &Path, root: &Path, repo: &str) {
     let store = Store::open(store_dir).unwrap();
-    let imported = opendsec_images::offline::import_rootfs(&store, &root, &Default::default()).await.unwrap();
+    let imported = opendsec_images::offline::import_rootfs(&store, root, &Default::default()).await.unwrap();
     let manifest = opendsec_images::Manifest {
         v: 1,
         project: "root".into(),
-        repo: "busybox".into(),
+        repo: repo.into(),
         tag: "latest".into(),
         layers: imported.layers.clone(),
         config: imported.config.clone(),
