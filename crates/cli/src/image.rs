@@ -16,6 +16,7 @@ use opendsec_common::ApiError;
 use opendsec_common::config::{Config, ImagesConfig};
 use opendsec_images::import::{self, Credentials, ImportOptions, Imported};
 use opendsec_images::layer::Limits;
+use opendsec_images::offline;
 use opendsec_images::{ImageRef, LayerId, Store, gc, merge, storecheck};
 use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
@@ -384,9 +385,9 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         None => return Err(CtlError::Api(ApiError::invalid("cannot derive an image name: give --name repo:tag"))),
     };
     let imported: Imported = match (&args.oci_layout, &args.docker_archive, &args.rootfs) {
-        (Some(dir), _, _) => import::import_oci_layout(&store, dir, reference, &opts).await,
-        (_, Some(file), _) => import::import_docker_archive(&store, file, &opts).await,
-        (_, _, Some(path)) => import::import_rootfs(&store, path, &opts).await,
+        (Some(dir), _, _) => offline::import_oci_layout(&store, dir, reference, &opts).await,
+        (_, Some(file), _) => offline::import_docker_archive(&store, file, &opts).await,
+        (_, _, Some(path)) => offline::import_rootfs(&store, path, &opts).await,
         _ => {
             let r = reference.ok_or_else(|| {
                 CtlError::Api(ApiError::invalid(

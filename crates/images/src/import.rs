@@ -30,54 +30,29 @@ use crate::registry::manifest::{self, ConfigFile, ImageManifest, ManifestDoc, he
 use crate::registry::{Client, Reference, auth};
 use crate::store::{ImageConfig, LayerId, LayerMeta, Store, StoreError};
 
-pub use crate::offline::{import_docker_archive, import_oci_layout, import_rootfs};
-pub use crate::registry::Credentials;
+pub use crate::registry::{Credentials, RegistryError};
 
 /// Layer blobs downloaded at the same time.
 pub const DOWNLOAD_CONCURRENCY: usize = 4;
 
+/// Why an import failed: the registry's answer ([`RegistryError`]), or what the import itself
+/// found wrong in the image (archives, layers, sizes, digests) or in the store.
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
-    #[error("invalid image reference {reference:?}: {why}")]
-    InvalidReference { reference: String, why: &'static str },
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
     #[error("manifest {reference} not found")]
     ManifestNotFound { reference: String },
-    #[error("blob {digest} not found in {repository}")]
-    BlobNotFound { repository: String, digest: String },
-    #[error("not authorized by {registry}: {why}")]
-    Unauthorized { registry: String, why: String },
-    #[error("{url} answered HTTP {status}{}{}", code.as_ref().map(|c| format!(" {c}")).unwrap_or_default(), message.as_ref().map(|m| format!(": {m}")).unwrap_or_default())]
-    Registry { url: String, status: u16, code: Option<String>, message: Option<String> },
-    #[error("{url} did not answer within {timeout:?}")]
-    Timeout { url: String, timeout: Duration },
-    #[error("request to {url} failed: {}", error_chain(source))]
-    Http { url: String, source: reqwest::Error },
-    #[error("{url}: more than {max} redirects")]
-    TooManyRedirects { url: String, max: usize },
-    #[error("{url}: bad redirect: {why}")]
-    BadRedirect { url: String, why: &'static str },
-    #[error("token service {realm}: {why}")]
-    Token { realm: String, why: String },
     #[error("digest mismatch for {what}: expected {expected}, got {actual}")]
     DigestMismatch { what: String, expected: String, actual: String },
     #[error("{what}: expected {expected} bytes, got {actual}")]
     SizeMismatch { what: String, expected: u64, actual: u64 },
     #[error("{what} is {size} bytes, more than the limit of {limit}")]
     TooLarge { what: String, size: u64, limit: u64 },
-    #[error("unsupported digest {0:?} (only sha256 is supported)")]
-    UnsupportedDigest(String),
-    #[error("{what} has unsupported media type {media_type:?}")]
-    UnsupportedMediaType { what: String, media_type: String },
-    #[error("{reference} has no linux/amd64 image (it has: {})", available.join(", "))]
-    NoAmd64 { reference: String, available: Vec<String> },
     #[error("{what} is not valid: {why}")]
     InvalidManifest { what: String, why: String },
     #[error("{what} is not valid JSON: {source}")]
     Json { what: String, source: serde_json::Error },
-    #[error("docker config {path}: {why}")]
-    DockerConfig { path: PathBuf, why: String },
-    #[error("credential helper {helper}: {why}")]
-    CredentialHelper { helper: String, why: String },
     #[error("{path}: {why}")]
     InvalidArchive { path: PathBuf, why: String },
     #[error("{path} holds several images ({}); name one with a tag", names.join(", "))]
@@ -90,22 +65,6 @@ pub enum ImportError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("the import was interrupted (the runtime is shutting down)")]
     Interrupted,
-}
-
-/// An error and its causes, `a: b: c` (reqwest's own message alone says little, such as
-/// "error sending request"; the cause says "connection refused").
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let s = c.to_string();
-        if !out.ends_with(&s) {
-            out.push_str(": ");
-            out.push_str(&s);
-        }
-        cur = c.source();
-    }
-    out
 }
 
 /// How to import. `Default`: anonymous (or docker's config), https, default limits, no
@@ -564,14 +523,14 @@ mod tests {
 
     #[test]
     fn errors_read_well_and_hold_no_secrets() {
-        let e = ImportError::Registry {
+        let e = RegistryError::Status {
             url: "https://r.example/v2/x/manifests/y".into(),
             status: 500,
             code: Some("UNKNOWN".into()),
             message: Some("boom".into()),
         };
         assert_eq!(e.to_string(), "https://r.example/v2/x/manifests/y answered HTTP 500 UNKNOWN: boom");
-        let e = ImportError::Registry { url: "u".into(), status: 502, code: None, message: None };
+        let e = RegistryError::Status { url: "u".into(), status: 502, code: None, message: None };
         assert_eq!(e.to_string(), "u answered HTTP 502");
         let o = ImportOptions {
             credentials: Some(Credentials { username: "u".into(), password: "hunter2".into() }),

@@ -22,6 +22,7 @@ pub mod decompress;
 pub mod gc;
 pub mod import;
 pub mod layer;
+pub mod limits;
 pub mod merge;
 pub mod offline;
 pub mod overlay;

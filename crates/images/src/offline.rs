@@ -123,7 +123,7 @@ fn choose_in_layout(dir: &Path, index: &ImageIndex, tag: Option<&str>) -> Result
         // Several entries under one name: the platforms of one image.
         _ => {
             let sub = ImageIndex { schema_version: 2, media_type: None, manifests: candidates };
-            choose_amd64(&shown, &sub).cloned()
+            Ok(choose_amd64(&shown, &sub).cloned()?)
         }
     }
 }

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
 
-use crate::layer::LayerError;
+use crate::limits::LayerError;
 use crate::store::{LayerId, Store, StoreError};
 use crate::unpack::{is_whiteout, open_dir};
 
@@ -44,6 +44,7 @@ pub struct Found {
 }
 
 /// Layer rootfs directories, bottom first, opened once.
+#[derive(Debug)]
 pub struct LayerStack {
     roots: Vec<OwnedFd>,
     paths: Vec<PathBuf>,
@@ -142,6 +143,7 @@ impl LayerStack {
 }
 
 /// One directory of the merged view: the layers that contribute to it.
+#[derive(Debug)]
 pub struct DirView<'a> {
     stack: &'a LayerStack,
     path: Vec<u8>,

@@ -10,6 +10,7 @@ use std::time::Duration;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// The display of one import.
+#[derive(Debug)]
 pub struct Progress {
     multi: Option<MultiProgress>,
 }
@@ -50,7 +51,7 @@ fn spinner_style() -> ProgressStyle {
 }
 
 /// One layer's line; cheap to clone and to update from a download task.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct LayerProgress {
     bar: Option<ProgressBar>,
 }

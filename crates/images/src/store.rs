@@ -213,6 +213,7 @@ pub const LAYER_USERS: &str = "users";
 /// Layers below this depth of a path are refused (absurdly deep directories).
 pub const MAX_PATH_DEPTH: usize = 128;
 
+#[derive(Debug)]
 pub struct Store {
     root: PathBuf,
 }
@@ -477,6 +478,7 @@ impl Store {
 }
 
 /// A layer being written; removed on drop unless committed.
+#[derive(Debug)]
 pub struct PendingLayer {
     dir: PathBuf,
     committed: bool,

@@ -49,7 +49,7 @@ use sha2::{Digest, Sha256};
 use tar::EntryType;
 
 use crate::decompress::{self, Compression};
-use crate::layer::{LayerError, Limits};
+use crate::limits::{LayerError, Limits};
 use crate::store::LayerId;
 
 /// How much tar may read between two entries (PAX headers, GNU long names, padding).

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use opendsec_images::import::{Credentials, ImportError, ImportOptions, import_from_registry};
+use opendsec_images::import::{Credentials, ImportError, ImportOptions, RegistryError, import_from_registry};
 use opendsec_images::layer::{Compression, Limits, import_layer};
 use opendsec_images::{LayerId, Store};
 use support::*;
@@ -189,7 +189,9 @@ async fn an_index_resolves_to_linux_amd64() {
     reg.push(only_arm.path(), "arm", "armonly", true);
     let (_d2, store2) = new_store();
     match import_from_registry(&store2, &reg.reference("armonly:arm"), &local_opts()).await {
-        Err(ImportError::NoAmd64 { available, .. }) => assert_eq!(available, vec!["linux/arm64".to_string()]),
+        Err(ImportError::Registry(RegistryError::NoAmd64 { available, .. })) => {
+            assert_eq!(available, vec!["linux/arm64".to_string()])
+        }
         other => panic!("expected NoAmd64, got {other:?}"),
     }
     assert_store_clean(&store2);
@@ -230,7 +232,7 @@ async fn basic_auth_registry() {
     // Without credentials: a clear refusal, nothing stored.
     let (_d, store) = new_store();
     let err = import_from_registry(&store, &reference, &local_opts()).await.unwrap_err();
-    assert!(matches!(err, ImportError::Unauthorized { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::Unauthorized { .. })), "{err:?}");
     assert!(err.to_string().contains("user name and password"), "{err}");
     assert_store_clean(&store);
 
@@ -240,7 +242,7 @@ async fn basic_auth_registry() {
         ..local_opts()
     };
     let err = import_from_registry(&store, &reference, &wrong).await.unwrap_err();
-    assert!(matches!(err, ImportError::Unauthorized { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::Unauthorized { .. })), "{err:?}");
     assert!(!err.to_string().contains("nope"));
     assert_store_clean(&store);
 
@@ -279,7 +281,7 @@ async fn token_service_and_redirects_without_credentials() {
     // Anonymous: the token service refuses.
     let (_d, store) = new_store();
     let err = import_from_registry(&store, &reference, &local_opts()).await.unwrap_err();
-    assert!(matches!(err, ImportError::Unauthorized { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::Unauthorized { .. })), "{err:?}");
     assert_store_clean(&store);
 
     // Basic credentials exchanged for a token; blobs come from the other port, without them.
@@ -325,7 +327,7 @@ async fn a_registry_that_hangs_times_out() {
     .expect("the import gave up on the hung registry")
     .unwrap_err();
 
-    assert!(matches!(err, ImportError::Timeout { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::Timeout { .. })), "{err:?}");
     assert!(err.to_string().contains("did not answer"), "{err}");
     assert_store_clean(&store);
 }
@@ -337,7 +339,7 @@ async fn a_registry_that_is_not_there() {
 
     let err = import_from_registry(&store, &format!("127.0.0.1:{port}/x:y"), &local_opts()).await.unwrap_err();
 
-    assert!(matches!(err, ImportError::Http { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::Http { .. })), "{err:?}");
     assert!(err.to_string().contains("refused"), "{err}");
     assert_store_clean(&store);
 }
@@ -354,7 +356,7 @@ async fn a_blob_that_stalls_times_out_and_leaves_nothing() {
 
     let err = import_from_registry(&store, &format!("{}/x:v1", server.addr), &opts).await.unwrap_err();
 
-    assert!(matches!(err, ImportError::Timeout { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::Timeout { .. })), "{err:?}");
     assert_store_clean(&store);
 }
 
@@ -370,7 +372,9 @@ async fn a_corrupt_blob_is_a_digest_mismatch() {
     let err = import_from_registry(&store, &format!("{}/x:v1", server.addr), &local_opts()).await.unwrap_err();
 
     match &err {
-        ImportError::DigestMismatch { expected, .. } => assert_eq!(expected, &img.layers[0].digest),
+        ImportError::Registry(RegistryError::DigestMismatch { expected, .. }) => {
+            assert_eq!(expected, &img.layers[0].digest)
+        }
         other => panic!("expected DigestMismatch, got {other:?}"),
     }
     assert_store_clean(&store);
@@ -396,7 +400,7 @@ async fn a_manifest_naming_a_missing_blob() {
     let err = import_from_registry(&store, &format!("{}/x:v1", server.addr), &local_opts()).await.unwrap_err();
 
     match &err {
-        ImportError::BlobNotFound { digest, .. } => assert_eq!(digest, &img.layers[0].digest),
+        ImportError::Registry(RegistryError::BlobNotFound { digest, .. }) => assert_eq!(digest, &img.layers[0].digest),
         other => panic!("expected BlobNotFound, got {other:?}"),
     }
     assert_store_clean(&store);
@@ -408,13 +412,13 @@ async fn a_manifest_naming_a_missing_blob() {
     let server = serve_fake(fake.clone()).await;
     let (_d2, store2) = new_store();
     let err = import_from_registry(&store2, &format!("{}/x:v1", server.addr), &local_opts()).await.unwrap_err();
-    assert!(matches!(err, ImportError::BlobNotFound { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::BlobNotFound { .. })), "{err:?}");
     assert!(stored_layers(&store2).len() <= 2);
     assert_tmp_empty(&store2);
 
     // And a missing manifest.
     let err = import_from_registry(&store2, &format!("{}/x:nope", server.addr), &local_opts()).await.unwrap_err();
-    assert!(matches!(err, ImportError::ManifestNotFound { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::ManifestNotFound { .. })), "{err:?}");
 }
 
 #[tokio::test]
@@ -428,7 +432,7 @@ async fn limits_stop_downloads() {
 
     let err = import_from_registry(&store, &format!("{}/x:v1", server.addr), &opts).await.unwrap_err();
 
-    assert!(matches!(err, ImportError::TooLarge { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::TooLarge { .. })), "{err:?}");
     assert_eq!(fake.blob_gets.load(Ordering::SeqCst), 1, "only the config was fetched");
     assert_store_clean(&store);
 }

@@ -6,8 +6,9 @@ mod support;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::Command;
 
-use opendsec_images::import::{ImportError, ImportOptions, import_docker_archive, import_oci_layout, import_rootfs};
+use opendsec_images::import::{ImportError, ImportOptions};
 use opendsec_images::layer::{LayerError, Limits};
+use opendsec_images::offline::{import_docker_archive, import_oci_layout, import_rootfs};
 use opendsec_images::{LayerId, Store};
 use support::*;
 

@@ -13,7 +13,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::Deserialize;
 
-use crate::import::ImportError;
+use super::error::RegistryError;
 
 /// A user name and password (or personal access token) for a registry.
 #[derive(Clone, PartialEq, Eq)]
@@ -112,8 +112,8 @@ pub enum Found {
 }
 
 impl DockerConfig {
-    pub fn parse(path: &Path, bytes: &[u8]) -> Result<DockerConfig, ImportError> {
-        serde_json::from_slice(bytes).map_err(|e| ImportError::DockerConfig {
+    pub fn parse(path: &Path, bytes: &[u8]) -> Result<DockerConfig, RegistryError> {
+        serde_json::from_slice(bytes).map_err(|e| RegistryError::DockerConfig {
             path: path.to_path_buf(),
             // Only the position: serde's messages may quote values, which may be secrets.
             why: format!(
@@ -126,7 +126,7 @@ impl DockerConfig {
     }
 
     /// docker's order: a helper for this host, else an inline entry, else the default store.
-    pub fn lookup(&self, path: &Path, host: &str) -> Result<Found, ImportError> {
+    pub fn lookup(&self, path: &Path, host: &str) -> Result<Found, RegistryError> {
         if let Some((_, helper)) = self.cred_helpers.iter().find(|(k, _)| key_matches(k, host)) {
             return Ok(Found::Helper(helper.clone()));
         }
@@ -137,7 +137,7 @@ impl DockerConfig {
                 return Ok(Found::Auth(Auth::IdentityToken(t.to_string())));
             }
             if let Some(a) = e.auth.as_deref().filter(|a| !a.is_empty()) {
-                let bad = |why: &str| ImportError::DockerConfig {
+                let bad = |why: &str| RegistryError::DockerConfig {
                     path: path.to_path_buf(),
                     why: format!("auths entry for {host}: {why}"),
                 };
@@ -175,7 +175,7 @@ pub async fn resolve(
     explicit: Option<&Credentials>,
     docker_config: Option<&Path>,
     timeout: Duration,
-) -> Result<Auth, ImportError> {
+) -> Result<Auth, RegistryError> {
     if let Some(c) = explicit {
         return Ok(Auth::Basic(c.clone()));
     }
@@ -183,7 +183,7 @@ pub async fn resolve(
     let bytes = match tokio::fs::read(&path).await {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && docker_config.is_none() => return Ok(Auth::Anonymous),
-        Err(source) => return Err(ImportError::Io { path, source }),
+        Err(source) => return Err(RegistryError::Io { path, source }),
     };
     let found = DockerConfig::parse(&path, &bytes).and_then(|c| c.lookup(&path, host));
     let found = match found {
@@ -233,8 +233,8 @@ fn helper_auth(stdout: &[u8]) -> Option<Auth> {
 }
 
 /// Runs `docker-credential-<helper> get` with the server URL on stdin.
-async fn run_helper(helper: &str, host: &str, timeout: Duration) -> Result<Auth, ImportError> {
-    let err = |why: String| ImportError::CredentialHelper { helper: helper.chars().take(64).collect(), why };
+async fn run_helper(helper: &str, host: &str, timeout: Duration) -> Result<Auth, RegistryError> {
+    let err = |why: String| RegistryError::CredentialHelper { helper: helper.chars().take(64).collect(), why };
     // The name comes from a file: it must not be able to name another program.
     if helper.is_empty() || !helper.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c)) {
         return Err(err("the helper name must be [A-Za-z0-9._-]+".into()));
@@ -249,9 +249,9 @@ async fn run_helper_program(
     program: &Path,
     server: &str,
     timeout: Duration,
-) -> Result<Auth, ImportError> {
+) -> Result<Auth, RegistryError> {
     use tokio::io::AsyncWriteExt;
-    let err = |why: String| ImportError::CredentialHelper { helper: helper.chars().take(64).collect(), why };
+    let err = |why: String| RegistryError::CredentialHelper { helper: helper.chars().take(64).collect(), why };
     let program_name = program.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
     let program = program.as_os_str();
     let mut child = tokio::process::Command::new(program)
@@ -366,7 +366,7 @@ pub fn parse_challenges(header: &str) -> Vec<Challenge> {
 }
 
 /// A token service's answer: `token` (docker) or `access_token` (OAuth2).
-#[derive(Deserialize)]
+#[derive(Debug, Deserialize)]
 pub struct TokenResponse {
     #[serde(default)]
     token: Option<String>,
@@ -487,7 +487,7 @@ mod tests {
         let e = run_helper_program("broken", &broken, "x", t).await.unwrap_err().to_string();
         assert!(e.contains("failed") && !e.contains("secret-ish"), "{e}");
         assert!(run_helper_program("missing", &dir.path().join("missing"), "x", t).await.is_err());
-        assert!(matches!(run_helper("../../bin/sh", "x", t).await, Err(ImportError::CredentialHelper { .. })));
+        assert!(matches!(run_helper("../../bin/sh", "x", t).await, Err(RegistryError::CredentialHelper { .. })));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::import::ImportError;
+use super::error::RegistryError;
 use crate::store::ImageConfig;
 
 pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
@@ -74,15 +74,15 @@ pub fn hex(bytes: &[u8]) -> String {
 }
 
 /// Checks that `digest` is `sha256:` + 64 lowercase hex digits and returns the hex part.
-pub fn validate_digest(digest: &str) -> Result<&str, ImportError> {
+pub fn validate_digest(digest: &str) -> Result<&str, RegistryError> {
     match digest.split_once(':') {
         Some(("sha256", hex))
             if hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)) =>
         {
             Ok(hex)
         }
-        Some((alg, _)) if !alg.is_empty() && alg != "sha256" => Err(ImportError::UnsupportedDigest(trunc(digest))),
-        _ => Err(ImportError::InvalidManifest {
+        Some((alg, _)) if !alg.is_empty() && alg != "sha256" => Err(RegistryError::UnsupportedDigest(trunc(digest))),
+        _ => Err(RegistryError::InvalidManifest {
             what: "digest".into(),
             why: format!("{:?} is not sha256:<64 hex digits>", trunc(digest)),
         }),
@@ -90,11 +90,11 @@ pub fn validate_digest(digest: &str) -> Result<&str, ImportError> {
 }
 
 /// Checks that `bytes` hash to `expected`.
-pub fn verify_digest(what: &str, expected: &str, bytes: &[u8]) -> Result<(), ImportError> {
+pub fn verify_digest(what: &str, expected: &str, bytes: &[u8]) -> Result<(), RegistryError> {
     validate_digest(expected)?;
     let actual = sha256_digest(bytes);
     if actual != expected {
-        return Err(ImportError::DigestMismatch { what: what.into(), expected: expected.into(), actual });
+        return Err(RegistryError::DigestMismatch { what: what.into(), expected: expected.into(), actual });
     }
     Ok(())
 }
@@ -170,7 +170,7 @@ pub enum ManifestDoc {
 
 /// Reads a manifest or index. The kind comes from the document's `mediaType`, else the HTTP
 /// content type, else its shape (`manifests` vs `layers`).
-pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> Result<ManifestDoc, ImportError> {
+pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> Result<ManifestDoc, RegistryError> {
     #[derive(Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct Probe {
@@ -183,7 +183,7 @@ pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> R
         #[serde(default)]
         config: Option<serde_json::Value>,
     }
-    let json = |source| ImportError::Json { what: what.into(), source };
+    let json = |source| RegistryError::Json { what: what.into(), source };
     let probe: Probe = serde_json::from_slice(bytes).map_err(json)?;
     // The content type may carry parameters (`; charset=utf-8`).
     let header = content_type.map(|c| c.split(';').next().unwrap_or("").trim()).filter(|c| !c.is_empty());
@@ -192,16 +192,19 @@ pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> R
         Some(OCI_INDEX | DOCKER_MANIFEST_LIST) => true,
         Some(OCI_MANIFEST | DOCKER_MANIFEST) => false,
         Some(m) if DOCKER_SCHEMA1.contains(&m) => {
-            return Err(ImportError::UnsupportedMediaType { what: what.into(), media_type: m.into() });
+            return Err(RegistryError::UnsupportedMediaType { what: what.into(), media_type: m.into() });
         }
         None if probe.schema_version == 1 => {
-            return Err(ImportError::UnsupportedMediaType { what: what.into(), media_type: DOCKER_SCHEMA1[0].into() });
+            return Err(RegistryError::UnsupportedMediaType {
+                what: what.into(),
+                media_type: DOCKER_SCHEMA1[0].into(),
+            });
         }
         None => probe.manifests.is_some() && probe.config.is_none(),
-        Some(m) => return Err(ImportError::UnsupportedMediaType { what: what.into(), media_type: trunc(m) }),
+        Some(m) => return Err(RegistryError::UnsupportedMediaType { what: what.into(), media_type: trunc(m) }),
     };
     if probe.schema_version != 2 {
-        return Err(ImportError::InvalidManifest {
+        return Err(RegistryError::InvalidManifest {
             what: what.into(),
             why: format!("schemaVersion {} (expected 2)", probe.schema_version),
         });
@@ -219,17 +222,17 @@ pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> R
     }
 }
 
-fn validate_image_manifest(what: &str, m: &ImageManifest) -> Result<(), ImportError> {
+fn validate_image_manifest(what: &str, m: &ImageManifest) -> Result<(), RegistryError> {
     validate_digest(&m.config.digest)?;
     if !m.config.media_type.is_empty() && m.config.media_type != DOCKER_CONFIG && m.config.media_type != OCI_CONFIG {
         // Artifacts (helm charts, signatures, ...) are not images.
-        return Err(ImportError::UnsupportedMediaType {
+        return Err(RegistryError::UnsupportedMediaType {
             what: format!("config of {what}"),
             media_type: trunc(&m.config.media_type),
         });
     }
     if m.layers.len() > MAX_LAYERS {
-        return Err(ImportError::InvalidManifest {
+        return Err(RegistryError::InvalidManifest {
             what: what.into(),
             why: format!("{} layers (at most {MAX_LAYERS})", m.layers.len()),
         });
@@ -237,7 +240,7 @@ fn validate_image_manifest(what: &str, m: &ImageManifest) -> Result<(), ImportEr
     for l in &m.layers {
         validate_digest(&l.digest)?;
         if !is_layer_media_type(&l.media_type) {
-            return Err(ImportError::UnsupportedMediaType {
+            return Err(RegistryError::UnsupportedMediaType {
                 what: format!("layer {}", l.digest),
                 media_type: trunc(&l.media_type),
             });
@@ -253,7 +256,7 @@ fn is_attestation(d: &Descriptor) -> bool {
 
 /// Picks the linux/amd64 image of an index: an entry without variant (or `v1`) first, else
 /// the first amd64 entry whatever its variant.
-pub fn choose_amd64<'a>(reference: &str, index: &'a ImageIndex) -> Result<&'a Descriptor, ImportError> {
+pub fn choose_amd64<'a>(reference: &str, index: &'a ImageIndex) -> Result<&'a Descriptor, RegistryError> {
     let candidates: Vec<&Descriptor> = index
         .manifests
         .iter()
@@ -265,7 +268,7 @@ pub fn choose_amd64<'a>(reference: &str, index: &'a ImageIndex) -> Result<&'a De
         .find(|d| d.platform.as_ref().and_then(|p| p.variant.as_deref()).is_none_or(|v| v.is_empty() || v == "v1"));
     match plain.or(candidates.first()) {
         Some(d) => Ok(d),
-        None => Err(ImportError::NoAmd64 {
+        None => Err(RegistryError::NoAmd64 {
             reference: reference.into(),
             available: index
                 .manifests
@@ -313,17 +316,17 @@ pub struct RootFs {
 
 impl ConfigFile {
     /// Parses a config and checks its diff ids against the manifest's layer count.
-    pub fn parse(what: &str, bytes: &[u8], layers: usize) -> Result<ConfigFile, ImportError> {
+    pub fn parse(what: &str, bytes: &[u8], layers: usize) -> Result<ConfigFile, RegistryError> {
         let c: ConfigFile =
-            serde_json::from_slice(bytes).map_err(|source| ImportError::Json { what: what.into(), source })?;
+            serde_json::from_slice(bytes).map_err(|source| RegistryError::Json { what: what.into(), source })?;
         if c.rootfs.kind != "layers" {
-            return Err(ImportError::InvalidManifest {
+            return Err(RegistryError::InvalidManifest {
                 what: what.into(),
                 why: format!("rootfs type {:?} (expected \"layers\")", trunc(&c.rootfs.kind)),
             });
         }
         if c.rootfs.diff_ids.len() != layers {
-            return Err(ImportError::InvalidManifest {
+            return Err(RegistryError::InvalidManifest {
                 what: what.into(),
                 why: format!("{} diff ids for {layers} layers", c.rootfs.diff_ids.len()),
             });
@@ -364,14 +367,14 @@ mod tests {
         assert!(validate_digest(&d('a')).is_ok());
         assert!(matches!(
             validate_digest(&format!("sha512:{}", "a".repeat(128))),
-            Err(ImportError::UnsupportedDigest(_))
+            Err(RegistryError::UnsupportedDigest(_))
         ));
         for bad in ["", "sha256:", "sha256:ABC", &format!("sha256:{}", "A".repeat(64)), "sha256:../../x", &d('a')[1..]]
         {
             assert!(validate_digest(bad).is_err(), "{bad}");
         }
         assert!(verify_digest("x", &sha256_digest(b"hi"), b"hi").is_ok());
-        assert!(matches!(verify_digest("x", &sha256_digest(b"hi"), b"ho"), Err(ImportError::DigestMismatch { .. })));
+        assert!(matches!(verify_digest("x", &sha256_digest(b"hi"), b"ho"), Err(RegistryError::DigestMismatch { .. })));
     }
 
     fn manifest_json(mt: Option<&str>, layer_mt: &str) -> String {
@@ -404,11 +407,14 @@ mod tests {
         let bad_layer = manifest_json(Some(OCI_MANIFEST), "application/vnd.cncf.helm.chart.content.v1.tar+gzip");
         assert!(matches!(
             parse_manifest("m", bad_layer.as_bytes(), None),
-            Err(ImportError::UnsupportedMediaType { .. })
+            Err(RegistryError::UnsupportedMediaType { .. })
         ));
         let schema1 = r#"{"schemaVersion":1,"name":"x","fsLayers":[]}"#;
-        assert!(matches!(parse_manifest("m", schema1.as_bytes(), None), Err(ImportError::UnsupportedMediaType { .. })));
-        assert!(matches!(parse_manifest("m", b"{not json", None), Err(ImportError::Json { .. })));
+        assert!(matches!(
+            parse_manifest("m", schema1.as_bytes(), None),
+            Err(RegistryError::UnsupportedMediaType { .. })
+        ));
+        assert!(matches!(parse_manifest("m", b"{not json", None), Err(RegistryError::Json { .. })));
 
         let index = format!(
             r#"{{"schemaVersion":2,"manifests":[
@@ -432,7 +438,7 @@ mod tests {
         let mut arm = i.clone();
         arm.manifests.truncate(2);
         match choose_amd64("r", &arm) {
-            Err(ImportError::NoAmd64 { available, .. }) => assert_eq!(available, vec!["linux/arm64/v8".to_string()]),
+            Err(RegistryError::NoAmd64 { available, .. }) => assert_eq!(available, vec!["linux/arm64/v8".to_string()]),
             other => panic!("expected NoAmd64, got {other:?}"),
         }
     }
@@ -451,7 +457,7 @@ mod tests {
         assert_eq!(ic.workdir, "/w");
         assert_eq!(ic.user, "1:1");
         assert!(ic.entrypoint.is_empty());
-        assert!(matches!(ConfigFile::parse("c", c.as_bytes(), 2), Err(ImportError::InvalidManifest { .. })));
+        assert!(matches!(ConfigFile::parse("c", c.as_bytes(), 2), Err(RegistryError::InvalidManifest { .. })));
         // Null fields (docker writes `"Cmd": null`) are fine.
         let nulls =
             format!(r#"{{"config":{{"Env":null,"Cmd":null}},"rootfs":{{"type":"layers","diff_ids":["{}"]}}}}"#, d('b'));

@@ -7,7 +7,7 @@
 //!   host and port) and to the token realm it names; redirects are followed by hand (at most
 //!   [`MAX_REDIRECTS`]) and a redirect to any other origin carries no `Authorization`;
 //! - every request has a connect timeout and an idle (per read) timeout, so a registry that
-//!   stops answering fails with [`ImportError::Timeout`];
+//!   stops answering fails with [`RegistryError::Timeout`];
 //! - nothing is read into memory unbounded: manifests and configs have size caps, blobs are
 //!   streamed to a temporary file while hashed, and cut off at their declared size;
 //! - every byte handed out has been checked against its sha256 digest;
@@ -15,6 +15,7 @@
 //!   no credential or token is ever logged.
 
 pub mod auth;
+mod error;
 pub mod manifest;
 pub mod reference;
 
@@ -28,10 +29,10 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
 pub use auth::{Auth, Credentials};
+pub use error::RegistryError;
 pub use manifest::{Descriptor, ManifestDoc};
 pub use reference::Reference;
 
-use crate::import::ImportError;
 use manifest::{MANIFEST_ACCEPT, hex, trunc, validate_digest};
 
 /// Redirects followed per request.
@@ -54,6 +55,7 @@ fn same_origin(a: &Url, b: &Url) -> bool {
 }
 
 /// A manifest as the registry sent it.
+#[derive(Debug)]
 pub struct FetchedManifest {
     pub bytes: Vec<u8>,
     pub content_type: Option<String>,
@@ -70,6 +72,7 @@ enum Target<'a> {
 /// A client for one repository of one registry. Shared by the concurrent downloads of an
 /// import (`Arc<Client>`); the current `Authorization` for the registry is shared too, so one
 /// token serves them all.
+#[derive(Debug)]
 pub struct Client {
     http: reqwest::Client,
     base: Url,
@@ -89,10 +92,13 @@ impl Client {
         auth: Auth,
         insecure_http: bool,
         timeout: Duration,
-    ) -> Result<Client, ImportError> {
+    ) -> Result<Client, RegistryError> {
         let scheme = if insecure_http { "http" } else { "https" };
         let base = Url::parse(&format!("{scheme}://{}/", reference.registry)).map_err(|_| {
-            ImportError::InvalidReference { reference: reference.to_string(), why: "the registry is not a valid host" }
+            RegistryError::InvalidReference {
+                reference: reference.to_string(),
+                why: "the registry is not a valid host",
+            }
         })?;
         let mut builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
@@ -104,7 +110,7 @@ impl Client {
         if host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()) {
             builder = builder.no_proxy();
         }
-        let http = builder.build().map_err(|source| ImportError::Http { url: redact(&base), source })?;
+        let http = builder.build().map_err(|source| RegistryError::Http { url: redact(&base), source })?;
         Ok(Client {
             http,
             base,
@@ -125,11 +131,11 @@ impl Client {
         &self.repository
     }
 
-    fn http_error(&self, url: &Url, e: reqwest::Error) -> ImportError {
+    fn http_error(&self, url: &Url, e: reqwest::Error) -> RegistryError {
         if e.is_timeout() {
-            ImportError::Timeout { url: redact(url), timeout: self.timeout }
+            RegistryError::Timeout { url: redact(url), timeout: self.timeout }
         } else {
-            ImportError::Http { url: redact(url), source: e.without_url() }
+            RegistryError::Http { url: redact(url), source: e.without_url() }
         }
     }
 
@@ -137,8 +143,8 @@ impl Client {
         self.authorization.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn set_authorization(&self, value: &str) -> Result<(), ImportError> {
-        let mut v = HeaderValue::from_str(value).map_err(|_| ImportError::Unauthorized {
+    fn set_authorization(&self, value: &str) -> Result<(), RegistryError> {
+        let mut v = HeaderValue::from_str(value).map_err(|_| RegistryError::Unauthorized {
             registry: self.registry.clone(),
             why: "the token is not a valid header value".into(),
         })?;
@@ -154,7 +160,7 @@ impl Client {
         url: Url,
         accept: Option<&str>,
         authorization: Option<&HeaderValue>,
-    ) -> Result<(reqwest::Response, bool), ImportError> {
+    ) -> Result<(reqwest::Response, bool), RegistryError> {
         let mut url = url;
         for _ in 0..=MAX_REDIRECTS {
             let on_registry = same_origin(&url, &self.base);
@@ -169,7 +175,7 @@ impl Client {
             if resp.status().is_redirection()
                 && let Some(loc) = resp.headers().get(LOCATION)
             {
-                let bad = |why: &'static str| ImportError::BadRedirect { url: redact(&url), why };
+                let bad = |why: &'static str| RegistryError::BadRedirect { url: redact(&url), why };
                 let loc = loc.to_str().map_err(|_| bad("the Location header is not text"))?;
                 let next = url.join(loc).map_err(|_| bad("the Location header is not a URL"))?;
                 if next.scheme() != "https" && next.scheme() != "http" {
@@ -181,7 +187,7 @@ impl Client {
             }
             return Ok((resp, on_registry));
         }
-        Err(ImportError::TooManyRedirects { url: redact(&url), max: MAX_REDIRECTS })
+        Err(RegistryError::TooManyRedirects { url: redact(&url), max: MAX_REDIRECTS })
     }
 
     /// GET `path` (relative to the registry root), authenticating on a 401 challenge once.
@@ -190,11 +196,11 @@ impl Client {
         path: &str,
         accept: Option<&str>,
         target: Target<'_>,
-    ) -> Result<reqwest::Response, ImportError> {
+    ) -> Result<reqwest::Response, RegistryError> {
         let url = self
             .base
             .join(path)
-            .map_err(|_| ImportError::InvalidReference { reference: trunc(path), why: "not a valid URL path" })?;
+            .map_err(|_| RegistryError::InvalidReference { reference: trunc(path), why: "not a valid URL path" })?;
         let mut authenticated = false;
         loop {
             let authorization = self.current_authorization();
@@ -221,7 +227,7 @@ impl Client {
     }
 
     /// Answers a 401: a bearer token from the realm, or Basic credentials.
-    async fn authenticate(&self, challenges: &[auth::Challenge]) -> Result<(), ImportError> {
+    async fn authenticate(&self, challenges: &[auth::Challenge]) -> Result<(), RegistryError> {
         let bearer = challenges.iter().find_map(|c| match c {
             auth::Challenge::Bearer { realm, service, scope } => Some((realm, service, scope)),
             auth::Challenge::Basic => None,
@@ -244,8 +250,8 @@ impl Client {
         Err(self.unauthorized("the registry refused the request without offering Bearer or Basic authentication"))
     }
 
-    fn unauthorized(&self, why: &str) -> ImportError {
-        ImportError::Unauthorized { registry: self.registry.clone(), why: why.into() }
+    fn unauthorized(&self, why: &str) -> RegistryError {
+        RegistryError::Unauthorized { registry: self.registry.clone(), why: why.into() }
     }
 
     /// Gets a token from a token service (docker's token protocol; OAuth2 refresh for
@@ -255,19 +261,19 @@ impl Client {
         realm: &str,
         service: Option<&str>,
         scope: Option<&str>,
-    ) -> Result<String, ImportError> {
+    ) -> Result<String, RegistryError> {
         let mut url = Url::parse(realm)
-            .map_err(|_| ImportError::Token { realm: trunc(realm), why: "the realm is not a URL".into() })?;
+            .map_err(|_| RegistryError::Token { realm: trunc(realm), why: "the realm is not a URL".into() })?;
         let realm_shown = redact(&url);
         if url.scheme() != "https" && url.scheme() != "http" {
-            return Err(ImportError::Token { realm: realm_shown, why: "the realm is not http or https".into() });
+            return Err(RegistryError::Token { realm: realm_shown, why: "the realm is not http or https".into() });
         }
         let default_scope = format!("repository:{}:pull", self.repository);
         let scope = scope.unwrap_or(&default_scope);
         // Credentials never travel in clear text, unless the user asked for plain http.
         let may_send_secrets = url.scheme() == "https" || self.insecure_http;
         if !may_send_secrets && self.auth != Auth::Anonymous {
-            return Err(ImportError::Token {
+            return Err(RegistryError::Token {
                 realm: realm_shown,
                 why: "refusing to send credentials to a token service over plain http".into(),
             });
@@ -316,29 +322,29 @@ impl Client {
             }));
         }
         if !status.is_success() {
-            return Err(ImportError::Token { realm: realm_shown, why: format!("answered {status}") });
+            return Err(RegistryError::Token { realm: realm_shown, why: format!("answered {status}") });
         }
         let body = read_limited(&mut resp, MAX_SMALL_BODY, "token answer").await.map_err(|e| match e {
-            ImportError::Http { source, .. } if source.is_timeout() => {
-                ImportError::Timeout { url: realm_shown.clone(), timeout: self.timeout }
+            RegistryError::Http { source, .. } if source.is_timeout() => {
+                RegistryError::Timeout { url: realm_shown.clone(), timeout: self.timeout }
             }
             e => e,
         })?;
-        let parsed: auth::TokenResponse = serde_json::from_slice(&body).map_err(|_| ImportError::Token {
+        let parsed: auth::TokenResponse = serde_json::from_slice(&body).map_err(|_| RegistryError::Token {
             realm: realm_shown.clone(),
             why: "the answer is not the expected JSON".into(),
         })?;
-        parsed.into_token().ok_or(ImportError::Token { realm: realm_shown, why: "the answer holds no token".into() })
+        parsed.into_token().ok_or(RegistryError::Token { realm: realm_shown, why: "the answer holds no token".into() })
     }
 
     /// Turns an unsuccessful response into an error, with the registry's error code if any.
-    async fn status_error(&self, mut resp: reqwest::Response, url: &Url, target: Target<'_>) -> ImportError {
+    async fn status_error(&self, mut resp: reqwest::Response, url: &Url, target: Target<'_>) -> RegistryError {
         let status = resp.status();
         match status {
             StatusCode::NOT_FOUND => {
                 return match target {
-                    Target::Manifest(r) => ImportError::ManifestNotFound { reference: r.to_string() },
-                    Target::Blob(d) => ImportError::BlobNotFound {
+                    Target::Manifest(r) => RegistryError::ManifestNotFound { reference: r.to_string() },
+                    Target::Blob(d) => RegistryError::BlobNotFound {
                         repository: format!("{}/{}", self.registry, self.repository),
                         digest: d.into(),
                     },
@@ -367,7 +373,7 @@ impl Client {
         }
         let body = read_limited(&mut resp, 64 << 10, "error answer").await.unwrap_or_default();
         let first = serde_json::from_slice::<Errors>(&body).ok().and_then(|e| e.errors.into_iter().next());
-        ImportError::Registry {
+        RegistryError::Status {
             url: redact(url),
             status: status.as_u16(),
             code: first.as_ref().map(|e| trunc(&e.code)).filter(|c| !c.is_empty()),
@@ -377,7 +383,7 @@ impl Client {
 
     /// Fetches a manifest or index by tag or digest (bounded in size, not yet verified: the
     /// caller knows which digest to expect).
-    pub async fn manifest(&self, reference: &str, shown: &str) -> Result<FetchedManifest, ImportError> {
+    pub async fn manifest(&self, reference: &str, shown: &str) -> Result<FetchedManifest, RegistryError> {
         let path = format!("v2/{}/manifests/{}", self.repository, reference);
         let mut resp = self.get(&path, Some(MANIFEST_ACCEPT), Target::Manifest(shown)).await?;
         let header = |h| resp.headers().get(h).and_then(|v: &HeaderValue| v.to_str().ok()).map(str::to_string);
@@ -390,34 +396,34 @@ impl Client {
         Ok(FetchedManifest { bytes, content_type, digest_header })
     }
 
-    fn body_error(&self, url: &Url, e: ImportError) -> ImportError {
+    fn body_error(&self, url: &Url, e: RegistryError) -> RegistryError {
         match e {
-            ImportError::Http { source, .. } if source.is_timeout() => {
-                ImportError::Timeout { url: redact(url), timeout: self.timeout }
+            RegistryError::Http { source, .. } if source.is_timeout() => {
+                RegistryError::Timeout { url: redact(url), timeout: self.timeout }
             }
-            ImportError::Http { source, .. } => ImportError::Http { url: redact(url), source },
+            RegistryError::Http { source, .. } => RegistryError::Http { url: redact(url), source },
             e => e,
         }
     }
 
     /// A small blob (an image config) in memory, size and digest checked.
-    pub async fn blob_bytes(&self, desc: &Descriptor, limit: u64) -> Result<Vec<u8>, ImportError> {
+    pub async fn blob_bytes(&self, desc: &Descriptor, limit: u64) -> Result<Vec<u8>, RegistryError> {
         validate_digest(&desc.digest)?;
         let what = format!("blob {}", desc.digest);
         if desc.size > limit {
-            return Err(ImportError::TooLarge { what, size: desc.size, limit });
+            return Err(RegistryError::TooLarge { what, size: desc.size, limit });
         }
         let path = format!("v2/{}/blobs/{}", self.repository, desc.digest);
         let mut resp = self.get(&path, None, Target::Blob(&desc.digest)).await?;
         let url = resp.url().clone();
         let bytes = read_limited(&mut resp, desc.size, &what).await.map_err(|e| match e {
-            ImportError::TooLarge { what, .. } => {
-                ImportError::SizeMismatch { what, expected: desc.size, actual: desc.size + 1 }
+            RegistryError::TooLarge { what, .. } => {
+                RegistryError::SizeMismatch { what, expected: desc.size, actual: desc.size + 1 }
             }
             e => self.body_error(&url, e),
         })?;
         if bytes.len() as u64 != desc.size {
-            return Err(ImportError::SizeMismatch { what, expected: desc.size, actual: bytes.len() as u64 });
+            return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: bytes.len() as u64 });
         }
         manifest::verify_digest(&what, &desc.digest, &bytes)?;
         Ok(bytes)
@@ -432,11 +438,11 @@ impl Client {
         dir: &Path,
         limit: u64,
         mut on_bytes: impl FnMut(u64),
-    ) -> Result<tempfile::NamedTempFile, ImportError> {
+    ) -> Result<tempfile::NamedTempFile, RegistryError> {
         validate_digest(&desc.digest)?;
         let what = format!("blob {}", desc.digest);
         if desc.size > limit {
-            return Err(ImportError::TooLarge { what, size: desc.size, limit });
+            return Err(RegistryError::TooLarge { what, size: desc.size, limit });
         }
         let path = format!("v2/{}/blobs/{}", self.repository, desc.digest);
         let mut resp = self.get(&path, None, Target::Blob(&desc.digest)).await?;
@@ -444,14 +450,14 @@ impl Client {
         if let Some(len) = resp.content_length()
             && len != desc.size
         {
-            return Err(ImportError::SizeMismatch { what, expected: desc.size, actual: len });
+            return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: len });
         }
         let tmp = tempfile::Builder::new()
             .prefix("blob-")
             .suffix(".part")
             .tempfile_in(dir)
-            .map_err(|source| ImportError::Io { path: dir.to_path_buf(), source })?;
-        let io_err = |source| ImportError::Io { path: tmp.path().to_path_buf(), source };
+            .map_err(|source| RegistryError::Io { path: dir.to_path_buf(), source })?;
+        let io_err = |source| RegistryError::Io { path: tmp.path().to_path_buf(), source };
         let file = tmp.as_file().try_clone().map_err(io_err)?;
         let mut out = tokio::io::BufWriter::with_capacity(1 << 20, tokio::fs::File::from_std(file));
         let mut hasher = Sha256::new();
@@ -459,7 +465,7 @@ impl Client {
         while let Some(chunk) = resp.chunk().await.map_err(|e| self.http_error(&url, e))? {
             n += chunk.len() as u64;
             if n > desc.size {
-                return Err(ImportError::SizeMismatch { what, expected: desc.size, actual: n });
+                return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: n });
             }
             hasher.update(&chunk);
             out.write_all(&chunk).await.map_err(io_err)?;
@@ -467,29 +473,29 @@ impl Client {
         }
         out.flush().await.map_err(io_err)?;
         if n != desc.size {
-            return Err(ImportError::SizeMismatch { what, expected: desc.size, actual: n });
+            return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: n });
         }
         let actual = format!("sha256:{}", hex(&hasher.finalize()));
         if actual != desc.digest {
-            return Err(ImportError::DigestMismatch { what, expected: desc.digest.clone(), actual });
+            return Err(RegistryError::DigestMismatch { what, expected: desc.digest.clone(), actual });
         }
         Ok(tmp)
     }
 }
 
 /// Reads a body up to `limit` bytes (more is `TooLarge`).
-async fn read_limited(resp: &mut reqwest::Response, limit: u64, what: &str) -> Result<Vec<u8>, ImportError> {
+async fn read_limited(resp: &mut reqwest::Response, limit: u64, what: &str) -> Result<Vec<u8>, RegistryError> {
     if let Some(len) = resp.content_length()
         && len > limit
     {
-        return Err(ImportError::TooLarge { what: what.into(), size: len, limit });
+        return Err(RegistryError::TooLarge { what: what.into(), size: len, limit });
     }
     let mut out = Vec::new();
     while let Some(chunk) =
-        resp.chunk().await.map_err(|e| ImportError::Http { url: redact(resp.url()), source: e.without_url() })?
+        resp.chunk().await.map_err(|e| RegistryError::Http { url: redact(resp.url()), source: e.without_url() })?
     {
         if out.len() as u64 + chunk.len() as u64 > limit {
-            return Err(ImportError::TooLarge {
+            return Err(RegistryError::TooLarge {
                 what: what.into(),
                 size: out.len() as u64 + chunk.len() as u64,
                 limit,

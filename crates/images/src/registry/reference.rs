@@ -5,8 +5,8 @@
 //! `library/`. Invariant: every part of a parsed reference is safe to put in a URL path.
 
 use super::auth::is_docker_hub;
+use super::error::RegistryError;
 use super::manifest::{trunc, validate_digest};
-use crate::import::ImportError;
 
 pub const DOCKER_HUB_REGISTRY: &str = "registry-1.docker.io";
 
@@ -21,15 +21,15 @@ pub struct Reference {
 }
 
 impl Reference {
-    pub fn parse(input: &str) -> Result<Reference, ImportError> {
-        let bad = |why: &'static str| ImportError::InvalidReference { reference: trunc(input), why };
+    pub fn parse(input: &str) -> Result<Reference, RegistryError> {
+        let bad = |why: &'static str| RegistryError::InvalidReference { reference: trunc(input), why };
         if input.is_empty() || input.len() > 1024 {
             return Err(bad("empty or longer than 1024 bytes"));
         }
         let (name_tag, digest) = match input.split_once('@') {
             Some((n, d)) => {
                 validate_digest(d).map_err(|e| match e {
-                    ImportError::UnsupportedDigest(d) => ImportError::UnsupportedDigest(d),
+                    RegistryError::UnsupportedDigest(d) => RegistryError::UnsupportedDigest(d),
                     _ => bad("the digest must be sha256:<64 lowercase hex digits>"),
                 })?;
                 (n, Some(d.to_string()))
@@ -209,11 +209,11 @@ mod tests {
             "a/-b",
             "x y",
         ] {
-            assert!(matches!(Reference::parse(bad), Err(ImportError::InvalidReference { .. })), "{bad:?}");
+            assert!(matches!(Reference::parse(bad), Err(RegistryError::InvalidReference { .. })), "{bad:?}");
         }
         assert!(matches!(
             Reference::parse(&format!("x@sha512:{}", "a".repeat(128))),
-            Err(ImportError::UnsupportedDigest(_))
+            Err(RegistryError::UnsupportedDigest(_))
         ));
     }
 }
