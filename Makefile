@@ -34,6 +34,8 @@ images:
 
 lint:
 	$(CARGO) fmt --all -- --check
+	python3 scripts/check-cycles.py --self-test
+	python3 scripts/check-cycles.py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 verify: lint test fuzz

@@ -27,6 +27,7 @@ use crate::passwd::{self, User};
 use crate::procs::Procs;
 use crate::reaper::{Reaper, kill_tree, wait_gone};
 
+#[derive(Debug)]
 pub struct Config {
     pub state_dir: PathBuf,
     pub passwd: PathBuf,
@@ -54,6 +55,11 @@ pub struct Aether {
     started: Instant,
     sessions: Mutex<HashMap<String, Slot>>,
     procs: Procs,
+}
+impl std::fmt::Debug for Aether {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Aether").finish_non_exhaustive()
+    }
 }
 
 impl Aether {
@@ -183,7 +189,7 @@ fn fwd(e: AgentError) -> Status {
     e.into()
 }
 
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct AetherService(pub Arc<Aether>);
 
 #[tonic::async_trait]
@@ -339,6 +345,7 @@ impl Runtime for AetherService {
 }
 
 /// Where aether serves.
+#[derive(Debug)]
 pub enum Listen {
     /// Bind a new socket at this path.
     Path(PathBuf),

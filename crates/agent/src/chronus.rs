@@ -56,6 +56,7 @@ pub struct CmdState {
     pub evicted: bool,
 }
 
+#[derive(Debug)]
 pub struct Cmd {
     pub rid: String,
     state: watch::Sender<CmdState>,
@@ -92,6 +93,11 @@ pub struct Chronus {
     shell: tokio::sync::Mutex<Option<Shell>>,
     records: Mutex<Records>,
     cwd: Mutex<PathBuf>,
+}
+impl std::fmt::Debug for Chronus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chronus").finish_non_exhaustive()
+    }
 }
 
 fn shell_path() -> &'static str {
@@ -441,7 +447,7 @@ fn chunk(stream: OutputStream, offset: u64, data: Vec<u8>) -> ExecChunk {
 }
 
 /// The `Runtime` service of one session (aether forwards session calls here).
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ChronusService(pub Arc<Chronus>);
 
 #[tonic::async_trait]

@@ -27,7 +27,7 @@ const STREAM_LIMIT: usize = 16 << 20;
 /// Exited processes kept for ListProcesses/ConnectProcess.
 const KEEP_EXITED: usize = 256;
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct ProcState {
     pub out: Vec<u8>,
     pub err: Vec<u8>,
@@ -43,8 +43,13 @@ pub struct Proc {
     stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     state: watch::Sender<ProcState>,
 }
+impl std::fmt::Debug for Proc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proc").finish_non_exhaustive()
+    }
+}
 
-#[derive(Clone, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Procs {
     inner: Arc<Mutex<Vec<Arc<Proc>>>>,
 }

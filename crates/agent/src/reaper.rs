@@ -32,6 +32,11 @@ pub struct Reaper {
     /// failed by its pid, and must find it there, not already reaped by `waitpid(-1)`.
     spawning: Arc<Mutex<()>>,
 }
+impl std::fmt::Debug for Reaper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reaper").finish_non_exhaustive()
+    }
+}
 
 impl Reaper {
     /// Makes this process a subreaper and starts reaping (on SIGCHLD and once a second).

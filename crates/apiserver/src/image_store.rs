@@ -78,6 +78,7 @@ where
 type ResolveCache = HashMap<(String, String), (Instant, Option<ImageRef>)>;
 
 /// The store and the creation path's resolution cache.
+#[derive(Debug)]
 pub struct ImageStore {
     pub(crate) store: Arc<Store>,
     cache: Mutex<ResolveCache>,

@@ -302,6 +302,7 @@ async fn get_image(
     Ok(to_proto(&m))
 }
 
+#[derive(Debug)]
 pub struct ImagesService {
     shared: Arc<Shared>,
 }

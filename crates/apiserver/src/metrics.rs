@@ -22,6 +22,7 @@ pub struct CacheLabels {
     pub result: &'static str,
 }
 
+#[derive(Debug)]
 pub struct Metrics {
     pub registry: Arc<Mutex<Registry>>,
     pub calls: Family<CallLabels, Counter>,

@@ -92,6 +92,7 @@ impl Call {
     }
 }
 
+#[derive(Debug)]
 pub struct Shared {
     pub cfg: ApiserverConfig,
     pub up: Upstreams,

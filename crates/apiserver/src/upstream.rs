@@ -68,6 +68,7 @@ fn no_answer(e: &ApiError) -> bool {
     matches!(e.reason, Reason::Unavailable | Reason::NotLeader | Reason::DeadlineExceeded)
 }
 
+#[derive(Debug)]
 pub struct Upstreams {
     links: Arc<Links>,
     iam_addrs: Vec<String>,

@@ -94,6 +94,7 @@ fn round(v: f64, digits: i32) -> f64 {
     (v * m).round() / m
 }
 
+#[derive(Debug)]
 pub struct Report {
     pub args: BenchArgs,
     pub create: Phase,

@@ -25,6 +25,7 @@ impl CtlError {
 }
 
 /// What the caller had when a command failed, for [`hint`].
+#[derive(Debug)]
 pub struct HintContext {
     /// The apiserver addresses tried.
     pub addr: String,

@@ -8,6 +8,7 @@ use serde_json::Value;
 use crate::json as j;
 use crate::table::{Table, age};
 
+#[derive(Debug)]
 pub struct Out {
     pub json: bool,
 }

@@ -3,6 +3,7 @@
 //! for people and may drop columns a script would want. Cells lose their control characters.
 
 /// A table being built: headers, then rows of the same length.
+#[derive(Debug)]
 pub struct Table {
     headers: Vec<&'static str>,
     rows: Vec<Vec<String>>,

@@ -44,7 +44,7 @@ pub const ENV_TOKEN: &str = "OPENDSEC_TOKEN";
 pub const ENV_PROJECT: &str = "OPENDSEC_PROJECT";
 
 /// Attaches `authorization: Bearer <token>` to every call.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct Bearer(Option<AsciiMetadataValue>);
 
 impl Interceptor for Bearer {
@@ -70,6 +70,11 @@ struct Inner {
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
+}
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client").finish_non_exhaustive()
+    }
 }
 
 impl Client {

@@ -116,6 +116,11 @@ pub struct Cluster {
     apiserver: Option<Running>,
     edges: BTreeMap<String, EdgeSlot>,
 }
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster").finish_non_exhaustive()
+    }
+}
 
 /// Overrides `cluster up` takes from the command line.
 #[derive(Clone, Debug, Default)]

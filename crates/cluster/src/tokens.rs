@@ -22,6 +22,7 @@ pub enum TokenError {
     Missing(String),
 }
 
+#[derive(Debug)]
 pub struct Tokens {
     pub admin_token: String,
     pub admin_token_path: PathBuf,

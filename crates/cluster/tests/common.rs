@@ -10,6 +10,7 @@ use opendsec_cluster::{Cluster, UpOptions};
 use opendsec_common::config::Config;
 use opendsec_proto::v1 as pb;
 
+#[derive(Debug)]
 pub struct TestCluster {
     pub cluster: Cluster,
     pub admin: Client,

@@ -269,6 +269,6 @@ async fn a_backend_this_build_cannot_run_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = fast_config(dir.path());
     cfg.edge.backends = vec!["sim".into(), "microvm".into()];
-    let err = opendsec_cluster::Cluster::up(cfg, Default::default()).await.err().expect("refused");
+    let err = opendsec_cluster::Cluster::up(cfg, Default::default()).await.expect_err("refused");
     assert!(err.to_string().contains("microvm"), "{err}");
 }

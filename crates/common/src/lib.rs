@@ -7,6 +7,7 @@
 pub mod acl;
 pub mod bounds;
 pub mod config;
+pub mod conn;
 pub mod fsperm;
 pub mod grpc;
 pub mod http;

@@ -27,6 +27,7 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::conn::Sources;
 use crate::pki::{Identity, Role};
 
 /// How often a [`Credentials`] looks at its files.
@@ -398,65 +399,12 @@ pub async fn connect(
     }
 }
 
-/// How many connections of a server each source address holds, capped.
-struct Sources {
-    cap: usize,
-    open: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
-}
-
-/// One source's connection, counted until dropped.
-pub struct SourceSlot {
-    sources: Arc<Sources>,
-    ip: std::net::IpAddr,
-}
-
-impl Drop for SourceSlot {
-    fn drop(&mut self) {
-        let mut m = self.sources.open.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.ip);
-            }
-        }
-    }
-}
-
-impl Sources {
-    /// The source an address counts as: itself for IPv4, its /64 for IPv6 (one host's
-    /// usual allocation).
-    fn source_of(ip: std::net::IpAddr) -> std::net::IpAddr {
-        use std::net::{IpAddr, Ipv6Addr};
-        match ip {
-            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-                Some(v4) => IpAddr::V4(v4),
-                None => {
-                    let s = v6.segments();
-                    IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
-                }
-            },
-            v4 => v4,
-        }
-    }
-
-    fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
-        let ip = Sources::source_of(ip);
-        let mut m = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(ip).or_insert(0);
-        if *n >= self.cap {
-            return None;
-        }
-        *n += 1;
-        Some(SourceSlot { sources: self.clone(), ip })
-    }
-}
-
 /// Accepted, handshaken connections of `listener`: each handshake runs in its own task with
 /// a deadline (a client that never finishes one holds no accept slot); at most `max_conns`
 /// connections are open at once (beyond, new ones wait in the kernel's backlog), and at most
 /// `per_source` from one source (an IPv4 address, an IPv6 /64; 0: no such cap; beyond, a new
 /// one is closed at once). A connection whose HTTP/2 opening does not come within
-/// [`HANDSHAKE_TIMEOUT`] of its handshake is closed (see [`crate::grpc::Conn`]). The stream ends when its receiver is dropped, and then the
+/// [`HANDSHAKE_TIMEOUT`] of its handshake is closed (see [`crate::conn::Conn`]). The stream ends when its receiver is dropped, and then the
 /// listener is closed too.
 pub fn incoming(
     listener: TcpListener,
@@ -464,11 +412,11 @@ pub fn incoming(
     max_conns: usize,
     per_source: usize,
 ) -> tokio_stream::wrappers::ReceiverStream<
-    std::io::Result<crate::grpc::Conn<tokio_rustls::server::TlsStream<TcpStream>>>,
+    std::io::Result<crate::conn::Conn<tokio_rustls::server::TlsStream<TcpStream>>>,
 > {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let limit = Arc::new(tokio::sync::Semaphore::new(max_conns.max(1)));
-    let sources = Arc::new(Sources { cap: per_source, open: Default::default() });
+    let sources = Arc::new(Sources::new(per_source));
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
     tokio::spawn(async move {
         loop {
@@ -504,7 +452,7 @@ pub fn incoming(
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(s)) => {
-                        let conn = crate::grpc::Conn::new(s, permit)
+                        let conn = crate::conn::Conn::new(s, permit)
                             .with_source(source)
                             .first_bytes_within(HTTP2_OPENING, HANDSHAKE_TIMEOUT);
                         let _ = tx.send(Ok(conn)).await;
@@ -524,7 +472,7 @@ mod tests {
 
     #[test]
     fn ipv6_sources_count_by_their_64() {
-        let of = |s: &str| Sources::source_of(s.parse().unwrap()).to_string();
+        let of = |s: &str| crate::conn::Sources::source_of(s.parse().unwrap()).to_string();
         assert_eq!(of("2001:db8:1:2:aaaa::1"), of("2001:db8:1:2:bbbb::2"));
         assert_eq!(of("2001:db8:1:2::1"), "2001:db8:1:2::");
         assert_ne!(of("2001:db8:1:3::1"), of("2001:db8:1:2::1"));

@@ -17,18 +17,24 @@
 //! Where each part lives: this file holds the shared state and the record plumbing
 //! (operation locks, intents and outcomes); each verb has its own file (`create`, `stop`,
 //! `pause`, `resume`, `timeout`, `list`), `status` is what the watcher hears, and `sweep`
-//! holds the background sweeps with the idle clock they read. The verb files use this
-//! module's items through `use super::*` and each other only through `Inner`'s methods: the
-//! one subsystem whose files refer to each other on purpose.
+//! holds the background sweeps with the idle clock they read; `release` drains the lease
+//! queue against IAM.
+//!
+//! Cycles on purpose: the files under `core/` are one subsystem, methods of one `Inner`; they
+//! use this module's items through `use super::*` and each other only through `Inner`'s
+//! methods, and this module names `release::run` for the edge to spawn.
 
 mod create;
 mod list;
 mod pause;
+mod release;
 mod resume;
 mod status;
 mod stop;
 mod sweep;
 mod timeout;
+
+pub(crate) use release::run as release_loop;
 
 use std::path::PathBuf;
 use std::sync::Arc;

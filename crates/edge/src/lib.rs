@@ -93,6 +93,11 @@ pub struct Edge {
     inner: Arc<Inner>,
     _guard: Arc<StopLoopsOnDrop>,
 }
+impl std::fmt::Debug for Edge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Edge").finish_non_exhaustive()
+    }
+}
 
 struct StopLoopsOnDrop(Arc<Inner>);
 
@@ -141,7 +146,7 @@ impl Edge {
         let rx = inner.shutdown_tx.subscribe();
         let tasks = vec![
             tokio::spawn(ttl_loop(inner.clone(), rx.clone())),
-            tokio::spawn(release::run(inner.clone(), rx.clone())),
+            tokio::spawn(core::release_loop(inner.clone(), rx.clone())),
             tokio::spawn(register_loop(inner.clone(), rx)),
         ];
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);

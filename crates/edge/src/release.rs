@@ -18,25 +18,19 @@
 //!   retries, and are dropped after [`CHECK_MAX_AGE`] (keeping a sandbox is the safe default;
 //!   the TTLs end it eventually);
 //! - on restart, ended records not yet released are queued again (see `recover`).
+//!
+//! This file is the queue; the loop that drains it against IAM is `core::release`.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use tokio::sync::{Notify, watch};
-
-use opendsec_common::ApiError;
-
-use crate::core::Inner;
-use crate::remote::LeaseBinding;
+use tokio::sync::Notify;
 
 /// Longest wait between two attempts after IAM failures.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// A post-creation check not made within this long (IAM unreachable) is given up.
 pub const CHECK_MAX_AGE: Duration = Duration::from_secs(60);
-/// Sandboxes of moved leases stopped concurrently.
-const STOP_CONCURRENCY: usize = 16;
 
 #[derive(Default)]
 struct Queue {
@@ -47,7 +41,7 @@ struct Queue {
 
 pub(crate) struct ReleaseQueue {
     q: Mutex<Queue>,
-    wake: Notify,
+    pub(crate) wake: Notify,
     batch: usize,
 }
 
@@ -85,13 +79,13 @@ impl ReleaseQueue {
         }
     }
 
-    fn take_batch(&self) -> Vec<String> {
+    pub(crate) fn take_batch(&self) -> Vec<String> {
         let mut q = self.lock();
         let n = q.ready.len().min(self.batch);
         q.ready.drain(..n).collect()
     }
 
-    fn put_back(&self, leases: Vec<String>) {
+    pub(crate) fn put_back(&self, leases: Vec<String>) {
         let mut q = self.lock();
         for l in leases.into_iter().rev() {
             q.ready.push_front(l);
@@ -101,7 +95,7 @@ impl ReleaseQueue {
     /// Drops checks queued before `now - CHECK_MAX_AGE` (returning how many), then takes a
     /// batch of the rest. Checks are queued in time order and put back in front, so the
     /// oldest are always at the front.
-    fn take_checks(&self, now: Instant) -> (Vec<(Instant, String)>, usize) {
+    pub(crate) fn take_checks(&self, now: Instant) -> (Vec<(Instant, String)>, usize) {
         let mut q = self.lock();
         let before = q.checks.len();
         while q.checks.front().is_some_and(|(at, _)| now.saturating_duration_since(*at) >= CHECK_MAX_AGE) {
@@ -112,7 +106,7 @@ impl ReleaseQueue {
         (q.checks.drain(..n).collect(), dropped)
     }
 
-    fn put_back_checks(&self, checks: Vec<(Instant, String)>) {
+    pub(crate) fn put_back_checks(&self, checks: Vec<(Instant, String)>) {
         let mut q = self.lock();
         for c in checks.into_iter().rev() {
             q.checks.push_front(c);
@@ -123,94 +117,6 @@ impl ReleaseQueue {
     pub fn len(&self) -> (usize, usize) {
         let q = self.lock();
         (q.ready.len(), q.checks.len())
-    }
-}
-
-impl Inner {
-    /// Releases queued leases. Stops at the first failure, leaving the rest queued.
-    pub(crate) async fn flush_releases(&self) -> Result<(), ApiError> {
-        loop {
-            let batch = self.releases.take_batch();
-            if batch.is_empty() {
-                return Ok(());
-            }
-            if !self.remote.has_iam() {
-                // Nobody holds leases without IAM (an edge run on its own): nothing to release.
-                self.mark_released(&batch).await;
-                continue;
-            }
-            match self.remote.release(&batch).await {
-                Ok(released) => {
-                    tracing::debug!(edge = %self.name, leases = batch.len(), released, "released leases");
-                    self.mark_released(&batch).await;
-                }
-                Err(e) => {
-                    tracing::warn!(edge = %self.name, leases = batch.len(), error = %e, "lease release failed; will retry");
-                    self.releases.put_back(batch);
-                    return Err(e);
-                }
-            }
-        }
-    }
-
-    /// Makes the queued post-creation checks, a batch per GetLeases call, and stops the
-    /// sandboxes whose lease moved. Stops at the first failed call, leaving the rest queued.
-    pub(crate) async fn run_checks(&self) -> Result<(), ApiError> {
-        loop {
-            let (batch, dropped) = self.releases.take_checks(Instant::now());
-            if dropped > 0 {
-                tracing::debug!(edge = %self.name, dropped, "lease checks given up after IAM failures; sandboxes kept");
-            }
-            if batch.is_empty() {
-                return Ok(());
-            }
-            let leases: Vec<String> = batch.iter().map(|(_, l)| l.clone()).collect();
-            let bindings = match self.remote.lease_bindings(&leases).await {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::debug!(edge = %self.name, leases = batch.len(), error = %e, "lease check failed; will retry");
-                    self.releases.put_back_checks(batch);
-                    return Err(e);
-                }
-            };
-            let moved: Vec<(String, LeaseBinding)> =
-                leases.into_iter().zip(bindings).filter(|(_, b)| *b != LeaseBinding::Here).collect();
-            futures::stream::iter(moved)
-                .for_each_concurrent(STOP_CONCURRENCY, |(lease, binding)| async move {
-                    self.stop_moved(&lease, &binding).await
-                })
-                .await;
-        }
-    }
-}
-
-/// The loop: every `release_interval`, or at once when a batch is full, flushes releases and
-/// makes the queued checks; backs off after failures. Ends when shutdown is signalled (the
-/// final release flush is `Edge::close`'s).
-pub(crate) async fn run(inner: std::sync::Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
-    let interval = inner.cfg.release_interval;
-    let mut backoff = Duration::ZERO;
-    let mut next_try = Instant::now();
-    loop {
-        if *shutdown.borrow() {
-            return;
-        }
-        tokio::select! {
-            _ = shutdown.changed() => return,
-            _ = tokio::time::sleep(interval) => {}
-            _ = inner.releases.wake.notified() => {}
-        }
-        if Instant::now() < next_try {
-            continue;
-        }
-        let released = inner.flush_releases().await;
-        let checked = inner.run_checks().await;
-        if released.is_ok() && checked.is_ok() {
-            backoff = Duration::ZERO;
-        } else {
-            backoff = (backoff * 2).max(interval).min(MAX_BACKOFF);
-            next_try = Instant::now() + backoff;
-        }
     }
 }
 

@@ -129,6 +129,11 @@ impl Inner {
 pub struct RuntimeService {
     pub(crate) inner: Arc<Inner>,
 }
+impl std::fmt::Debug for RuntimeService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimeService").finish_non_exhaustive()
+    }
+}
 
 /// What a forwarded call holds while it runs: its activity mark (calls, not observers) and
 /// its slot among the sandbox's calls in flight.

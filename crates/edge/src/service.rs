@@ -19,6 +19,11 @@ use crate::error::EdgeError;
 pub struct EdgeService {
     pub(crate) inner: Arc<Inner>,
 }
+impl std::fmt::Debug for EdgeService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EdgeService").finish_non_exhaustive()
+    }
+}
 
 /// Runs a lifecycle operation in its own task: a caller that goes away (timeout, cancelled
 /// call) must not cut an operation short between its record writes and backend calls.

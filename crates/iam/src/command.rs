@@ -286,7 +286,7 @@ pub enum Write {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
     Done,
-    Project(crate::state::ProjectView),
+    Project(crate::model::ProjectView),
     Principal(PrincipalRecord),
     Token(TokenRecord),
     Admitted(Admission),

@@ -41,10 +41,11 @@ use tokio::sync::oneshot;
 
 pub use command::{Actor, Admission, Command, LiveLease, Output};
 pub use error::{IamError, to_api};
+pub use model::ProjectView;
 pub use model::{GrantRecord, LeaseRecord, PrincipalRecord, Quota, Resources, TokenRecord, Usage};
 pub use query::Authenticated;
 pub use service::{AdminGrpc, AdminService, IamGrpc, IamService};
-pub use state::{ProjectView, State};
+pub use state::State;
 
 use backup::Snapshot;
 use store::{Pending, Shared};
@@ -84,6 +85,11 @@ impl IamOptions {
 #[derive(Clone)]
 pub struct Iam {
     inner: Arc<Inner>,
+}
+impl std::fmt::Debug for Iam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Iam").finish_non_exhaustive()
+    }
 }
 
 struct Inner {

@@ -260,3 +260,13 @@ pub struct Meta {
     #[serde(default)]
     pub applied_index: u64,
 }
+
+/// A project as the Admin API shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProjectView {
+    pub path: String,
+    pub quota: Quota,
+    pub effective: Quota,
+    pub usage: Usage,
+    pub created_at_ms: i64,
+}

@@ -10,8 +10,9 @@ use opendsec_common::ids::{self, ROOT_PROJECT, project_within};
 use crate::backup::{BACKUP_VERSION, Snapshot};
 use crate::command::Actor;
 use crate::error::IamError;
+use crate::model::ProjectView;
 use crate::model::{GrantRecord, PrincipalRecord, TokenRecord, validate_permission};
-use crate::state::{ProjectView, State};
+use crate::state::State;
 use crate::token;
 
 /// Who a token belongs to.

@@ -14,9 +14,9 @@ use pb::iam_server::{Iam as IamRpc, IamServer};
 use tonic::{Request, Response, Status};
 
 use crate::error::{IamError, to_api};
+use crate::model::ProjectView;
 use crate::model::{GrantRecord, LeaseRecord, PrincipalRecord, Quota, Resources, TokenRecord, Usage};
 use crate::query::Authenticated;
-use crate::state::ProjectView;
 use crate::{Iam, LiveLease};
 
 pub type IamGrpc = IamServer<IamService>;
@@ -152,6 +152,7 @@ pub fn lease_into_pb(l: LeaseRecord) -> pb::Lease {
 
 // ----- Iam -----
 
+#[derive(Debug)]
 pub struct IamService {
     iam: Iam,
 }
@@ -256,6 +257,7 @@ impl IamRpc for IamService {
 
 // ----- Admin -----
 
+#[derive(Debug)]
 pub struct AdminService {
     iam: Iam,
 }

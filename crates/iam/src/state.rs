@@ -27,8 +27,8 @@ use crate::backup::Snapshot;
 use crate::command::{Actor, Admission, Command, LiveLease, Output, Row, Table, Write};
 use crate::error::IamError;
 use crate::model::{
-    GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, QUOTA_KEYS, Quota, Resources,
-    TokenRecord, Usage, validate_permission,
+    GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, ProjectView, QUOTA_KEYS, Quota,
+    Resources, TokenRecord, Usage, validate_permission,
 };
 use crate::token;
 
@@ -40,16 +40,6 @@ pub const MAX_DESCRIPTION_LEN: usize = 256;
 pub const MAX_LOCK_NAME_LEN: usize = 128;
 /// Longest lock TTL: a day.
 pub const MAX_LOCK_TTL_MS: i64 = 24 * 3600 * 1000;
-
-/// A project as the Admin API shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProjectView {
-    pub path: String,
-    pub quota: Quota,
-    pub effective: Quota,
-    pub usage: Usage,
-    pub created_at_ms: i64,
-}
 
 /// IAM's whole state in memory. Persistent parts mirror the store's tables; `usage`,
 /// `leases_by_edge` and `tokens_by_principal` are derived and rebuilt on load.

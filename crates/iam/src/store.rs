@@ -124,7 +124,7 @@ pub fn load(db: &Database) -> Result<State, IamError> {
 }
 
 /// Writes coalesced per key (the last write to a key wins), then encoded.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct WriteSet {
     rows: BTreeMap<(Table, String), Option<Row>>,
 }
@@ -180,6 +180,7 @@ impl WriteSet {
 }
 
 /// What the commit thread shares with readers.
+#[derive(Debug)]
 pub struct Shared {
     pub state: RwLock<State>,
     /// Set when a failed commit could not be followed by a reload: memory may be ahead of the
@@ -200,6 +201,7 @@ impl Shared {
 }
 
 /// A command waiting for the commit thread.
+#[derive(Debug)]
 pub struct Pending {
     pub cmd: Command,
     pub reply: oneshot::Sender<Result<Output, IamError>>,

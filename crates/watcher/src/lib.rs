@@ -37,6 +37,7 @@ pub enum WatcherError {
     Serve(#[from] tonic::transport::Error),
 }
 
+#[derive(Debug)]
 pub struct WatcherOptions {
     /// Unique per watcher instance (lock holder name).
     pub id: String,
@@ -74,6 +75,11 @@ pub struct ReconcileReport {
 #[derive(Clone)]
 pub struct Watcher {
     inner: Arc<Inner>,
+}
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher").finish_non_exhaustive()
+    }
 }
 
 struct Inner {
@@ -340,6 +346,7 @@ impl Watcher {
 }
 
 /// The gRPC face of a watcher.
+#[derive(Debug)]
 pub struct Rpc(Watcher);
 
 #[tonic::async_trait]

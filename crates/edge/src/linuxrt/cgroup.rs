@@ -89,11 +89,17 @@ pub struct IoLimits {
     pub write_iops: u64,
 }
 
+/// The device nodes of a sandbox's `/dev` (name, major, minor), made on its own tmpfs by the
+/// setup process; the device cgroup allows exactly these, the pseudo-terminals and
+/// `/dev/pts/ptmx`.
+pub const DEVICES: &[(&str, u32, u32)] =
+    &[("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)];
+
 /// What the device cgroup allows, as v1 `devices.allow` lines: the sandbox's own nodes
-/// ([`super::init::DEVICES`]), `/dev/pts/ptmx` and the pseudo-terminals. Everything else is
+/// ([`DEVICES`]), `/dev/pts/ptmx` and the pseudo-terminals. Everything else is
 /// denied, mknod included.
 pub fn device_allow_list() -> Vec<String> {
-    let mut l: Vec<String> = super::init::DEVICES.iter().map(|(_, ma, mi)| format!("c {ma}:{mi} rwm")).collect();
+    let mut l: Vec<String> = DEVICES.iter().map(|(_, ma, mi)| format!("c {ma}:{mi} rwm")).collect();
     l.push("c 5:2 rwm".into());
     l.push("c 136:* rwm".into());
     l

@@ -96,11 +96,6 @@ pub const CAPS: &[caps::Capability] = &[
 pub const NET_SYSCTLS: &[(&str, &str)] =
     &[("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647")];
 
-/// The device nodes of a sandbox's `/dev` (name, major, minor), made on its own tmpfs; the
-/// device cgroup allows exactly these, the pseudo-terminals and `/dev/pts/ptmx`.
-pub const DEVICES: &[(&str, u32, u32)] =
-    &[("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)];
-
 /// A host path bound into the sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Bind {
@@ -372,7 +367,7 @@ fn mount_dev(root: &OwnedFd, owner: u32) -> Result<(), String> {
     )?;
     // The fresh tmpfs holds nothing of the image: plain paths below it are safe.
     let dev = reopen(root, "dev")?;
-    for (n, major, minor) in DEVICES {
+    for (n, major, minor) in super::cgroup::DEVICES {
         let t = dev.join(n);
         rfs::mknodat(
             rfs::CWD,
