@@ -213,6 +213,23 @@ impl From<tonic::Status> for ApiError {
     }
 }
 
+/// An error and its causes on one line, `a: b: c` (a cause whose text the line already ends
+/// with is not repeated): what logs and public messages show of a typed error, whose
+/// `Display` says only its own part.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let s = c.to_string();
+        if !out.ends_with(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        cur = c.source();
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -388,7 +388,7 @@ impl ContainerBackend {
         let cgroup_layout = match cgroup::detect_layout() {
             Ok(cgroup::Layout::V1) => "linuxrt cgroup v1".to_string(),
             Ok(cgroup::Layout::V2) => "linuxrt cgroup v2".to_string(),
-            Err(e) => format!("linuxrt cgroup unknown ({e})"),
+            Err(e) => format!("linuxrt cgroup unknown ({})", opendsec_common::reason::error_chain(&e)),
         };
         tracing::info!(core_sched = ?core_sched, cgroups = %cgroup_layout, "container backend ready");
         Ok(ContainerBackend {
@@ -648,7 +648,7 @@ impl Backend for ContainerBackend {
         let inuse = self.inuse_path(&sb.id);
         let (sandbox, layers) = blocking(move || {
             let s = Sandbox::adopt(&state_dir, &name).map_err(|e| match e {
-                SandboxError::Cgroup(c) => BackendError::not_found(format!("sandbox {name}: {c}")),
+                SandboxError::Cgroup(c) => BackendError::not_found(format!("sandbox {name}")).caused_by(c),
                 other => sandbox_err(other),
             })?;
             Ok((s, read_inuse(&inuse)))
@@ -697,7 +697,7 @@ impl Backend for ContainerBackend {
                 }
             }
             if let Err(e) = cache.prune(LAYER_CACHE_TTL, &in_use) {
-                tracing::warn!("layer cache prune: {e}");
+                tracing::warn!(error = %opendsec_common::reason::error_chain(&e), "layer cache prune failed");
             }
             Ok(count)
         })

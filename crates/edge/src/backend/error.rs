@@ -128,11 +128,9 @@ impl BackendError {
     /// the message of the public error.
     pub fn report(&self) -> String {
         let mut out = self.0.context.clone();
-        let mut next: Option<&(dyn StdError + 'static)> = self.0.cause.as_deref().map(|c| c as _);
-        while let Some(e) = next {
+        if let Some(c) = self.0.cause.as_deref() {
             out.push_str(": ");
-            out.push_str(&e.to_string());
-            next = e.source();
+            out.push_str(&opendsec_common::reason::error_chain(c));
         }
         if let Some(c) = &self.0.cleanup {
             out.push_str("; cleaning up also failed: ");

@@ -30,25 +30,36 @@ const NOT_V1_CONTROLLERS: [&str; 2] = ["unified", "systemd"];
 /// CFS period used for CPU quotas (100 ms, the kernel default).
 const CPU_PERIOD_US: u64 = 100_000;
 
-/// Errors of sandbox cgroup handling.
+/// The cgroup manager's own errors (libcgroups), kept as the cause.
+type ManagerCause = Box<dyn std::error::Error + Send + Sync>;
+
+/// Errors of sandbox cgroup handling: what was being done, on which cgroup or file, and the
+/// cause as a `source` (never flattened into a string).
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
-    #[error("cannot read the edge's own cgroup: {0}")]
+    #[error("cannot read the edge's own cgroup")]
     OwnCgroup(#[source] std::io::Error),
     #[error("the edge's v1 cgroup paths do not nest ({0}); cannot create below all of them")]
     NotNested(String),
     #[error("invalid sandbox cgroup name {0:?}")]
     BadName(String),
-    #[error("cgroup setup detection failed: {0}")]
-    Setup(String),
-    #[error("cgroup manager: {0}")]
-    Manager(String),
-    #[error("building cgroup resources: {0}")]
-    Resources(String),
-    #[error("processes remain in cgroup {0} after kill")]
-    Busy(String),
-    #[error("write {path}: {source}")]
-    Write {
+    #[error("cgroup setup detection failed")]
+    Setup(#[source] ManagerCause),
+    /// The cgroup manager failed to `op` (create, apply limits, add a process, ...) cgroup `cgroup`.
+    #[error("cgroup {}: {op} failed", cgroup.display())]
+    Manager {
+        op: &'static str,
+        cgroup: PathBuf,
+        #[source]
+        source: ManagerCause,
+    },
+    #[error("building cgroup resources")]
+    Resources(#[source] oci_spec::OciSpecError),
+    #[error("processes remain in cgroup {} after kill", .0.display())]
+    Busy(PathBuf),
+    #[error("{op} {path}")]
+    Io {
+        op: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -191,7 +202,7 @@ pub fn base_path(layout: Layout, proc_cgroup: &str) -> Result<PathBuf, CgroupErr
 /// OCI resources for the limits (libcgroups maps shares to a v2 weight itself). `swap`: whether
 /// the host accounts swap (else only the memory limit is set).
 pub fn resources(limits: &Limits, swap: bool) -> Result<LinuxResources, CgroupError> {
-    let bad = |e: oci_spec::OciSpecError| CgroupError::Resources(e.to_string());
+    let bad = CgroupError::Resources;
     let mut cpu = LinuxCpuBuilder::default();
     if limits.cpu_millis > 0 {
         let quota = (limits.cpu_millis * CPU_PERIOD_US / 1000).max(1000);
@@ -247,7 +258,7 @@ pub fn detect_layout() -> Result<Layout, CgroupError> {
     match libcgroups::common::get_cgroup_setup() {
         Ok(CgroupSetup::Unified) => Ok(Layout::V2),
         Ok(CgroupSetup::Legacy | CgroupSetup::Hybrid) => Ok(Layout::V1),
-        Err(e) => Err(CgroupError::Setup(e.to_string())),
+        Err(e) => Err(CgroupError::Setup(Box::new(e))),
     }
 }
 
@@ -289,7 +300,7 @@ fn dirs_of(layout: Layout, rel: &Path) -> Vec<PathBuf> {
 }
 
 fn write_file(path: &Path, text: &str) -> Result<(), CgroupError> {
-    std::fs::write(path, text).map_err(|source| CgroupError::Write { path: path.to_path_buf(), source })
+    std::fs::write(path, text).map_err(|source| CgroupError::Io { op: "write", path: path.to_path_buf(), source })
 }
 
 /// Whether a cgroup may exist at `rel` (a path from the hierarchy roots, as
@@ -301,8 +312,13 @@ pub fn exists_at(rel: &Path) -> bool {
     dirs.is_empty() || dirs.iter().any(|d| d.is_dir())
 }
 
-fn mgr_err(e: impl std::fmt::Display) -> CgroupError {
-    CgroupError::Manager(e.to_string())
+/// Maps a manager error of `op` on the cgroup at `rel` to a [`CgroupError::Manager`].
+fn mgr_err<E: std::error::Error + Send + Sync + 'static>(
+    op: &'static str,
+    rel: &Path,
+) -> impl FnOnce(E) -> CgroupError {
+    let cgroup = rel.to_path_buf();
+    move |e| CgroupError::Manager { op, cgroup, source: Box::new(e) }
 }
 
 impl SandboxCgroup {
@@ -312,7 +328,7 @@ impl SandboxCgroup {
         // libcgroups v1 only creates directories in add_task; limits must be in place before
         // the first process joins, so create them here.
         for d in dirs_of(cg.layout, &cg.rel) {
-            std::fs::create_dir_all(&d).map_err(|e| CgroupError::Manager(format!("mkdir {}: {e}", d.display())))?;
+            std::fs::create_dir_all(&d).map_err(|source| CgroupError::Io { op: "mkdir", path: d.clone(), source })?;
         }
         let res = resources(limits, swap_accounted(cg.layout))?;
         cg.manager
@@ -322,7 +338,7 @@ impl SandboxCgroup {
                 oom_score_adj: None,
                 freezer_state: None,
             })
-            .map_err(mgr_err)?;
+            .map_err(mgr_err("apply limits", &cg.rel))?;
         Ok(cg)
     }
 
@@ -404,7 +420,7 @@ impl SandboxCgroup {
             systemd_cgroup: false,
             container_name: name.to_owned(),
         })
-        .map_err(mgr_err)?;
+        .map_err(mgr_err("open", &rel))?;
         Ok(SandboxCgroup { name: name.to_owned(), rel, layout, manager })
     }
 
@@ -428,23 +444,29 @@ impl SandboxCgroup {
     }
 
     pub fn add_pid(&self, pid: i32) -> Result<(), CgroupError> {
-        self.manager.add_task(Pid::from_raw(pid)).map_err(mgr_err)
+        self.manager.add_task(Pid::from_raw(pid)).map_err(mgr_err("add a process", &self.rel))
     }
 
     pub fn pids(&self) -> Result<Vec<i32>, CgroupError> {
-        Ok(self.manager.get_all_pids().map_err(mgr_err)?.into_iter().map(Pid::as_raw).collect())
+        Ok(self
+            .manager
+            .get_all_pids()
+            .map_err(mgr_err("list processes", &self.rel))?
+            .into_iter()
+            .map(Pid::as_raw)
+            .collect())
     }
 
     pub fn freeze(&self) -> Result<(), CgroupError> {
-        self.manager.freeze(FreezerState::Frozen).map_err(mgr_err)
+        self.manager.freeze(FreezerState::Frozen).map_err(mgr_err("freeze", &self.rel))
     }
 
     pub fn thaw(&self) -> Result<(), CgroupError> {
-        self.manager.freeze(FreezerState::Thawed).map_err(mgr_err)
+        self.manager.freeze(FreezerState::Thawed).map_err(mgr_err("thaw", &self.rel))
     }
 
     pub fn stats(&self) -> Result<CgroupStats, CgroupError> {
-        let s = self.manager.stats().map_err(mgr_err)?;
+        let s = self.manager.stats().map_err(mgr_err("read statistics", &self.rel))?;
         Ok(CgroupStats {
             memory_usage_bytes: s.memory.memory.usage,
             memory_limit_bytes: s.memory.memory.limit,
@@ -468,7 +490,7 @@ impl SandboxCgroup {
     /// Kills every process (frozen first, so none can fork away), then removes the cgroup.
     pub fn remove(self) -> Result<(), CgroupError> {
         kill_all(&self)?;
-        self.manager.remove().map_err(mgr_err)?;
+        self.manager.remove().map_err(mgr_err("remove", &self.rel))?;
         // libcgroups v1 only removes the hierarchies it manages; make sure none is left.
         for d in dirs_of(self.layout, &self.rel) {
             if d.exists() {
@@ -496,7 +518,7 @@ fn kill_all(cg: &SandboxCgroup) -> Result<(), CgroupError> {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(CgroupError::Busy(cg.rel.display().to_string()));
+            return Err(CgroupError::Busy(cg.rel.clone()));
         }
         for pid in left {
             let _ = nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::SIGKILL);
@@ -546,12 +568,12 @@ const PIDTYPE_TGID: libc::c_ulong = 1;
 
 /// Gives this process (all its threads; children inherit it) a new core scheduling cookie, so
 /// no task of another sandbox shares a physical core's hardware threads with it at once.
-pub fn core_sched_cookie() -> Result<(), String> {
+pub fn core_sched_cookie() -> std::io::Result<()> {
     // SAFETY: PR_SCHED_CORE_CREATE on the calling process takes only integers.
     let r = unsafe {
         libc::prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0 as libc::c_ulong, PIDTYPE_TGID, 0 as libc::c_ulong)
     };
-    if r < 0 { Err(format!("PR_SCHED_CORE_CREATE: {}", std::io::Error::last_os_error())) } else { Ok(()) }
+    if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// Probes `PR_SCHED_CORE` by reading this process's cookie (harmless, changes nothing).
@@ -574,6 +596,16 @@ pub fn detect_core_sched() -> CoreSched {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A manager failure says what was done to which cgroup, and keeps its cause as a source.
+    #[test]
+    fn errors_keep_their_cause() {
+        let e = mgr_err("freeze", Path::new("opendsec/sb-1"))(std::io::Error::other("device busy"));
+        assert_eq!(e.to_string(), "cgroup opendsec/sb-1: freeze failed");
+        assert_eq!(opendsec_common::reason::error_chain(&e), "cgroup opendsec/sb-1: freeze failed: device busy");
+        let e = CgroupError::Io { op: "mkdir", path: "/sys/fs/cgroup/x".into(), source: std::io::Error::other("no") };
+        assert!(std::error::Error::source(&e).is_some());
+    }
 
     const HYBRID: &str = "9:name=systemd:/\n8:pids:/\n6:freezer:/\n4:memory:/process_api/abc\n1:cpu,cpuacct:/\n0::/\n";
 

@@ -48,7 +48,7 @@ pub const STALE_AFTER: Duration = Duration::from_secs(30);
 pub enum IdmapError {
     #[error("user namespace ids: {0}")]
     Config(String),
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}")]
     Io {
         what: &'static str,
         path: PathBuf,

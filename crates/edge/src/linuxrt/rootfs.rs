@@ -33,7 +33,7 @@ use opendsec_images::{LayerId, Store};
 /// Errors of layer caching, disks and loop devices.
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}")]
     Io {
         what: &'static str,
         path: PathBuf,

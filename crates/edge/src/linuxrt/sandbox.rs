@@ -35,7 +35,7 @@ pub enum SandboxError {
     Rootfs(#[from] RootfsError),
     #[error(transparent)]
     Idmap(#[from] IdmapError),
-    #[error("{what} {path}: {source}")]
+    #[error("{what} {path}")]
     Io {
         what: &'static str,
         path: PathBuf,

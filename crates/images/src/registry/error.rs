@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use opendsec_common::reason::error_chain;
+
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     #[error("invalid image reference {reference:?}: {why}")]
@@ -47,20 +49,4 @@ pub enum RegistryError {
     CredentialHelper { helper: String, why: String },
     #[error("i/o error on {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
-}
-
-/// An error and its causes, `a: b: c` (reqwest's own message alone says little, such as
-/// "error sending request"; the cause says "connection refused").
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let s = c.to_string();
-        if !out.ends_with(&s) {
-            out.push_str(": ");
-            out.push_str(&s);
-        }
-        cur = c.source();
-    }
-    out
 }
