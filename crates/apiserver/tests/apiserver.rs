@@ -267,12 +267,16 @@ struct EdgeState {
 struct FakeEdge {
     name: String,
     st: Arc<Mutex<EdgeState>>,
+    /// Exec "hold" waits for a permit of this (none at first): calls kept in flight until the
+    /// test lets them go.
+    gate: Arc<tokio::sync::Semaphore>,
 }
 
 impl FakeEdge {
     fn new(name: &str, mode: Mode) -> FakeEdge {
         FakeEdge {
             name: name.into(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
             st: Arc::new(Mutex::new(EdgeState {
                 mode,
                 sandboxes: BTreeMap::new(),
@@ -387,6 +391,10 @@ macro_rules! fake_runtime {
             async fn exec(&self, r: Request<pb::ExecRequest>) -> Result<Response<pb::ExecResult>, Status> {
                 let r = r.into_inner();
                 self.ran("Exec", &r.sandbox_id)?;
+                // "hold" holds the call until the test adds a permit to the gate.
+                if r.command == "hold" {
+                    self.gate.acquire().await.map_err(|_| Status::unavailable("gate closed"))?.forget();
+                }
                 // "sleep:<ms>" holds the call that long (calls in flight).
                 if let Some(ms) = r.command.strip_prefix("sleep:").and_then(|v| v.parse().ok()) {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -504,6 +512,11 @@ fake_runtime! {
 
 impl FakeEdge {
     /// Records a runtime call; a sandbox this edge does not hold is `not_found`, as on a real edge.
+    /// Runtime calls of `method` that reached this edge.
+    fn calls(&self, method: &str) -> usize {
+        self.st.lock().unwrap().runtime_calls.iter().filter(|(m, _)| *m == method).count()
+    }
+
     fn ran(&self, method: &'static str, id: &str) -> Result<(), Status> {
         self.get(id)?;
         self.st.lock().unwrap().runtime_calls.push((method, id.to_string()));
@@ -1364,9 +1377,14 @@ async fn callers_authenticate_before_decoding_and_failing_sources_pause() {
     assert!(e.message().contains("too many failed authentications"), "{e:?}");
     assert_eq!(c.iam.st().authentications, n1);
     api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap();
-    // Once the pause is over, bob's works too.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap();
+    // Once the pause is over, bob's works too (refused as paused until then).
+    let mut tries = 0;
+    while let Err(e) = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await {
+        assert!(e.message().contains("too many failed authentications"), "{e:?}");
+        tries += 1;
+        assert!(tries < 500, "the pause never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     c.stop().await;
 }
 
@@ -1403,15 +1421,16 @@ async fn admin_messages_are_bounded_and_calls_capped_per_principal() {
     let slow: Vec<_> = (0..2)
         .map(|_| {
             let mut rt = c.runtime();
-            let req = pb::ExecRequest { sandbox_id: sb.id.clone(), command: "sleep:600".into(), ..Default::default() };
+            let req = pb::ExecRequest { sandbox_id: sb.id.clone(), command: "hold".into(), ..Default::default() };
             tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until("both held calls reached the edge", || c.edge("e1").calls("Exec") == 2).await;
     let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
     assert!(e.message().contains("2 calls in flight"), "{e:?}");
     api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap();
+    c.edge("e1").gate.add_permits(2);
     for t in slow {
         t.await.unwrap().unwrap();
     }
@@ -1432,15 +1451,17 @@ async fn runtime_calls_are_capped_per_principal() {
     let exec = |cmd: &str| pb::ExecRequest { sandbox_id: sb.id.clone(), command: cmd.into(), ..Default::default() };
     let slow: Vec<_> = (0..2)
         .map(|_| {
-            let (mut rt, req) = (c.runtime(), exec("sleep:600"));
+            let (mut rt, req) = (c.runtime(), exec("hold"));
             tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until("both held calls reached the edge", || c.edge("e1").calls("Exec") == 2).await;
     let mut rt = c.runtime();
     let e = rt.exec(with_token(exec("true"), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
     assert!(ApiError::from_status(&e).metadata.contains_key("retry_after_ms"));
+    assert_eq!(c.edge("e1").calls("Exec"), 2, "the refused call never reached the edge");
+    c.edge("e1").gate.add_permits(2);
     for t in slow {
         t.await.unwrap().unwrap();
     }
@@ -1460,6 +1481,15 @@ async fn runtime_calls_are_capped_per_principal() {
     let e = rt.http_request(with_token(http, ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::InvalidArgument, "{e:?}");
     c.stop().await;
+}
+
+/// Waits until `cond` holds, at most 10 s (then fails naming `what`).
+async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Starts a unary Exec over a bare HTTP/2 connection that never reads its answer (a window
@@ -1512,8 +1542,8 @@ async fn a_principal_that_does_not_read_its_answers_holds_only_its_share() {
         limits: Some(pb::OutputLimits { stdout_max_bytes: 16 << 20, stderr_max_bytes: 0 }),
         ..Default::default()
     };
+    // Its headers came: the apiserver decoded the whole answer, so it holds its reservation.
     let held = exec_never_read(c.api, ALICE, big(&sa.id)).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut rt = c.runtime().max_decoding_message_size(64 << 20);
     // Three more of hers wait for room, each leaving what its stream's window lets through
     // unread on the apiserver's one connection to the edge, which every tenant shares.
@@ -1523,7 +1553,10 @@ async fn a_principal_that_does_not_read_its_answers_holds_only_its_share() {
             tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // All three reached the edge and were answered there; none may come through while her
+    // share is held (given a moment in which a wrong budget would let them pass).
+    until("her three calls reached the edge", || c.edge("e1").calls("Exec") == 4).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     if let Some(done) = waiting.iter().position(|w| w.is_finished()) {
         panic!("alice's answer {done} went past her share");
     }
@@ -1536,7 +1569,6 @@ async fn a_principal_that_does_not_read_its_answers_holds_only_its_share() {
     }
     // An answer that finds no room within the call timeout fails rather than waiting on.
     let held = exec_never_read(c.api, ALICE, big(&sa.id)).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let e = rt.exec(with_token(big(&sa.id), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
     assert!(e.message().contains("no room for this answer"), "{e:?}");
@@ -1559,14 +1591,20 @@ async fn unread_answers_hold_their_callers_slots() {
         limits: Some(pb::OutputLimits { stdout_max_bytes: 8 << 20, stderr_max_bytes: 0 }),
         ..Default::default()
     };
+    // Their headers came: both calls are in flight until their answers are read.
     let unread = [exec_never_read(c.api, ALICE, big.clone()).await, exec_never_read(c.api, ALICE, big).await];
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
     api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), BOB)).await.unwrap();
     drop(unread);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap();
+    // The connections close; the slots come back once the apiserver sees it.
+    let mut tries = 0;
+    while let Err(e) = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await {
+        assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
+        tries += 1;
+        assert!(tries < 1000, "the slots never came back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     c.stop().await;
 }
 

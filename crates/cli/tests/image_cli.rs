@@ -26,7 +26,7 @@ async fn import_register_use_and_collect() {
     cfg.apiserver.metrics_listen = String::new();
     cfg.apiserver.snapshot_refresh = Duration::from_millis(100);
     cfg.watcher.probe_interval = Duration::from_millis(100);
-    let cluster = Cluster::up(cfg, UpOptions { state_dir: None, sim_edges: Some(1) }).await.unwrap();
+    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
     cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
     let store = cluster.config.image_store_dir();
     let store = store.to_str().unwrap();

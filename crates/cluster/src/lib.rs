@@ -115,6 +115,7 @@ pub struct Cluster {
     watcher: Option<Running>,
     apiserver: Option<Running>,
     edges: BTreeMap<String, EdgeSlot>,
+    clock: opendsec_common::time::Clock,
 }
 impl std::fmt::Debug for Cluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -127,6 +128,8 @@ impl std::fmt::Debug for Cluster {
 pub struct UpOptions {
     pub state_dir: Option<PathBuf>,
     pub sim_edges: Option<u32>,
+    /// The edges' wall clock for TTLs and retention (the system's; tests move a manual one).
+    pub clock: opendsec_common::time::Clock,
 }
 
 /// The name of the `i`th edge `cluster up` starts (each offers `edge.backends`, not only sim).
@@ -195,13 +198,14 @@ impl Cluster {
             apiserver: None,
             edges: BTreeMap::new(),
             config,
+            clock: opts.clock,
         };
         cluster.iam = Some(start_iam(&cluster.config, iam_l)?);
         cluster.watcher = Some(start_watcher(&cluster.config, watcher_l)?);
         for (name, l) in edge_ls {
             let backend = Arc::new(SimBackend::new());
             let addr = local(&l);
-            let running = start_edge(&cluster.config, &name, addr, backend.clone(), l).await?;
+            let running = start_edge(&cluster.config, &name, addr, backend.clone(), l, &cluster.clock).await?;
             cluster.edges.insert(name, EdgeSlot { addr, backend, running: Some(running) });
         }
         cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l)?);
@@ -275,7 +279,7 @@ impl Cluster {
             return Err(ClusterError::AlreadyRunning(name.into()));
         }
         let l = bind(&format!("edge {name}"), &slot.addr.to_string()).await?;
-        let running = start_edge(&self.config, name, slot.addr, slot.backend.clone(), l).await?;
+        let running = start_edge(&self.config, name, slot.addr, slot.backend.clone(), l, &self.clock).await?;
         slot.running = Some(running);
         Ok(())
     }
@@ -400,6 +404,7 @@ async fn start_edge(
     addr: SocketAddr,
     backend: Arc<SimBackend>,
     l: TcpListener,
+    clock: &opendsec_common::time::Clock,
 ) -> Result<Running, ClusterError> {
     let mut ecfg = config.edge.clone();
     ecfg.name = name.to_string();
@@ -411,6 +416,7 @@ async fn start_edge(
         watcher_addrs: config.watcher.addrs.clone(),
         tls: credentials(config, &Identity { role: pki::Role::Edge, name: name.to_string() })?,
         advertise: addr.to_string(),
+        clock: clock.clone(),
     };
     let backends = build_backends(config, name, backend)?;
     let edge = opendsec_edge::Edge::start(opts, backends)
@@ -603,7 +609,7 @@ pub async fn run_daemon(
                 // The advertised address is what others dial; the bound one is only ours.
                 cfg.edges.push(EdgeEndpoint { name: name.clone(), address: cfg.edge.advertise.clone() });
             }
-            start_edge(&cfg, &name, addr, Arc::new(SimBackend::new()), l).await?
+            start_edge(&cfg, &name, addr, Arc::new(SimBackend::new()), l, &Default::default()).await?
         }
     };
     tokio::spawn(async move {

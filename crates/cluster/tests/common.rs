@@ -8,6 +8,7 @@ use std::time::Duration;
 use opendsec_client::Client;
 use opendsec_cluster::{Cluster, UpOptions};
 use opendsec_common::config::Config;
+use opendsec_common::time::Clock;
 use opendsec_proto::v1 as pb;
 
 #[derive(Debug)]
@@ -30,10 +31,16 @@ pub fn fast_config(dir: &std::path::Path) -> Config {
 }
 
 pub async fn start(edges: u32, tweak: impl FnOnce(&mut Config)) -> TestCluster {
+    start_with_clock(edges, Clock::system(), tweak).await
+}
+
+/// A cluster whose edges run their TTLs on `clock` (a manual one moves only when told).
+pub async fn start_with_clock(edges: u32, clock: Clock, tweak: impl FnOnce(&mut Config)) -> TestCluster {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut cfg = fast_config(dir.path());
     tweak(&mut cfg);
-    let cluster = Cluster::up(cfg, UpOptions { state_dir: None, sim_edges: Some(edges) }).await.expect("cluster up");
+    let cluster =
+        Cluster::up(cfg, UpOptions { sim_edges: Some(edges), clock, ..Default::default() }).await.expect("cluster up");
     cluster.wait_ready(Duration::from_secs(30)).await.expect("cluster ready");
     let admin = client(&cluster, &cluster.admin_token);
     TestCluster { cluster, admin, dir }

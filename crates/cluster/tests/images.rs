@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use opendsec_cluster::{EMPTY_LAYER_ID, SCRATCH_IMAGE};
 use opendsec_common::Reason;
@@ -240,8 +242,17 @@ async fn another_projects_layers_cannot_be_registered_by_id() {
         })
         .await
         .unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    a.register_image(register("root/a", "shared:1", &[&own, &private])).await.unwrap();
+    // The grant reaches the apiserver's authorization cache within the security epoch's poll.
+    eventually(Duration::from_secs(10), "the grant takes effect", || async {
+        match a.register_image(register("root/a", "shared:1", &[&own, &private])).await {
+            Ok(_) => true,
+            Err(e) => {
+                assert_eq!(e.reason, Reason::NotFound, "{e}");
+                false
+            }
+        }
+    })
+    .await;
     a.create_sandbox(with_image("root/a", "shared:1")).await.unwrap();
     t.cluster.shutdown().await;
 }

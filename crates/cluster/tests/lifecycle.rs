@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use opendsec_common::Reason;
+use opendsec_common::time::Clock;
 use opendsec_proto::v1 as pb;
 
 fn state(s: &pb::Sandbox) -> pb::SandboxState {
@@ -101,20 +102,28 @@ async fn listing_pages_and_filters() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ttl_expiry_stops_sandboxes_and_releases_quota() {
-    let t = start(1, |_| {}).await;
+    // The edges' clock is a manual one: the TTLs below pass when the test says, not in real
+    // seconds; the edges' sweep loop (every 100 ms) sees the moved clock.
+    let clock = Clock::manual(opendsec_common::time::now_ms());
+    let t = start_with_clock(1, clock.clone(), |_| {}).await;
     let mut sp = spec("", 100, 64);
-    sp.ttl_running_stop_s = 1;
+    sp.ttl_running_stop_s = 60;
     let idle = t.admin.create_sandbox(sp).await.unwrap();
     let mut sp = spec("", 100, 64);
-    sp.ttl_max_s = 2;
+    sp.ttl_max_s = 120;
     let life = t.admin.create_sandbox(sp).await.unwrap();
     let keep = t.admin.create_sandbox(spec("", 100, 64)).await.unwrap();
-    assert!(idle.expires_at_ms > 0 && idle.expires_at_ms <= idle.created_at_ms + 1_500);
+    assert_eq!(idle.expires_at_ms, idle.created_at_ms + 60_000);
 
-    eventually(Duration::from_secs(10), "both TTL sandboxes stopped", || async {
-        let a = t.admin.get_sandbox(&idle.id).await.unwrap();
-        let b = t.admin.get_sandbox(&life.id).await.unwrap();
-        state(&a) == pb::SandboxState::Stopped && state(&b) == pb::SandboxState::Stopped
+    clock.advance(60_000);
+    eventually(Duration::from_secs(10), "the idle sandbox stopped", || async {
+        state(&t.admin.get_sandbox(&idle.id).await.unwrap()) == pb::SandboxState::Stopped
+    })
+    .await;
+    assert_eq!(state(&t.admin.get_sandbox(&life.id).await.unwrap()), pb::SandboxState::Running);
+    clock.advance(60_000);
+    eventually(Duration::from_secs(10), "the sandbox at its lifetime stopped", || async {
+        state(&t.admin.get_sandbox(&life.id).await.unwrap()) == pb::SandboxState::Stopped
     })
     .await;
     assert_eq!(t.admin.get_sandbox(&idle.id).await.unwrap().end_reason, "ttl_running_stop");

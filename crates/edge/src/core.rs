@@ -47,7 +47,7 @@ use tokio::task::JoinHandle;
 
 use opendsec_common::config::EdgeConfig;
 use opendsec_common::ids;
-use opendsec_common::time::now_ms;
+use opendsec_common::time::Clock;
 use opendsec_proto::v1::{
     EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, LiveLease, Pressure, Resources, Sandbox,
     SandboxState, SetSandboxTimeoutRequest,
@@ -104,6 +104,8 @@ pub(crate) struct Inner {
     pub tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     /// Runtime calls in flight and last activity per sandbox.
     pub activity: sweep::Activity,
+    /// The wall clock of TTLs, activity and retention.
+    pub clock: Clock,
     /// Runtime calls in flight per sandbox, capped.
     pub runtime_calls: Arc<opendsec_common::bounds::PerKey>,
     /// Bytes of unary Runtime answers in flight through this edge.
@@ -122,6 +124,7 @@ pub(crate) struct InnerParts {
     pub store: RecordStore,
     pub remote: Remote,
     pub advertise: String,
+    pub clock: Clock,
 }
 
 impl Inner {
@@ -153,7 +156,8 @@ impl Inner {
             closing: AtomicBool::new(false),
             pressure_cache: std::sync::Mutex::new(None),
             tasks: std::sync::Mutex::new(Vec::new()),
-            activity: Default::default(),
+            activity: sweep::Activity::new(p.clock.clone()),
+            clock: p.clock,
         }
     }
 
@@ -209,7 +213,7 @@ impl Inner {
     }
 
     pub(crate) fn to_proto(&self, rec: &SandboxRecord) -> Sandbox {
-        let active = self.active_ms(&rec.lease_id, now_ms());
+        let active = self.active_ms(&rec.lease_id, self.clock.now_ms());
         Sandbox {
             id: rec.id.clone(),
             edge: rec.edge.clone(),

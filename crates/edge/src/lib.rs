@@ -78,6 +78,8 @@ pub struct EdgeOptions {
     /// The address watchers and apiservers reach this edge at; empty: the listener's address
     /// once [`Edge::serve`] runs.
     pub advertise: String,
+    /// The wall clock of TTLs and retention (tests move a manual one).
+    pub clock: opendsec_common::time::Clock,
 }
 
 /// The gRPC service [`Edge::service`] returns.
@@ -140,6 +142,7 @@ impl Edge {
             store,
             remote,
             advertise: opts.advertise.clone(),
+            clock: opts.clock.clone(),
         }));
         inner.recover().await?;
 
@@ -226,6 +229,13 @@ impl Edge {
 
     /// Lease work waiting for IAM: (releases queued, post-creation "still bound here?" checks
     /// queued).
+    /// Runs one round of the TTL sweep now: expiry, liveness probes, deletion of ended records
+    /// past retention (what the loop does every `ttl_check_interval`). With a manual
+    /// [`EdgeOptions::clock`], a test moves the clock and sweeps, instead of waiting.
+    pub async fn sweep_now(&self) {
+        self.inner.ttl_round().await
+    }
+
     pub fn pending_releases(&self) -> (usize, usize) {
         self.inner.releases.len()
     }
@@ -342,6 +352,7 @@ mod bench {
             )
             .unwrap(),
             advertise: String::new(),
+            clock: Default::default(),
         };
         let edge = Edge::start(opts, vec![Arc::new(backend::sim::SimBackend::new())]).await.unwrap();
         let spec = SandboxSpec {

@@ -143,7 +143,7 @@ impl Inner {
                     tracing::warn!(sandbox_id = %rec.id, error = %e, "completing an interrupted stop failed");
                 }
                 let mut stopped = rec;
-                let now = opendsec_common::time::now_ms();
+                let now = self.clock.now_ms();
                 stopped.state = SandboxStatus::Stopped;
                 stopped.updated_at_ms = now;
                 stopped.ended_at_ms = now;

@@ -34,6 +34,7 @@ async fn bench_creations() {
         watcher_addrs: vec![],
         tls: Credentials::issue_local(&dir.path().join("pki"), &Identity::new(Role::Edge, "bench").unwrap()).unwrap(),
         advertise: String::new(),
+        clock: Default::default(),
     };
     let edge = Edge::start(opts, vec![Arc::new(SimBackend::new())]).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

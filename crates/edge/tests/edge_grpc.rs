@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use opendsec_common::config::EdgeConfig;
 use opendsec_common::grpc;
 use opendsec_common::pki::{Identity, Role};
+use opendsec_common::time::Clock;
 use opendsec_common::tls::Credentials;
 use opendsec_common::{ApiError, Reason};
 use opendsec_edge::admission::HostReading;
@@ -249,6 +250,28 @@ impl Harness {
         backends: Vec<Arc<dyn Backend>>,
         host: Option<Arc<FixedHost>>,
     ) -> Harness {
+        Harness::start_full(dir, cfg, fakes, backends, host, Clock::system()).await
+    }
+
+    /// An edge whose TTLs and retention run on `clock` (a manual one moves only when told).
+    async fn start_with_clock(
+        dir: &Path,
+        cfg: EdgeConfig,
+        fakes: &Fakes,
+        backends: Vec<Arc<dyn Backend>>,
+        clock: Clock,
+    ) -> Harness {
+        Harness::start_full(dir, cfg, fakes, backends, None, clock).await
+    }
+
+    async fn start_full(
+        dir: &Path,
+        cfg: EdgeConfig,
+        fakes: &Fakes,
+        backends: Vec<Arc<dyn Backend>>,
+        host: Option<Arc<FixedHost>>,
+        clock: Clock,
+    ) -> Harness {
         let opts = EdgeOptions {
             name: EDGE.into(),
             state_dir: dir.to_path_buf(),
@@ -257,6 +280,7 @@ impl Harness {
             watcher_addrs: vec![fakes.watcher.clone()],
             tls: creds(&fakes.pki, Role::Edge, EDGE),
             advertise: String::new(),
+            clock,
         };
         let edge = match host {
             Some(h) => Edge::start_with_host(opts, backends, h).await.unwrap(),
@@ -582,25 +606,39 @@ async fn callers_are_checked_by_certificate_role_and_project() {
     h.shutdown().await;
 }
 
+/// The TTL sweep runs on the edge's clock: a manual one here, moved by the test, and the
+/// sweep is run by hand (the loop's interval is an hour), so nothing waits for real seconds.
+fn manual_clock_config() -> (Clock, EdgeConfig) {
+    let cfg = EdgeConfig { ttl_check_interval: Duration::from_secs(3600), ..config() };
+    (Clock::manual(opendsec_common::time::now_ms()), cfg)
+}
+
 #[tokio::test]
 async fn idle_ttl_expiry_stops_and_releases_in_a_batch() {
     let (dir, iam, _w, fakes) = setup().await;
+    let (clock, mut cfg) = manual_clock_config();
     // Releases go out only when a batch of two is full.
-    let mut cfg = config();
     cfg.release_batch = 2;
     cfg.release_interval = Duration::from_secs(3600);
-    let h = Harness::start(dir.path(), cfg, &fakes, vec![sim()]).await;
+    let h = Harness::start_with_clock(dir.path(), cfg, &fakes, vec![sim()], clock.clone()).await;
     let short = SandboxSpec { ttl_running_stop_s: 1, ..spec(100, 10) };
     let a = h.create("idle-a", short.clone()).await.unwrap();
     h.create("idle-b", short).await.unwrap();
     assert_eq!(a.expires_at_ms, a.last_active_ms + 1000);
+    assert_eq!(a.last_active_ms, clock.now_ms(), "the record is stamped by the edge's clock");
 
-    eventually("both expired", || async {
-        let (a, b) = (h.get("idle-a").await.unwrap(), h.get("idle-b").await.unwrap());
-        state(&a) == SandboxState::Stopped && state(&b) == SandboxState::Stopped
-    })
-    .await;
-    assert_eq!(h.get("idle-a").await.unwrap().end_reason, "ttl_running_stop");
+    // A millisecond before the deadline: nothing expires.
+    clock.advance(999);
+    h.edge.sweep_now().await;
+    assert_eq!(state(&h.get("idle-a").await.unwrap()), SandboxState::Running);
+    assert_eq!(state(&h.get("idle-b").await.unwrap()), SandboxState::Running);
+    // At the deadline, both stop in the same round.
+    clock.advance(1);
+    h.edge.sweep_now().await;
+    for lease in ["idle-a", "idle-b"] {
+        let sb = h.get(lease).await.unwrap();
+        assert_eq!((state(&sb), sb.end_reason.as_str()), (SandboxState::Stopped, "ttl_running_stop"));
+    }
     eventually("both released", || async {
         let mut r = iam.released();
         r.sort();
@@ -608,6 +646,51 @@ async fn idle_ttl_expiry_stops_and_releases_in_a_batch() {
     })
     .await;
     assert_eq!(iam.batches().len(), 1, "{:?}", iam.batches());
+    h.shutdown().await;
+}
+
+#[tokio::test]
+async fn lifetime_and_paused_ttls_and_retention_run_on_the_edge_clock() {
+    let (dir, iam, _w, fakes) = setup().await;
+    let (clock, cfg) = manual_clock_config();
+    let retention = cfg.ended_retention.as_millis() as i64;
+    let h = Harness::start_with_clock(dir.path(), cfg, &fakes, vec![sim()], clock.clone()).await;
+    // An hour of lifetime, no idle limit; ten minutes of pause.
+    let life = SandboxSpec { ttl_running_stop_s: 0, ttl_max_s: 3600, ..spec(100, 10) };
+    h.create("life", life).await.unwrap();
+    let nap = SandboxSpec { ttl_running_stop_s: 0, ttl_max_s: 0, ttl_paused_s: 600, ..spec(100, 10) };
+    h.create("nap", nap).await.unwrap();
+    clock.advance(1_000);
+    let paused = h.pause("nap").await.unwrap();
+    assert_eq!(paused.expires_at_ms, clock.now_ms() + 600_000);
+
+    clock.advance(600_000 - 1);
+    h.edge.sweep_now().await;
+    assert_eq!(state(&h.get("nap").await.unwrap()), SandboxState::Paused);
+    clock.advance(1);
+    h.edge.sweep_now().await;
+    let nap = h.get("nap").await.unwrap();
+    assert_eq!((state(&nap), nap.end_reason.as_str()), (SandboxState::Stopped, "ttl_paused"));
+    assert_eq!(state(&h.get("life").await.unwrap()), SandboxState::Running);
+
+    // The lifetime counts from creation: 3,600,000 ms after it.
+    clock.advance(3_600_000 - 601_000 - 1);
+    h.edge.sweep_now().await;
+    assert_eq!(state(&h.get("life").await.unwrap()), SandboxState::Running);
+    clock.advance(1);
+    h.edge.sweep_now().await;
+    let life = h.get("life").await.unwrap();
+    assert_eq!((state(&life), life.end_reason.as_str()), (SandboxState::Stopped, "ttl_max"));
+
+    // Ended records go once released and past retention, not before.
+    eventually("both released", || async { iam.released().len() == 2 }).await;
+    clock.advance(retention - 1);
+    h.edge.sweep_now().await;
+    assert_eq!(state(&h.get("life").await.unwrap()), SandboxState::Stopped);
+    clock.advance(1);
+    h.edge.sweep_now().await;
+    assert_eq!(h.get("life").await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(h.get("nap").await.unwrap_err().reason, Reason::NotFound, "ended earlier, gone too");
     h.shutdown().await;
 }
 

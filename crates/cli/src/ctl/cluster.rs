@@ -17,9 +17,10 @@ pub(crate) async fn cluster_up(
     // A one-process development cluster: "down" means down unless asked otherwise. (A node's
     // `opendsec edge` daemon keeps its sandboxes across restarts: edge.keep_sandboxes_on_exit.)
     cfg.edge.keep_sandboxes_on_exit = keep_sandboxes;
-    let cluster = opendsec_cluster::Cluster::up(cfg, opendsec_cluster::UpOptions { state_dir, sim_edges })
-        .await
-        .map_err(|e| CtlError::Local(e.to_string()))?;
+    let cluster =
+        opendsec_cluster::Cluster::up(cfg, opendsec_cluster::UpOptions { state_dir, sim_edges, ..Default::default() })
+            .await
+            .map_err(|e| CtlError::Local(e.to_string()))?;
     if let Err(e) = cluster.wait_ready(std::time::Duration::from_secs(60)).await {
         tracing::warn!(error = %e, "cluster not fully ready yet");
     }

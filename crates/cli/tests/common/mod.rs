@@ -95,7 +95,7 @@ pub async fn fixture_with(tweak: impl FnOnce(&mut Config)) -> Fixture {
     tweak(&mut cfg);
     let containers = cfg.edge_state_dir(EDGE).join("containers");
     let guard = Guard { containers: containers.clone() };
-    let cluster = Cluster::up(cfg, UpOptions { state_dir: None, sim_edges: Some(1) }).await.unwrap();
+    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
     cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
     let rootfs_dir = busybox_rootfs(dir.path());
     let store = cluster.config.image_store_dir();

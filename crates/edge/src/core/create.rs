@@ -31,7 +31,7 @@ impl Inner {
             return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: format!("{dim} pressure") });
         }
 
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let rec = SandboxRecord {
             version: RECORD_VERSION,
             id: ids::sandbox_id(&self.name, lease),
@@ -93,7 +93,7 @@ impl Inner {
 
         let mut running = (*rec).clone();
         running.state = SandboxStatus::Running;
-        running.updated_at_ms = now_ms();
+        running.updated_at_ms = self.clock.now_ms();
         let running = match self.persist_then_publish(running).await {
             Ok(r) => r,
             Err(e) => {

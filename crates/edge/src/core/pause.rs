@@ -13,7 +13,7 @@ impl Inner {
             return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "pause" });
         }
         let backend = self.backend_of(&rec)?.clone();
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut pausing = (*rec).clone();
         pausing.state = SandboxStatus::Pausing;
         pausing.updated_at_ms = now;
@@ -23,7 +23,7 @@ impl Inner {
             return Err(self.op_failed(&backend, &pausing, SandboxStatus::Running, "pause", e).await);
         }
         let mut paused = (*pausing).clone();
-        let now = now_ms();
+        let now = self.clock.now_ms();
         paused.state = SandboxStatus::Paused;
         paused.updated_at_ms = now;
         paused.paused_since_ms = now;
@@ -50,7 +50,7 @@ impl Inner {
             _ => {
                 let mut back = rec.clone();
                 back.state = back_to;
-                back.updated_at_ms = now_ms();
+                back.updated_at_ms = self.clock.now_ms();
                 let _ = self.publish_then_persist(back).await;
             }
         }

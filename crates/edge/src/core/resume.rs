@@ -14,13 +14,13 @@ impl Inner {
         let backend = self.backend_of(&rec)?.clone();
         let mut resuming = (*rec).clone();
         resuming.state = SandboxStatus::Resuming;
-        resuming.updated_at_ms = now_ms();
+        resuming.updated_at_ms = self.clock.now_ms();
         let resuming = self.persist_then_publish(resuming).await?;
         if let Err(e) = backend.resume(&resuming).await {
             return Err(self.op_failed(&backend, &resuming, SandboxStatus::Paused, "resume", e).await);
         }
         let mut running = (*resuming).clone();
-        let now = now_ms();
+        let now = self.clock.now_ms();
         running.state = SandboxStatus::Running;
         running.updated_at_ms = now;
         running.last_active_ms = now;

@@ -25,7 +25,7 @@ impl Inner {
         release: Release,
     ) -> Result<Arc<SandboxRecord>, EdgeError> {
         let backend = self.backend_of(&rec)?.clone();
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut stopping = (*rec).clone();
         stopping.state = SandboxStatus::Stopping;
         stopping.end_reason = reason.to_string();
@@ -38,14 +38,14 @@ impl Inner {
         if let Err(source) = backend.stop(&stopping).await {
             if backend.probe(&stopping.id).await.unwrap_or(true) {
                 let mut back = (*rec).clone();
-                back.updated_at_ms = now_ms();
+                back.updated_at_ms = self.clock.now_ms();
                 let _ = self.publish_then_persist(back).await;
                 return Err(EdgeError::Backend { backend: backend.name(), op: "stop", id: rec.id.clone(), source });
             }
             tracing::warn!(sandbox_id = %rec.id, error = %source, "stop failed, but the sandbox is gone");
         }
         let mut stopped = (*stopping).clone();
-        let now = now_ms();
+        let now = self.clock.now_ms();
         stopped.state = SandboxStatus::Stopped;
         stopped.updated_at_ms = now;
         stopped.ended_at_ms = now;
@@ -57,7 +57,7 @@ impl Inner {
     /// Marks a sandbox FAILED and queues its lease as `release` says; the caller holds its
     /// operation lock (or is the recovery, before serving).
     pub(crate) async fn fail_locked(&self, rec: &SandboxRecord, reason: &str, release: Release) -> Arc<SandboxRecord> {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut failed = rec.clone();
         failed.state = SandboxStatus::Failed;
         failed.end_reason = reason.to_string();

@@ -17,7 +17,7 @@ impl Inner {
 
     /// One round of the TTL loop: expire, probe liveness, delete ended records past retention.
     pub(crate) async fn ttl_round(&self) {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let retention = i64::try_from(self.cfg.ended_retention.as_millis()).unwrap_or(i64::MAX);
         let mut expired = Vec::new();
         let mut probe = Vec::new();
@@ -57,7 +57,7 @@ impl Inner {
         let _g = op.lock_owned().await;
         let Some(rec) = self.table().rec(lease) else { return };
         // Looked at again under the lock: a call may have reset the clock meanwhile.
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let Some(reason) = ttl::expired_active(&rec, now, self.active_ms(&rec.lease_id, now)) else { return };
         tracing::debug!(sandbox_id = %rec.id, reason, "sandbox expired");
         if let Err(e) = self.stop_locked(rec, reason, Release::Yes).await {
@@ -171,18 +171,22 @@ impl Inner {
 }
 
 /// Calls in flight and the last activity per sandbox (by lease).
-#[derive(Default)]
 pub(crate) struct Activity {
     map: std::sync::Mutex<HashMap<String, (u32, i64)>>,
+    clock: Clock,
 }
 
 impl Activity {
+    pub(crate) fn new(clock: Clock) -> Activity {
+        Activity { map: Default::default(), clock }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u32, i64)>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(crate) fn begin(&self, lease: &str) {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut m = self.lock();
         let e = m.entry(lease.to_string()).or_insert((0, now));
         e.0 += 1;
@@ -190,7 +194,7 @@ impl Activity {
     }
 
     pub(crate) fn end(&self, lease: &str) {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         if let Some(e) = self.lock().get_mut(lease) {
             e.0 = e.0.saturating_sub(1);
             e.1 = now;
@@ -199,7 +203,7 @@ impl Activity {
 
     /// Marks activity now, without a call in flight.
     pub(crate) fn touch(&self, lease: &str) {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         self.lock().entry(lease.to_string()).or_insert((0, now)).1 = now;
     }
 

@@ -8,7 +8,7 @@ impl Inner {
         if !rec.state.can_set_timeout() {
             return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "set its timeout" });
         }
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut r = (*rec).clone();
         if let Some(s) = req.ttl_running_stop_s {
             r.spec.ttl_running_stop_s = s;
