@@ -78,7 +78,7 @@ bench:
 
 # The issue-4 benchmarks (container sandboxes through the API, beside runc), as root, release.
 bench-container: agent
-	$(CARGO) test --release -p opendsec-cli --test bench_container -- --ignored --nocapture --test-threads 1
+	$(CARGO) bench -p opendsec-cli --bench container
 
 # The Python SDK beside the Rust client (opendsecctl bench) on container sandboxes (as root).
 bench-sdk: agent

@@ -236,6 +236,11 @@ impl Edge {
         self.inner.ttl_round().await
     }
 
+    /// Directory fsyncs the record store made so far (its writes are batched per directory).
+    pub fn record_dir_syncs(&self) -> u64 {
+        self.inner.store.dir_syncs()
+    }
+
     pub fn pending_releases(&self) -> (usize, usize) {
         self.inner.releases.len()
     }
@@ -312,82 +317,5 @@ async fn register_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
             _ = tokio::time::sleep(inner.cfg.register_interval) => {}
             _ = inner.register_now.notified() => {}
         }
-    }
-}
-
-#[cfg(test)]
-mod bench {
-    use super::*;
-    use futures::StreamExt;
-    use opendsec_proto::v1::{EdgeCreateRequest, Resources, SandboxSpec};
-
-    fn cpu_time() -> Duration {
-        let (u, s) = cpu_split();
-        u + s
-    }
-
-    /// (user, system) CPU time of this process.
-    fn cpu_split() -> (Duration, Duration) {
-        let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let t = |i: usize| Duration::from_millis(10 * f.get(i).and_then(|t| t.parse::<u64>().ok()).unwrap_or(0));
-        (t(11), t(12))
-    }
-
-    /// The edge's own cost of a creation (no gRPC): prints figures, never asserts on time.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "benchmark: prints figures"]
-    async fn bench_inner_create() {
-        let dir = tempfile::tempdir().unwrap();
-        let opts = EdgeOptions {
-            name: "bench".into(),
-            state_dir: dir.path().to_path_buf(),
-            config: EdgeConfig { max_sandboxes: 100_000, ..EdgeConfig::default() },
-            iam_addrs: vec![],
-            watcher_addrs: vec![],
-            tls: opendsec_common::tls::Credentials::issue_local(
-                &dir.path().join("pki"),
-                &opendsec_common::pki::Identity::new(opendsec_common::pki::Role::Edge, "bench").unwrap(),
-            )
-            .unwrap(),
-            advertise: String::new(),
-            clock: Default::default(),
-        };
-        let edge = Edge::start(opts, vec![Arc::new(backend::sim::SimBackend::new())]).await.unwrap();
-        let spec = SandboxSpec {
-            project: "root".into(),
-            backend: "sim".into(),
-            resources: Some(Resources { cpu_millis: 1, memory_mb: 1, disk_mb: 0, gpus: 0 }),
-            ..Default::default()
-        };
-        let n = 5000;
-        let (cpu0, t0) = (cpu_time(), std::time::Instant::now());
-        let split0 = cpu_split();
-        futures::stream::iter(0..n)
-            .for_each_concurrent(256, |i| {
-                let inner = edge.inner.clone();
-                let req =
-                    EdgeCreateRequest { lease_id: format!("l{i}"), spec: Some(spec.clone()), principal: "p".into() };
-                async move {
-                    inner.create(req).await.unwrap();
-                }
-            })
-            .await;
-        let (cpu, wall) = (cpu_time() - cpu0, t0.elapsed());
-        let split1 = cpu_split();
-        println!(
-            "inner create: {n} in {wall:?}, CPU {:?} per creation (user {:?}, system {:?}); {} directory fsyncs for {} durable writes",
-            cpu / n,
-            (split1.0 - split0.0) / n,
-            (split1.1 - split0.1) / n,
-            edge.inner.store.dir_syncs(),
-            2 * n
-        );
-        let (cpu0, t0) = (cpu_time(), std::time::Instant::now());
-        for _ in 0..10 {
-            edge.inner.ttl_round().await;
-        }
-        println!("ttl round with {n} sandboxes: {:?} wall, CPU {:?}", t0.elapsed() / 10, (cpu_time() - cpu0) / 10);
     }
 }

@@ -1,5 +1,5 @@
 //! Creation cost through gRPC with the sim backend: prints figures, never asserts on time.
-//! Run with `cargo test -p opendsec-edge --release --test bench_create -- --ignored --nocapture`.
+//! Run with `cargo bench -p opendsec-edge --bench create`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,8 +22,6 @@ fn cpu_time() -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "benchmark: prints figures"]
 async fn bench_creations() {
     let dir = tempfile::tempdir().unwrap();
     let opts = EdgeOptions {
@@ -92,10 +90,33 @@ async fn bench_creations() {
         n as f64 / wall.as_secs_f64(),
         cpu / n as u32
     );
+    println!("record store: {} directory fsyncs for {} durable writes", edge.record_dir_syncs(), 2 * (n + 500));
+    // One TTL sweep round over every sandbox.
+    let (cpu0, t0) = (cpu_time(), Instant::now());
+    for _ in 0..10 {
+        edge.sweep_now().await;
+    }
+    println!(
+        "ttl sweep with {} sandboxes: {:?} wall, CPU {:?} per round",
+        n + 500,
+        t0.elapsed() / 10,
+        (cpu_time() - cpu0) / 10
+    );
     // Idle: what the background loops cost with this many sandboxes.
     let cpu0 = cpu_time();
     tokio::time::sleep(Duration::from_secs(5)).await;
     println!("idle with {} sandboxes: CPU {:?} per second", n + 500, (cpu_time() - cpu0) / 5);
     let _ = tx.send(());
     served.await.unwrap().unwrap();
+}
+
+/// Runs every benchmark, or those whose names contain one of the arguments.
+fn main() {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let wanted = |n: &str| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str()));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    if wanted("bench_creations") {
+        println!("== bench_creations");
+        rt.block_on(bench_creations());
+    }
 }

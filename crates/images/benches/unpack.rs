@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! OPENDSEC_BENCH_LAYER=/path/layer.tar.gz \
-//!   cargo test -p opendsec-images --release --test unpack_bench -- --ignored --nocapture
+//!   cargo bench -p opendsec-images --bench unpack
 //! ```
 
 use std::io::BufReader;
@@ -13,8 +13,6 @@ use std::time::Instant;
 use opendsec_images::Store;
 use opendsec_images::layer::{Compression, Limits, import_layer};
 
-#[test]
-#[ignore = "a benchmark: needs OPENDSEC_BENCH_LAYER and a release build"]
 fn import_one_layer() {
     let Ok(path) = std::env::var("OPENDSEC_BENCH_LAYER") else {
         eprintln!("OPENDSEC_BENCH_LAYER not set: nothing to measure");
@@ -68,4 +66,14 @@ fn cpu_seconds() -> (f64, f64) {
     let f: Vec<&str> = rest.split(' ').collect();
     let tick = 100.0; // USER_HZ on Linux
     (f[11].parse::<f64>().unwrap() / tick, f[12].parse::<f64>().unwrap() / tick)
+}
+
+/// Runs every benchmark, or those whose names contain one of the arguments.
+fn main() {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let wanted = |n: &str| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str()));
+    if wanted("import_one_layer") {
+        println!("== import_one_layer");
+        import_one_layer();
+    }
 }

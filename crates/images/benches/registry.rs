@@ -2,9 +2,10 @@
 //! imported by us and by `skopeo copy` to an OCI layout followed by `umoci unpack`, in the same
 //! run. Prints both figures; never passes or fails on time.
 //!
-//! `cargo test -p opendsec-images --release --test registry_bench -- --ignored --nocapture`
+//! `cargo bench -p opendsec-images --bench registry`
 //! (`BENCH_LAYERS`, `BENCH_LAYER_MB` change the image size).
 
+#[path = "../tests/support/mod.rs"]
 mod support;
 
 use std::process::Command;
@@ -56,8 +57,6 @@ fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-#[ignore = "benchmark: run with --ignored --nocapture"]
 async fn import_against_skopeo_and_umoci() {
     let layers = env_or("BENCH_LAYERS", 5);
     let layer_mb = env_or("BENCH_LAYER_MB", 40);
@@ -101,4 +100,15 @@ async fn import_against_skopeo_and_umoci() {
         theirs.as_secs_f64(),
         copied.as_secs_f64()
     );
+}
+
+/// Runs every benchmark, or those whose names contain one of the arguments.
+fn main() {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let wanted = |n: &str| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str()));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    if wanted("import_against_skopeo_and_umoci") {
+        println!("== import_against_skopeo_and_umoci");
+        rt.block_on(import_against_skopeo_and_umoci());
+    }
 }

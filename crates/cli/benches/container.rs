@@ -1,5 +1,5 @@
-//! Issue 4's benchmarks (ignored by default; `make bench-container` runs them in release, as
-//! root). Prints figures, asserts nothing about time. Through the public API of an in-process
+//! Issue 4's benchmarks (`make bench-container` runs them, in release, as root;
+//! `cargo bench -p opendsec-cli --bench container [name]`). Prints figures, asserts nothing about time. Through the public API of an in-process
 //! cluster (real gRPC between apiserver, edge and agent), beside Debian's `runc` on a bundle
 //! with the same busybox root file system:
 //!
@@ -10,6 +10,7 @@
 //!   shell) with `BENCH_IDLE` (default 1,000) idle sandboxes at once;
 //! - streaming throughput of a command printing 1 GiB through `ExecStream`.
 
+#[path = "../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
@@ -69,8 +70,6 @@ fn runc_bundle(dir: &Path, rootfs: &Path) -> std::path::PathBuf {
     b
 }
 
-#[tokio::test(flavor = "multi_thread")]
-#[ignore = "benchmark: make bench-container"]
 async fn bench_container_sandboxes() {
     let idle: usize = std::env::var("BENCH_IDLE").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     // BENCH_USERNS=0: the same without user namespaces (to compare).
@@ -255,8 +254,6 @@ async fn bench_container_sandboxes() {
 /// Issue 9: what a user namespace per sandbox costs. Two clusters in one run, the same image
 /// and spec, one with `edge.user_namespaces` (the default), one without; measured in
 /// alternating rounds so that drift of the machine hits both alike.
-#[tokio::test(flavor = "multi_thread")]
-#[ignore = "benchmark: make bench-container"]
 async fn bench_user_namespace_cost() {
     let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
     let sustained: usize = std::env::var("BENCH_SUSTAINED").ok().and_then(|v| v.parse().ok()).unwrap_or(800);
@@ -340,4 +337,19 @@ async fn bench_user_namespace_cost() {
     }
     with.cluster.shutdown().await;
     without.cluster.shutdown().await;
+}
+
+/// Runs every benchmark, or those whose names contain one of the arguments.
+fn main() {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let wanted = |n: &str| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str()));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime");
+    if wanted("bench_container_sandboxes") {
+        println!("== bench_container_sandboxes");
+        rt.block_on(bench_container_sandboxes());
+    }
+    if wanted("bench_user_namespace_cost") {
+        println!("== bench_user_namespace_cost");
+        rt.block_on(bench_user_namespace_cost());
+    }
 }
