@@ -1,6 +1,6 @@
 //! What the in-sandbox agent takes from its callers and its sandbox, from arbitrary bytes:
 //! Runtime requests decode or fail; ids are checked; paths resolve to absolute paths without
-//! `..`; HTTP answers from a server in the sandbox parse within the body limit; passwd and group
+//! `..`; HTTP requests for a server in the sandbox are checked before they are built; passwd and group
 //! files from the image parse. None of it panics.
 #![no_main]
 
@@ -24,9 +24,11 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = pb::WriteFileRequest::decode(data);
     let _ = pb::StartProcessRequest::decode(data);
-    let _ = pb::HttpRequestRequest::decode(data);
-    if let Ok(r) = http::parse_response(data, 1024, 0) {
-        assert!(r.body.len() <= 1024);
+    if let Ok(r) = pb::HttpRequestRequest::decode(data)
+        && let Ok(p) = http::prepare(&r)
+    {
+        assert!(p.port != 0 && p.max_body <= 32 << 20);
+        assert_eq!(p.request.headers()["connection"], "close");
     }
     if let Ok(s) = std::str::from_utf8(data) {
         let _ = passwd::resolve(s, "root");

@@ -1,17 +1,40 @@
-//! One HTTP/1.1 request to 127.0.0.1:<port> inside the sandbox (`Connection: close`, the
-//! response read to its end, chunked bodies decoded), with the body bounded: bytes past the
-//! limit are read and counted, not kept.
+//! One HTTP/1.1 request to 127.0.0.1:<port> inside the sandbox, through hyper's client
+//! connection (framing, chunked bodies, informational answers, HEAD and malformed answers are
+//! hyper's to get right), with the body bounded: bytes past the limit are read and counted,
+//! not kept. The connection is closed after the one exchange (`Connection: close`).
 
 use std::time::Duration;
 
+use bytes::Bytes;
+use http::header::{CONNECTION, CONTENT_LENGTH, HOST, HeaderName, HeaderValue, TRANSFER_ENCODING};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
 use opendsec_proto::v1::{HttpHeader, HttpRequestRequest, HttpRequestResponse};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::error::AgentError;
 
+/// Bytes of a response head the agent reads before it gives up (hyper's read buffer).
 const MAX_HEAD: usize = 64 << 10;
+/// The body kept when the caller names no limit, and the most it may name: a whole answer is
+/// held in memory at every hop.
+const DEFAULT_BODY: u64 = 16 << 20;
+const MAX_BODY: u64 = 32 << 20;
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
 
-pub async fn request(r: HttpRequestRequest) -> Result<HttpRequestResponse, AgentError> {
+/// A checked request: where to send it, what, how much body to keep, and for how long.
+#[derive(Debug)]
+pub struct Prepared {
+    pub port: u16,
+    pub request: http::Request<Full<Bytes>>,
+    pub max_body: u64,
+    pub timeout: Duration,
+}
+
+/// Checks a caller's request and builds it. Refused: port 0 or above 65535, a method that is
+/// not an upper-case token, a path that is not absolute or holds spaces or controls, header
+/// names or values HTTP does not allow. `Host`, `Connection`, `Content-Length` and
+/// `Transfer-Encoding` are the agent's own and are not taken from the caller.
+pub fn prepare(r: &HttpRequestRequest) -> Result<Prepared, AgentError> {
     let port = u16::try_from(r.port)
         .ok()
         .filter(|p| *p != 0)
@@ -20,128 +43,150 @@ pub async fn request(r: HttpRequestRequest) -> Result<HttpRequestResponse, Agent
     if !method.bytes().all(|b| b.is_ascii_uppercase()) {
         return Err(AgentError::Invalid(format!("bad method {method:?}")));
     }
+    let method = http::Method::from_bytes(method.as_bytes())
+        .map_err(|_| AgentError::Invalid(format!("bad method {method:?}")))?;
     let path = if r.path.is_empty() { "/" } else { r.path.as_str() };
-    if !path.starts_with('/') || path.bytes().any(|b| b <= b' ') {
+    if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
         return Err(AgentError::Invalid(format!("bad path {path:?}")));
     }
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
+    let uri: http::Uri = path.parse().map_err(|_| AgentError::Invalid(format!("bad path {path:?}")))?;
+    let mut request = http::Request::new(Full::new(Bytes::from(r.body.clone())));
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    let headers = request.headers_mut();
     for h in &r.headers {
-        let bad = |s: &str| s.bytes().any(|b| b == b'\r' || b == b'\n');
-        if h.name.is_empty() || bad(&h.name) || bad(&h.value) || h.name.contains(':') {
-            return Err(AgentError::Invalid(format!("bad header {:?}", h.name)));
-        }
-        let n = h.name.to_ascii_lowercase();
-        if n == "host" || n == "connection" || n == "content-length" || n == "transfer-encoding" {
+        let bad = || AgentError::Invalid(format!("bad header {:?}", h.name));
+        let name = HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| bad())?;
+        let value = HeaderValue::from_str(&h.value).map_err(|_| bad())?;
+        if [HOST, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING].contains(&name) {
             continue;
         }
-        head.push_str(&format!("{}: {}\r\n", h.name, h.value));
+        headers.append(name, value);
     }
-    head.push_str(&format!("Content-Length: {}\r\n\r\n", r.body.len()));
-    let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms });
-    // The caller's limit, within the cap every hop holds answers to (a whole answer is held in memory).
-    let max = if r.max_body_bytes == 0 { 16 << 20 } else { r.max_body_bytes.min(32 << 20) };
-    let io = async {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-        s.write_all(head.as_bytes()).await?;
-        s.write_all(&r.body).await?;
-        let mut raw = Vec::new();
-        let mut buf = vec![0u8; 64 << 10];
-        let mut dropped = 0u64;
-        loop {
-            let n = s.read(&mut buf).await?;
-            if n == 0 {
-                break;
-            }
-            // Keep the head plus up to `max` raw body bytes (chunk framing counts too).
-            let room = (MAX_HEAD as u64).saturating_add(max).saturating_sub(raw.len() as u64) as usize;
-            let keep = room.min(n);
-            raw.extend_from_slice(&buf[..keep]);
-            dropped += (n - keep) as u64;
-        }
-        Ok::<_, std::io::Error>((raw, dropped))
-    };
-    let (raw, dropped) = tokio::time::timeout(timeout, io)
+    let host = HeaderValue::try_from(format!("127.0.0.1:{port}")).expect("an address is a header value");
+    headers.insert(HOST, host);
+    headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    headers.insert(CONTENT_LENGTH, HeaderValue::from(r.body.len()));
+    let max_body = if r.max_body_bytes == 0 { DEFAULT_BODY } else { r.max_body_bytes.min(MAX_BODY) };
+    let timeout = if r.timeout_ms == 0 { DEFAULT_TIMEOUT } else { Duration::from_millis(r.timeout_ms) };
+    Ok(Prepared { port, request, max_body, timeout })
+}
+
+/// Sends the request and reads the whole answer within the request's timeout.
+pub async fn request(r: HttpRequestRequest) -> Result<HttpRequestResponse, AgentError> {
+    let p = prepare(&r)?;
+    tokio::time::timeout(p.timeout, exchange(p.port, p.request, p.max_body))
         .await
         .map_err(|_| AgentError::Http("timed out".into()))?
-        .map_err(|e| AgentError::Http(e.to_string()))?;
-    parse_response(&raw, max, dropped)
 }
 
-/// Parses a whole HTTP/1.1 response.
-pub fn parse_response(raw: &[u8], max: u64, dropped: u64) -> Result<HttpRequestResponse, AgentError> {
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| AgentError::Http("no complete response head".into()))?;
-    let head = String::from_utf8_lossy(&raw[..end]);
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse::<u32>().ok())
-        .ok_or_else(|| AgentError::Http(format!("bad status line {status_line:?}")))?;
-    let mut headers = vec![];
-    let mut chunked = false;
-    for l in lines {
-        if let Some((n, v)) = l.split_once(':') {
-            let (n, v) = (n.trim(), v.trim());
-            if n.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked") {
-                chunked = true;
+fn http_err(what: &str) -> impl FnOnce(hyper::Error) -> AgentError + '_ {
+    move |e| {
+        let mut msg = format!("{what}: {e}");
+        if let Some(c) = std::error::Error::source(&e) {
+            msg.push_str(&format!(": {c}"));
+        }
+        AgentError::Http(msg)
+    }
+}
+
+async fn exchange(
+    port: u16,
+    request: http::Request<Full<Bytes>>,
+    max_body: u64,
+) -> Result<HttpRequestResponse, AgentError> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| AgentError::Http(format!("connect to port {port}: {e}")))?;
+    let (mut send, conn) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(MAX_HEAD)
+        .handshake::<_, Full<Bytes>>(TokioIo::new(tcp))
+        .await
+        .map_err(http_err("handshake"))?;
+    let answer = async move {
+        let resp = send.send_request(request).await.map_err(http_err("request"))?;
+        let status = u32::from(resp.status().as_u16());
+        let headers = resp
+            .headers()
+            .iter()
+            .map(|(n, v)| HttpHeader {
+                name: n.as_str().to_string(),
+                value: String::from_utf8_lossy(v.as_bytes()).into(),
+            })
+            .collect();
+        let mut body = resp.into_body();
+        let (mut kept, mut dropped) = (Vec::new(), 0u64);
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(http_err("reading the body"))?;
+            let Ok(data) = frame.into_data() else { continue };
+            let room = usize::try_from(max_body.saturating_sub(kept.len() as u64)).unwrap_or(usize::MAX);
+            let keep = room.min(data.len());
+            kept.extend_from_slice(&data[..keep]);
+            dropped += (data.len() - keep) as u64;
+        }
+        Ok(HttpRequestResponse { status, headers, body: kept, body_dropped_bytes: dropped })
+    };
+    // The connection is driven beside the exchange; it ends once the answer is read (or fails,
+    // which fails the exchange too).
+    let mut conn = std::pin::pin!(conn);
+    let mut answer = std::pin::pin!(answer);
+    let mut conn_done = false;
+    loop {
+        tokio::select! {
+            r = &mut answer => return r,
+            c = &mut conn, if !conn_done => {
+                conn_done = true;
+                c.map_err(http_err("connection"))?;
             }
-            headers.push(HttpHeader { name: n.to_string(), value: v.to_string() });
         }
     }
-    let mut body = raw[end + 4..].to_vec();
-    if chunked {
-        body = dechunk(&body);
-    }
-    let mut dropped = dropped;
-    if body.len() as u64 > max {
-        dropped += body.len() as u64 - max;
-        body.truncate(max as usize);
-    }
-    Ok(HttpRequestResponse { status, headers, body, body_dropped_bytes: dropped })
-}
-
-/// Decodes a chunked body as far as it is complete.
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = vec![];
-    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
-        let size_txt = String::from_utf8_lossy(&b[..eol]);
-        let size_txt = size_txt.split(';').next().unwrap_or("").trim();
-        let Ok(size) = usize::from_str_radix(size_txt, 16) else {
-            break;
-        };
-        b = &b[eol + 2..];
-        if size == 0 {
-            break;
-        }
-        let take = size.min(b.len());
-        out.extend_from_slice(&b[..take]);
-        if take < size || b.len() < size + 2 {
-            break;
-        }
-        b = &b[size + 2..];
-    }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn req(f: impl FnOnce(&mut HttpRequestRequest)) -> HttpRequestRequest {
+        let mut r = HttpRequestRequest { port: 80, ..Default::default() };
+        f(&mut r);
+        r
+    }
+
     #[test]
-    fn parses() {
-        let r = parse_response(b"HTTP/1.1 201 Created\r\nA: b\r\n\r\nhello", 3, 0).unwrap();
-        assert_eq!((r.status, r.body.as_slice(), r.body_dropped_bytes), (201, &b"hel"[..], 2));
-        let r = parse_response(
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
-            100,
-            0,
-        )
+    fn requests_are_checked_and_the_agent_sets_its_own_framing() {
+        for bad in [
+            req(|r| r.port = 0),
+            req(|r| r.port = 70_000),
+            req(|r| r.method = "get".into()),
+            req(|r| r.method = "G ET".into()),
+            req(|r| r.path = "x".into()),
+            req(|r| r.path = "/a b".into()),
+            req(|r| r.path = "/a\u{7f}".into()),
+            req(|r| r.headers = vec![HttpHeader { name: "a:b".into(), value: "v".into() }]),
+            req(|r| r.headers = vec![HttpHeader { name: "x".into(), value: "v\r\nInjected: 1".into() }]),
+            req(|r| r.headers = vec![HttpHeader { name: String::new(), value: "v".into() }]),
+        ] {
+            assert!(matches!(prepare(&bad), Err(AgentError::Invalid(_))), "{bad:?}");
+        }
+        let p = prepare(&req(|r| {
+            r.body = b"abc".to_vec();
+            r.headers = vec![
+                HttpHeader { name: "X-A".into(), value: "1".into() },
+                HttpHeader { name: "Content-Length".into(), value: "999".into() },
+                HttpHeader { name: "Transfer-Encoding".into(), value: "chunked".into() },
+                HttpHeader { name: "Host".into(), value: "evil".into() },
+            ];
+            r.max_body_bytes = u64::MAX;
+        }))
         .unwrap();
-        assert_eq!(r.body, b"abcde");
-        assert!(parse_response(b"garbage", 1, 0).is_err());
+        let h = p.request.headers();
+        assert_eq!(h["x-a"], "1");
+        assert_eq!(h[CONTENT_LENGTH], "3");
+        assert!(!h.contains_key(TRANSFER_ENCODING));
+        assert_eq!(h[HOST], "127.0.0.1:80");
+        assert_eq!(h[CONNECTION], "close");
+        assert_eq!((p.request.method(), p.request.uri().path()), (&http::Method::GET, "/"));
+        assert_eq!(p.max_body, MAX_BODY);
+        assert_eq!(p.timeout, DEFAULT_TIMEOUT);
     }
 }

@@ -424,34 +424,81 @@ async fn file_calls() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
 }
 
-#[tokio::test]
-async fn http_request_inside() {
-    let (_a, mut c) = agent().await;
+/// A server on 127.0.0.1 that answers one connection with `answer` once it has read the
+/// request head, then keeps the connection open (a client that waits for the server to close
+/// hangs); returns its port and the request it got.
+async fn serve_once(answer: &'static [u8]) -> (u16, tokio::sync::oneshot::Receiver<Vec<u8>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
+    let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut s, _) = l.accept().await.unwrap();
         let mut buf = vec![0u8; 4096];
         let mut got = vec![];
-        while !got.ends_with(b"ping") {
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
             let n = s.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
             got.extend_from_slice(&buf[..n]);
         }
-        s.write_all(b"HTTP/1.1 200 OK\r\nX-A: 1\r\n\r\npong").await.unwrap();
+        s.write_all(answer).await.unwrap();
+        let _ = tx.send(got);
+        tokio::time::sleep(Duration::from_secs(60)).await;
     });
-    let r = c
-        .http_request(HttpRequestRequest {
-            port: port as u32,
-            method: "POST".into(),
-            path: "/x".into(),
-            body: b"ping".to_vec(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!((r.status, r.body.as_slice()), (200, &b"pong"[..]));
+    (port, rx)
+}
+
+#[tokio::test]
+async fn http_request_inside() {
+    let (_a, mut c) = agent().await;
+    let req = |port: u16, method: &str| HttpRequestRequest {
+        port: port.into(),
+        method: method.into(),
+        path: "/x".into(),
+        timeout_ms: 10_000,
+        ..Default::default()
+    };
+    // A POST with a body; the answer's length framed.
+    let (port, got) = serve_once(b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 4\r\n\r\npong").await;
+    let r =
+        c.http_request(HttpRequestRequest { body: b"ping".to_vec(), ..req(port, "POST") }).await.unwrap().into_inner();
+    assert_eq!((r.status, r.body.as_slice(), r.body_dropped_bytes), (200, &b"pong"[..], 0));
+    assert!(r.headers.iter().any(|h| h.name == "x-a" && h.value == "1"), "{:?}", r.headers);
+    let sent = String::from_utf8(got.await.unwrap()).unwrap();
+    assert!(sent.starts_with("POST /x HTTP/1.1\r\n"), "{sent}");
+    assert!(sent.to_ascii_lowercase().contains("connection: close"), "{sent}");
+
+    // Chunked, with an informational answer first; the body past the caller's limit is
+    // counted, not kept.
+    let (port, _) = serve_once(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n",
+    )
+    .await;
+    let r = c.http_request(HttpRequestRequest { max_body_bytes: 5, ..req(port, "GET") }).await.unwrap().into_inner();
+    assert_eq!((r.status, r.body.as_slice(), r.body_dropped_bytes), (201, &b"abcde"[..], 2));
+
+    // HEAD: the Content-Length announces no body to wait for (the server keeps the
+    // connection open; waiting for 100 bytes would hang until the timeout).
+    let (port, _) = serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n").await;
+    let r = c.http_request(req(port, "HEAD")).await.unwrap().into_inner();
+    assert_eq!((r.status, r.body.len()), (200, 0));
+
+    // A broken chunked body is an error, not a body cut short in silence.
+    let (port, _) = serve_once(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n").await;
+    let e = c.http_request(req(port, "GET")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    // As is an answer that is not HTTP, and a body shorter than announced.
+    let (port, _) = serve_once(b"SSH-2.0-OpenSSH_9.2\r\n\r\n").await;
+    assert_eq!(c.http_request(req(port, "GET")).await.unwrap_err().code(), tonic::Code::Unavailable);
+    let (port, _) = serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort").await;
+    let e = c.http_request(HttpRequestRequest { timeout_ms: 500, ..req(port, "GET") }).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("timed out"), "{e:?}");
+    // Nobody listening.
+    let free = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().port();
+    assert_eq!(c.http_request(req(free, "GET")).await.unwrap_err().code(), tonic::Code::Unavailable);
 }
 
 #[tokio::test]
