@@ -38,7 +38,7 @@ pub const WORKDIR_ENV: &str = "OPENDSEC_WORKDIR";
 /// the 80 MiB message limit, and a caller's limit cannot make the agent allocate more).
 pub const RESULT_MAX: u64 = 32 << 20;
 /// Capacity asked for the output fifos, and the pump's read size.
-const PIPE_BYTES: libc::c_int = 1 << 20;
+const PIPE_BYTES: usize = 1 << 20;
 /// Output bytes per ExecStream message (fewer, larger messages through every hop).
 const STREAM_CHUNK: u64 = 256 << 10;
 pub const DEFAULT_SESSION_BUDGET: u64 = 256 << 20;
@@ -410,10 +410,9 @@ fn spawn_pump(fifo: PathBuf, record: PathBuf, limit: u64, cmd: Arc<Cmd>, err: bo
             return;
         };
         // A deeper pipe: a fast writer's output comes in fewer, larger reads (best effort).
-        // SAFETY: F_SETPIPE_SZ on a pipe fd this function owns.
-        let granted = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&src), libc::F_SETPIPE_SZ, PIPE_BYTES) };
+        let granted = rustix::pipe::fcntl_setpipe_size(&src, PIPE_BYTES).unwrap_or(0);
         // One read takes at most what the pipe holds.
-        let mut buf = vec![0u8; usize::try_from(granted).unwrap_or(0).max(64 << 10)];
+        let mut buf = vec![0u8; granted.max(64 << 10)];
         let mut kept = 0u64;
         loop {
             let n = match src.read(&mut buf) {

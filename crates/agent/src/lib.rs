@@ -101,12 +101,8 @@ pub fn seal_pid1(log: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)?;
     let null = std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(log)?;
-    for fd in [1, 2] {
-        // SAFETY: dup2 onto stdout/stderr of this process; `null` stays open until after.
-        if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), fd) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
+    rustix::stdio::dup2_stdout(&null)?;
+    rustix::stdio::dup2_stderr(&null)?;
     Ok(())
 }
 
@@ -136,16 +132,11 @@ pub fn raise_oom_score() {
     let _ = std::fs::write("/proc/self/oom_score_adj", WORKLOAD_OOM_SCORE_ADJ);
 }
 
-/// [`raise_oom_score`] with raw syscalls only, for use between fork and exec.
+/// [`raise_oom_score`] with raw syscalls only (no allocation), for use between fork and exec.
 pub fn raise_oom_score_raw() {
-    // SAFETY: open/write/close with a static NUL-terminated path and buffer.
-    unsafe {
-        let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-        if fd >= 0 {
-            let v = WORKLOAD_OOM_SCORE_ADJ.as_bytes();
-            let _ = libc::write(fd, v.as_ptr().cast(), v.len());
-            libc::close(fd);
-        }
+    use rustix::fs::{Mode, OFlags};
+    if let Ok(fd) = rustix::fs::open(c"/proc/self/oom_score_adj", OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty()) {
+        let _ = rustix::io::write(&fd, WORKLOAD_OOM_SCORE_ADJ.as_bytes());
     }
 }
 

@@ -39,27 +39,26 @@ pub fn groups(group: &str, name: &str, gid: u32) -> Vec<u32> {
 pub fn run_as(c: &mut std::process::Command, u: &User, cwd: Option<std::path::PathBuf>) {
     use std::os::unix::process::CommandExt;
     let switch = rustix::process::geteuid().as_raw() != u.uid || rustix::process::getegid().as_raw() != u.gid;
-    let (uid, gid, groups) = (u.uid, u.gid, u.groups.clone());
+    use rustix::process::{Gid, Uid};
+    let (uid, gid) = (Uid::from_raw(u.uid), Gid::from_raw(u.gid));
+    let groups: Vec<Gid> = u.groups.iter().map(|g| Gid::from_raw(*g)).collect();
     let cwd = cwd.and_then(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()).ok());
     if !switch && cwd.is_none() {
         // Nothing to do: no hook, so std can spawn without forking.
         return;
     }
-    // SAFETY: setgroups/setgid/setuid/chdir are async-signal-safe; `groups` and `cwd` were
-    // allocated before fork and are only read here.
+    // SAFETY: between fork and exec only raw syscalls run (rustix's setgroups, setgid,
+    // setuid and chdir, none allocating: `groups` and `cwd` were made before the fork and are
+    // only read). The child has one thread, so the per-thread id calls change the process.
     unsafe {
         c.pre_exec(move || {
-            if switch
-                && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
-                    || libc::setgid(gid) < 0
-                    || libc::setuid(uid) < 0)
-            {
-                return Err(std::io::Error::last_os_error());
+            if switch {
+                rustix::thread::set_thread_groups(&groups)?;
+                rustix::thread::set_thread_gid(gid)?;
+                rustix::thread::set_thread_uid(uid)?;
             }
-            if let Some(d) = &cwd
-                && libc::chdir(d.as_ptr()) < 0
-            {
-                return Err(std::io::Error::last_os_error());
+            if let Some(d) = &cwd {
+                rustix::process::chdir(d.as_c_str())?;
             }
             Ok(())
         });

@@ -86,14 +86,13 @@ impl Procs {
                     f.try_clone().map_err(|e| AgentError::Spawn { what: "a pty".into(), source: e })
                 };
                 c.stdin(dup(&slave)?).stdout(dup(&slave)?).stderr(slave);
-                // SAFETY: only async-signal-safe calls after fork: setsid, ioctl, and the OOM
-                // score write (open/write/close on a static path).
+                // SAFETY: only raw syscalls after fork, none allocating: setsid, TIOCSCTTY on
+                // stdin (the pty's slave), and the OOM score write on a static path.
                 unsafe {
                     c.pre_exec(|| {
                         crate::raise_oom_score_raw();
-                        if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
+                        rustix::process::setsid()?;
+                        rustix::process::ioctl_tiocsctty(rustix::stdio::stdin())?;
                         Ok(())
                     });
                 }
@@ -309,7 +308,7 @@ fn pump(mut r: Box<dyn tokio::io::AsyncRead + Send + Unpin>, p: Arc<Proc>, err: 
 
 /// Pseudo-terminals for the process API.
 mod pty {
-    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::fd::OwnedFd;
     use std::pin::Pin;
     use std::task::{Context, Poll, ready};
 
@@ -321,35 +320,21 @@ mod pty {
     /// `uid`/`gid`: (master, slave). Both ends are close-on-exec from the start: aether spawns
     /// processes for other users concurrently, and none of them may inherit this terminal.
     pub fn open(size: &PtySize, uid: u32, gid: u32) -> std::io::Result<(OwnedFd, std::fs::File)> {
-        let ws = libc::winsize {
+        use rustix::pty::OpenptFlags;
+        let ws = rustix::termios::Winsize {
             ws_row: if size.rows == 0 { 24 } else { size.rows.min(u16::MAX.into()) as u16 },
             ws_col: if size.cols == 0 { 80 } else { size.cols.min(u16::MAX.into()) as u16 },
             ws_xpixel: 0,
             ws_ypixel: 0,
         };
-        let err = std::io::Error::last_os_error;
-        // SAFETY: posix_openpt returns a new fd or -1; the ioctls get valid fds and arguments;
-        // every fd returned is owned exactly once.
-        unsafe {
-            let m = libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
-            if m < 0 {
-                return Err(err());
-            }
-            let master = OwnedFd::from_raw_fd(m);
-            if libc::grantpt(m) < 0 || libc::unlockpt(m) < 0 {
-                return Err(err());
-            }
-            if libc::ioctl(m, libc::TIOCSWINSZ, &ws) < 0 {
-                return Err(err());
-            }
-            let s = libc::ioctl(m, libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC);
-            if s < 0 {
-                return Err(err());
-            }
-            let slave = std::fs::File::from(OwnedFd::from_raw_fd(s));
-            std::os::unix::fs::fchown(&slave, Some(uid), Some(gid))?;
-            Ok((master, slave))
-        }
+        let flags = OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC;
+        let master = rustix::pty::openpt(flags)?;
+        rustix::pty::grantpt(&master)?;
+        rustix::pty::unlockpt(&master)?;
+        rustix::termios::tcsetwinsize(&master, ws)?;
+        let slave = std::fs::File::from(rustix::pty::ioctl_tiocgptpeer(&master, flags)?);
+        std::os::unix::fs::fchown(&slave, Some(uid), Some(gid))?;
+        Ok((master, slave))
     }
 
     /// The master side, non-blocking. Reading after the last slave fd closed gives EIO, which
@@ -376,7 +361,9 @@ mod pty {
                         buf.advance(n);
                         return Poll::Ready(Ok(()));
                     }
-                    Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Poll::Ready(Ok(())),
+                    Ok(Err(e)) if e.raw_os_error() == Some(rustix::io::Errno::IO.raw_os_error()) => {
+                        return Poll::Ready(Ok(()));
+                    }
                     Ok(Err(e)) => return Poll::Ready(Err(e)),
                     Err(_would_block) => continue,
                 }

@@ -17,14 +17,15 @@ pub mod term;
 /// per connection, and the usual soft limit (1,024) would make `accept` fail long before the
 /// connection caps do.
 pub fn raise_fd_limit() {
-    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit/setrlimit with a pointer to a live rlimit.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            lim.rlim_cur = lim.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                tracing::warn!(error = %std::io::Error::last_os_error(), "could not raise the open-file limit");
-            }
-        }
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let lim = getrlimit(Resource::Nofile);
+    // None is "unlimited".
+    let below = match (lim.current, lim.maximum) {
+        (Some(cur), Some(max)) => cur < max,
+        (Some(_), None) => true,
+        (None, _) => false,
+    };
+    if below && let Err(e) = setrlimit(Resource::Nofile, rustix::process::Rlimit { current: lim.maximum, ..lim }) {
+        tracing::warn!(error = %std::io::Error::from(e), "could not raise the open-file limit");
     }
 }

@@ -167,21 +167,9 @@ pub fn parse_psi_some_avg10(text: &str) -> Option<f64> {
 }
 
 /// (free for unprivileged users, total) of the file system holding `path`, in MiB.
-#[allow(unsafe_code)]
 fn statvfs_mb(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a NUL-terminated path that outlives the call, and `st` points to writable
-    // memory of the right type; statvfs writes only there.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled the whole struct.
-    let st = unsafe { st.assume_init() };
-    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
-    let (frsize, bavail, blocks) = (st.f_frsize as u64, st.f_bavail as u64, st.f_blocks as u64);
+    let st = rustix::fs::statvfs(path).ok()?;
+    let (frsize, bavail, blocks) = (st.f_frsize, st.f_bavail, st.f_blocks);
     Some((bavail.saturating_mul(frsize) >> 20, blocks.saturating_mul(frsize) >> 20))
 }
 

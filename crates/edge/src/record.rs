@@ -532,20 +532,11 @@ impl RecordStore {
 }
 
 /// `renameat2(RENAME_EXCHANGE)` of two names in `dir`: atomically swaps what they point to.
-#[allow(unsafe_code)]
 fn rename_exchange(dir: &File, a: &Path, b: &Path) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    let name = |p: &Path| {
-        let n = p.file_name().ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-        std::ffi::CString::new(n.as_bytes()).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
-    };
-    let (a, b) = (name(a)?, name(b)?);
-    let fd = dir.as_raw_fd();
-    // SAFETY: `a` and `b` are NUL-terminated strings that outlive the call, and `fd` is an open
-    // directory descriptor owned by `dir`, which outlives the call; renameat2 only reads them.
-    let rc = unsafe { libc::renameat2(fd, a.as_ptr(), fd, b.as_ptr(), libc::RENAME_EXCHANGE) };
-    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    fn name(p: &Path) -> std::io::Result<&std::ffi::OsStr> {
+        p.file_name().ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    }
+    Ok(rustix::fs::renameat_with(dir, name(a)?, dir, name(b)?, rustix::fs::RenameFlags::EXCHANGE)?)
 }
 
 #[cfg(test)]

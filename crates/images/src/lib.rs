@@ -17,6 +17,8 @@
 //! uncompressed tar (the OCI diff id), so a layer already in the store is never fetched or
 //! unpacked again; nothing from an image is trusted (see `unpack`).
 
+#![forbid(unsafe_code)]
+
 pub mod compose;
 pub mod decompress;
 pub mod gc;

@@ -18,7 +18,6 @@
 use std::ffi::CString;
 use std::fs;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
@@ -179,13 +178,8 @@ fn err(what: &str, path: &Path) -> impl FnOnce(io::Error) -> String {
     move |e| format!("{what} {p}: {e}")
 }
 
-fn cpath(p: &Path) -> Result<CString, String> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| format!("{} contains a NUL byte", p.display()))
-}
-
 fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
+    rustix::process::geteuid().as_raw()
 }
 
 fn root_not_mapped(work: &Path) -> Result<String, String> {
@@ -258,10 +252,9 @@ fn hard_links(work: &Path) -> Result<String, String> {
 
 /// Creates an overlay whiteout: a 0:0 character device.
 fn mknod_whiteout(p: &Path) -> Result<(), String> {
-    let c = cpath(p)?;
-    // SAFETY: `c` is a valid NUL-terminated path that outlives the call; mknod only reads it.
-    let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR, libc::makedev(0, 0)) };
-    if rc == 0 { Ok(()) } else { Err(format!("cannot mknod {}: {}", p.display(), io::Error::last_os_error())) }
+    use rustix::fs::{CWD, FileType, Mode, makedev, mknodat};
+    mknodat(CWD, p, FileType::CharacterDevice, Mode::empty(), makedev(0, 0))
+        .map_err(|e| format!("cannot mknod {}: {e}", p.display()))
 }
 
 fn whiteout_device(work: &Path) -> Result<String, String> {
@@ -299,34 +292,20 @@ fn overlay(work: &Path) -> Result<String, String> {
     }
     mknod_whiteout(&upper.join("a"))?;
 
-    let opts = format!("lowerdir={}:{}", upper.display(), lower.display());
-    let (src, target, fstype, data) = (
-        CString::new("overlay").map_err(|e| e.to_string())?,
-        cpath(&merged)?,
-        CString::new("overlay").map_err(|e| e.to_string())?,
-        CString::new(opts).map_err(|e| e.to_string())?,
-    );
-    // SAFETY: every pointer is a valid NUL-terminated string that outlives the call.
-    let rc =
-        unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fstype.as_ptr(), libc::MS_RDONLY, data.as_ptr().cast()) };
-    if rc != 0 {
-        return Err(format!("mount -t overlay of two layers here failed: {}", io::Error::last_os_error()));
-    }
+    use rustix::mount::{MountFlags, UnmountFlags, mount, unmount};
+    let opts = CString::new(format!("lowerdir={}:{}", upper.display(), lower.display())).map_err(|e| e.to_string())?;
+    mount("overlay", &merged, "overlay", MountFlags::RDONLY, Some(opts.as_c_str()))
+        .map_err(|e| format!("mount -t overlay of two layers here failed: {e}"))?;
     let seen = (
         merged.join("a").symlink_metadata().is_ok(),
         merged.join("b").is_file(),
         merged.join("c").is_file(),
         merged.join("d/x").is_file() && merged.join("d/y").is_file(),
     );
-    // SAFETY: as above; `target` is the mount made just now.
-    let rc = unsafe { libc::umount2(target.as_ptr(), 0) };
-    if rc != 0 {
-        let first = io::Error::last_os_error();
-        // SAFETY: as above.
-        let rc = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        if rc != 0 {
-            return Err(format!("cannot unmount the test overlay at {}: {first}", merged.display()));
-        }
+    if let Err(first) = unmount(&merged, UnmountFlags::empty())
+        && unmount(&merged, UnmountFlags::DETACH).is_err()
+    {
+        return Err(format!("cannot unmount the test overlay at {}: {first}", merged.display()));
     }
     match seen {
         (false, true, true, true) => Ok("two layers stack; the whiteout hides the lower file".into()),

@@ -12,7 +12,6 @@
 //!
 //! Core scheduling (`PR_SCHED_CORE`) is only detected and reported here; on kernels without it
 //! (EINVAL, as on our machines) the sandbox runs without a cookie.
-#![allow(unsafe_code)]
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -559,38 +558,20 @@ pub fn cleanup(prefix: &str, keep: &[String]) -> Result<Vec<String>, CgroupError
     Ok(removed)
 }
 
-const PR_SCHED_CORE: libc::c_int = 62;
-const PR_SCHED_CORE_GET: libc::c_ulong = 0;
-const PIDTYPE_PID: libc::c_ulong = 0;
-
-const PR_SCHED_CORE_CREATE: libc::c_ulong = 1;
-const PIDTYPE_TGID: libc::c_ulong = 1;
-
 /// Gives this process (all its threads; children inherit it) a new core scheduling cookie, so
 /// no task of another sandbox shares a physical core's hardware threads with it at once.
 pub fn core_sched_cookie() -> std::io::Result<()> {
-    // SAFETY: PR_SCHED_CORE_CREATE on the calling process takes only integers.
-    let r = unsafe {
-        libc::prctl(PR_SCHED_CORE, PR_SCHED_CORE_CREATE, 0 as libc::c_ulong, PIDTYPE_TGID, 0 as libc::c_ulong)
-    };
-    if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
+    use rustix::thread::{CoreSchedulingScope, create_core_scheduling_cookie};
+    Ok(create_core_scheduling_cookie(rustix::process::getpid(), CoreSchedulingScope::ThreadGroup)?)
 }
 
 /// Probes `PR_SCHED_CORE` by reading this process's cookie (harmless, changes nothing).
 pub fn detect_core_sched() -> CoreSched {
-    let mut cookie: u64 = 0;
-    // SAFETY: PR_SCHED_CORE_GET writes one u64 through the pointer, which points at a live
-    // local; the other arguments are plain integers.
-    let r = unsafe {
-        libc::prctl(
-            PR_SCHED_CORE,
-            PR_SCHED_CORE_GET,
-            0 as libc::c_ulong,
-            PIDTYPE_PID,
-            &mut cookie as *mut u64 as libc::c_ulong,
-        )
-    };
-    if r == 0 { CoreSched::Supported } else { CoreSched::Unsupported }
+    use rustix::thread::{CoreSchedulingScope, core_scheduling_cookie};
+    match core_scheduling_cookie(rustix::process::getpid(), CoreSchedulingScope::Thread) {
+        Ok(_) => CoreSched::Supported,
+        Err(_) => CoreSched::Unsupported,
+    }
 }
 
 #[cfg(test)]

@@ -19,11 +19,9 @@
 //!   never races a release or another take-over.
 //!
 //! The claims directory is on a tmpfs (`/run`): a reboot ends every sandbox and every claim.
-#![allow(unsafe_code)]
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -265,10 +263,7 @@ fn lock(dir: &Path) -> Result<File, IdmapError> {
         .mode(0o600)
         .open(&path)
         .map_err(io("open", &path))?;
-    // SAFETY: flock on an fd this function owns; the lock goes with the file.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(io("lock", &path)(std::io::Error::last_os_error()));
-    }
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive).map_err(|e| io("lock", &path)(e.into()))?;
     Ok(f)
 }
 

@@ -611,32 +611,19 @@ fn rlimits() -> Result<(), String> {
         .and_then(|s| s.trim().parse::<u64>().ok())
         .unwrap_or(1 << 20)
         .min(1 << 20);
-    let lim = libc::rlimit { rlim_cur: cap, rlim_max: cap };
-    // SAFETY: getrlimit/setrlimit with valid rlimit structs.
-    unsafe {
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
-            return Ok(());
-        }
-        let mut cur = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut cur) == 0 {
-            cur.rlim_cur = cur.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &cur) == 0 {
-                return Ok(());
-            }
-        }
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    if setrlimit(Resource::Nofile, Rlimit { current: Some(cap), maximum: Some(cap) }).is_ok() {
+        return Ok(());
     }
-    Err(format!("RLIMIT_NOFILE: {}", std::io::Error::last_os_error()))
+    let cur = getrlimit(Resource::Nofile);
+    setrlimit(Resource::Nofile, Rlimit { current: cur.maximum, ..cur }).map_err(|e| format!("RLIMIT_NOFILE: {e}"))
 }
 
 /// stdin from /dev/null; stdout joins stderr (which the parent pointed at the sandbox log).
 fn stdio() -> Result<(), String> {
     let null = std::fs::File::open("/dev/null").map_err(|e| format!("open /dev/null: {e}"))?;
-    // SAFETY: dup2 on fds this process owns; 0 and 1 are replaced atomically.
-    let r = unsafe { libc::dup2(null.as_raw_fd(), 0) | libc::dup2(2, 1) };
-    if r < 0 {
-        return Err(format!("dup2: {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
+    rustix::stdio::dup2_stdin(&null).map_err(|e| format!("dup2: {e}"))?;
+    rustix::stdio::dup2_stdout(rustix::stdio::stderr()).map_err(|e| format!("dup2: {e}"))
 }
 
 /// Moves the inherited listening socket to [`PID1_LISTEN_FD`] (kept across exec) and marks
@@ -689,13 +676,12 @@ fn make_userns(range: IdRange) -> Result<OwnedFd, String> {
         Ok(ForkResult::Child) => {
             drop((ready_r, done_w));
             let id = range.host_first;
-            // SAFETY: plain syscalls with integer arguments (setgroups with an empty list).
-            let ok = unsafe {
-                libc::setgroups(0, std::ptr::null()) == 0
-                    && libc::setresgid(id, id, id) == 0
-                    && libc::setresuid(id, id, id) == 0
-                    && libc::unshare(libc::CLONE_NEWUSER) == 0
-            };
+            let (uid, gid) = (rustix::process::Uid::from_raw(id), rustix::process::Gid::from_raw(id));
+            let ok = rustix::thread::set_thread_groups(&[]).is_ok()
+                && rustix::thread::set_thread_res_gid(gid, gid, gid).is_ok()
+                && rustix::thread::set_thread_res_uid(uid, uid, uid).is_ok()
+                // SAFETY: only a new user namespace: the fd table is not unshared.
+                && unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWUSER) }.is_ok();
             let _ = rustix::io::write(&ready_w, if ok { b"1" } else { b"0" });
             let mut b = [0u8; 1];
             let _ = rustix::io::read(&done_r, &mut b);
@@ -798,20 +784,15 @@ fn net_sysctls() -> Result<(), String> {
 /// Joins the sandbox's user namespace and becomes its root (ids 0, no supplementary groups).
 /// The capabilities that setns grants in the namespace are cut down by [`drop_caps`] next.
 fn enter_userns(ns: &OwnedFd) -> Result<(), String> {
-    // SAFETY: setns with an fd naming a user namespace (this process is single-threaded and
-    // shares no fs_struct, as the kernel requires); then plain id syscalls.
-    unsafe {
-        if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWUSER) != 0 {
-            return Err(format!("setns: {}", errno_str()));
-        }
-        if libc::setgroups(0, std::ptr::null()) != 0 {
-            return Err(format!("setgroups: {}", errno_str()));
-        }
-        if libc::setresgid(0, 0, 0) != 0 || libc::setresuid(0, 0, 0) != 0 {
-            return Err(format!("setresuid: {}", errno_str()));
-        }
-    }
-    Ok(())
+    // The process is single-threaded and shares no fs_struct, as setns into a user namespace
+    // requires; the id calls then change the one thread, the whole process.
+    use std::os::fd::AsFd;
+    rustix::thread::move_into_link_name_space(ns.as_fd(), Some(rustix::thread::LinkNameSpaceType::User))
+        .map_err(|e| format!("setns: {e}"))?;
+    rustix::thread::set_thread_groups(&[]).map_err(|e| format!("setgroups: {e}"))?;
+    let (uid, gid) = (rustix::process::Uid::ROOT, rustix::process::Gid::ROOT);
+    rustix::thread::set_thread_res_gid(gid, gid, gid).map_err(|e| format!("setresgid: {e}"))?;
+    rustix::thread::set_thread_res_uid(uid, uid, uid).map_err(|e| format!("setresuid: {e}"))
 }
 
 fn drop_caps() -> Result<(), String> {

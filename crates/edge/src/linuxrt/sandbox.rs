@@ -12,7 +12,6 @@
 //!   process exits) becomes the edge's child and is reaped by `stop`/`exited`;
 //! - the loop device is only held by the sandbox's mount namespace once `start` returns
 //!   (autoclear), so it goes away with the sandbox's last process.
-#![allow(unsafe_code)]
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -103,8 +102,7 @@ pub struct Sandbox {
 }
 
 fn set_subreaper() {
-    // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer flag.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    let _ = rustix::process::set_child_subreaper(Some(rustix::process::getpid()));
 }
 
 impl Sandbox {
@@ -152,17 +150,15 @@ impl Sandbox {
 
     /// The exit status of PID 1 once it has ended (reaps it), `None` while it runs.
     pub fn exited(&self) -> Option<i32> {
-        let mut st = 0;
-        // SAFETY: waitpid on our own child with a valid status pointer.
-        let r = unsafe { libc::waitpid(self.pid, &mut st, libc::WNOHANG) };
-        if r == self.pid {
-            if libc::WIFEXITED(st) { Some(libc::WEXITSTATUS(st)) } else { Some(128 + libc::WTERMSIG(st)) }
-        } else if r < 0 {
-            // Not our child (adopted after an edge restart): alive while it is in the cgroup.
-            let alive = self.cgroup.pids().map(|p| p.contains(&self.pid)).unwrap_or(false);
-            if alive { None } else { Some(-1) }
-        } else {
-            None
+        let pid = rustix::process::Pid::from_raw(self.pid)?;
+        match rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::NOHANG) {
+            Ok(Some((_, st))) => Some(st.exit_status().unwrap_or_else(|| 128 + st.terminating_signal().unwrap_or(0))),
+            Ok(None) => None,
+            Err(_) => {
+                // Not our child (adopted after an edge restart): alive while it is in the cgroup.
+                let alive = self.cgroup.pids().map(|p| p.contains(&self.pid)).unwrap_or(false);
+                if alive { None } else { Some(-1) }
+            }
         }
     }
 
@@ -181,10 +177,8 @@ impl Sandbox {
 /// for up to a second. A pid that is not our child answers ECHILD at once.
 fn reap(pid: i32) {
     for _ in 0..100 {
-        // SAFETY: waitpid on a pid with a null status pointer and WNOHANG never blocks and
-        // writes nothing.
-        let rc = unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
-        if rc != 0 {
+        let Some(p) = rustix::process::Pid::from_raw(pid) else { return };
+        if !matches!(rustix::process::waitpid(Some(p), rustix::process::WaitOptions::NOHANG), Ok(None)) {
             return; // reaped, or not our child
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
@@ -310,15 +304,11 @@ fn bind_agent_socket(dir: &Path) -> Result<std::os::unix::net::UnixListener, San
 }
 
 /// A copy of `fd` without close-on-exec (fcntl F_DUPFD leaves the flag clear).
-fn dup_inheritable(fd: &impl AsRawFd) -> std::io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: F_DUPFD returns a new fd this process owns, or -1.
-    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD, 3) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `n` was just returned by F_DUPFD and is owned by nobody else.
-    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(n) })
+fn dup_inheritable(fd: &impl std::os::fd::AsFd) -> std::io::Result<std::os::fd::OwnedFd> {
+    // Made close-on-exec (no other thread's exec may inherit it meanwhile), then cleared.
+    let copy = rustix::io::fcntl_dupfd_cloexec(fd, 3)?;
+    rustix::io::fcntl_setfd(&copy, rustix::io::FdFlags::empty())?;
+    Ok(copy)
 }
 
 /// Connects to the agent socket in `dir` (through a directory fd, see [`bind_agent_socket`]);
