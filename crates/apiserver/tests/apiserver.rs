@@ -11,8 +11,7 @@ use std::time::Duration;
 use opendsec_apiserver::{ApiserverOptions, serve};
 use opendsec_common::config::{ApiserverConfig, AuditConfig, PlacementConfig};
 use opendsec_common::grpc;
-use opendsec_common::pki::{Identity, Role};
-use opendsec_common::tls::Credentials;
+use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason, ids, time};
 use opendsec_images::{ImageConfig, LayerId, LayerMeta, Manifest, Store};
 use opendsec_proto::v1 as pb;
@@ -25,14 +24,13 @@ use opendsec_proto::v1::runtime_client::RuntimeClient;
 use opendsec_proto::v1::runtime_server::{Runtime, RuntimeServer};
 use opendsec_proto::v1::sandboxes_client::SandboxesClient;
 use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
+use opendsec_testkit::creds;
+use opendsec_testkit::{WAIT, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-fn creds(pki: &std::path::Path, role: Role, name: &str) -> Arc<Credentials> {
-    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
-}
 const ALICE: &str = "dsk.alice.aaaaaaaaaaaaaaaaaaaa";
 const BOB: &str = "dsk.bob.bbbbbbbbbbbbbbbbbbbbbbbb";
 
@@ -1267,11 +1265,7 @@ async fn runtime_calls_are_authorized_on_the_sandbox_project_and_forwarded_to_it
 
 /// Waits (generously) until `cond` holds on the edge's state.
 async fn until_edge(c: &Cluster, what: &str, cond: impl Fn(&EdgeState) -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond(&c.edge("e1").st.lock().unwrap()) {
-        assert!(tokio::time::Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until(what, WAIT, || cond(&c.edge("e1").st.lock().unwrap())).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1425,7 +1419,7 @@ async fn admin_messages_are_bounded_and_calls_capped_per_principal() {
             tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
         })
         .collect();
-    until("both held calls reached the edge", || c.edge("e1").calls("Exec") == 2).await;
+    until("both held calls reached the edge", WAIT, || c.edge("e1").calls("Exec") == 2).await;
     let e = api.list_sandboxes(with_token(pb::ListSandboxesRequest::default(), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
     assert!(e.message().contains("2 calls in flight"), "{e:?}");
@@ -1455,7 +1449,7 @@ async fn runtime_calls_are_capped_per_principal() {
             tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
         })
         .collect();
-    until("both held calls reached the edge", || c.edge("e1").calls("Exec") == 2).await;
+    until("both held calls reached the edge", WAIT, || c.edge("e1").calls("Exec") == 2).await;
     let mut rt = c.runtime();
     let e = rt.exec(with_token(exec("true"), ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::RateLimited, "{e:?}");
@@ -1481,15 +1475,6 @@ async fn runtime_calls_are_capped_per_principal() {
     let e = rt.http_request(with_token(http, ALICE)).await.unwrap_err();
     assert_eq!(reason(&e), Reason::InvalidArgument, "{e:?}");
     c.stop().await;
-}
-
-/// Waits until `cond` holds, at most 10 s (then fails naming `what`).
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Starts a unary Exec over a bare HTTP/2 connection that never reads its answer (a window
@@ -1555,7 +1540,7 @@ async fn a_principal_that_does_not_read_its_answers_holds_only_its_share() {
         .collect();
     // All three reached the edge and were answered there; none may come through while her
     // share is held (given a moment in which a wrong budget would let them pass).
-    until("her three calls reached the edge", || c.edge("e1").calls("Exec") == 4).await;
+    until("her three calls reached the edge", WAIT, || c.edge("e1").calls("Exec") == 4).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     if let Some(done) = waiting.iter().position(|w| w.is_finished()) {
         panic!("alice's answer {done} went past her share");

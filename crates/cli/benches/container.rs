@@ -141,7 +141,7 @@ async fn bench_container_sandboxes() {
 
     // runc beside it: the same root file system as a bundle.
     let dir = tempfile::tempdir().unwrap();
-    let rootfs = busybox_rootfs(dir.path());
+    let rootfs = busybox_rootfs(dir.path(), &[]);
     let bundle = runc_bundle(dir.path(), &rootfs);
     let mut lat = Vec::new();
     for i in 0..50 {

@@ -32,7 +32,7 @@ impl Up {
             .spawn()
             .unwrap();
         let up = Up { child, log };
-        wait_until("the cluster to start", 120, || up.text().contains("export OPENDSEC_ADDR"));
+        wait_for("the cluster to start", Duration::from_secs(120), || up.text().contains("export OPENDSEC_ADDR"));
         up
     }
 
@@ -76,7 +76,7 @@ async fn stopping_cluster_up_stops_its_sandboxes_unless_asked_to_keep_them() {
     std::fs::write(&config, cfg.to_string()).unwrap();
     let containers = state_dir.join("edges").join(EDGE).join("containers");
     let _guard = Guard { containers: containers.clone() };
-    let rootfs = busybox_rootfs(dir.path());
+    let rootfs = busybox_rootfs(dir.path(), &[]);
 
     // The default: stopping the cluster stops its sandboxes, and it says so.
     let up = Up::start(&config, &state_dir, &[]);

@@ -12,6 +12,7 @@
 mod common;
 
 use std::path::Path;
+use std::time::Duration;
 
 use clap::Parser;
 use common::*;
@@ -40,10 +41,10 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
 
     let p = admin.pause_sandbox(&s.id).await.unwrap();
     assert_eq!(state(&p), pb::SandboxState::Paused);
-    eventually("frozen", 10, || matches!(freezer_state(&host).as_str(), "FROZEN" | "1")).await;
+    until("frozen", Duration::from_secs(10), || matches!(freezer_state(&host).as_str(), "FROZEN" | "1")).await;
     let r = admin.resume_sandbox(&s.id).await.unwrap();
     assert_eq!(state(&r), pb::SandboxState::Running);
-    eventually("thawed", 10, || matches!(freezer_state(&host).as_str(), "THAWED" | "0")).await;
+    until("thawed", Duration::from_secs(10), || matches!(freezer_state(&host).as_str(), "THAWED" | "0")).await;
 
     // A session through the API; a call on a paused sandbox resumes it first, transparently.
     let r = exec_in(&mut rt, &s.id, "main", "cd /tmp && export GREETING=hello && echo started").await;
@@ -52,7 +53,7 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
     let r = exec_in(&mut rt, &s.id, "main", "echo $GREETING from $(pwd)").await;
     assert_eq!(out(&r), "hello from /tmp");
     assert_eq!(state(&admin.get_sandbox(&s.id).await.unwrap()), pb::SandboxState::Running);
-    eventually("thawed", 10, || matches!(freezer_state(&host).as_str(), "THAWED" | "0")).await;
+    until("thawed", Duration::from_secs(10), || matches!(freezer_state(&host).as_str(), "THAWED" | "0")).await;
 
     // Edge restart: the sandbox keeps running and is adopted by the new edge.
     cluster.stop_edge(EDGE).await.unwrap();
@@ -69,7 +70,7 @@ async fn container_sandbox_through_the_api_survives_an_edge_restart() {
 
     let st = admin.stop_sandbox(&s.id).await.unwrap();
     assert_eq!(state(&st), pb::SandboxState::Stopped);
-    eventually("PID 1 gone", 10, || !Path::new(&format!("/proc/{pid}")).exists()).await;
+    until("PID 1 gone", Duration::from_secs(10), || !Path::new(&format!("/proc/{pid}")).exists()).await;
     assert!(
         cgroup::list(&opendsec_edge::backend::container::sandbox_name(&containers, &format!("{EDGE}.")))
             .unwrap()
@@ -662,7 +663,7 @@ async fn a_lost_sandbox_is_torn_down_and_its_quota_released() {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
         assert_eq!(ended, "lost", "{id} was not found lost");
-        eventually("every process of the lost sandbox gone", 10, || {
+        until("every process of the lost sandbox gone", Duration::from_secs(10), || {
             pids.iter().all(|p| !Path::new(&format!("/proc/{p}")).exists())
         })
         .await;

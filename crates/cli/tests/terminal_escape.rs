@@ -116,7 +116,7 @@ async fn a_sandbox_cannot_type_into_the_terminal_the_cluster_runs_in() {
         }
     });
     let text = || String::from_utf8_lossy(&shown.lock().unwrap()).to_string();
-    wait_until("the cluster to start", 120, || text().contains("export OPENDSEC_ADDR"));
+    wait_for("the cluster to start", Duration::from_secs(120), || text().contains("export OPENDSEC_ADDR"));
     let token = std::fs::read_to_string(state.join("admin.token")).unwrap().trim().to_string();
     // The one-command start made the PKI and says where clients find the CA.
     let ca = state.join("pki/ca.pem");
@@ -201,7 +201,7 @@ async fn a_sandbox_cannot_type_into_the_terminal_the_cluster_runs_in() {
     assert_eq!(cluster.len(), 1, "the shell runs the cluster: {cluster:?}");
     // SAFETY: kill with a pid of our own child's child and a signal number.
     unsafe { libc::kill(cluster[0], libc::SIGTERM) };
-    wait_until("the cluster to exit", 60, || !Path::new(&format!("/proc/{}", cluster[0])).exists());
+    wait_for("the cluster to exit", Duration::from_secs(60), || !Path::new(&format!("/proc/{}", cluster[0])).exists());
     let mut writer = std::fs::File::from(master);
     std::thread::sleep(Duration::from_millis(300));
     writer.write_all(b"exit\n").unwrap();

@@ -20,7 +20,7 @@ async fn a_revoked_token_is_refused_within_two_seconds() {
     alice.get_sandbox(&s.id).await.unwrap();
     let id = alice.who_am_i(pb::WhoAmIRequest {}).await.unwrap().token_id;
     t.admin.revoke_token(pb::RevokeTokenRequest { id }).await.unwrap();
-    eventually(Duration::from_secs(2), "revoked token refused", || async {
+    eventually("revoked token refused", Duration::from_secs(2), || async {
         matches!(alice.get_sandbox(&s.id).await, Err(e) if e.reason == Reason::Unauthenticated)
     })
     .await;
@@ -52,7 +52,7 @@ async fn bad_tokens_are_refused() {
         Reason::Unauthenticated
     );
     // The token lives one second: refused once that has passed (asked again until then).
-    eventually(Duration::from_secs(10), "the expired token is refused", || async {
+    eventually("the expired token is refused", Duration::from_secs(10), || async {
         match client(&t.cluster, &expiring).who_am_i(pb::WhoAmIRequest {}).await {
             Ok(_) => false,
             Err(e) => {
@@ -262,7 +262,7 @@ async fn backup_and_restore_round_trip() {
     let p = t.admin.get_project(pb::GetProjectRequest { path: "root/keep".into() }).await.unwrap();
     assert_eq!(p.quota.unwrap().cpu_millis, Some(5000));
     let carol = client(&t.cluster, &tok);
-    eventually(Duration::from_secs(3), "restored token works", || async {
+    eventually("restored token works", Duration::from_secs(3), || async {
         carol.who_am_i(pb::WhoAmIRequest {}).await.is_ok()
     })
     .await;

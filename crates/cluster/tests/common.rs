@@ -10,6 +10,7 @@ use opendsec_cluster::{Cluster, UpOptions};
 use opendsec_common::config::Config;
 use opendsec_common::time::Clock;
 use opendsec_proto::v1 as pb;
+pub use opendsec_testkit::eventually;
 
 #[derive(Debug)]
 pub struct TestCluster {
@@ -92,20 +93,4 @@ pub async fn project(admin: &Client, path: &str, quota: pb::Quota) {
 
 pub async fn usage(admin: &Client, path: &str) -> pb::Usage {
     admin.get_project(pb::GetProjectRequest { path: path.into() }).await.expect("get project").usage.unwrap_or_default()
-}
-
-/// Polls `f` until it returns true or `timeout` passes.
-pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if f().await {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }

@@ -243,7 +243,7 @@ async fn another_projects_layers_cannot_be_registered_by_id() {
         .await
         .unwrap();
     // The grant reaches the apiserver's authorization cache within the security epoch's poll.
-    eventually(Duration::from_secs(10), "the grant takes effect", || async {
+    eventually("the grant takes effect", Duration::from_secs(10), || async {
         match a.register_image(register("root/a", "shared:1", &[&own, &private])).await {
             Ok(_) => true,
             Err(e) => {

@@ -42,7 +42,7 @@ async fn create_pause_resume_stop_and_list() {
     // Stopped sandboxes leave the default listing, and their lease is released (batched).
     let listed = t.admin.list_all_sandboxes(pb::ListSandboxesRequest::default()).await.unwrap();
     assert!(listed.is_empty());
-    eventually(Duration::from_secs(5), "lease released", || async { usage(&t.admin, "root").await.sandboxes == 0 })
+    eventually("lease released", Duration::from_secs(5), || async { usage(&t.admin, "root").await.sandboxes == 0 })
         .await;
     t.cluster.shutdown().await;
 }
@@ -116,20 +116,20 @@ async fn ttl_expiry_stops_sandboxes_and_releases_quota() {
     assert_eq!(idle.expires_at_ms, idle.created_at_ms + 60_000);
 
     clock.advance(60_000);
-    eventually(Duration::from_secs(10), "the idle sandbox stopped", || async {
+    eventually("the idle sandbox stopped", Duration::from_secs(10), || async {
         state(&t.admin.get_sandbox(&idle.id).await.unwrap()) == pb::SandboxState::Stopped
     })
     .await;
     assert_eq!(state(&t.admin.get_sandbox(&life.id).await.unwrap()), pb::SandboxState::Running);
     clock.advance(60_000);
-    eventually(Duration::from_secs(10), "the sandbox at its lifetime stopped", || async {
+    eventually("the sandbox at its lifetime stopped", Duration::from_secs(10), || async {
         state(&t.admin.get_sandbox(&life.id).await.unwrap()) == pb::SandboxState::Stopped
     })
     .await;
     assert_eq!(t.admin.get_sandbox(&idle.id).await.unwrap().end_reason, "ttl_running_stop");
     assert_eq!(t.admin.get_sandbox(&life.id).await.unwrap().end_reason, "ttl_max");
     assert_eq!(state(&t.admin.get_sandbox(&keep.id).await.unwrap()), pb::SandboxState::Running);
-    eventually(Duration::from_secs(5), "leases released", || async { usage(&t.admin, "root").await.sandboxes == 1 })
+    eventually("leases released", Duration::from_secs(5), || async { usage(&t.admin, "root").await.sandboxes == 1 })
         .await;
 
     // A TTL above the cluster's cap is refused, naming the field.
@@ -203,12 +203,12 @@ async fn a_lost_edge_has_its_quota_released_and_adopted_back() {
     let (lost, n_lost) = on_edge.iter().max_by_key(|(_, n)| **n).map(|(e, n)| (e.clone(), *n)).unwrap();
     assert!(n_lost > 0);
     t.cluster.stop_edge(&lost).await.unwrap();
-    eventually(Duration::from_secs(15), "the lost edge's leases released", || async {
+    eventually("the lost edge's leases released", Duration::from_secs(15), || async {
         usage(&t.admin, "root").await.sandboxes == 12 - n_lost
     })
     .await;
     t.cluster.start_edge(&lost).await.unwrap();
-    eventually(Duration::from_secs(15), "leases adopted back", || async {
+    eventually("leases adopted back", Duration::from_secs(15), || async {
         usage(&t.admin, "root").await.sandboxes == 12
     })
     .await;
@@ -243,7 +243,7 @@ async fn placement_spreads_load_and_honours_penalties() {
     let before = usage(&t.admin, "root").await.sandboxes;
     let err = t.admin.create_sandbox(spec("", 100, 64)).await.unwrap_err();
     assert_eq!(err.reason, Reason::NoCapacity, "{err}");
-    eventually(Duration::from_secs(5), "failed creation's lease released", || async {
+    eventually("failed creation's lease released", Duration::from_secs(5), || async {
         usage(&t.admin, "root").await.sandboxes == before
     })
     .await;

@@ -54,9 +54,13 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     let adopted =
         Sandbox::adopt(&tmp.path().join("containers"), &sandbox_name(&tmp.path().join("containers"), &rec.id)).unwrap();
     assert_eq!(adopted.pid, pid);
-    wait_for("frozen", 10, || freezer_state(&adopted) == "FROZEN" || freezer_state(&adopted) == "1");
+    wait_for("frozen", Duration::from_secs(10), || {
+        freezer_state(&adopted) == "FROZEN" || freezer_state(&adopted) == "1"
+    });
     b.resume(&rec).await.unwrap();
-    wait_for("thawed", 10, || freezer_state(&adopted) == "THAWED" || freezer_state(&adopted) == "0");
+    wait_for("thawed", Duration::from_secs(10), || {
+        freezer_state(&adopted) == "THAWED" || freezer_state(&adopted) == "0"
+    });
 
     // "Edge restart": a new backend instance adopts the sandbox; cleanup keeps it.
     drop(b);
@@ -76,7 +80,7 @@ async fn container_backend_lifecycle_adoption_and_cleanup() {
     b.stop(&rec).await.unwrap();
     assert!(!b.probe(&rec.id).await.unwrap());
     assert!(!inuse.exists());
-    wait_for("PID 1 gone", 10, || !Path::new(&format!("/proc/{pid}")).exists());
+    wait_for("PID 1 gone", Duration::from_secs(10), || !Path::new(&format!("/proc/{pid}")).exists());
     assert!(cgroup::list(&sandbox_name(&tmp.path().join("containers"), &format!("{EDGE}."))).unwrap().is_empty());
     assert!(rootfs::loops_under(&tmp.path().join("containers")).is_empty());
     assert!(!tmp.path().join("containers").join(sandbox_name(&tmp.path().join("containers"), &rec.id)).exists());

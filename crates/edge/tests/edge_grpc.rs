@@ -4,7 +4,6 @@
 //! per test. The harness calls the edge as an apiserver would (and as a watcher for Status).
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,9 +13,8 @@ use tonic::{Request, Response, Status};
 
 use opendsec_common::config::EdgeConfig;
 use opendsec_common::grpc;
-use opendsec_common::pki::{Identity, Role};
+use opendsec_common::pki::Role;
 use opendsec_common::time::Clock;
-use opendsec_common::tls::Credentials;
 use opendsec_common::{ApiError, Reason};
 use opendsec_edge::admission::HostReading;
 use opendsec_edge::backend::sim::SimBackend;
@@ -25,6 +23,8 @@ use opendsec_proto::v1::edge_client::EdgeClient;
 use opendsec_proto::v1::iam_server::{Iam, IamServer};
 use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
 use opendsec_proto::v1::*;
+use opendsec_testkit::creds;
+use opendsec_testkit::eventually;
 use tonic::transport::Channel as ServiceChannel;
 
 const EDGE: &str = "edge-1";
@@ -173,10 +173,6 @@ impl Watcher for FakeWatcher {
         self.0.lock().unwrap().push(req.into_inner());
         Ok(Response::new(RegisterEdgeResponse {}))
     }
-}
-
-fn creds(pki: &Path, role: Role, name: &str) -> Arc<Credentials> {
-    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
 }
 
 /// Where the fakes serve, and the PKI of the test.
@@ -368,18 +364,6 @@ fn state(sb: &Sandbox) -> SandboxState {
     SandboxState::try_from(sb.state).unwrap()
 }
 
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn setup() -> (tempfile::TempDir, FakeIam, FakeWatcher, Fakes) {
     let dir = tempfile::tempdir().unwrap();
     let iam = FakeIam::default();
@@ -455,8 +439,8 @@ async fn lifecycle_create_get_list_pause_resume_stop() {
     let page = h.list(EdgeListRequest { states: vec![SandboxState::Stopped as i32], ..Default::default() }).await;
     assert_eq!(page.sandboxes.len(), 1);
 
-    eventually("the lease released", || async { iam.released() == ["lease-1"] }).await;
-    eventually("the release marked", || async { record_file(dir.path(), "lease-1").lease_released }).await;
+    eventually("the lease released", WAIT, || async { iam.released() == ["lease-1"] }).await;
+    eventually("the release marked", WAIT, || async { record_file(dir.path(), "lease-1").lease_released }).await;
 
     // Wrong states name the state found.
     let err = h.pause("lease-1").await.unwrap_err();
@@ -639,7 +623,7 @@ async fn idle_ttl_expiry_stops_and_releases_in_a_batch() {
         let sb = h.get(lease).await.unwrap();
         assert_eq!((state(&sb), sb.end_reason.as_str()), (SandboxState::Stopped, "ttl_running_stop"));
     }
-    eventually("both released", || async {
+    eventually("both released", WAIT, || async {
         let mut r = iam.released();
         r.sort();
         r == ["idle-a", "idle-b"]
@@ -683,7 +667,7 @@ async fn lifetime_and_paused_ttls_and_retention_run_on_the_edge_clock() {
     assert_eq!((state(&life), life.end_reason.as_str()), (SandboxState::Stopped, "ttl_max"));
 
     // Ended records go once released and past retention, not before.
-    eventually("both released", || async { iam.released().len() == 2 }).await;
+    eventually("both released", WAIT, || async { iam.released().len() == 2 }).await;
     clock.advance(retention - 1);
     h.edge.sweep_now().await;
     assert_eq!(state(&h.get("life").await.unwrap()), SandboxState::Stopped);
@@ -762,7 +746,7 @@ async fn restart_keeps_running_and_paused_sandboxes() {
     assert_eq!(state(&h.stop("run").await.unwrap()), SandboxState::Stopped);
     // The interrupted creation's lease is released like the others (naming the edge: IAM
     // frees it only if it is still bound here).
-    eventually("releases", || async {
+    eventually("releases", WAIT, || async {
         let r = iam.released();
         ["run", "crashed", "mid-pause", "mid-stop"].iter().all(|l| r.contains(&l.to_string()))
     })
@@ -788,7 +772,7 @@ async fn a_lease_bound_elsewhere_stops_the_sandbox_without_releasing() {
     h.create("vanished", spec(100, 10)).await.unwrap();
     h.create("mine", spec(100, 10)).await.unwrap();
     for lease in ["moved", "vanished"] {
-        eventually("the stop", || async {
+        eventually("the stop", WAIT, || async {
             let sb = h.get(lease).await.unwrap();
             state(&sb) == SandboxState::Stopped && sb.end_reason == "lease_moved"
         })
@@ -816,13 +800,13 @@ async fn lease_checks_survive_iam_failures_and_keep_the_sandbox() {
     h.create("moved", spec(100, 10)).await.unwrap();
     // IAM cannot be asked: several rounds fail (counted on the fake), the sandbox runs on and
     // the check stays queued.
-    eventually("two refused lookups", || async { iam.refused().1 >= 2 }).await;
+    eventually("two refused lookups", WAIT, || async { iam.refused().1 >= 2 }).await;
     assert_eq!(h.edge.pending_releases(), (0, 1));
     assert_eq!(state(&h.get("moved").await.unwrap()), SandboxState::Running);
     assert!(iam.lookups().is_empty());
     // Once IAM answers, the retried check finds the lease elsewhere and stops the sandbox.
     iam.fail_lookups(false);
-    eventually("the stop", || async {
+    eventually("the stop", WAIT, || async {
         let sb = h.get("moved").await.unwrap();
         state(&sb) == SandboxState::Stopped && sb.end_reason == "lease_moved"
     })
@@ -840,12 +824,12 @@ async fn a_dead_sandbox_is_failed_and_released() {
     let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
     let sb = h.create("doomed", spec(100, 10)).await.unwrap();
     assert!(sim.kill(&sb.id));
-    eventually("the loss noticed", || async {
+    eventually("the loss noticed", WAIT, || async {
         let sb = h.get("doomed").await.unwrap();
         state(&sb) == SandboxState::Failed && sb.end_reason == "lost"
     })
     .await;
-    eventually("the release", || async { iam.released() == ["doomed"] }).await;
+    eventually("the release", WAIT, || async { iam.released() == ["doomed"] }).await;
     assert_eq!(h.status(false).await.sandboxes, 0);
     h.shutdown().await;
 }
@@ -868,13 +852,13 @@ async fn a_failed_creation_reports_the_backend_reason() {
 
     // Both leases are released naming this edge: IAM frees only the one still bound here;
     // the one the caller rebound is not ours and stays.
-    eventually("the releases", || async {
+    eventually("the releases", WAIT, || async {
         let mut r = iam.released();
         r.sort();
         r == ["failing", "retried"]
     })
     .await;
-    eventually("both settled", || async { h.edge.pending_releases() == (0, 0) }).await;
+    eventually("both settled", WAIT, || async { h.edge.pending_releases() == (0, 0) }).await;
     assert!(record_file(dir.path(), "retried").lease_released);
     assert_eq!(iam.freed(), ["failing"]);
     // Failed creations are not checked: they are released.
@@ -1014,7 +998,7 @@ async fn ended_records_are_deleted_after_retention_once_released() {
     h.stop("old").await.unwrap();
     // Kept for Get while the retention runs.
     assert_eq!(state(&h.get("old").await.unwrap()), SandboxState::Stopped);
-    eventually("the record deleted", || async { h.get("old").await.is_err() }).await;
+    eventually("the record deleted", WAIT, || async { h.get("old").await.is_err() }).await;
     assert_eq!(h.get("old").await.unwrap_err().reason, Reason::NotFound);
     assert_eq!(iam.released(), ["old"]);
     assert!(!dir.path().join("sandboxes/old.json").exists());
@@ -1030,12 +1014,12 @@ async fn failed_releases_stay_queued_and_are_retried() {
     h.create("r", spec(1, 1)).await.unwrap();
     h.stop("r").await.unwrap();
     // Several release rounds fail (counted on the fake); the lease stays queued and unmarked.
-    eventually("two refused releases", || async { iam.refused().0 >= 2 }).await;
+    eventually("two refused releases", WAIT, || async { iam.refused().0 >= 2 }).await;
     assert_eq!(h.edge.pending_releases(), (1, 0));
     assert!(!record_file(dir.path(), "r").lease_released);
     iam.fail_releases(false);
-    eventually("the retried release", || async { iam.released() == ["r"] }).await;
-    eventually("the release marked", || async { record_file(dir.path(), "r").lease_released }).await;
+    eventually("the retried release", WAIT, || async { iam.released() == ["r"] }).await;
+    eventually("the release marked", WAIT, || async { record_file(dir.path(), "r").lease_released }).await;
     assert_eq!(h.edge.pending_releases(), (0, 0));
     h.shutdown().await;
 }

@@ -1,13 +1,10 @@
 //! Root tests of sandbox cgroups on the host's real layout (v1 here). Skipped when not root.
 use std::io::Write;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use opendsec_edge::linuxrt::cgroup::{self, CoreSched, Limits, SandboxCgroup};
-
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
+use opendsec_testkit::{WAIT, is_root, wait_for};
 
 /// Removes the test's cgroup (and kills its processes) even when an assertion fails.
 struct Guard(&'static str);
@@ -32,14 +29,6 @@ fn gated(script: &str) -> Child {
 
 fn release(child: &mut Child) {
     child.stdin.as_mut().unwrap().write_all(b"go\n").unwrap();
-}
-
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn proc_state(pid: u32) -> char {
@@ -74,12 +63,12 @@ fn lifecycle_limits_freeze_remove() {
     cg.freeze().unwrap();
     let pid = child.id();
     // A frozen task sleeps in the freezer (D or S), never runs.
-    wait_until("frozen", || matches!(proc_state(pid), 'D' | 'S'));
+    wait_for("frozen", WAIT, || matches!(proc_state(pid), 'D' | 'S'));
     cg.thaw().unwrap();
-    wait_until("thawed", || proc_state(pid) == 'R');
+    wait_for("thawed", WAIT, || proc_state(pid) == 'R');
 
     cg.remove().unwrap();
-    wait_until("child reaped", || child.try_wait().unwrap().is_some());
+    wait_for("child reaped", WAIT, || child.try_wait().unwrap().is_some());
     assert!(cgroup::list("test-cg-life").unwrap().is_empty());
 }
 
@@ -117,7 +106,7 @@ fn memory_hog_is_oom_killed_in_its_cgroup() {
     let mut child = gated("head -c 1000000000 /dev/zero | tail -n 1 >/dev/null; sleep 30");
     cg.add_pid(child.id() as i32).unwrap();
     release(&mut child);
-    wait_until("oom kill", || cg.stats().map(|s| s.oom_kills > 0).unwrap_or(false));
+    wait_for("oom kill", WAIT, || cg.stats().map(|s| s.oom_kills > 0).unwrap_or(false));
     // The shell itself (the "agent") survives.
     assert!(child.try_wait().unwrap().is_none());
     cg.remove().unwrap();

@@ -4,10 +4,7 @@ use std::time::Duration;
 
 use opendsec_edge::linuxrt::rootfs::{self, LayerCache};
 use opendsec_images::Store;
-
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
+use opendsec_testkit::is_root;
 
 /// A busybox root file system (static busybox + applet symlinks) imported as one layer.
 async fn busybox_layer(store: &Store, tmp: &Path) -> opendsec_images::LayerId {

@@ -3,7 +3,7 @@
 //! Skipped when not root. Every test removes what it made, also on failure (a guard).
 mod support;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use opendsec_edge::linuxrt::cgroup::{self, IoLimits, Limits};
 use opendsec_edge::linuxrt::idmap::{self, IdPool};
@@ -11,10 +11,7 @@ use opendsec_edge::linuxrt::init::Bind;
 use opendsec_edge::linuxrt::rootfs::{self, LayerCache};
 use opendsec_edge::linuxrt::sandbox::{self, Sandbox, SandboxSpec};
 use opendsec_images::Store;
-
-fn is_root() -> bool {
-    rustix::process::geteuid().is_root()
-}
+use opendsec_testkit::{is_root, wait_for};
 
 struct Guard {
     state: PathBuf,
@@ -59,14 +56,6 @@ fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits
         core_sched: false,
         userns: Some(IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap()),
         io: IoLimits { read_bps: 32 << 20, write_bps: 16 << 20, read_iops: 1000, write_iops: 500 },
-    }
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -117,7 +106,7 @@ async fn hostile_busybox_sandbox_is_confined_and_cleaned_up() {
     let sp = spec(tmp.path(), "test-sbx-probe", lower, &out, PROBE, limits);
     let sbx = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
 
-    wait_for("probe script", 60, || out.join("done").exists() || sbx.exited().is_some());
+    wait_for("probe script", Duration::from_secs(60), || out.join("done").exists() || sbx.exited().is_some());
     let result = std::fs::read_to_string(out.join("result")).unwrap_or_default();
     let log = std::fs::read_to_string(sbx.dir.join("console.log")).unwrap_or_default();
     let get = |k: &str| {
@@ -182,9 +171,9 @@ async fn hostile_busybox_sandbox_is_confined_and_cleaned_up() {
         std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok();
         std::fs::read_to_string(cgroup_freezer_state(&sbx)).unwrap_or_default()
     };
-    wait_for("frozen", 10, || state_of(sbx.pid).trim() == "FROZEN");
+    wait_for("frozen", Duration::from_secs(10), || state_of(sbx.pid).trim() == "FROZEN");
     sbx.thaw().unwrap();
-    wait_for("thawed", 10, || state_of(sbx.pid).trim() == "THAWED");
+    wait_for("thawed", Duration::from_secs(10), || state_of(sbx.pid).trim() == "THAWED");
 
     // Fork bomb: held at the pids limit.
     std::fs::write(out.join("bomb"), "go").unwrap();
@@ -192,7 +181,7 @@ async fn hostile_busybox_sandbox_is_confined_and_cleaned_up() {
     let mut peak = 0;
     // The controller refusing forks shows it ran into the limit (on a loaded machine the
     // population churns below it: failed forks end shells).
-    wait_for("forks refused at the pids limit", 120, || {
+    wait_for("forks refused at the pids limit", Duration::from_secs(120), || {
         let n = sbx.stats().map(|s| s.pids_current).unwrap_or(0);
         peak = peak.max(n);
         pids_refused(&sbx) > 0
@@ -334,12 +323,12 @@ async fn overwriting_the_image_in_one_sandbox_changes_nothing_in_another() {
     let script_a = "rm /bin/ls; /bin/busybox cp /bin/busybox /tmp/bb; echo hacked > /bin/busybox; /tmp/bb echo a > /out/a; /tmp/bb sleep 1000";
     let sp = spec(tmp.path(), "test-sbx-iso-a", lower.clone(), &out, script_a, limits.clone());
     let a = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
-    wait_for("sandbox a", 30, || out.join("a").exists() || a.exited().is_some());
+    wait_for("sandbox a", Duration::from_secs(30), || out.join("a").exists() || a.exited().is_some());
     assert!(out.join("a").exists(), "{}", std::fs::read_to_string(a.dir.join("console.log")).unwrap_or_default());
     let script_b = "ls /bin/ls > /out/b 2>&1; /bin/busybox true && echo busybox-ok >> /out/b";
     let sp = spec(tmp.path(), "test-sbx-iso-b", lower.clone(), &out, script_b, limits);
     let b = tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap();
-    wait_for("sandbox b", 30, || b.exited().is_some());
+    wait_for("sandbox b", Duration::from_secs(30), || b.exited().is_some());
     assert_eq!(std::fs::read_to_string(out.join("b")).unwrap(), "/bin/ls\nbusybox-ok\n");
     assert_eq!(std::fs::read(lower.join("bin/busybox")).unwrap(), before);
     for s in [a, b] {

@@ -5,14 +5,12 @@
 
 use std::time::Duration;
 
-use std::sync::Arc;
-
 use opendsec_common::grpc;
-use opendsec_common::pki::{Identity, Role};
-use opendsec_common::tls::Credentials;
+use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason};
 use opendsec_iam::{Authenticated, GrantRecord, Iam, IamError, IamOptions, LiveLease, Quota, Resources, State, to_api};
 use opendsec_proto::v1 as pb;
+use opendsec_testkit::creds;
 use tonic::Request;
 
 const ADMIN_TOKEN: &str = "dsk.admin01.AdminSecretAdminSecret0123456789";
@@ -232,10 +230,6 @@ async fn start() -> Server {
         .await
     });
     Server { addr, pki, stop: Some(tx), task, _dir: dir }
-}
-
-fn creds(pki: &std::path::Path, role: Role, name: &str) -> Arc<Credentials> {
-    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
 }
 
 /// A channel to the server as component `role`/`name`.

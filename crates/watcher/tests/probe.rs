@@ -8,15 +8,11 @@ use std::time::Duration;
 
 use opendsec_common::config::{EdgeEndpoint, WatcherConfig};
 use opendsec_common::grpc;
-use opendsec_common::pki::{Identity, Role};
-use opendsec_common::tls::Credentials;
+use opendsec_common::pki::Role;
 use opendsec_proto::v1 as pb;
+use opendsec_testkit::creds;
 use opendsec_watcher::{Watcher, WatcherOptions};
 use tonic::{Request, Response, Status};
-
-fn creds(pki: &std::path::Path, role: Role, name: &str) -> Arc<Credentials> {
-    Credentials::issue_local(pki, &Identity::new(role, name).unwrap()).unwrap()
-}
 
 struct FakeEdge {
     name: String,

@@ -14,15 +14,10 @@ use opendsec_common::config::Config;
 use opendsec_edge::linuxrt::cgroup;
 use opendsec_edge::linuxrt::sandbox::{self, Sandbox};
 use opendsec_proto::v1 as pb;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use opendsec_testkit::{busybox_rootfs, is_root, until, wait_for};
 
 pub const EDGE: &str = "edge-000";
-pub fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Uid:").map(|v| v.split_whitespace().next() == Some("0"))))
-        .unwrap_or(false)
-}
-
 pub struct Guard {
     pub containers: PathBuf,
 }
@@ -47,14 +42,6 @@ pub fn freezer_state(s: &Sandbox) -> String {
         cgroup::Layout::V2 => Path::new("/sys/fs/cgroup").join(rel).join("cgroup.freeze"),
     };
     std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
-}
-
-pub async fn eventually(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A cluster with one edge offering `sim` and `container`, with the busybox image imported as
@@ -97,7 +84,7 @@ pub async fn fixture_with(tweak: impl FnOnce(&mut Config)) -> Fixture {
     let guard = Guard { containers: containers.clone() };
     let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
     cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
-    let rootfs_dir = busybox_rootfs(dir.path());
+    let rootfs_dir = busybox_rootfs(dir.path(), &[]);
     let store = cluster.config.image_store_dir();
     let addr = cluster.apiserver_addr.to_string();
     let ca = cluster.ca_path.clone();
@@ -182,22 +169,6 @@ pub fn reason(s: &tonic::Status) -> String {
     opendsec_common::ApiError::from_status(s).reason.to_string()
 }
 
-pub fn busybox_rootfs(dir: &Path) -> PathBuf {
-    let root = dir.join("bbroot");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    for d in ["proc", "sys", "dev", "tmp", "etc"] {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-        }
-    }
-    root
-}
-
 pub async fn principal(admin: &opendsec_client::Client, name: &str, project: &str, perms: &[&str]) -> String {
     admin.create_principal(pb::CreatePrincipalRequest { name: name.into(), project: project.into() }).await.unwrap();
     for p in perms {
@@ -250,13 +221,4 @@ pub fn debian_rootfs() -> PathBuf {
 /// A free loopback port (for a listener a child process binds).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// Waits (blocking) until `f` holds, at most `secs` seconds.
-pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    while !f() {
-        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
 }

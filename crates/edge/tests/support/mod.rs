@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use opendsec_edge::backend::Backend;
 use opendsec_edge::backend::container::{ContainerBackend, ContainerOptions, sandbox_name};
@@ -14,6 +14,8 @@ use opendsec_edge::record::{ResourcesRecord, SandboxRecord, SpecRecord};
 use opendsec_edge::state::SandboxStatus;
 use opendsec_images::Store;
 use opendsec_proto::v1 as pb;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use opendsec_testkit::{busybox_rootfs, wait_for};
 
 pub const EDGE: &str = "cbtest";
 
@@ -24,24 +26,6 @@ impl Drop for Guard {
     fn drop(&mut self) {
         let _ = sandbox::cleanup_leftovers(&self.state, &sandbox_name(&self.state, &format!("{EDGE}.")), &[]);
     }
-}
-
-/// A busybox root file system under `tmp/bbroot`: every applet linked, the usual mount points
-/// and `extra` directories.
-pub fn busybox_rootfs(tmp: &Path, extra: &[&str]) -> PathBuf {
-    let root = tmp.join("bbroot");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    for d in ["proc", "sys", "dev", "tmp", "etc"].iter().chain(extra) {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    let list = std::process::Command::new("/bin/busybox").arg("--list").output().unwrap();
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-        }
-    }
-    root
 }
 
 /// `busybox:latest` in project root of the store at `store_dir`.
@@ -135,12 +119,4 @@ pub fn freezer_state(s: &Sandbox) -> String {
         cgroup::Layout::V2 => Path::new("/sys/fs/cgroup").join(rel).join("cgroup.freeze"),
     };
     std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
-}
-
-pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
