@@ -2,7 +2,7 @@
 //! overlayfs mount of the same layers, and every hostile input refused with a clear error and
 //! nothing left in the store. Runs as root (whiteouts are devices; overlay mounts), as CI does.
 
-mod unpack_support;
+mod support;
 
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
@@ -10,8 +10,8 @@ use std::os::unix::fs::MetadataExt;
 use opendsec_images::layer::{Compression, LayerError, Limits, existing_layer, import_layer, opaque_layer_id};
 use opendsec_images::overlay::LayerStack;
 use opendsec_images::{LayerId, Store};
+use support::*;
 use tar::EntryType;
-use unpack_support::*;
 
 const T1: u64 = 1_600_000_000;
 const T2: u64 = 1_600_100_000;
@@ -182,12 +182,12 @@ fn ids_and_metas() {
 
     // A stored layer's digest alone gets nothing: the blob is read and must match (callers
     // that may skip a stored layer check existing_layer themselves, before fetching).
-    let wrong = gzip(&tars[2]);
+    let wrong = compress(&tars[2], Comp::Gzip);
     let e =
         import_layer(&store, &mut &wrong[..], Compression::Gzip, Some(&sha256(&tars[0])), &[], &Limits::default(), "x")
             .unwrap_err();
     assert!(matches!(e, LayerError::DigestMismatch { .. }), "{e:?}");
-    let right = gzip(&tars[0]);
+    let right = compress(&tars[0], Comp::Gzip);
     let again =
         import_layer(&store, &mut &right[..], Compression::Gzip, Some(&sha256(&tars[0])), &[], &Limits::default(), "x")
             .unwrap();
@@ -201,7 +201,11 @@ fn ids_and_metas() {
 fn gzip_zstd_and_plain_give_the_same_layer() {
     let t = tar_of(&l1(), T1);
     let mut metas = Vec::new();
-    for (blob, c) in [(t.clone(), Compression::None), (gzip(&t), Compression::Gzip), (zstd(&t), Compression::Zstd)] {
+    for (blob, c) in [
+        (t.clone(), Compression::None),
+        (compress(&t, Comp::Gzip), Compression::Gzip),
+        (compress(&t, Comp::Zstd), Compression::Zstd),
+    ] {
         let (_d, store) = store();
         let mut r = &blob[..];
         let meta = import_layer(&store, &mut r, c, Some(&sha256(&t)), &[], &Limits::default(), "t").unwrap();
@@ -209,7 +213,11 @@ fn gzip_zstd_and_plain_give_the_same_layer() {
         metas.push((meta.id, meta.size_bytes, meta.entries, tree));
     }
     // Mislabelled blobs (a plain tar declared gzip, gzip declared plain) import the same.
-    for (blob, c) in [(t.clone(), Compression::Gzip), (gzip(&t), Compression::None), (zstd(&t), Compression::Gzip)] {
+    for (blob, c) in [
+        (t.clone(), Compression::Gzip),
+        (compress(&t, Comp::Gzip), Compression::None),
+        (compress(&t, Comp::Zstd), Compression::Gzip),
+    ] {
         let (_d, store) = store();
         let mut r = &blob[..];
         let meta = import_layer(&store, &mut r, c, Some(&sha256(&t)), &[], &Limits::default(), "t").unwrap();
@@ -267,7 +275,7 @@ fn one(path: &[u8], kind: EntryType, data: &[u8], link: Option<&[u8]>) -> Vec<u8
 fn refused(store: &Store, t: &[u8], limits: &Limits) -> LayerError {
     let e = import_with(store, t, Compression::None, &[], limits).expect_err("hostile layer imported");
     println!("refused: {e}");
-    assert_clean(store);
+    assert_store_clean(store);
     e
 }
 
@@ -450,42 +458,46 @@ fn huge_tar_metadata_is_refused() {
 fn truncated_and_corrupt_streams_are_refused() {
     let (_d, store) = store();
     let t = tar_of(&l1(), T1);
-    for (blob, c) in [(gzip(&t), Compression::Gzip), (zstd(&t), Compression::Zstd)] {
+    for (blob, c) in [(compress(&t, Comp::Gzip), Compression::Gzip), (compress(&t, Comp::Zstd), Compression::Zstd)] {
         for cut in [10, blob.len() / 2, blob.len() - 1] {
             let e = import_with(&store, &blob[..blob.len() - cut], c, &[], &Limits::default()).expect_err("truncated");
-            assert_clean(&store);
+            assert_store_clean(&store);
             assert_invalid(e, "malformed");
         }
     }
-    let mut bad = gzip(&t);
+    let mut bad = compress(&t, Comp::Gzip);
     let mid = bad.len() / 2;
     bad[mid..mid + 8].iter_mut().for_each(|b| *b ^= 0xff);
     let e = import_with(&store, &bad, Compression::Gzip, &[], &Limits::default()).expect_err("corrupt gzip");
-    assert_clean(&store);
+    assert_store_clean(&store);
     assert!(matches!(e, LayerError::InvalidLayer { .. }), "{e:?}");
     // zstd without a content checksum may decode a flipped byte "fine": the digest catches it.
-    let mut bad = zstd(&t);
+    let mut bad = compress(&t, Comp::Zstd);
     let mid = bad.len() / 2;
     bad[mid] ^= 0x01;
     let mut r = &bad[..];
     let e = import_layer(&store, &mut r, Compression::Zstd, Some(&sha256(&t)), &[], &Limits::default(), "t")
         .expect_err("corrupt zstd");
-    assert_clean(&store);
+    assert_store_clean(&store);
     assert!(matches!(e, LayerError::InvalidLayer { .. } | LayerError::DigestMismatch { .. }), "{e:?}");
     // An uncompressed tar cut inside a file.
     let e = import_with(&store, &t[..t.len() / 2 + 100], Compression::None, &[], &Limits::default())
         .expect_err("truncated tar");
-    assert_clean(&store);
+    assert_store_clean(&store);
     assert!(matches!(e, LayerError::InvalidLayer { .. }), "{e:?}");
     // Nothing at all, compressed or not.
-    for (blob, c) in [(vec![], Compression::None), (gzip(b""), Compression::Gzip), (zstd(b""), Compression::Zstd)] {
+    for (blob, c) in [
+        (vec![], Compression::None),
+        (compress(b"", Comp::Gzip), Compression::Gzip),
+        (compress(b"", Comp::Zstd), Compression::Zstd),
+    ] {
         let e = import_with(&store, &blob, c, &[], &Limits::default()).expect_err("empty");
-        assert_clean(&store);
+        assert_store_clean(&store);
         assert_invalid(e, "empty");
     }
     // Not a tar at all.
     let e = import_with(&store, &[0x42; 2048], Compression::None, &[], &Limits::default()).expect_err("garbage");
-    assert_clean(&store);
+    assert_store_clean(&store);
     assert_invalid(e, "malformed");
 }
 
@@ -494,9 +506,9 @@ fn a_digest_mismatch_commits_nothing() {
     let (_d, store) = store();
     let t = tar_of(&l1(), T1);
     let wrong = sha256(b"something else");
-    let mut r = &gzip(&t)[..];
+    let mut r = &compress(&t, Comp::Gzip)[..];
     let e = import_layer(&store, &mut r, Compression::Gzip, Some(&wrong), &[], &Limits::default(), "t").unwrap_err();
-    assert_clean(&store);
+    assert_store_clean(&store);
     match e {
         LayerError::DigestMismatch { expected, actual } => assert_eq!((expected, actual), (wrong, sha256(&t))),
         other => panic!("{other:?}"),
@@ -519,10 +531,10 @@ fn source_errors_and_missing_lowers_are_told_apart() {
         }
     }
     let e = import_layer(&store, &mut Broken(3), Compression::None, None, &[], &Limits::default(), "t").unwrap_err();
-    assert_clean(&store);
+    assert_store_clean(&store);
     assert!(matches!(&e, LayerError::Read { source } if source.kind() == std::io::ErrorKind::ConnectionReset), "{e:?}");
     let e = import(&store, &tar_of(&l1(), T1), &[LayerId::from_digest(&[9; 32])]).unwrap_err();
-    assert_clean(&store);
+    assert_store_clean(&store);
     assert!(matches!(e, LayerError::Store(opendsec_images::StoreError::LayerNotFound(_))), "{e:?}");
 }
 
@@ -535,7 +547,7 @@ fn oversized_extended_attributes_are_refused() {
     b.append_pax_extensions([("SCHILY.xattr.user.big", &big[..])]).unwrap();
     raw_entry(&mut b, b"d/", EntryType::Directory, b"", None, 0o755, 1);
     assert_invalid(refused(&store, &b.into_inner().unwrap(), &Limits::default()), "extended attributes");
-    assert_clean(&store);
+    assert_store_clean(&store);
     // Each within its own limit, but together more than a layer's directories may hold in
     // memory until its end: refused, nothing left behind.
     let mut b = tar::Builder::new(Vec::new());
@@ -549,5 +561,5 @@ fn oversized_extended_attributes_are_refused() {
         LayerError::TooLarge { what, .. } if what.contains("directory extended attributes") => {}
         other => panic!("want TooLarge directory xattrs, got {other:?}"),
     }
-    assert_clean(&store);
+    assert_store_clean(&store);
 }

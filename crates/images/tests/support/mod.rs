@@ -1,4 +1,5 @@
-//! Test support for the import tests: a real registry (Debian's `docker-registry`, started per
+//! Test support for the images tests, one toolkit: layers built from entries, their model and
+//! tree snapshots (`layers`), and for the import tests a real registry (Debian's `docker-registry`, started per
 //! test on a free 127.0.0.1 port, optionally behind htpasswd Basic auth), a small OCI writer
 //! (layer tars, gzip/zstd/plain blobs, configs, manifests, indexes, image layouts), pushing
 //! with `skopeo`, fake registries (token service, redirects, corrupt or missing blobs, stalls)
@@ -8,10 +9,12 @@
 
 #![allow(dead_code)]
 
+mod layers;
+pub use layers::*;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::net::TcpListener as StdListener;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -695,73 +698,19 @@ pub fn assert_store_clean(store: &Store) {
     assert_tmp_empty(store);
 }
 
-/// What a file system entry is, for comparisons.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Node {
-    Dir {
-        mode: u32,
-        uid: u32,
-        gid: u32,
-    },
-    File {
-        mode: u32,
-        uid: u32,
-        gid: u32,
-        content: String,
-    },
-    Symlink(String),
-    /// A 0:0 character device (overlay whiteout).
-    Whiteout,
-    Other(u32),
-}
-
-/// Every entry under `root`, by relative path (hard-linked files appear under each name).
-pub fn tree(root: &Path) -> BTreeMap<String, Node> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let e = e.unwrap();
-            let p = e.path();
-            let m = std::fs::symlink_metadata(&p).unwrap();
-            let rel = p.strip_prefix(root).unwrap().to_string_lossy().to_string();
-            let ft = m.file_type();
-            let node = if ft.is_dir() {
-                stack.push(p.clone());
-                Node::Dir { mode: m.mode() & 0o7777, uid: m.uid(), gid: m.gid() }
-            } else if ft.is_file() {
-                Node::File {
-                    mode: m.mode() & 0o7777,
-                    uid: m.uid(),
-                    gid: m.gid(),
-                    content: sha256(&std::fs::read(&p).unwrap()),
-                }
-            } else if ft.is_symlink() {
-                Node::Symlink(std::fs::read_link(&p).unwrap().to_string_lossy().to_string())
-            } else if ft.is_char_device() && m.rdev() == 0 {
-                Node::Whiteout
-            } else {
-                Node::Other(m.mode())
-            };
-            out.insert(rel, node);
-        }
-    }
-    out
-}
-
 /// The union of layers (bottom first) as overlayfs shows it, computed from the layers'
 /// overlay format: a whiteout hides the name and everything under it; a non-directory hides
 /// what was under its name.
 pub fn merged(store: &Store, layers: &[opendsec_images::LayerId]) -> BTreeMap<String, Node> {
     let mut view: BTreeMap<String, Node> = BTreeMap::new();
     for id in layers {
-        for (path, node) in tree(&store.layer_rootfs(id)) {
-            let hides_below = !matches!(node, Node::Dir { .. });
+        for (path, node) in snapshot(&store.layer_rootfs(id)) {
+            let hides_below = node.kind != 'd';
             if hides_below {
                 let prefix = format!("{path}/");
                 view.retain(|k, _| !k.starts_with(&prefix));
             }
-            if node == Node::Whiteout {
+            if node.is_whiteout() {
                 view.remove(&path);
             } else {
                 view.insert(path, node);
@@ -771,10 +720,7 @@ pub fn merged(store: &Store, layers: &[opendsec_images::LayerId]) -> BTreeMap<St
     view
 }
 
-/// The content of a file in a view.
-pub fn content_of(view: &BTreeMap<String, Node>, path: &str) -> Option<String> {
-    match view.get(path) {
-        Some(Node::File { content, .. }) => Some(content.clone()),
-        _ => None,
-    }
+/// The content of a regular file in a view.
+pub fn content_of<'a>(view: &'a BTreeMap<String, Node>, path: &str) -> Option<&'a [u8]> {
+    view.get(path).filter(|n| n.kind == 'f').map(|n| n.content.as_slice())
 }

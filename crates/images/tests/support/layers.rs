@@ -1,11 +1,9 @@
-//! Test support for the unpack and merge tests: layer tars built in code (including hostile
-//! ones, with headers written byte by byte), a model of what stacking them must show (the OCI
-//! layer rules, independent of our code), snapshots of directory trees, and read-only overlay
-//! mounts. Needs root (whiteouts are devices; overlay mounts).
-#![allow(dead_code)]
+//! Layers for the unpack, merge and import tests: tars built in code from entries (including
+//! hostile ones, with headers written byte by byte), a model of what stacking them must show
+//! (the OCI layer rules, independent of our code), snapshots of directory trees, and
+//! read-only overlay mounts. Needs root (whiteouts are devices; overlay mounts).
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -141,22 +139,6 @@ pub fn tar_of(entries: &[E], mtime0: u64) -> Vec<u8> {
     b.into_inner().unwrap()
 }
 
-pub fn gzip(data: &[u8]) -> Vec<u8> {
-    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    e.write_all(data).unwrap();
-    e.finish().unwrap()
-}
-
-pub fn zstd(data: &[u8]) -> Vec<u8> {
-    zstd::stream::encode_all(data, 3).unwrap()
-}
-
-pub fn sha256(data: &[u8]) -> String {
-    use sha2::Digest;
-    let d: [u8; 32] = sha2::Sha256::digest(data).into();
-    format!("sha256:{}", LayerId::from_digest(&d))
-}
-
 pub fn import(store: &Store, tar: &[u8], lowers: &[LayerId]) -> Result<LayerMeta, LayerError> {
     import_with(store, tar, Compression::None, lowers, &Limits::default())
 }
@@ -182,14 +164,6 @@ pub fn import_stack(store: &Store, layers: &[Vec<u8>]) -> Vec<LayerId> {
     ids
 }
 
-/// Nothing half-written: no layer directory and nothing in layers/.tmp.
-pub fn assert_clean(store: &Store) {
-    let layers: Vec<_> =
-        std::fs::read_dir(store.root().join("layers")).unwrap().map(|e| e.unwrap().file_name()).collect();
-    assert_eq!(layers, vec![std::ffi::OsString::from(".tmp")], "layers/ holds only .tmp");
-    assert_eq!(std::fs::read_dir(store.tmp_dir()).unwrap().count(), 0, "layers/.tmp is empty");
-}
-
 /// What one path shows: type, mode bits, owner, mtime, and content (file bytes, symlink
 /// target).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -200,6 +174,13 @@ pub struct Node {
     pub gid: u32,
     pub mtime: i64,
     pub content: Vec<u8>,
+}
+
+impl Node {
+    /// An overlay whiteout: a 0:0 character device.
+    pub fn is_whiteout(&self) -> bool {
+        self.kind == 'c' && self.content == 0u64.to_le_bytes()
+    }
 }
 
 /// Every path below `root` (not the root itself), as `/`-joined relative strings.
