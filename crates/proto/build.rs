@@ -12,6 +12,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }
     let fds = protox::compile(files, [&root])?;
+    let descriptors = prost::Message::encode_to_vec(&fds);
     tonic_prost_build::configure().compile_fds(fds)?;
+    // Canonical proto3 JSON (serde) for every message: proto field names, enums by name,
+    // 64-bit integers as strings, every field present (defaults too), for `--json` output and
+    // the gateways.
+    pbjson_build::Builder::new()
+        .register_descriptors(&descriptors)?
+        .preserve_proto_field_names()
+        .emit_fields()
+        .build(&[".opendsec.v1"])?;
     Ok(())
 }

@@ -197,7 +197,7 @@ pub async fn run(client: &Client, out: &Out, project: Option<&str>, cmd: ImageCm
         ImageCmd::Import(args) => import_cmd(client, out, &project, args).await,
         ImageCmd::List { recursive } => {
             let r = client.list_images(pb::ListImagesRequest { project, recursive }).await?;
-            out.print(Value::Array(r.images.iter().map(j::image).collect()), || {
+            out.print(Value::Array(r.images.iter().map(j::of).collect()), || {
                 let mut t = crate::table::Table::new(&["IMAGE", "PROJECT", "LAYERS", "SOURCE"]);
                 for i in &r.images {
                     t.row(vec![
@@ -213,12 +213,12 @@ pub async fn run(client: &Client, out: &Out, project: Option<&str>, cmd: ImageCm
         }
         ImageCmd::Get { name } => {
             let i = client.get_image(pb::GetImageRequest { project, name }).await?;
-            out.print(j::image(&i), || image_text(&i));
+            out.print(j::of(&i), || image_text(&i));
             Ok(())
         }
         ImageCmd::Compose { name, sources, replace } => {
             let i = client.compose_image(pb::ComposeImageRequest { project, name, sources, replace }).await?;
-            out.print(j::image(&i), || format!("composed {} ({} layers)", image_name(&i), i.layers.len()));
+            out.print(j::of(&i), || format!("composed {} ({} layers)", image_name(&i), i.layers.len()));
             Ok(())
         }
         ImageCmd::Delete { name } => {
@@ -440,7 +440,7 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
     let registered =
         client.register_image(pb::RegisterImageRequest { image: Some(image), replace: args.replace }).await?;
     let mut value = summary;
-    value["image"] = j::image(&registered);
+    value["image"] = j::of(&registered);
     out.print(value, || {
         format!(
             "imported {} ({} layers: {} fetched, {} already stored)\nregistered {}",

@@ -17,7 +17,7 @@ use clap::Args;
 use opendsec_client::{Client, Upload};
 use opendsec_common::{ApiError, Reason, ids};
 use opendsec_proto::v1 as pb;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -426,21 +426,7 @@ pub async fn ps(client: &Client, out: &Out, sandbox: String) -> Result<(), CtlEr
         (false, Some(x)) => format!("exited {}", x.exit_code),
         (false, None) => "exited".to_string(),
     };
-    let rows: Vec<Value> = r
-        .processes
-        .iter()
-        .map(|p| {
-            json!({
-                "pid": p.pid,
-                "tag": p.tag,
-                "cmd": p.cmd,
-                "running": p.running,
-                "exit_code": p.exit.map(|x| x.exit_code),
-                "signal": p.exit.map(|x| x.signal),
-            })
-        })
-        .collect();
-    out.print(Value::Array(rows), || {
+    out.print(crate::json::of(&r.processes), || {
         let mut t = crate::table::Table::new(&["PID", "TAG", "STATE", "CMD"]);
         for p in &r.processes {
             t.row(vec![p.pid.to_string(), p.tag.clone(), state(p), p.cmd.join(" ")]);

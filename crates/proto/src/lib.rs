@@ -6,4 +6,5 @@ pub mod upload;
 
 pub mod v1 {
     tonic::include_proto!("opendsec.v1");
+    include!(concat!(env!("OUT_DIR"), "/opendsec.v1.serde.rs"));
 }

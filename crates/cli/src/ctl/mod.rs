@@ -74,18 +74,18 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
         Command::Project(cmd) => match cmd {
             ProjectCmd::Create { path, quota } => {
                 let p = client.create_project(pb::CreateProjectRequest { path, quota: Some(quota.to_pb()) }).await?;
-                out.print(j::project(&p), || format!("created {}", p.path));
+                out.print(j::of(&p), || format!("created {}", p.path));
                 Ok(())
             }
             ProjectCmd::Get { path } => {
                 let p = client.get_project(pb::GetProjectRequest { path }).await?;
-                out.print(j::project(&p), || project_text(&p));
+                out.print(j::of(&p), || project_text(&p));
                 Ok(())
             }
             ProjectCmd::List { path } => {
                 let path = path.or(project).unwrap_or_else(|| "root".into());
                 let r = client.list_projects(pb::ListProjectsRequest { path }).await?;
-                out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
+                out.print(Value::Array(r.projects.iter().map(j::of).collect()), || {
                     usage_table(&r.projects).render("no projects")
                 });
                 Ok(())
@@ -99,15 +99,14 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
         Command::Quota(cmd) => match cmd {
             QuotaCmd::Set { path, quota } => {
                 let p = client.set_quota(pb::SetQuotaRequest { path, quota: Some(quota.to_pb()) }).await?;
-                out.print(j::project(&p), || project_text(&p));
+                out.print(j::of(&p), || project_text(&p));
                 Ok(())
             }
             QuotaCmd::Get { path } => {
                 let p = client.get_project(pb::GetProjectRequest { path }).await?;
-                out.print(
-                    json!({"path": p.path, "quota": j::quota(&p.quota), "effective": j::quota(&p.effective)}),
-                    || project_text(&p),
-                );
+                out.print(json!({"path": p.path, "quota": j::of(&p.quota), "effective": j::of(&p.effective)}), || {
+                    project_text(&p)
+                });
                 Ok(())
             }
         },
@@ -116,13 +115,13 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                 let project =
                     project.ok_or_else(|| CtlError::Api(ApiError::invalid("principal create needs --project")))?;
                 let p = client.create_principal(pb::CreatePrincipalRequest { name, project }).await?;
-                out.print(j::principal(&p), || format!("created principal {} in {}", p.name, p.project));
+                out.print(j::of(&p), || format!("created principal {} in {}", p.name, p.project));
                 Ok(())
             }
             PrincipalCmd::List => {
                 let project = project.unwrap_or_else(|| "root".into());
                 let r = client.list_principals(pb::ListPrincipalsRequest { project }).await?;
-                out.print(Value::Array(r.principals.iter().map(j::principal).collect()), || {
+                out.print(Value::Array(r.principals.iter().map(j::of).collect()), || {
                     let mut t = Table::new(&["NAME", "PROJECT"]);
                     for p in &r.principals {
                         t.row(vec![p.name.clone(), p.project.clone()]);
@@ -147,12 +146,12 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                     })
                     .await?;
                 let info = r.info.clone().unwrap_or_default();
-                out.print(json!({"token": r.token, "info": j::token_info(&info)}), || r.token.clone());
+                out.print(json!({"token": r.token, "info": j::of(&info)}), || r.token.clone());
                 Ok(())
             }
             TokenCmd::List { principal } => {
                 let r = client.list_tokens(pb::ListTokensRequest { principal: principal.unwrap_or_default() }).await?;
-                out.print(Value::Array(r.tokens.iter().map(j::token_info).collect()), || {
+                out.print(Value::Array(r.tokens.iter().map(j::of).collect()), || {
                     let now = now_ms();
                     let mut tb = Table::new(&["ID", "PRINCIPAL", "STATUS", "DESCRIPTION"]);
                     for t in &r.tokens {
@@ -178,13 +177,13 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             GrantCmd::Add { principal, project, permission } => {
                 let g = pb::Grant { principal, project, permission };
                 client.grant(pb::GrantRequest { grant: Some(g.clone()) }).await?;
-                out.print(j::grant(&g), || format!("granted {} on {} to {}", g.permission, g.project, g.principal));
+                out.print(j::of(&g), || format!("granted {} on {} to {}", g.permission, g.project, g.principal));
                 Ok(())
             }
             GrantCmd::Remove { principal, project, permission } => {
                 let g = pb::Grant { principal, project, permission };
                 client.revoke_grant(pb::RevokeGrantRequest { grant: Some(g.clone()) }).await?;
-                out.print(j::grant(&g), || format!("revoked {} on {} from {}", g.permission, g.project, g.principal));
+                out.print(j::of(&g), || format!("revoked {} on {} from {}", g.permission, g.project, g.principal));
                 Ok(())
             }
             GrantCmd::List { principal, on_project } => {
@@ -194,7 +193,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                         project: on_project.unwrap_or_default(),
                     })
                     .await?;
-                out.print(Value::Array(r.grants.iter().map(j::grant).collect()), || {
+                out.print(Value::Array(r.grants.iter().map(j::of).collect()), || {
                     let mut t = Table::new(&["PRINCIPAL", "PROJECT", "PERMISSION"]);
                     for g in &r.grants {
                         t.row(vec![g.principal.clone(), g.project.clone(), g.permission.clone()]);
@@ -207,17 +206,14 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
         Command::Usage { project: p } => {
             let path = p.or(project).unwrap_or_else(|| "root".into());
             let r = client.get_usage(pb::GetUsageRequest { project: path }).await?;
-            out.print(Value::Array(r.projects.iter().map(j::project).collect()), || {
+            out.print(Value::Array(r.projects.iter().map(j::of).collect()), || {
                 usage_table(&r.projects).render("no projects")
             });
             Ok(())
         }
         Command::Whoami => {
             let r = client.who_am_i(pb::WhoAmIRequest {}).await?;
-            out.print(
-                json!({"principal": r.principal, "project": r.project, "token_id": r.token_id, "token_expires_at_ms": r.token_expires_at_ms, "grants": r.grants.iter().map(j::grant).collect::<Vec<_>>()}),
-                || format!("{} ({})", r.principal, r.project),
-            );
+            out.print(j::of(&r), || format!("{} ({})", r.principal, r.project));
             Ok(())
         }
         Command::Backup { file } => {

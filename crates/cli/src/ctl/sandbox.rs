@@ -13,7 +13,7 @@ pub(crate) async fn sandbox(
             let spec = spec.to_spec(project)?;
             if count <= 1 {
                 let s = client.create_sandbox(spec).await?;
-                out.print(j::sandbox(&s), || s.id.clone());
+                out.print(j::of(&s), || s.id.clone());
                 return Ok(());
             }
             let mut stream = client.create_sandboxes(spec, count).await?;
@@ -27,7 +27,7 @@ pub(crate) async fn sandbox(
                         if !out.json {
                             bar.suspend(|| println!("{}", s.id));
                         }
-                        results.push(json!({"index": item.index, "sandbox": j::sandbox(s)}));
+                        results.push(json!({"index": item.index, "sandbox": j::of(s)}));
                     }
                     (None, Some(e)) => {
                         failed += 1;
@@ -73,7 +73,7 @@ pub(crate) async fn sandbox(
                 (r.sandboxes, r.next_page_token)
             };
             out.print(
-                json!({"sandboxes": items.iter().map(j::sandbox).collect::<Vec<_>>(), "next_page_token": next}),
+                json!({"sandboxes": items.iter().map(j::of).collect::<Vec<_>>(), "next_page_token": next}),
                 || {
                     let mut s = sandbox_table(&items).render("no sandboxes");
                     if !next.is_empty() {
@@ -86,22 +86,22 @@ pub(crate) async fn sandbox(
         }
         SandboxCmd::Get { id } => {
             let s = client.get_sandbox(&id).await?;
-            out.print(j::sandbox(&s), || sandbox_text(&s));
+            out.print(j::of(&s), || sandbox_text(&s));
             Ok(())
         }
         SandboxCmd::Stop { id } => {
             let s = client.stop_sandbox(&id).await?;
-            out.print(j::sandbox(&s), || sandbox_line(&s));
+            out.print(j::of(&s), || sandbox_line(&s));
             Ok(())
         }
         SandboxCmd::Pause { id } => {
             let s = client.pause_sandbox(&id).await?;
-            out.print(j::sandbox(&s), || sandbox_line(&s));
+            out.print(j::of(&s), || sandbox_line(&s));
             Ok(())
         }
         SandboxCmd::Resume { id } => {
             let s = client.resume_sandbox(&id).await?;
-            out.print(j::sandbox(&s), || sandbox_line(&s));
+            out.print(j::of(&s), || sandbox_line(&s));
             Ok(())
         }
         SandboxCmd::SetTimeout { id, idle, max, paused } => {
@@ -113,7 +113,7 @@ pub(crate) async fn sandbox(
                     ttl_paused_s: paused,
                 })
                 .await?;
-            out.print(j::sandbox(&s), || sandbox_line(&s));
+            out.print(j::of(&s), || sandbox_line(&s));
             Ok(())
         }
     }
