@@ -16,12 +16,12 @@ const TYPES: [Option<&str>; 5] = [
 fuzz_target!(|data: &[u8]| {
     for t in TYPES {
         if let Ok(manifest::ManifestDoc::Index(i)) = manifest::parse_manifest("fuzz", data, t) {
-            let _ = manifest::choose_amd64("fuzz", &i);
+            let _ = manifest::choose_amd64("fuzz", i.manifests());
         }
     }
     for layers in [0, 1, 3] {
-        if let Ok(c) = manifest::ConfigFile::parse("fuzz", data, layers) {
-            let _ = c.image_config();
+        if let Ok(c) = manifest::parse_config("fuzz", data, layers) {
+            let _ = manifest::image_config(&c);
         }
     }
     let _ = auth::DockerConfig::parse(std::path::Path::new("fuzz.json"), data);

@@ -26,7 +26,7 @@ use sha2::{Digest, Sha256};
 
 use crate::layer::{Compression, LayerError, Limits, existing_layer, import_layer};
 use crate::progress::{LayerProgress, Progress};
-use crate::registry::manifest::{self, ConfigFile, ImageManifest, ManifestDoc, hex};
+use crate::registry::manifest::{self, ImageManifest, ManifestDoc, hex};
 use crate::registry::{Client, Reference, auth};
 use crate::store::{ImageConfig, LayerId, LayerMeta, Store, StoreError};
 
@@ -131,13 +131,13 @@ pub async fn import_from_registry(
         auth::resolve(&r.registry, opts.credentials.as_ref(), opts.docker_config.as_deref(), opts.timeout).await?;
     let client = Arc::new(Client::new(&r, auth, opts.insecure_http, opts.timeout)?);
     let (manifest, manifest_digest) = resolve_manifest(&client, &r).await?;
-    let config_what = format!("config {}", manifest.config.digest);
-    let config_bytes = client.blob_bytes(&manifest.config, manifest::MAX_CONFIG_BYTES).await?;
-    let config = ConfigFile::parse(&config_what, &config_bytes, manifest.layers.len())?;
+    let config_what = format!("config {}", manifest.config().digest());
+    let config_bytes = client.blob_bytes(manifest.config(), manifest::MAX_CONFIG_BYTES).await?;
+    let config = manifest::parse_config(&config_what, &config_bytes, manifest.layers().len())?;
     let source = r.pinned(&manifest_digest);
     let jobs = layer_jobs(&manifest, &config);
     let progress = Progress::new(opts.progress);
-    let descriptors = Arc::new(manifest.layers);
+    let descriptors = Arc::new(manifest.layers().clone());
     let tmp = store.tmp_dir();
     let limit = opts.limits.max_layer_bytes;
     let fetch = move |i: usize, bar: LayerProgress| {
@@ -158,7 +158,7 @@ pub async fn import_from_registry(
     let (layers, fetched_layers, reused_layers) =
         import_layers(store, &jobs, &source, &opts.limits, opts.for_project.as_deref(), &progress, fetch).await?;
     tracing::info!(%source, layers = layers.len(), fetched_layers, reused_layers, "image imported");
-    Ok(Imported { layers, config: config.image_config(), source, fetched_layers, reused_layers })
+    Ok(Imported { layers, config: manifest::image_config(&config), source, fetched_layers, reused_layers })
 }
 
 /// The image manifest `r` names (an index resolves to its linux/amd64 entry) and its digest,
@@ -177,20 +177,20 @@ async fn resolve_manifest(client: &Client, r: &Reference) -> Result<(ImageManife
     match manifest::parse_manifest(&what, &fetched.bytes, fetched.content_type.as_deref())? {
         ManifestDoc::Image(m) => Ok((m, digest)),
         ManifestDoc::Index(index) => {
-            let d = manifest::choose_amd64(&shown, &index)?;
-            let child_shown = format!("{}/{}@{}", r.registry, r.repository, d.digest);
+            let d = manifest::choose_amd64(&shown, index.manifests())?;
+            let child_shown = format!("{}/{}@{}", r.registry, r.repository, d.digest());
             let child_what = format!("manifest {child_shown}");
-            if d.size > manifest::MAX_MANIFEST_BYTES {
+            if d.size() > manifest::MAX_MANIFEST_BYTES {
                 return Err(ImportError::TooLarge {
                     what: child_what,
-                    size: d.size,
+                    size: d.size(),
                     limit: manifest::MAX_MANIFEST_BYTES,
                 });
             }
-            let child = client.manifest(&d.digest, &child_shown).await?;
-            manifest::verify_digest(&child_what, &d.digest, &child.bytes)?;
+            let child = client.manifest(d.digest().as_ref(), &child_shown).await?;
+            manifest::verify_digest(&child_what, d.digest().as_ref(), &child.bytes)?;
             match manifest::parse_manifest(&child_what, &child.bytes, child.content_type.as_deref())? {
-                ManifestDoc::Image(m) => Ok((m, d.digest.clone())),
+                ManifestDoc::Image(m) => Ok((m, d.digest().to_string())),
                 ManifestDoc::Index(_) => Err(ImportError::InvalidManifest {
                     what: child_what,
                     why: "an index where the linux/amd64 image manifest should be".into(),
@@ -209,11 +209,11 @@ pub(crate) struct LayerJob {
     pub size: u64,
 }
 
-pub(crate) fn layer_jobs(m: &ImageManifest, c: &ConfigFile) -> Vec<LayerJob> {
-    m.layers
+pub(crate) fn layer_jobs(m: &ImageManifest, c: &manifest::ImageConfiguration) -> Vec<LayerJob> {
+    m.layers()
         .iter()
-        .zip(&c.rootfs.diff_ids)
-        .map(|(l, d)| LayerJob { blob_digest: Some(l.digest.clone()), diff_id: d.clone(), size: l.size })
+        .zip(c.rootfs().diff_ids())
+        .map(|(l, d)| LayerJob { blob_digest: Some(l.digest().to_string()), diff_id: d.clone(), size: l.size() })
         .collect()
 }
 

@@ -22,8 +22,8 @@ use crate::import::{Blob, ImportError, ImportOptions, Imported, LayerJob, import
 use crate::layer::{Limits, import_layer};
 use crate::progress::{LayerProgress, Progress};
 use crate::registry::manifest::{
-    self, ConfigFile, Descriptor, ImageIndex, ImageManifest, ManifestDoc, OCI_INDEX, choose_amd64, sha256_digest,
-    trunc, validate_digest,
+    self, Descriptor, ImageIndex, ImageManifest, ManifestDoc, OCI_INDEX, choose_amd64, sha256_digest, trunc,
+    validate_digest,
 };
 use crate::store::{ImageConfig, LayerMeta, Store};
 
@@ -70,21 +70,21 @@ async fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>, ImportError> {
 
 /// A small blob of a layout, size and digest checked.
 async fn layout_small_blob(dir: &Path, d: &Descriptor, limit: u64) -> Result<Vec<u8>, ImportError> {
-    let what = format!("blob {}", d.digest);
-    if d.size > limit {
-        return Err(ImportError::TooLarge { what, size: d.size, limit });
+    let what = format!("blob {}", d.digest());
+    if d.size() > limit {
+        return Err(ImportError::TooLarge { what, size: d.size(), limit });
     }
-    let bytes = read_small(&layout_blob(dir, &d.digest)?, limit).await?;
-    if bytes.len() as u64 != d.size {
-        return Err(ImportError::SizeMismatch { what, expected: d.size, actual: bytes.len() as u64 });
+    let bytes = read_small(&layout_blob(dir, d.digest().as_ref())?, limit).await?;
+    if bytes.len() as u64 != d.size() {
+        return Err(ImportError::SizeMismatch { what, expected: d.size(), actual: bytes.len() as u64 });
     }
-    manifest::verify_digest(&what, &d.digest, &bytes)?;
+    manifest::verify_digest(&what, d.digest().as_ref(), &bytes)?;
     Ok(bytes)
 }
 
 fn ref_names(index: &ImageIndex) -> Vec<String> {
     let mut names: Vec<String> =
-        index.manifests.iter().filter_map(|d| d.annotations.get(REF_NAME)).map(|n| trunc(n)).collect();
+        index.manifests().iter().filter_map(|d| manifest::annotation(d, REF_NAME)).map(|n| trunc(n)).collect();
     names.sort();
     names.dedup();
     names
@@ -101,9 +101,9 @@ fn choose_in_layout(dir: &Path, index: &ImageIndex, tag: Option<&str>) -> Result
     let shown = dir.display().to_string();
     let candidates: Vec<Descriptor> = match tag {
         Some(t) => index
-            .manifests
+            .manifests()
             .iter()
-            .filter(|d| d.annotations.get(REF_NAME).is_some_and(|n| ref_name_matches(n, t)))
+            .filter(|d| manifest::annotation(d, REF_NAME).is_some_and(|n| ref_name_matches(n, t)))
             .cloned()
             .collect(),
         None => {
@@ -111,7 +111,7 @@ fn choose_in_layout(dir: &Path, index: &ImageIndex, tag: Option<&str>) -> Result
             if names.len() > 1 {
                 return Err(ImportError::Ambiguous { path: dir.to_path_buf(), names });
             }
-            index.manifests.clone()
+            index.manifests().clone()
         }
     };
     match candidates.len() {
@@ -119,12 +119,9 @@ fn choose_in_layout(dir: &Path, index: &ImageIndex, tag: Option<&str>) -> Result
             reference: format!("{} in {shown} (it has: {})", tag.unwrap_or(""), ref_names(index).join(", ")),
         }),
         0 => Err(invalid(dir, "index.json lists no image")),
-        1 => Ok(candidates.into_iter().next().unwrap_or_default()),
+        1 => candidates.into_iter().next().ok_or_else(|| invalid(dir, "index.json lists no image")),
         // Several entries under one name: the platforms of one image.
-        _ => {
-            let sub = ImageIndex { schema_version: 2, media_type: None, manifests: candidates };
-            Ok(choose_amd64(&shown, &sub).cloned()?)
-        }
+        _ => Ok(choose_amd64(&shown, &candidates).cloned()?),
     }
 }
 
@@ -132,11 +129,14 @@ fn choose_in_layout(dir: &Path, index: &ImageIndex, tag: Option<&str>) -> Result
 async fn layout_manifest(dir: &Path, mut d: Descriptor) -> Result<(ImageManifest, String), ImportError> {
     for _ in 0..2 {
         let bytes = layout_small_blob(dir, &d, manifest::MAX_MANIFEST_BYTES).await?;
-        let what = format!("manifest {}", d.digest);
-        let media_type = Some(d.media_type.as_str()).filter(|m| !m.is_empty());
+        let what = format!("manifest {}", d.digest());
+        let media_type = d.media_type().to_string();
+        let media_type = Some(media_type.as_str()).filter(|m| !m.is_empty());
         match manifest::parse_manifest(&what, &bytes, media_type)? {
-            ManifestDoc::Image(m) => return Ok((m, d.digest)),
-            ManifestDoc::Index(i) => d = choose_amd64(&format!("{}@{}", dir.display(), d.digest), &i)?.clone(),
+            ManifestDoc::Image(m) => return Ok((m, d.digest().to_string())),
+            ManifestDoc::Index(i) => {
+                d = choose_amd64(&format!("{}@{}", dir.display(), d.digest()), i.manifests())?.clone()
+            }
         }
     }
     Err(invalid(dir, "indexes nested more than one level deep"))
@@ -175,20 +175,23 @@ pub async fn import_oci_layout(
     };
     let chosen = choose_in_layout(dir, &index, tag)?;
     let (manifest, manifest_digest) = layout_manifest(dir, chosen).await?;
-    let config_bytes = layout_small_blob(dir, &manifest.config, manifest::MAX_CONFIG_BYTES).await?;
-    let config =
-        ConfigFile::parse(&format!("config {}", manifest.config.digest), &config_bytes, manifest.layers.len())?;
+    let config_bytes = layout_small_blob(dir, manifest.config(), manifest::MAX_CONFIG_BYTES).await?;
+    let config = manifest::parse_config(
+        &format!("config {}", manifest.config().digest()),
+        &config_bytes,
+        manifest.layers().len(),
+    )?;
     let jobs = crate::import::layer_jobs(&manifest, &config);
-    let mut ranges = Vec::with_capacity(manifest.layers.len());
-    for l in &manifest.layers {
-        if l.size > opts.limits.max_layer_bytes {
+    let mut ranges = Vec::with_capacity(manifest.layers().len());
+    for l in manifest.layers() {
+        if l.size() > opts.limits.max_layer_bytes {
             return Err(ImportError::TooLarge {
-                what: format!("blob {}", l.digest),
-                size: l.size,
+                what: format!("blob {}", l.digest()),
+                size: l.size(),
                 limit: opts.limits.max_layer_bytes,
             });
         }
-        ranges.push((layout_blob(dir, &l.digest)?, l.size, l.digest.clone()));
+        ranges.push((layout_blob(dir, l.digest().as_ref())?, l.size(), l.digest().to_string()));
     }
     let source = format!("oci-layout:{}@{}", dir.display(), manifest_digest);
     let progress = Progress::new(opts.progress);
@@ -201,7 +204,7 @@ pub async fn import_oci_layout(
     };
     let (layers, fetched_layers, reused_layers) =
         import_layers(store, &jobs, &source, &opts.limits, opts.for_project.as_deref(), &progress, fetch).await?;
-    Ok(Imported { layers, config: config.image_config(), source, fetched_layers, reused_layers })
+    Ok(Imported { layers, config: manifest::image_config(&config), source, fetched_layers, reused_layers })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -321,7 +324,7 @@ struct SaveArchive {
     /// The uncompressed tar (the archive itself, or `_decompressed`).
     tar: PathBuf,
     _decompressed: Option<tempfile::NamedTempFile>,
-    config: ConfigFile,
+    config: manifest::ImageConfiguration,
     config_digest: String,
     layers: Vec<(u64, u64, Option<String>)>,
 }
@@ -384,7 +387,8 @@ fn open_save_archive(archive: &Path, tmp_dir: &Path, limits: &Limits) -> Result<
             actual: config_digest,
         });
     }
-    let config = ConfigFile::parse(&format!("config {}", trunc(&image.config)), &config_bytes, image.layers.len())?;
+    let config =
+        manifest::parse_config(&format!("config {}", trunc(&image.config)), &config_bytes, image.layers.len())?;
     let mut layers = Vec::with_capacity(image.layers.len());
     for name in &image.layers {
         let (off, size) = lookup(archive, &entries, name)?;
@@ -403,7 +407,7 @@ pub async fn import_docker_archive(store: &Store, tar: &Path, opts: &ImportOptio
     let jobs: Vec<LayerJob> = save
         .layers
         .iter()
-        .zip(&save.config.rootfs.diff_ids)
+        .zip(save.config.rootfs().diff_ids())
         .map(|((_, size, digest), diff_id)| LayerJob {
             blob_digest: digest.clone(),
             diff_id: diff_id.clone(),
@@ -424,7 +428,7 @@ pub async fn import_docker_archive(store: &Store, tar: &Path, opts: &ImportOptio
     };
     let (layers, fetched_layers, reused_layers) =
         import_layers(store, &jobs, &source, &opts.limits, opts.for_project.as_deref(), &progress, fetch).await?;
-    let config = save.config.image_config();
+    let config = manifest::image_config(&save.config);
     drop(save); // removes the decompressed copy, if any
     Ok(Imported { layers, config, source, fetched_layers, reused_layers })
 }
@@ -668,30 +672,32 @@ mod tests {
 
     #[test]
     fn layout_choice() {
-        let d = |n: char, name: Option<&str>, arch: Option<&str>| Descriptor {
-            media_type: manifest::OCI_MANIFEST.into(),
-            digest: format!("sha256:{}", n.to_string().repeat(64)),
-            size: 1,
-            platform: arch.map(|a| manifest::Platform { architecture: a.into(), os: "linux".into(), variant: None }),
-            annotations: name
-                .map(|n| [(REF_NAME.to_string(), n.to_string())].into_iter().collect())
-                .unwrap_or_default(),
+        let d = |n: char, name: Option<&str>, arch: Option<&str>| {
+            let mut v = serde_json::json!({
+                "mediaType": manifest::OCI_MANIFEST,
+                "digest": format!("sha256:{}", n.to_string().repeat(64)),
+                "size": 1,
+            });
+            if let Some(a) = arch {
+                v["platform"] = serde_json::json!({"architecture": a, "os": "linux"});
+            }
+            if let Some(n) = name {
+                v["annotations"] = serde_json::json!({ REF_NAME: n });
+            }
+            serde_json::from_value::<Descriptor>(v).unwrap()
+        };
+        let index_of = |manifests: Vec<Descriptor>| {
+            serde_json::from_value::<ImageIndex>(serde_json::json!({"schemaVersion": 2, "manifests": manifests}))
+                .unwrap()
         };
         let dir = Path::new("/l");
-        let index = ImageIndex {
-            schema_version: 2,
-            media_type: None,
-            manifests: vec![d('1', Some("a"), None), d('2', Some("b"), None)],
-        };
-        assert_eq!(choose_in_layout(dir, &index, Some("b")).unwrap().digest, d('2', None, None).digest);
+        let index = index_of(vec![d('1', Some("a"), None), d('2', Some("b"), None)]);
+        let two = d('2', None, None);
+        assert_eq!(choose_in_layout(dir, &index, Some("b")).unwrap().digest(), two.digest());
         assert!(matches!(choose_in_layout(dir, &index, None), Err(ImportError::Ambiguous { .. })));
         assert!(matches!(choose_in_layout(dir, &index, Some("c")), Err(ImportError::ManifestNotFound { .. })));
-        let platforms = ImageIndex {
-            schema_version: 2,
-            media_type: None,
-            manifests: vec![d('1', Some("t"), Some("arm64")), d('2', Some("t"), Some("amd64"))],
-        };
-        assert_eq!(choose_in_layout(dir, &platforms, None).unwrap().digest, d('2', None, None).digest);
-        assert_eq!(choose_in_layout(dir, &platforms, Some("t")).unwrap().digest, d('2', None, None).digest);
+        let platforms = index_of(vec![d('1', Some("t"), Some("arm64")), d('2', Some("t"), Some("amd64"))]);
+        assert_eq!(choose_in_layout(dir, &platforms, None).unwrap().digest(), two.digest());
+        assert_eq!(choose_in_layout(dir, &platforms, Some("t")).unwrap().digest(), two.digest());
     }
 }

@@ -1,14 +1,16 @@
 //! Image manifests, indexes and configs (Docker v2 schema 2 and OCI), digests, and the
 //! choice of the linux/amd64 image in an index.
 //!
-//! Pure parsing and checking, shared by the registry client and the offline imports.
+//! Pure parsing and checking, shared by the registry client and the offline imports. The
+//! document types are `oci-spec`'s (Docker's schema 2 has the same shape); what is ours is
+//! the choice of document kind, the limits and the checks on top.
 //! Invariants: every digest accepted here is `sha256:` + 64 lowercase hex digits (so it is safe
 //! in a URL path or a file name); a manifest is only accepted with a supported media type, a
 //! config descriptor and layers of a supported layer media type; the layer count matches the
 //! config's diff ids.
 
-use std::collections::BTreeMap;
-
+use oci_spec::image::{Arch, Os};
+pub use oci_spec::image::{Descriptor, ImageConfiguration, ImageIndex, ImageManifest, Platform};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -104,65 +106,22 @@ pub(crate) fn trunc(s: &str) -> String {
     s.chars().take(100).collect()
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Platform {
-    #[serde(default)]
-    pub architecture: String,
-    #[serde(default)]
-    pub os: String,
-    #[serde(default)]
-    pub variant: Option<String>,
-}
-
-impl std::fmt::Display for Platform {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.os, self.architecture)?;
-        if let Some(v) = &self.variant {
-            write!(f, "/{v}")?;
-        }
-        Ok(())
+/// How a platform is shown: `os/architecture[/variant]`.
+pub fn platform_name(p: &Platform) -> String {
+    match p.variant() {
+        Some(v) => format!("{}/{}/{v}", p.os(), p.architecture()),
+        None => format!("{}/{}", p.os(), p.architecture()),
     }
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Descriptor {
-    #[serde(default)]
-    pub media_type: String,
-    pub digest: String,
-    pub size: u64,
-    #[serde(default)]
-    pub platform: Option<Platform>,
-    #[serde(default)]
-    pub annotations: BTreeMap<String, String>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ImageManifest {
-    #[serde(default)]
-    pub schema_version: u32,
-    #[serde(default)]
-    pub media_type: Option<String>,
-    pub config: Descriptor,
-    #[serde(default)]
-    pub layers: Vec<Descriptor>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ImageIndex {
-    #[serde(default)]
-    pub schema_version: u32,
-    #[serde(default)]
-    pub media_type: Option<String>,
-    #[serde(default)]
-    pub manifests: Vec<Descriptor>,
+/// The annotation `key` of a descriptor.
+pub fn annotation<'a>(d: &'a Descriptor, key: &str) -> Option<&'a String> {
+    d.annotations().as_ref().and_then(|a| a.get(key))
 }
 
 /// A manifest document: one image, or an index of several.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[allow(clippy::large_enum_variant)] // one document per import: its size does not matter
 pub enum ManifestDoc {
     Image(ImageManifest),
     Index(ImageIndex),
@@ -211,8 +170,8 @@ pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> R
     }
     if is_index {
         let index: ImageIndex = serde_json::from_slice(bytes).map_err(json)?;
-        for d in &index.manifests {
-            validate_digest(&d.digest)?;
+        for d in index.manifests() {
+            validate_digest(d.digest().as_ref())?;
         }
         Ok(ManifestDoc::Index(index))
     } else {
@@ -223,26 +182,28 @@ pub fn parse_manifest(what: &str, bytes: &[u8], content_type: Option<&str>) -> R
 }
 
 fn validate_image_manifest(what: &str, m: &ImageManifest) -> Result<(), RegistryError> {
-    validate_digest(&m.config.digest)?;
-    if !m.config.media_type.is_empty() && m.config.media_type != DOCKER_CONFIG && m.config.media_type != OCI_CONFIG {
+    validate_digest(m.config().digest().as_ref())?;
+    let config_type = m.config().media_type().to_string();
+    if config_type != DOCKER_CONFIG && config_type != OCI_CONFIG {
         // Artifacts (helm charts, signatures, ...) are not images.
         return Err(RegistryError::UnsupportedMediaType {
             what: format!("config of {what}"),
-            media_type: trunc(&m.config.media_type),
+            media_type: trunc(&config_type),
         });
     }
-    if m.layers.len() > MAX_LAYERS {
+    if m.layers().len() > MAX_LAYERS {
         return Err(RegistryError::InvalidManifest {
             what: what.into(),
-            why: format!("{} layers (at most {MAX_LAYERS})", m.layers.len()),
+            why: format!("{} layers (at most {MAX_LAYERS})", m.layers().len()),
         });
     }
-    for l in &m.layers {
-        validate_digest(&l.digest)?;
-        if !is_layer_media_type(&l.media_type) {
+    for l in m.layers() {
+        validate_digest(l.digest().as_ref())?;
+        let mt = l.media_type().to_string();
+        if !is_layer_media_type(&mt) {
             return Err(RegistryError::UnsupportedMediaType {
-                what: format!("layer {}", l.digest),
-                media_type: trunc(&l.media_type),
+                what: format!("layer {}", l.digest()),
+                media_type: trunc(&mt),
             });
         }
     }
@@ -251,105 +212,69 @@ fn validate_image_manifest(what: &str, m: &ImageManifest) -> Result<(), Registry
 
 /// Attestation manifests (buildx) sit in indexes under platform `unknown/unknown`.
 fn is_attestation(d: &Descriptor) -> bool {
-    d.annotations.get("vnd.docker.reference.type").is_some_and(|t| t == "attestation-manifest")
+    annotation(d, "vnd.docker.reference.type").is_some_and(|t| t == "attestation-manifest")
 }
 
 /// Picks the linux/amd64 image of an index: an entry without variant (or `v1`) first, else
 /// the first amd64 entry whatever its variant.
-pub fn choose_amd64<'a>(reference: &str, index: &'a ImageIndex) -> Result<&'a Descriptor, RegistryError> {
-    let candidates: Vec<&Descriptor> = index
-        .manifests
+pub fn choose_amd64<'a>(reference: &str, manifests: &'a [Descriptor]) -> Result<&'a Descriptor, RegistryError> {
+    let candidates: Vec<&Descriptor> = manifests
         .iter()
         .filter(|d| !is_attestation(d))
-        .filter(|d| d.platform.as_ref().is_some_and(|p| p.os == "linux" && p.architecture == "amd64"))
+        .filter(|d| d.platform().as_ref().is_some_and(|p| *p.os() == Os::Linux && *p.architecture() == Arch::Amd64))
         .collect();
     let plain = candidates
         .iter()
-        .find(|d| d.platform.as_ref().and_then(|p| p.variant.as_deref()).is_none_or(|v| v.is_empty() || v == "v1"));
+        .find(|d| d.platform().as_ref().and_then(|p| p.variant().as_deref()).is_none_or(|v| v.is_empty() || v == "v1"));
     match plain.or(candidates.first()) {
         Some(d) => Ok(d),
         None => Err(RegistryError::NoAmd64 {
             reference: reference.into(),
-            available: index
-                .manifests
+            available: manifests
                 .iter()
                 .filter(|d| !is_attestation(d))
-                .map(|d| d.platform.as_ref().map_or_else(|| "unknown".to_string(), |p| trunc(&p.to_string())))
+                .map(|d| d.platform().as_ref().map_or_else(|| "unknown".to_string(), |p| trunc(&platform_name(p))))
                 .collect(),
         }),
     }
 }
 
-/// An image config (`application/vnd.oci.image.config.v1+json` or Docker's).
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct ConfigFile {
-    #[serde(default)]
-    pub architecture: String,
-    #[serde(default)]
-    pub os: String,
-    #[serde(default)]
-    pub config: Option<RunConfig>,
-    pub rootfs: RootFs,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct RunConfig {
-    #[serde(rename = "Env", default)]
-    pub env: Option<Vec<String>>,
-    #[serde(rename = "WorkingDir", default)]
-    pub working_dir: Option<String>,
-    #[serde(rename = "User", default)]
-    pub user: Option<String>,
-    #[serde(rename = "Entrypoint", default)]
-    pub entrypoint: Option<Vec<String>>,
-    #[serde(rename = "Cmd", default)]
-    pub cmd: Option<Vec<String>>,
-}
-
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct RootFs {
-    #[serde(rename = "type", default)]
-    pub kind: String,
-    #[serde(default)]
-    pub diff_ids: Vec<String>,
-}
-
-impl ConfigFile {
-    /// Parses a config and checks its diff ids against the manifest's layer count.
-    pub fn parse(what: &str, bytes: &[u8], layers: usize) -> Result<ConfigFile, RegistryError> {
-        let c: ConfigFile =
-            serde_json::from_slice(bytes).map_err(|source| RegistryError::Json { what: what.into(), source })?;
-        if c.rootfs.kind != "layers" {
-            return Err(RegistryError::InvalidManifest {
-                what: what.into(),
-                why: format!("rootfs type {:?} (expected \"layers\")", trunc(&c.rootfs.kind)),
-            });
-        }
-        if c.rootfs.diff_ids.len() != layers {
-            return Err(RegistryError::InvalidManifest {
-                what: what.into(),
-                why: format!("{} diff ids for {layers} layers", c.rootfs.diff_ids.len()),
-            });
-        }
-        for d in &c.rootfs.diff_ids {
-            validate_digest(d)?;
-        }
-        if (!c.os.is_empty() && c.os != "linux") || (!c.architecture.is_empty() && c.architecture != "amd64") {
-            tracing::warn!(what, os = %c.os, architecture = %c.architecture, "image is not linux/amd64");
-        }
-        Ok(c)
+/// Parses an image config (`application/vnd.oci.image.config.v1+json` or Docker's) and checks
+/// its diff ids against the manifest's layer count.
+pub fn parse_config(what: &str, bytes: &[u8], layers: usize) -> Result<ImageConfiguration, RegistryError> {
+    let c: ImageConfiguration =
+        serde_json::from_slice(bytes).map_err(|source| RegistryError::Json { what: what.into(), source })?;
+    if c.rootfs().typ() != "layers" {
+        return Err(RegistryError::InvalidManifest {
+            what: what.into(),
+            why: format!("rootfs type {:?} (expected \"layers\")", trunc(c.rootfs().typ())),
+        });
     }
+    let diff_ids = c.rootfs().diff_ids();
+    if diff_ids.len() != layers {
+        return Err(RegistryError::InvalidManifest {
+            what: what.into(),
+            why: format!("{} diff ids for {layers} layers", diff_ids.len()),
+        });
+    }
+    for d in diff_ids {
+        validate_digest(d)?;
+    }
+    if *c.os() != Os::Linux || *c.architecture() != Arch::Amd64 {
+        tracing::warn!(what, os = %c.os(), architecture = %c.architecture(), "image is not linux/amd64");
+    }
+    Ok(c)
+}
 
-    /// What the store keeps about running the image.
-    pub fn image_config(&self) -> ImageConfig {
-        let c = self.config.clone().unwrap_or_default();
-        ImageConfig {
-            env: c.env.unwrap_or_default(),
-            workdir: c.working_dir.unwrap_or_default(),
-            user: c.user.unwrap_or_default(),
-            entrypoint: c.entrypoint.unwrap_or_default(),
-            cmd: c.cmd.unwrap_or_default(),
-        }
+/// What the store keeps about running an image.
+pub fn image_config(c: &ImageConfiguration) -> ImageConfig {
+    let Some(c) = c.config() else { return ImageConfig::default() };
+    ImageConfig {
+        env: c.env().clone().unwrap_or_default(),
+        workdir: c.working_dir().clone().unwrap_or_default(),
+        user: c.user().clone().unwrap_or_default(),
+        entrypoint: c.entrypoint().clone().unwrap_or_default(),
+        cmd: c.cmd().clone().unwrap_or_default(),
     }
 }
 
@@ -396,7 +321,7 @@ mod tests {
         )
         .unwrap();
         let ManifestDoc::Image(m) = m else { panic!("expected an image manifest") };
-        assert_eq!(m.layers[0].size, 20);
+        assert_eq!(m.layers()[0].size(), 20);
         // No mediaType in the body: the header decides, else the shape.
         let body = manifest_json(None, "application/vnd.docker.image.rootfs.diff.tar.gzip");
         assert!(matches!(parse_manifest("m", body.as_bytes(), Some(DOCKER_MANIFEST)), Ok(ManifestDoc::Image(_))));
@@ -431,13 +356,11 @@ mod tests {
         let ManifestDoc::Index(i) = parse_manifest("i", index.as_bytes(), Some(DOCKER_MANIFEST_LIST)).unwrap() else {
             panic!("expected an index")
         };
-        assert_eq!(choose_amd64("r", &i).unwrap().digest, d('4'));
-        let mut only_v3 = i.clone();
-        only_v3.manifests.remove(3);
-        assert_eq!(choose_amd64("r", &only_v3).unwrap().digest, d('3'));
-        let mut arm = i.clone();
-        arm.manifests.truncate(2);
-        match choose_amd64("r", &arm) {
+        assert_eq!(choose_amd64("r", i.manifests()).unwrap().digest().as_ref(), d('4'));
+        let only_v3 = &i.manifests()[..3];
+        assert_eq!(choose_amd64("r", only_v3).unwrap().digest().as_ref(), d('3'));
+        let arm = &i.manifests()[..2];
+        match choose_amd64("r", arm) {
             Err(RegistryError::NoAmd64 { available, .. }) => assert_eq!(available, vec!["linux/arm64/v8".to_string()]),
             other => panic!("expected NoAmd64, got {other:?}"),
         }
@@ -450,17 +373,22 @@ mod tests {
                "rootfs":{{"type":"layers","diff_ids":["{}"]}}}}"#,
             d('a')
         );
-        let parsed = ConfigFile::parse("c", c.as_bytes(), 1).unwrap();
-        let ic = parsed.image_config();
+        let parsed = parse_config("c", c.as_bytes(), 1).unwrap();
+        let ic = image_config(&parsed);
         assert_eq!(ic.env, vec!["PATH=/bin"]);
         assert_eq!(ic.cmd, vec!["sh"]);
         assert_eq!(ic.workdir, "/w");
         assert_eq!(ic.user, "1:1");
         assert!(ic.entrypoint.is_empty());
-        assert!(matches!(ConfigFile::parse("c", c.as_bytes(), 2), Err(RegistryError::InvalidManifest { .. })));
+        assert!(matches!(parse_config("c", c.as_bytes(), 2), Err(RegistryError::InvalidManifest { .. })));
         // Null fields (docker writes `"Cmd": null`) are fine.
-        let nulls =
-            format!(r#"{{"config":{{"Env":null,"Cmd":null}},"rootfs":{{"type":"layers","diff_ids":["{}"]}}}}"#, d('b'));
-        assert_eq!(ConfigFile::parse("c", nulls.as_bytes(), 1).unwrap().image_config(), ImageConfig::default());
+        let nulls = format!(
+            r#"{{"architecture":"amd64","os":"linux","config":{{"Env":null,"Cmd":null}},"rootfs":{{"type":"layers","diff_ids":["{}"]}}}}"#,
+            d('b')
+        );
+        assert_eq!(image_config(&parse_config("c", nulls.as_bytes(), 1).unwrap()), ImageConfig::default());
+        // The OCI spec requires os and architecture: a config without them is not an image's.
+        let bare = format!(r#"{{"rootfs":{{"type":"layers","diff_ids":["{}"]}}}}"#, d('b'));
+        assert!(matches!(parse_config("c", bare.as_bytes(), 1), Err(RegistryError::Json { .. })));
     }
 }

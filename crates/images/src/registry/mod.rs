@@ -408,24 +408,24 @@ impl Client {
 
     /// A small blob (an image config) in memory, size and digest checked.
     pub async fn blob_bytes(&self, desc: &Descriptor, limit: u64) -> Result<Vec<u8>, RegistryError> {
-        validate_digest(&desc.digest)?;
-        let what = format!("blob {}", desc.digest);
-        if desc.size > limit {
-            return Err(RegistryError::TooLarge { what, size: desc.size, limit });
+        validate_digest(desc.digest().as_ref())?;
+        let what = format!("blob {}", desc.digest());
+        if desc.size() > limit {
+            return Err(RegistryError::TooLarge { what, size: desc.size(), limit });
         }
-        let path = format!("v2/{}/blobs/{}", self.repository, desc.digest);
-        let mut resp = self.get(&path, None, Target::Blob(&desc.digest)).await?;
+        let path = format!("v2/{}/blobs/{}", self.repository, desc.digest());
+        let mut resp = self.get(&path, None, Target::Blob(desc.digest().as_ref())).await?;
         let url = resp.url().clone();
-        let bytes = read_limited(&mut resp, desc.size, &what).await.map_err(|e| match e {
+        let bytes = read_limited(&mut resp, desc.size(), &what).await.map_err(|e| match e {
             RegistryError::TooLarge { what, .. } => {
-                RegistryError::SizeMismatch { what, expected: desc.size, actual: desc.size + 1 }
+                RegistryError::SizeMismatch { what, expected: desc.size(), actual: desc.size() + 1 }
             }
             e => self.body_error(&url, e),
         })?;
-        if bytes.len() as u64 != desc.size {
-            return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: bytes.len() as u64 });
+        if bytes.len() as u64 != desc.size() {
+            return Err(RegistryError::SizeMismatch { what, expected: desc.size(), actual: bytes.len() as u64 });
         }
-        manifest::verify_digest(&what, &desc.digest, &bytes)?;
+        manifest::verify_digest(&what, desc.digest().as_ref(), &bytes)?;
         Ok(bytes)
     }
 
@@ -439,18 +439,18 @@ impl Client {
         limit: u64,
         mut on_bytes: impl FnMut(u64),
     ) -> Result<tempfile::NamedTempFile, RegistryError> {
-        validate_digest(&desc.digest)?;
-        let what = format!("blob {}", desc.digest);
-        if desc.size > limit {
-            return Err(RegistryError::TooLarge { what, size: desc.size, limit });
+        validate_digest(desc.digest().as_ref())?;
+        let what = format!("blob {}", desc.digest());
+        if desc.size() > limit {
+            return Err(RegistryError::TooLarge { what, size: desc.size(), limit });
         }
-        let path = format!("v2/{}/blobs/{}", self.repository, desc.digest);
-        let mut resp = self.get(&path, None, Target::Blob(&desc.digest)).await?;
+        let path = format!("v2/{}/blobs/{}", self.repository, desc.digest());
+        let mut resp = self.get(&path, None, Target::Blob(desc.digest().as_ref())).await?;
         let url = resp.url().clone();
         if let Some(len) = resp.content_length()
-            && len != desc.size
+            && len != desc.size()
         {
-            return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: len });
+            return Err(RegistryError::SizeMismatch { what, expected: desc.size(), actual: len });
         }
         let tmp = tempfile::Builder::new()
             .prefix("blob-")
@@ -464,20 +464,20 @@ impl Client {
         let mut n: u64 = 0;
         while let Some(chunk) = resp.chunk().await.map_err(|e| self.http_error(&url, e))? {
             n += chunk.len() as u64;
-            if n > desc.size {
-                return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: n });
+            if n > desc.size() {
+                return Err(RegistryError::SizeMismatch { what, expected: desc.size(), actual: n });
             }
             hasher.update(&chunk);
             out.write_all(&chunk).await.map_err(io_err)?;
             on_bytes(chunk.len() as u64);
         }
         out.flush().await.map_err(io_err)?;
-        if n != desc.size {
-            return Err(RegistryError::SizeMismatch { what, expected: desc.size, actual: n });
+        if n != desc.size() {
+            return Err(RegistryError::SizeMismatch { what, expected: desc.size(), actual: n });
         }
         let actual = format!("sha256:{}", hex(&hasher.finalize()));
-        if actual != desc.digest {
-            return Err(RegistryError::DigestMismatch { what, expected: desc.digest.clone(), actual });
+        if actual != desc.digest().as_ref() {
+            return Err(RegistryError::DigestMismatch { what, expected: desc.digest().to_string(), actual });
         }
         Ok(tmp)
     }

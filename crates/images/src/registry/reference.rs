@@ -3,6 +3,11 @@
 //! A first path segment is a host when it contains `.` or `:` or is `localhost`; otherwise the
 //! image is on Docker Hub (`registry-1.docker.io`), where single-segment names live under
 //! `library/`. Invariant: every part of a parsed reference is safe to put in a URL path.
+//!
+//! The grammar is docker's; a test holds this parser to `oci-spec`'s (docker's regular
+//! expression) on a corpus. Ours stays because it also takes IPv6 literal registries
+//! (`[::1]:5000/x`, which that expression refuses), refuses digests other than sha256 up front,
+//! and says which part of a reference is wrong.
 
 use super::auth::is_docker_hub;
 use super::error::RegistryError;
@@ -215,5 +220,57 @@ mod tests {
             Reference::parse(&format!("x@sha512:{}", "a".repeat(128))),
             Err(RegistryError::UnsupportedDigest(_))
         ));
+    }
+
+    /// On references both accept, both read the same registry, repository, tag and digest
+    /// (with docker.io as Docker Hub and `latest` when no tag is named); what one refuses the
+    /// other refuses, but for IPv6 literal hosts and non-sha256 digests (see the module
+    /// documentation).
+    #[test]
+    fn agrees_with_oci_spec() {
+        let d = format!("sha256:{}", "a".repeat(64));
+        let corpus = [
+            "busybox".to_string(),
+            "busybox:1.36".into(),
+            "library/busybox:latest".into(),
+            "docker.io/library/busybox".into(),
+            "index.docker.io/busybox".into(),
+            "someone/tool:v1".into(),
+            "127.0.0.1:5000/a/b".into(),
+            "localhost/x:y".into(),
+            "localhost:5000/x".into(),
+            "reg.example/deep/path/name:tag-1.2_3".into(),
+            format!("reg.example/x:t@{d}"),
+            format!("reg.example/x@{d}"),
+            "a/b__c.d-e--f".into(),
+            "test.com:5000".into(),
+            "UPPER".into(),
+            "x/../y".into(),
+            "reg.example/".into(),
+            "reg.example//x".into(),
+            "x:".into(),
+            "x:.bad".into(),
+            "x@sha256:abc".into(),
+            "a/b._c".into(),
+            "a/-b".into(),
+            "x y".into(),
+            "-x".into(),
+        ];
+        for input in &corpus {
+            let ours = Reference::parse(input);
+            let theirs = oci_spec::distribution::Reference::try_from(input.as_str());
+            match (ours, theirs) {
+                (Ok(o), Ok(t)) => {
+                    let registry = if t.registry() == "docker.io" { DOCKER_HUB_REGISTRY } else { t.registry() };
+                    assert_eq!(o.registry, registry, "{input}");
+                    assert_eq!(o.repository, t.repository(), "{input}");
+                    assert_eq!(o.digest.as_deref(), t.digest(), "{input}");
+                    let tag = o.tag.as_deref().or(o.digest.is_none().then_some("latest"));
+                    assert_eq!(tag, t.tag(), "{input}");
+                }
+                (Err(_), Err(_)) => {}
+                (o, t) => panic!("{input:?}: ours {o:?}, oci-spec {t:?}"),
+            }
+        }
     }
 }
