@@ -13,7 +13,7 @@ use opendsec_common::config::{ApiserverConfig, AuditConfig, PlacementConfig};
 use opendsec_common::grpc;
 use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason, ids, time};
-use opendsec_images::{ImageConfig, LayerId, LayerMeta, Manifest, Store};
+use opendsec_images::{ImageConfig, LayerId, Manifest, Store};
 use opendsec_proto::v1 as pb;
 use opendsec_proto::v1::admin_client::AdminClient;
 use opendsec_proto::v1::admin_server::{Admin, AdminServer};
@@ -23,8 +23,9 @@ use opendsec_proto::v1::images_client::ImagesClient;
 use opendsec_proto::v1::runtime_client::RuntimeClient;
 use opendsec_proto::v1::runtime_server::{Runtime, RuntimeServer};
 use opendsec_proto::v1::sandboxes_client::SandboxesClient;
-use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
+use opendsec_proto::v1::watcher_server::WatcherServer;
 use opendsec_testkit::creds;
+use opendsec_testkit::{FakeWatcher, put_layer};
 use opendsec_testkit::{WAIT, until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::oneshot;
@@ -525,32 +526,6 @@ impl FakeEdge {
 // ---------------------------------------------------------------------------------------------
 // Fake watcher
 
-#[derive(Clone, Default)]
-struct FakeWatcher {
-    edges: Arc<Mutex<Vec<pb::EdgeInfo>>>,
-    version: Arc<Mutex<u64>>,
-}
-
-#[tonic::async_trait]
-impl Watcher for FakeWatcher {
-    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::ClusterSnapshot>, Status> {
-        let mut v = self.version.lock().unwrap();
-        *v += 1;
-        Ok(Response::new(pb::ClusterSnapshot {
-            version: *v,
-            taken_at_ms: time::now_ms(),
-            edges: self.edges.lock().unwrap().clone(),
-        }))
-    }
-
-    async fn register_edge(
-        &self,
-        _: Request<pb::RegisterEdgeRequest>,
-    ) -> Result<Response<pb::RegisterEdgeResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-}
-
 fn edge_info(name: &str, addr: SocketAddr, allocated_cpu: u32) -> pb::EdgeInfo {
     pb::EdgeInfo {
         name: name.into(),
@@ -614,20 +589,7 @@ fn layer_id(n: u8) -> String {
 /// alice and bob), and `shared:1` in root (which neither may use).
 fn seed_images(dir: &std::path::Path) {
     let store = Store::open(dir).unwrap();
-    let id = LayerId::parse(&layer_id(1)).unwrap();
-    let pending = store.begin_layer().unwrap();
-    let meta = LayerMeta {
-        v: 1,
-        id: id.clone(),
-        size_bytes: 0,
-        entries: 0,
-        created_at_ms: 1,
-        source: "test".into(),
-        diff_id: String::new(),
-        lowers: vec![],
-    };
-    store.commit_layer(pending, &meta).unwrap();
-    store.add_layer_user(&meta.id, "root/a").unwrap();
+    let id = LayerId::parse(&put_layer(&store, 1, "root/a")).unwrap();
     for (project, repo, tag) in [("root/a", "debian", "12"), ("root/b", "debian", "12"), ("root", "shared", "1")] {
         let m = Manifest {
             v: 1,
@@ -1052,20 +1014,8 @@ async fn images_register_get_list_compose_and_delete() {
 
     // A second layer in the store, as an import would leave it.
     let store = Store::open(&c.image_store).unwrap();
-    let second = LayerId::parse(&layer_id(2)).unwrap();
-    let pending = store.begin_layer().unwrap();
-    let meta = LayerMeta {
-        v: 1,
-        id: second.clone(),
-        size_bytes: 0,
-        entries: 0,
-        created_at_ms: 1,
-        source: "test".into(),
-        diff_id: String::new(),
-        lowers: vec![],
-    };
-    store.commit_layer(pending, &meta).unwrap();
-    store.add_layer_user(&meta.id, "root/a").unwrap();
+    let second = LayerId::parse(&put_layer(&store, 2, "root/a")).unwrap();
+    assert_eq!(second.to_string(), layer_id(2));
 
     let tools = images
         .register_image(with_token(register(image("tools", "v1", vec![layer_id(2)]), false), ALICE))

@@ -8,8 +8,9 @@ use std::time::Duration;
 use common::*;
 use opendsec_cluster::{EMPTY_LAYER_ID, SCRATCH_IMAGE};
 use opendsec_common::Reason;
-use opendsec_images::{LayerId, LayerMeta, Store};
+use opendsec_images::{LayerId, Store};
 use opendsec_proto::v1 as pb;
+use opendsec_testkit::put_layer;
 
 fn register(project: &str, name: &str, layers: &[&str]) -> pb::RegisterImageRequest {
     let (repo, tag) = name.split_once(':').unwrap_or((name, "latest"));
@@ -28,27 +29,6 @@ fn register(project: &str, name: &str, layers: &[&str]) -> pb::RegisterImageRequ
 
 fn with_image(project: &str, image: &str) -> pb::SandboxSpec {
     pb::SandboxSpec { image: image.into(), ..spec(project, 100, 64) }
-}
-
-/// Puts a layer in the store as an import for `project` would (content is irrelevant to the
-/// API).
-fn put_layer(store: &Store, n: u8, project: &str) -> String {
-    let id = LayerId::from_digest(&[n; 32]);
-    let pending = store.begin_layer().unwrap();
-    std::fs::write(pending.rootfs().join("file"), [n]).unwrap();
-    let meta = LayerMeta {
-        v: 1,
-        id: id.clone(),
-        size_bytes: 1,
-        entries: 1,
-        created_at_ms: 1,
-        source: "test".into(),
-        diff_id: id.diff_id(),
-        lowers: vec![],
-    };
-    store.commit_layer(pending, &meta).unwrap();
-    store.add_layer_user(&id, project).unwrap();
-    id.to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,8 +21,9 @@ use opendsec_edge::backend::sim::SimBackend;
 use opendsec_edge::{Backend, BackendError, Edge, EdgeOptions, FixedHost, HostSize, SandboxRecord, Usage};
 use opendsec_proto::v1::edge_client::EdgeClient;
 use opendsec_proto::v1::iam_server::{Iam, IamServer};
-use opendsec_proto::v1::watcher_server::{Watcher, WatcherServer};
+use opendsec_proto::v1::watcher_server::WatcherServer;
 use opendsec_proto::v1::*;
+use opendsec_testkit::FakeWatcher;
 use opendsec_testkit::creds;
 use opendsec_testkit::eventually;
 use tonic::transport::Channel as ServiceChannel;
@@ -158,20 +159,6 @@ impl Iam for FakeIam {
     }
     async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
         unimplemented()
-    }
-}
-
-#[derive(Clone, Default)]
-struct FakeWatcher(Arc<Mutex<Vec<RegisterEdgeRequest>>>);
-
-#[tonic::async_trait]
-impl Watcher for FakeWatcher {
-    async fn get_snapshot(&self, _: Request<GetSnapshotRequest>) -> Result<Response<ClusterSnapshot>, Status> {
-        unimplemented()
-    }
-    async fn register_edge(&self, req: Request<RegisterEdgeRequest>) -> Result<Response<RegisterEdgeResponse>, Status> {
-        self.0.lock().unwrap().push(req.into_inner());
-        Ok(Response::new(RegisterEdgeResponse {}))
     }
 }
 
@@ -457,7 +444,7 @@ async fn lifecycle_create_get_list_pause_resume_stop() {
     assert_eq!(ApiError::from(h.client.clone().get_sandbox(other).await.unwrap_err()).reason, Reason::NotFound);
 
     // The edge registered with the watcher at start, with the address it serves on.
-    let regs = watcher.0.lock().unwrap().clone();
+    let regs = watcher.registrations.lock().unwrap().clone();
     assert!(regs.iter().any(|r| r.name == EDGE && r.address == h.addr), "{regs:?}");
     h.shutdown().await;
 }

@@ -1,6 +1,7 @@
 //! What the tests of several crates share (a dev-dependency only, never linked into a
 //! binary): waits bounded by a deadline instead of fixed sleeps, the root check, free
-//! loopback ports, busybox root file systems, and certificates of a test PKI.
+//! loopback ports, busybox root file systems, certificates of a test PKI, layers put in an
+//! image store as an import leaves them, and a fake watcher.
 //!
 //! A wait that runs out fails the test with what it was waiting for; none asserts on how
 //! long anything took.
@@ -85,6 +86,60 @@ pub fn busybox_rootfs(dir: &Path, extra: &[&str]) -> PathBuf {
 pub fn creds(pki: &Path, role: Role, name: &str) -> Arc<Credentials> {
     Credentials::issue_local(pki, &Identity::new(role, name).expect("a valid test identity"))
         .expect("issue a test certificate")
+}
+
+/// Puts a one-file layer (id: the byte `n` repeated) in `store` as an import for `project`
+/// leaves it; returns its id. What is in it does not matter to the API.
+pub fn put_layer(store: &opendsec_images::Store, n: u8, project: &str) -> String {
+    use opendsec_images::{LayerId, LayerMeta};
+    let id = LayerId::from_digest(&[n; 32]);
+    let pending = store.begin_layer().expect("begin a layer");
+    std::fs::write(pending.rootfs().join("file"), [n]).expect("write the layer's file");
+    let meta = LayerMeta {
+        v: 1,
+        id: id.clone(),
+        size_bytes: 1,
+        entries: 1,
+        created_at_ms: 1,
+        source: "test".into(),
+        diff_id: id.diff_id(),
+        lowers: vec![],
+    };
+    store.commit_layer(pending, &meta).expect("commit the layer");
+    store.add_layer_user(&id, project).expect("record the layer's project");
+    id.to_string()
+}
+
+/// A watcher that serves the snapshot a test sets (its version counts the calls) and
+/// records the edges' registrations.
+#[derive(Clone, Debug, Default)]
+pub struct FakeWatcher {
+    pub edges: Arc<std::sync::Mutex<Vec<opendsec_proto::v1::EdgeInfo>>>,
+    pub registrations: Arc<std::sync::Mutex<Vec<opendsec_proto::v1::RegisterEdgeRequest>>>,
+    version: Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[tonic::async_trait]
+impl opendsec_proto::v1::watcher_server::Watcher for FakeWatcher {
+    async fn get_snapshot(
+        &self,
+        _: tonic::Request<opendsec_proto::v1::GetSnapshotRequest>,
+    ) -> Result<tonic::Response<opendsec_proto::v1::ClusterSnapshot>, tonic::Status> {
+        let version = self.version.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        Ok(tonic::Response::new(opendsec_proto::v1::ClusterSnapshot {
+            version,
+            taken_at_ms: opendsec_common::time::now_ms(),
+            edges: self.edges.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }))
+    }
+
+    async fn register_edge(
+        &self,
+        req: tonic::Request<opendsec_proto::v1::RegisterEdgeRequest>,
+    ) -> Result<tonic::Response<opendsec_proto::v1::RegisterEdgeResponse>, tonic::Status> {
+        self.registrations.lock().unwrap_or_else(|p| p.into_inner()).push(req.into_inner());
+        Ok(tonic::Response::new(opendsec_proto::v1::RegisterEdgeResponse {}))
+    }
 }
 
 #[cfg(test)]
