@@ -590,24 +590,39 @@ async fn hostile_workloads_are_contained() {
     f.cluster.shutdown().await;
 }
 
+/// The edge's clock is a manual one here: the idle TTL passes when the test moves it, not in
+/// real seconds, while the edge's sweep (every 200 ms) keeps looking.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
-    let f = fixture().await;
+    let clock = opendsec_common::time::Clock::manual(opendsec_common::time::now_ms());
+    let f = fixture_with_clock(clock.clone()).await;
     let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
     let spec = pb::SandboxSpec { ttl_running_stop_s: 2, ..container_spec("busybox", 64, 16) };
     let s = f.admin.create_sandbox(spec).await.unwrap();
-    // A call that runs past the idle TTL is not cut short by it.
-    let r = exec_in(&mut rt, &s.id, "", "sleep 4; echo survived").await;
-    assert_eq!(out(&r), "survived");
-    // Calls keep resetting the idle clock.
+    // A call in flight past the idle TTL is not cut short by it: the command waits for a
+    // file the test writes only after moving the clock well past the TTL and letting
+    // several sweeps run.
+    let call = {
+        let (mut rt, id) = (rt.clone(), s.id.clone());
+        tokio::spawn(async move {
+            exec_in(&mut rt, &id, "", "while [ ! -e /tmp/go ]; do sleep 0.05; done; echo survived").await
+        })
+    };
+    clock.advance(10_000);
+    tokio::time::sleep(Duration::from_millis(1000)).await; // five sweeps at 200 ms
+    assert_eq!(state(&f.admin.get_sandbox(&s.id).await.unwrap()), pb::SandboxState::Running);
+    exec_in(&mut rt, &s.id, "other", "touch /tmp/go").await;
+    assert_eq!(out(&call.await.unwrap()), "survived");
+    // Calls keep resetting the idle clock: 1.5 s of idleness at a time, never 2.
     for _ in 0..4 {
-        tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+        clock.advance(1_500);
         exec_in(&mut rt, &s.id, "", "true").await;
     }
     let got = f.admin.get_sandbox(&s.id).await.unwrap();
     assert_eq!(state(&got), pb::SandboxState::Running);
-    assert!(got.last_active_ms > got.created_at_ms + 3000, "{got:?}");
-    // Left alone, it idles out.
+    assert!(got.last_active_ms >= got.created_at_ms + 16_000, "{got:?}");
+    // Left alone for the TTL, it idles out.
+    clock.advance(2_000);
     let mut ended = None;
     for _ in 0..100 {
         let got = f.admin.get_sandbox(&s.id).await.unwrap();
@@ -615,7 +630,7 @@ async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
             ended = Some(got.end_reason);
             break;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(ended.as_deref(), Some("ttl_running_stop"));
     f.cluster.shutdown().await;

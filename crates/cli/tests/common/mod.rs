@@ -64,6 +64,15 @@ pub async fn fixture() -> Fixture {
 
 /// [`fixture`] with the config changed by `tweak` before the cluster starts.
 pub async fn fixture_with(tweak: impl FnOnce(&mut Config)) -> Fixture {
+    fixture_full(tweak, opendsec_common::time::Clock::system()).await
+}
+
+/// [`fixture`] whose edge runs TTLs on `clock` (a manual one moves only when told).
+pub async fn fixture_with_clock(clock: opendsec_common::time::Clock) -> Fixture {
+    fixture_full(|_| {}, clock).await
+}
+
+async fn fixture_full(tweak: impl FnOnce(&mut Config), clock: opendsec_common::time::Clock) -> Fixture {
     if !is_root() {
         panic!("this test needs root (CI runs as root)");
     }
@@ -82,7 +91,7 @@ pub async fn fixture_with(tweak: impl FnOnce(&mut Config)) -> Fixture {
     tweak(&mut cfg);
     let containers = cfg.edge_state_dir(EDGE).join("containers");
     let guard = Guard { containers: containers.clone() };
-    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
+    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), clock, ..Default::default() }).await.unwrap();
     cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
     let rootfs_dir = busybox_rootfs(dir.path(), &[]);
     let store = cluster.config.image_store_dir();
