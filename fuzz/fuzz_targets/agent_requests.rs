@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = pb::WriteFileRequest::decode(data);
     let _ = pb::StartProcessRequest::decode(data);
     if let Ok(r) = pb::HttpRequestRequest::decode(data)
-        && let Ok(p) = http::prepare(&r)
+        && let Ok(p) = http::prepare(r)
     {
         assert!(p.port != 0 && p.max_body <= 32 << 20);
         assert_eq!(p.request.headers()["connection"], "close");

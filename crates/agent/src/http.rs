@@ -34,7 +34,7 @@ pub struct Prepared {
 /// not an upper-case token, a path that is not absolute or holds spaces or controls, header
 /// names or values HTTP does not allow. `Host`, `Connection`, `Content-Length` and
 /// `Transfer-Encoding` are the agent's own and are not taken from the caller.
-pub fn prepare(r: &HttpRequestRequest) -> Result<Prepared, AgentError> {
+pub fn prepare(mut r: HttpRequestRequest) -> Result<Prepared, AgentError> {
     let port = u16::try_from(r.port)
         .ok()
         .filter(|p| *p != 0)
@@ -50,7 +50,9 @@ pub fn prepare(r: &HttpRequestRequest) -> Result<Prepared, AgentError> {
         return Err(AgentError::Invalid(format!("bad path {path:?}")));
     }
     let uri: http::Uri = path.parse().map_err(|_| AgentError::Invalid(format!("bad path {path:?}")))?;
-    let mut request = http::Request::new(Full::new(Bytes::from(r.body.clone())));
+    let body = std::mem::take(&mut r.body);
+    let body_len = body.len();
+    let mut request = http::Request::new(Full::new(Bytes::from(body)));
     *request.method_mut() = method;
     *request.uri_mut() = uri;
     let headers = request.headers_mut();
@@ -66,7 +68,7 @@ pub fn prepare(r: &HttpRequestRequest) -> Result<Prepared, AgentError> {
     let host = HeaderValue::try_from(format!("127.0.0.1:{port}")).expect("an address is a header value");
     headers.insert(HOST, host);
     headers.insert(CONNECTION, HeaderValue::from_static("close"));
-    headers.insert(CONTENT_LENGTH, HeaderValue::from(r.body.len()));
+    headers.insert(CONTENT_LENGTH, HeaderValue::from(body_len));
     let max_body = if r.max_body_bytes == 0 { DEFAULT_BODY } else { r.max_body_bytes.min(MAX_BODY) };
     let timeout = if r.timeout_ms == 0 { DEFAULT_TIMEOUT } else { Duration::from_millis(r.timeout_ms) };
     Ok(Prepared { port, request, max_body, timeout })
@@ -74,7 +76,7 @@ pub fn prepare(r: &HttpRequestRequest) -> Result<Prepared, AgentError> {
 
 /// Sends the request and reads the whole answer within the request's timeout.
 pub async fn request(r: HttpRequestRequest) -> Result<HttpRequestResponse, AgentError> {
-    let p = prepare(&r)?;
+    let p = prepare(r)?;
     tokio::time::timeout(p.timeout, exchange(p.port, p.request, p.max_body))
         .await
         .map_err(|_| AgentError::Http("timed out".into()))?
@@ -166,9 +168,9 @@ mod tests {
             req(|r| r.headers = vec![HttpHeader { name: "x".into(), value: "v\r\nInjected: 1".into() }]),
             req(|r| r.headers = vec![HttpHeader { name: String::new(), value: "v".into() }]),
         ] {
-            assert!(matches!(prepare(&bad), Err(AgentError::Invalid(_))), "{bad:?}");
+            assert!(matches!(prepare(bad.clone()), Err(AgentError::Invalid(_))), "{bad:?}");
         }
-        let p = prepare(&req(|r| {
+        let p = prepare(req(|r| {
             r.body = b"abc".to_vec();
             r.headers = vec![
                 HttpHeader { name: "X-A".into(), value: "1".into() },

@@ -35,24 +35,13 @@ pub use crate::registry::{Credentials, RegistryError};
 /// Layer blobs downloaded at the same time.
 pub const DOWNLOAD_CONCURRENCY: usize = 4;
 
-/// Why an import failed: the registry's answer ([`RegistryError`]), or what the import itself
-/// found wrong in the image (archives, layers, sizes, digests) or in the store.
+/// Why an import failed: the registry's answer or a document's check ([`RegistryError`]: sizes,
+/// digests, JSON, limits, whatever the image came from), or what only an import meets
+/// (archives, layers, the store).
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
     #[error(transparent)]
     Registry(#[from] RegistryError),
-    #[error("manifest {reference} not found")]
-    ManifestNotFound { reference: String },
-    #[error("digest mismatch for {what}: expected {expected}, got {actual}")]
-    DigestMismatch { what: String, expected: String, actual: String },
-    #[error("{what}: expected {expected} bytes, got {actual}")]
-    SizeMismatch { what: String, expected: u64, actual: u64 },
-    #[error("{what} is {size} bytes, more than the limit of {limit}")]
-    TooLarge { what: String, size: u64, limit: u64 },
-    #[error("{what} is not valid: {why}")]
-    InvalidManifest { what: String, why: String },
-    #[error("{what} is not valid JSON: {source}")]
-    Json { what: String, source: serde_json::Error },
     #[error("{path}: {why}")]
     InvalidArchive { path: PathBuf, why: String },
     #[error("{path} holds several images ({}); name one with a tag", names.join(", "))]
@@ -172,7 +161,7 @@ async fn resolve_manifest(client: &Client, r: &Reference) -> Result<(ImageManife
     if let Some(e) = expected
         && e != digest
     {
-        return Err(ImportError::DigestMismatch { what, expected: e, actual: digest });
+        return Err(RegistryError::DigestMismatch { what, expected: e, actual: digest }.into());
     }
     match manifest::parse_manifest(&what, &fetched.bytes, fetched.content_type.as_deref())? {
         ManifestDoc::Image(m) => Ok((m, digest)),
@@ -181,20 +170,22 @@ async fn resolve_manifest(client: &Client, r: &Reference) -> Result<(ImageManife
             let child_shown = format!("{}/{}@{}", r.registry, r.repository, d.digest());
             let child_what = format!("manifest {child_shown}");
             if d.size() > manifest::MAX_MANIFEST_BYTES {
-                return Err(ImportError::TooLarge {
+                return Err(RegistryError::TooLarge {
                     what: child_what,
                     size: d.size(),
                     limit: manifest::MAX_MANIFEST_BYTES,
-                });
+                }
+                .into());
             }
             let child = client.manifest(d.digest().as_ref(), &child_shown).await?;
             manifest::verify_digest(&child_what, d.digest().as_ref(), &child.bytes)?;
             match manifest::parse_manifest(&child_what, &child.bytes, child.content_type.as_deref())? {
                 ManifestDoc::Image(m) => Ok((m, d.digest().to_string())),
-                ManifestDoc::Index(_) => Err(ImportError::InvalidManifest {
+                ManifestDoc::Index(_) => Err(RegistryError::InvalidManifest {
                     what: child_what,
                     why: "an index where the linux/amd64 image manifest should be".into(),
-                }),
+                }
+                .into()),
             }
         }
     }
@@ -290,11 +281,12 @@ where
     // the cap is refused before a byte is fetched.
     let listed = jobs.iter().fold(0u64, |a, j| a.saturating_add(j.size));
     if listed > limits.max_image_bytes {
-        return Err(ImportError::TooLarge {
+        return Err(RegistryError::TooLarge {
             what: format!("image {source}"),
             size: listed,
             limit: limits.max_image_bytes,
-        });
+        }
+        .into());
     }
     let mut ids = plan(store, jobs, for_project);
     let mut reused = ids.iter().filter(|i| i.is_some()).count();
@@ -376,11 +368,12 @@ where
             let meta = meta?;
             total = total.saturating_add(meta.size_bytes);
             if total > limits.max_image_bytes {
-                return Err(ImportError::TooLarge {
+                return Err(RegistryError::TooLarge {
                     what: format!("image {source} (content of its layers)"),
                     size: total,
                     limit: limits.max_image_bytes,
-                });
+                }
+                .into());
             }
             ids[i] = Some(meta.id);
             fetched += 1;
@@ -465,18 +458,21 @@ fn verify_range(f: &mut std::fs::File, path: &Path, offset: u64, len: u64, diges
         let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
         let n = f.read(&mut buf[..want]).map_err(io_err(path))?;
         if n == 0 {
-            return Err(ImportError::SizeMismatch {
+            return Err(RegistryError::SizeMismatch {
                 what: format!("blob {digest}"),
                 expected: len,
                 actual: len - left,
-            });
+            }
+            .into());
         }
         h.update(&buf[..n]);
         left -= n as u64;
     }
     let actual = format!("sha256:{}", hex(&h.finalize()));
     if actual != digest {
-        return Err(ImportError::DigestMismatch { what: format!("blob {digest}"), expected: digest.into(), actual });
+        return Err(
+            RegistryError::DigestMismatch { what: format!("blob {digest}"), expected: digest.into(), actual }.into()
+        );
     }
     Ok(())
 }

@@ -21,6 +21,7 @@ use crate::decompress::{self, Compression};
 use crate::import::{Blob, ImportError, ImportOptions, Imported, LayerJob, import_layers, unpack_blocking};
 use crate::layer::{Limits, import_layer};
 use crate::progress::{LayerProgress, Progress};
+use crate::registry::RegistryError;
 use crate::registry::manifest::{
     self, Descriptor, ImageIndex, ImageManifest, ManifestDoc, OCI_INDEX, choose_amd64, sha256_digest, trunc,
     validate_digest,
@@ -63,7 +64,7 @@ async fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>, ImportError> {
     use tokio::io::AsyncReadExt;
     f.take(limit + 1).read_to_end(&mut out).await.map_err(io_err(path))?;
     if out.len() as u64 > limit {
-        return Err(ImportError::TooLarge { what: path.display().to_string(), size: out.len() as u64, limit });
+        return Err(RegistryError::TooLarge { what: path.display().to_string(), size: out.len() as u64, limit }.into());
     }
     Ok(out)
 }
@@ -72,11 +73,11 @@ async fn read_small(path: &Path, limit: u64) -> Result<Vec<u8>, ImportError> {
 async fn layout_small_blob(dir: &Path, d: &Descriptor, limit: u64) -> Result<Vec<u8>, ImportError> {
     let what = format!("blob {}", d.digest());
     if d.size() > limit {
-        return Err(ImportError::TooLarge { what, size: d.size(), limit });
+        return Err(RegistryError::TooLarge { what, size: d.size(), limit }.into());
     }
     let bytes = read_small(&layout_blob(dir, d.digest().as_ref())?, limit).await?;
     if bytes.len() as u64 != d.size() {
-        return Err(ImportError::SizeMismatch { what, expected: d.size(), actual: bytes.len() as u64 });
+        return Err(RegistryError::SizeMismatch { what, expected: d.size(), actual: bytes.len() as u64 }.into());
     }
     manifest::verify_digest(&what, d.digest().as_ref(), &bytes)?;
     Ok(bytes)
@@ -115,9 +116,10 @@ fn choose_in_layout(dir: &Path, index: &ImageIndex, tag: Option<&str>) -> Result
         }
     };
     match candidates.len() {
-        0 if tag.is_some() => Err(ImportError::ManifestNotFound {
+        0 if tag.is_some() => Err(RegistryError::ManifestNotFound {
             reference: format!("{} in {shown} (it has: {})", tag.unwrap_or(""), ref_names(index).join(", ")),
-        }),
+        }
+        .into()),
         0 => Err(invalid(dir, "index.json lists no image")),
         1 => candidates.into_iter().next().ok_or_else(|| invalid(dir, "index.json lists no image")),
         // Several entries under one name: the platforms of one image.
@@ -164,7 +166,7 @@ pub async fn import_oci_layout(
         e => e,
     })?;
     let layout: OciLayout = serde_json::from_slice(&layout)
-        .map_err(|source| ImportError::Json { what: layout_file.display().to_string(), source })?;
+        .map_err(|source| RegistryError::Json { what: layout_file.display().to_string(), source })?;
     if !layout.version.starts_with("1.") {
         return Err(invalid(dir, format!("image layout version {:?} (expected 1.x)", trunc(&layout.version))));
     }
@@ -185,11 +187,12 @@ pub async fn import_oci_layout(
     let mut ranges = Vec::with_capacity(manifest.layers().len());
     for l in manifest.layers() {
         if l.size() > opts.limits.max_layer_bytes {
-            return Err(ImportError::TooLarge {
+            return Err(RegistryError::TooLarge {
                 what: format!("blob {}", l.digest()),
                 size: l.size(),
                 limit: opts.limits.max_layer_bytes,
-            });
+            }
+            .into());
         }
         ranges.push((layout_blob(dir, l.digest().as_ref())?, l.size(), l.digest().to_string()));
     }
@@ -287,7 +290,7 @@ fn lookup(path: &Path, entries: &HashMap<String, TarEntry>, name: &str) -> Resul
 
 fn read_range(path: &Path, offset: u64, size: u64, limit: u64, what: &str) -> Result<Vec<u8>, ImportError> {
     if size > limit {
-        return Err(ImportError::TooLarge { what: what.into(), size, limit });
+        return Err(RegistryError::TooLarge { what: what.into(), size, limit }.into());
     }
     let mut f = File::open(path).map_err(io_err(path))?;
     f.seek(SeekFrom::Start(offset)).map_err(io_err(path))?;
@@ -350,7 +353,7 @@ fn open_save_archive(archive: &Path, tmp_dir: &Path, limits: &Limits) -> Result<
         w.flush().map_err(io_err(tmp_dir))?;
         drop(w);
         if copied > limit {
-            return Err(ImportError::TooLarge { what: archive.display().to_string(), size: copied, limit });
+            return Err(RegistryError::TooLarge { what: archive.display().to_string(), size: copied, limit }.into());
         }
         (tmp.path().to_path_buf(), Some(tmp))
     };
@@ -359,7 +362,7 @@ fn open_save_archive(archive: &Path, tmp_dir: &Path, limits: &Limits) -> Result<
         .map_err(|_| invalid(archive, "not a docker save archive (no manifest.json)"))?;
     let manifest_bytes = read_range(&tar, off, size, manifest::MAX_MANIFEST_BYTES, "manifest.json")?;
     let mut images: Vec<SaveManifest> = serde_json::from_slice(&manifest_bytes)
-        .map_err(|source| ImportError::Json { what: "manifest.json".into(), source })?;
+        .map_err(|source| RegistryError::Json { what: "manifest.json".into(), source })?;
     if images.len() != 1 {
         if images.is_empty() {
             return Err(invalid(archive, "manifest.json lists no image"));
@@ -381,11 +384,12 @@ fn open_save_archive(archive: &Path, tmp_dir: &Path, limits: &Limits) -> Result<
     if let Some(expected) = digest_from_name(&image.config)
         && expected != config_digest
     {
-        return Err(ImportError::DigestMismatch {
+        return Err(RegistryError::DigestMismatch {
             what: format!("config {}", trunc(&image.config)),
             expected,
             actual: config_digest,
-        });
+        }
+        .into());
     }
     let config =
         manifest::parse_config(&format!("config {}", trunc(&image.config)), &config_bytes, image.layers.len())?;
@@ -695,7 +699,10 @@ mod tests {
         let two = d('2', None, None);
         assert_eq!(choose_in_layout(dir, &index, Some("b")).unwrap().digest(), two.digest());
         assert!(matches!(choose_in_layout(dir, &index, None), Err(ImportError::Ambiguous { .. })));
-        assert!(matches!(choose_in_layout(dir, &index, Some("c")), Err(ImportError::ManifestNotFound { .. })));
+        assert!(matches!(
+            choose_in_layout(dir, &index, Some("c")),
+            Err(ImportError::Registry(RegistryError::ManifestNotFound { .. }))
+        ));
         let platforms = index_of(vec![d('1', Some("t"), Some("arm64")), d('2', Some("t"), Some("amd64"))]);
         assert_eq!(choose_in_layout(dir, &platforms, None).unwrap().digest(), two.digest());
         assert_eq!(choose_in_layout(dir, &platforms, Some("t")).unwrap().digest(), two.digest());

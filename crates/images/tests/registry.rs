@@ -384,7 +384,7 @@ async fn a_corrupt_blob_is_a_digest_mismatch() {
     fake.manifests.lock().unwrap().insert(img.digest.clone(), (OCI_MANIFEST.into(), other.manifest.clone()));
     let err =
         import_from_registry(&store, &format!("{}/x@{}", server.addr, img.digest), &local_opts()).await.unwrap_err();
-    assert!(matches!(err, ImportError::DigestMismatch { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::DigestMismatch { .. })), "{err:?}");
     assert_store_clean(&store);
 }
 

@@ -6,7 +6,7 @@ mod support;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::Command;
 
-use opendsec_images::import::{ImportError, ImportOptions};
+use opendsec_images::import::{ImportError, ImportOptions, RegistryError};
 use opendsec_images::layer::{LayerError, Limits};
 use opendsec_images::offline::{import_docker_archive, import_oci_layout, import_rootfs};
 use opendsec_images::{LayerId, Store};
@@ -46,7 +46,7 @@ async fn oci_layout_by_tag() {
     }
     assert!(matches!(
         import_oci_layout(&store, dir.path(), Some("three"), &local_opts()).await,
-        Err(ImportError::ManifestNotFound { .. })
+        Err(ImportError::Registry(RegistryError::ManifestNotFound { .. }))
     ));
     // Again: all reused.
     let again = import_oci_layout(&store, dir.path(), Some("one"), &local_opts()).await.unwrap();
@@ -76,7 +76,7 @@ async fn oci_layout_index_and_corruption() {
     std::fs::write(&blob, bytes).unwrap();
     let (_d2, store2) = new_store();
     let err = import_oci_layout(&store2, dir.path(), Some("t"), &local_opts()).await.unwrap_err();
-    assert!(matches!(err, ImportError::DigestMismatch { .. }), "{err:?}");
+    assert!(matches!(err, ImportError::Registry(RegistryError::DigestMismatch { .. })), "{err:?}");
     // The bottom layer was fine and complete; nothing half-written, no temporary file.
     assert!(stored_layers(&store2).len() <= 1);
     assert_tmp_empty(&store2);
@@ -296,7 +296,9 @@ async fn a_whole_image_is_capped() {
     // The two blobs are listed at ~128 KiB together: a 100 KiB cap refuses at once.
     let (_d, store) = new_store();
     match import_oci_layout(&store, dir.path(), Some("big"), &capped(100 << 10)).await {
-        Err(ImportError::TooLarge { what, .. }) => assert!(what.starts_with("image "), "{what}"),
+        Err(ImportError::Registry(RegistryError::TooLarge { what, .. })) => {
+            assert!(what.starts_with("image "), "{what}")
+        }
         other => panic!("expected TooLarge, got {other:?}"),
     }
     assert!(std::fs::read_dir(store.root().join("layers")).unwrap().flatten().all(|e| e.file_name() == ".tmp"));
@@ -313,7 +315,9 @@ async fn a_whole_image_is_capped() {
     Layout::new(dir.path()).add_image(&bomb, "bomb");
     let (_d, store) = new_store();
     match import_oci_layout(&store, dir.path(), Some("bomb"), &capped(100 << 10)).await {
-        Err(ImportError::TooLarge { what, .. }) => assert!(what.contains("content of its layers"), "{what}"),
+        Err(ImportError::Registry(RegistryError::TooLarge { what, .. })) => {
+            assert!(what.contains("content of its layers"), "{what}")
+        }
         other => panic!("expected TooLarge, got {other:?}"),
     }
 }

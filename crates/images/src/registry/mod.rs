@@ -406,15 +406,22 @@ impl Client {
         }
     }
 
-    /// A small blob (an image config) in memory, size and digest checked.
-    pub async fn blob_bytes(&self, desc: &Descriptor, limit: u64) -> Result<Vec<u8>, RegistryError> {
+    /// Checks a blob's descriptor (a sha256 digest, at most `limit` bytes) and opens it:
+    /// (what errors call it, the answer whose body is the blob).
+    async fn open_blob(&self, desc: &Descriptor, limit: u64) -> Result<(String, reqwest::Response), RegistryError> {
         validate_digest(desc.digest().as_ref())?;
         let what = format!("blob {}", desc.digest());
         if desc.size() > limit {
             return Err(RegistryError::TooLarge { what, size: desc.size(), limit });
         }
         let path = format!("v2/{}/blobs/{}", self.repository, desc.digest());
-        let mut resp = self.get(&path, None, Target::Blob(desc.digest().as_ref())).await?;
+        let resp = self.get(&path, None, Target::Blob(desc.digest().as_ref())).await?;
+        Ok((what, resp))
+    }
+
+    /// A small blob (an image config) in memory, size and digest checked.
+    pub async fn blob_bytes(&self, desc: &Descriptor, limit: u64) -> Result<Vec<u8>, RegistryError> {
+        let (what, mut resp) = self.open_blob(desc, limit).await?;
         let url = resp.url().clone();
         let bytes = read_limited(&mut resp, desc.size(), &what).await.map_err(|e| match e {
             RegistryError::TooLarge { what, .. } => {
@@ -439,13 +446,7 @@ impl Client {
         limit: u64,
         mut on_bytes: impl FnMut(u64),
     ) -> Result<tempfile::NamedTempFile, RegistryError> {
-        validate_digest(desc.digest().as_ref())?;
-        let what = format!("blob {}", desc.digest());
-        if desc.size() > limit {
-            return Err(RegistryError::TooLarge { what, size: desc.size(), limit });
-        }
-        let path = format!("v2/{}/blobs/{}", self.repository, desc.digest());
-        let mut resp = self.get(&path, None, Target::Blob(desc.digest().as_ref())).await?;
+        let (what, mut resp) = self.open_blob(desc, limit).await?;
         let url = resp.url().clone();
         if let Some(len) = resp.content_length()
             && len != desc.size()
