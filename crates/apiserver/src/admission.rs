@@ -203,6 +203,24 @@ pub fn check_spec(
     Ok(s)
 }
 
+/// Fills the network part of a creation spec (the cluster's `network.default_egress` when
+/// absent) and checks its rules, written back in their canonical form.
+pub fn check_network(s: &mut pb::SandboxSpec, default_egress: &[pb::EgressRule]) -> Result<(), AdmissionError> {
+    let net = s.network.get_or_insert_with(|| pb::NetworkSpec { egress: default_egress.to_vec() });
+    let rules = opendsec_common::egress::from_pb_list(&net.egress)
+        .map_err(|e| AdmissionError::Invalid { field: "spec.network.egress", message: e.to_string() })?;
+    net.egress = rules.iter().map(|r| r.to_pb()).collect();
+    Ok(())
+}
+
+/// Checks the rules of an UpdateNetwork call, returned in their canonical form.
+pub fn check_network_update(req: &pb::UpdateNetworkRequest) -> Result<pb::NetworkSpec, AdmissionError> {
+    let given = req.network.as_ref().map(|n| n.egress.as_slice()).unwrap_or(&[]);
+    let rules = opendsec_common::egress::from_pb_list(given)
+        .map_err(|e| AdmissionError::Invalid { field: "network.egress", message: e.to_string() })?;
+    Ok(pb::NetworkSpec { egress: rules.iter().map(|r| r.to_pb()).collect() })
+}
+
 /// The idempotency key of a creation, if the request carries one.
 pub fn check_lease_id(lease_id: &str) -> Result<Option<String>, AdmissionError> {
     if lease_id.is_empty() {

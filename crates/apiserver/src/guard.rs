@@ -72,6 +72,7 @@ const METHODS: &[&str] = &[
     "PauseSandbox",
     "ResumeSandbox",
     "SetSandboxTimeout",
+    "UpdateNetwork",
     "WhoAmI",
     "CreateProject",
     "GetProject",

@@ -61,6 +61,8 @@ pub struct ApiserverOptions {
     pub audit_path: PathBuf,
     /// The shared image store (created if missing).
     pub image_store: PathBuf,
+    /// Egress rules of sandboxes whose spec has none (`network.default_egress`, text form).
+    pub default_egress: Vec<String>,
 }
 
 /// Largest request message of the unary public services (Sandboxes, Images).
@@ -130,7 +132,14 @@ pub async fn serve(
     };
     let up = Upstreams::new(grpc::Links::new(opts.tls.clone()), opts.iam_addrs, opts.watcher_addrs);
     let plaintext = cfg.insecure_plaintext;
-    let shared = Arc::new(Shared::new(cfg, up, audit, images::ImageStore::new(store)));
+    let mut shared = Shared::new(cfg, up, audit, images::ImageStore::new(store));
+    shared.default_egress = opts
+        .default_egress
+        .iter()
+        .filter_map(|t| opendsec_common::egress::Rule::parse(t).ok())
+        .map(|r| r.to_pb())
+        .collect();
+    let shared = Arc::new(shared);
 
     let cancel = CancellationToken::new();
     let mut loops = tokio::task::JoinSet::new();

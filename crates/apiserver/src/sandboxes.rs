@@ -41,7 +41,8 @@ async fn create_sandbox(
     req: pb::CreateSandboxRequest,
 ) -> Result<pb::Sandbox, ApiError> {
     let (token, ident) = caller(s, call, &md).await?;
-    let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+    let mut spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+    admission::check_network(&mut spec, &s.default_egress)?;
     call.project = Some(spec.project.clone());
     let lease = admission::check_lease_id(&req.lease_id)?.map(|key| admission::scoped_lease_id(&spec.project, &key));
     images::check_image(s, &ident.principal, &spec).await?;
@@ -155,7 +156,8 @@ impl Sandboxes for SandboxesService {
             // The count first: an oversized batch is refused before anything else happens.
             admission::check_batch_count(req.count)?;
             let (token, ident) = caller(s, &mut call, &md).await?;
-            let spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+            let mut spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+            admission::check_network(&mut spec, &s.default_egress)?;
             // Once for the whole batch: every item has the same image and principal.
             images::check_image(s, &ident.principal, &spec).await?;
             Ok::<_, ApiError>((token, ident, spec))
@@ -241,6 +243,23 @@ impl Sandboxes for SandboxesService {
                 let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
                 let req = forward::to_edge(req, &project_of(&sb))?;
                 forward::edge_forward(s, &edge, |mut c| async move { c.set_sandbox_timeout(req).await }).await
+            })
+        })
+        .await
+    }
+
+    async fn update_network(
+        &self,
+        request: Request<pb::UpdateNetworkRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "UpdateNetwork", move |s, call| {
+            Box::pin(async move {
+                let network = admission::check_network_update(&req)?;
+                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                let req = pb::UpdateNetworkRequest { id: req.id, network: Some(network) };
+                let req = forward::to_edge(req, &project_of(&sb))?;
+                forward::edge_forward(s, &edge, |mut c| async move { c.update_network(req).await }).await
             })
         })
         .await

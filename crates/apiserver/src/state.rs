@@ -113,6 +113,8 @@ pub struct Shared {
     pub audit: AuditLog,
     pub metrics: Metrics,
     pub images: ImageStore,
+    /// Egress rules of a sandbox whose spec has no network part (`network.default_egress`).
+    pub default_egress: Vec<pb::EgressRule>,
 }
 
 impl Shared {
@@ -135,6 +137,7 @@ impl Shared {
             up,
             audit,
             images,
+            default_egress: Vec::new(),
         }
     }
 

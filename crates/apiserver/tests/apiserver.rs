@@ -378,6 +378,10 @@ impl Edge for FakeEdge {
     ) -> Result<Response<pb::Sandbox>, Status> {
         self.get(&r.get_ref().id).map(Response::new)
     }
+
+    async fn update_network(&self, r: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        self.get(&r.get_ref().id).map(Response::new)
+    }
 }
 
 /// The edge's `Runtime` service: Exec echoes the command, ExecStream sends one output chunk
@@ -667,6 +671,7 @@ impl Cluster {
             tls: creds(&pki, Role::Apiserver, "0"),
             audit_path: audit_path.clone(),
             image_store: image_store.clone(),
+            default_egress: Vec::new(),
         };
         let (api_l, api) = listen().await;
         let (metrics_l, metrics) = listen().await;
@@ -1275,6 +1280,7 @@ async fn plain_text_is_refused_off_loopback() {
         tls: creds(&dir.path().join("pki"), Role::Apiserver, "0"),
         audit_path: dir.path().join("audit.log"),
         image_store: dir.path().join("images"),
+        default_egress: Vec::new(),
     };
     let wide = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let e = serve(opts.clone(), wide, None, std::future::pending()).await.unwrap_err();

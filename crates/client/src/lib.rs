@@ -290,6 +290,16 @@ impl Client {
         .await
     }
 
+    /// Replaces the egress rules of a running or paused sandbox.
+    pub async fn update_network(&self, id: &str, egress: Vec<pb::EgressRule>) -> Result<pb::Sandbox, ApiError> {
+        let req = pb::UpdateNetworkRequest { id: id.to_string(), network: Some(pb::NetworkSpec { egress }) };
+        self.call(const { retry::class("Sandboxes/UpdateNetwork") }, |ch| {
+            let req = req.clone();
+            async move { stub_s(ch).update_network(req).await }
+        })
+        .await
+    }
+
     pub async fn set_sandbox_timeout(&self, req: pb::SetSandboxTimeoutRequest) -> Result<pb::Sandbox, ApiError> {
         self.call(const { retry::class("Sandboxes/SetSandboxTimeout") }, |ch| {
             let req = req.clone();

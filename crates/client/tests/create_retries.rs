@@ -65,6 +65,9 @@ impl Sandboxes for Full {
     ) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }
+    async fn update_network(&self, _: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
 }
 
 async fn serve(fake: Full) -> String {

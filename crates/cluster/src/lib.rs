@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opendsec_common::config::{Config, EdgeEndpoint};
+use opendsec_common::egress::Ipv4Net;
 use opendsec_common::grpc;
 use opendsec_common::pki::{self, Identity};
 use opendsec_common::tls::{Credentials, TlsFiles};
@@ -21,6 +22,7 @@ use opendsec_edge::backend::sim::SimBackend;
 use opendsec_edge::backend::{Backend, BackendError};
 use opendsec_edge::linuxrt::cgroup::IoLimits;
 use opendsec_edge::linuxrt::idmap::IdPool;
+use opendsec_edge::netpol::{self, Network};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -47,6 +49,8 @@ pub enum ClusterError {
     AlreadyRunning(String),
     #[error("edge.backends: {0:?} is not available in this build yet (only \"sim\" and \"container\" are)")]
     BackendUnavailable(String),
+    #[error("edge {edge}: network: {source}")]
+    Network { edge: String, source: opendsec_edge::netpol::NetworkError },
     #[error("edge {edge}: backend {backend}: {source}")]
     Backend { edge: String, backend: String, source: opendsec_edge::backend::BackendError },
     #[error("cluster did not become ready within {0:?}: {1}")]
@@ -408,6 +412,7 @@ async fn start_edge(
 ) -> Result<Running, ClusterError> {
     let mut ecfg = config.edge.clone();
     ecfg.name = name.to_string();
+    let network = build_network(config, name).await?;
     let opts = opendsec_edge::EdgeOptions {
         name: name.to_string(),
         state_dir: config.edge_state_dir(name),
@@ -417,8 +422,9 @@ async fn start_edge(
         tls: credentials(config, &Identity { role: pki::Role::Edge, name: name.to_string() })?,
         advertise: addr.to_string(),
         clock: clock.clone(),
+        network: network.clone(),
     };
-    let backends = build_backends(config, name, backend)?;
+    let backends = build_backends(config, name, backend, network)?;
     let edge = opendsec_edge::Edge::start(opts, backends)
         .await
         .map_err(|source| ClusterError::Edge { name: name.to_string(), source })?;
@@ -434,7 +440,46 @@ async fn start_edge(
 /// The backends `config.edge.backends` names. The sim one is the slot's (tests reach it through
 /// [`Cluster::sim_backend`]); a container backend is made afresh on every start, so an edge
 /// restart adopts its sandboxes as a new process would.
-fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<Vec<Arc<dyn Backend>>, ClusterError> {
+/// The sandbox network of edge `name`, when `network.enabled` and the edge offers containers.
+/// Edges of one cluster share a host: with several, each gets an equal part of
+/// `network.subnet`, by the number its name ends in.
+async fn build_network(config: &Config, name: &str) -> Result<Option<Arc<Network>>, ClusterError> {
+    if !config.network.enabled || !config.edge.backends.iter().any(|b| b == "container") {
+        return Ok(None);
+    }
+    let err = |source| ClusterError::Network { edge: name.to_string(), source };
+    let subnet = edge_subnet(config, name);
+    let opts = netpol::options_from(&config.network, subnet, &config.edge_state_dir(name)).map_err(err)?;
+    let net = tokio::task::spawn_blocking(move || Network::new(opts))
+        .await
+        .map_err(|e| {
+            err(netpol::NetworkError::Io { what: "network setup".into(), source: std::io::Error::other(e.to_string()) })
+        })?
+        .map_err(err)?;
+    Ok(Some(Arc::new(net)))
+}
+
+/// Edge `name`'s part of `network.subnet` (the whole of it for a single edge).
+pub fn edge_subnet(config: &Config, name: &str) -> Ipv4Net {
+    let whole = Ipv4Net::parse(&config.network.subnet)
+        .unwrap_or(Ipv4Net { addr: std::net::Ipv4Addr::new(10, 88, 0, 0), prefix: 16 });
+    let n = config.sim_edges.max(1).next_power_of_two();
+    let bits = n.trailing_zeros() as u8;
+    if bits == 0 || whole.prefix + bits > 28 {
+        return whole;
+    }
+    let i = name.rsplit('-').next().and_then(|d| d.parse::<u32>().ok()).unwrap_or(0) % n;
+    let prefix = whole.prefix + bits;
+    let size = 1u32 << (32 - u32::from(prefix));
+    Ipv4Net { addr: std::net::Ipv4Addr::from(whole.first() + i * size), prefix }
+}
+
+fn build_backends(
+    config: &Config,
+    name: &str,
+    sim: Arc<SimBackend>,
+    network: Option<Arc<Network>>,
+) -> Result<Vec<Arc<dyn Backend>>, ClusterError> {
     let mut out: Vec<Arc<dyn Backend>> = Vec::new();
     for b in &config.edge.backends {
         match b.as_str() {
@@ -470,6 +515,7 @@ fn build_backends(config: &Config, name: &str, sim: Arc<SimBackend>) -> Result<V
                         read_iops: config.edge.disk_io.read_iops,
                         write_iops: config.edge.disk_io.write_iops,
                     },
+                    network: network.clone(),
                 };
                 out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
             }
@@ -512,6 +558,7 @@ fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>
         tls: credentials(config, &apiserver_identity())?,
         audit_path: config.audit_path(),
         image_store: config.image_store_dir(),
+        default_egress: config.network.default_egress.clone(),
     };
     Ok(spawn(move |rx| async move {
         opendsec_apiserver::serve(opts, l, metrics, async move {

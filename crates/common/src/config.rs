@@ -44,6 +44,8 @@ pub struct Config {
     pub sim_edges: u32,
     /// The image store every apiserver and edge mounts.
     pub images: ImagesConfig,
+    /// Sandbox networking (docs/network.md).
+    pub network: NetworkConfig,
 }
 
 impl Default for Config {
@@ -58,6 +60,7 @@ impl Default for Config {
             edges: Vec::new(),
             sim_edges: 4,
             images: ImagesConfig::default(),
+            network: NetworkConfig::default(),
         }
     }
 }
@@ -570,6 +573,115 @@ impl Default for ImagesConfig {
 /// registered must never look abandoned to GC.
 pub const MIN_GC_GRACE: Duration = Duration::from_secs(60);
 
+/// Sandbox networking: the edge's subnet, the uplink, the DNS proxy, rule sets and defaults.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// Give container sandboxes a network (a veth each, default deny). Off: loopback only.
+    pub enabled: bool,
+    /// The edge's sandbox subnet (a /31 per sandbox, the first address for the DNS proxy).
+    /// Edges sharing a host need subnets of their own; an edge refuses to start on a subnet
+    /// the host uses already.
+    pub subnet: String,
+    /// The link egress is masqueraded through; empty: the default route's.
+    pub uplink: String,
+    /// Resolvers the DNS proxy forwards allowed names to (`ip` or `ip:port`); empty: the
+    /// host's, from /etc/resolv.conf.
+    pub upstream_dns: Vec<String>,
+    /// Rules a sandbox gets when its spec has no network part (text form, e.g. "@pypi").
+    pub default_egress: Vec<String>,
+    /// Rule sets sandboxes name as `@name`.
+    pub rule_sets: std::collections::BTreeMap<String, Vec<String>>,
+    /// Networks inside the always-closed ranges (private, link-local, ...) that rules may
+    /// open, e.g. an internal package mirror's.
+    pub open_private: Vec<String>,
+    /// DNS queries per second one sandbox may make, and the burst.
+    pub dns_rate: f64,
+    pub dns_burst: f64,
+    /// Addresses learned from an answer stay open for its TTL, bounded by these.
+    #[serde(with = "humantime_serde")]
+    pub dns_ttl_min: Duration,
+    #[serde(with = "humantime_serde")]
+    pub dns_ttl_max: Duration,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        NetworkConfig {
+            enabled: true,
+            subnet: "10.88.0.0/16".into(),
+            uplink: String::new(),
+            upstream_dns: Vec::new(),
+            default_egress: Vec::new(),
+            rule_sets: [
+                ("pypi".to_string(), set(&["pypi.org:tcp/443", "files.pythonhosted.org:tcp/443"])),
+                ("npm".to_string(), set(&["registry.npmjs.org:tcp/443"])),
+                (
+                    "crates".to_string(),
+                    set(&["crates.io:tcp/443", "static.crates.io:tcp/443", "index.crates.io:tcp/443"]),
+                ),
+                ("github".to_string(), set(&["github.com:tcp/443", "githubusercontent.com:tcp/443"])),
+            ]
+            .into(),
+            open_private: Vec::new(),
+            dns_rate: 100.0,
+            dns_burst: 200.0,
+            dns_ttl_min: Duration::from_secs(300),
+            dns_ttl_max: Duration::from_secs(3600),
+        }
+    }
+}
+
+impl NetworkConfig {
+    /// The section's own rules (rules parse, sets exist, ranges make sense).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        use crate::egress::{Ipv4Net, Rule, Target};
+        let subnet = Ipv4Net::parse(&self.subnet).map_err(|e| invalid("network.subnet", e))?;
+        if !(8..=28).contains(&subnet.prefix) {
+            return Err(invalid("network.subnet", "must be a /8 to a /28"));
+        }
+        let check = |field: String, rules: &[String], named_ok: bool| -> Result<(), ConfigError> {
+            if rules.len() > crate::egress::MAX_RULES {
+                return Err(invalid(&field, format!("at most {} rules", crate::egress::MAX_RULES)));
+            }
+            for (i, t) in rules.iter().enumerate() {
+                let r = Rule::parse(t).map_err(|e| invalid(&format!("{field}[{i}]"), e.to_string()))?;
+                if let Target::Named(n) = &r.target {
+                    if !named_ok {
+                        return Err(invalid(&format!("{field}[{i}]"), "a rule set cannot name another"));
+                    }
+                    if !self.rule_sets.contains_key(n) {
+                        return Err(invalid(&format!("{field}[{i}]"), format!("no rule set {n:?}")));
+                    }
+                }
+            }
+            Ok(())
+        };
+        check("network.default_egress".into(), &self.default_egress, true)?;
+        for (name, rules) in &self.rule_sets {
+            Rule::parse(&format!("@{name}")).map_err(|e| invalid(&format!("network.rule_sets.{name}"), e.why))?;
+            check(format!("network.rule_sets.{name}"), rules, false)?;
+        }
+        for (i, n) in self.open_private.iter().enumerate() {
+            Ipv4Net::parse(n).map_err(|e| invalid(&format!("network.open_private[{i}]"), e))?;
+        }
+        for (i, u) in self.upstream_dns.iter().enumerate() {
+            let ok = u.parse::<std::net::SocketAddr>().is_ok() || u.parse::<std::net::IpAddr>().is_ok();
+            if !ok {
+                return Err(invalid(&format!("network.upstream_dns[{i}]"), "must be an address or address:port"));
+            }
+        }
+        if !(self.dns_rate > 0.0 && self.dns_burst >= 1.0) {
+            return Err(invalid("network.dns_rate", "rate must be positive and burst at least 1"));
+        }
+        if self.dns_ttl_min > self.dns_ttl_max {
+            return Err(invalid("network.dns_ttl_min", "must not exceed dns_ttl_max"));
+        }
+        Ok(())
+    }
+}
+
 pub const KNOWN_BACKENDS: [&str; 5] = ["sim", "container", "fncall", "microvm", "fullvm"];
 
 impl Config {
@@ -632,6 +744,7 @@ impl Config {
         if self.state_dir.as_os_str().is_empty() {
             return Err(invalid("state_dir", "must not be empty"));
         }
+        self.network.validate()?;
         positive("tls.leaf_lifetime", self.tls.leaf_lifetime)?;
         check_secret("iam.admin_token", &self.iam.admin_token)?;
         if !self.iam.admin_token.is_empty() && parse_token_shape(&self.iam.admin_token).is_none() {

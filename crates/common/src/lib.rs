@@ -8,6 +8,7 @@ pub mod acl;
 pub mod bounds;
 pub mod config;
 pub mod conn;
+pub mod egress;
 pub mod fsperm;
 pub mod grpc;
 pub mod http;

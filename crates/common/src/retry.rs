@@ -81,6 +81,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/PauseSandbox", Repeat),
         ("Sandboxes/ResumeSandbox", Repeat),
         ("Sandboxes/SetSandboxTimeout", Repeat),
+        ("Sandboxes/UpdateNetwork", Repeat),
         ("Admin/WhoAmI", Read),
         ("Admin/CreateProject", Once),
         ("Admin/GetProject", Read),

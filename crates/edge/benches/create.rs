@@ -33,6 +33,7 @@ async fn bench_creations() {
         tls: Credentials::issue_local(&dir.path().join("pki"), &Identity::new(Role::Edge, "bench").unwrap()).unwrap(),
         advertise: String::new(),
         clock: Default::default(),
+        network: None,
     };
     let edge = Edge::start(opts, vec![Arc::new(SimBackend::new())]).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

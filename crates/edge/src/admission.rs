@@ -61,6 +61,9 @@ pub fn validate_create(req: &EdgeCreateRequest) -> Result<(), String> {
             return Err(format!("spec.{field} is longer than {max} bytes"));
         }
     }
+    if let Some(n) = &spec.network {
+        opendsec_common::egress::from_pb_list(&n.egress).map_err(|e| format!("spec.network: {e}"))?;
+    }
     Ok(())
 }
 
@@ -215,6 +218,17 @@ mod tests {
             (Box::new(|r| r.spec.as_mut().unwrap().resources.as_mut().unwrap().cpu_millis = u32::MAX), "cpu_millis"),
             (Box::new(|r| r.spec.as_mut().unwrap().resources.as_mut().unwrap().memory_mb = u64::MAX), "memory_mb"),
             (Box::new(|r| r.spec.as_mut().unwrap().priority = 7), "priority"),
+            (
+                Box::new(|r| {
+                    r.spec.as_mut().unwrap().network = Some(opendsec_proto::v1::NetworkSpec {
+                        egress: vec![opendsec_proto::v1::EgressRule {
+                            target: "10.0.0.1/8".into(),
+                            ..Default::default()
+                        }],
+                    })
+                }),
+                "spec.network",
+            ),
             (
                 Box::new(|r| {
                     r.spec.as_mut().unwrap().env.insert("A=B".into(), "x".into());

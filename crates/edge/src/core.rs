@@ -26,6 +26,7 @@
 
 mod create;
 mod list;
+mod network;
 mod pause;
 mod release;
 mod resume;
@@ -110,6 +111,8 @@ pub(crate) struct Inner {
     pub runtime_calls: Arc<opendsec_common::bounds::PerKey>,
     /// Bytes of unary Runtime answers in flight through this edge.
     pub result_budget: Arc<opendsec_common::bounds::AnswerBudget>,
+    /// The sandbox network (networked backends use it too), when the edge has one.
+    pub network: Option<Arc<crate::netpol::Network>>,
 }
 
 /// Everything `Inner::new` needs.
@@ -125,6 +128,7 @@ pub(crate) struct InnerParts {
     pub remote: Remote,
     pub advertise: String,
     pub clock: Clock,
+    pub network: Option<Arc<crate::netpol::Network>>,
 }
 
 impl Inner {
@@ -158,6 +162,7 @@ impl Inner {
             tasks: std::sync::Mutex::new(Vec::new()),
             activity: sweep::Activity::new(p.clock.clone()),
             clock: p.clock,
+            network: p.network,
         }
     }
 
@@ -226,7 +231,14 @@ impl Inner {
             expires_at_ms: ttl::expires_at_ms_active(rec, active),
             last_active_ms: rec.last_active_ms.max(active),
             end_reason: rec.end_reason.clone(),
+            address: self.address_of(rec).map(|a| a.to_string()).unwrap_or_default(),
         }
+    }
+
+    /// The sandbox's address on this edge's network, if it has one.
+    pub(crate) fn address_of(&self, rec: &SandboxRecord) -> Option<std::net::Ipv4Addr> {
+        let net = self.network.as_ref()?;
+        (rec.net_slot != 0 && rec.state.is_live()).then(|| net.addrs(crate::netpol::Slot(rec.net_slot)).1)
     }
 
     /// Writes a record (blocking I/O on the blocking pool).

@@ -37,6 +37,14 @@ pub enum EdgeError {
     Options(String),
     #[error("failed to serve the edge: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("the edge's network: {0}")]
+    NetworkSetup(#[source] crate::netpol::NetworkError),
+    #[error("network of sandbox {id}: {source}")]
+    Network {
+        id: String,
+        #[source]
+        source: crate::netpol::NetworkError,
+    },
 }
 
 impl EdgeError {
@@ -49,6 +57,17 @@ impl EdgeError {
             EdgeError::Backend { source, .. } => source.reason(),
             EdgeError::Record(_) | EdgeError::ShuttingDown { .. } | EdgeError::Serve(_) => Reason::Unavailable,
             EdgeError::TaskFailed { .. } | EdgeError::Options(_) => Reason::Internal,
+            EdgeError::NetworkSetup(_) => Reason::Unavailable,
+            EdgeError::Network { source, .. } => {
+                use crate::netpol::NetworkError as N;
+                match source {
+                    N::Rule(_) => Reason::InvalidArgument,
+                    N::NotAttached(_) => Reason::InvalidState,
+                    N::Exhausted(_) => Reason::NoCapacity,
+                    N::TooManyLearned { .. } => Reason::QuotaExceeded,
+                    N::Netlink(_) | N::Nft { .. } | N::SubnetInUse { .. } | N::Io { .. } => Reason::Unavailable,
+                }
+            }
         }
     }
 

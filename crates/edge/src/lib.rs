@@ -39,6 +39,7 @@ mod core;
 pub mod error;
 pub mod host;
 pub mod linuxrt;
+pub mod netpol;
 pub mod record;
 mod recover;
 mod release;
@@ -80,6 +81,9 @@ pub struct EdgeOptions {
     pub advertise: String,
     /// The wall clock of TTLs and retention (tests move a manual one).
     pub clock: opendsec_common::time::Clock,
+    /// The sandbox network ([`netpol::Network::new`]), shared with the networked backends;
+    /// `None`: sandboxes get loopback only.
+    pub network: Option<Arc<netpol::Network>>,
 }
 
 /// The gRPC service [`Edge::service`] returns.
@@ -143,8 +147,17 @@ impl Edge {
             remote,
             advertise: opts.advertise.clone(),
             clock: opts.clock.clone(),
+            network: opts.network.clone(),
         }));
         inner.recover().await?;
+        if let Some(net) = &inner.network {
+            let mut rx = inner.shutdown_tx.subscribe();
+            let stop = async move {
+                let _ = rx.wait_for(|closing| *closing).await;
+            };
+            let dns = net.serve_dns(stop).await.map_err(EdgeError::NetworkSetup)?;
+            inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).push(dns);
+        }
 
         let rx = inner.shutdown_tx.subscribe();
         let tasks = vec![

@@ -23,6 +23,11 @@ use serde::{Deserialize, Serialize};
 use opendsec_proto::v1::{Priority, Resources, SandboxSpec};
 
 use crate::state::SandboxStatus;
+use opendsec_common::egress;
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
 
 /// The record encoding this edge writes and the newest it reads.
 pub const RECORD_VERSION: u32 = 1;
@@ -126,6 +131,10 @@ pub struct SpecRecord {
     pub masked_paths: Vec<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub readonly_paths: Vec<String>,
+    /// Egress rules in their canonical text form (`opendsec_common::egress`); `None`: the spec
+    /// had no network part (no egress).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<Vec<String>>,
 }
 
 impl SpecRecord {
@@ -146,7 +155,16 @@ impl SpecRecord {
             priority: PriorityRecord::from_proto(spec.priority).unwrap_or_default(),
             masked_paths: spec.masked_paths.clone(),
             readonly_paths: spec.readonly_paths.clone(),
+            egress: spec.network.as_ref().map(|n| {
+                n.egress.iter().filter_map(|r| egress::Rule::from_pb(r).ok()).map(|r| r.to_string()).collect()
+            }),
         }
+    }
+
+    /// The egress rules (rules that no longer parse are left out: records only hold checked
+    /// rules).
+    pub fn egress_rules(&self) -> Vec<egress::Rule> {
+        self.egress.iter().flatten().filter_map(|t| egress::Rule::parse(t).ok()).collect()
     }
 
     pub fn to_proto(&self) -> SandboxSpec {
@@ -165,6 +183,9 @@ impl SpecRecord {
             priority: self.priority.to_proto() as i32,
             masked_paths: self.masked_paths.clone(),
             readonly_paths: self.readonly_paths.clone(),
+            network: self.egress.as_ref().map(|_| opendsec_proto::v1::NetworkSpec {
+                egress: self.egress_rules().iter().map(egress::Rule::to_pb).collect(),
+            }),
         }
     }
 }
@@ -199,6 +220,9 @@ pub struct SandboxRecord {
     /// IAM confirmed the release of the lease (or the lease turned out not to be ours).
     #[serde(default)]
     pub lease_released: bool,
+    /// The sandbox's slot in the edge's network (`netpol`), 0: no network.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub net_slot: u32,
     // Records of earlier edges may hold `release_if_bound` (release only if IAM still binds the
     // lease here). Every release names the edge now, which IAM checks, so the field is no
     // longer written and is ignored when read (serde skips unknown fields: this struct must
@@ -566,6 +590,7 @@ mod tests {
                 // Empty lists are not written: records from before these fields stay equal.
                 masked_paths: vec![],
                 readonly_paths: vec![],
+                egress: None,
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,
@@ -575,6 +600,7 @@ mod tests {
             end_reason: String::new(),
             ended_at_ms: 0,
             lease_released: false,
+            net_slot: 0,
         }
     }
 
@@ -614,6 +640,24 @@ mod tests {
         assert_eq!(String::from_utf8(sample().encode().unwrap()).unwrap(), GOLDEN_V1_NO_RELEASE_IF_BOUND);
         let rec = SandboxRecord::decode(GOLDEN_V1_NO_RELEASE_IF_BOUND.as_bytes(), Path::new("golden")).unwrap();
         assert_eq!(rec, sample());
+    }
+
+    /// A record with a network (egress rules in the spec, a slot in the edge's subnet). These
+    /// bytes are never edited.
+    const GOLDEN_V1_NETWORK: &str = r#"{"version":1,"id":"e.l1","edge":"e","lease_id":"l1","principal":"","spec":{"project":"root","image":"debian","backend":"container","resources":{"cpu_millis":0,"memory_mb":0,"disk_mb":0,"gpus":0},"ttl_running_stop_s":0,"ttl_max_s":0,"ttl_paused_s":0,"env":{},"labels":{},"user":"","workdir":"","priority":"unspecified","egress":["pypi.org","203.0.113.0/24:tcp/80"]},"state":"RUNNING","created_at_ms":5,"updated_at_ms":0,"last_active_ms":0,"paused_since_ms":0,"end_reason":"","ended_at_ms":0,"lease_released":false,"net_slot":7}
+"#;
+
+    #[test]
+    fn golden_v1_network_round_trips() {
+        let rec = SandboxRecord::decode(GOLDEN_V1_NETWORK.as_bytes(), Path::new("golden")).unwrap();
+        assert_eq!(rec.net_slot, 7);
+        assert_eq!(rec.spec.egress_rules().len(), 2);
+        let pb = rec.spec.to_proto();
+        assert_eq!(pb.network.as_ref().map(|n| n.egress.len()), Some(2));
+        assert_eq!(SpecRecord::from_proto(&pb), rec.spec);
+        assert_eq!(String::from_utf8(rec.encode().unwrap()).unwrap(), GOLDEN_V1_NETWORK);
+        // No network part: no egress field written at all (older records stay byte-equal).
+        assert_eq!(sample().spec.egress, None);
     }
 
     #[test]

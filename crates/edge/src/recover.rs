@@ -70,6 +70,23 @@ impl Inner {
                 t.insert(Arc::new(rec.clone()), OpLock::default());
             }
         }
+        // The network first: adopted sandboxes keep their rules, the rest is settled below
+        // through their backend's stop (which detaches them).
+        if let Some(net) = self.network.clone() {
+            let claims: Vec<crate::netpol::Claim> = records
+                .iter()
+                .filter(|r| r.net_slot != 0 && r.state.is_live())
+                .map(|r| crate::netpol::Claim {
+                    id: r.id.clone(),
+                    slot: crate::netpol::Slot(r.net_slot),
+                    rules: r.spec.egress_rules(),
+                })
+                .collect();
+            tokio::task::spawn_blocking(move || net.recover(&claims))
+                .await
+                .map_err(|e| EdgeError::TaskFailed { op: "network recovery", message: e.to_string() })?
+                .map_err(EdgeError::NetworkSetup)?;
+        }
         let outcomes: Vec<Outcome> = futures::stream::iter(records)
             .map(|rec| self.recover_one(rec))
             .buffer_unordered(RECOVERY_CONCURRENCY)

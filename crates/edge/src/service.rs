@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 use opendsec_proto::v1::edge_server::Edge as EdgeRpc;
 use opendsec_proto::v1::{
     EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, GetSandboxRequest, PauseSandboxRequest,
-    ResumeSandboxRequest, Sandbox, SetSandboxTimeoutRequest, StatusRequest, StopSandboxRequest,
+    ResumeSandboxRequest, Sandbox, SetSandboxTimeoutRequest, StatusRequest, StopSandboxRequest, UpdateNetworkRequest,
 };
 
 use crate::core::Inner;
@@ -109,5 +109,14 @@ impl EdgeRpc for EdgeService {
             .await
             .map(Response::new)
             .map_err(|e| status("SetSandboxTimeout", e))
+    }
+
+    async fn update_network(&self, req: Request<UpdateNetworkRequest>) -> Result<Response<Sandbox>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
+        let req = req.into_inner();
+        detached(&self.inner, "update_network", |i| async move { i.update_network(&req).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("UpdateNetwork", e))
     }
 }

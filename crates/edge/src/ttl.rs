@@ -112,6 +112,7 @@ mod tests {
             end_reason: String::new(),
             ended_at_ms: 0,
             lease_released: false,
+            net_slot: 0,
         }
     }
 

@@ -264,6 +264,7 @@ impl Harness {
             tls: creds(&fakes.pki, Role::Edge, EDGE),
             advertise: String::new(),
             clock,
+            network: None,
         };
         let edge = match host {
             Some(h) => Edge::start_with_host(opts, backends, h).await.unwrap(),

@@ -45,7 +45,7 @@ fn spec(tmp: &Path, name: &str, lower: PathBuf, out: &Path, script: &str, limits
         lower_dirs: vec![lower],
         disk_mb: 16,
         limits,
-        binds: vec![Bind { src: out.to_path_buf(), dst: "/out".into(), readonly: false }],
+        binds: vec![Bind { src: out.to_path_buf(), dst: "/out".into(), readonly: false, replace_link: false }],
         masked_paths: vec![],
         readonly_paths: vec![],
         oom_score_adj: -500,

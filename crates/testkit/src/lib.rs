@@ -7,6 +7,8 @@
 //! long anything took.
 #![forbid(unsafe_code)]
 
+pub mod netns;
+
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

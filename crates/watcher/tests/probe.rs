@@ -51,6 +51,9 @@ impl pb::edge_server::Edge for FakeEdge {
     ) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }
+    async fn update_network(&self, _r: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// A fake edge serving with the certificate of edge `cert` and answering Status as

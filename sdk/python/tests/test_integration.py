@@ -48,6 +48,28 @@ async def test_sim_lifecycle(cluster) -> None:
             await sb.pause()
 
 
+async def test_egress_rules_round_trip_and_update(cluster) -> None:
+    async with client(cluster) as c:
+        sb = await c.create_sandbox("sim", IMG, egress=["pypi.org", "203.0.113.0/24:tcp/80"])
+        # Stored in canonical form (a bare address becomes a /32), shown back as text.
+        assert sb.egress == ["pypi.org", "203.0.113.0/24:tcp/80"]
+        await sb.update_network(["*:tcp/443", "198.51.100.7"])
+        assert sb.egress == ["*:tcp/443", "198.51.100.7/32"]
+        assert (await c.get_sandbox(sb.id)).egress == ["*:tcp/443", "198.51.100.7/32"]
+        await sb.update_network([])
+        assert sb.egress == []
+        # A bad rule: refused with the rule named, nothing changed.
+        with pytest.raises(errors.InvalidArgument, match="10.0.0.1/8"):
+            await sb.update_network(["10.0.0.1/8"])
+        with pytest.raises(errors.InvalidArgument, match="localhost"):
+            await c.create_sandbox("sim", IMG, egress=["localhost"])
+        # No egress asked for: the cluster's default, which is none.
+        plain = await c.create_sandbox("sim", IMG)
+        assert plain.egress == []
+        await sb.stop()
+        await plain.stop()
+
+
 async def test_same_lease_id_is_one_sandbox(cluster) -> None:
     async with client(cluster) as c:
         lease = opendsec.new_lease_id()

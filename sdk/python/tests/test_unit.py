@@ -572,3 +572,15 @@ def test_tls_settings_never_default_to_plain_text(monkeypatch, tmp_path) -> None
     monkeypatch.delenv("OPENDSEC_INSECURE_PLAINTEXT")
     with pytest.raises(ValueError, match="missing.pem"):
         opendsec.AsyncClient("127.0.0.1:1", token="t", ca=tmp_path / "missing.pem")
+
+
+def test_egress_rules_split_into_their_parts() -> None:
+    r = opendsec.egress_rule("203.0.113.0/24:tcp/80-90")
+    assert (r.target, r.protocol, r.port_min, r.port_max) == ("203.0.113.0/24", "tcp", 80, 90)
+    assert opendsec.egress_text(r) == "203.0.113.0/24:tcp/80-90"
+    for t in ["pypi.org", "@pypi", "*:udp/53", "x.org:icmp"]:
+        assert opendsec.egress_text(opendsec.egress_rule(t)) == t
+    with pytest.raises(ValueError):
+        opendsec.egress_rule("x.org:tcp/http")
+    with pytest.raises(ValueError):
+        opendsec.egress_rule("")

@@ -26,7 +26,11 @@ class LocalCluster:
         self.state = Path(tempfile.mkdtemp(prefix=prefix))
         cfg = self.state / "config.json"
         edge = {"backends": list(backends), "keep_sandboxes_on_exit": False}
-        cfg.write_text(json.dumps({"sim_edges": 1, "apiserver": {"listen": "127.0.0.1:0"}, "edge": edge}))
+        # Sandbox networking changes the host's network (a table, forwarding): off here; the
+        # Rust network tests run it inside namespaces of their own.
+        cfg.write_text(json.dumps({
+            "sim_edges": 1, "apiserver": {"listen": "127.0.0.1:0"}, "edge": edge, "network": {"enabled": False},
+        }))
         self._log = open(self.state / "cluster.log", "w+")
         self.proc = subprocess.Popen(
             [str(self.ctl), "cluster", "up", "--state-dir", str(self.state), "--config", str(cfg)],

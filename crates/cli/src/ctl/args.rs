@@ -59,6 +59,9 @@ pub enum Command {
     /// Sandboxes: create, list, get, pause, resume, set-timeout, stop.
     #[command(subcommand)]
     Sandbox(SandboxCmd),
+    /// A sandbox's egress rules: set (replace) or get.
+    #[command(subcommand)]
+    Network(NetworkCmd),
     /// Projects (nested: root/team-a/rl).
     #[command(subcommand)]
     Project(ProjectCmd),
@@ -173,6 +176,13 @@ pub struct SpecArgs {
     /// A path inside the sandbox to make read-only (container backend), repeatable.
     #[arg(long = "readonly")]
     pub readonly_paths: Vec<String>,
+    /// An egress rule (`*`, a domain, an IPv4 network or `@set`, optionally
+    /// `:tcp|udp|icmp[/PORT[-PORT]]`), repeatable. None given: the cluster's default.
+    #[arg(long)]
+    pub allow: Vec<String>,
+    /// No egress at all, whatever the cluster's default.
+    #[arg(long, conflicts_with = "allow")]
+    pub no_egress: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -228,6 +238,20 @@ pub enum SandboxCmd {
         #[arg(long)]
         paused: Option<u64>,
     },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum NetworkCmd {
+    /// Replace a running sandbox's egress rules (no --allow: no egress at all).
+    Set {
+        id: String,
+        /// A rule: `*`, a domain (subdomains included), an IPv4 network, or `@set`, with an
+        /// optional `:tcp|udp|icmp[/PORT[-PORT]]`. Repeat for more.
+        #[arg(long)]
+        allow: Vec<String>,
+    },
+    /// Print a sandbox's egress rules and address.
+    Get { id: String },
 }
 
 #[derive(Args, Debug, Default, Clone)]
@@ -344,6 +368,27 @@ pub enum BenchCmd {
     Exec(crate::bench::ExecBenchArgs),
 }
 
+/// The network part of a spec from `--allow` rules (`--no-egress`: none at all; neither: the
+/// cluster's default).
+pub fn network_of(allow: &[String], none: bool) -> Result<Option<pb::NetworkSpec>, CtlError> {
+    if allow.is_empty() && !none {
+        return Ok(None);
+    }
+    Ok(Some(pb::NetworkSpec { egress: egress_rules(allow)? }))
+}
+
+/// Rules in text form (`TARGET[:PROTOCOL[/PORT[-PORT]]]`), checked here for a clear message.
+pub fn egress_rules(allow: &[String]) -> Result<Vec<pb::EgressRule>, CtlError> {
+    allow
+        .iter()
+        .map(|t| {
+            opendsec_common::egress::Rule::parse(t)
+                .map(|r| r.to_pb())
+                .map_err(|e| CtlError::Local(format!("--allow: {e}")))
+        })
+        .collect()
+}
+
 impl SpecArgs {
     pub fn to_spec(&self, project: Option<&str>) -> Result<pb::SandboxSpec, CtlError> {
         Ok(pb::SandboxSpec {
@@ -366,6 +411,7 @@ impl SpecArgs {
             priority: if self.best_effort { pb::Priority::BestEffort as i32 } else { pb::Priority::Guaranteed as i32 },
             masked_paths: self.masked_paths.clone(),
             readonly_paths: self.readonly_paths.clone(),
+            network: network_of(&self.allow, self.no_egress)?,
         })
     }
 }

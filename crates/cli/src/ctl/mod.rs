@@ -27,7 +27,7 @@ pub use crate::output::*;
 pub use crate::support::{DEFAULT_CPU_MILLIS, DEFAULT_DISK_MB, DEFAULT_MEMORY_MB, kv, wait_for_signal};
 pub use args::*;
 use cluster::cluster_up;
-use sandbox::sandbox;
+use sandbox::{network, sandbox};
 
 /// Runs one parsed command line; `Ok` holds the exit code (the remote command's for `exec` and
 /// `run`, else 0).
@@ -71,6 +71,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             unreachable!("handled in run")
         }
         Command::Sandbox(cmd) => sandbox(client, out, project.as_deref(), cmd).await,
+        Command::Network(cmd) => network(client, out, cmd).await,
         Command::Project(cmd) => match cmd {
             ProjectCmd::Create { path, quota } => {
                 let p = client.create_project(pb::CreateProjectRequest { path, quota: Some(quota.to_pb()) }).await?;

@@ -118,3 +118,27 @@ pub(crate) async fn sandbox(
         }
     }
 }
+
+/// `opendsecctl network set|get`.
+pub(crate) async fn network(client: &Client, out: &Out, cmd: NetworkCmd) -> Result<(), CtlError> {
+    let s = match cmd {
+        NetworkCmd::Set { id, allow } => client.update_network(&id, egress_rules(&allow)?).await?,
+        NetworkCmd::Get { id } => client.get_sandbox(&id).await?,
+    };
+    let rules: Vec<String> = s
+        .spec
+        .as_ref()
+        .and_then(|sp| sp.network.as_ref())
+        .map(|n| n.egress.iter().map(opendsec_common::egress::pb_text).collect())
+        .unwrap_or_default();
+    let shown = json!({"id": s.id, "address": s.address, "egress": rules});
+    out.print(shown, || {
+        let mut lines = vec![format!("{}  address {}", s.id, if s.address.is_empty() { "-" } else { &s.address })];
+        if rules.is_empty() {
+            lines.push("  no egress".into());
+        }
+        lines.extend(rules.iter().map(|r| format!("  allow {r}")));
+        lines.join("\n")
+    });
+    Ok(())
+}

@@ -88,6 +88,9 @@ async fn fixture_full(tweak: impl FnOnce(&mut Config), clock: opendsec_common::t
     cfg.edge.backends = vec!["sim".into(), "container".into()];
     cfg.edge.container_setup_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_opendsec")));
     cfg.edge.container_pids_limit = 256;
+    // Tests in the machine's own namespace leave its network alone; the network tests turn
+    // this on inside a namespace of their own (`opendsec_testkit::netns`).
+    cfg.network.enabled = false;
     tweak(&mut cfg);
     let containers = cfg.edge_state_dir(EDGE).join("containers");
     let guard = Guard { containers: containers.clone() };

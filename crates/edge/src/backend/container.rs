@@ -42,6 +42,7 @@ use crate::linuxrt::init::{Bind, PID1_LISTEN_FD};
 use crate::linuxrt::reclaim;
 use crate::linuxrt::rootfs::{self, LayerCache};
 use crate::linuxrt::sandbox::{self, Sandbox, SandboxError, SandboxSpec};
+use crate::netpol::{Network, NetworkError, Slot};
 use crate::record::{PriorityRecord, SandboxRecord};
 
 /// Cached layers unused for this long are removed by `cleanup`.
@@ -85,6 +86,8 @@ pub struct ContainerOptions {
     pub userns: Option<IdPool>,
     /// Disk I/O limits of every sandbox on its own disk.
     pub io: IoLimits,
+    /// The edge's sandbox network; `None`: sandboxes have loopback only.
+    pub network: Option<Arc<Network>>,
 }
 
 struct Held {
@@ -144,6 +147,8 @@ pub struct ContainerBackend {
     cgroup_layout: String,
     /// [`name_tag`] of the state directory, computed once.
     tag: String,
+    /// `/etc/resolv.conf` of networked sandboxes (the edge's DNS proxy), bound read-only.
+    resolv_conf: Option<PathBuf>,
     held: Mutex<HashMap<String, Held>>,
 }
 
@@ -230,6 +235,15 @@ fn store_err(e: StoreError) -> BackendError {
 
 fn rootfs_err(e: rootfs::RootfsError) -> BackendError {
     BackendError::internal("layer cache").caused_by(e)
+}
+
+fn net_err(e: NetworkError) -> BackendError {
+    let kind = match &e {
+        NetworkError::Rule(_) => BackendErrorKind::InvalidArgument,
+        NetworkError::Exhausted(_) => BackendErrorKind::NoCapacity,
+        _ => BackendErrorKind::Unavailable,
+    };
+    BackendError::new(kind, "network").caused_by(e)
 }
 
 fn sandbox_err(e: SandboxError) -> BackendError {
@@ -391,7 +405,18 @@ impl ContainerBackend {
             Err(e) => format!("linuxrt cgroup unknown ({})", opendsec_common::reason::error_chain(&e)),
         };
         tracing::info!(core_sched = ?core_sched, cgroups = %cgroup_layout, "container backend ready");
+        let resolv_conf = match &opts.network {
+            Some(net) => {
+                let path = opts.state_dir.join(".resolv.conf");
+                let text = format!("nameserver {}\noptions edns0\n", net.dns_addr());
+                std::fs::write(&path, text)
+                    .map_err(|e| BackendError::internal(format!("cannot write {}: {e}", path.display())))?;
+                Some(path)
+            }
+            None => None,
+        };
         Ok(ContainerBackend {
+            resolv_conf,
             opts,
             store: Arc::new(store),
             cache,
@@ -401,6 +426,30 @@ impl ContainerBackend {
             tag: name_tag(&opts_state_dir),
             held: Mutex::new(HashMap::new()),
         })
+    }
+
+    fn binds(&self) -> Vec<Bind> {
+        let mut b =
+            vec![Bind { src: self.agent_dir.clone(), dst: AGENT_DIR.into(), readonly: true, replace_link: false }];
+        if let Some(r) = &self.resolv_conf {
+            b.push(Bind { src: r.clone(), dst: "/etc/resolv.conf".into(), readonly: true, replace_link: true });
+        }
+        b
+    }
+
+    /// Connects a new sandbox (PID 1 `pid`) to the network, on a blocking thread.
+    async fn attach(&self, sb: &SandboxRecord, pid: i32) -> Result<(), BackendError> {
+        let Some(net) = self.opts.network.clone().filter(|_| sb.net_slot != 0) else { return Ok(()) };
+        let (id, slot, rules) = (sb.id.clone(), Slot(sb.net_slot), sb.spec.egress_rules());
+        blocking(move || net.attach(&id, slot, &rules, Path::new(&format!("/proc/{pid}/ns/net"))).map_err(net_err))
+            .await
+    }
+
+    /// Disconnects a sandbox (idempotent), on a blocking thread.
+    async fn detach(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        let Some(net) = self.opts.network.clone().filter(|_| sb.net_slot != 0) else { return Ok(()) };
+        let (id, slot) = (sb.id.clone(), Slot(sb.net_slot));
+        blocking(move || net.detach(&id, slot).map_err(net_err)).await
     }
 
     /// The host pid of the sandbox's PID 1, when held.
@@ -500,7 +549,7 @@ impl Backend for ContainerBackend {
             lower_dirs: Vec::new(),
             disk_mb,
             limits: limits_of(sb, self.opts.pids_limit),
-            binds: vec![Bind { src: self.agent_dir.clone(), dst: AGENT_DIR.into(), readonly: true }],
+            binds: self.binds(),
             masked_paths: sb.spec.masked_paths.clone(),
             readonly_paths: sb.spec.readonly_paths.clone(),
             oom_score_adj: PID1_OOM_SCORE_ADJ,
@@ -532,7 +581,13 @@ impl Backend for ContainerBackend {
         })
         .await?;
         let (sandbox, layers) = started;
-        let conn = watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), true).await;
+        // The network is set up while the agent starts: creation waits for both.
+        let (conn, attached) =
+            tokio::join!(watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), true), self.attach(sb, sandbox.pid));
+        let conn = match (conn, attached) {
+            (Ok(c), Ok(())) => Ok(c),
+            (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+        };
         let agent = match conn {
             Ok(a) => a,
             Err(e) => {
@@ -543,7 +598,8 @@ impl Backend for ContainerBackend {
                     sandbox.stop().map_err(sandbox_err)?;
                     remove_inuse(&inuse)
                 })
-                .await;
+                .await
+                .and(self.detach(sb).await);
                 let context = if tail.is_empty() {
                     format!("the agent of {} did not come up", sb.id)
                 } else {
@@ -591,7 +647,8 @@ impl Backend for ContainerBackend {
             sandbox::remove_named(&state_dir, &name).map_err(sandbox_err)?;
             remove_inuse(&inuse)
         })
-        .await
+        .await?;
+        self.detach(sb).await
     }
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
@@ -708,6 +765,10 @@ impl Backend for ContainerBackend {
         None
     }
 
+    fn networked(&self) -> bool {
+        self.opts.network.is_some()
+    }
+
     fn agent_access(&self) -> Option<&dyn AgentAccess> {
         Some(self)
     }
@@ -802,6 +863,7 @@ mod tests {
             agent_silence: Duration::from_secs(60),
             userns: None,
             io: IoLimits::default(),
+            network: None,
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
         assert!(
@@ -827,6 +889,7 @@ mod tests {
             end_reason: String::new(),
             ended_at_ms: 0,
             lease_released: false,
+            net_slot: 0,
         };
         // Stopping an unknown sandbox succeeds.
         b.stop(&rec).await.unwrap();

@@ -62,6 +62,12 @@ pub trait Backend: Send + Sync {
     /// edge measure the host instead.
     fn usage(&self) -> Option<Usage>;
 
+    /// Whether its sandboxes get a network from the edge (`netpol`): the edge then chooses a
+    /// slot for each and records it before `create`.
+    fn networked(&self) -> bool {
+        false
+    }
+
     /// Capability: runtime versions.
     fn versioned(&self) -> Option<&dyn Versioned> {
         None

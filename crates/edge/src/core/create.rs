@@ -31,6 +31,19 @@ impl Inner {
             return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: format!("{dim} pressure") });
         }
 
+        // The network slot is chosen here and recorded with the sandbox, before anything exists.
+        let net = self.network.as_ref().filter(|_| backend.networked());
+        let slot = match net {
+            Some(n) => {
+                n.reserve().map_err(|source| EdgeError::Network { id: ids::sandbox_id(&self.name, lease), source })?.0
+            }
+            None => 0,
+        };
+        let unreserve = || {
+            if let Some(n) = net {
+                n.unreserve(crate::netpol::Slot(slot));
+            }
+        };
         let now = self.clock.now_ms();
         let rec = SandboxRecord {
             version: RECORD_VERSION,
@@ -47,6 +60,7 @@ impl Inner {
             end_reason: String::new(),
             ended_at_ms: 0,
             lease_released: false,
+            net_slot: slot,
         };
         let rec = Arc::new(rec);
         let op = OpLock::default();
@@ -58,8 +72,11 @@ impl Inner {
                 Some(e) => Some(e.op.clone()),
                 None => {
                     // Capacity is checked and reserved in one critical section.
-                    admission::check_capacity(&self.capacity, &t.used(), rec.resources())
-                        .map_err(|r| EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() })?;
+                    if let Err(r) = admission::check_capacity(&self.capacity, &t.used(), rec.resources()) {
+                        drop(t);
+                        unreserve();
+                        return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() });
+                    }
                     t.insert(rec.clone(), op);
                     None
                 }
@@ -67,6 +84,7 @@ impl Inner {
         };
         if let Some(op) = raced {
             drop(guard);
+            unreserve();
             return self.existing(op, lease).await;
         }
 
@@ -74,6 +92,7 @@ impl Inner {
         if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
             self.table().remove(lease);
             self.activity.forget(lease);
+            unreserve();
             return Err(e.into());
         }
 

@@ -103,6 +103,10 @@ pub struct Bind {
     /// Absolute path inside the sandbox.
     pub dst: PathBuf,
     pub readonly: bool,
+    /// A symlink the image has at `dst` is removed first (in the sandbox's own upper layer),
+    /// instead of refusing the bind: for files the platform provides, like /etc/resolv.conf.
+    #[serde(default)]
+    pub replace_link: bool,
 }
 
 /// What the setup process is told.
@@ -446,6 +450,16 @@ fn mount_sys(root: &OwnedFd, v2: bool) -> Result<(), String> {
 fn bind(root: &OwnedFd, b: &Bind) -> Result<(), String> {
     let rel = b.dst.strip_prefix("/").map_err(|_| format!("bind target {} is not absolute", p(&b.dst)))?;
     let kind = if b.src.is_dir() { Kind::Dir } else { Kind::File };
+    if b.replace_link
+        && let (Some(parent), Some(name)) = (rel.parent(), rel.file_name())
+    {
+        let dir = in_root(root, parent, Kind::Dir)?;
+        if let Ok(st) = rfs::statat(&dir, name, rfs::AtFlags::SYMLINK_NOFOLLOW)
+            && rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::Symlink
+        {
+            rfs::unlinkat(&dir, name, rfs::AtFlags::empty()).map_err(|e| format!("unlink {}: {e}", p(&b.dst)))?;
+        }
+    }
     let t = in_root(root, rel, kind)?;
     mnt(Some(&p(&b.src)), &fd_path(&t), None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
     if b.readonly {

@@ -73,6 +73,7 @@ pub fn options(tmp: &Path) -> ContainerOptions {
         agent_silence: Duration::from_secs(3),
         userns: Some(IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap()),
         io: IoLimits { read_bps: 64 << 20, write_bps: 64 << 20, read_iops: 4000, write_iops: 4000 },
+        network: None,
     }
 }
 
@@ -109,6 +110,7 @@ pub fn record(lease: &str, image: &str) -> SandboxRecord {
         end_reason: String::new(),
         ended_at_ms: 0,
         lease_released: false,
+        net_slot: 0,
     }
 }
 

@@ -16,7 +16,7 @@ Synchronous scripts use :class:`opendsec.Client` with the same methods.
 """
 
 from . import errors
-from .client import AsyncClient, Sandbox, state_name, state_value
+from .client import AsyncClient, Sandbox, egress_rule, egress_text, state_name, state_value
 from .errors import OpendsecError
 from .sync import Client, SyncSandbox
 from .types import FileEntry, OutputChunk, ProcessExit, ProcessInfo, ShellExit, ShellResult
@@ -41,4 +41,6 @@ __all__ = [
     "state_value",
     "new_lease_id",
     "new_request_id",
+    "egress_rule",
+    "egress_text",
 ]

@@ -41,6 +41,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/PauseSandbox": "repeat",
     "Sandboxes/ResumeSandbox": "repeat",
     "Sandboxes/SetSandboxTimeout": "repeat",
+    "Sandboxes/UpdateNetwork": "repeat",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

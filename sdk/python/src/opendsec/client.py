@@ -161,6 +161,34 @@ def _tls_settings(
     return (str(ca) if ca is not None else None), name, bool(insecure_plaintext)
 
 
+def egress_rule(text: str) -> pb.EgressRule:
+    """An egress rule from its text form ``TARGET[:PROTOCOL[/PORT[-PORT]]]`` (the server checks
+    it fully; this only splits it). Raises ``ValueError`` for a port that is not a number."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"an egress rule is a non-empty string, not {text!r}")
+    target, _, rest = text.partition(":")
+    proto, _, ports = rest.partition("/")
+    lo = hi = 0
+    if ports:
+        a, _, b = ports.partition("-")
+        try:
+            lo = int(a)
+            hi = int(b) if b else lo
+        except ValueError:
+            raise ValueError(f"egress rule {text!r}: bad port {ports!r}") from None
+    return pb.EgressRule(target=target, protocol=proto, port_min=lo, port_max=hi)
+
+
+def egress_text(rule: pb.EgressRule) -> str:
+    """The text form of an egress rule."""
+    t = rule.target
+    if rule.protocol or rule.port_min or rule.port_max:
+        t += ":" + rule.protocol
+    if rule.port_min or rule.port_max:
+        t += f"/{rule.port_min}" if rule.port_min == rule.port_max else f"/{rule.port_min}-{rule.port_max}"
+    return t
+
+
 class AsyncClient:
     """Async client for opendsec's public API.
 
@@ -336,6 +364,7 @@ class AsyncClient:
         user: str,
         workdir: str,
         best_effort: bool,
+        egress: Optional[Sequence[str]] = None,
     ) -> pb.SandboxSpec:
         if not backend:
             raise ValueError("backend is required (e.g. 'container', 'sim'): callers choose it")
@@ -352,6 +381,7 @@ class AsyncClient:
             user=user,
             workdir=workdir,
             priority=pb.PRIORITY_BEST_EFFORT if best_effort else pb.PRIORITY_GUARANTEED,
+            network=None if egress is None else pb.NetworkSpec(egress=[egress_rule(r) for r in egress]),
         )
 
     async def create_sandbox(
@@ -373,6 +403,7 @@ class AsyncClient:
         workdir: str = "",
         best_effort: bool = False,
         lease_id: Optional[str] = None,
+        egress: Optional[Sequence[str]] = None,
     ) -> "Sandbox":
         """Creates one sandbox and returns it once running.
 
@@ -391,6 +422,10 @@ class AsyncClient:
             best_effort: best-effort priority instead of guaranteed.
             lease_id: idempotency key ``[a-z0-9-]{1,40}``; generated when omitted. Retries
                 reuse it, so they never create a second sandbox.
+            egress: what the sandbox may reach, as rules ``TARGET[:PROTOCOL[/PORT[-PORT]]]``
+                (``"pypi.org"`` with its subdomains, ``"@pypi"`` a set from the cluster config,
+                ``"203.0.113.0/24:tcp/443"``, ``"*"`` every public address). ``None``: the
+                cluster's default (none at all unless configured); ``[]``: no egress.
 
         Retried within ``retry_timeout`` on ``unavailable``, ``no_capacity`` (every edge full
         or under pressure, often for seconds only), ``rate_limited`` (after the wait it names)
@@ -407,6 +442,7 @@ class AsyncClient:
             backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
+            egress=egress,
         )
         own = lease_id is None
         lease = [new_lease_id() if own else check_lease_id(lease_id)]
@@ -445,6 +481,7 @@ class AsyncClient:
         return_exceptions: bool = False,
         on_progress: Optional[Callable[[int, int], None]] = None,
         retry: bool = True,
+        egress: Optional[Sequence[str]] = None,
     ) -> List[Any]:
         """Creates ``n`` sandboxes from one spec in one call (``CreateSandboxes``).
 
@@ -466,6 +503,7 @@ class AsyncClient:
             backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
+            egress=egress,
         )
         results: List[Any] = [None] * n
         # Made at the first refusal: the budget is for asking again, not for the first call
@@ -609,6 +647,14 @@ class AsyncClient:
         if ttl_paused_s is not None:
             req.ttl_paused_s = ttl_paused_s
         return Sandbox(self, await self._unary("Sandboxes", "SetSandboxTimeout", req))
+
+    async def update_network(self, sandbox_id: str, egress: Sequence[str]) -> "Sandbox":
+        """Replaces every egress rule of a running or paused sandbox (``[]``: no egress at
+        all), rules as in :meth:`create_sandbox`. Connections a removed rule allowed are cut at
+        once. Raises ``invalid_argument`` naming a bad rule, ``permission_denied`` when the
+        project's ceiling does not allow one. Retried (it sets values)."""
+        req = pb.UpdateNetworkRequest(id=sandbox_id, network=pb.NetworkSpec(egress=[egress_rule(r) for r in egress]))
+        return Sandbox(self, await self._unary("Sandboxes", "UpdateNetwork", req))
 
     @contextlib.asynccontextmanager
     async def run_sandbox(self, backend: str, image: str = DEFAULT_IMAGE, **kwargs: Any) -> AsyncIterator["Sandbox"]:
@@ -888,6 +934,23 @@ class Sandbox:
             )
         ).info
         return self
+
+    async def update_network(self, egress: Sequence[str]) -> "Sandbox":
+        """Replaces the sandbox's egress rules, as :meth:`AsyncClient.update_network`; returns
+        ``self``."""
+        self.info = (await self.client.update_network(self.id, egress)).info
+        return self
+
+    @property
+    def egress(self) -> List[str]:
+        """The sandbox's egress rules, in text form (as last fetched)."""
+        net = self.info.spec.network
+        return [egress_text(r) for r in net.egress]
+
+    @property
+    def address(self) -> str:
+        """The sandbox's IPv4 address on its edge's network ("" without a network)."""
+        return self.info.address
 
     async def __aenter__(self) -> "Sandbox":
         return self

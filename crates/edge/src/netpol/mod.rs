@@ -1,0 +1,725 @@
+//! The sandbox network ([C 9], issue 11): a veth pair per sandbox from the edge's subnet,
+//! masqueraded egress through the uplink, default deny, allow-lists by network and by domain
+//! (through the edge's DNS proxy), changed live.
+//!
+//! Layout of the edge's subnet (a /31 per sandbox): slot `s` (from 1) is the pair
+//! `base + 2s` (host end) / `base + 2s + 1` (sandbox); `base + 1` is the DNS proxy, on `lo`
+//! with the label `lo:od<tag>`. Host-side veths are named `od<tag>-<slot in hex>`, the tag a hash of the
+//! edge's state directory, so one edge's clean-up never touches another's links.
+//!
+//! Invariants:
+//! - the slot is chosen by [`Network::reserve`] and written in the sandbox's record before
+//!   anything is created; [`Network::start`] takes the records' slots back;
+//! - per-sandbox state is only set elements ([`table`]), each change one netlink batch, all or
+//!   nothing; the bookkeeping here changes only once the kernel took the batch;
+//! - every element a sandbox has starts with its own address, so removing a sandbox removes
+//!   exactly its elements; [`Network::detach`] also flushes its conntrack entries (by mark);
+//! - the DNS proxy adds learned addresses before it answers.
+//!
+//! The backend hands over a namespace (`/proc/<pid>/ns/net`); a microVM backend hands over
+//! the namespace its tap lives in, the rest is the same.
+
+pub mod boxes;
+pub mod dns;
+pub mod link;
+pub mod nl;
+pub mod table;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opendsec_common::egress::{self, Ipv4Net, Protocol, Rule, Target};
+
+use boxes::Box3;
+use nl::{ElemOp, Element, NlError, NlSocket};
+
+/// Most addresses one sandbox may have learned through DNS at once.
+pub const MAX_LEARNED: usize = 4096;
+
+/// How the network of an edge is set up.
+#[derive(Clone, Debug)]
+pub struct NetOptions {
+    pub subnet: Ipv4Net,
+    /// 4 hex digits naming this edge's links and table.
+    pub tag: String,
+    /// Egress goes out masqueraded through this link; `None`: the default route's.
+    pub uplink: Option<String>,
+    /// Where the DNS proxy forwards allowed names.
+    pub upstream: Vec<SocketAddr>,
+    /// Rule sets named by `@name`.
+    pub rule_sets: BTreeMap<String, Vec<Rule>>,
+    /// Ranges of the always-closed ones that rules may open.
+    pub open_private: Vec<Ipv4Net>,
+    /// Per sandbox: queries per second, and the burst.
+    pub dns_rate: f64,
+    pub dns_burst: f64,
+    /// Learned addresses stay open for the answer's TTL, bounded by these.
+    pub dns_ttl_min: Duration,
+    pub dns_ttl_max: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error(transparent)]
+    Netlink(#[from] NlError),
+    #[error("nft -f of table {table} failed: {message}")]
+    Nft { table: String, message: String },
+    #[error("subnet {subnet} is in use on this host already ({holder}); give each edge its own network.subnet")]
+    SubnetInUse { subnet: Ipv4Net, holder: String },
+    #[error("no free address left in {0}")]
+    Exhausted(Ipv4Net),
+    #[error(transparent)]
+    Rule(#[from] egress::EgressError),
+    #[error("sandbox {0} has no network on this edge")]
+    NotAttached(String),
+    #[error("network setup: {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("sandbox {id} learned {MAX_LEARNED} addresses already")]
+    TooManyLearned { id: String },
+}
+
+/// What the edge records about a sandbox's network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot(pub u32);
+
+/// A record's claim on the network, for [`Network::start`].
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub id: String,
+    pub slot: Slot,
+    pub rules: Vec<Rule>,
+}
+
+/// Rules in the form the table takes: boxes for networks, domains for the DNS proxy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Compiled {
+    pub boxes: Vec<Box3>,
+    pub domains: Vec<Rule>,
+}
+
+/// Expands named sets and splits rules into boxes and domains. An unknown set name fails.
+pub fn compile(rules: &[Rule], sets: &BTreeMap<String, Vec<Rule>>) -> Result<Compiled, egress::EgressError> {
+    let mut boxes = Vec::new();
+    let mut domains = Vec::new();
+    let add = |r: Rule, boxes: &mut Vec<Box3>, domains: &mut Vec<Rule>| match &r.target {
+        Target::Any => boxes.push(Box3::of_rule(0, u32::MAX, &r)),
+        Target::Network(n) => boxes.push(Box3::of_rule(n.first(), n.last(), &r)),
+        Target::Domain(_) => domains.push(r),
+        Target::Named(_) => {}
+    };
+    for r in rules {
+        if let Target::Named(name) = &r.target {
+            let members = sets.get(name).ok_or_else(|| egress::EgressError {
+                rule: r.to_string(),
+                why: format!("no rule set {name:?} in the cluster config (network.rule_sets)"),
+            })?;
+            for m in members {
+                if let Some(m) = narrow(m, r) {
+                    add(m, &mut boxes, &mut domains);
+                }
+            }
+        } else {
+            add(r.clone(), &mut boxes, &mut domains);
+        }
+    }
+    domains.sort();
+    domains.dedup();
+    Ok(Compiled { boxes: boxes::disjoint(&boxes), domains })
+}
+
+/// `member` limited to what `outer` (the `@name` reference) allows; `None` if nothing is left.
+fn narrow(member: &Rule, outer: &Rule) -> Option<Rule> {
+    let protocol = match (member.protocol, outer.protocol) {
+        (m, Protocol::Any) => m,
+        (Protocol::Any, o) => o,
+        (m, o) if m == o => m,
+        _ => return None,
+    };
+    let ports = (member.ports.0.max(outer.ports.0), member.ports.1.min(outer.ports.1));
+    (ports.0 <= ports.1).then(|| Rule { target: member.target.clone(), protocol, ports })
+}
+
+/// Addresses learned through DNS for one destination.
+#[derive(Debug, Default)]
+struct Learned {
+    /// Names that resolved to it, and until when each keeps it open.
+    names: HashMap<String, Instant>,
+    elems: Vec<Element>,
+}
+
+#[derive(Debug)]
+struct Attached {
+    slot: Slot,
+    addr: Ipv4Addr,
+    compiled: Compiled,
+    allow: Vec<Element>,
+    learned: HashMap<Ipv4Addr, Learned>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    sandboxes: HashMap<String, Attached>,
+    by_addr: HashMap<Ipv4Addr, String>,
+    /// Reserved slots (attached or about to be).
+    slots: BTreeSet<u32>,
+    cursor: u32,
+}
+
+#[derive(Debug)]
+struct Inner {
+    nf: NlSocket,
+    state: State,
+}
+
+/// The network of one edge.
+#[derive(Debug)]
+pub struct Network {
+    opts: NetOptions,
+    table: table::TableSpec,
+    inner: Mutex<Inner>,
+    max_slot: u32,
+    pub dns_stats: Mutex<Option<Arc<dns::DnsProxy>>>,
+}
+
+/// Options from the cluster config's `network` section, for an edge on `subnet` (the
+/// section's, or a part of it when several edges share a host) whose state is in `state_dir`.
+pub fn options_from(
+    cfg: &opendsec_common::config::NetworkConfig,
+    subnet: Ipv4Net,
+    state_dir: &Path,
+) -> Result<NetOptions, NetworkError> {
+    let parse = |t: &String| Rule::parse(t).map_err(NetworkError::Rule);
+    let rule_sets = cfg
+        .rule_sets
+        .iter()
+        .map(|(k, v)| Ok((k.clone(), v.iter().map(parse).collect::<Result<Vec<_>, _>>()?)))
+        .collect::<Result<BTreeMap<_, _>, NetworkError>>()?;
+    let open_private = cfg.open_private.iter().filter_map(|n| Ipv4Net::parse(n).ok()).collect();
+    let mut upstream: Vec<SocketAddr> = cfg
+        .upstream_dns
+        .iter()
+        .filter_map(|u| {
+            u.parse::<SocketAddr>()
+                .ok()
+                .or_else(|| u.parse::<std::net::IpAddr>().ok().map(|ip| SocketAddr::new(ip, 53)))
+        })
+        .collect();
+    if upstream.is_empty() {
+        upstream = host_resolvers();
+    }
+    Ok(NetOptions {
+        subnet,
+        tag: tag_of(state_dir),
+        uplink: (!cfg.uplink.is_empty()).then(|| cfg.uplink.clone()),
+        upstream,
+        rule_sets,
+        open_private,
+        dns_rate: cfg.dns_rate,
+        dns_burst: cfg.dns_burst,
+        dns_ttl_min: cfg.dns_ttl_min,
+        dns_ttl_max: cfg.dns_ttl_max,
+    })
+}
+
+/// The host's resolvers, from /etc/resolv.conf.
+fn host_resolvers() -> Vec<SocketAddr> {
+    let text = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|a| a.trim().parse::<std::net::IpAddr>().ok())
+        .map(|ip| SocketAddr::new(ip, 53))
+        .collect()
+}
+
+/// The table and link names of an edge whose state directory is `state_dir`.
+pub fn tag_of(state_dir: &Path) -> String {
+    use sha2::Digest;
+    let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let h = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    format!("{:02x}{:02x}", h[0], h[1])
+}
+
+impl Network {
+    /// The DNS proxy's address.
+    pub fn dns_addr(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.opts.subnet.first() + 1)
+    }
+
+    pub fn table_name(&self) -> &str {
+        &self.table.name
+    }
+
+    pub fn veth_prefix(&self) -> &str {
+        &self.table.veth_prefix
+    }
+
+    /// The host-side veth of slot `s`.
+    pub fn ifname(&self, s: Slot) -> String {
+        format!("{}{:x}", self.table.veth_prefix, s.0)
+    }
+
+    /// The addresses of slot `s`: (host end, sandbox).
+    pub fn addrs(&self, s: Slot) -> (Ipv4Addr, Ipv4Addr) {
+        let base = self.opts.subnet.first() + 2 * s.0;
+        (Ipv4Addr::from(base), Ipv4Addr::from(base + 1))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // Every change is committed whole after the kernel took it: a panic cannot leave it
+        // half done.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Prepares the edge's network (blocking): checks that no other holder uses the subnet,
+    /// turns on forwarding, creates the DNS address, finds the uplink. The table is loaded by
+    /// [`Network::recover`], with the records' sandboxes in it.
+    pub fn new(opts: NetOptions) -> Result<Network, NetworkError> {
+        let tag = opts.tag.clone();
+        let veth_prefix = format!("od{tag}-");
+        let dns_label = format!("lo:od{tag}");
+        let mut rt = NlSocket::route()?;
+        let subnet = opts.subnet;
+        let dns = Ipv4Addr::from(subnet.first() + 1);
+        // Another holder of the subnet (another edge, a host network): refuse to start.
+        let names = link_names_by_index(&mut rt)?;
+        for a in link::addresses(&mut rt)? {
+            if subnet.overlaps(&Ipv4Net::of(a.addr, a.prefix)) {
+                let owner = names.get(&a.index).cloned().unwrap_or_default();
+                let ours = owner.starts_with(&veth_prefix) || (a.label == dns_label && a.addr == dns && a.prefix == 32);
+                if !ours {
+                    return Err(NetworkError::SubnetInUse {
+                        subnet,
+                        holder: format!("{}/{} on {owner} ({})", a.addr, a.prefix, a.label),
+                    });
+                }
+            }
+        }
+        write_sysctl("net/ipv4/ip_forward", "1")?;
+        link::ensure_local_address(&mut rt, &dns_label, dns)?;
+        let uplink = match &opts.uplink {
+            Some(u) => Some(u.clone()),
+            None => link::default_route_interface(&mut rt)?,
+        };
+        if uplink.is_none() {
+            tracing::warn!("no default route: sandbox egress has no way out until one exists");
+        }
+        let mut local: Vec<Ipv4Net> = link::addresses(&mut rt)?.into_iter().map(|a| Ipv4Net::of(a.addr, 32)).collect();
+        local.push(subnet);
+        let closed = table::subtract(&egress::always_closed(), &opts.open_private);
+        let spec = table::TableSpec {
+            name: format!("opendsec-{tag}"),
+            veth_prefix,
+            subnet,
+            dns,
+            uplink: uplink.unwrap_or_default(),
+            local,
+            closed,
+        };
+        let max_slot = u32::try_from(subnet.size() / 2).unwrap_or(u32::MAX).saturating_sub(1);
+        Ok(Network {
+            opts,
+            table: spec,
+            inner: Mutex::new(Inner { nf: NlSocket::netfilter()?, state: State::default() }),
+            max_slot,
+            dns_stats: Mutex::new(None),
+        })
+    }
+
+    /// Loads the table with the claims' elements in one transaction, takes their slots, and
+    /// removes this edge's links no claim holds (blocking). Called once, before the edge
+    /// serves. Addresses learned through DNS before the restart are not kept: a sandbox's
+    /// next lookup learns them again.
+    pub fn recover(&self, claims: &[Claim]) -> Result<(), NetworkError> {
+        let mut sandboxes = Vec::new();
+        let mut allow = Vec::new();
+        let mut attached = Vec::new();
+        for c in claims {
+            if c.slot.0 == 0 || c.slot.0 > self.max_slot {
+                continue;
+            }
+            let compiled = compile(&c.rules, &self.opts.rule_sets).unwrap_or_default();
+            let (_, addr) = self.addrs(c.slot);
+            let ifname = self.ifname(c.slot);
+            let elems = table::box_elements(addr, &compiled.boxes, None);
+            sandboxes.push((ifname.clone(), addr, u32::from(addr)));
+            allow.extend(elems.iter().cloned());
+            attached
+                .push((c.id.clone(), Attached { slot: c.slot, addr, compiled, allow: elems, learned: HashMap::new() }));
+        }
+        load_table(&self.table.name, &table::script(&self.table, &sandboxes, &allow))?;
+        {
+            let mut g = self.lock();
+            g.state = State::default();
+            for (id, a) in attached {
+                g.state.slots.insert(a.slot.0);
+                g.state.by_addr.insert(a.addr, id.clone());
+                g.state.sandboxes.insert(id, a);
+            }
+        }
+        // Links of this edge no claim holds (sandboxes that ended while the edge was down).
+        let keep: BTreeSet<String> = claims.iter().map(|c| self.ifname(c.slot)).collect();
+        let mut rt = NlSocket::route()?;
+        for name in link::names(&mut rt)? {
+            if name.starts_with(&self.table.veth_prefix) && !keep.contains(&name) {
+                link::delete(&mut rt, &name)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Binds the DNS proxy on the DNS address and serves it until `shutdown`.
+    pub async fn serve_dns(
+        self: &Arc<Self>,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<tokio::task::JoinHandle<()>, NetworkError> {
+        let at = SocketAddr::from((self.dns_addr(), 53));
+        let io = |what: &str| {
+            let what = format!("{what} {at}");
+            move |source| NetworkError::Io { what, source }
+        };
+        let udp = tokio::net::UdpSocket::bind(at).await.map_err(io("bind udp"))?;
+        let tcp = tokio::net::TcpListener::bind(at).await.map_err(io("bind tcp"))?;
+        let policy: Arc<dyn dns::DnsPolicy> = self.clone();
+        let proxy =
+            Arc::new(dns::DnsProxy::new(self.opts.upstream.clone(), policy, self.opts.dns_rate, self.opts.dns_burst));
+        *self.dns_stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(proxy.clone());
+        Ok(tokio::spawn(proxy.serve(udp, tcp, shutdown)))
+    }
+
+    /// Chooses the slot of a new sandbox (next fit: a freed slot is not reused at once).
+    pub fn reserve(&self) -> Result<Slot, NetworkError> {
+        let mut g = self.lock();
+        let st = &mut g.state;
+        for i in 0..self.max_slot {
+            let s = (st.cursor + i) % self.max_slot + 1;
+            if !st.slots.contains(&s) {
+                st.slots.insert(s);
+                st.cursor = s;
+                return Ok(Slot(s));
+            }
+        }
+        Err(NetworkError::Exhausted(self.opts.subnet))
+    }
+
+    /// Gives back a slot [`Network::reserve`] chose for a creation that never got as far as
+    /// [`Network::attach`].
+    pub fn unreserve(&self, slot: Slot) {
+        let mut g = self.lock();
+        if !g.state.sandboxes.values().any(|a| a.slot == slot) {
+            g.state.slots.remove(&slot.0);
+        }
+    }
+
+    /// Connects the sandbox in namespace `netns` on `slot` and applies `rules` (blocking).
+    pub fn attach(&self, id: &str, slot: Slot, rules: &[Rule], netns: &Path) -> Result<(), NetworkError> {
+        let compiled = compile(rules, &self.opts.rule_sets)?;
+        let (host_addr, addr) = self.addrs(slot);
+        let ifname = self.ifname(slot);
+        let mut rt = NlSocket::route()?;
+        link::create_veth(&mut rt, netns, &ifname, host_addr, addr)?;
+        let allow = table::box_elements(addr, &compiled.boxes, None);
+        let mut msgs = vec![nl::set_elements(
+            ElemOp::Add,
+            &self.table.name,
+            table::SANDBOXES,
+            &[table::sandbox_element(&ifname, addr, u32::from(addr))],
+        )];
+        if !allow.is_empty() {
+            msgs.push(nl::set_elements(ElemOp::Add, &self.table.name, table::ALLOW, &allow));
+        }
+        let mut g = self.lock();
+        if let Err(e) = g.nf.nf_batch(&format!("rules of {id}"), &msgs) {
+            drop(g);
+            let _ = link::delete(&mut rt, &ifname);
+            return Err(e.into());
+        }
+        g.state.slots.insert(slot.0);
+        g.state.by_addr.insert(addr, id.to_string());
+        g.state.sandboxes.insert(id.to_string(), Attached { slot, addr, compiled, allow, learned: HashMap::new() });
+        Ok(())
+    }
+
+    /// Replaces the rules of an attached sandbox in one transaction (blocking). Addresses it
+    /// learned stay open only as far as the new rules still allow their names.
+    pub fn update(&self, id: &str, rules: &[Rule]) -> Result<(), NetworkError> {
+        let compiled = compile(rules, &self.opts.rule_sets)?;
+        let now = Instant::now();
+        let mut g = self.lock();
+        let Inner { nf, state } = &mut *g;
+        let a = state.sandboxes.get_mut(id).ok_or_else(|| NetworkError::NotAttached(id.into()))?;
+        let allow = table::box_elements(a.addr, &compiled.boxes, None);
+        let mut del: Vec<Element> = a.allow.clone();
+        let mut add: Vec<Element> = allow.clone();
+        let mut relearned: Vec<(Ipv4Addr, Vec<Element>)> = Vec::new();
+        for (ip, l) in &a.learned {
+            del.extend(l.elems.iter().cloned());
+            let e = learned_elements(a.addr, *ip, &l.names, &compiled.domains, now);
+            add.extend(e.iter().cloned());
+            relearned.push((*ip, e));
+        }
+        let mut msgs = Vec::new();
+        split_by_set(&mut msgs, &self.table.name, ElemOp::Delete, &del);
+        split_by_set(&mut msgs, &self.table.name, ElemOp::Add, &add);
+        nf.nf_batch(&format!("rules of {id}"), &msgs)?;
+        a.allow = allow;
+        a.compiled = compiled;
+        for (ip, e) in relearned {
+            if e.is_empty() {
+                a.learned.remove(&ip);
+            } else if let Some(l) = a.learned.get_mut(&ip) {
+                l.elems = e;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes everything of the sandbox on `slot` (blocking): its elements, its veth, its
+    /// conntrack entries, the slot. Idempotent: what is gone already is no error.
+    pub fn detach(&self, id: &str, slot: Slot) -> Result<(), NetworkError> {
+        let (_, addr) = self.addrs(slot);
+        let ifname = self.ifname(slot);
+        {
+            let mut g = self.lock();
+            let Inner { nf, state } = &mut *g;
+            let mut del = vec![table::sandbox_element(&ifname, addr, u32::from(addr))];
+            if let Some(a) = state.sandboxes.get(id) {
+                del.extend(a.allow.iter().cloned());
+                del.extend(a.learned.values().flat_map(|l| l.elems.iter().cloned()));
+            }
+            let mut msgs = Vec::new();
+            split_by_set(&mut msgs, &self.table.name, ElemOp::Delete, &del);
+            nf.nf_batch(&format!("rules of {id}"), &msgs)?;
+            state.sandboxes.remove(id);
+            if state.by_addr.get(&addr).is_some_and(|o| o == id) {
+                state.by_addr.remove(&addr);
+            }
+        }
+        let mut rt = NlSocket::route()?;
+        link::delete(&mut rt, &ifname)?;
+        let mut ct = NlSocket::netfilter()?;
+        match ct.nf_one("flush conntrack", &nl::conntrack_flush_mark(u32::from(addr))) {
+            // ENOENT: no entry had the mark.
+            Err(e) if e.errno() == Some(2) => {}
+            r => r?,
+        }
+        self.lock().state.slots.remove(&slot.0);
+        Ok(())
+    }
+
+    /// The number of sandboxes attached (for tests and status).
+    pub fn attached(&self) -> usize {
+        self.lock().state.sandboxes.len()
+    }
+
+    fn timeout_of(&self, ttl: u32) -> Duration {
+        Duration::from_secs(u64::from(ttl)).clamp(self.opts.dns_ttl_min, self.opts.dns_ttl_max)
+    }
+}
+
+/// The `resolved` elements of destination `ip` for sandbox `src`: a box per domain rule that
+/// matches a name still open, with the time left of the longest-open name.
+fn learned_elements(
+    src: Ipv4Addr,
+    ip: Ipv4Addr,
+    names: &HashMap<String, Instant>,
+    domains: &[Rule],
+    now: Instant,
+) -> Vec<Element> {
+    let d = u32::from(ip);
+    let mut bx = Vec::new();
+    let mut until = now;
+    for (name, exp) in names {
+        if *exp <= now {
+            continue;
+        }
+        for r in domains {
+            if let Target::Domain(dom) = &r.target
+                && egress::domain_within(name, dom)
+            {
+                bx.push(Box3::of_rule(d, d, r));
+                until = until.max(*exp);
+            }
+        }
+    }
+    if bx.is_empty() {
+        return Vec::new();
+    }
+    let left = until.duration_since(now).max(Duration::from_millis(1));
+    table::box_elements(src, &boxes::disjoint(&bx), Some(left))
+}
+
+/// Messages for `elems`, each to its set (box keys are 16 bytes, `sandboxes` keys 20;
+/// timeouts only in `resolved`).
+fn split_by_set(msgs: &mut Vec<nl::NfMsg>, table_name: &str, op: ElemOp, elems: &[Element]) {
+    let (mut sb, mut allow, mut resolved) = (Vec::new(), Vec::new(), Vec::new());
+    for e in elems {
+        if e.data.is_some() || e.key.len() == 20 {
+            sb.push(e.clone());
+        } else if e.timeout.is_some() {
+            resolved.push(e.clone());
+        } else {
+            allow.push(e.clone());
+        }
+    }
+    for (set, v) in [(table::SANDBOXES, sb), (table::ALLOW, allow), (table::RESOLVED, resolved)] {
+        if !v.is_empty() {
+            msgs.push(nl::set_elements(op, table_name, set, &v));
+        }
+    }
+}
+
+impl dns::DnsPolicy for Network {
+    fn allowed(&self, src: Ipv4Addr, name: &str) -> Option<bool> {
+        let g = self.lock();
+        let id = g.state.by_addr.get(&src)?;
+        let a = g.state.sandboxes.get(id)?;
+        Some(
+            a.compiled.domains.iter().any(|r| matches!(&r.target, Target::Domain(d) if egress::domain_within(name, d))),
+        )
+    }
+
+    fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[Ipv4Addr], ttl: u32) -> Result<(), String> {
+        let now = Instant::now();
+        let until = now + self.timeout_of(ttl);
+        let mut g = self.lock();
+        let Inner { nf, state } = &mut *g;
+        let Some(id) = state.by_addr.get(&src).cloned() else { return Err(format!("no sandbox has {src}")) };
+        let Some(a) = state.sandboxes.get_mut(&id) else { return Err(format!("no sandbox has {src}")) };
+        // Forget what expired (the kernel dropped those elements already).
+        a.learned.retain(|_, l| l.names.values().any(|e| *e > now));
+        let mut del = Vec::new();
+        let mut add = Vec::new();
+        let mut next: Vec<(Ipv4Addr, HashMap<String, Instant>, Vec<Element>)> = Vec::new();
+        let mut uniq: Vec<Ipv4Addr> = addrs.to_vec();
+        uniq.sort();
+        uniq.dedup();
+        if a.learned.len() + uniq.len() > MAX_LEARNED {
+            return Err(NetworkError::TooManyLearned { id }.to_string());
+        }
+        for ip in uniq {
+            let mut names = a.learned.get(&ip).map(|l| l.names.clone()).unwrap_or_default();
+            names.retain(|_, e| *e > now);
+            names.insert(name.to_string(), until);
+            let e = learned_elements(a.addr, ip, &names, &a.compiled.domains, now);
+            if let Some(l) = a.learned.get(&ip) {
+                del.extend(l.elems.iter().cloned());
+            }
+            add.extend(e.iter().cloned());
+            next.push((ip, names, e));
+        }
+        let mut msgs = Vec::new();
+        split_by_set(&mut msgs, &self.table.name, ElemOp::Delete, &del);
+        split_by_set(&mut msgs, &self.table.name, ElemOp::Add, &add);
+        nf.nf_batch(&format!("learned addresses of {id}"), &msgs).map_err(|e| e.to_string())?;
+        for (ip, names, elems) in next {
+            a.learned.insert(ip, Learned { names, elems });
+        }
+        Ok(())
+    }
+}
+
+fn link_names_by_index(rt: &mut NlSocket) -> Result<HashMap<u32, String>, NetworkError> {
+    use rtnetlink::packet_route::RouteNetlinkMessage;
+    use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
+    let v = rt.route_get("list links", RouteNetlinkMessage::GetLink(LinkMessage::default()), true)?;
+    Ok(v.into_iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l) => {
+                let idx = l.header.index;
+                l.attributes.into_iter().find_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some((idx, n)),
+                    _ => None,
+                })
+            }
+            _ => None,
+        })
+        .collect())
+}
+
+fn write_sysctl(key: &str, value: &str) -> Result<(), NetworkError> {
+    let path = format!("/proc/sys/{key}");
+    if std::fs::read_to_string(&path).is_ok_and(|v| v.trim() == value) {
+        return Ok(());
+    }
+    std::fs::write(&path, value).map_err(|source| NetworkError::Io { what: format!("write {path}"), source })
+}
+
+/// Loads `script` with `nft -f -` (the table's fixed part, once per start).
+fn load_table(table: &str, script: &str) -> Result<(), NetworkError> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| NetworkError::Nft {
+            table: table.into(),
+            message: format!("cannot run nft ({e}); install nftables"),
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(script.as_bytes())
+            .map_err(|e| NetworkError::Nft { table: table.into(), message: format!("writing the script: {e}") })?;
+    }
+    let out =
+        child.wait_with_output().map_err(|e| NetworkError::Nft { table: table.into(), message: e.to_string() })?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(NetworkError::Nft {
+            table: table.into(),
+            message: err.lines().take(6).collect::<Vec<_>>().join(" | "),
+        });
+    }
+    Ok(())
+}
+
+/// Removes the table of an edge (when its network is turned off, and in tests).
+pub fn remove_table(name: &str) -> Result<(), NetworkError> {
+    load_table(name, &format!("table inet {name} {{}}\ndelete table inet {name}\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(s: &str) -> Rule {
+        Rule::parse(s).unwrap()
+    }
+
+    #[test]
+    fn named_sets_expand_and_narrow() {
+        let sets: BTreeMap<String, Vec<Rule>> =
+            [("pypi".to_string(), vec![r("pypi.org"), r("files.pythonhosted.org:tcp/443"), r("192.0.2.0/24:udp")])]
+                .into();
+        let c = compile(&[r("@pypi:tcp/443"), r("203.0.113.0/24:tcp/80")], &sets).unwrap();
+        assert_eq!(c.domains, vec![r("files.pythonhosted.org:tcp/443"), r("pypi.org:tcp/443")]);
+        assert_eq!(c.boxes.len(), 1, "the udp member is narrowed away: {:?}", c.boxes);
+        let e = compile(&[r("@npm")], &sets).unwrap_err();
+        assert!(e.why.contains("no rule set"), "{e}");
+        // Overlapping rules become disjoint boxes.
+        let c = compile(&[r("*"), r("203.0.113.0/24:tcp/80")], &sets).unwrap();
+        assert_eq!(c.boxes, vec![Box3 { addr: (0, u32::MAX), proto: (0, 255), port: (0, u16::MAX) }]);
+    }
+
+    #[test]
+    fn learned_boxes_follow_the_names_still_open() {
+        let now = Instant::now();
+        let names: HashMap<String, Instant> =
+            [("a.x.org".to_string(), now + Duration::from_secs(60)), ("old.y.org".to_string(), now)].into();
+        let domains = vec![r("x.org:tcp/443"), r("y.org")];
+        let e = learned_elements(Ipv4Addr::new(10, 88, 0, 3), Ipv4Addr::new(192, 0, 2, 1), &names, &domains, now);
+        assert_eq!(e.len(), 1, "only x.org's box: y.org's name expired");
+        assert!(e[0].timeout.unwrap() > Duration::from_secs(59));
+        assert!(
+            learned_elements(Ipv4Addr::new(10, 88, 0, 3), Ipv4Addr::new(192, 0, 2, 1), &names, &[], now).is_empty()
+        );
+    }
+}

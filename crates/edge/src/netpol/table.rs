@@ -1,0 +1,265 @@
+//! The edge's nftables table: its fixed part (chains, hooks, the always-closed ranges) is
+//! loaded with `nft -f` once at start; everything per sandbox is set elements, changed over
+//! netlink ([`super::nl`]), never a rule.
+//!
+//! Every packet a sandbox sends runs through the same checks, keyed by its host-side veth
+//! **and** source address: `sandboxes` maps (veth, address) to the sandbox's conntrack mark,
+//! so a forged source matches nothing and is dropped; `allow` and `resolved` hold
+//! (source, destination range, protocol range, port range) boxes, so a sandbox's rules only
+//! ever match its own packets. Established connections pass through the same checks: taking a
+//! rule back cuts its connections at the next packet. New connections towards a sandbox are
+//! dropped on every path (forward from anywhere, output from the host); replies pass.
+
+use std::fmt::Write as _;
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use opendsec_common::egress::Ipv4Net;
+
+use super::boxes::Box3;
+use super::nl::Element;
+
+/// Names of the sets per-sandbox state lives in.
+pub const SANDBOXES: &str = "sandboxes";
+pub const ALLOW: &str = "allow";
+pub const RESOLVED: &str = "resolved";
+
+/// The fixed facts the table is made from.
+#[derive(Clone, Debug)]
+pub struct TableSpec {
+    pub name: String,
+    /// Host-side veth names all start with this (`nft` wildcard `<prefix>*`).
+    pub veth_prefix: String,
+    pub subnet: Ipv4Net,
+    /// Where the DNS proxy listens (UDP and TCP 53).
+    pub dns: Ipv4Addr,
+    /// The uplink egress is masqueraded through.
+    pub uplink: String,
+    /// Closed whatever the rules: the host's own addresses and the edge's subnet.
+    pub local: Vec<Ipv4Net>,
+    /// Closed unless a rule's network lies in an opened range: always-closed ranges minus
+    /// the operator's `network.open_private`, as address intervals.
+    pub closed: Vec<(u32, u32)>,
+}
+
+fn ip(a: u32) -> Ipv4Addr {
+    Ipv4Addr::from(a)
+}
+
+fn intervals(v: &[(u32, u32)]) -> String {
+    v.iter()
+        .map(|(a, b)| if a == b { ip(*a).to_string() } else { format!("{}-{}", ip(*a), ip(*b)) })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The table as `nft -f` input: created (or replaced) whole, in one transaction, with the
+/// given per-sandbox elements (recovery) already in.
+pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Element]) -> String {
+    let mut s = String::new();
+    let n = &t.name;
+    let p = &t.veth_prefix;
+    // Create-then-delete makes the delete safe when the table does not exist yet.
+    let _ = writeln!(s, "table inet {n} {{}}\ndelete table inet {n}\ntable inet {n} {{");
+    let _ = writeln!(s, "  map {SANDBOXES} {{ type ifname . ipv4_addr : mark; }}");
+    let boxes = "type ipv4_addr . ipv4_addr . inet_proto . inet_service";
+    let _ = writeln!(s, "  set {ALLOW} {{ {boxes}; flags interval; }}");
+    let _ = writeln!(s, "  set {RESOLVED} {{ {boxes}; flags interval,timeout; }}");
+    let local: Vec<(u32, u32)> = t.local.iter().map(|l| (l.first(), l.last())).collect();
+    let _ = writeln!(
+        s,
+        "  set local {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {} }} }}",
+        intervals(&local)
+    );
+    if t.closed.is_empty() {
+        let _ = writeln!(s, "  set closed {{ type ipv4_addr; flags interval; }}");
+    } else {
+        let _ = writeln!(
+            s,
+            "  set closed {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {} }} }}",
+            intervals(&t.closed)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"  chain forward {{
+    type filter hook forward priority filter - 10; policy accept;
+    oifname "{p}*" ct state established,related accept
+    oifname "{p}*" drop
+    iifname "{p}*" jump egress
+  }}
+  chain egress {{
+    meta nfproto != ipv4 drop
+    iifname . ip saddr != @{SANDBOXES} drop
+    ct mark set iifname . ip saddr map @{SANDBOXES}
+    udp dport {{ 53, 853 }} drop
+    tcp dport {{ 53, 853 }} drop
+    ip daddr @local drop
+    ip daddr @closed drop
+    ip saddr . ip daddr . meta l4proto . th dport @{ALLOW} accept
+    ip saddr . ip daddr . meta l4proto . th dport @{RESOLVED} accept
+    drop
+  }}
+  chain input {{
+    type filter hook input priority filter - 10; policy accept;
+    iifname "{p}*" jump to_host
+  }}
+  chain to_host {{
+    meta nfproto != ipv4 drop
+    iifname . ip saddr != @{SANDBOXES} drop
+    ct mark set iifname . ip saddr map @{SANDBOXES}
+    ip daddr {dns} udp dport 53 accept
+    ip daddr {dns} tcp dport 53 accept
+    drop
+  }}
+  chain output {{
+    type filter hook output priority filter - 10; policy accept;
+    oifname "{p}*" ct state established,related accept
+    oifname "{p}*" drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {subnet} oifname "{uplink}" masquerade
+  }}
+}}"#,
+        dns = t.dns,
+        subnet = t.subnet,
+        uplink = t.uplink,
+    );
+    // Per-sandbox elements, for a rebuild from records.
+    if !sandboxes.is_empty() {
+        let e: Vec<String> =
+            sandboxes.iter().map(|(ifname, addr, mark)| format!("\"{ifname}\" . {addr} : {mark:#x}")).collect();
+        for chunk in e.chunks(512) {
+            let _ = writeln!(s, "add element inet {n} {SANDBOXES} {{ {} }}", chunk.join(", "));
+        }
+    }
+    if !allow.is_empty() {
+        let e: Vec<String> = allow.iter().filter_map(element_text).collect();
+        for chunk in e.chunks(512) {
+            let _ = writeln!(s, "add element inet {n} {ALLOW} {{ {} }}", chunk.join(", "));
+        }
+    }
+    s
+}
+
+/// The `nft` text of an `allow`/`resolved` element (from its key bytes).
+fn element_text(e: &Element) -> Option<String> {
+    let lo = decode_box_key(&e.key)?;
+    let hi = decode_box_key(e.key_end.as_ref().unwrap_or(&e.key))?;
+    let range = |a: String, b: String| if a == b { a } else { format!("{a}-{b}") };
+    Some(format!(
+        "{} . {} . {} . {}",
+        ip(lo.0),
+        range(ip(lo.1).to_string(), ip(hi.1).to_string()),
+        range(lo.2.to_string(), hi.2.to_string()),
+        range(lo.3.to_string(), hi.3.to_string())
+    ))
+}
+
+/// Key bytes of a box element: source . destination . protocol . port, each field padded to
+/// 4 bytes as the kernel's registers hold them.
+pub fn box_key(src: Ipv4Addr, dst: u32, proto: u8, port: u16) -> Vec<u8> {
+    let mut k = Vec::with_capacity(16);
+    k.extend_from_slice(&src.octets());
+    k.extend_from_slice(&dst.to_be_bytes());
+    k.extend_from_slice(&[proto, 0, 0, 0]);
+    k.extend_from_slice(&port.to_be_bytes());
+    k.extend_from_slice(&[0, 0]);
+    k
+}
+
+fn decode_box_key(k: &[u8]) -> Option<(u32, u32, u8, u16)> {
+    if k.len() != 16 {
+        return None;
+    }
+    Some((
+        u32::from_be_bytes(k[0..4].try_into().ok()?),
+        u32::from_be_bytes(k[4..8].try_into().ok()?),
+        k[8],
+        u16::from_be_bytes([k[12], k[13]]),
+    ))
+}
+
+/// The elements of `src`'s boxes (disjoint already), with an optional timeout.
+pub fn box_elements(src: Ipv4Addr, boxes: &[Box3], timeout: Option<Duration>) -> Vec<Element> {
+    boxes
+        .iter()
+        .map(|b| Element {
+            key: box_key(src, b.addr.0, b.proto.0, b.port.0),
+            key_end: Some(box_key(src, b.addr.1, b.proto.1, b.port.1)),
+            data: None,
+            timeout,
+        })
+        .collect()
+}
+
+/// The `sandboxes` element of a sandbox: (host-side veth, address) -> conntrack mark.
+pub fn sandbox_element(ifname: &str, addr: Ipv4Addr, mark: u32) -> Element {
+    let mut key = vec![0u8; 16];
+    key[..ifname.len().min(15)].copy_from_slice(&ifname.as_bytes()[..ifname.len().min(15)]);
+    key.extend_from_slice(&addr.octets());
+    // Marks are host-endian integers in the kernel's registers.
+    Element { key, key_end: None, data: Some(mark.to_ne_bytes().to_vec()), timeout: None }
+}
+
+/// `ranges` minus `holes`, as sorted disjoint intervals.
+pub fn subtract(ranges: &[Ipv4Net], holes: &[Ipv4Net]) -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> = ranges.iter().map(|r| (r.first(), r.last())).collect();
+    for h in holes {
+        let (hs, he) = (h.first(), h.last());
+        out = out
+            .into_iter()
+            .flat_map(|(a, b)| {
+                if he < a || hs > b {
+                    return vec![(a, b)];
+                }
+                let mut v = Vec::new();
+                if hs > a {
+                    v.push((a, hs - 1));
+                }
+                if he < b {
+                    v.push((he + 1, b));
+                }
+                v
+            })
+            .collect();
+    }
+    out.sort_unstable();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(s: &str) -> Ipv4Net {
+        Ipv4Net::parse(s).unwrap()
+    }
+
+    #[test]
+    fn opened_networks_are_cut_out_of_the_closed_ranges() {
+        let c = subtract(&[net("10.0.0.0/8"), net("169.254.0.0/16")], &[net("10.1.0.0/16")]);
+        assert_eq!(
+            c,
+            vec![
+                (net("10.0.0.0/16").first(), net("10.0.255.255/32").first()),
+                (net("10.2.0.0/32").first(), net("10.255.255.255/32").first()),
+                (net("169.254.0.0/16").first(), net("169.254.0.0/16").last())
+            ]
+        );
+        assert_eq!(subtract(&[net("10.0.0.0/8")], &[net("0.0.0.0/0")]), vec![]);
+    }
+
+    #[test]
+    fn keys_round_trip_into_nft_text() {
+        let src: Ipv4Addr = "10.88.0.3".parse().unwrap();
+        let b =
+            Box3 { addr: (net("203.0.113.0/24").first(), net("203.0.113.0/24").last()), proto: (6, 6), port: (80, 80) };
+        let e = box_elements(src, &[b], None);
+        assert_eq!(element_text(&e[0]).unwrap(), "10.88.0.3 . 203.0.113.0-203.0.113.255 . 6 . 80");
+        let s = sandbox_element("odab12-1", src, 7);
+        assert_eq!(s.key.len(), 20);
+        assert_eq!(&s.key[..8], b"odab12-1");
+    }
+}

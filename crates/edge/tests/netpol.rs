@@ -1,0 +1,346 @@
+//! The sandbox network on the real kernel (root; CI runs as root): veths, the nftables table,
+//! the DNS proxy and conntrack, driven through `netpol::Network` with plain network
+//! namespaces standing in for sandboxes.
+//!
+//! Hermetic: each test moves itself into a network namespace of its own whose only way out is
+//! the test world (`opendsec_testkit::netns`), so even a wrong rule cannot send a packet to
+//! the machine's network. The world's forbidden servers (metadata, private) answer like the
+//! others: a rule that wrongly lets a packet through shows as a connection that works.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use opendsec_common::egress::{Ipv4Net, Rule};
+use opendsec_edge::netpol::{self, NetOptions, Network, Slot};
+use opendsec_testkit::netns::{self, DNS, METADATA, PRIVATE, UDP_LOG_PORT, UPLINK_ADDR, WEB_A, WEB_B, World};
+use opendsec_testkit::{is_root, wait_for};
+
+/// A TCP request (`GET <path>`), a DNS query or a UDP datagram from inside a namespace, in
+/// Python so that every timeout is bounded. Prints what it got, or `ERR <reason>`.
+const CLIENT: &str = r#"
+import socket, struct, sys, random
+cmd = sys.argv[1]
+try:
+    if cmd == "get":
+        s = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=1.5)
+        s.sendall(("GET %s HTTP/1.0\r\n\r\n" % sys.argv[4]).encode())
+        out = b""
+        while True:
+            d = s.recv(4096)
+            if not d: break
+            out += d
+        print(out.decode(errors="replace").split("\r\n\r\n", 1)[-1].strip())
+    elif cmd == "dns":
+        name, server, qtype = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        q = struct.pack(">HHHHHH", random.randint(0, 65535), 0x0100, 1, 0, 0, 0)
+        q += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0" + struct.pack(">HH", qtype, 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(1.5)
+        s.sendto(q, (server, int(sys.argv[5]) if len(sys.argv) > 5 else 53))
+        r = s.recv(4096)
+        rcode, an = r[3] & 15, struct.unpack(">H", r[6:8])[0]
+        ip = ".".join(str(b) for b in r[-4:]) if an else "-"
+        print("rcode=%d answers=%d ip=%s" % (rcode, an, ip))
+    elif cmd == "udp":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        if len(sys.argv) > 5: s.bind((sys.argv[5], 0))
+        s.sendto(sys.argv[4].encode(), (sys.argv[2], int(sys.argv[3])))
+        print("sent")
+    elif cmd == "flood":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        q = struct.pack(">HHHHHH", 1, 0x0100, 1, 0, 0, 0) + b"\x07allowed\x04test\x00" + struct.pack(">HH", 1, 1)
+        for i in range(int(sys.argv[3])):
+            s.sendto(q, (sys.argv[2], 53))
+        print("flooded")
+    elif cmd == "stream":
+        s = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=30)
+        s.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
+        f = s.makefile("rb")
+        for line in f:
+            print(line.decode().strip(), flush=True)
+except Exception as e:
+    print("ERR %s" % type(e).__name__)
+"#;
+
+/// A stand-in sandbox: a process in a network namespace of its own.
+struct Ns {
+    child: Child,
+}
+
+impl Ns {
+    fn new() -> Ns {
+        let child = Command::new("unshare").args(["--net", "--", "sleep", "600"]).spawn().expect("unshare");
+        let path = format!("/proc/{}/ns/net", child.id());
+        wait_for("the namespace of the stand-in sandbox", Duration::from_secs(5), || {
+            std::fs::read_link(&path).ok() != std::fs::read_link("/proc/thread-self/ns/net").ok()
+        });
+        Ns { child }
+    }
+
+    fn path(&self) -> String {
+        format!("/proc/{}/ns/net", self.child.id())
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net={}", self.path())).arg("--");
+        c.args(args);
+        c
+    }
+
+    /// Runs the client script inside; returns its output line.
+    fn client(&self, args: &[&str]) -> String {
+        let mut a = vec!["python3", "-c", CLIENT];
+        a.extend_from_slice(args);
+        let out = self.cmd(&a).output().expect("nsenter");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    fn get(&self, addr: Ipv4Addr, port: u16) -> String {
+        self.client(&["get", &addr.to_string(), &port.to_string(), "/"])
+    }
+
+    fn dns(&self, name: &str, server: Ipv4Addr) -> String {
+        self.client(&["dns", name, &server.to_string(), "1"])
+    }
+
+    fn sh(&self, args: &[&str]) {
+        let out = self.cmd(args).output().expect("nsenter");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+impl Drop for Ns {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn r(t: &str) -> Rule {
+    Rule::parse(t).unwrap()
+}
+
+struct Env {
+    world: World,
+    rt: tokio::runtime::Runtime,
+    net: Arc<Network>,
+    _dir: tempfile::TempDir,
+}
+
+/// The test's own namespace, the world, and a network on 10.88.0.0/16 whose upstream
+/// resolver is the world's DNS server.
+fn env() -> Env {
+    assert!(is_root(), "this test needs root (CI runs as root)");
+    netns::enter_private_namespace();
+    let world = World::start();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let opts = NetOptions {
+        subnet: Ipv4Net::parse("10.88.0.0/16").unwrap(),
+        tag: netpol::tag_of(dir.path()),
+        uplink: None,
+        upstream: vec![(DNS, 53).into()],
+        rule_sets: BTreeMap::from([("web".to_string(), vec![r("other.test:tcp/80")])]),
+        open_private: Vec::new(),
+        dns_rate: 20.0,
+        dns_burst: 20.0,
+        dns_ttl_min: Duration::from_secs(60),
+        dns_ttl_max: Duration::from_secs(3600),
+    };
+    let net = Arc::new(Network::new(opts).expect("network"));
+    net.recover(&[]).expect("table");
+    let n = net.clone();
+    rt.block_on(async move { n.serve_dns(std::future::pending()).await.map(|_| ()) }).expect("dns proxy");
+    Env { world, rt, net, _dir: dir }
+}
+
+fn ok(out: &str) -> bool {
+    out.starts_with("hello ")
+}
+
+#[test]
+fn rules_open_what_they_name_and_nothing_else() {
+    let e = env();
+    let sb = Ns::new();
+    let (_, me) = e.net.addrs(Slot(1));
+    e.net.attach("e.s1", Slot(1), &[r("198.51.100.10/32:tcp/80"), r("allowed.test")], sb.path().as_ref()).unwrap();
+    let dns = e.net.dns_addr();
+
+    // An allowed network with a port limit: that port works, another does not.
+    assert!(ok(&sb.get(WEB_A, 80)), "{}", sb.get(WEB_A, 80));
+    assert!(sb.get(WEB_A, 8080).starts_with("ERR"));
+    // A disallowed address is unreachable by IP.
+    assert!(sb.get(WEB_B, 80).starts_with("ERR"));
+
+    // An allowed domain resolves (through the proxy) and opens its address on every port.
+    assert_eq!(sb.dns("www.allowed.test", dns), format!("rcode=0 answers=1 ip={WEB_A}"));
+    assert!(ok(&sb.get(WEB_A, 8080)), "learned before the answer came back");
+    // AAAA: an empty answer.
+    assert_eq!(sb.client(&["dns", "allowed.test", &dns.to_string(), "28"]), "rcode=0 answers=0 ip=-");
+    // Another name: NXDOMAIN, and the world's DNS server never heard of it.
+    assert_eq!(sb.dns("secret.exfil.test", dns), "rcode=3 answers=0 ip=-");
+    assert!(!e.world.dns_saw("secret.exfil.test"), "a refused name left the edge");
+    // DNS to another resolver, and DNS over TLS: dropped on the way.
+    assert!(sb.dns("other.test", DNS).starts_with("ERR"));
+    assert!(sb.client(&["get", &DNS.to_string(), "853", "/"]).starts_with("ERR"));
+    assert!(!e.world.dns_saw("other.test"));
+
+    // Nothing connects to the sandbox, from the host either.
+    let conn = e.rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect((me, 22))).await
+    });
+    assert!(!matches!(conn, Ok(Ok(_))), "the host connected to a sandbox");
+}
+
+#[test]
+fn star_opens_public_addresses_only() {
+    let e = env();
+    let (a, b) = (Ns::new(), Ns::new());
+    e.net.attach("e.a", Slot(1), &[r("*")], a.path().as_ref()).unwrap();
+    e.net.attach("e.b", Slot(2), &[r("*")], b.path().as_ref()).unwrap();
+    let (host_end, b_addr) = e.net.addrs(Slot(2));
+    // A listener on the edge's own addresses (where the edge's and apiserver's ports live).
+    let l = e.rt.block_on(tokio::net::TcpListener::bind("0.0.0.0:7443")).unwrap();
+    b.sh(&["sh", "-c", "python3 -m http.server 8000 --bind 0.0.0.0 >/dev/null 2>&1 &"]);
+
+    assert!(ok(&a.get(WEB_A, 80)) && ok(&a.get(WEB_B, 80)));
+    for (addr, port, what) in [
+        (METADATA, 80, "the metadata address"),
+        (PRIVATE, 80, "a private address"),
+        (UPLINK_ADDR, 7443, "the host's uplink address"),
+        (host_end, 7443, "the host end of another sandbox's veth"),
+        (e.net.dns_addr(), 7443, "the DNS address on another port"),
+        (b_addr, 8000, "another sandbox"),
+    ] {
+        assert!(a.get(addr, port).starts_with("ERR"), "reached {what} ({addr}:{port})");
+    }
+    drop(l);
+    // A name that resolves into the metadata range stays closed (DNS rebinding).
+    e.net.update("e.a", &[r("*"), r("rebind.test")]).unwrap();
+    assert_eq!(a.dns("rebind.test", e.net.dns_addr()), format!("rcode=0 answers=1 ip={METADATA}"));
+    assert!(a.get(METADATA, 80).starts_with("ERR"));
+}
+
+#[test]
+fn forged_sources_are_dropped() {
+    let e = env();
+    let sb = Ns::new();
+    e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
+    let (_, me) = e.net.addrs(Slot(1));
+    // The sandbox's own address: the datagram arrives (the check can see it).
+    sb.client(&["udp", &WEB_A.to_string(), &UDP_LOG_PORT.to_string(), "honest", &me.to_string()]);
+    // Another sandbox's address, and one outside the subnet, put on the sandbox's eth0.
+    for (i, forged) in ["10.88.0.5", "198.51.100.99"].into_iter().enumerate() {
+        sb.sh(&["ip", "addr", "add", &format!("{forged}/32"), "dev", "eth0"]);
+        sb.client(&["udp", &WEB_A.to_string(), &UDP_LOG_PORT.to_string(), &format!("forged{i}"), forged]);
+    }
+    wait_for("the honest datagram", Duration::from_secs(5), || e.world.udp_saw("honest"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!e.world.udp_saw("forged0") && !e.world.udp_saw("forged1"), "{:?}", e.world.udp_log);
+}
+
+#[test]
+fn updates_cut_established_connections_and_open_new_ones() {
+    let e = env();
+    let sb = Ns::new();
+    e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
+    let mut stream = sb
+        .cmd(&["python3", "-u", "-c", CLIENT, "stream", &WEB_A.to_string(), "80"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = lines.clone();
+    let out = stream.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for _ in std::io::BufReader::new(out).lines() {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let count = || lines.load(std::sync::atomic::Ordering::SeqCst);
+    wait_for("the stream flowing", Duration::from_secs(5), || count() > 3);
+
+    e.net.update("e.s1", &[]).unwrap();
+    // Lines in flight may still land; then nothing more comes.
+    std::thread::sleep(Duration::from_millis(300));
+    let after = count();
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(count(), after, "the established connection kept flowing after its rule was taken back");
+    assert!(sb.get(WEB_A, 80).starts_with("ERR"));
+
+    e.net.update("e.s1", &[r("198.51.100.0/24:tcp/80")]).unwrap();
+    assert!(ok(&sb.get(WEB_A, 80)));
+    let _ = stream.kill();
+    let _ = stream.wait();
+}
+
+#[test]
+fn named_sets_and_a_dns_flood_leave_others_served() {
+    let e = env();
+    let (a, b) = (Ns::new(), Ns::new());
+    e.net.attach("e.a", Slot(1), &[r("allowed.test")], a.path().as_ref()).unwrap();
+    e.net.attach("e.b", Slot(2), &[r("@web")], b.path().as_ref()).unwrap();
+    let dns = e.net.dns_addr();
+    // The flood from a: far more than its burst.
+    assert_eq!(a.client(&["flood", &dns.to_string(), "3000"]), "flooded");
+    // b's lookups still work, and its named set opens other.test on port 80 only.
+    assert_eq!(b.dns("other.test", dns), format!("rcode=0 answers=1 ip={WEB_B}"));
+    assert!(ok(&b.get(WEB_B, 80)));
+    assert_eq!(b.dns("allowed.test", dns), "rcode=3 answers=0 ip=-");
+    let stats = e.net.dns_stats.lock().unwrap().clone().unwrap();
+    assert!(stats.stats.dropped.load(std::sync::atomic::Ordering::Relaxed) > 2000, "the flood was not limited");
+}
+
+/// What the kernel holds for this edge: links with its prefix, elements in its sets,
+/// conntrack entries from its subnet.
+fn leftovers(net: &Network) -> (usize, usize, usize) {
+    let links = netns::sh(&["ip", "-o", "link", "show"]).lines().filter(|l| l.contains(net.veth_prefix())).count();
+    // A set with elements lists them after `elements = {`.
+    let elems = ["sandboxes", "allow", "resolved"]
+        .iter()
+        .map(|set| {
+            let kind = if *set == "sandboxes" { "map" } else { "set" };
+            netns::sh(&["nft", "list", kind, "inet", net.table_name(), set]).matches(" . ").count()
+                - if *set == "sandboxes" { 1 } else { 3 }
+        })
+        .sum();
+    let ct = std::fs::read_to_string("/proc/thread-self/net/nf_conntrack").unwrap_or_default();
+    let conns = ct.lines().filter(|l| l.contains("src=10.88.")).count();
+    (links, elems, conns)
+}
+
+#[test]
+fn a_thousand_create_stop_cycles_leave_nothing() {
+    let e = env();
+    let sb = Ns::new();
+    for i in 0..1000u32 {
+        // A fresh namespace each time, held by an fd of a thread that ended.
+        let holder = std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            std::fs::File::open("/proc/thread-self/ns/net").unwrap()
+        })
+        .join()
+        .unwrap();
+        let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&holder));
+        let slot = e.net.reserve().unwrap();
+        let id = format!("e.c{i}");
+        e.net
+            .attach(&id, slot, &[r("*"), r("allowed.test:tcp/443"), r("203.0.113.0/24:udp/53-60")], path.as_ref())
+            .unwrap();
+        e.net.detach(&id, slot).unwrap();
+    }
+    // And one with live connections in conntrack when it stops.
+    let slot = e.net.reserve().unwrap();
+    e.net.attach("e.live", slot, &[r("*")], sb.path().as_ref()).unwrap();
+    assert!(ok(&sb.get(WEB_A, 80)));
+    assert_eq!(sb.dns("www.allowed.test", e.net.dns_addr()), "rcode=3 answers=0 ip=-");
+    assert!(leftovers(&e.net).2 > 0, "the connection shows in conntrack");
+    e.net.detach("e.live", slot).unwrap();
+    assert_eq!(leftovers(&e.net), (0, 0, 0));
+    assert_eq!(e.net.attached(), 0);
+}
