@@ -152,6 +152,7 @@ nothing_around!(
     pb::GetProjectRequest,
     pb::ListProjectsRequest,
     pb::SetQuotaRequest,
+    pb::SetEgressCeilingRequest,
     pb::CreatePrincipalRequest,
     pb::ListPrincipalsRequest,
     pb::DeletePrincipalRequest,
@@ -173,6 +174,7 @@ admin_proxy! {
     list_projects: "ListProjects", pb::ListProjectsRequest => pb::ListProjectsResponse;
     delete_project: "DeleteProject", pb::DeleteProjectRequest => pb::DeleteProjectResponse;
     set_quota: "SetQuota", pb::SetQuotaRequest => pb::Project;
+    set_egress_ceiling: "SetEgressCeiling", pb::SetEgressCeilingRequest => pb::Project;
     create_principal: "CreatePrincipal", pb::CreatePrincipalRequest => pb::Principal;
     list_principals: "ListPrincipals", pb::ListPrincipalsRequest => pb::ListPrincipalsResponse;
     delete_principal: "DeletePrincipal", pb::DeletePrincipalRequest => pb::DeletePrincipalResponse;

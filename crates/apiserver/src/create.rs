@@ -116,6 +116,7 @@ pub async fn create_one(
             resources: Some(proto_resources),
             edge: placed.edge.clone(),
             keep_existing,
+            egress: spec.network.as_ref().map(|n| n.egress.clone()).unwrap_or_default(),
         };
         let admitted = shared
             .up

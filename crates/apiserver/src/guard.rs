@@ -79,6 +79,7 @@ const METHODS: &[&str] = &[
     "ListProjects",
     "DeleteProject",
     "SetQuota",
+    "SetEgressCeiling",
     "CreatePrincipal",
     "ListPrincipals",
     "DeletePrincipal",

@@ -257,6 +257,13 @@ impl Sandboxes for SandboxesService {
             Box::pin(async move {
                 let network = admission::check_network_update(&req)?;
                 let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+                // The project's (and its ancestors') ceiling, asked fresh: no cache.
+                let check = pb::CheckEgressRequest { project: project_of(&sb), egress: network.egress.clone() };
+                s.up.iam(|mut c| {
+                    let r = check.clone();
+                    async move { c.check_egress(r).await }
+                })
+                .await?;
                 let req = pb::UpdateNetworkRequest { id: req.id, network: Some(network) };
                 let req = forward::to_edge(req, &project_of(&sb))?;
                 forward::edge_forward(s, &edge, |mut c| async move { c.update_network(req).await }).await

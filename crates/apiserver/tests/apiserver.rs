@@ -103,6 +103,13 @@ impl Iam for FakeIam {
         Ok(Response::new(pb::AuthorizeResponse { allowed: own.is_some_and(|p| allowed(p, &r.project)) }))
     }
 
+    async fn check_egress(
+        &self,
+        _: Request<pb::CheckEgressRequest>,
+    ) -> Result<Response<pb::CheckEgressResponse>, Status> {
+        Ok(Response::new(pb::CheckEgressResponse {}))
+    }
+
     async fn admit(&self, r: Request<pb::AdmitRequest>) -> Result<Response<pb::AdmitResponse>, Status> {
         let r = r.into_inner();
         let (principal, project) = self.auth(&r.token)?;
@@ -220,6 +227,7 @@ fake_admin! {
     list_projects(pb::ListProjectsRequest) -> pb::ListProjectsResponse;
     delete_project(pb::DeleteProjectRequest) -> pb::DeleteProjectResponse;
     set_quota(pb::SetQuotaRequest) -> pb::Project;
+    set_egress_ceiling(pb::SetEgressCeilingRequest) -> pb::Project;
     create_principal(pb::CreatePrincipalRequest) -> pb::Principal;
     list_principals(pb::ListPrincipalsRequest) -> pb::ListPrincipalsResponse;
     delete_principal(pb::DeletePrincipalRequest) -> pb::DeletePrincipalResponse;

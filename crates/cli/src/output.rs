@@ -129,7 +129,15 @@ pub(crate) fn project_text(p: &pb::Project) -> String {
     let q = p.effective.unwrap_or_default();
     let u = p.usage.unwrap_or_default();
     let lim = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
-    format!(
+    let ceiling = match &p.egress_ceiling {
+        None => String::new(),
+        Some(c) if c.allow.is_empty() => "\n  egress ceiling: none allowed".into(),
+        Some(c) => format!(
+            "\n  egress ceiling: {}",
+            c.allow.iter().map(opendsec_common::egress::pb_text).collect::<Vec<_>>().join(", ")
+        ),
+    };
+    let text = format!(
         "{}\n  cpu_millis {} / {}\n  memory_mb  {} / {}\n  disk_mb    {} / {}\n  gpus       {} / {}\n  sandboxes  {} / {}",
         p.path,
         u.cpu_millis,
@@ -142,7 +150,8 @@ pub(crate) fn project_text(p: &pb::Project) -> String {
         lim(q.gpus),
         u.sandboxes,
         lim(q.sandboxes)
-    )
+    );
+    text + &ceiling
 }
 
 /// The progress bar of a batch creation: on stderr when it is a terminal and the output is

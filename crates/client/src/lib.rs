@@ -366,6 +366,7 @@ unary_calls! {"Admin" stub_a:
     list_projects(pb::ListProjectsRequest) -> pb::ListProjectsResponse = "ListProjects";
     delete_project(pb::DeleteProjectRequest) -> pb::DeleteProjectResponse = "DeleteProject";
     set_quota(pb::SetQuotaRequest) -> pb::Project = "SetQuota";
+    set_egress_ceiling(pb::SetEgressCeilingRequest) -> pb::Project = "SetEgressCeiling";
     create_principal(pb::CreatePrincipalRequest) -> pb::Principal = "CreatePrincipal";
     list_principals(pb::ListPrincipalsRequest) -> pb::ListPrincipalsResponse = "ListPrincipals";
     delete_principal(pb::DeletePrincipalRequest) -> pb::DeletePrincipalResponse = "DeletePrincipal";

@@ -24,6 +24,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/Authenticate", &[Apiserver]),
     ("/opendsec.v1.Iam/Authorize", &[Apiserver]),
     ("/opendsec.v1.Iam/Admit", &[Apiserver]),
+    ("/opendsec.v1.Iam/CheckEgress", &[Apiserver]),
     ("/opendsec.v1.Iam/GetEpoch", &[Apiserver]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
     ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),

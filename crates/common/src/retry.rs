@@ -88,6 +88,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Admin/ListProjects", Read),
         ("Admin/DeleteProject", Once),
         ("Admin/SetQuota", Repeat),
+        ("Admin/SetEgressCeiling", Repeat),
         ("Admin/CreatePrincipal", Once),
         ("Admin/ListPrincipals", Read),
         ("Admin/DeletePrincipal", Once),

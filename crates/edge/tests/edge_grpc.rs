@@ -105,6 +105,12 @@ impl Iam for FakeIam {
     async fn admit(&self, _: Request<AdmitRequest>) -> Result<Response<AdmitResponse>, Status> {
         unimplemented()
     }
+    async fn check_egress(
+        &self,
+        _: Request<opendsec_proto::v1::CheckEgressRequest>,
+    ) -> Result<Response<opendsec_proto::v1::CheckEgressResponse>, Status> {
+        unimplemented()
+    }
     async fn release_leases(
         &self,
         req: Request<ReleaseLeasesRequest>,

@@ -139,7 +139,12 @@ mod tests {
             version: 1,
             hash_key: "00".repeat(32),
             epoch: 3,
-            projects: vec![ProjectRecord { path: "root".into(), quota: Default::default(), created_at_ms: 1 }],
+            projects: vec![ProjectRecord {
+                path: "root".into(),
+                quota: Default::default(),
+                created_at_ms: 1,
+                egress_ceiling: None,
+            }],
             principals: vec![PrincipalRecord { name: "admin".into(), project: "root".into(), created_at_ms: 1 }],
             tokens: vec![],
             grants: vec![GrantRecord { principal: "admin".into(), project: "root".into(), permission: "*".into() }],
@@ -163,7 +168,12 @@ mod tests {
     #[test]
     fn inconsistent_snapshots_are_rejected() {
         let mut s = snap();
-        s.projects.push(ProjectRecord { path: "root/a/b".into(), quota: Default::default(), created_at_ms: 1 });
+        s.projects.push(ProjectRecord {
+            path: "root/a/b".into(),
+            quota: Default::default(),
+            created_at_ms: 1,
+            egress_ceiling: None,
+        });
         assert!(s.validate().is_err());
         let mut s = snap();
         s.grants[0].permission = "everything".into();

@@ -119,6 +119,17 @@ pub enum Command {
         /// Not written when false, so commands without it encode as before.
         #[serde(default, skip_serializing_if = "is_false")]
         keep_existing: bool,
+        /// The sandbox's egress rules (text form), checked against the ceilings of the
+        /// project and its ancestors. Not written when empty.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        egress: Vec<String>,
+    },
+    SetEgressCeiling {
+        actor: Actor,
+        now_ms: i64,
+        path: String,
+        /// `None` removes the project's own ceiling.
+        ceiling: Option<Vec<String>>,
     },
     ReleaseLeases {
         now_ms: i64,
@@ -197,6 +208,7 @@ impl Command {
             Command::RevokeGrant { .. } => "revoke_grant",
             Command::Restore { .. } => "restore",
             Command::Admit { .. } => "admit",
+            Command::SetEgressCeiling { .. } => "set_egress_ceiling",
             Command::ReleaseLeases { .. } => "release_leases",
             Command::Reconcile { .. } => "reconcile",
             Command::SweepUnbound { .. } => "sweep_unbound",

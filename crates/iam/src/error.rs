@@ -17,6 +17,9 @@ pub enum IamError {
     /// the caller said, so a denial does not reveal whether the target exists.
     #[error("permission denied: {principal} lacks {permission} on {target}")]
     PermissionDenied { principal: String, permission: String, target: String },
+    /// A sandbox asked for egress its project's (or an ancestor's) ceiling does not allow.
+    #[error("egress rule {rule:?} is outside the egress ceiling of project {project}")]
+    EgressCeiling { project: String, rule: String },
     #[error("{kind} {name} not found")]
     NotFound { kind: &'static str, name: String },
     #[error("{kind} {name} already exists")]
@@ -72,6 +75,9 @@ pub fn to_api(e: &IamError) -> ApiError {
         IamError::Unauthenticated(_) => ApiError::new(Reason::Unauthenticated, msg),
         IamError::PermissionDenied { permission, .. } => {
             ApiError::new(Reason::PermissionDenied, msg).with("permission", permission.clone())
+        }
+        IamError::EgressCeiling { project, rule } => {
+            ApiError::new(Reason::PermissionDenied, msg).with("project", project.clone()).with("rule", rule.clone())
         }
         IamError::NotFound { .. } => ApiError::new(Reason::NotFound, msg),
         IamError::AlreadyExists { .. } => ApiError::new(Reason::AlreadyExists, msg),

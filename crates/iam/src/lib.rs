@@ -207,9 +207,12 @@ impl Iam {
         resources: Resources,
         edge: &str,
         keep_existing: bool,
+        egress: Vec<String>,
     ) -> Result<Admission, IamError> {
         let who = self.authenticate(token)?;
         state::validate_admit(lease_id, project, &resources, edge)?;
+        // The ceiling first: a refusal names the rule, and costs no commit.
+        self.read(|s| s.check_egress(project, &egress))?;
         // Checked here too so a refusal or a kept lease costs no commit; the state machine
         // checks again when it applies the command.
         let kept = self.read(|s| s.admit_precheck(&who.principal, lease_id, project, &resources, keep_existing))?;
@@ -224,6 +227,7 @@ impl Iam {
             resources,
             edge: edge.into(),
             keep_existing,
+            egress,
         };
         match self.execute(cmd).await? {
             Output::Admitted(a) => Ok(a),
@@ -318,6 +322,29 @@ impl Iam {
     pub async fn create_project(&self, who: &Authenticated, path: &str, quota: Quota) -> Result<ProjectView, IamError> {
         self.project_command(Command::CreateProject { actor: who.actor(), now_ms: now_ms(), path: path.into(), quota })
             .await
+    }
+
+    /// Sets (or with `None` removes) the egress ceiling of a project.
+    pub async fn set_egress_ceiling(
+        &self,
+        who: &Authenticated,
+        path: &str,
+        ceiling: Option<Vec<String>>,
+    ) -> Result<ProjectView, IamError> {
+        self.project_command(Command::SetEgressCeiling {
+            actor: who.actor(),
+            now_ms: now_ms(),
+            path: path.into(),
+            ceiling,
+        })
+        .await
+    }
+
+    /// Whether `rules` lie within the egress ceilings of `project` and its ancestors
+    /// (`permission_denied` naming the first rule outside).
+    pub fn check_egress(&self, project: &str, rules: &[String]) -> Result<(), IamError> {
+        ids::validate_project(project).map_err(IamError::invalid)?;
+        self.read(|s| s.check_egress(project, rules))
     }
 
     pub async fn set_quota(&self, who: &Authenticated, path: &str, quota: Quota) -> Result<ProjectView, IamError> {

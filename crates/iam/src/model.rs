@@ -178,6 +178,10 @@ pub struct ProjectRecord {
     #[serde(default)]
     pub quota: Quota,
     pub created_at_ms: i64,
+    /// The most egress a sandbox of this project (or a subproject) may ask for, as egress
+    /// rules in text form; `None`: no ceiling of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_ceiling: Option<Vec<String>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -269,4 +273,5 @@ pub struct ProjectView {
     pub effective: Quota,
     pub usage: Usage,
     pub created_at_ms: i64,
+    pub egress_ceiling: Option<Vec<String>>,
 }

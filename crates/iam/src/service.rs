@@ -98,7 +98,15 @@ pub fn project_to_pb(v: &ProjectView) -> pb::Project {
         effective: Some(quota_to_pb(&v.effective)),
         usage: Some(usage_to_pb(&v.usage)),
         created_at_ms: v.created_at_ms,
+        egress_ceiling: v.egress_ceiling.as_ref().map(|c| pb::EgressCeiling {
+            allow: c.iter().filter_map(|t| opendsec_common::egress::Rule::parse(t).ok()).map(|r| r.to_pb()).collect(),
+        }),
     }
+}
+
+/// Egress rules from the wire in their text form (the state machine checks them).
+fn rule_texts(rules: &[pb::EgressRule]) -> Vec<String> {
+    rules.iter().map(opendsec_common::egress::pb_text).collect()
 }
 
 pub fn principal_to_pb(p: &PrincipalRecord) -> pb::Principal {
@@ -182,8 +190,11 @@ impl IamRpc for IamService {
             .as_ref()
             .map(resources_from_pb)
             .ok_or_else(|| status(IamError::InvalidArgument("resources are required".into())))?;
-        let a =
-            self.iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing).await.map_err(status)?;
+        let a = self
+            .iam
+            .admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing, rule_texts(&r.egress))
+            .await
+            .map_err(status)?;
         ok(pb::AdmitResponse {
             principal: a.principal,
             rebound: a.rebound,
@@ -191,6 +202,12 @@ impl IamRpc for IamService {
             edge: a.edge,
             bound_at_ms: a.bound_at_ms,
         })
+    }
+
+    async fn check_egress(&self, req: Request<pb::CheckEgressRequest>) -> Rpc<pb::CheckEgressResponse> {
+        let r = req.get_ref();
+        self.iam.check_egress(&r.project, &rule_texts(&r.egress)).map_err(status)?;
+        ok(pb::CheckEgressResponse {})
     }
 
     async fn release_leases(&self, req: Request<pb::ReleaseLeasesRequest>) -> Rpc<pb::ReleaseLeasesResponse> {
@@ -313,6 +330,14 @@ impl Admin for AdminService {
         let who = self.caller(&req)?;
         let r = req.into_inner();
         let v = self.iam.set_quota(&who, &r.path, quota_from_pb(r.quota)).await.map_err(status)?;
+        ok(project_to_pb(&v))
+    }
+
+    async fn set_egress_ceiling(&self, req: Request<pb::SetEgressCeilingRequest>) -> Rpc<pb::Project> {
+        let who = self.caller(&req)?;
+        let r = req.into_inner();
+        let ceiling = r.ceiling.map(|c| rule_texts(&c.allow));
+        let v = self.iam.set_egress_ceiling(&who, &r.path, ceiling).await.map_err(status)?;
         ok(project_to_pb(&v))
     }
 

@@ -199,6 +199,7 @@ impl State {
             effective: self.effective_quota(path),
             usage: self.usage.get(path).copied().unwrap_or_default(),
             created_at_ms: rec.created_at_ms,
+            egress_ceiling: rec.egress_ceiling.clone(),
         })
     }
 
@@ -341,8 +342,11 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         Command::Grant { actor, now_ms, grant } => add_grant(st, w, actor, *now_ms, grant),
         Command::RevokeGrant { actor, now_ms, grant } => revoke_grant(st, w, actor, *now_ms, grant),
         Command::Restore { actor, now_ms, snapshot } => restore(st, w, actor, *now_ms, snapshot),
-        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing } => {
-            admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing)
+        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress } => {
+            admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing, egress)
+        }
+        Command::SetEgressCeiling { actor, now_ms, path, ceiling } => {
+            set_egress_ceiling(st, w, actor, *now_ms, path, ceiling.as_deref())
         }
         Command::ReleaseLeases { now_ms: _, lease_ids, edge } => release_leases(st, w, lease_ids, edge),
         Command::Reconcile { now_ms, edge, live, min_age_ms } => reconcile(st, w, *now_ms, edge, live, *min_age_ms),
@@ -375,7 +379,12 @@ fn bootstrap(
     st.meta =
         Meta { bootstrapped: true, epoch: 1, hash_key: hash_key.to_string(), applied_index: st.meta.applied_index };
     st.hash_key = token::from_hex(hash_key).unwrap_or_default();
-    let root = ProjectRecord { path: ROOT_PROJECT.into(), quota: Quota::default(), created_at_ms: now_ms };
+    let root = ProjectRecord {
+        path: ROOT_PROJECT.into(),
+        quota: Quota::default(),
+        created_at_ms: now_ms,
+        egress_ceiling: None,
+    };
     let principal = PrincipalRecord { name: admin.into(), project: ROOT_PROJECT.into(), created_at_ms: now_ms };
     let g = GrantRecord { principal: admin.into(), project: ROOT_PROJECT.into(), permission: "*".into() };
     let t = TokenRecord {
@@ -421,7 +430,7 @@ fn create_project(
     if !st.projects.contains_key(parent) {
         return Err(IamError::NotFound { kind: "parent project", name: parent.into() });
     }
-    let rec = ProjectRecord { path: path.into(), quota: *quota, created_at_ms: now_ms };
+    let rec = ProjectRecord { path: path.into(), quota: *quota, created_at_ms: now_ms, egress_ceiling: None };
     st.projects.insert(path.into(), rec.clone());
     st.usage.insert(path.into(), Usage::default());
     w.push(Write::Put(Row::Project(rec)));
@@ -445,6 +454,63 @@ fn set_quota(
     rec.quota = *quota;
     w.push(Write::Put(Row::Project(rec.clone())));
     Ok(Output::Project(st.view(path).expect("project exists")))
+}
+
+fn set_egress_ceiling(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    path: &str,
+    ceiling: Option<&[String]>,
+) -> Result<Output, IamError> {
+    ids::validate_project(path).map_err(IamError::invalid)?;
+    let ceiling = match ceiling {
+        Some(rules) => Some(egress_rules(rules)?.iter().map(|r| r.to_string()).collect::<Vec<_>>()),
+        None => None,
+    };
+    st.require_manage(actor, now_ms, path)?;
+    let Some(rec) = st.projects.get_mut(path) else {
+        return Err(IamError::NotFound { kind: "project", name: path.into() });
+    };
+    rec.egress_ceiling = ceiling;
+    w.push(Write::Put(Row::Project(rec.clone())));
+    Ok(Output::Project(st.view(path).expect("project exists")))
+}
+
+/// Parses egress rules in text form (commands carry them checked; a bad one is refused).
+pub(crate) fn egress_rules(rules: &[String]) -> Result<Vec<opendsec_common::egress::Rule>, IamError> {
+    if rules.len() > opendsec_common::egress::MAX_RULES {
+        return Err(IamError::InvalidArgument(format!("at most {} egress rules", opendsec_common::egress::MAX_RULES)));
+    }
+    rules
+        .iter()
+        .map(|t| opendsec_common::egress::Rule::parse(t).map_err(|e| IamError::InvalidArgument(e.to_string())))
+        .collect()
+}
+
+impl State {
+    /// Checks `rules` against the egress ceiling of `project` and of every ancestor that has
+    /// one: each rule must lie within one rule of each ceiling.
+    pub fn check_egress(&self, project: &str, rules: &[String]) -> Result<(), IamError> {
+        if rules.is_empty() {
+            return Ok(());
+        }
+        let asked = egress_rules(rules)?;
+        let mut path = String::new();
+        for seg in project.split('/') {
+            if !path.is_empty() {
+                path.push('/');
+            }
+            path.push_str(seg);
+            let Some(ceiling) = self.projects.get(&path).and_then(|p| p.egress_ceiling.as_ref()) else { continue };
+            let ceiling = egress_rules(ceiling)?;
+            if let Some(r) = opendsec_common::egress::first_outside(&asked, &ceiling) {
+                return Err(IamError::EgressCeiling { project: path, rule: r.to_string() });
+            }
+        }
+        Ok(())
+    }
 }
 
 fn delete_project(

@@ -163,6 +163,7 @@ impl Harness {
             resources: r,
             edge: edge.into(),
             keep_existing,
+            egress: Vec::new(),
         })
     }
 
@@ -370,6 +371,7 @@ fn keep_admit(actor: &Actor, lease: &str, now_ms: i64) -> Command {
         resources: res(1000, 1),
         edge: "e9".into(),
         keep_existing: true,
+        egress: Vec::new(),
     }
 }
 
@@ -908,6 +910,7 @@ fn golden_encodings_still_decode() {
             resources: Resources { cpu_millis: 2000, memory_mb: 4096, disk_mb: 10240, gpus: 0 },
             edge: "sim-001".into(),
             keep_existing: false,
+            egress: Vec::new(),
         }
     );
     // Fields added later are left out when unset, so such commands still encode the same.
@@ -1229,4 +1232,58 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn egress_ceilings_bound_the_project_and_its_subprojects() {
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    h.project("root/a/b", Quota::default());
+    let u = h.principal("user", "root/a");
+    h.grant("user", "root/a", "sandbox.create");
+    let ceiling = |h: &mut Harness, actor: &Actor, path: &str, c: Option<Vec<&str>>| {
+        h.run(Command::SetEgressCeiling {
+            actor: actor.clone(),
+            now_ms: h.now,
+            path: path.into(),
+            ceiling: c.map(|v| v.into_iter().map(String::from).collect()),
+        })
+    };
+    let admit = |h: &mut Harness, lease: &str, egress: &[&str]| {
+        h.run(Command::Admit {
+            actor: u.clone(),
+            now_ms: h.now,
+            lease_id: lease.into(),
+            project: "root/a/b".into(),
+            resources: res(100, 10),
+            edge: "e1".into(),
+            keep_existing: false,
+            egress: egress.iter().map(|s| s.to_string()).collect(),
+        })
+    };
+    // Only the project's admins set it; a bad rule is refused.
+    assert!(matches!(ceiling(&mut h, &u, "root/a", Some(vec!["*"])), Err(IamError::PermissionDenied { .. })));
+    assert!(matches!(
+        ceiling(&mut h, &Harness::admin(), "root/a", Some(vec!["10.0.0.1/8"])),
+        Err(IamError::InvalidArgument(_))
+    ));
+    ceiling(&mut h, &Harness::admin(), "root/a", Some(vec!["pypi.org", "203.0.113.0/24:tcp"])).unwrap();
+    assert_eq!(h.st.view("root/a").unwrap().egress_ceiling, Some(vec!["pypi.org".into(), "203.0.113.0/24:tcp".into()]));
+
+    // Within the ceiling of the parent: admitted.
+    admit(&mut h, "l1", &["files.pypi.org:tcp/443", "203.0.113.7:tcp/80"]).unwrap();
+    // More than it: refused, naming the rule and the project whose ceiling it is.
+    let e = admit(&mut h, "l2", &["pypi.org", "*"]).unwrap_err();
+    assert!(matches!(&e, IamError::EgressCeiling { project, rule } if project == "root/a" && rule == "*"), "{e}");
+    assert_eq!(to_api(&e).reason, Reason::PermissionDenied);
+    assert!(admit(&mut h, "l3", &["203.0.113.0/24:udp/53"]).is_err());
+    assert!(h.st.leases.get("l2").is_none(), "a refused admission reserves nothing");
+    // A stricter ceiling below applies as well; removing the parent's leaves only it.
+    ceiling(&mut h, &Harness::admin(), "root/a/b", Some(vec!["pypi.org:tcp/443"])).unwrap();
+    assert!(admit(&mut h, "l4", &["pypi.org:tcp/80"]).is_err());
+    ceiling(&mut h, &Harness::admin(), "root/a", None).unwrap();
+    admit(&mut h, "l5", &["pypi.org:tcp/443"]).unwrap();
+    assert!(admit(&mut h, "l6", &["*"]).is_err());
+    ceiling(&mut h, &Harness::admin(), "root/a/b", None).unwrap();
+    admit(&mut h, "l7", &["*"]).unwrap();
 }

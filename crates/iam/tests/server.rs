@@ -68,9 +68,9 @@ async fn state_survives_a_reopen() {
     iam.create_project(&admin, "root/a", Quota { cpu_millis: Some(10_000), ..Quota::default() }).await.unwrap();
     iam.create_project(&admin, "root/a/b", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
-    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1", false).await.unwrap();
-    iam.admit(&token, "lease-2", "root/a", res(2000), "e2", false).await.unwrap();
-    iam.admit(&token, "lease-3", "root/a", res(500), "e2", false).await.unwrap();
+    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1", false, Vec::new()).await.unwrap();
+    iam.admit(&token, "lease-2", "root/a", res(2000), "e2", false, Vec::new()).await.unwrap();
+    iam.admit(&token, "lease-3", "root/a", res(500), "e2", false, Vec::new()).await.unwrap();
     assert_eq!(iam.release_leases(vec!["lease-3".into()], "").await.unwrap(), 1);
     iam.acquire_lock("leader", "w1", 10_000).await.unwrap();
     let before = snapshot(&iam);
@@ -96,7 +96,9 @@ async fn concurrent_admits_are_group_committed() {
     let tasks: Vec<_> = (0..2000)
         .map(|i| {
             let (iam, token) = (iam.clone(), token.clone());
-            tokio::spawn(async move { iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1", false).await })
+            tokio::spawn(async move {
+                iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1", false, Vec::new()).await
+            })
         })
         .collect();
     let (mut ok, mut over) = (0, 0);
@@ -127,17 +129,17 @@ async fn a_kept_lease_is_answered_without_a_command() {
     iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
     let other = user_with_token(&iam, &admin, "other", "root/a").await;
-    let first = iam.admit(&token, "lease-1", "root/a", res(100), "e1", true).await.unwrap();
+    let first = iam.admit(&token, "lease-1", "root/a", res(100), "e1", true, Vec::new()).await.unwrap();
     assert_eq!((first.existing, first.edge.as_str()), (false, "e1"));
     let applied = snapshot(&iam).meta().applied_index;
-    let again = iam.admit(&token, "lease-1", "root/a", res(100), "e2", true).await.unwrap();
+    let again = iam.admit(&token, "lease-1", "root/a", res(100), "e2", true, Vec::new()).await.unwrap();
     assert_eq!((again.existing, again.edge.as_str(), again.bound_at_ms), (true, "e1", first.bound_at_ms));
-    let e = iam.admit(&other, "lease-1", "root/a", res(100), "e2", true).await.unwrap_err();
+    let e = iam.admit(&other, "lease-1", "root/a", res(100), "e2", true, Vec::new()).await.unwrap_err();
     assert_eq!(reason(&e), Reason::AlreadyExists);
     assert_eq!(snapshot(&iam).meta().applied_index, applied, "no command was committed");
     assert_eq!(iam.get_lease("lease-1").unwrap().unwrap().edge, "e1");
     // GetLeases, in request order, unknown ids left out; too many ids at once are refused.
-    iam.admit(&token, "lease-2", "root/a", res(100), "e2", false).await.unwrap();
+    iam.admit(&token, "lease-2", "root/a", res(100), "e2", false, Vec::new()).await.unwrap();
     let ids = ["lease-2", "x", "lease-1"].map(String::from);
     let got: Vec<String> = iam.get_leases(&ids).unwrap().into_iter().map(|l| l.id).collect();
     assert_eq!(got, ["lease-2", "lease-1"]);
@@ -162,7 +164,7 @@ async fn reconcile_and_sweep_go_through_the_store() {
     }];
     assert_eq!(iam.reconcile("e9", live).await.unwrap(), (1, 0));
     assert_eq!(iam.reconcile("e9", vec![]).await.unwrap(), (0, 1));
-    let a = iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone", false).await.unwrap();
+    let a = iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone", false, Vec::new()).await.unwrap();
     assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("admin", false, false, "gone"));
     assert_eq!(iam.sweep_unbound(vec!["e9".into()], 0).await.unwrap(), 1);
     assert_eq!(snapshot(&iam).leases().count(), 0);
@@ -175,7 +177,7 @@ async fn restore_round_trip() {
     let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
     iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
-    iam.admit(&token, "lease-1", "root/a", res(100), "e1", false).await.unwrap();
+    iam.admit(&token, "lease-1", "root/a", res(100), "e1", false, Vec::new()).await.unwrap();
     let backup = iam.backup(&admin).unwrap();
 
     iam.create_project(&admin, "root/later", Quota::default()).await.unwrap();
@@ -299,6 +301,7 @@ async fn grpc_admit_authenticate_and_revoke() {
         resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 512, disk_mb: 1024, gpus: 0 }),
         edge: edge.into(),
         keep_existing: false,
+        egress: Vec::new(),
     };
     let a = iam.admit(admit("lease-1", "e1")).await.unwrap().into_inner();
     assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("worker", false, false, "e1"));

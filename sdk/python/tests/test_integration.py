@@ -70,6 +70,23 @@ async def test_egress_rules_round_trip_and_update(cluster) -> None:
         await plain.stop()
 
 
+async def test_a_project_egress_ceiling_refuses_more(cluster) -> None:
+    async with client(cluster) as c:
+        await c.create_project("root/sdk-ceiling")
+        p = await c.set_egress_ceiling("root/sdk-ceiling", ["pypi.org", "203.0.113.0/24:tcp"])
+        assert [opendsec.egress_text(r) for r in p.egress_ceiling.allow] == ["pypi.org", "203.0.113.0/24:tcp"]
+        ok = await c.create_sandbox("sim", IMG, project="root/sdk-ceiling", egress=["files.pypi.org:tcp/443"])
+        with pytest.raises(errors.PermissionDenied, match=r"\*"):
+            await c.create_sandbox("sim", IMG, project="root/sdk-ceiling", egress=["*"])
+        with pytest.raises(errors.PermissionDenied, match="udp"):
+            await ok.update_network(["203.0.113.9:udp/53"])
+        assert ok.egress == ["files.pypi.org:tcp/443"]
+        await c.set_egress_ceiling("root/sdk-ceiling", None)
+        await ok.update_network(["*"])
+        assert ok.egress == ["*"]
+        await ok.stop()
+
+
 async def test_same_lease_id_is_one_sandbox(cluster) -> None:
     async with client(cluster) as c:
         lease = opendsec.new_lease_id()

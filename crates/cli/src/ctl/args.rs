@@ -297,6 +297,15 @@ pub enum ProjectCmd {
     Delete {
         path: String,
     },
+    /// Set the most egress the project's sandboxes may ask for (rules as `sandbox create
+    /// --allow`), or remove the project's own ceiling with --clear.
+    Ceiling {
+        path: String,
+        #[arg(long)]
+        allow: Vec<String>,
+        #[arg(long, conflicts_with = "allow")]
+        clear: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]

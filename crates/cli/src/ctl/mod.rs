@@ -91,6 +91,13 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                 });
                 Ok(())
             }
+            ProjectCmd::Ceiling { path, allow, clear } => {
+                let ceiling =
+                    (!clear).then(|| egress_rules(&allow)).transpose()?.map(|allow| pb::EgressCeiling { allow });
+                let p = client.set_egress_ceiling(pb::SetEgressCeilingRequest { path, ceiling }).await?;
+                out.print(j::of(&p), || project_text(&p));
+                Ok(())
+            }
             ProjectCmd::Delete { path } => {
                 client.delete_project(pb::DeleteProjectRequest { path: path.clone() }).await?;
                 out.print(json!({"deleted": path}), || format!("deleted {path}"));

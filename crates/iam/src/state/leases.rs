@@ -133,9 +133,11 @@ pub(super) fn admit(
     resources: &Resources,
     edge: &str,
     keep_existing: bool,
+    egress: &[String],
 ) -> Result<Output, IamError> {
     validate_admit(lease_id, project, resources, edge)?;
     st.check_actor(actor, now_ms)?;
+    st.check_egress(project, egress)?;
     if let Some(kept) = st.admit_precheck(&actor.principal, lease_id, project, resources, keep_existing)? {
         return Ok(Output::Admitted(kept));
     }

@@ -42,6 +42,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/ResumeSandbox": "repeat",
     "Sandboxes/SetSandboxTimeout": "repeat",
     "Sandboxes/UpdateNetwork": "repeat",
+    "Admin/SetEgressCeiling": "repeat",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

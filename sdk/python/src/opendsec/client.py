@@ -813,6 +813,14 @@ class AsyncClient:
         out inherit) and returns the project. Retried (replacing is idempotent)."""
         return await self._unary("Admin", "SetQuota", pb.SetQuotaRequest(path=path, quota=_quota(quota)))
 
+    async def set_egress_ceiling(self, path: str, egress: Optional[Sequence[str]]) -> pb.Project:
+        """Sets the most egress the project's sandboxes (and its subprojects') may ask for,
+        rules as in :meth:`AsyncClient.create_sandbox`; ``None`` removes the project's own
+        ceiling (an ancestor's still applies). A sandbox asking for more is refused with
+        ``permission_denied`` naming the rule. Returns the project. Retried."""
+        ceiling = None if egress is None else pb.EgressCeiling(allow=[egress_rule(r) for r in egress])
+        return await self._unary("Admin", "SetEgressCeiling", pb.SetEgressCeilingRequest(path=path, ceiling=ceiling))
+
     async def create_principal(self, name: str, project: str) -> pb.Principal:
         """Creates the principal ``name`` in ``project`` and returns it. Not retried."""
         return await self._unary("Admin", "CreatePrincipal", pb.CreatePrincipalRequest(name=name, project=project))
