@@ -199,6 +199,7 @@ impl Iam {
     /// or, with `keep_existing`, left where it is and answered from memory without a command
     /// (after the same checks: the caller must hold `sandbox.create` and the lease must be its
     /// own).
+    #[allow(clippy::too_many_arguments)] // one per field of the AdmitRequest, like the command
     pub async fn admit(
         &self,
         token: &str,
