@@ -1277,7 +1277,7 @@ fn egress_ceilings_bound_the_project_and_its_subprojects() {
     assert!(matches!(&e, IamError::EgressCeiling { project, rule } if project == "root/a" && rule == "*"), "{e}");
     assert_eq!(to_api(&e).reason, Reason::PermissionDenied);
     assert!(admit(&mut h, "l3", &["203.0.113.0/24:udp/53"]).is_err());
-    assert!(h.st.leases.get("l2").is_none(), "a refused admission reserves nothing");
+    assert!(!h.st.leases.contains_key("l2"), "a refused admission reserves nothing");
     // A stricter ceiling below applies as well; removing the parent's leaves only it.
     ceiling(&mut h, &Harness::admin(), "root/a/b", Some(vec!["pypi.org:tcp/443"])).unwrap();
     assert!(admit(&mut h, "l4", &["pypi.org:tcp/80"]).is_err());
