@@ -93,8 +93,12 @@ fn main() {
 
 fn big_edge(c: &mut opendsec_common::config::Config) {
     c.edge.container_pids_limit = 256;
-    c.edge.capacity =
-        opendsec_common::config::CapacityConfig { cpu_millis: 4_000_000, memory_mb: 400_000, disk_mb: 4_000_000, gpus: 0 };
+    c.edge.capacity = opendsec_common::config::CapacityConfig {
+        cpu_millis: 4_000_000,
+        memory_mb: 400_000,
+        disk_mb: 4_000_000,
+        gpus: 0,
+    };
     c.edge.max_sandboxes = 5000;
     c.apiserver.rate_per_principal = 100_000.0;
     c.apiserver.burst_per_principal = 100_000.0;
@@ -180,13 +184,24 @@ async fn bench() {
         let inside = out(&exec_in(&mut r, &s.id, "b", &py(DOWNLOAD, &[WEB_A.to_string(), n.clone()])).await);
         let edge = host_py(DOWNLOAD, &[WEB_A.to_string(), n.clone()]);
         let (i, e): (f64, f64) = (inside.parse().unwrap_or(0.0), edge.parse().unwrap_or(0.0));
-        println!("download 512 MiB: through the sandbox's NAT {i:.0} MB/s, from the edge's namespace {e:.0} MB/s, ratio {:.2}", i / e);
+        println!(
+            "download 512 MiB: through the sandbox's NAT {i:.0} MB/s, from the edge's namespace {e:.0} MB/s, ratio {:.2}",
+            i / e
+        );
     }
     let dns = "10.88.0.1".to_string();
     for w in ["1", "16"] {
-        let via = out(&exec_in(&mut r, &s.id, "b", &py(LOOKUPS, &[dns.clone(), "www.allowed.test".into(), "5000".into(), w.into()])).await);
+        let via = out(&exec_in(
+            &mut r,
+            &s.id,
+            "b",
+            &py(LOOKUPS, &[dns.clone(), "www.allowed.test".into(), "5000".into(), w.into()]),
+        )
+        .await);
         let direct = host_py(LOOKUPS, &[DNS.to_string(), "www.allowed.test".into(), "5000".into(), w.into()]);
-        println!("DNS lookups/s ({w} in flight): through the edge's proxy {via}, the upstream directly {direct} (lookups/s answered)");
+        println!(
+            "DNS lookups/s ({w} in flight): through the edge's proxy {via}, the upstream directly {direct} (lookups/s answered)"
+        );
     }
     f.admin.stop_sandbox(&s.id).await.unwrap();
 }

@@ -65,7 +65,9 @@ impl EdgeError {
                     N::NotAttached(_) => Reason::InvalidState,
                     N::Exhausted(_) => Reason::NoCapacity,
                     N::TooManyLearned { .. } => Reason::QuotaExceeded,
-                    N::Netlink(_) | N::Nft { .. } | N::SubnetInUse { .. } | N::Io { .. } => Reason::Unavailable,
+                    N::Netlink(_) | N::Nft { .. } | N::SubnetInUse { .. } | N::Io { .. } | N::TableInUse { .. } => {
+                        Reason::Unavailable
+                    }
                 }
             }
         }

@@ -128,6 +128,7 @@ struct Env {
     world: World,
     rt: tokio::runtime::Runtime,
     net: Arc<Network>,
+    net_opts: NetOptions,
     _dir: tempfile::TempDir,
 }
 
@@ -142,6 +143,7 @@ fn env() -> Env {
     let opts = NetOptions {
         subnet: Ipv4Net::parse("10.88.0.0/16").unwrap(),
         tag: netpol::tag_of(dir.path()),
+        owner: dir.path().display().to_string(),
         uplink: None,
         upstream: vec![(DNS, 53).into()],
         rule_sets: BTreeMap::from([("web".to_string(), vec![r("other.test:tcp/80")])]),
@@ -151,11 +153,11 @@ fn env() -> Env {
         dns_ttl_min: Duration::from_secs(60),
         dns_ttl_max: Duration::from_secs(3600),
     };
-    let net = Arc::new(Network::new(opts).expect("network"));
+    let net = Arc::new(Network::new(opts.clone()).expect("network"));
     net.recover(&[]).expect("table");
     let n = net.clone();
     rt.block_on(async move { n.serve_dns(std::future::pending()).await.map(|_| ()) }).expect("dns proxy");
-    Env { world, rt, net, _dir: dir }
+    Env { world, rt, net, net_opts: opts, _dir: dir }
 }
 
 fn ok(out: &str) -> bool {
@@ -343,4 +345,41 @@ fn a_thousand_create_stop_cycles_leave_nothing() {
     e.net.detach("e.live", slot).unwrap();
     assert_eq!(leftovers(&e.net), (0, 0, 0));
     assert_eq!(e.net.attached(), 0);
+}
+
+#[test]
+fn large_element_sets_go_in_several_messages_of_one_batch() {
+    let e = env();
+    let sb = Ns::new();
+    // 64 rules: networks on distinct ports, and one domain.
+    let mut rs: Vec<Rule> = (0..63).map(|i| r(&format!("198.51.100.{i}/32:tcp/{}", 1000 + i))).collect();
+    rs.push(r("allowed.test"));
+    e.net.attach("e.big", Slot(1), &rs, sb.path().as_ref()).unwrap();
+    // 640 learned addresses (32 per answer at most), then a change of rules, then a stop:
+    // each is one batch of several messages.
+    use opendsec_edge::netpol::dns::DnsPolicy;
+    let (_, me) = e.net.addrs(Slot(1));
+    for chunk in 0..20u8 {
+        let addrs: Vec<Ipv4Addr> = (0..32u8).map(|i| Ipv4Addr::new(203, 0, chunk, i)).collect();
+        e.net.learn(me, &format!("n{chunk}.allowed.test"), &addrs, 600).unwrap();
+    }
+    let (_, elems, _) = leftovers(&e.net);
+    assert!(elems > 700, "{elems} elements");
+    e.net.update("e.big", &[r("allowed.test:tcp/443")]).unwrap();
+    e.net.detach("e.big", Slot(1)).unwrap();
+    assert_eq!(leftovers(&e.net), (0, 0, 0));
+}
+
+#[test]
+fn an_edge_never_takes_over_another_owners_table() {
+    let e = env();
+    let mut opts = e.net_opts.clone();
+    opts.owner = "/some/other/edge".into();
+    let other = Network::new(opts).unwrap();
+    let err = other.recover(&[]).unwrap_err();
+    assert!(matches!(err, netpol::NetworkError::TableInUse { .. }), "{err}");
+    // The first edge's table is untouched.
+    let sb = Ns::new();
+    e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
+    assert!(ok(&sb.get(WEB_A, 80)));
 }

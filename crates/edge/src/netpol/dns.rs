@@ -34,6 +34,9 @@ const MAX_IN_FLIGHT: usize = 1024;
 const TCP_IDLE: Duration = Duration::from_secs(10);
 /// TCP connections at once, all sandboxes together.
 const MAX_TCP: usize = 256;
+/// Queries in flight, and TCP connections, one sandbox may hold of those.
+const MAX_IN_FLIGHT_PER_SOURCE: u32 = 32;
+const MAX_TCP_PER_SOURCE: u32 = 4;
 
 /// What the proxy asks the network about a query's source.
 pub trait DnsPolicy: Send + Sync + 'static {
@@ -88,6 +91,9 @@ pub struct DnsProxy {
     limiter: Limiter,
     in_flight: Arc<tokio::sync::Semaphore>,
     tcp_slots: Arc<tokio::sync::Semaphore>,
+    /// Each sandbox's share of those, so that one cannot hold them all.
+    in_flight_per_source: Arc<opendsec_common::bounds::PerKey>,
+    tcp_per_source: Arc<opendsec_common::bounds::PerKey>,
     pub stats: DnsStats,
 }
 
@@ -109,6 +115,8 @@ impl DnsProxy {
             limiter: Limiter { rate, burst: burst.max(1.0), buckets: Mutex::new(HashMap::new()) },
             in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)),
             tcp_slots: Arc::new(tokio::sync::Semaphore::new(MAX_TCP)),
+            in_flight_per_source: opendsec_common::bounds::PerKey::new(MAX_IN_FLIGHT_PER_SOURCE),
+            tcp_per_source: opendsec_common::bounds::PerKey::new(MAX_TCP_PER_SOURCE),
             stats: DnsStats::default(),
         }
     }
@@ -132,13 +140,17 @@ impl DnsProxy {
                     count(&me.stats.dropped);
                     continue;
                 }
+                let Some(mine) = me.in_flight_per_source.try_take(&src.ip().to_string()) else {
+                    count(&me.stats.dropped);
+                    continue;
+                };
                 let Ok(permit) = me.in_flight.clone().try_acquire_owned() else {
                     count(&me.stats.dropped);
                     continue;
                 };
                 let (me, u, q) = (me.clone(), u.clone(), buf[..n].to_vec());
                 tokio::spawn(async move {
-                    let _permit = permit;
+                    let _permit = (permit, mine);
                     if let Some(a) = me.answer(*src.ip(), &q, true).await {
                         let _ = u.send_to(&a, from).await;
                     }
@@ -150,10 +162,11 @@ impl DnsProxy {
             loop {
                 let Ok((conn, from)) = tcp.accept().await else { continue };
                 let SocketAddr::V4(src) = from else { continue };
+                let Some(mine) = me.tcp_per_source.try_take(&src.ip().to_string()) else { continue };
                 let Ok(slot) = me.tcp_slots.clone().try_acquire_owned() else { continue };
                 let me = me.clone();
                 tokio::spawn(async move {
-                    let _slot = slot;
+                    let _slot = (slot, mine);
                     me.serve_tcp(conn, *src.ip()).await;
                 });
             }
@@ -243,7 +256,12 @@ impl DnsProxy {
             .collect();
         if !addrs.is_empty() {
             let ttl = answer.answers.iter().filter(|r| matches!(r.data, RData::A(_))).map(|r| r.ttl).min().unwrap_or(0);
-            if let Err(e) = self.policy.learn(src, &name, &addrs, ttl) {
+            // A netlink batch under the network's lock: off the async threads.
+            let (policy, n) = (self.policy.clone(), name.clone());
+            let learned = tokio::task::spawn_blocking(move || policy.learn(src, &n, &addrs, ttl))
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
+            if let Err(e) = learned {
                 tracing::warn!(source = %src, name = %name, error = %e, "could not open the addresses of an answer");
                 return reply(ResponseCode::ServFail);
             }

@@ -37,14 +37,22 @@ use boxes::Box3;
 use nl::{ElemOp, Element, NlError, NlSocket};
 
 /// Most addresses one sandbox may have learned through DNS at once.
-pub const MAX_LEARNED: usize = 4096;
+pub const MAX_LEARNED: usize = 1024;
+/// Most names kept per learned address (the latest; an address serving more names keeps the
+/// longest expiry among those kept).
+pub const MAX_NAMES_PER_ADDRESS: usize = 8;
+/// Most A records of one answer that are learned (the rest of the answer still goes back).
+pub const MAX_ADDRESSES_PER_ANSWER: usize = 32;
 
 /// How the network of an edge is set up.
 #[derive(Clone, Debug)]
 pub struct NetOptions {
     pub subnet: Ipv4Net,
-    /// 4 hex digits naming this edge's links and table.
+    /// 6 hex digits naming this edge's links and table.
     pub tag: String,
+    /// Who the edge is (its state directory): written in its table's comment, checked before
+    /// the table is replaced.
+    pub owner: String,
     /// Egress goes out masqueraded through this link; `None`: the default route's.
     pub uplink: Option<String>,
     /// Where the DNS proxy forwards allowed names.
@@ -83,6 +91,10 @@ pub enum NetworkError {
     },
     #[error("sandbox {id} learned {MAX_LEARNED} addresses already")]
     TooManyLearned { id: String },
+    #[error(
+        "nftables table {table} belongs to {owner:?}, not to this edge ({ours:?}); give each edge its own state directory"
+    )]
+    TableInUse { table: String, owner: String, ours: String },
 }
 
 /// What the edge records about a sandbox's network.
@@ -217,6 +229,7 @@ pub fn options_from(
     Ok(NetOptions {
         subnet,
         tag: tag_of(state_dir),
+        owner: std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf()).display().to_string(),
         uplink: (!cfg.uplink.is_empty()).then(|| cfg.uplink.clone()),
         upstream,
         rule_sets,
@@ -243,7 +256,7 @@ pub fn tag_of(state_dir: &Path) -> String {
     use sha2::Digest;
     let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
     let h = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
-    format!("{:02x}{:02x}", h[0], h[1])
+    format!("{:02x}{:02x}{:02x}", h[0], h[1], h[2])
 }
 
 impl Network {
@@ -321,6 +334,7 @@ impl Network {
             uplink: uplink.unwrap_or_default(),
             local,
             closed,
+            owner: opts.owner.clone(),
         };
         let max_slot = u32::try_from(subnet.size() / 2).unwrap_or(u32::MAX).saturating_sub(1);
         Ok(Network {
@@ -352,6 +366,15 @@ impl Network {
             allow.extend(elems.iter().cloned());
             attached
                 .push((c.id.clone(), Attached { slot: c.slot, addr, compiled, allow: elems, learned: HashMap::new() }));
+        }
+        if let Some(owner) = table_owner(&self.table.name)?
+            && owner != self.table.owner
+        {
+            return Err(NetworkError::TableInUse {
+                table: self.table.name.clone(),
+                owner,
+                ours: self.table.owner.clone(),
+            });
         }
         load_table(&self.table.name, &table::script(&self.table, &sandboxes, &allow))?;
         {
@@ -425,15 +448,10 @@ impl Network {
         let mut rt = NlSocket::route()?;
         link::create_veth(&mut rt, netns, &ifname, host_addr, addr)?;
         let allow = table::box_elements(addr, &compiled.boxes, None);
-        let mut msgs = vec![nl::set_elements(
-            ElemOp::Add,
-            &self.table.name,
-            table::SANDBOXES,
-            &[table::sandbox_element(&ifname, addr, u32::from(addr))],
-        )];
-        if !allow.is_empty() {
-            msgs.push(nl::set_elements(ElemOp::Add, &self.table.name, table::ALLOW, &allow));
-        }
+        let mut add = vec![table::sandbox_element(&ifname, addr, u32::from(addr))];
+        add.extend(allow.iter().cloned());
+        let mut msgs = Vec::new();
+        split_by_set(&mut msgs, &self.table.name, ElemOp::Add, &add);
         let mut g = self.lock();
         if let Err(e) = g.nf.nf_batch(&format!("rules of {id}"), &msgs) {
             drop(g);
@@ -569,9 +587,7 @@ fn split_by_set(msgs: &mut Vec<nl::NfMsg>, table_name: &str, op: ElemOp, elems: 
         }
     }
     for (set, v) in [(table::SANDBOXES, sb), (table::ALLOW, allow), (table::RESOLVED, resolved)] {
-        if !v.is_empty() {
-            msgs.push(nl::set_elements(op, table_name, set, &v));
-        }
+        msgs.extend(nl::set_elements_chunked(op, table_name, set, &v));
     }
 }
 
@@ -597,16 +613,26 @@ impl dns::DnsPolicy for Network {
         let mut del = Vec::new();
         let mut add = Vec::new();
         let mut next: Vec<(Ipv4Addr, HashMap<String, Instant>, Vec<Element>)> = Vec::new();
-        let mut uniq: Vec<Ipv4Addr> = addrs.to_vec();
+        let mut uniq: Vec<Ipv4Addr> = addrs.iter().copied().take(MAX_ADDRESSES_PER_ANSWER).collect();
         uniq.sort();
         uniq.dedup();
-        if a.learned.len() + uniq.len() > MAX_LEARNED {
+        let fresh = uniq.iter().filter(|ip| !a.learned.contains_key(ip)).count();
+        if a.learned.len() + fresh > MAX_LEARNED {
             return Err(NetworkError::TooManyLearned { id }.to_string());
         }
         for ip in uniq {
             let mut names = a.learned.get(&ip).map(|l| l.names.clone()).unwrap_or_default();
             names.retain(|_, e| *e > now);
             names.insert(name.to_string(), until);
+            while names.len() > MAX_NAMES_PER_ADDRESS {
+                // The name closest to expiry goes (the newest, `name`, never does).
+                let Some(oldest) =
+                    names.iter().filter(|(n, _)| *n != name).min_by_key(|(_, e)| **e).map(|(n, _)| n.clone())
+                else {
+                    break;
+                };
+                names.remove(&oldest);
+            }
             let e = learned_elements(a.addr, ip, &names, &a.compiled.domains, now);
             if let Some(l) = a.learned.get(&ip) {
                 del.extend(l.elems.iter().cloned());
@@ -649,6 +675,23 @@ fn write_sysctl(key: &str, value: &str) -> Result<(), NetworkError> {
         return Ok(());
     }
     std::fs::write(&path, value).map_err(|source| NetworkError::Io { what: format!("write {path}"), source })
+}
+
+/// The comment of table `name`, if the table exists (`Some("")` for one without a comment).
+fn table_owner(name: &str) -> Result<Option<String>, NetworkError> {
+    let out = std::process::Command::new("nft").args(["list", "table", "inet", name]).output().map_err(|e| {
+        NetworkError::Nft { table: name.into(), message: format!("cannot run nft ({e}); install nftables") }
+    })?;
+    if !out.status.success() {
+        return Ok(None);
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(Some(
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix("comment \"").and_then(|c| c.strip_suffix('"')))
+            .unwrap_or_default()
+            .to_string(),
+    ))
 }
 
 /// Loads `script` with `nft -f -` (the table's fixed part, once per start).

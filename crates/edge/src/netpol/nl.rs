@@ -19,6 +19,12 @@ use rtnetlink::packet_core::{NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST,
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::sys::{Socket, protocols};
 
+/// Largest netfilter batch sent (one datagram).
+pub const MAX_BATCH_BYTES: usize = 8 << 20;
+/// Most elements in one message: its element list's length must fit the u16 of a netlink
+/// attribute (an element is at most ~100 bytes).
+pub const MAX_ELEMENTS_PER_MESSAGE: usize = 256;
+
 /// How long the kernel has to answer one request.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -80,6 +86,9 @@ impl NlSocket {
         )
         .map_err(|e| NlError::Socket(e.into()))?;
         let _ = sock.set_rx_buf_sz(1 << 20);
+        // A batch is one datagram: room for the largest a sandbox can make (as root, beyond
+        // the default limit).
+        let _ = rustix::net::sockopt::set_socket_send_buffer_size_force(sock.as_fd(), MAX_BATCH_BYTES);
         Ok(NlSocket { sock, seq: rand::random::<u32>() >> 1, buf: vec![0; 1 << 16] })
     }
 
@@ -200,8 +209,14 @@ impl NlSocket {
         }
         let end = self.next_seq();
         push_nf(&mut out, NFNL_MSG_BATCH_END, NLM_F_REQUEST, end, 0, NFNL_SUBSYS_NFTABLES, &[]);
+        if out.len() > MAX_BATCH_BYTES {
+            return Err(NlError::Refused {
+                what: format!("{what} ({} bytes, above {MAX_BATCH_BYTES})", out.len()),
+                source: io::Error::from_raw_os_error(90),
+            });
+        }
         self.sock.send(&out, 0).map_err(|source| NlError::Refused { what: what.into(), source })?;
-        self.wait_acks(what, first, last)
+        self.wait_batch_acks(what, begin, first, last)
     }
 
     /// Sends one netfilter message outside a batch (conntrack) and waits for its ack.
@@ -220,9 +235,19 @@ impl NlSocket {
             .map_err(|source| NlError::Refused { what: format!("{what} (waiting for the kernel)"), source })
     }
 
+    /// [`NlSocket::wait_acks`] for a batch: a refusal of the batch as a whole comes back under
+    /// the begin message's number, and then nothing else does.
+    fn wait_batch_acks(&mut self, what: &str, begin: u32, first: u32, last: u32) -> Result<(), NlError> {
+        self.wait_acks_or(what, Some(begin), first, last)
+    }
+
+    fn wait_acks(&mut self, what: &str, first: u32, last: u32) -> Result<(), NlError> {
+        self.wait_acks_or(what, None, first, last)
+    }
+
     /// Reads acks until every sequence number in `first..=last` was answered; the first
     /// refusal is returned once all are in (so no stale ack is left for the next call).
-    fn wait_acks(&mut self, what: &str, first: u32, last: u32) -> Result<(), NlError> {
+    fn wait_acks_or(&mut self, what: &str, begin: Option<u32>, first: u32, last: u32) -> Result<(), NlError> {
         let want = last.wrapping_sub(first) as usize + 1;
         let mut seen = 0usize;
         let mut failed: Option<NlError> = None;
@@ -236,6 +261,13 @@ impl NlSocket {
                 }
                 let chunk = &self.buf[off..off + len];
                 off += align(len);
+                if ty == NLMSG_ERROR && Some(seq) == begin {
+                    let code = error_code(chunk).ok_or_else(|| NlError::Malformed { what: what.into() })?;
+                    if code != 0 {
+                        return Err(refused(what, code));
+                    }
+                    continue;
+                }
                 if seq.wrapping_sub(first) as usize >= want || ty != NLMSG_ERROR {
                     continue;
                 }
@@ -362,6 +394,12 @@ pub enum ElemOp {
     /// Deleted if there (`NFT_MSG_DESTROYSETELEM`, Linux 6.3 and later): an element the
     /// kernel already expired, or never had, is no error. Keys must match exactly.
     Delete,
+}
+
+/// Messages adding or deleting `elems` in set `set`, at most [`MAX_ELEMENTS_PER_MESSAGE`]
+/// each (one batch still makes them all or nothing).
+pub fn set_elements_chunked(op: ElemOp, table: &str, set: &str, elems: &[Element]) -> Vec<NfMsg> {
+    elems.chunks(MAX_ELEMENTS_PER_MESSAGE).map(|c| set_elements(op, table, set, c)).collect()
 }
 
 /// A message adding or deleting `elems` in set `set` of the `inet` table `table`.

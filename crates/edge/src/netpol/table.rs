@@ -19,6 +19,11 @@ use opendsec_common::egress::Ipv4Net;
 use super::boxes::Box3;
 use super::nl::Element;
 
+/// Connections one sandbox may have open at once (conntrack entries not closed).
+pub const MAX_CONNS: u32 = 4096;
+/// New connections per second one sandbox may open (burst: twice that).
+pub const NEW_CONN_RATE: u32 = 200;
+
 /// Names of the sets per-sandbox state lives in.
 pub const SANDBOXES: &str = "sandboxes";
 pub const ALLOW: &str = "allow";
@@ -40,6 +45,9 @@ pub struct TableSpec {
     /// Closed unless a rule's network lies in an opened range: always-closed ranges minus
     /// the operator's `network.open_private`, as address intervals.
     pub closed: Vec<(u32, u32)>,
+    /// Who owns the table (the table's comment): an edge finding another owner's table under
+    /// its name refuses to touch it.
+    pub owner: String,
 }
 
 fn ip(a: u32) -> Ipv4Addr {
@@ -61,6 +69,7 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
     let p = &t.veth_prefix;
     // Create-then-delete makes the delete safe when the table does not exist yet.
     let _ = writeln!(s, "table inet {n} {{}}\ndelete table inet {n}\ntable inet {n} {{");
+    let _ = writeln!(s, "  comment \"{}\"", t.owner.replace('"', ""));
     let _ = writeln!(s, "  map {SANDBOXES} {{ type ifname . ipv4_addr : mark; }}");
     let boxes = "type ipv4_addr . ipv4_addr . inet_proto . inet_service";
     let _ = writeln!(s, "  set {ALLOW} {{ {boxes}; flags interval; }}");
@@ -80,18 +89,29 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
             intervals(&t.closed)
         );
     }
+    // Per-sandbox bounds on conntrack: connections open at once, and new ones per second
+    // (closed TCP connections linger in conntrack; the rate bounds what they can fill).
+    let _ = writeln!(s, "  set conns {{ type ipv4_addr; flags dynamic; size 65536; }}");
+    let _ = writeln!(s, "  set new_rate {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; size 65536; }}");
+    let _ = writeln!(s, "  set dns_tcp_rate {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; size 65536; }}");
     let _ = writeln!(
         s,
         r#"  chain forward {{
     type filter hook forward priority filter - 10; policy accept;
+    iifname "{p}*" jump egress
+    ip saddr {subnet} drop
     oifname "{p}*" ct state established,related accept
     oifname "{p}*" drop
-    iifname "{p}*" jump egress
+  }}
+  chain limits {{
+    ct state new add @conns {{ ip saddr ct count over {max_conns} }} drop
+    ct state new update @new_rate {{ ip saddr limit rate over {new_rate}/second burst {new_burst} packets }} drop
   }}
   chain egress {{
     meta nfproto != ipv4 drop
     iifname . ip saddr != @{SANDBOXES} drop
     ct mark set iifname . ip saddr map @{SANDBOXES}
+    jump limits
     udp dport {{ 53, 853 }} drop
     tcp dport {{ 53, 853 }} drop
     ip daddr @local drop
@@ -103,12 +123,15 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
   chain input {{
     type filter hook input priority filter - 10; policy accept;
     iifname "{p}*" jump to_host
+    ip saddr {subnet} drop
   }}
   chain to_host {{
     meta nfproto != ipv4 drop
     iifname . ip saddr != @{SANDBOXES} drop
     ct mark set iifname . ip saddr map @{SANDBOXES}
+    jump limits
     ip daddr {dns} udp dport 53 accept
+    ip daddr {dns} tcp dport 53 ct state new update @dns_tcp_rate {{ ip saddr limit rate over 20/second burst 40 packets }} drop
     ip daddr {dns} tcp dport 53 accept
     drop
   }}
@@ -125,6 +148,9 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
         dns = t.dns,
         subnet = t.subnet,
         uplink = t.uplink,
+        max_conns = MAX_CONNS,
+        new_rate = NEW_CONN_RATE,
+        new_burst = NEW_CONN_RATE * 2,
     );
     // Per-sandbox elements, for a rebuild from records.
     if !sandboxes.is_empty() {
