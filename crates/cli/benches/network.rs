@@ -92,6 +92,14 @@ fn main() {
 }
 
 fn big_edge(c: &mut opendsec_common::config::Config) {
+    // The intervals a user runs with (the test fixture's are faster: with 1,000 sandboxes
+    // their probes alone would fill both cores).
+    let d = opendsec_common::config::Config::default();
+    c.edge.ttl_check_interval = d.edge.ttl_check_interval;
+    c.edge.register_interval = d.edge.register_interval;
+    c.watcher.probe_interval = d.watcher.probe_interval;
+    c.watcher.probe_timeout = d.watcher.probe_timeout;
+    c.apiserver.snapshot_refresh = d.apiserver.snapshot_refresh;
     c.edge.container_pids_limit = 256;
     c.edge.capacity = opendsec_common::config::CapacityConfig {
         cpu_millis: 4_000_000,
@@ -140,7 +148,6 @@ async fn bench() {
     show("create one by one, with networking (5 rules)", a);
     show("create one by one, without networking (same run)", b);
     println!("networking adds {:.2} ms at p50", ms(pa) - ms(pb_));
-    drop(without);
 
     // 2. UpdateNetwork and creation with 10, then BENCH_NET_SANDBOXES, sandboxes of 5 rules.
     let many: usize = std::env::var("BENCH_NET_SANDBOXES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
@@ -150,16 +157,22 @@ async fn bench() {
         live.push(f.admin.create_sandbox(networked.clone()).await.unwrap().id);
     }
     let (u10, c10) = measure(f, &live, &networked).await;
+    let (s10, b10) = baseline(f, &without, &spec).await;
     let t = Instant::now();
     while live.len() < many {
         live.push(f.admin.create_sandbox(networked.clone()).await.unwrap().id);
     }
     println!("({} sandboxes of 5 rules up in {:.1} s)", live.len(), t.elapsed().as_secs_f64());
     let (un, cn) = measure(f, &live, &networked).await;
+    let (sn, bn) = baseline(f, &without, &spec).await;
     show("UpdateNetwork with 10 sandboxes", u10);
     show(&format!("UpdateNetwork with {many} sandboxes"), un);
+    show("  peer: UpdateNetwork of a sim sandbox (no network), 10 container sandboxes", s10);
+    show(&format!("  peer: UpdateNetwork of a sim sandbox (no network), {many} container sandboxes"), sn);
     show("create with 10 sandboxes", c10);
     show(&format!("create with {many} sandboxes"), cn);
+    show("  peer: create on an edge without networking, beside 10", b10);
+    show(&format!("  peer: create on an edge without networking, beside {many}"), bn);
     for id in live.drain(..) {
         f.admin.stop_sandbox(&id).await.unwrap();
     }
@@ -204,6 +217,29 @@ async fn bench() {
         );
     }
     f.admin.stop_sandbox(&s.id).await.unwrap();
+}
+
+/// The same calls without a network, under the same load: UpdateNetwork of a sim sandbox of
+/// the same edge (API, record, no kernel), creation on the edge without networking.
+async fn baseline(f: &Fixture, plain: &Fixture, spec: &pb::SandboxSpec) -> (Vec<Duration>, Vec<Duration>) {
+    let sim = pb::SandboxSpec { backend: "sim".into(), ..spec.clone() };
+    let s = f.admin.create_sandbox(sim).await.unwrap();
+    let mut upd = Vec::new();
+    for i in 0..200 {
+        let r = if i % 2 == 0 { five() } else { rules(&["*:tcp/443", "other.test", "@npm", "192.0.2.0/24", "x.test"]) };
+        let t = Instant::now();
+        f.admin.update_network(&s.id, r).await.unwrap();
+        upd.push(t.elapsed());
+    }
+    f.admin.stop_sandbox(&s.id).await.unwrap();
+    let mut cre = Vec::new();
+    for _ in 0..30 {
+        let t = Instant::now();
+        let s = plain.admin.create_sandbox(spec.clone()).await.unwrap();
+        cre.push(t.elapsed());
+        plain.admin.stop_sandbox(&s.id).await.unwrap();
+    }
+    (upd, cre)
 }
 
 /// UpdateNetwork on the live sandboxes (alternating two rule lists), then creations.
