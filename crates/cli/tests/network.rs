@@ -39,9 +39,14 @@ fn leftovers() -> (usize, usize) {
     // The edge's veths are od<tag>-<slot>, its table opendsec-<tag>.
     let prefix = format!(": od{}-", table.trim_start_matches("opendsec-"));
     let links = netns::sh(&["ip", "-o", "link", "show"]).lines().filter(|l| l.contains(&prefix)).count();
-    let elems = netns::sh(&["nft", "list", "table", "inet", &table]).matches("elements = {").count()
-        // The fixed sets always have elements.
-        - 2;
+    let text = netns::sh(&["nft", "list", "table", "inet", &table]);
+    // Per-sandbox chains, and the two maps every sandbox has an element in.
+    let chains = text.lines().filter(|l| l.trim().starts_with("chain s")).count();
+    let in_maps: usize = ["sandboxes", "jumps"]
+        .iter()
+        .map(|m| netns::sh(&["nft", "list", "map", "inet", &table, m]).matches("elements = {").count())
+        .sum();
+    let elems = chains + in_maps;
     (links, elems)
 }
 

@@ -352,7 +352,6 @@ impl Network {
     /// next lookup learns them again.
     pub fn recover(&self, claims: &[Claim]) -> Result<(), NetworkError> {
         let mut sandboxes = Vec::new();
-        let mut allow = Vec::new();
         let mut attached = Vec::new();
         for c in claims {
             if c.slot.0 == 0 || c.slot.0 > self.max_slot {
@@ -360,10 +359,14 @@ impl Network {
             }
             let compiled = compile(&c.rules, &self.opts.rule_sets).unwrap_or_default();
             let (_, addr) = self.addrs(c.slot);
-            let ifname = self.ifname(c.slot);
-            let elems = table::box_elements(addr, &compiled.boxes, None);
-            sandboxes.push((ifname.clone(), addr, u32::from(addr)));
-            allow.extend(elems.iter().cloned());
+            let elems = table::box_elements(&compiled.boxes, None);
+            sandboxes.push(table::SlotTable {
+                slot: c.slot.0,
+                ifname: self.ifname(c.slot),
+                addr,
+                mark: u32::from(addr),
+                allow: elems.clone(),
+            });
             attached
                 .push((c.id.clone(), Attached { slot: c.slot, addr, compiled, allow: elems, learned: HashMap::new() }));
         }
@@ -376,7 +379,7 @@ impl Network {
                 ours: self.table.owner.clone(),
             });
         }
-        load_table(&self.table.name, &table::script(&self.table, &sandboxes, &allow))?;
+        load_table(&self.table.name, &table::script(&self.table, &sandboxes))?;
         {
             let mut g = self.lock();
             g.state = State::default();
@@ -447,11 +450,26 @@ impl Network {
         let ifname = self.ifname(slot);
         let mut rt = NlSocket::route()?;
         link::create_veth(&mut rt, netns, &ifname, host_addr, addr)?;
-        let allow = table::box_elements(addr, &compiled.boxes, None);
-        let mut add = vec![table::sandbox_element(&ifname, addr, u32::from(addr))];
-        add.extend(allow.iter().cloned());
-        let mut msgs = Vec::new();
-        split_by_set(&mut msgs, &self.table.name, ElemOp::Add, &add);
+        let allow = table::box_elements(&compiled.boxes, None);
+        let t = &self.table.name;
+        let (chain, aset, rset) = table::slot_names(slot.0);
+        // The sets' ids name them within this batch (the rules look them up by id too).
+        let (aid, rid) = (slot.0 * 2, slot.0 * 2 + 1);
+        let mut msgs = vec![
+            nl::new_chain(t, &chain),
+            nl::new_box_set(t, &aset, aid, false),
+            nl::new_box_set(t, &rset, rid, true),
+            nl::box_lookup_rule(t, &chain, &aset, aid),
+            nl::box_lookup_rule(t, &chain, &rset, rid),
+        ];
+        msgs.extend(nl::set_elements_chunked(ElemOp::Add, t, &aset, &allow));
+        msgs.push(nl::set_elements(
+            ElemOp::Add,
+            t,
+            table::SANDBOXES,
+            &[table::sandbox_element(&ifname, addr, u32::from(addr))],
+        ));
+        msgs.push(nl::set_elements(ElemOp::Add, t, table::CHAINS, &[table::chain_element(&ifname, addr, &chain)]));
         let mut g = self.lock();
         if let Err(e) = g.nf.nf_batch(&format!("rules of {id}"), &msgs) {
             drop(g);
@@ -472,19 +490,20 @@ impl Network {
         let mut g = self.lock();
         let Inner { nf, state } = &mut *g;
         let a = state.sandboxes.get_mut(id).ok_or_else(|| NetworkError::NotAttached(id.into()))?;
-        let allow = table::box_elements(a.addr, &compiled.boxes, None);
-        let mut del: Vec<Element> = a.allow.clone();
-        let mut add: Vec<Element> = allow.clone();
+        let allow = table::box_elements(&compiled.boxes, None);
+        let mut add: Vec<Element> = Vec::new();
         let mut relearned: Vec<(Ipv4Addr, Vec<Element>)> = Vec::new();
         for (ip, l) in &a.learned {
-            del.extend(l.elems.iter().cloned());
-            let e = learned_elements(a.addr, *ip, &l.names, &compiled.domains, now);
+            let e = learned_elements(*ip, &l.names, &compiled.domains, now);
             add.extend(e.iter().cloned());
             relearned.push((*ip, e));
         }
-        let mut msgs = Vec::new();
-        split_by_set(&mut msgs, &self.table.name, ElemOp::Delete, &del);
-        split_by_set(&mut msgs, &self.table.name, ElemOp::Add, &add);
+        // The sandbox's own sets, emptied and filled again: small whatever the edge holds.
+        let t = &self.table.name;
+        let (_, aset, rset) = table::slot_names(a.slot.0);
+        let mut msgs = vec![nl::flush_set(t, &aset), nl::flush_set(t, &rset)];
+        msgs.extend(nl::set_elements_chunked(ElemOp::Add, t, &aset, &allow));
+        msgs.extend(nl::set_elements_chunked(ElemOp::Add, t, &rset, &add));
         nf.nf_batch(&format!("rules of {id}"), &msgs)?;
         a.allow = allow;
         a.compiled = compiled;
@@ -506,13 +525,23 @@ impl Network {
         {
             let mut g = self.lock();
             let Inner { nf, state } = &mut *g;
-            let mut del = vec![table::sandbox_element(&ifname, addr, u32::from(addr))];
-            if let Some(a) = state.sandboxes.get(id) {
-                del.extend(a.allow.iter().cloned());
-                del.extend(a.learned.values().flat_map(|l| l.elems.iter().cloned()));
-            }
-            let mut msgs = Vec::new();
-            split_by_set(&mut msgs, &self.table.name, ElemOp::Delete, &del);
+            // Elements first (they reference the chain), then the rules, sets and chain; each
+            // only if there (a creation cut short may have made none of them).
+            let t = &self.table.name;
+            let (chain, aset, rset) = table::slot_names(slot.0);
+            let msgs = vec![
+                nl::set_elements(ElemOp::Delete, t, table::CHAINS, &[table::chain_element(&ifname, addr, &chain)]),
+                nl::set_elements(
+                    ElemOp::Delete,
+                    t,
+                    table::SANDBOXES,
+                    &[table::sandbox_element(&ifname, addr, u32::from(addr))],
+                ),
+                nl::flush_chain(t, &chain),
+                nl::destroy_set(t, &aset),
+                nl::destroy_set(t, &rset),
+                nl::destroy_chain(t, &chain),
+            ];
             nf.nf_batch(&format!("rules of {id}"), &msgs)?;
             state.sandboxes.remove(id);
             if state.by_addr.get(&addr).is_some_and(|o| o == id) {
@@ -543,13 +572,7 @@ impl Network {
 
 /// The `resolved` elements of destination `ip` for sandbox `src`: a box per domain rule that
 /// matches a name still open, with the time left of the longest-open name.
-fn learned_elements(
-    src: Ipv4Addr,
-    ip: Ipv4Addr,
-    names: &HashMap<String, Instant>,
-    domains: &[Rule],
-    now: Instant,
-) -> Vec<Element> {
+fn learned_elements(ip: Ipv4Addr, names: &HashMap<String, Instant>, domains: &[Rule], now: Instant) -> Vec<Element> {
     let d = u32::from(ip);
     let mut bx = Vec::new();
     let mut until = now;
@@ -570,25 +593,7 @@ fn learned_elements(
         return Vec::new();
     }
     let left = until.duration_since(now).max(Duration::from_millis(1));
-    table::box_elements(src, &boxes::disjoint(&bx), Some(left))
-}
-
-/// Messages for `elems`, each to its set (box keys are 16 bytes, `sandboxes` keys 20;
-/// timeouts only in `resolved`).
-fn split_by_set(msgs: &mut Vec<nl::NfMsg>, table_name: &str, op: ElemOp, elems: &[Element]) {
-    let (mut sb, mut allow, mut resolved) = (Vec::new(), Vec::new(), Vec::new());
-    for e in elems {
-        if e.data.is_some() || e.key.len() == 20 {
-            sb.push(e.clone());
-        } else if e.timeout.is_some() {
-            resolved.push(e.clone());
-        } else {
-            allow.push(e.clone());
-        }
-    }
-    for (set, v) in [(table::SANDBOXES, sb), (table::ALLOW, allow), (table::RESOLVED, resolved)] {
-        msgs.extend(nl::set_elements_chunked(op, table_name, set, &v));
-    }
+    table::box_elements(&boxes::disjoint(&bx), Some(left))
 }
 
 impl dns::DnsPolicy for Network {
@@ -633,16 +638,16 @@ impl dns::DnsPolicy for Network {
                 };
                 names.remove(&oldest);
             }
-            let e = learned_elements(a.addr, ip, &names, &a.compiled.domains, now);
+            let e = learned_elements(ip, &names, &a.compiled.domains, now);
             if let Some(l) = a.learned.get(&ip) {
                 del.extend(l.elems.iter().cloned());
             }
             add.extend(e.iter().cloned());
             next.push((ip, names, e));
         }
-        let mut msgs = Vec::new();
-        split_by_set(&mut msgs, &self.table.name, ElemOp::Delete, &del);
-        split_by_set(&mut msgs, &self.table.name, ElemOp::Add, &add);
+        let (_, _, rset) = table::slot_names(a.slot.0);
+        let mut msgs = nl::set_elements_chunked(ElemOp::Delete, &self.table.name, &rset, &del);
+        msgs.extend(nl::set_elements_chunked(ElemOp::Add, &self.table.name, &rset, &add));
         nf.nf_batch(&format!("learned addresses of {id}"), &msgs).map_err(|e| e.to_string())?;
         for (ip, names, elems) in next {
             a.learned.insert(ip, Learned { names, elems });
@@ -758,7 +763,7 @@ mod tests {
         let names: HashMap<String, Instant> =
             [("a.x.org".to_string(), now + Duration::from_secs(60)), ("old.y.org".to_string(), now)].into();
         let domains = vec![r("x.org:tcp/443"), r("y.org")];
-        let e = learned_elements(Ipv4Addr::new(10, 88, 0, 3), Ipv4Addr::new(192, 0, 2, 1), &names, &domains, now);
+        let e = learned_elements(Ipv4Addr::new(192, 0, 2, 1), &names, &domains, now);
         assert_eq!(e.len(), 1, "only x.org's box: y.org's name expired");
         assert!(e[0].timeout.unwrap() > Duration::from_secs(59));
         assert!(

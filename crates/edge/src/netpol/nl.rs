@@ -308,7 +308,53 @@ const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
+const NFT_MSG_NEWCHAIN: u16 = 3;
+const NFT_MSG_NEWRULE: u16 = 6;
+const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_DELSETELEM: u16 = 14;
+const NFT_MSG_DESTROYCHAIN: u16 = 27;
+const NFT_MSG_DESTROYRULE: u16 = 28;
+const NFT_MSG_DESTROYSET: u16 = 29;
+const NLM_F_APPEND: u16 = 0x800;
+const NFTA_CHAIN_TABLE: u16 = 1;
+const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
+const NFTA_RULE_EXPRESSIONS: u16 = 4;
+const NFTA_EXPR_NAME: u16 = 1;
+const NFTA_EXPR_DATA: u16 = 2;
+const NFTA_PAYLOAD_DREG: u16 = 1;
+const NFTA_PAYLOAD_BASE: u16 = 2;
+const NFTA_PAYLOAD_OFFSET: u16 = 3;
+const NFTA_PAYLOAD_LEN: u16 = 4;
+const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
+const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+const NFTA_META_DREG: u16 = 1;
+const NFTA_META_KEY: u16 = 2;
+const NFT_META_L4PROTO: u32 = 16;
+const NFTA_LOOKUP_SET: u16 = 1;
+const NFTA_LOOKUP_SREG: u16 = 2;
+const NFTA_LOOKUP_SET_ID: u16 = 4;
+const NFTA_IMMEDIATE_DREG: u16 = 1;
+const NFTA_IMMEDIATE_DATA: u16 = 2;
+const NFTA_DATA_VERDICT: u16 = 2;
+const NFTA_VERDICT_CODE: u16 = 1;
+const NFTA_VERDICT_CHAIN: u16 = 2;
+const NF_ACCEPT: u32 = 1;
+const NFT_JUMP: i32 = -3;
+const NFTA_SET_TABLE: u16 = 1;
+const NFTA_SET_NAME: u16 = 2;
+const NFTA_SET_FLAGS: u16 = 3;
+const NFTA_SET_KEY_TYPE: u16 = 4;
+const NFTA_SET_KEY_LEN: u16 = 5;
+const NFTA_SET_DESC: u16 = 9;
+const NFTA_SET_ID: u16 = 10;
+const NFTA_SET_DESC_CONCAT: u16 = 2;
+const NFTA_SET_FIELD_LEN: u16 = 1;
+const NFT_SET_INTERVAL: u32 = 0x4;
+const NFT_SET_TIMEOUT: u32 = 0x10;
+const NFT_SET_CONCAT: u32 = 0x80;
 const NFT_MSG_DESTROYSETELEM: u16 = 30;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
 const NFPROTO_INET: u8 = 1;
@@ -384,6 +430,8 @@ pub struct Element {
     pub key_end: Option<Vec<u8>>,
     pub data: Option<Vec<u8>>,
     pub timeout: Option<Duration>,
+    /// Verdict maps: jump to this chain.
+    pub jump: Option<String>,
 }
 
 /// Which set elements a message adds or deletes.
@@ -424,6 +472,11 @@ pub fn set_elements(op: ElemOp, table: &str, set: &str, elems: &[Element]) -> Nf
                 {
                     nested(a, NFTA_SET_ELEM_DATA, |a| attr(a, NFTA_DATA_VALUE, d));
                 }
+                if let Some(chain) = &e.jump
+                    && op == ElemOp::Add
+                {
+                    nested(a, NFTA_SET_ELEM_DATA, |a| jump_verdict(a, chain));
+                }
             });
         }
     });
@@ -432,6 +485,133 @@ pub fn set_elements(op: ElemOp, table: &str, set: &str, elems: &[Element]) -> Nf
         ElemOp::Delete => (NFT_MSG_DESTROYSETELEM, 0),
     };
     NfMsg { ty: (NFNL_SUBSYS_NFTABLES << 8) | ty, flags, family: NFPROTO_INET, attrs: a }
+}
+
+fn jump_verdict(a: &mut Vec<u8>, chain: &str) {
+    nested(a, NFTA_DATA_VERDICT, |a| {
+        attr(a, NFTA_VERDICT_CODE, &NFT_JUMP.to_be_bytes());
+        attr(a, NFTA_VERDICT_CHAIN, &cstr(chain));
+    });
+}
+
+fn nft_msg(ty: u16, flags: u16, attrs: Vec<u8>) -> NfMsg {
+    NfMsg { ty: (NFNL_SUBSYS_NFTABLES << 8) | ty, flags, family: NFPROTO_INET, attrs }
+}
+
+/// A regular chain `chain` in `table`.
+pub fn new_chain(table: &str, chain: &str) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_CHAIN_TABLE, &cstr(table));
+    attr(&mut a, NFTA_CHAIN_NAME, &cstr(chain));
+    nft_msg(NFT_MSG_NEWCHAIN, NLM_F_CREATE, a)
+}
+
+/// Removes chain `chain` if it is there (it must be empty and unreferenced by then).
+pub fn destroy_chain(table: &str, chain: &str) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_CHAIN_TABLE, &cstr(table));
+    attr(&mut a, NFTA_CHAIN_NAME, &cstr(chain));
+    nft_msg(NFT_MSG_DESTROYCHAIN, 0, a)
+}
+
+/// Removes every rule of chain `chain`, if the chain is there.
+pub fn flush_chain(table: &str, chain: &str) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_RULE_TABLE, &cstr(table));
+    attr(&mut a, NFTA_RULE_CHAIN, &cstr(chain));
+    nft_msg(NFT_MSG_DESTROYRULE, 0, a)
+}
+
+/// nftables' data type of `ipv4_addr . inet_proto . inet_service` (shown by `nft list`).
+const BOX_KEY_TYPE: u32 = ((7 << 6 | 12) << 6) | 13;
+
+/// A set of (destination . protocol . port) ranges: the kernel's concatenated-range set
+/// (fields of 4, 1 and 2 bytes, each in a 4-byte register), with element timeouts when
+/// `timeout`. `id` names it within the batch (rules of the same batch look it up by it).
+pub fn new_box_set(table: &str, set: &str, id: u32, timeout: bool) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_SET_TABLE, &cstr(table));
+    attr(&mut a, NFTA_SET_NAME, &cstr(set));
+    let mut flags = NFT_SET_INTERVAL | NFT_SET_CONCAT;
+    if timeout {
+        flags |= NFT_SET_TIMEOUT;
+    }
+    attr(&mut a, NFTA_SET_FLAGS, &flags.to_be_bytes());
+    attr(&mut a, NFTA_SET_KEY_TYPE, &BOX_KEY_TYPE.to_be_bytes());
+    attr(&mut a, NFTA_SET_KEY_LEN, &12u32.to_be_bytes());
+    attr(&mut a, NFTA_SET_ID, &id.to_be_bytes());
+    nested(&mut a, NFTA_SET_DESC, |a| {
+        nested(a, NFTA_SET_DESC_CONCAT, |a| {
+            for len in [4u32, 1, 2] {
+                nested(a, NFTA_LIST_ELEM, |a| attr(a, NFTA_SET_FIELD_LEN, &len.to_be_bytes()));
+            }
+        });
+    });
+    nft_msg(NFT_MSG_NEWSET, NLM_F_CREATE, a)
+}
+
+/// Removes set `set` if it is there (no rule may use it by then).
+pub fn destroy_set(table: &str, set: &str) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_SET_TABLE, &cstr(table));
+    attr(&mut a, NFTA_SET_NAME, &cstr(set));
+    nft_msg(NFT_MSG_DESTROYSET, 0, a)
+}
+
+/// Removes every element of set `set`.
+pub fn flush_set(table: &str, set: &str) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_SET_ELEM_LIST_TABLE, &cstr(table));
+    attr(&mut a, NFTA_SET_ELEM_LIST_SET, &cstr(set));
+    nft_msg(NFT_MSG_DELSETELEM, 0, a)
+}
+
+/// The rule `ip daddr . meta l4proto . th dport @set accept` appended to `chain` (`set_id`:
+/// the set's id when it is created in the same batch).
+pub fn box_lookup_rule(table: &str, chain: &str, set: &str, set_id: u32) -> NfMsg {
+    const REG32_00: u32 = 8;
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_RULE_TABLE, &cstr(table));
+    attr(&mut a, NFTA_RULE_CHAIN, &cstr(chain));
+    let expr = |a: &mut Vec<u8>, name: &str, data: &dyn Fn(&mut Vec<u8>)| {
+        nested(a, NFTA_LIST_ELEM, |a| {
+            attr(a, NFTA_EXPR_NAME, &cstr(name));
+            nested(a, NFTA_EXPR_DATA, |a| data(a));
+        });
+    };
+    let be = |v: u32| v.to_be_bytes();
+    nested(&mut a, NFTA_RULE_EXPRESSIONS, |a| {
+        // ip daddr: network header, offset 16, 4 bytes.
+        expr(a, "payload", &|a| {
+            attr(a, NFTA_PAYLOAD_DREG, &be(REG32_00));
+            attr(a, NFTA_PAYLOAD_BASE, &be(NFT_PAYLOAD_NETWORK_HEADER));
+            attr(a, NFTA_PAYLOAD_OFFSET, &be(16));
+            attr(a, NFTA_PAYLOAD_LEN, &be(4));
+        });
+        expr(a, "meta", &|a| {
+            attr(a, NFTA_META_DREG, &be(REG32_00 + 1));
+            attr(a, NFTA_META_KEY, &be(NFT_META_L4PROTO));
+        });
+        // th dport: transport header, offset 2, 2 bytes.
+        expr(a, "payload", &|a| {
+            attr(a, NFTA_PAYLOAD_DREG, &be(REG32_00 + 2));
+            attr(a, NFTA_PAYLOAD_BASE, &be(NFT_PAYLOAD_TRANSPORT_HEADER));
+            attr(a, NFTA_PAYLOAD_OFFSET, &be(2));
+            attr(a, NFTA_PAYLOAD_LEN, &be(2));
+        });
+        expr(a, "lookup", &|a| {
+            attr(a, NFTA_LOOKUP_SET, &cstr(set));
+            attr(a, NFTA_LOOKUP_SREG, &be(REG32_00));
+            attr(a, NFTA_LOOKUP_SET_ID, &be(set_id));
+        });
+        expr(a, "immediate", &|a| {
+            attr(a, NFTA_IMMEDIATE_DREG, &be(0));
+            nested(a, NFTA_IMMEDIATE_DATA, |a| {
+                nested(a, NFTA_DATA_VERDICT, |a| attr(a, NFTA_VERDICT_CODE, &be(NF_ACCEPT)));
+            });
+        });
+    });
+    nft_msg(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, a)
 }
 
 /// A message deleting every conntrack entry whose mark is `mark` (all families).

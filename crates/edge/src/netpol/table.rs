@@ -1,13 +1,16 @@
-//! The edge's nftables table: its fixed part (chains, hooks, the always-closed ranges) is
-//! loaded with `nft -f` once at start; everything per sandbox is set elements, changed over
-//! netlink ([`super::nl`]), never a rule.
+//! The edge's nftables table: its fixed part (base chains, hooks, the always-closed ranges) is
+//! loaded with `nft -f` once at start; each sandbox adds its own chain and two sets of its own
+//! over netlink ([`super::nl`]), in one batch.
 //!
-//! Every packet a sandbox sends runs through the same checks, keyed by its host-side veth
-//! **and** source address: `sandboxes` maps (veth, address) to the sandbox's conntrack mark,
-//! so a forged source matches nothing and is dropped; `allow` and `resolved` hold
-//! (source, destination range, protocol range, port range) boxes, so a sandbox's rules only
-//! ever match its own packets. Established connections pass through the same checks: taking a
-//! rule back cuts its connections at the next packet. New connections towards a sandbox are
+//! Every packet a sandbox sends enters its own chain, matched by its host-side veth **and**
+//! source address: `sandboxes` maps (veth, address) to the sandbox's conntrack mark, so a
+//! forged source matches nothing and is dropped; `jumps` maps the same pair to a jump into
+//! chain `s<slot>`, whose two rules accept what its sets `a<slot>` (networks) and `r<slot>`
+//! (addresses learned through DNS, with timeouts) hold as (destination . protocol . port)
+//! ranges. A sandbox's sets are small whatever the number of sandboxes, so changing them costs
+//! the same with 10 sandboxes or 10,000 (one shared set of every sandbox's ranges made each
+//! deletion walk all of them). Established connections pass through the same checks: taking
+//! a rule back cuts its connections at the next packet. New connections towards a sandbox are
 //! dropped on every path (forward from anywhere, output from the host); replies pass.
 
 use std::fmt::Write as _;
@@ -24,10 +27,24 @@ pub const MAX_CONNS: u32 = 4096;
 /// New connections per second one sandbox may open (burst: twice that).
 pub const NEW_CONN_RATE: u32 = 200;
 
-/// Names of the sets per-sandbox state lives in.
+/// The maps every sandbox has an element in.
 pub const SANDBOXES: &str = "sandboxes";
-pub const ALLOW: &str = "allow";
-pub const RESOLVED: &str = "resolved";
+pub const CHAINS: &str = "jumps";
+
+/// The names of slot `slot`'s chain, network set and learned set.
+pub fn slot_names(slot: u32) -> (String, String, String) {
+    (format!("s{slot:x}"), format!("a{slot:x}"), format!("r{slot:x}"))
+}
+
+/// One sandbox's part of a rebuild from records.
+#[derive(Clone, Debug)]
+pub struct SlotTable {
+    pub slot: u32,
+    pub ifname: String,
+    pub addr: Ipv4Addr,
+    pub mark: u32,
+    pub allow: Vec<Element>,
+}
 
 /// The fixed facts the table is made from.
 #[derive(Clone, Debug)]
@@ -63,7 +80,7 @@ fn intervals(v: &[(u32, u32)]) -> String {
 
 /// The table as `nft -f` input: created (or replaced) whole, in one transaction, with the
 /// given per-sandbox elements (recovery) already in.
-pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Element]) -> String {
+pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     let mut s = String::new();
     let n = &t.name;
     let p = &t.veth_prefix;
@@ -71,9 +88,7 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
     let _ = writeln!(s, "table inet {n} {{}}\ndelete table inet {n}\ntable inet {n} {{");
     let _ = writeln!(s, "  comment \"{}\"", t.owner.replace('"', ""));
     let _ = writeln!(s, "  map {SANDBOXES} {{ type ifname . ipv4_addr : mark; }}");
-    let boxes = "type ipv4_addr . ipv4_addr . inet_proto . inet_service";
-    let _ = writeln!(s, "  set {ALLOW} {{ {boxes}; flags interval; }}");
-    let _ = writeln!(s, "  set {RESOLVED} {{ {boxes}; flags interval,timeout; }}");
+    let _ = writeln!(s, "  map {CHAINS} {{ type ifname . ipv4_addr : verdict; }}");
     let local: Vec<(u32, u32)> = t.local.iter().map(|l| (l.first(), l.last())).collect();
     let _ = writeln!(
         s,
@@ -116,8 +131,7 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
     tcp dport {{ 53, 853 }} drop
     ip daddr @local drop
     ip daddr @closed drop
-    ip saddr . ip daddr . meta l4proto . th dport @{ALLOW} accept
-    ip saddr . ip daddr . meta l4proto . th dport @{RESOLVED} accept
+    iifname . ip saddr vmap @{CHAINS}
     drop
   }}
   chain input {{
@@ -152,42 +166,44 @@ pub fn script(t: &TableSpec, sandboxes: &[(String, Ipv4Addr, u32)], allow: &[Ele
         new_rate = NEW_CONN_RATE,
         new_burst = NEW_CONN_RATE * 2,
     );
-    // Per-sandbox elements, for a rebuild from records.
-    if !sandboxes.is_empty() {
-        let e: Vec<String> =
-            sandboxes.iter().map(|(ifname, addr, mark)| format!("\"{ifname}\" . {addr} : {mark:#x}")).collect();
-        for chunk in e.chunks(512) {
-            let _ = writeln!(s, "add element inet {n} {SANDBOXES} {{ {} }}", chunk.join(", "));
+    // Per-sandbox chains, sets and elements, for a rebuild from records.
+    let boxes = "type ipv4_addr . inet_proto . inet_service";
+    for sb in sandboxes {
+        let (chain, allow, learned) = slot_names(sb.slot);
+        let _ = writeln!(s, "add set inet {n} {allow} {{ {boxes}; flags interval; }}");
+        let _ = writeln!(s, "add set inet {n} {learned} {{ {boxes}; flags interval,timeout; }}");
+        let _ = writeln!(s, "add chain inet {n} {chain}");
+        for set in [&allow, &learned] {
+            let _ = writeln!(s, "add rule inet {n} {chain} ip daddr . meta l4proto . th dport @{set} accept");
         }
-    }
-    if !allow.is_empty() {
-        let e: Vec<String> = allow.iter().filter_map(element_text).collect();
-        for chunk in e.chunks(512) {
-            let _ = writeln!(s, "add element inet {n} {ALLOW} {{ {} }}", chunk.join(", "));
+        let e: Vec<String> = sb.allow.iter().filter_map(element_text).collect();
+        if !e.is_empty() {
+            let _ = writeln!(s, "add element inet {n} {allow} {{ {} }}", e.join(", "));
         }
+        let (ifname, addr) = (&sb.ifname, sb.addr);
+        let _ = writeln!(s, "add element inet {n} {SANDBOXES} {{ \"{ifname}\" . {addr} : {:#x} }}", sb.mark);
+        let _ = writeln!(s, "add element inet {n} {CHAINS} {{ \"{ifname}\" . {addr} : jump {chain} }}");
     }
     s
 }
 
-/// The `nft` text of an `allow`/`resolved` element (from its key bytes).
+/// The `nft` text of a box element (from its key bytes).
 fn element_text(e: &Element) -> Option<String> {
     let lo = decode_box_key(&e.key)?;
     let hi = decode_box_key(e.key_end.as_ref().unwrap_or(&e.key))?;
     let range = |a: String, b: String| if a == b { a } else { format!("{a}-{b}") };
     Some(format!(
-        "{} . {} . {} . {}",
-        ip(lo.0),
-        range(ip(lo.1).to_string(), ip(hi.1).to_string()),
-        range(lo.2.to_string(), hi.2.to_string()),
-        range(lo.3.to_string(), hi.3.to_string())
+        "{} . {} . {}",
+        range(ip(lo.0).to_string(), ip(hi.0).to_string()),
+        range(lo.1.to_string(), hi.1.to_string()),
+        range(lo.2.to_string(), hi.2.to_string())
     ))
 }
 
-/// Key bytes of a box element: source . destination . protocol . port, each field padded to
-/// 4 bytes as the kernel's registers hold them.
-pub fn box_key(src: Ipv4Addr, dst: u32, proto: u8, port: u16) -> Vec<u8> {
-    let mut k = Vec::with_capacity(16);
-    k.extend_from_slice(&src.octets());
+/// Key bytes of a box element: destination . protocol . port, each field padded to 4 bytes
+/// as the kernel's registers hold them.
+pub fn box_key(dst: u32, proto: u8, port: u16) -> Vec<u8> {
+    let mut k = Vec::with_capacity(12);
     k.extend_from_slice(&dst.to_be_bytes());
     k.extend_from_slice(&[proto, 0, 0, 0]);
     k.extend_from_slice(&port.to_be_bytes());
@@ -195,38 +211,50 @@ pub fn box_key(src: Ipv4Addr, dst: u32, proto: u8, port: u16) -> Vec<u8> {
     k
 }
 
-fn decode_box_key(k: &[u8]) -> Option<(u32, u32, u8, u16)> {
-    if k.len() != 16 {
+fn decode_box_key(k: &[u8]) -> Option<(u32, u8, u16)> {
+    if k.len() != 12 {
         return None;
     }
-    Some((
-        u32::from_be_bytes(k[0..4].try_into().ok()?),
-        u32::from_be_bytes(k[4..8].try_into().ok()?),
-        k[8],
-        u16::from_be_bytes([k[12], k[13]]),
-    ))
+    Some((u32::from_be_bytes(k[0..4].try_into().ok()?), k[4], u16::from_be_bytes([k[8], k[9]])))
 }
 
-/// The elements of `src`'s boxes (disjoint already), with an optional timeout.
-pub fn box_elements(src: Ipv4Addr, boxes: &[Box3], timeout: Option<Duration>) -> Vec<Element> {
+/// The elements of boxes (disjoint already), with an optional timeout.
+pub fn box_elements(boxes: &[Box3], timeout: Option<Duration>) -> Vec<Element> {
     boxes
         .iter()
         .map(|b| Element {
-            key: box_key(src, b.addr.0, b.proto.0, b.port.0),
-            key_end: Some(box_key(src, b.addr.1, b.proto.1, b.port.1)),
+            key: box_key(b.addr.0, b.proto.0, b.port.0),
+            key_end: Some(box_key(b.addr.1, b.proto.1, b.port.1)),
             data: None,
             timeout,
+            jump: None,
         })
         .collect()
 }
 
+fn pair_key(ifname: &str, addr: Ipv4Addr) -> Vec<u8> {
+    let mut key = vec![0u8; 16];
+    let n = ifname.len().min(15);
+    key[..n].copy_from_slice(&ifname.as_bytes()[..n]);
+    key.extend_from_slice(&addr.octets());
+    key
+}
+
+/// The `chains` element of a sandbox: (host-side veth, address) -> jump to its chain.
+pub fn chain_element(ifname: &str, addr: Ipv4Addr, chain: &str) -> Element {
+    Element { key: pair_key(ifname, addr), key_end: None, data: None, timeout: None, jump: Some(chain.into()) }
+}
+
 /// The `sandboxes` element of a sandbox: (host-side veth, address) -> conntrack mark.
 pub fn sandbox_element(ifname: &str, addr: Ipv4Addr, mark: u32) -> Element {
-    let mut key = vec![0u8; 16];
-    key[..ifname.len().min(15)].copy_from_slice(&ifname.as_bytes()[..ifname.len().min(15)]);
-    key.extend_from_slice(&addr.octets());
     // Marks are host-endian integers in the kernel's registers.
-    Element { key, key_end: None, data: Some(mark.to_ne_bytes().to_vec()), timeout: None }
+    Element {
+        key: pair_key(ifname, addr),
+        key_end: None,
+        data: Some(mark.to_ne_bytes().to_vec()),
+        timeout: None,
+        jump: None,
+    }
 }
 
 /// `ranges` minus `holes`, as sorted disjoint intervals.
