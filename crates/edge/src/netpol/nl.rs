@@ -633,6 +633,7 @@ mod tests {
             key_end: Some(vec![9; 5]),
             data: None,
             timeout: Some(Duration::from_secs(2)),
+            jump: None,
         };
         let m = set_elements(ElemOp::Add, "t", "s", &[e]);
         assert_eq!(m.attrs.len() % 4, 0);
@@ -647,7 +648,7 @@ mod tests {
             ElemOp::Delete,
             "t",
             "s",
-            &[Element { key: vec![0; 4], key_end: None, data: None, timeout: Some(Duration::from_secs(2)) }],
+            &[Element { key: vec![0; 4], key_end: None, data: None, timeout: Some(Duration::from_secs(2)), jump: None }],
         );
         assert!(!d.attrs.windows(8).any(|w| w == 2000u64.to_be_bytes()));
     }

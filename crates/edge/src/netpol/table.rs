@@ -310,8 +310,8 @@ mod tests {
         let src: Ipv4Addr = "10.88.0.3".parse().unwrap();
         let b =
             Box3 { addr: (net("203.0.113.0/24").first(), net("203.0.113.0/24").last()), proto: (6, 6), port: (80, 80) };
-        let e = box_elements(src, &[b], None);
-        assert_eq!(element_text(&e[0]).unwrap(), "10.88.0.3 . 203.0.113.0-203.0.113.255 . 6 . 80");
+        let e = box_elements(&[b], None);
+        assert_eq!(element_text(&e[0]).unwrap(), "203.0.113.0-203.0.113.255 . 6 . 80");
         let s = sandbox_element("odab12-1", src, 7);
         assert_eq!(s.key.len(), 20);
         assert_eq!(&s.key[..8], b"odab12-1");
