@@ -104,6 +104,10 @@ fn egress_rules_through_the_public_api() {
             .await;
         assert_eq!(bad.unwrap_err().reason.as_str(), "invalid_argument");
 
+        // Pause keeps the network: a call resumes the sandbox, which still reaches out.
+        f.admin.pause_sandbox(&sb.id).await.unwrap();
+        assert_eq!(sh(get("http://203.0.113.10/")).await, "hello 203.0.113.10:80");
+
         // An edge restart keeps the rules: the sandbox is adopted and still reaches out.
         f.cluster.stop_edge(EDGE).await.unwrap();
         f.cluster.start_edge(EDGE).await.unwrap();

@@ -225,6 +225,11 @@ fn star_opens_public_addresses_only() {
     ] {
         assert!(a.get(addr, port).starts_with("ERR"), "reached {what} ({addr}:{port})");
     }
+    // And the other way: b cannot reach a either.
+    let (_, a_addr) = e.net.addrs(Slot(1));
+    a.sh(&["sh", "-c", "python3 -m http.server 8000 --bind 0.0.0.0 >/dev/null 2>&1 &"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(b.get(a_addr, 8000).starts_with("ERR"), "another sandbox reached a");
     drop(l);
     // A name that resolves into the metadata range stays closed (DNS rebinding).
     e.net.update("e.a", &[r("*"), r("rebind.test")]).unwrap();
@@ -389,6 +394,12 @@ fn an_edge_never_takes_over_another_owners_table() {
     let other = Network::new(opts).unwrap();
     let err = other.recover(&[]).unwrap_err();
     assert!(matches!(err, netpol::NetworkError::TableInUse { .. }), "{err}");
+    // Another edge (its own tag) on the same subnet: refused at start.
+    let mut opts = e.net_opts.clone();
+    opts.tag = "abcdef".into();
+    opts.owner = "/yet/another/edge".into();
+    let err = Network::new(opts).unwrap_err();
+    assert!(matches!(err, netpol::NetworkError::SubnetInUse { .. }), "{err}");
     // The first edge's table is untouched.
     let sb = Ns::new();
     e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();

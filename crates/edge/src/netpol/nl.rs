@@ -648,7 +648,13 @@ mod tests {
             ElemOp::Delete,
             "t",
             "s",
-            &[Element { key: vec![0; 4], key_end: None, data: None, timeout: Some(Duration::from_secs(2)), jump: None }],
+            &[Element {
+                key: vec![0; 4],
+                key_end: None,
+                data: None,
+                timeout: Some(Duration::from_secs(2)),
+                jump: None,
+            }],
         );
         assert!(!d.attrs.windows(8).any(|w| w == 2000u64.to_be_bytes()));
     }
