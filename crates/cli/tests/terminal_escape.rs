@@ -68,6 +68,8 @@ async fn a_sandbox_cannot_type_into_the_terminal_the_cluster_runs_in() {
             "keep_sandboxes_on_exit": false,
             "container_setup_exe": env!("CARGO_BIN_EXE_opendsec"),
         },
+        // This test runs in the machine's own namespace: leave its network alone.
+        "network": { "enabled": false },
     });
     std::fs::write(&config, cfg.to_string()).unwrap();
     let containers = state.join("edges").join(EDGE).join("containers");

@@ -304,8 +304,12 @@ fn named_sets_and_a_dns_flood_leave_others_served() {
     assert_eq!(b.dns("other.test", dns), format!("rcode=0 answers=1 ip={WEB_B}"));
     assert!(ok(&b.get(WEB_B, 80)));
     assert_eq!(b.dns("allowed.test", dns), "rcode=3 answers=0 ip=-");
+    // Of a's 3,000 queries at most its burst (20) and what its rate refilled were forwarded
+    // (the kernel may drop some of the flood before the proxy reads it: the count of what
+    // went upstream is what tells a limit from none).
     let stats = e.net.dns_stats.lock().unwrap().clone().unwrap();
-    assert!(stats.stats.dropped.load(std::sync::atomic::Ordering::Relaxed) > 2000, "the flood was not limited");
+    let forwarded = stats.stats.forwarded.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(forwarded < 200, "the flood was not limited: {forwarded} queries went upstream");
 }
 
 /// What the kernel holds for this edge: links with its prefix, elements in its sets,

@@ -625,6 +625,17 @@ impl dns::DnsPolicy for Network {
         if a.learned.len() + fresh > MAX_LEARNED {
             return Err(NetworkError::TooManyLearned { id }.to_string());
         }
+        // An address this name opened recently enough needs no kernel change (its element
+        // lives at least nine tenths as long as a new one would): repeated lookups of a name
+        // cost no netlink batch.
+        let slack = self.timeout_of(ttl) / 10;
+        uniq.retain(|ip| {
+            let fresh = a.learned.get(ip).and_then(|l| l.names.get(name)).is_some_and(|e| *e + slack >= until);
+            !fresh
+        });
+        if uniq.is_empty() {
+            return Ok(());
+        }
         for ip in uniq {
             let mut names = a.learned.get(&ip).map(|l| l.names.clone()).unwrap_or_default();
             names.retain(|_, e| *e > now);
