@@ -19,6 +19,18 @@ fuzz_target!(|data: &[u8]| {
             assert!(r.cpu_millis > 0 && r.memory_mb > 0);
             assert!(spec.backend == "sim" || r.disk_mb > 0, "{spec:?}");
             assert!(spec.ttl_running_stop_s > 0 && spec.ttl_max_s > 0);
+            // Egress rules: what admission accepts parses back to the same rules, and a rule
+            // lies within itself and within `*`.
+            let mut spec = spec;
+            if admission::check_network(&mut spec, &[]).is_ok() {
+                let any = opendsec_common::egress::Rule::parse("*").expect("* parses");
+                for r in &spec.network.as_ref().expect("filled").egress {
+                    let rule = opendsec_common::egress::Rule::from_pb(r).expect("accepted rules parse");
+                    let again = opendsec_common::egress::Rule::parse(&rule.to_string()).expect("text round trip");
+                    assert_eq!(rule, again);
+                    assert!(rule.within(&rule) && rule.within(&any), "{rule}");
+                }
+            }
         }
         if let Ok(Some(key)) = admission::check_lease_id(&req.lease_id) {
             assert!(ids::validate_lease(&admission::scoped_lease_id("root/fuzz", &key)).is_ok());
@@ -27,6 +39,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(req) = pb::CreateSandboxesRequest::decode(data) {
         let _ = admission::check_batch_count(req.count);
         let _ = admission::check_spec(req.spec.as_ref(), "root", &cfg);
+    }
+    if let Ok(req) = pb::UpdateNetworkRequest::decode(data) {
+        let _ = admission::check_network_update(&req);
     }
     if let Ok(req) = pb::SetSandboxTimeoutRequest::decode(data) {
         let _ = admission::check_timeout_update(&req, &cfg.ttl);
@@ -44,5 +59,6 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(s) = std::str::from_utf8(data) {
         let _ = opendsec_common::config::Config::parse(s, "fuzz");
         let _ = opendsec_common::config::parse_token_shape(s);
+        let _ = opendsec_common::egress::Rule::parse(s);
     }
 });
