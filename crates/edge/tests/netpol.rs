@@ -322,7 +322,7 @@ fn leftovers(net: &Network) -> (usize, usize, usize) {
         .lines()
         .filter(|l| {
             let l = l.trim();
-            l.starts_with("chain s") || l.starts_with("set a") || l.starts_with("set r")
+            l.starts_with("chain s_") || l.starts_with("set a_") || l.starts_with("set r_")
         })
         .count();
     let in_maps: usize = ["sandboxes", "jumps"]
@@ -411,4 +411,22 @@ fn an_edge_never_takes_over_another_owners_table() {
     let sb = Ns::new();
     e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
     assert!(ok(&sb.get(WEB_A, 80)));
+}
+
+#[test]
+fn a_restart_rebuilds_every_slot_from_the_records() {
+    let e = env();
+    // Slot names spell no nft keyword (slot 0xdd once made a set called `add`).
+    let claims: Vec<netpol::Claim> = [0xdd_u32, 0xadd, 0xfe, 1]
+        .into_iter()
+        .map(|s| netpol::Claim { id: format!("e.c{s}"), slot: Slot(s), rules: vec![r("203.0.113.0/24:tcp/80")] })
+        .collect();
+    e.net.recover(&claims).unwrap();
+    assert_eq!(e.net.attached(), 4);
+    let (_, aset, _) = netpol::table::slot_names(0xdd);
+    let listed = netns::sh(&["nft", "list", "set", "inet", e.net.table_name(), &aset]);
+    assert!(listed.contains("203.0.113.0/24 . tcp . 80"), "{listed}");
+    // The next start without those records removes them.
+    e.net.recover(&[]).unwrap();
+    assert_eq!(leftovers(&e.net).1, 0);
 }

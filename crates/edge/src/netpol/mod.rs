@@ -486,8 +486,8 @@ impl Network {
     /// learned stay open only as far as the new rules still allow their names.
     pub fn update(&self, id: &str, rules: &[Rule]) -> Result<(), NetworkError> {
         let compiled = compile(rules, &self.opts.rule_sets)?;
-        let now = Instant::now();
         let mut g = self.lock();
+        let now = Instant::now();
         let Inner { nf, state } = &mut *g;
         let a = state.sandboxes.get_mut(id).ok_or_else(|| NetworkError::NotAttached(id.into()))?;
         let allow = table::box_elements(&compiled.boxes, None);
@@ -607,9 +607,10 @@ impl dns::DnsPolicy for Network {
     }
 
     fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[Ipv4Addr], ttl: u32) -> Result<(), String> {
+        let mut g = self.lock();
+        // Taken under the lock: the kernel's timeouts start no earlier than the bookkeeping's.
         let now = Instant::now();
         let until = now + self.timeout_of(ttl);
-        let mut g = self.lock();
         let Inner { nf, state } = &mut *g;
         let Some(id) = state.by_addr.get(&src).cloned() else { return Err(format!("no sandbox has {src}")) };
         let Some(a) = state.sandboxes.get_mut(&id) else { return Err(format!("no sandbox has {src}")) };

@@ -5,7 +5,7 @@
 //! Every packet a sandbox sends enters its own chain, matched by its host-side veth **and**
 //! source address: `sandboxes` maps (veth, address) to the sandbox's conntrack mark, so a
 //! forged source matches nothing and is dropped; `jumps` maps the same pair to a jump into
-//! chain `s<slot>`, whose two rules accept what its sets `a<slot>` (networks) and `r<slot>`
+//! chain `s_<slot>`, whose two rules accept what its sets `a_<slot>` (networks) and `r_<slot>`
 //! (addresses learned through DNS, with timeouts) hold as (destination . protocol . port)
 //! ranges. A sandbox's sets are small whatever the number of sandboxes, so changing them costs
 //! the same with 10 sandboxes or 10,000 (one shared set of every sandbox's ranges made each
@@ -31,9 +31,11 @@ pub const NEW_CONN_RATE: u32 = 200;
 pub const SANDBOXES: &str = "sandboxes";
 pub const CHAINS: &str = "jumps";
 
-/// The names of slot `slot`'s chain, network set and learned set.
+/// The names of slot `slot`'s chain, network set and learned set. The underscore keeps a
+/// name from ever spelling an nft keyword (`a` + `dd` would be `add`, which the recovery
+/// script could not name).
 pub fn slot_names(slot: u32) -> (String, String, String) {
-    (format!("s{slot:x}"), format!("a{slot:x}"), format!("r{slot:x}"))
+    (format!("s_{slot:x}"), format!("a_{slot:x}"), format!("r_{slot:x}"))
 }
 
 /// One sandbox's part of a rebuild from records.
