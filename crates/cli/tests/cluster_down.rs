@@ -72,6 +72,8 @@ async fn stopping_cluster_up_stops_its_sandboxes_unless_asked_to_keep_them() {
         "sim_edges": 1,
         "apiserver": { "listen": addr, "metrics_listen": "" },
         "edge": { "backends": ["container"], "container_setup_exe": env!("CARGO_BIN_EXE_opendsec") },
+        // This test runs in the machine's own namespace: leave its network alone.
+        "network": { "enabled": false },
     });
     std::fs::write(&config, cfg.to_string()).unwrap();
     let containers = state_dir.join("edges").join(EDGE).join("containers");

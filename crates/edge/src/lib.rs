@@ -231,6 +231,14 @@ impl Edge {
         }
         if !inner.cfg.keep_sandboxes_on_exit {
             inner.stop_all(end_reason::EDGE_SHUTDOWN).await;
+            // Nothing is left that needs the network: take it off the host.
+            if let Some(net) = inner.network.clone() {
+                match tokio::task::spawn_blocking(move || net.shutdown()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!(edge = %inner.name, error = %e, "removing the network failed"),
+                    Err(e) => tracing::warn!(edge = %inner.name, error = %e, "removing the network failed"),
+                }
+            }
         }
         match tokio::time::timeout(CLOSE_TIMEOUT, inner.flush_releases()).await {
             Ok(Ok(())) => {}

@@ -429,4 +429,15 @@ fn a_restart_rebuilds_every_slot_from_the_records() {
     // The next start without those records removes them.
     e.net.recover(&[]).unwrap();
     assert_eq!(leftovers(&e.net).1, 0);
+
+    // An edge that stops with its sandboxes takes its network off the host; with one still
+    // attached it leaves it.
+    let sb = Ns::new();
+    e.net.attach("e.kept", Slot(3), &[r("*")], sb.path().as_ref()).unwrap();
+    e.net.shutdown().unwrap();
+    assert!(netns::sh(&["nft", "list", "tables"]).contains(e.net.table_name()));
+    e.net.detach("e.kept", Slot(3)).unwrap();
+    e.net.shutdown().unwrap();
+    assert!(!netns::sh(&["nft", "list", "tables"]).contains(e.net.table_name()));
+    assert!(!netns::sh(&["ip", "-4", "addr", "show", "lo"]).contains(&e.net.dns_addr().to_string()));
 }

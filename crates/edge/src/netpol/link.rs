@@ -152,6 +152,17 @@ pub fn ensure_local_address(sock: &mut NlSocket, label: &str, addr: Ipv4Addr) ->
     }
 }
 
+/// Removes `addr`/32 from `lo` (no error if it is not there).
+pub fn remove_local_address(sock: &mut NlSocket, addr: Ipv4Addr) -> Result<(), NlError> {
+    let idx = index_of(sock, "lo")?.ok_or_else(|| NlError::Malformed { what: "no loopback link".into() })?;
+    let msg = AddressMessageBuilder::<Ipv4Addr>::new().index(idx).address(addr, 32).build();
+    match sock.route_delete(&format!("address {addr} on lo"), RouteNetlinkMessage::DelAddress(msg)) {
+        // EADDRNOTAVAIL: not there.
+        Err(e) if e.errno() == Some(99) => Ok(()),
+        r => r,
+    }
+}
+
 /// The name of the interface of the default IPv4 route, if there is one.
 pub fn default_route_interface(sock: &mut NlSocket) -> Result<Option<String>, NlError> {
     use rtnetlink::packet_route::route::{RouteAttribute, RouteMessage};

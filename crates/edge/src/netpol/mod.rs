@@ -560,6 +560,19 @@ impl Network {
         Ok(())
     }
 
+    /// Takes the edge's network off the host (its table and DNS address), once no sandbox is
+    /// attached any more: an edge stopping with its sandboxes leaves nothing behind. With
+    /// sandboxes still attached (kept across a restart) it does nothing. Blocking.
+    pub fn shutdown(&self) -> Result<(), NetworkError> {
+        if self.attached() > 0 {
+            return Ok(());
+        }
+        remove_table(&self.table.name)?;
+        let mut rt = NlSocket::route()?;
+        link::remove_local_address(&mut rt, self.dns_addr())?;
+        Ok(())
+    }
+
     /// The number of sandboxes attached (for tests and status).
     pub fn attached(&self) -> usize {
         self.lock().state.sandboxes.len()
