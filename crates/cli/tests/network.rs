@@ -41,8 +41,8 @@ fn leftovers() -> (usize, usize) {
     let links = netns::sh(&["ip", "-o", "link", "show"]).lines().filter(|l| l.contains(&prefix)).count();
     let text = netns::sh(&["nft", "list", "table", "inet", &table]);
     // Per-sandbox chains, and the two maps every sandbox has an element in.
-    let chains = text.lines().filter(|l| l.trim().starts_with("chain s_")).count();
-    let in_maps: usize = ["sandboxes", "jumps"]
+    let chains = text.lines().filter(|l| l.trim().starts_with("chain s_") || l.trim().starts_with("chain i_")).count();
+    let in_maps: usize = ["sandboxes", "jumps", "replies"]
         .iter()
         .map(|m| netns::sh(&["nft", "list", "map", "inet", &table, m]).matches("elements = {").count())
         .sum();

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use opendsec_common::egress::{Ipv4Net, Rule};
 use opendsec_edge::netpol::{self, NetOptions, Network, Slot};
-use opendsec_testkit::netns::{self, DNS, METADATA, PRIVATE, UDP_LOG_PORT, UPLINK_ADDR, WEB_A, WEB_B, World};
+use opendsec_testkit::netns::{
+    self, DNS, METADATA, PRIVATE, UDP_LOG_PORT, UDP_STREAM_PORT, UPLINK_ADDR, WEB_A, WEB_B, World,
+};
 use opendsec_testkit::{is_root, wait_for};
 
 /// A TCP request (`GET <path>`), a DNS query or a UDP datagram from inside a namespace, in
@@ -55,6 +57,12 @@ try:
         for i in range(int(sys.argv[3])):
             s.sendto(q, (sys.argv[2], 53))
         print("flooded")
+    elif cmd == "udpstream":
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(30)
+        s.sendto(b"go", (sys.argv[2], int(sys.argv[3])))
+        while True:
+            print(s.recv(2048).decode(), flush=True)
     elif cmd == "stream":
         s = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=30)
         s.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
@@ -322,10 +330,10 @@ fn leftovers(net: &Network) -> (usize, usize, usize) {
         .lines()
         .filter(|l| {
             let l = l.trim();
-            l.starts_with("chain s_") || l.starts_with("set a_") || l.starts_with("set r_")
+            l.starts_with("chain s_") || l.starts_with("chain i_") || l.starts_with("set a_") || l.starts_with("set r_")
         })
         .count();
-    let in_maps: usize = ["sandboxes", "jumps"]
+    let in_maps: usize = ["sandboxes", "jumps", "replies"]
         .iter()
         .map(|m| netns::sh(&["nft", "list", "map", "inet", net.table_name(), m]).matches("elements = {").count())
         .sum();
@@ -440,4 +448,42 @@ fn a_restart_rebuilds_every_slot_from_the_records() {
     e.net.shutdown().unwrap();
     assert!(!netns::sh(&["nft", "list", "tables"]).contains(e.net.table_name()));
     assert!(!netns::sh(&["ip", "-4", "addr", "show", "lo"]).contains(&e.net.dns_addr().to_string()));
+}
+
+/// Counts the lines a command in the namespace prints, as they come.
+fn count_lines(mut child: Child) -> (Child, Arc<std::sync::atomic::AtomicUsize>) {
+    let lines = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = lines.clone();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for _ in std::io::BufReader::new(out).lines() {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    (child, lines)
+}
+
+#[test]
+fn taking_a_rule_back_stops_replies_too() {
+    let e = env();
+    let sb = Ns::new();
+    e.net.attach("e.s1", Slot(1), &[r("198.51.100.0/24:udp")], sb.path().as_ref()).unwrap();
+    // One datagram out, a stream of them back: the sandbox never sends again, so only the
+    // replies' own check can stop them.
+    let child = sb
+        .cmd(&["python3", "-u", "-c", CLIENT, "udpstream", &WEB_A.to_string(), &UDP_STREAM_PORT.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut child, lines) = count_lines(child);
+    let count = || lines.load(std::sync::atomic::Ordering::SeqCst);
+    wait_for("replies flowing", Duration::from_secs(5), || count() > 3);
+    e.net.update("e.s1", &[r("203.0.113.0/24")]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let after = count();
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(count(), after, "replies kept coming after their rule was taken back");
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -32,6 +32,8 @@ pub const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 /// UDP port on [`WEB_A`] whose server logs every datagram's text ([`World::udp_log`]).
 pub const UDP_LOG_PORT: u16 = 9;
+/// UDP port on [`WEB_A`] whose server answers a datagram with one every 50 ms for 20 s.
+pub const UDP_STREAM_PORT: u16 = 7;
 
 /// The world's names.
 pub const ZONE: &[(&str, Ipv4Addr)] = &[
@@ -125,6 +127,21 @@ impl World {
                 let tcp = tokio::net::TcpListener::bind((DNS, 53)).await.expect("dns tcp bind");
                 servers.push(tokio::spawn(dns_udp(udp, log.clone())));
                 servers.push(tokio::spawn(dns_tcp(tcp, log)));
+                let st =
+                    Arc::new(tokio::net::UdpSocket::bind((WEB_A, UDP_STREAM_PORT)).await.expect("udp stream bind"));
+                servers.push(tokio::spawn(async move {
+                    let mut buf = vec![0u8; 2048];
+                    loop {
+                        let Ok((_, from)) = st.recv_from(&mut buf).await else { continue };
+                        let st = st.clone();
+                        tokio::spawn(async move {
+                            for i in 0..400u32 {
+                                let _ = st.send_to(format!("dgram {i}").as_bytes(), from).await;
+                                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                            }
+                        });
+                    }
+                }));
                 let u = tokio::net::UdpSocket::bind((WEB_A, UDP_LOG_PORT)).await.expect("udp log bind");
                 servers.push(tokio::spawn(async move {
                     let mut buf = vec![0u8; 2048];

@@ -455,12 +455,16 @@ impl Network {
         let (chain, aset, rset) = table::slot_names(slot.0);
         // The sets' ids name them within this batch (the rules look them up by id too).
         let (aid, rid) = (slot.0 * 2, slot.0 * 2 + 1);
+        let replies = table::reply_chain(slot.0);
         let mut msgs = vec![
             nl::new_chain(t, &chain),
+            nl::new_chain(t, &replies),
             nl::new_box_set(t, &aset, aid, false),
             nl::new_box_set(t, &rset, rid, true),
             nl::box_lookup_rule(t, &chain, &aset, aid),
             nl::box_lookup_rule(t, &chain, &rset, rid),
+            nl::reply_lookup_rule(t, &replies, &aset, aid),
+            nl::reply_lookup_rule(t, &replies, &rset, rid),
         ];
         msgs.extend(nl::set_elements_chunked(ElemOp::Add, t, &aset, &allow));
         msgs.push(nl::set_elements(
@@ -470,6 +474,12 @@ impl Network {
             &[table::sandbox_element(&ifname, addr, u32::from(addr))],
         ));
         msgs.push(nl::set_elements(ElemOp::Add, t, table::CHAINS, &[table::chain_element(&ifname, addr, &chain)]));
+        msgs.push(nl::set_elements(
+            ElemOp::Add,
+            t,
+            table::REPLY_CHAINS,
+            &[table::chain_element(&ifname, addr, &replies)],
+        ));
         let mut g = self.lock();
         if let Err(e) = g.nf.nf_batch(&format!("rules of {id}"), &msgs) {
             drop(g);
@@ -529,8 +539,16 @@ impl Network {
             // only if there (a creation cut short may have made none of them).
             let t = &self.table.name;
             let (chain, aset, rset) = table::slot_names(slot.0);
+            let replies = table::reply_chain(slot.0);
             let msgs = vec![
                 nl::set_elements(ElemOp::Delete, t, table::CHAINS, &[table::chain_element(&ifname, addr, &chain)]),
+                nl::set_elements(
+                    ElemOp::Delete,
+                    t,
+                    table::REPLY_CHAINS,
+                    &[table::chain_element(&ifname, addr, &replies)],
+                ),
+                nl::flush_chain(t, &replies),
                 nl::set_elements(
                     ElemOp::Delete,
                     t,
@@ -541,6 +559,7 @@ impl Network {
                 nl::destroy_set(t, &aset),
                 nl::destroy_set(t, &rset),
                 nl::destroy_chain(t, &chain),
+                nl::destroy_chain(t, &replies),
             ];
             nf.nf_batch(&format!("rules of {id}"), &msgs)?;
             state.sandboxes.remove(id);

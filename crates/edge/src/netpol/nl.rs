@@ -569,6 +569,29 @@ pub fn flush_set(table: &str, set: &str) -> NfMsg {
 /// The rule `ip daddr . meta l4proto . th dport @set accept` appended to `chain` (`set_id`:
 /// the set's id when it is created in the same batch).
 pub fn box_lookup_rule(table: &str, chain: &str, set: &str, set_id: u32) -> NfMsg {
+    lookup_rule(table, chain, set, set_id, Direction::Out)
+}
+
+/// Which packets a box rule matches: a sandbox's own (destination . protocol . destination
+/// port), or the replies it gets (source . protocol . source port), against the same sets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Out,
+    Reply,
+}
+
+/// The rule `ip saddr . meta l4proto . th sport @set accept` appended to `chain`: replies from
+/// what the set still allows.
+pub fn reply_lookup_rule(table: &str, chain: &str, set: &str, set_id: u32) -> NfMsg {
+    lookup_rule(table, chain, set, set_id, Direction::Reply)
+}
+
+fn lookup_rule(table: &str, chain: &str, set: &str, set_id: u32, dir: Direction) -> NfMsg {
+    // ip saddr is at 12, daddr at 16; th sport at 0, dport at 2.
+    let (addr_at, port_at) = match dir {
+        Direction::Out => (16, 2),
+        Direction::Reply => (12, 0),
+    };
     const REG32_00: u32 = 8;
     let mut a = Vec::new();
     attr(&mut a, NFTA_RULE_TABLE, &cstr(table));
@@ -581,22 +604,20 @@ pub fn box_lookup_rule(table: &str, chain: &str, set: &str, set_id: u32) -> NfMs
     };
     let be = |v: u32| v.to_be_bytes();
     nested(&mut a, NFTA_RULE_EXPRESSIONS, |a| {
-        // ip daddr: network header, offset 16, 4 bytes.
         expr(a, "payload", &|a| {
             attr(a, NFTA_PAYLOAD_DREG, &be(REG32_00));
             attr(a, NFTA_PAYLOAD_BASE, &be(NFT_PAYLOAD_NETWORK_HEADER));
-            attr(a, NFTA_PAYLOAD_OFFSET, &be(16));
+            attr(a, NFTA_PAYLOAD_OFFSET, &be(addr_at));
             attr(a, NFTA_PAYLOAD_LEN, &be(4));
         });
         expr(a, "meta", &|a| {
             attr(a, NFTA_META_DREG, &be(REG32_00 + 1));
             attr(a, NFTA_META_KEY, &be(NFT_META_L4PROTO));
         });
-        // th dport: transport header, offset 2, 2 bytes.
         expr(a, "payload", &|a| {
             attr(a, NFTA_PAYLOAD_DREG, &be(REG32_00 + 2));
             attr(a, NFTA_PAYLOAD_BASE, &be(NFT_PAYLOAD_TRANSPORT_HEADER));
-            attr(a, NFTA_PAYLOAD_OFFSET, &be(2));
+            attr(a, NFTA_PAYLOAD_OFFSET, &be(port_at));
             attr(a, NFTA_PAYLOAD_LEN, &be(2));
         });
         expr(a, "lookup", &|a| {

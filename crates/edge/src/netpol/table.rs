@@ -30,6 +30,13 @@ pub const NEW_CONN_RATE: u32 = 200;
 /// The maps every sandbox has an element in.
 pub const SANDBOXES: &str = "sandboxes";
 pub const CHAINS: &str = "jumps";
+/// (veth, address) -> the sandbox's reply chain, for packets towards it.
+pub const REPLY_CHAINS: &str = "replies";
+
+/// The name of slot `slot`'s reply chain: replies pass only from what its sets still allow.
+pub fn reply_chain(slot: u32) -> String {
+    format!("i_{slot:x}")
+}
 
 /// The names of slot `slot`'s chain, network set and learned set. The underscore keeps a
 /// name from ever spelling an nft keyword (`a` + `dd` would be `add`, which the recovery
@@ -91,6 +98,7 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     let _ = writeln!(s, "  comment \"{}\"", t.owner.replace('"', ""));
     let _ = writeln!(s, "  map {SANDBOXES} {{ type ifname . ipv4_addr : mark; }}");
     let _ = writeln!(s, "  map {CHAINS} {{ type ifname . ipv4_addr : verdict; }}");
+    let _ = writeln!(s, "  map {REPLY_CHAINS} {{ type ifname . ipv4_addr : verdict; }}");
     let local: Vec<(u32, u32)> = t.local.iter().map(|l| (l.first(), l.last())).collect();
     let _ = writeln!(
         s,
@@ -117,7 +125,8 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     type filter hook forward priority filter - 10; policy accept;
     iifname "{p}*" jump egress
     ip saddr {subnet} drop
-    oifname "{p}*" ct state established,related accept
+    oifname "{p}*" ct state related accept
+    oifname "{p}*" ct state established oifname . ip daddr vmap @{REPLY_CHAINS}
     oifname "{p}*" drop
   }}
   chain limits {{
@@ -175,8 +184,11 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
         let _ = writeln!(s, "add set inet {n} {allow} {{ {boxes}; flags interval; }}");
         let _ = writeln!(s, "add set inet {n} {learned} {{ {boxes}; flags interval,timeout; }}");
         let _ = writeln!(s, "add chain inet {n} {chain}");
+        let replies = reply_chain(sb.slot);
+        let _ = writeln!(s, "add chain inet {n} {replies}");
         for set in [&allow, &learned] {
             let _ = writeln!(s, "add rule inet {n} {chain} ip daddr . meta l4proto . th dport @{set} accept");
+            let _ = writeln!(s, "add rule inet {n} {replies} ip saddr . meta l4proto . th sport @{set} accept");
         }
         let e: Vec<String> = sb.allow.iter().filter_map(element_text).collect();
         if !e.is_empty() {
@@ -185,6 +197,7 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
         let (ifname, addr) = (&sb.ifname, sb.addr);
         let _ = writeln!(s, "add element inet {n} {SANDBOXES} {{ \"{ifname}\" . {addr} : {:#x} }}", sb.mark);
         let _ = writeln!(s, "add element inet {n} {CHAINS} {{ \"{ifname}\" . {addr} : jump {chain} }}");
+        let _ = writeln!(s, "add element inet {n} {REPLY_CHAINS} {{ \"{ifname}\" . {addr} : jump {replies} }}");
     }
     s
 }
