@@ -76,17 +76,7 @@ async fn bench_container_sandboxes() {
     let userns = std::env::var("BENCH_USERNS").map_or(true, |v| v != "0");
     let f = fixture_with(|c| {
         c.edge.user_namespaces = userns;
-        c.edge.container_pids_limit = 256;
-        // Declared capacity (overcommitted on purpose: idle sandboxes use little of it).
-        c.edge.capacity = opendsec_common::config::CapacityConfig {
-            cpu_millis: 4_000_000,
-            memory_mb: 400_000,
-            disk_mb: 4_000_000,
-            gpus: 0,
-        };
-        c.edge.max_sandboxes = 5000;
-        c.apiserver.rate_per_principal = 100_000.0;
-        c.apiserver.burst_per_principal = 100_000.0;
+        room_for_thousands(c);
     })
     .await;
     let token = f.cluster.admin_token.clone();

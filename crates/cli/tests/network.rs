@@ -98,7 +98,7 @@ fn egress_rules_through_the_public_api() {
                 &sb.id,
                 rules(&["*"])
                     .into_iter()
-                    .chain([pb::EgressRule { target: "10.0.0.1/8".into(), ..Default::default() }])
+                    .chain([pb::EgressRule { target: "192.0.2.1/24".into(), ..Default::default() }])
                     .collect(),
             )
             .await;

@@ -28,8 +28,17 @@ pub struct EgressError {
     pub why: String,
 }
 
+/// Longest rule text an error repeats (a rule is at most a domain and a few characters).
+const MAX_SHOWN: usize = 300;
+
 fn bad(rule: impl Into<String>, why: impl Into<String>) -> EgressError {
-    EgressError { rule: rule.into(), why: why.into() }
+    let mut rule = rule.into();
+    if rule.len() > MAX_SHOWN {
+        let cut = (0..=MAX_SHOWN).rev().find(|i| rule.is_char_boundary(*i)).unwrap_or(0);
+        rule.truncate(cut);
+        rule.push('…');
+    }
+    EgressError { rule, why: why.into() }
 }
 
 /// An IPv4 network: its first address and prefix length (host bits zero).
@@ -407,6 +416,10 @@ mod tests {
         }
         let many = vec![pb::EgressRule { target: "*".into(), ..Default::default() }; MAX_RULES + 1];
         assert!(from_pb_list(&many).is_err());
+        // A huge rule is refused, and not echoed whole.
+        let huge = format!("{}.com", "a".repeat(100_000));
+        let e = Rule::parse(&huge).unwrap_err();
+        assert!(e.rule.len() < 400 && e.why.contains("characters"), "{}", e.why);
     }
 
     #[test]

@@ -222,7 +222,7 @@ mod tests {
                 Box::new(|r| {
                     r.spec.as_mut().unwrap().network = Some(opendsec_proto::v1::NetworkSpec {
                         egress: vec![opendsec_proto::v1::EgressRule {
-                            target: "10.0.0.1/8".into(),
+                            target: "192.0.2.1/24".into(),
                             ..Default::default()
                         }],
                     })

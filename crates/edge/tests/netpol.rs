@@ -85,7 +85,10 @@ impl Ns {
         wait_for("the namespace of the stand-in sandbox", Duration::from_secs(5), || {
             std::fs::read_link(&path).ok() != std::fs::read_link("/proc/thread-self/ns/net").ok()
         });
-        Ns { child }
+        let ns = Ns { child };
+        // As a sandbox's init does: loopback up.
+        ns.sh(&["ip", "link", "set", "lo", "up"]);
+        ns
     }
 
     fn path(&self) -> String {
@@ -113,6 +116,16 @@ impl Ns {
 
     fn dns(&self, name: &str, server: Ipv4Addr) -> String {
         self.client(&["dns", name, &server.to_string(), "1"])
+    }
+
+    /// Starts an HTTP server on `port` inside and waits until it answers there, so that a
+    /// refused connection from outside means the rules, not a missing server.
+    fn serve(&self, port: u16) {
+        let cmd = format!("python3 -m http.server {port} --bind 0.0.0.0 >/dev/null 2>&1 &");
+        self.sh(&["sh", "-c", &cmd]);
+        wait_for("the sandbox's own server", Duration::from_secs(10), || {
+            !self.get(Ipv4Addr::LOCALHOST, port).starts_with("ERR")
+        });
     }
 
     fn sh(&self, args: &[&str]) {
@@ -204,9 +217,10 @@ fn rules_open_what_they_name_and_nothing_else() {
     assert!(sb.client(&["get", &DNS.to_string(), "853", "/"]).starts_with("ERR"));
     assert!(!e.world.dns_saw("other.test"));
 
-    // Nothing connects to the sandbox, from the host either.
+    // Nothing connects to the sandbox, from the host either (a server listens inside).
+    sb.serve(8000);
     let conn = e.rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect((me, 22))).await
+        tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect((me, 8000))).await
     });
     assert!(!matches!(conn, Ok(Ok(_))), "the host connected to a sandbox");
 }
@@ -220,7 +234,7 @@ fn star_opens_public_addresses_only() {
     let (host_end, b_addr) = e.net.addrs(Slot(2));
     // A listener on the edge's own addresses (where the edge's and apiserver's ports live).
     let l = e.rt.block_on(tokio::net::TcpListener::bind("0.0.0.0:7443")).unwrap();
-    b.sh(&["sh", "-c", "python3 -m http.server 8000 --bind 0.0.0.0 >/dev/null 2>&1 &"]);
+    b.serve(8000);
 
     assert!(ok(&a.get(WEB_A, 80)) && ok(&a.get(WEB_B, 80)));
     for (addr, port, what) in [
@@ -235,8 +249,7 @@ fn star_opens_public_addresses_only() {
     }
     // And the other way: b cannot reach a either.
     let (_, a_addr) = e.net.addrs(Slot(1));
-    a.sh(&["sh", "-c", "python3 -m http.server 8000 --bind 0.0.0.0 >/dev/null 2>&1 &"]);
-    std::thread::sleep(Duration::from_millis(500));
+    a.serve(8000);
     assert!(b.get(a_addr, 8000).starts_with("ERR"), "another sandbox reached a");
     drop(l);
     // A name that resolves into the metadata range stays closed (DNS rebinding).
@@ -315,7 +328,7 @@ fn named_sets_and_a_dns_flood_leave_others_served() {
     // Of a's 3,000 queries at most its burst (20) and what its rate refilled were forwarded
     // (the kernel may drop some of the flood before the proxy reads it: the count of what
     // went upstream is what tells a limit from none).
-    let stats = e.net.dns_stats.lock().unwrap().clone().unwrap();
+    let stats = e.net.dns_proxy().unwrap();
     let forwarded = stats.stats.forwarded.load(std::sync::atomic::Ordering::Relaxed);
     assert!(forwarded < 200, "the flood was not limited: {forwarded} queries went upstream");
 }

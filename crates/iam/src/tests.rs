@@ -1264,7 +1264,7 @@ fn egress_ceilings_bound_the_project_and_its_subprojects() {
     // Only the project's admins set it; a bad rule is refused.
     assert!(matches!(ceiling(&mut h, &u, "root/a", Some(vec!["*"])), Err(IamError::PermissionDenied { .. })));
     assert!(matches!(
-        ceiling(&mut h, &Harness::admin(), "root/a", Some(vec!["10.0.0.1/8"])),
+        ceiling(&mut h, &Harness::admin(), "root/a", Some(vec!["192.0.2.1/24"])),
         Err(IamError::InvalidArgument(_))
     ));
     ceiling(&mut h, &Harness::admin(), "root/a", Some(vec!["pypi.org", "203.0.113.0/24:tcp"])).unwrap();

@@ -13,7 +13,7 @@
 //! NXDOMAIN. The HTTP servers answer `GET /` with `hello <addr>:<port>`, `GET /stream` with
 //! a line every 50 ms until the client goes, and `GET /bytes/<n>` with `n` bytes.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::Ipv4Addr;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
@@ -27,7 +27,8 @@ pub const WEB_A: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 pub const WEB_B: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 pub const DNS: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
 /// Servers a sandbox must never reach, whatever its rules: they answer like the others, so a
-/// wrong rule shows as a connection that works.
+/// wrong rule shows as a connection that works. They live in the world namespace like the
+/// rest (the edge's namespace routes everything there, and the world routes nowhere else).
 pub const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 /// UDP port on [`WEB_A`] whose server logs every datagram's text ([`World::udp_log`]).
@@ -98,9 +99,11 @@ impl World {
         for a in [WEB_A, WEB_B, DNS, METADATA, PRIVATE] {
             inw(&["ip", "addr", "add", &format!("{a}/32"), "dev", "lo"]);
         }
-        // Before anything is sent: the route to the servers is the test's own link.
-        let r = sh(&["ip", "route", "get", &WEB_A.to_string()]);
-        assert!(r.contains(&format!("dev {UPLINK}")), "route to the test world: {r}");
+        // Before anything is sent: the route to every test address is the test's own link.
+        for a in [WEB_A, WEB_B, DNS, METADATA, PRIVATE] {
+            let r = sh(&["ip", "route", "get", &a.to_string()]);
+            assert!(r.contains(&format!("dev {UPLINK}")), "route to the test world's {a}: {r}");
+        }
 
         let dns_log = Arc::new(Mutex::new(Vec::new()));
         let udp_log = Arc::new(Mutex::new(Vec::new()));
@@ -292,9 +295,4 @@ async fn dns_tcp(l: tokio::net::TcpListener, log: Arc<Mutex<Vec<String>>>) {
             }
         });
     }
-}
-
-/// An address one can `connect` to in the world from the edge's namespace.
-pub fn web(addr: Ipv4Addr, port: u16) -> SocketAddr {
-    SocketAddr::from((addr, port))
 }

@@ -59,8 +59,8 @@ async def test_egress_rules_round_trip_and_update(cluster) -> None:
         await sb.update_network([])
         assert sb.egress == []
         # A bad rule: refused with the rule named, nothing changed.
-        with pytest.raises(errors.InvalidArgument, match="10.0.0.1/8"):
-            await sb.update_network(["10.0.0.1/8"])
+        with pytest.raises(errors.InvalidArgument, match="192.0.2.1/24"):
+            await sb.update_network(["192.0.2.1/24"])
         with pytest.raises(errors.InvalidArgument, match="localhost"):
             await c.create_sandbox("sim", IMG, egress=["localhost"])
         # No egress asked for: the cluster's default, which is none.

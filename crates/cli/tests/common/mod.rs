@@ -108,6 +108,22 @@ async fn fixture_full(tweak: impl FnOnce(&mut Config), clock: opendsec_common::t
     Fixture { _dir: dir, _guard: guard, cluster, containers, store, addr, ca, admin }
 }
 
+/// An edge (and apiserver) that takes thousands of small sandboxes from one principal, for the
+/// benchmarks: declared capacity overcommitted on purpose (idle sandboxes use little of it),
+/// no creation rate limit.
+pub fn room_for_thousands(c: &mut Config) {
+    c.edge.container_pids_limit = 256;
+    c.edge.capacity = opendsec_common::config::CapacityConfig {
+        cpu_millis: 4_000_000,
+        memory_mb: 400_000,
+        disk_mb: 4_000_000,
+        gpus: 0,
+    };
+    c.edge.max_sandboxes = 5000;
+    c.apiserver.rate_per_principal = 100_000.0;
+    c.apiserver.burst_per_principal = 100_000.0;
+}
+
 pub async fn import(ca: &Path, addr: &str, token: &str, rootfs: &Path, store: &Path, name: &str) {
     let argv = [
         "opendsecctl",

@@ -197,7 +197,8 @@ pub struct Network {
     table: table::TableSpec,
     inner: Mutex<Inner>,
     max_slot: u32,
-    pub dns_stats: Mutex<Option<Arc<dns::DnsProxy>>>,
+    /// The DNS proxy, once [`Network::serve_dns`] started it.
+    dns: Mutex<Option<Arc<dns::DnsProxy>>>,
 }
 
 /// Options from the cluster config's `network` section, for an edge on `subnet` (the
@@ -342,7 +343,7 @@ impl Network {
             table: spec,
             inner: Mutex::new(Inner { nf: NlSocket::netfilter()?, state: State::default() }),
             max_slot,
-            dns_stats: Mutex::new(None),
+            dns: Mutex::new(None),
         })
     }
 
@@ -415,7 +416,7 @@ impl Network {
         let policy: Arc<dyn dns::DnsPolicy> = self.clone();
         let proxy =
             Arc::new(dns::DnsProxy::new(self.opts.upstream.clone(), policy, self.opts.dns_rate, self.opts.dns_burst));
-        *self.dns_stats.lock().unwrap_or_else(|p| p.into_inner()) = Some(proxy.clone());
+        *self.dns.lock().unwrap_or_else(|p| p.into_inner()) = Some(proxy.clone());
         Ok(tokio::spawn(proxy.serve(udp, tcp, shutdown)))
     }
 
@@ -590,6 +591,11 @@ impl Network {
         let mut rt = NlSocket::route()?;
         link::remove_local_address(&mut rt, self.dns_addr())?;
         Ok(())
+    }
+
+    /// The DNS proxy (its counters), once serving.
+    pub fn dns_proxy(&self) -> Option<Arc<dns::DnsProxy>> {
+        self.dns.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The number of sandboxes attached (for tests and status).

@@ -498,28 +498,27 @@ fn nft_msg(ty: u16, flags: u16, attrs: Vec<u8>) -> NfMsg {
     NfMsg { ty: (NFNL_SUBSYS_NFTABLES << 8) | ty, flags, family: NFPROTO_INET, attrs }
 }
 
+/// A message naming one object of `table`: its table and name attributes, nothing else.
+fn named(ty: u16, flags: u16, attrs: (u16, u16), table: &str, name: &str) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, attrs.0, &cstr(table));
+    attr(&mut a, attrs.1, &cstr(name));
+    nft_msg(ty, flags, a)
+}
+
 /// A regular chain `chain` in `table`.
 pub fn new_chain(table: &str, chain: &str) -> NfMsg {
-    let mut a = Vec::new();
-    attr(&mut a, NFTA_CHAIN_TABLE, &cstr(table));
-    attr(&mut a, NFTA_CHAIN_NAME, &cstr(chain));
-    nft_msg(NFT_MSG_NEWCHAIN, NLM_F_CREATE, a)
+    named(NFT_MSG_NEWCHAIN, NLM_F_CREATE, (NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME), table, chain)
 }
 
 /// Removes chain `chain` if it is there (it must be empty and unreferenced by then).
 pub fn destroy_chain(table: &str, chain: &str) -> NfMsg {
-    let mut a = Vec::new();
-    attr(&mut a, NFTA_CHAIN_TABLE, &cstr(table));
-    attr(&mut a, NFTA_CHAIN_NAME, &cstr(chain));
-    nft_msg(NFT_MSG_DESTROYCHAIN, 0, a)
+    named(NFT_MSG_DESTROYCHAIN, 0, (NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME), table, chain)
 }
 
 /// Removes every rule of chain `chain`, if the chain is there.
 pub fn flush_chain(table: &str, chain: &str) -> NfMsg {
-    let mut a = Vec::new();
-    attr(&mut a, NFTA_RULE_TABLE, &cstr(table));
-    attr(&mut a, NFTA_RULE_CHAIN, &cstr(chain));
-    nft_msg(NFT_MSG_DESTROYRULE, 0, a)
+    named(NFT_MSG_DESTROYRULE, 0, (NFTA_RULE_TABLE, NFTA_RULE_CHAIN), table, chain)
 }
 
 /// nftables' data type of `ipv4_addr . inet_proto . inet_service` (shown by `nft list`).
@@ -552,18 +551,12 @@ pub fn new_box_set(table: &str, set: &str, id: u32, timeout: bool) -> NfMsg {
 
 /// Removes set `set` if it is there (no rule may use it by then).
 pub fn destroy_set(table: &str, set: &str) -> NfMsg {
-    let mut a = Vec::new();
-    attr(&mut a, NFTA_SET_TABLE, &cstr(table));
-    attr(&mut a, NFTA_SET_NAME, &cstr(set));
-    nft_msg(NFT_MSG_DESTROYSET, 0, a)
+    named(NFT_MSG_DESTROYSET, 0, (NFTA_SET_TABLE, NFTA_SET_NAME), table, set)
 }
 
 /// Removes every element of set `set`.
 pub fn flush_set(table: &str, set: &str) -> NfMsg {
-    let mut a = Vec::new();
-    attr(&mut a, NFTA_SET_ELEM_LIST_TABLE, &cstr(table));
-    attr(&mut a, NFTA_SET_ELEM_LIST_SET, &cstr(set));
-    nft_msg(NFT_MSG_DELSETELEM, 0, a)
+    named(NFT_MSG_DELSETELEM, 0, (NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET), table, set)
 }
 
 /// The rule `ip daddr . meta l4proto . th dport @set accept` appended to `chain` (`set_id`:
