@@ -32,15 +32,18 @@ pub fn index_of(sock: &mut NlSocket, name: &str) -> Result<Option<u32>, NlError>
     }
 }
 
-/// Every link's name (for the clean-up of leftovers).
-pub fn names(sock: &mut NlSocket) -> Result<Vec<String>, NlError> {
+/// Every link of the namespace: (index, name).
+pub fn links(sock: &mut NlSocket) -> Result<Vec<(u32, String)>, NlError> {
     let v = sock.route_get("list links", RouteNetlinkMessage::GetLink(LinkMessage::default()), true)?;
     Ok(v.into_iter()
         .filter_map(|m| match m {
-            RouteNetlinkMessage::NewLink(l) => l.attributes.into_iter().find_map(|a| match a {
-                LinkAttribute::IfName(n) => Some(n),
-                _ => None,
-            }),
+            RouteNetlinkMessage::NewLink(l) => {
+                let index = l.header.index;
+                l.attributes.into_iter().find_map(|a| match a {
+                    LinkAttribute::IfName(n) => Some((index, n)),
+                    _ => None,
+                })
+            }
             _ => None,
         })
         .collect())

@@ -302,7 +302,7 @@ impl Network {
         let subnet = opts.subnet;
         let dns = Ipv4Addr::from(subnet.first() + 1);
         // Another holder of the subnet (another edge, a host network): refuse to start.
-        let names = link_names_by_index(&mut rt)?;
+        let names: HashMap<u32, String> = link::links(&mut rt)?.into_iter().collect();
         for a in link::addresses(&mut rt)? {
             if subnet.overlaps(&Ipv4Net::of(a.addr, a.prefix)) {
                 let owner = names.get(&a.index).cloned().unwrap_or_default();
@@ -393,7 +393,7 @@ impl Network {
         // Links of this edge no claim holds (sandboxes that ended while the edge was down).
         let keep: BTreeSet<String> = claims.iter().map(|c| self.ifname(c.slot)).collect();
         let mut rt = NlSocket::route()?;
-        for name in link::names(&mut rt)? {
+        for (_, name) in link::links(&mut rt)? {
             if name.starts_with(&self.table.veth_prefix) && !keep.contains(&name) {
                 link::delete(&mut rt, &name)?;
             }
@@ -704,24 +704,6 @@ impl dns::DnsPolicy for Network {
         }
         Ok(())
     }
-}
-
-fn link_names_by_index(rt: &mut NlSocket) -> Result<HashMap<u32, String>, NetworkError> {
-    use rtnetlink::packet_route::RouteNetlinkMessage;
-    use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
-    let v = rt.route_get("list links", RouteNetlinkMessage::GetLink(LinkMessage::default()), true)?;
-    Ok(v.into_iter()
-        .filter_map(|m| match m {
-            RouteNetlinkMessage::NewLink(l) => {
-                let idx = l.header.index;
-                l.attributes.into_iter().find_map(|a| match a {
-                    LinkAttribute::IfName(n) => Some((idx, n)),
-                    _ => None,
-                })
-            }
-            _ => None,
-        })
-        .collect())
 }
 
 fn write_sysctl(key: &str, value: &str) -> Result<(), NetworkError> {
