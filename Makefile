@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-sdk agent images sdk-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-sdk agent images sdk-test e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -18,6 +18,7 @@ build:
 test: agent images
 	$(CARGO) nextest run --workspace --no-fail-fast
 	$(MAKE) sdk-test
+	$(MAKE) e2b-test
 
 # The Python SDK (sdk/python), installed from the repo into a venv, tested against a real
 # local cluster started from the built opendsecctl.
@@ -31,6 +32,20 @@ sdk-test: agent images
 
 images:
 	./scripts/debian-image.sh
+
+# E2B's own SDKs, unmodified, from their registries at pinned versions, against a real local
+# cluster's E2B gateway (tests/e2b); the templates' images built from Debian packages.
+E2B_VENV ?= target/e2b-venv
+E2B_PY_SDKS = e2b==2.63.0 e2b-code-interpreter==2.11.5
+e2b-images:
+	./scripts/e2b-images.sh base >/dev/null
+
+e2b-test: agent e2b-images
+	$(CARGO) build -p opendsec-cli
+	python3 -m venv $(E2B_VENV)
+	$(E2B_VENV)/bin/pip install -q --upgrade pip
+	$(E2B_VENV)/bin/pip install -q $(E2B_PY_SDKS) pytest ./sdk/python
+	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl $(E2B_VENV)/bin/pytest -q tests/e2b
 
 lint:
 	$(CARGO) fmt --all -- --check

@@ -39,6 +39,9 @@ pub struct Config {
     /// Where sessions start and processes run when their call names no directory (the
     /// sandbox's spec.workdir; empty = the user's home).
     pub workdir: String,
+    /// The sandbox's environment (the image's variables, then the spec's): every session and
+    /// process gets it, after PATH, HOME, USER and LOGNAME and before its call's own.
+    pub env: Vec<(String, String)>,
 }
 
 struct Session {
@@ -130,6 +133,7 @@ impl Aether {
             .env("HOME", &u.home)
             .env("USER", &u.name)
             .env("LOGNAME", &u.name)
+            .envs(self.cfg.env.iter().map(|(k, v)| (k, v)))
             .env(crate::chronus::WORKDIR_ENV, &self.cfg.workdir)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -281,7 +285,7 @@ impl Runtime for AetherService {
         if req.cwd.is_empty() {
             req.cwd = self.0.cfg.workdir.clone();
         }
-        let pid = self.0.procs.start(&self.0.reaper, req, &user).map_err(fwd)?;
+        let pid = self.0.procs.start(&self.0.reaper, req, &user, &self.0.cfg.env).map_err(fwd)?;
         Ok(Response::new(StartProcessResponse { pid }))
     }
 
@@ -317,6 +321,16 @@ impl Runtime for AetherService {
         _r: Request<ListProcessesRequest>,
     ) -> Result<Response<ListProcessesResponse>, Status> {
         Ok(Response::new(ListProcessesResponse { processes: self.0.procs.list() }))
+    }
+
+    async fn resize_process(
+        &self,
+        r: Request<ResizeProcessRequest>,
+    ) -> Result<Response<ResizeProcessResponse>, Status> {
+        let req = r.into_inner();
+        let p = self.0.procs.find(req.process).map_err(fwd)?;
+        p.resize(&req.size.unwrap_or_default()).map_err(fwd)?;
+        Ok(Response::new(ResizeProcessResponse {}))
     }
 
     type WatchStream = BoxStream<Heartbeat>;

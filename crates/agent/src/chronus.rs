@@ -638,6 +638,13 @@ impl Runtime for ChronusService {
         Err(AgentError::Unsupported("process API in a session").into())
     }
 
+    async fn resize_process(
+        &self,
+        _r: Request<ResizeProcessRequest>,
+    ) -> Result<Response<ResizeProcessResponse>, Status> {
+        Err(AgentError::Unsupported("process API in a session").into())
+    }
+
     type WatchStream = BoxStream<Heartbeat>;
     async fn watch(&self, _r: Request<WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
         Err(AgentError::Unsupported("watch a session").into())

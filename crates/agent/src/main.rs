@@ -102,6 +102,10 @@ fn main() -> ExitCode {
                     session_bytes: a.session_bytes,
                     default_user: a.user,
                     workdir: a.workdir,
+                    // What PID 1 was started with: the image's variables and the sandbox's.
+                    env: std::env::vars_os()
+                        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                        .collect(),
                 };
                 aether::main(listen, cfg).await
             }

@@ -24,6 +24,8 @@ use crate::reaper::{Exit, Reaper};
 use crate::{BoxStream, CHUNK};
 
 const STREAM_LIMIT: usize = 16 << 20;
+/// Bytes of process variables one ListProcesses answer carries at most.
+const LIST_ENV_BUDGET: usize = 1 << 20;
 /// Exited processes kept for ListProcesses/ConnectProcess.
 const KEEP_EXITED: usize = 256;
 
@@ -40,6 +42,10 @@ pub struct Proc {
     pub pid: u32,
     pub tag: String,
     pub cmd: Vec<String>,
+    env: std::collections::HashMap<String, String>,
+    cwd: String,
+    /// The terminal's master side, for resizing (a PTY process only).
+    pty: Option<std::os::fd::OwnedFd>,
     stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     state: watch::Sender<ProcState>,
 }
@@ -63,7 +69,15 @@ impl Procs {
         self.lock().iter().filter(|p| p.state.borrow().exit.is_none()).count()
     }
 
-    pub fn start(&self, reaper: &Reaper, req: StartProcessRequest, user: &User) -> Result<u32, AgentError> {
+    /// Starts `req` as `user`, its environment PATH, HOME, USER and LOGNAME, then the
+    /// sandbox's `env`, then the request's.
+    pub fn start(
+        &self,
+        reaper: &Reaper,
+        req: StartProcessRequest,
+        user: &User,
+        env: &[(String, String)],
+    ) -> Result<u32, AgentError> {
         let Some(argv0) = req.cmd.first() else {
             return Err(AgentError::Invalid("empty cmd".into()));
         };
@@ -77,6 +91,7 @@ impl Procs {
             .env("HOME", &user.home)
             .env("USER", &user.name)
             .env("LOGNAME", &user.name)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .envs(&req.env);
         let pty = match &req.pty {
             Some(size) => {
@@ -99,7 +114,8 @@ impl Procs {
                 Some(master)
             }
             None => {
-                c.stdin(std::process::Stdio::piped())
+                let stdin = if req.no_stdin { std::process::Stdio::null() } else { std::process::Stdio::piped() };
+                c.stdin(stdin)
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
                     .process_group(0);
@@ -113,7 +129,12 @@ impl Procs {
                 None
             }
         };
-        let cwd = if !req.cwd.is_empty() {
+        let cwd = if let Some(rest) = req.cwd.strip_prefix("~") {
+            format!("{}{rest}", user.home)
+        } else if !req.cwd.is_empty() && !req.cwd.starts_with('/') {
+            // Relative to the user's home, as a shell started there would take it.
+            format!("{}/{}", user.home.trim_end_matches('/'), req.cwd)
+        } else if !req.cwd.is_empty() {
             req.cwd.clone()
         } else if std::path::Path::new(&user.home).is_dir() {
             user.home.clone()
@@ -121,7 +142,7 @@ impl Procs {
             "/".into()
         };
         // Entered as the user (after the switch), so a directory they cannot enter fails.
-        crate::passwd::run_as(&mut c, user, Some(cwd.into()));
+        crate::passwd::run_as(&mut c, user, Some(cwd.clone().into()));
         let mut child = reaper.spawn(&mut c).map_err(|e| AgentError::Spawn { what: argv0.clone(), source: e })?;
         let pid = child.id();
         // The parent's copies of the slave side went with `c`'s stdio when spawn returned.
@@ -130,28 +151,49 @@ impl Procs {
         let pipe_err = |e| AgentError::Spawn { what: argv0.clone(), source: e };
         type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
         type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
-        let (stdin, readers): (Writer, Vec<(Reader, bool)>) = match pty {
+        let mut resize = None;
+        let (stdin, readers): (Option<Writer>, Vec<(Reader, bool)>) = match pty {
             Some(master) => {
+                resize = Some(master.try_clone().map_err(pipe_err)?);
                 let (r, w) = tokio::io::split(pty::Master::new(master).map_err(pipe_err)?);
-                (Box::new(w), vec![(Box::new(r), false)])
+                (Some(Box::new(w)), vec![(Box::new(r), false)])
             }
             None => {
-                let (Some(i), Some(o), Some(e)) = (child.stdin.take(), child.stdout.take(), child.stderr.take()) else {
+                let (Some(o), Some(e)) = (child.stdout.take(), child.stderr.take()) else {
                     return Err(pipe_err(std::io::Error::other("no pipes")));
                 };
-                let stdin = tokio::net::unix::pipe::Sender::from_owned_fd(i.into()).map_err(pipe_err)?;
+                let stdin: Option<Writer> = match child.stdin.take() {
+                    Some(i) => {
+                        Some(Box::new(tokio::net::unix::pipe::Sender::from_owned_fd(i.into()).map_err(pipe_err)?))
+                    }
+                    None => None,
+                };
                 let out = tokio::net::unix::pipe::Receiver::from_owned_fd(o.into()).map_err(pipe_err)?;
                 let err = tokio::net::unix::pipe::Receiver::from_owned_fd(e.into()).map_err(pipe_err)?;
-                (Box::new(stdin), vec![(Box::new(out), false), (Box::new(err), true)])
+                (stdin, vec![(Box::new(out), false), (Box::new(err), true)])
             }
         };
         let p = Arc::new(Proc {
             pid,
             tag: req.tag,
             cmd: req.cmd,
-            stdin: tokio::sync::Mutex::new(Some(stdin)),
+            env: req.env,
+            cwd,
+            pty: resize,
+            stdin: tokio::sync::Mutex::new(stdin),
             state: watch::channel(ProcState::default()).0,
         });
+        if req.timeout_ms > 0 {
+            let (pp, limit) = (p.clone(), Duration::from_millis(req.timeout_ms));
+            tokio::spawn(async move {
+                let mut st = pp.state.subscribe();
+                let exited = st.wait_for(|s| s.exit.is_some());
+                if tokio::time::timeout(limit, exited).await.is_err() {
+                    let pid = pid as i32;
+                    let _ = tokio::task::spawn_blocking(move || crate::reaper::kill_tree(pid, true)).await;
+                }
+            });
+        }
         let pumps: Vec<_> = readers.into_iter().map(|(r, err)| pump(r, p.clone(), err)).collect();
         let pp = p.clone();
         tokio::spawn(async move {
@@ -195,17 +237,29 @@ impl Procs {
         found.ok_or_else(|| AgentError::UnknownProcess(format!("{by:?}")))
     }
 
+    /// Every process kept; their variables only while the answer stays within
+    /// [`LIST_ENV_BUDGET`] (the edge caps the answer's size).
     pub fn list(&self) -> Vec<ProcessInfo> {
+        let mut budget = LIST_ENV_BUDGET;
         self.lock()
             .iter()
             .map(|p| {
                 let s = p.state.borrow();
+                let size: usize = p.env.iter().map(|(k, v)| k.len() + v.len() + 8).sum();
+                let env = if size <= budget {
+                    budget -= size;
+                    p.env.clone()
+                } else {
+                    Default::default()
+                };
                 ProcessInfo {
                     pid: p.pid,
                     tag: p.tag.clone(),
                     cmd: p.cmd.clone(),
                     running: s.exit.is_none(),
                     exit: s.exit.map(|e| ProcessExit { exit_code: e.code, signal: e.signal }),
+                    env,
+                    cwd: p.cwd.clone(),
                 }
             })
             .collect()
@@ -222,7 +276,7 @@ impl Proc {
                 s.flush().await.map_err(io)?;
             }
             None if data.is_empty() => {}
-            None => return Err(AgentError::Invalid("stdin is closed".into())),
+            None => return Err(AgentError::Invalid(format!("stdin of process {} is closed", self.pid))),
         }
         if eof {
             *g = None;
@@ -239,6 +293,14 @@ impl Proc {
         let pid = rustix::process::Pid::from_raw(self.pid as i32).ok_or_else(|| AgentError::Invalid("pid 0".into()))?;
         rustix::process::kill_process(pid, s)
             .map_err(|e| AgentError::Spawn { what: format!("signal {sig} to {}", self.pid), source: e.into() })
+    }
+
+    pub fn resize(&self, size: &PtySize) -> Result<(), AgentError> {
+        let Some(fd) = &self.pty else {
+            return Err(AgentError::Invalid(format!("process {} has no terminal", self.pid)));
+        };
+        pty::resize(fd, size)
+            .map_err(|e| AgentError::Spawn { what: format!("resizing the terminal of {}", self.pid), source: e })
     }
 
     /// Output from offsets, then the exit.
@@ -319,19 +381,27 @@ mod pty {
     /// A new terminal of `size` (rows and columns default to 24x80), its slave side owned by
     /// `uid`/`gid`: (master, slave). Both ends are close-on-exec from the start: aether spawns
     /// processes for other users concurrently, and none of them may inherit this terminal.
-    pub fn open(size: &PtySize, uid: u32, gid: u32) -> std::io::Result<(OwnedFd, std::fs::File)> {
-        use rustix::pty::OpenptFlags;
-        let ws = rustix::termios::Winsize {
+    fn winsize(size: &PtySize) -> rustix::termios::Winsize {
+        rustix::termios::Winsize {
             ws_row: if size.rows == 0 { 24 } else { size.rows.min(u16::MAX.into()) as u16 },
             ws_col: if size.cols == 0 { 80 } else { size.cols.min(u16::MAX.into()) as u16 },
             ws_xpixel: 0,
             ws_ypixel: 0,
-        };
+        }
+    }
+
+    /// A new size for the terminal whose master is `fd` (its process gets SIGWINCH).
+    pub fn resize(fd: &OwnedFd, size: &PtySize) -> std::io::Result<()> {
+        Ok(rustix::termios::tcsetwinsize(fd, winsize(size))?)
+    }
+
+    pub fn open(size: &PtySize, uid: u32, gid: u32) -> std::io::Result<(OwnedFd, std::fs::File)> {
+        use rustix::pty::OpenptFlags;
         let flags = OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC;
         let master = rustix::pty::openpt(flags)?;
         rustix::pty::grantpt(&master)?;
         rustix::pty::unlockpt(&master)?;
-        rustix::termios::tcsetwinsize(&master, ws)?;
+        rustix::termios::tcsetwinsize(&master, winsize(size))?;
         let slave = std::fs::File::from(rustix::pty::ioctl_tiocgptpeer(&master, flags)?);
         std::os::unix::fs::fchown(&slave, Some(uid), Some(gid))?;
         Ok((master, slave))

@@ -114,6 +114,7 @@ const METHODS: &[&str] = &[
     "SendInput",
     "SignalProcess",
     "ListProcesses",
+    "ResizeProcess",
     "Watch",
 ];
 

@@ -136,6 +136,7 @@ routed!(
     pb::SendInputRequest,
     pb::SignalProcessRequest,
     pb::ListProcessesRequest,
+    pb::ResizeProcessRequest,
     pb::WatchRequest,
 );
 
@@ -460,6 +461,13 @@ impl Runtime for RuntimeService {
         r: Request<pb::ListProcessesRequest>,
     ) -> Result<Response<pb::ListProcessesResponse>, Status> {
         self.unary("ListProcesses", r, |mut c, q| async move { c.list_processes(q).await }).await
+    }
+
+    async fn resize_process(
+        &self,
+        r: Request<pb::ResizeProcessRequest>,
+    ) -> Result<Response<pb::ResizeProcessResponse>, Status> {
+        self.unary("ResizeProcess", r, |mut c, q| async move { c.resize_process(q).await }).await
     }
 
     type WatchStream = Relay<pb::Heartbeat>;

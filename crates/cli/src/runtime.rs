@@ -384,6 +384,7 @@ pub async fn run(client: &Client, out: &Out, a: RunArgs) -> Result<i32, CtlError
         user: opt(&a.user),
         tag: opt(&a.tag),
         pty: None,
+        ..Default::default()
     };
     let pid = client.start_process(start).await?.pid;
     if a.detach {

@@ -131,6 +131,22 @@ impl Client {
         Client { inner: Arc::new(inner) }
     }
 
+    /// The same connections, calling with another token (a gateway serving many callers each
+    /// with their own).
+    pub fn with_token(&self, token: &str) -> Result<Client, ApiError> {
+        let bearer = format!("Bearer {}", token.trim())
+            .parse()
+            .map_err(|_| ApiError::new(Reason::Unauthenticated, "token is not ASCII"))?;
+        let inner = Inner {
+            addrs: self.inner.addrs.clone(),
+            channels: self.inner.channels.clone(),
+            next: AtomicUsize::new(self.inner.next.fetch_add(1, Ordering::Relaxed)),
+            bearer: Bearer(Some(bearer)),
+            policy: self.inner.policy,
+        };
+        Ok(Client { inner: Arc::new(inner) })
+    }
+
     pub fn addrs(&self) -> &[String] {
         &self.inner.addrs
     }
@@ -517,6 +533,7 @@ unary_calls! {"Runtime" stub_r:
     list_dir(pb::ListDirRequest) -> pb::ListDirResponse = "ListDir";
     stat(pb::StatRequest) -> pb::FileInfo = "Stat";
     list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse = "ListProcesses";
+    resize_process(pb::ResizeProcessRequest) -> pb::ResizeProcessResponse = "ResizeProcess";
 }
 
 // Runtime changes without a request id: made once.

@@ -109,6 +109,9 @@ pub struct Cluster {
     pub config: Config,
     pub apiserver_addr: SocketAddr,
     pub metrics_addr: Option<SocketAddr>,
+    /// The E2B gateway's address (`E2B_API_URL` and `E2B_SANDBOX_URL`), unless `e2b.listen`
+    /// is empty.
+    pub e2b_addr: Option<SocketAddr>,
     pub admin_token: String,
     pub admin_token_path: PathBuf,
     /// The CA file clients of the public API trust (`OPENDSEC_CA`).
@@ -118,6 +121,7 @@ pub struct Cluster {
     iam: Option<Running>,
     watcher: Option<Running>,
     apiserver: Option<Running>,
+    e2b: Option<Running>,
     edges: BTreeMap<String, EdgeSlot>,
     clock: opendsec_common::time::Clock,
 }
@@ -174,6 +178,8 @@ impl Cluster {
         } else {
             Some(bind("apiserver metrics", &config.apiserver.metrics_listen).await?)
         };
+        let e2b_l =
+            if config.e2b.listen.is_empty() { None } else { Some(bind("e2b gateway", &config.e2b.listen).await?) };
         config.iam.addrs = vec![local(&iam_l).to_string()];
         config.watcher.addrs = vec![local(&watcher_l).to_string()];
         let mut edge_ls = Vec::new();
@@ -193,6 +199,7 @@ impl Cluster {
         let mut cluster = Cluster {
             apiserver_addr: local(&api_l),
             metrics_addr: metrics_l.as_ref().map(local),
+            e2b_addr: e2b_l.as_ref().map(local),
             admin_token: toks.admin_token,
             admin_token_path: toks.admin_token_path,
             ca_path: config.tls_ca(),
@@ -200,6 +207,7 @@ impl Cluster {
             iam: None,
             watcher: None,
             apiserver: None,
+            e2b: None,
             edges: BTreeMap::new(),
             config,
             clock: opts.clock,
@@ -213,6 +221,10 @@ impl Cluster {
             cluster.edges.insert(name, EdgeSlot { addr, backend, running: Some(running) });
         }
         cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l)?);
+        if let Some(l) = e2b_l {
+            let addrs = vec![cluster.apiserver_addr.to_string()];
+            cluster.e2b = Some(start_e2b(&cluster.config, addrs, cluster.client_tls(), l));
+        }
         Ok(cluster)
     }
 
@@ -305,8 +317,13 @@ impl Cluster {
         Ok(())
     }
 
-    /// Stops everything: apiserver, edges, watcher, IAM.
+    /// Stops everything: the gateway, apiserver, edges, watcher, IAM.
     pub async fn shutdown(mut self) {
+        if let Some(r) = self.e2b.take()
+            && let Err(e) = r.stop().await
+        {
+            tracing::warn!(error = %e, "the e2b gateway stopped with an error");
+        }
         self.stop_apiserver().await;
         let names = self.edge_names();
         for n in names {
@@ -569,6 +586,17 @@ fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>
     }))
 }
 
+fn start_e2b(config: &Config, apiserver_addrs: Vec<String>, tls: grpc::PublicTls, l: TcpListener) -> Running {
+    let opts = opendsec_e2b::GatewayOptions { config: config.e2b.clone(), apiserver_addrs, tls };
+    spawn(move |rx| async move {
+        opendsec_e2b::serve(opts, l, async move {
+            let _ = rx.await;
+        })
+        .await
+        .map_err(|e| e.to_string())
+    })
+}
+
 /// The image every fresh cluster has: `scratch:latest` in `root`, one empty layer. Sandboxes
 /// of the sim backend need an image to name; real images are imported (`opendsecctl image
 /// import`).
@@ -643,6 +671,26 @@ pub async fn run_daemon(
             };
             start_apiserver(&config, l, m)?
         }
+        Role::E2b => {
+            if config.e2b.apiserver_addrs.is_empty() {
+                return Err(ClusterError::NoSuchComponent(
+                    "e2b.apiserver_addrs is empty: the gateway needs an apiserver".into(),
+                ));
+            }
+            let tls = if config.apiserver.insecure_plaintext {
+                grpc::PublicTls::Plaintext
+            } else {
+                let ca = config.tls_ca();
+                let pem = std::fs::read(&ca).map_err(|source| ClusterError::StateDir { path: ca.clone(), source })?;
+                grpc::PublicTls::with_ca(&pem, None)
+                    .map_err(|e| ClusterError::NoSuchComponent(format!("the CA {}: {e}", ca.display())))?
+            };
+            let listen =
+                if config.e2b.listen.is_empty() { "127.0.0.1:0".to_string() } else { config.e2b.listen.clone() };
+            let l = bind("e2b gateway", &listen).await?;
+            tracing::info!(addr = %local(&l), "the e2b gateway listens");
+            start_e2b(&config, config.e2b.apiserver_addrs.clone(), tls, l)
+        }
         Role::Edge => {
             check_backends(&config)?;
             let name = config.edge.name.clone();
@@ -673,6 +721,7 @@ pub enum Role {
     Watcher,
     Apiserver,
     Edge,
+    E2b,
 }
 
 /// Edges offer only what they can run: a config asking for a backend this build cannot start is

@@ -90,6 +90,7 @@ small_answers!(
     pb::ConnectProcessRequest,
     pb::SendInputRequest,
     pb::SignalProcessRequest,
+    pb::ResizeProcessRequest,
     pb::WatchRequest,
 );
 

@@ -46,6 +46,8 @@ pub struct Config {
     pub images: ImagesConfig,
     /// Sandbox networking (docs/network.md).
     pub network: NetworkConfig,
+    /// The E2B-compatible gateway (docs/e2b.md).
+    pub e2b: E2bConfig,
 }
 
 impl Default for Config {
@@ -61,6 +63,50 @@ impl Default for Config {
             sim_edges: 4,
             images: ImagesConfig::default(),
             network: NetworkConfig::default(),
+            e2b: E2bConfig::default(),
+        }
+    }
+}
+
+/// The E2B gateway (`opendsec e2b`, started by `cluster up`): E2B's REST and in-sandbox APIs
+/// on one port, served with each caller's own token through the public API.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct E2bConfig {
+    /// Plain HTTP/1.1 (E2B's SDKs reach it with `E2B_API_URL` and `E2B_SANDBOX_URL`), a
+    /// loopback address only: API keys cross it in the clear. Empty: `cluster up` starts no
+    /// gateway.
+    pub listen: String,
+    /// The apiservers the gateway calls (`host:port`); `cluster up` fills in its own.
+    pub apiserver_addrs: Vec<String>,
+    /// E2B template names and the images they stand for (in the caller's project). A
+    /// template not listed is an image name itself.
+    pub templates: std::collections::BTreeMap<String, String>,
+    /// The backend E2B sandboxes run on.
+    pub backend: String,
+    /// What each E2B sandbox gets (E2B's SDK names none): millicores, MiB of memory, MiB of
+    /// writable disk.
+    pub cpu_millis: u32,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    /// The user commands and files use when a call names none (E2B's templates use `user`).
+    pub default_user: String,
+}
+
+impl Default for E2bConfig {
+    fn default() -> Self {
+        E2bConfig {
+            listen: "127.0.0.1:0".into(),
+            apiserver_addrs: Vec::new(),
+            templates: [("base", "e2b-base:latest"), ("code-interpreter-v1", "code-interpreter-v1:latest")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            backend: "container".into(),
+            cpu_millis: 2000,
+            memory_mb: 512,
+            disk_mb: 2048,
+            default_user: "user".into(),
         }
     }
 }
@@ -745,6 +791,15 @@ impl Config {
             return Err(invalid("state_dir", "must not be empty"));
         }
         self.network.validate()?;
+        if !self.e2b.listen.is_empty() {
+            let loopback = self.e2b.listen.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().is_loopback());
+            if !loopback {
+                return Err(invalid(
+                    "e2b.listen",
+                    "must be a loopback address (ip:port): plain HTTP carries API keys in the clear",
+                ));
+            }
+        }
         positive("tls.leaf_lifetime", self.tls.leaf_lifetime)?;
         check_secret("iam.admin_token", &self.iam.admin_token)?;
         if !self.iam.admin_token.is_empty() && parse_token_shape(&self.iam.admin_token).is_none() {

@@ -123,6 +123,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Runtime/SendInput", Once),
         ("Runtime/SignalProcess", Once),
         ("Runtime/ListProcesses", Read),
+        ("Runtime/ResizeProcess", Repeat),
         ("Runtime/Watch", Read),
     ]
 };

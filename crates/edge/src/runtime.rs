@@ -273,6 +273,7 @@ runtime_impl! {
         send_input(SendInputRequest) -> SendInputResponse;
         signal_process(SignalProcessRequest) -> SignalProcessResponse;
         list_processes(ListProcessesRequest) -> ListProcessesResponse;
+        resize_process(ResizeProcessRequest) -> ResizeProcessResponse;
     }
 
     server_streaming {

@@ -22,6 +22,8 @@ enum RoleCmd {
     Watcher(Common),
     /// The node's control plane.
     Edge(Common),
+    /// The E2B-compatible gateway (docs/e2b.md).
+    E2b(Common),
 }
 
 #[derive(clap::Args, Debug)]
@@ -42,6 +44,7 @@ fn main() {
         RoleCmd::Apiserver(c) => (Role::Apiserver, c),
         RoleCmd::Watcher(c) => (Role::Watcher, c),
         RoleCmd::Edge(c) => (Role::Edge, c),
+        RoleCmd::E2b(c) => (Role::E2b, c),
     };
     let config = match opendsec_common::config::Config::load(&common.config) {
         Ok(c) => c,

@@ -32,6 +32,9 @@ pub(crate) async fn cluster_up(
     println!("  edges:       {} ({})", cluster.edge_names().len(), cluster.config.edge.backends.join(", "));
     println!("  state:       {}", cluster.config.state_dir.display());
     println!("  admin token: written to {}", cluster.admin_token_path.display());
+    if let Some(a) = cluster.e2b_addr {
+        println!("  e2b gateway: http://{a}");
+    }
     let tls_env = if cluster.config.apiserver.insecure_plaintext {
         println!("  public API:  plain text (--insecure-plaintext)");
         "OPENDSEC_INSECURE_PLAINTEXT=1".to_string()
@@ -45,6 +48,12 @@ pub(crate) async fn cluster_up(
         cluster.apiserver_addr,
         cluster.admin_token_path.display()
     );
+    if let Some(a) = cluster.e2b_addr {
+        println!(
+            "  export E2B_API_URL=http://{a} E2B_SANDBOX_URL=http://{a} E2B_API_KEY=$(cat {})",
+            cluster.admin_token_path.display()
+        );
+    }
     if keep_sandboxes {
         println!("Ctrl-C stops the cluster; its sandboxes keep running (--keep-sandboxes).");
     } else {

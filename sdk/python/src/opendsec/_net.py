@@ -83,6 +83,7 @@ CALLS: Dict[str, str] = {
     "Runtime/SendInput": "once",
     "Runtime/SignalProcess": "once",
     "Runtime/ListProcesses": "read",
+    "Runtime/ResizeProcess": "repeat",
     "Runtime/Watch": "read",
 }
 

@@ -1,0 +1,508 @@
+//! E2B's control-plane REST API (reference/e2b-protocol.md section 2) on the public API.
+//!
+//! Mapping: a template is an image (`e2b.templates`, else the image of that name) in the
+//! caller's project; metadata are the sandbox's labels; envVars its environment; `timeout`
+//! (seconds from now) sets both the idle and the lifetime TTL so the sandbox ends then, as
+//! E2B's does; pause, resume and connect are the lifecycle calls. Sandbox ids are opendsec's,
+//! verbatim.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderValue, Method, Request, StatusCode};
+use axum::response::Response;
+use http_body_util::BodyExt;
+use opendsec_client::Client;
+use opendsec_common::egress::Rule;
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use pb::SandboxState as St;
+
+use crate::error::RestError;
+use crate::model::{self, NewSandbox};
+use crate::{ENVD_VERSION, Gateway, header};
+
+/// Largest REST request body.
+const MAX_BODY: usize = 1 << 20;
+/// E2B's default sandbox timeout.
+const DEFAULT_TIMEOUT_S: u64 = 300;
+
+type Result<T> = std::result::Result<T, RestError>;
+
+pub async fn handle(gw: Arc<Gateway>, req: Request<Body>) -> Response {
+    match dispatch(&gw, req).await {
+        Ok(r) => r,
+        Err(e) => e.response(),
+    }
+}
+
+struct Call {
+    key: String,
+    client: Client,
+    query: Vec<(String, String)>,
+    idempotency_key: Option<String>,
+}
+
+impl Call {
+    fn param(&self, name: &str) -> Option<&str> {
+        self.query.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str()).filter(|v| !v.is_empty())
+    }
+}
+
+async fn dispatch(gw: &Gateway, req: Request<Body>) -> Result<Response> {
+    let Some(key) = header(req.headers(), "x-api-key").map(str::to_string) else {
+        return Err(RestError::unauthorized("no API key: set E2B_API_KEY to an opendsec token"));
+    };
+    let client = gw.client(&key).map_err(RestError::from)?;
+    let query =
+        req.uri().query().map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect()).unwrap_or_default();
+    let idempotency_key = header(req.headers(), "idempotency-key").map(str::to_string);
+    let call = Call { key, client, query, idempotency_key };
+    let method = req.method().clone();
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    let body = read_body(req.into_body()).await?;
+    let segs: Vec<&str> = path.split('/').skip(1).collect();
+    match (&method, segs.as_slice()) {
+        (&Method::POST, ["sandboxes"] | ["v2", "sandboxes"]) => create(gw, &call, &body).await,
+        (&Method::GET, ["v2", "sandboxes"]) => list(gw, &call, true).await,
+        (&Method::GET, ["sandboxes"]) => list(gw, &call, false).await,
+        (&Method::GET, ["sandboxes", id]) => detail(gw, &call, id).await,
+        (&Method::DELETE, ["sandboxes", id]) => kill(&call, id).await,
+        (&Method::POST, ["sandboxes", id, "timeout"]) => timeout(&call, id, &body).await,
+        (&Method::POST, ["sandboxes", id, "refreshes"]) => refresh(&call, id, &body).await,
+        (&Method::POST, ["sandboxes", id, "pause"]) => pause(&call, id).await,
+        (&Method::POST, ["v2", "sandboxes", id, "connect"] | ["sandboxes", id, "connect" | "resume"]) => {
+            connect(gw, &call, id, &body).await
+        }
+        (&Method::PUT, ["sandboxes", id, "network"]) => network(&call, id, &body).await,
+        (_, ["sandboxes", _, "metrics" | "fork" | "snapshots" | "logs"] | ["snapshots" | "templates", ..]) => Err(
+            RestError::new(StatusCode::NOT_IMPLEMENTED, format!("{method} {path} is not supported yet (docs/e2b.md)")),
+        ),
+        _ => Err(RestError::not_found(format!("no such endpoint: {method} {path}"))),
+    }
+}
+
+async fn read_body(body: Body) -> Result<bytes::Bytes> {
+    let limited = http_body_util::Limited::new(body, MAX_BODY);
+    match limited.collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => {
+            Err(RestError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("request body: {e} (at most {MAX_BODY} bytes)")))
+        }
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| RestError::bad_request(format!("request body: {e}")))
+}
+
+fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Response {
+    crate::connect::json_response(status, v)
+}
+
+fn no_content() -> Response {
+    let mut r = Response::new(Body::empty());
+    *r.status_mut() = StatusCode::NO_CONTENT;
+    r
+}
+
+/// The egress rules of E2B's network options (`None`: the cluster's default).
+fn egress_of(allow_internet: Option<bool>, net: Option<&model::Network>) -> Result<Option<Vec<pb::EgressRule>>> {
+    let mut rules: Option<Vec<String>> = allow_internet.map(|a| if a { vec!["*".to_string()] } else { vec![] });
+    if let Some(n) = net {
+        if n.dns_servers.as_ref().is_some_and(|d| !d.is_empty()) {
+            return Err(RestError::bad_request(
+                "network.dnsServers is not supported: sandboxes resolve through their edge's DNS proxy",
+            ));
+        }
+        if n.egress_proxy.as_ref().is_some_and(|p| !p.is_null()) || n.rules.as_ref().is_some_and(|r| !r.is_null()) {
+            return Err(RestError::bad_request("network.egressProxy and network.rules are not supported"));
+        }
+        if let Some(a) = n.allow_internet_access {
+            rules = Some(if a { vec!["*".into()] } else { vec![] });
+        }
+        // opendsec's rules only allow: a deny list is meaningful only as "deny everything
+        // else" (E2B's `denyOut: ["0.0.0.0/0"]` beside an allow list).
+        let deny = n.deny_out.clone().unwrap_or_default();
+        if deny.iter().any(|d| d != "0.0.0.0/0") {
+            return Err(RestError::bad_request(
+                "network.denyOut may only be [\"0.0.0.0/0\"]: everything not allowed is denied already",
+            ));
+        }
+        if !deny.is_empty() && n.allow_out.is_none() {
+            rules = Some(vec![]);
+        }
+        if let Some(allow) = &n.allow_out {
+            rules = Some(allow.clone());
+        }
+    }
+    let Some(texts) = rules else { return Ok(None) };
+    let mut out = Vec::with_capacity(texts.len());
+    for t in &texts {
+        let r = Rule::parse(t).map_err(|e| RestError::bad_request(format!("network rule {t:?}: {e}")))?;
+        out.push(r.to_pb());
+    }
+    Ok(Some(out))
+}
+
+/// A lease id from E2B's idempotency key (`[a-z0-9-]{1,255}`): the key itself when it is a
+/// valid lease id, else a digest of it.
+fn lease_of(key: &str) -> String {
+    if opendsec_common::ids::validate_lease(key).is_ok() {
+        return key.to_string();
+    }
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(key.as_bytes());
+    d.iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
+    let req: NewSandbox = parse(body)?;
+    let template = if req.template_id.is_empty() { "base".to_string() } else { req.template_id.clone() };
+    if req.auto_pause == Some(true) {
+        return Err(RestError::bad_request(
+            "autoPause is not supported yet: a sandbox whose timeout runs out is stopped",
+        ));
+    }
+    if req.mcp.as_ref().is_some_and(|m| !m.is_null()) || req.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
+        return Err(RestError::bad_request("mcp and volumeMounts are not supported"));
+    }
+    let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT_S).max(1);
+    let egress = egress_of(req.allow_internet_access, req.network.as_ref())?;
+    let spec = pb::SandboxSpec {
+        image: gw.image_of(&template),
+        backend: gw.cfg.backend.clone(),
+        resources: Some(pb::Resources {
+            cpu_millis: gw.cfg.cpu_millis,
+            memory_mb: gw.cfg.memory_mb,
+            disk_mb: gw.cfg.disk_mb,
+            gpus: 0,
+        }),
+        env: req.env_vars.unwrap_or_default(),
+        labels: req.metadata.unwrap_or_default(),
+        user: gw.cfg.default_user.clone(),
+        ttl_running_stop_s: timeout,
+        ttl_max_s: timeout,
+        network: egress.map(|egress| pb::NetworkSpec { egress }),
+        ..Default::default()
+    };
+    let sb = match &call.idempotency_key {
+        Some(k) => {
+            let r = pb::CreateSandboxRequest { spec: Some(spec), lease_id: lease_of(k) };
+            call.client.create_sandbox_with(r).await
+        }
+        None => call.client.create_sandbox(spec).await,
+    }
+    .map_err(|e| match e.reason {
+        Reason::NotFound => RestError::not_found(format!("template {template:?}: {}", e.message)),
+        _ => RestError::from(e),
+    })?;
+    Ok(json(StatusCode::CREATED, &sandbox_answer(gw, &sb, &call.key)))
+}
+
+fn sandbox_answer(gw: &Gateway, sb: &pb::Sandbox, key: &str) -> model::Sandbox {
+    let image = sb.spec.as_ref().map(|s| s.image.as_str()).unwrap_or_default();
+    let template = gw.template_of(image);
+    model::Sandbox {
+        alias: gw.cfg.templates.contains_key(&template).then(|| template.clone()),
+        template_id: template,
+        sandbox_id: sb.id.clone(),
+        client_id: sb.edge.clone(),
+        envd_version: ENVD_VERSION,
+        // The caller's own key, echoed: the SDK sends it back on every in-sandbox call, where
+        // it is the token those calls are made with.
+        envd_access_token: key.to_string(),
+        traffic_access_token: Some(key.to_string()),
+        domain: None,
+    }
+}
+
+/// E2B's state of a sandbox (`None`: ended, which E2B does not list or find).
+fn e2b_state(s: i32) -> Option<&'static str> {
+    match St::try_from(s).unwrap_or(St::Unspecified) {
+        St::Creating | St::Running | St::Resuming => Some("running"),
+        St::Pausing | St::Paused => Some("paused"),
+        St::Unspecified | St::Stopping | St::Stopped | St::Failed => None,
+    }
+}
+
+fn detail_of(gw: &Gateway, sb: &pb::Sandbox, key: Option<&str>) -> Option<model::SandboxDetail> {
+    let state = e2b_state(sb.state)?;
+    let spec = sb.spec.clone().unwrap_or_default();
+    let res = spec.resources.unwrap_or_default();
+    let template = gw.template_of(&spec.image);
+    Some(model::SandboxDetail {
+        alias: gw.cfg.templates.contains_key(&template).then(|| template.clone()),
+        template_id: template,
+        sandbox_id: sb.id.clone(),
+        client_id: sb.edge.clone(),
+        started_at: model::rfc3339(sb.created_at_ms),
+        end_at: model::rfc3339(sb.expires_at_ms),
+        envd_version: ENVD_VERSION,
+        cpu_count: res.cpu_millis.div_ceil(1000).max(1),
+        memory_mb: res.memory_mb,
+        disk_size_mb: res.disk_mb,
+        state,
+        metadata: spec.labels,
+        envd_access_token: key.map(str::to_string),
+        domain: None,
+    })
+}
+
+fn not_found(id: &str) -> RestError {
+    RestError::not_found(format!("sandbox {id:?} not found"))
+}
+
+/// The sandbox if it is live (running or paused in E2B's terms), else 404.
+async fn live(call: &Call, id: &str) -> Result<pb::Sandbox> {
+    match call.client.get_sandbox(id).await {
+        Ok(sb) if e2b_state(sb.state).is_some() => Ok(sb),
+        Ok(_) => Err(not_found(id)),
+        // Another project's sandbox is not found, not forbidden: its existence is not the
+        // caller's to learn.
+        Err(e) if matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied) => {
+            Err(not_found(id))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn detail(gw: &Gateway, call: &Call, id: &str) -> Result<Response> {
+    let sb = live(call, id).await?;
+    let d = detail_of(gw, &sb, Some(&call.key)).ok_or_else(|| not_found(id))?;
+    Ok(json(StatusCode::OK, &d))
+}
+
+async fn kill(call: &Call, id: &str) -> Result<Response> {
+    live(call, id).await?;
+    match call.client.stop_sandbox(id).await {
+        Ok(_) => Ok(no_content()),
+        Err(e) if e.reason == Reason::NotFound => Err(not_found(id)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn now_ms() -> i64 {
+    opendsec_common::time::now_ms() as i64
+}
+
+/// Makes the sandbox end `secs` from now (E2B's timeout), shorter or longer.
+async fn set_end(call: &Call, sb: &pb::Sandbox, secs: u64) -> std::result::Result<pb::Sandbox, ApiError> {
+    let secs = secs.max(1);
+    let lived_ms = (now_ms() - sb.created_at_ms).max(0) as u64;
+    let req = pb::SetSandboxTimeoutRequest {
+        id: sb.id.clone(),
+        ttl_running_stop_s: Some(secs),
+        ttl_max_s: Some(lived_ms.div_ceil(1000) + secs),
+        ttl_paused_s: None,
+    };
+    call.client.set_sandbox_timeout(req).await
+}
+
+async fn timeout(call: &Call, id: &str, body: &[u8]) -> Result<Response> {
+    let t: model::Timeout = parse(body)?;
+    let secs = t.timeout.ok_or_else(|| RestError::bad_request("timeout is required"))?;
+    let sb = live(call, id).await?;
+    set_end(call, &sb, secs).await?;
+    Ok(no_content())
+}
+
+async fn refresh(call: &Call, id: &str, body: &[u8]) -> Result<Response> {
+    #[derive(serde::Deserialize, Default)]
+    #[serde(default)]
+    struct Refresh {
+        duration: Option<u64>,
+    }
+    let r: Refresh = parse(body)?;
+    let sb = live(call, id).await?;
+    extend_to(call, &sb, r.duration.unwrap_or(DEFAULT_TIMEOUT_S)).await?;
+    Ok(no_content())
+}
+
+/// Makes the sandbox live at least `secs` from now (never shortens).
+async fn extend_to(call: &Call, sb: &pb::Sandbox, secs: u64) -> Result<()> {
+    if sb.expires_at_ms >= now_ms() + (secs as i64) * 1000 {
+        return Ok(());
+    }
+    set_end(call, sb, secs).await?;
+    Ok(())
+}
+
+async fn pause(call: &Call, id: &str) -> Result<Response> {
+    let sb = live(call, id).await?;
+    if e2b_state(sb.state) == Some("paused") {
+        return Err(RestError::new(StatusCode::CONFLICT, format!("sandbox {id:?} is already paused")));
+    }
+    match call.client.pause_sandbox(id).await {
+        Ok(_) => Ok(no_content()),
+        Err(e) if e.reason == Reason::InvalidState => Err(RestError::new(StatusCode::CONFLICT, e.message)),
+        Err(e) if e.reason == Reason::NotFound => Err(not_found(id)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn connect(gw: &Gateway, call: &Call, id: &str, body: &[u8]) -> Result<Response> {
+    let t: model::Timeout = parse(body)?;
+    let mut sb = live(call, id).await?;
+    let mut status = StatusCode::OK;
+    if e2b_state(sb.state) == Some("paused") {
+        sb = match call.client.resume_sandbox(id).await {
+            Ok(s) => s,
+            Err(e) if e.reason == Reason::NotFound => {
+                return Err(RestError::not_found(format!("Paused sandbox {id} not found")));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        status = StatusCode::CREATED;
+    }
+    extend_to(call, &sb, t.timeout.unwrap_or(DEFAULT_TIMEOUT_S)).await?;
+    Ok(json(status, &sandbox_answer(gw, &sb, &call.key)))
+}
+
+async fn network(call: &Call, id: &str, body: &[u8]) -> Result<Response> {
+    let n: model::Network = parse(body)?;
+    let egress = egress_of(None, Some(&n))?.unwrap_or_default();
+    live(call, id).await?;
+    call.client.update_network(id, egress).await?;
+    Ok(no_content())
+}
+
+/// The opendsec states of E2B's state filter.
+fn states_of(filter: Option<&str>) -> Result<Vec<i32>> {
+    let mut out = vec![];
+    for s in filter.unwrap_or("running,paused").split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match s {
+            "running" => out.extend([St::Creating, St::Running, St::Resuming].map(|s| s as i32)),
+            "paused" => out.extend([St::Pausing, St::Paused].map(|s| s as i32)),
+            other => return Err(RestError::bad_request(format!("state {other:?}: expected running or paused"))),
+        }
+    }
+    Ok(out)
+}
+
+/// E2B's metadata filter (`k=v&k2=v2`, each part escaped, the whole escaped again).
+pub fn metadata_filter(text: &str) -> HashMap<String, String> {
+    let once: String = percent_decode(text);
+    form_urlencoded::parse(once.as_bytes()).into_owned().collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+            continue;
+        }
+        out.push(if b[i] == b'+' { b' ' } else { b[i] });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn list(gw: &Gateway, call: &Call, v2: bool) -> Result<Response> {
+    let labels = call.param("metadata").map(metadata_filter).unwrap_or_default();
+    let states = states_of(call.param("state"))?;
+    let template = call.param("template").map(str::to_string);
+    let started_after = match call.param("startedAfter") {
+        Some(t) => Some(
+            humantime::parse_rfc3339_weak(t)
+                .or_else(|_| humantime::parse_rfc3339(t))
+                .map(|t| t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0))
+                .map_err(|e| RestError::bad_request(format!("startedAfter {t:?}: {e}")))?,
+        ),
+        None => None,
+    };
+    let page_size = match call.param("limit") {
+        Some(l) => {
+            l.parse::<u32>().map_err(|_| RestError::bad_request(format!("limit {l:?} is not a number")))?.clamp(1, 1000)
+        }
+        None => 100,
+    };
+    let keep = |sb: &pb::Sandbox| {
+        let spec = sb.spec.as_ref();
+        let image = spec.map(|s| s.image.as_str()).unwrap_or_default();
+        template.as_ref().is_none_or(|t| gw.image_of(t) == image || t == image)
+            && started_after.is_none_or(|after| sb.created_at_ms > after)
+    };
+    let req = pb::ListSandboxesRequest {
+        states,
+        labels,
+        page_size,
+        page_token: call.param("nextToken").unwrap_or_default().to_string(),
+        ..Default::default()
+    };
+    let (sandboxes, next) = if v2 {
+        let page = call.client.list_sandboxes(req).await?;
+        (page.sandboxes, page.next_page_token)
+    } else {
+        (call.client.list_all_sandboxes(req).await?, String::new())
+    };
+    let items: Vec<model::SandboxDetail> =
+        sandboxes.iter().filter(|s| keep(s)).filter_map(|s| detail_of(gw, s, None)).collect();
+    let mut r = json(StatusCode::OK, &items);
+    if !next.is_empty()
+        && let Ok(v) = HeaderValue::from_str(&next)
+    {
+        r.headers_mut().insert("x-next-token", v);
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_metadata_filter_decodes_as_the_sdk_encodes() {
+        // SandboxQuery(metadata={"k": "v a", "x&y": "1"}) after the query's own decoding.
+        let m = metadata_filter("k=v%2520a&x%2526y=1");
+        assert_eq!(m.get("k").map(String::as_str), Some("v a"));
+        assert_eq!(m.get("x&y").map(String::as_str), Some("1"));
+        assert_eq!(m.len(), 2);
+    }
+
+    #[test]
+    fn idempotency_keys_become_lease_ids() {
+        assert_eq!(lease_of("job-1"), "job-1");
+        let long = "a".repeat(200);
+        let l = lease_of(&long);
+        assert_eq!(l.len(), 32);
+        assert!(opendsec_common::ids::validate_lease(&l).is_ok());
+        assert_eq!(l, lease_of(&long));
+    }
+
+    #[test]
+    fn network_options_become_allow_rules() {
+        assert!(egress_of(None, None).unwrap().is_none());
+        assert_eq!(egress_of(Some(true), None).unwrap().unwrap().len(), 1);
+        assert!(egress_of(Some(false), None).unwrap().unwrap().is_empty());
+        let n = model::Network {
+            allow_out: Some(vec!["203.0.113.0/24".into(), "example.com".into()]),
+            deny_out: Some(vec!["0.0.0.0/0".into()]),
+            ..Default::default()
+        };
+        assert_eq!(egress_of(Some(true), Some(&n)).unwrap().unwrap().len(), 2);
+        let deny_some = model::Network { deny_out: Some(vec!["8.8.8.8".into()]), ..Default::default() };
+        assert_eq!(egress_of(None, Some(&deny_some)).unwrap_err().status, StatusCode::BAD_REQUEST);
+        let bad = model::Network { allow_out: Some(vec!["not a rule!".into()]), ..Default::default() };
+        assert!(egress_of(None, Some(&bad)).is_err());
+    }
+
+    #[test]
+    fn states_filter_maps_to_opendsec_states() {
+        assert_eq!(states_of(None).unwrap().len(), 5);
+        assert_eq!(states_of(Some("paused")).unwrap(), vec![St::Pausing as i32, St::Paused as i32]);
+        assert!(states_of(Some("killed")).is_err());
+    }
+}

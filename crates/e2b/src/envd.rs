@@ -1,0 +1,574 @@
+//! envd, E2B's in-sandbox daemon (reference/e2b-protocol.md section 3), on the `Runtime` API:
+//! the process service on aether's process API (outside sessions), the filesystem service on
+//! the file calls (through a session per user, so files are made as that user), `/files` and
+//! `/health`.
+//!
+//! - The token of every call is `X-Access-Token`: the caller's key, which the create and
+//!   connect answers handed to the SDK as `envdAccessToken`.
+//! - The user is the one `Authorization: Basic` names, else the sandbox's default user.
+//! - A process outlives its caller's stream (the output lives in the agent); `Connect` re-
+//!   attaches and replays the output from the start. `Connect-Timeout-Ms` on `Start` is the
+//!   process's lifetime, as envd makes it: the agent kills it then, connected or not.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Request};
+use axum::response::Response;
+use base64::Engine;
+use bytes::Bytes;
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use pb::process_selector::By;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::connect::{self, Code, ConnectError, Decoder};
+use crate::model::{self, Data, End, EntryInfo, Event, EventMessage, FileKind};
+use crate::sandbox::{Ctx, Failure, stat_of, user_path};
+use crate::{Gateway, error, files, header};
+
+/// envd's keepalive interval when the caller asks for none.
+const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
+/// Entries one ListDir answers at most (a deep listing of a huge tree stops there).
+const MAX_LIST_ENTRIES: usize = 100_000;
+
+/// The user of `Authorization: Basic base64("<user>:")`.
+fn basic_user(h: &HeaderMap) -> Result<String, ConnectError> {
+    let Some(v) = header(h, "authorization") else { return Ok(String::new()) };
+    let bad = || ConnectError::new(Code::Unauthenticated, "authorization must be Basic base64(\"<user>:\")");
+    let b64 = v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")).ok_or_else(bad)?;
+    let raw = base64::engine::general_purpose::STANDARD.decode(b64.trim()).map_err(|_| bad())?;
+    let text = String::from_utf8(raw).map_err(|_| bad())?;
+    let user = text.split(':').next().unwrap_or_default();
+    let ok = user.len() <= 64 && user.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if !ok {
+        return Err(ConnectError::new(Code::Unauthenticated, format!("invalid username: '{user}'")));
+    }
+    Ok(user.to_string())
+}
+
+pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Response {
+    let h = req.headers();
+    let Some(token) = header(h, "x-access-token").map(str::to_string) else {
+        return ConnectError::new(
+            Code::Unauthenticated,
+            "no access token: connect to the sandbox through Sandbox.create or Sandbox.connect",
+        )
+        .unary_response();
+    };
+    let user = match basic_user(h) {
+        Ok(u) => u,
+        Err(e) => return e.unary_response(),
+    };
+    let client = match gw.client(&token) {
+        Ok(c) => c,
+        Err(e) => return error::to_connect(&e).unary_response(),
+    };
+    let ctx = Ctx { gw, client, id, user };
+    let path = req.uri().path().to_string();
+    match path.as_str() {
+        "/health" => files::health(&ctx).await,
+        "/files" => files::handle(&ctx, req).await,
+        _ => rpc(&ctx, &path, req).await,
+    }
+}
+
+async fn rpc(ctx: &Ctx, path: &str, req: Request<Body>) -> Response {
+    let Some(method) = path.strip_prefix('/') else { return unknown(path) };
+    let timeout = header(req.headers(), "connect-timeout-ms").and_then(|v| v.parse::<u64>().ok());
+    let keepalive = header(req.headers(), "keepalive-ping-interval")
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map_or(DEFAULT_KEEPALIVE, Duration::from_secs);
+    let opts = StreamOpts { timeout: timeout.filter(|t| *t > 0).map(Duration::from_millis), keepalive };
+    if method == "process.Process/StreamInput" {
+        return stream_input(ctx, req.into_body()).await;
+    }
+    let body = match read_all(req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => return e.unary_response(),
+    };
+    let streaming =
+        matches!(method, "process.Process/Start" | "process.Process/Connect" | "filesystem.Filesystem/WatchDir");
+    let msg = if streaming {
+        // One envelope.
+        let mut d = Decoder::default();
+        d.push(&body);
+        match d.next_frame() {
+            Ok(Some(f)) => f.data,
+            Ok(None) => return ConnectError::invalid("the request has no message").unary_response(),
+            Err(e) => return e.unary_response(),
+        }
+    } else {
+        body
+    };
+    let r: Result<Response, Failure> = match method {
+        "process.Process/Start" => start(ctx, &msg, opts).await,
+        "process.Process/Connect" => connect_process(ctx, &msg, opts).await,
+        "process.Process/List" => list(ctx).await,
+        "process.Process/SendSignal" => send_signal(ctx, &msg).await,
+        "process.Process/SendInput" => send_input(ctx, &msg).await,
+        "process.Process/CloseStdin" => close_stdin(ctx, &msg).await,
+        "process.Process/Update" => update(ctx, &msg).await,
+        "filesystem.Filesystem/Stat" => stat(ctx, &msg).await,
+        "filesystem.Filesystem/ListDir" => list_dir(ctx, &msg).await,
+        "filesystem.Filesystem/MakeDir" => make_dir(ctx, &msg).await,
+        "filesystem.Filesystem/Move" => move_entry(ctx, &msg).await,
+        "filesystem.Filesystem/Remove" => remove(ctx, &msg).await,
+        "filesystem.Filesystem/WatchDir"
+        | "filesystem.Filesystem/CreateWatcher"
+        | "filesystem.Filesystem/GetWatcherEvents"
+        | "filesystem.Filesystem/RemoveWatcher" => {
+            Err(Failure::Connect(ConnectError::new(Code::Unimplemented, format!("{method} is not supported yet"))))
+        }
+        _ => return unknown(path),
+    };
+    match r {
+        Ok(resp) => resp,
+        Err(Failure::Connect(e)) => e.unary_response(),
+        Err(Failure::Api(e)) => ctx.fail(&e).await,
+    }
+}
+
+fn unknown(path: &str) -> Response {
+    ConnectError::new(Code::Unimplemented, format!("no such method: {path}")).unary_response()
+}
+
+type R = Result<Response, Failure>;
+
+async fn read_all(body: Body) -> Result<Bytes, ConnectError> {
+    match http_body_util::Limited::new(body, connect::MAX_MESSAGE + 5).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => Err(ConnectError::new(Code::ResourceExhausted, format!("request body: {e}"))),
+    }
+}
+
+fn selector(s: Option<model::Selector>) -> Result<pb::ProcessSelector, ConnectError> {
+    let s = s.unwrap_or_default();
+    let by = match (s.pid, s.tag) {
+        (Some(pid), _) => By::Pid(pid),
+        (None, Some(tag)) => By::Tag(tag),
+        (None, None) => return Err(ConnectError::invalid("process selector (pid or tag) is required")),
+    };
+    Ok(pb::ProcessSelector { by: Some(by) })
+}
+
+#[derive(Clone, Copy)]
+struct StreamOpts {
+    timeout: Option<Duration>,
+    keepalive: Duration,
+}
+
+async fn start(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
+    let req: model::StartRequest = connect::decode(msg)?;
+    let p = req.process.ok_or_else(|| ConnectError::invalid("process is required"))?;
+    if p.cmd.is_empty() {
+        return Err(ConnectError::invalid("process.cmd is required").into());
+    }
+    let pty = req.pty.map(|t| {
+        let s = t.size.unwrap_or_default();
+        pb::PtySize { rows: s.rows, cols: s.cols }
+    });
+    let is_pty = pty.is_some();
+    let start = pb::StartProcessRequest {
+        sandbox_id: ctx.id.clone(),
+        cmd: std::iter::once(p.cmd).chain(p.args).collect(),
+        env: p.envs,
+        cwd: p.cwd.unwrap_or_default(),
+        user: ctx.user.clone(),
+        tag: req.tag.unwrap_or_default(),
+        // envd: an absent `stdin` means a pipe (the older SDKs' behaviour).
+        no_stdin: !is_pty && req.stdin == Some(false),
+        timeout_ms: opts.timeout.map_or(0, |t| t.as_millis() as u64),
+        pty,
+    };
+    let pid = ctx.client.start_process(start).await?.pid;
+    let events = ctx
+        .client
+        .connect_process(pb::ConnectProcessRequest {
+            sandbox_id: ctx.id.clone(),
+            process: Some(pb::ProcessSelector { by: Some(By::Pid(pid)) }),
+            ..Default::default()
+        })
+        .await?;
+    Ok(process_stream(pid, events, is_pty, opts))
+}
+
+async fn connect_process(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
+    let req: model::SelectorRequest = connect::decode(msg)?;
+    let sel = selector(req.process)?;
+    let info = find(ctx, &sel).await?;
+    let events = ctx
+        .client
+        .connect_process(pb::ConnectProcessRequest {
+            sandbox_id: ctx.id.clone(),
+            process: Some(pb::ProcessSelector { by: Some(By::Pid(info.pid)) }),
+            ..Default::default()
+        })
+        .await?;
+    // A terminal's output comes back as `pty` data, as it went out.
+    let is_pty = false;
+    Ok(process_stream(info.pid, events, is_pty, StreamOpts { timeout: None, ..opts }))
+}
+
+/// The process a selector names (running or kept after its exit), or not_found.
+async fn find(ctx: &Ctx, sel: &pb::ProcessSelector) -> Result<pb::ProcessInfo, Failure> {
+    let all = ctx.client.list_processes(pb::ListProcessesRequest { sandbox_id: ctx.id.clone() }).await?;
+    let hit = all.processes.into_iter().rev().find(|p| match &sel.by {
+        Some(By::Pid(pid)) => p.pid == *pid,
+        Some(By::Tag(t)) => &p.tag == t,
+        None => false,
+    });
+    hit.ok_or_else(|| {
+        let what = match &sel.by {
+            Some(By::Pid(pid)) => format!("pid {pid}"),
+            Some(By::Tag(t)) => format!("tag {t:?}"),
+            None => "no selector".into(),
+        };
+        Failure::Connect(ConnectError::new(Code::NotFound, format!("process with {what} not found")))
+    })
+}
+
+/// Start's and Connect's answer: `start`, then data and keepalives, then `end`, then the end
+/// of the stream. The caller's disconnect drops the upstream stream only; the process runs on.
+fn process_stream(pid: u32, mut events: tonic::Streaming<pb::ProcessEvent>, pty: bool, opts: StreamOpts) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let send = |ev: Event| connect::message(&EventMessage { event: ev });
+        if tx.send(send(Event::Start { pid })).await.is_err() {
+            return;
+        }
+        let deadline = opts.timeout.map(|t| tokio::time::Instant::now() + t);
+        let expired = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
+        loop {
+            let tick = tokio::time::sleep(opts.keepalive);
+            let frame = tokio::select! {
+                ev = events.next() => match ev {
+                    Some(Ok(pb::ProcessEvent { kind: Some(pb::process_event::Kind::Output(o)) })) => {
+                        let data = if pty {
+                            Data::Pty(o.data)
+                        } else if o.stream == pb::OutputStream::Stderr as i32 {
+                            Data::Stderr(o.data)
+                        } else {
+                            Data::Stdout(o.data)
+                        };
+                        send(Event::Data(data))
+                    }
+                    Some(Ok(pb::ProcessEvent { kind: Some(pb::process_event::Kind::Exit(x)) })) => {
+                        let _ = tx.send(send(Event::End(End::of(x.exit_code, x.signal)))).await;
+                        let _ = tx.send(connect::end_stream(None)).await;
+                        return;
+                    }
+                    Some(Ok(_)) => continue,
+                    Some(Err(status)) => {
+                        let e = error::to_connect(&ApiError::from_status(&status));
+                        let _ = tx.send(connect::end_stream(Some(&e))).await;
+                        return;
+                    }
+                    None => {
+                        let e = ConnectError::new(Code::Unavailable, "the process's output ended without its exit");
+                        let _ = tx.send(connect::end_stream(Some(&e))).await;
+                        return;
+                    }
+                },
+                () = &mut expired => {
+                    let e = ConnectError::new(Code::DeadlineExceeded, "the process ran past its timeout and was killed");
+                    let _ = tx.send(connect::end_stream(Some(&e))).await;
+                    return;
+                }
+                () = tick => send(Event::Keepalive {}),
+            };
+            if tx.send(frame).await.is_err() {
+                return;
+            }
+        }
+    });
+    connect::stream_response(ReceiverStream::new(rx))
+}
+
+async fn list(ctx: &Ctx) -> R {
+    let all = ctx.client.list_processes(pb::ListProcessesRequest { sandbox_id: ctx.id.clone() }).await?;
+    let procs: Vec<_> = all
+        .processes
+        .into_iter()
+        .filter(|p| p.running)
+        .map(|p| {
+            let mut cmd = p.cmd.into_iter();
+            let mut config = json!({
+                "cmd": cmd.next().unwrap_or_default(),
+                "args": cmd.collect::<Vec<_>>(),
+                "envs": p.env,
+            });
+            if !p.cwd.is_empty() {
+                config["cwd"] = json!(p.cwd);
+            }
+            let mut info = json!({"config": config, "pid": p.pid});
+            if !p.tag.is_empty() {
+                info["tag"] = json!(p.tag);
+            }
+            info
+        })
+        .collect();
+    Ok(connect::unary_ok(&json!({"processes": procs})))
+}
+
+async fn send_signal(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::SendSignalRequest = connect::decode(msg)?;
+    let signal = match &req.signal {
+        Some(serde_json::Value::String(s)) if s == "SIGNAL_SIGKILL" => 9,
+        Some(serde_json::Value::String(s)) if s == "SIGNAL_SIGTERM" => 15,
+        Some(serde_json::Value::Number(n)) if matches!(n.as_i64(), Some(9 | 15)) => n.as_i64().unwrap_or(9) as i32,
+        other => {
+            return Err(
+                ConnectError::invalid(format!("signal {other:?}: expected SIGNAL_SIGKILL or SIGNAL_SIGTERM")).into()
+            );
+        }
+    };
+    let process = Some(selector(req.process)?);
+    let req = pb::SignalProcessRequest { sandbox_id: ctx.id.clone(), process, signal };
+    if let Err(e) = ctx.client.signal_process(req).await {
+        return Err(ctx.not_found_or_gone(e).await);
+    }
+    Ok(connect::unary_ok(&json!({})))
+}
+
+async fn input(ctx: &Ctx, process: Option<model::Selector>, data: Vec<u8>, eof: bool) -> Result<(), Failure> {
+    let process = Some(selector(process)?);
+    let req = pb::SendInputRequest { sandbox_id: ctx.id.clone(), process, data, eof };
+    match ctx.client.send_input(req).await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(ctx.not_found_or_gone(e).await),
+    }
+}
+
+async fn send_input(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::SendInputRequest = connect::decode(msg)?;
+    input(ctx, req.process, req.input.unwrap_or_default().bytes(), false).await?;
+    Ok(connect::unary_ok(&json!({})))
+}
+
+async fn close_stdin(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::SelectorRequest = connect::decode(msg)?;
+    input(ctx, req.process, Vec::new(), true).await?;
+    Ok(connect::unary_ok(&json!({})))
+}
+
+async fn update(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::UpdateRequest = connect::decode(msg)?;
+    let process = Some(selector(req.process)?);
+    let Some(size) = req.pty.and_then(|p| p.size) else {
+        return Ok(connect::unary_ok(&json!({})));
+    };
+    let size = Some(pb::PtySize { rows: size.rows, cols: size.cols });
+    ctx.client.resize_process(pb::ResizeProcessRequest { sandbox_id: ctx.id.clone(), process, size }).await?;
+    Ok(connect::unary_ok(&json!({})))
+}
+
+/// StreamInput: `start` names the process, each `data` is written to its stdin in order; the
+/// answer is one empty message and the end of the stream.
+async fn stream_input(ctx: &Ctx, body: Body) -> Response {
+    let mut body = body.into_data_stream();
+    let mut d = Decoder::default();
+    let mut process: Option<model::Selector> = None;
+    let result: Result<(), Failure> = async {
+        loop {
+            while let Some(f) = d.next_frame()? {
+                if f.flags & connect::END_STREAM != 0 {
+                    return Ok(());
+                }
+                let m: model::StreamInputRequest = connect::decode(&f.data)?;
+                if let Some(s) = m.start {
+                    process = s.process;
+                } else if let Some(data) = m.data {
+                    let Some(p) = &process else {
+                        return Err(ConnectError::invalid("data before the start message").into());
+                    };
+                    let sel = model::Selector { pid: p.pid, tag: p.tag.clone() };
+                    input(ctx, Some(sel), data.input.unwrap_or_default().bytes(), false).await?;
+                }
+            }
+            match body.next().await {
+                Some(Ok(chunk)) => d.push(&chunk),
+                Some(Err(e)) => return Err(ConnectError::new(Code::Canceled, format!("request body: {e}")).into()),
+                None if d.has_partial() => {
+                    return Err(ConnectError::invalid("the request ends inside a message").into());
+                }
+                None => return Ok(()),
+            }
+        }
+    }
+    .await;
+    let frames = match result {
+        Ok(()) => vec![connect::message(&json!({})), connect::end_stream(None)],
+        Err(Failure::Connect(e)) => vec![connect::end_stream(Some(&e))],
+        Err(Failure::Api(e)) => {
+            if ctx.may_be_gone(&e) && ctx.gone().await {
+                return error::sandbox_not_found(&ctx.id);
+            }
+            vec![connect::end_stream(Some(&error::to_connect(&e)))]
+        }
+    };
+    connect::stream_response(tokio_stream::iter(frames))
+}
+
+// ---- filesystem
+
+pub(crate) async fn entry(ctx: &Ctx, info: &pb::FileInfo) -> EntryInfo {
+    let names = ctx.gw.names.get(&ctx.client, &ctx.id, &ctx.session()).await;
+    entry_with(info, &names)
+}
+
+fn entry_with(info: &pb::FileInfo, names: &crate::names::Names) -> EntryInfo {
+    let kind = match pb::FileType::try_from(info.r#type).unwrap_or(pb::FileType::Unspecified) {
+        pb::FileType::File => FileKind::File,
+        pb::FileType::Dir => FileKind::Dir,
+        pb::FileType::Symlink => FileKind::Symlink,
+        pb::FileType::Other | pb::FileType::Unspecified => FileKind::Other,
+    };
+    EntryInfo {
+        name: info.name.clone(),
+        kind: kind.proto_name(),
+        path: info.path.clone(),
+        size: info.size.to_string(),
+        mode: model::go_mode(kind, info.mode),
+        permissions: model::go_permissions(kind, info.mode),
+        owner: names.user(info.uid),
+        group: names.group(info.gid),
+        modified_time: model::rfc3339(info.modified_ms),
+        symlink_target: (!info.symlink_target.is_empty()).then(|| info.symlink_target.clone()),
+        is_symlink: kind == FileKind::Symlink,
+    }
+}
+
+async fn stat(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::PathRequest = connect::decode(msg)?;
+    let info = stat_of(ctx, &req.path).await?;
+    Ok(connect::unary_ok(&json!({"entry": entry(ctx, &info).await})))
+}
+
+async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::ListDirRequest = connect::decode(msg)?;
+    let depth = req.depth.max(1);
+    let root = stat_of(ctx, &req.path).await?;
+    if root.r#type != pb::FileType::Dir as i32 {
+        return Err(ConnectError::invalid(format!("path '{}' is not a directory", root.path)).into());
+    }
+    let names = ctx.gw.names.get(&ctx.client, &ctx.id, &ctx.session()).await;
+    let mut out = Vec::new();
+    let mut level = vec![root.path.clone()];
+    for _ in 0..depth {
+        let mut next = Vec::new();
+        for dir in level {
+            let req = pb::ListDirRequest {
+                sandbox_id: ctx.id.clone(),
+                session_id: ctx.session(),
+                path: dir,
+                user: ctx.user.clone(),
+            };
+            let entries = match ctx.client.list_dir(req).await {
+                Ok(r) => r.entries,
+                // A subdirectory it may not read: listed, not descended into (as envd).
+                Err(e) if e.reason == Reason::PermissionDenied && !out.is_empty() => continue,
+                Err(e) => return Err(e.into()),
+            };
+            for e in entries {
+                if e.r#type == pb::FileType::Dir as i32 {
+                    next.push(e.path.clone());
+                }
+                out.push(entry_with(&e, &names));
+                if out.len() >= MAX_LIST_ENTRIES {
+                    return Ok(connect::unary_ok(&json!({"entries": out})));
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(connect::unary_ok(&json!({"entries": out})))
+}
+
+async fn make_dir(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::PathRequest = connect::decode(msg)?;
+    match stat_of(ctx, &req.path).await {
+        Ok(i) if i.r#type == pb::FileType::Dir as i32 => {
+            return Err(ConnectError::new(Code::AlreadyExists, format!("directory '{}' already exists", i.path)).into());
+        }
+        Ok(i) => {
+            return Err(
+                ConnectError::invalid(format!("path '{}' already exists and is not a directory", i.path)).into()
+            );
+        }
+        Err(e) if e.reason == Reason::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    let mk = pb::MakeDirRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        path: user_path(&req.path),
+        parents: true,
+        mode: 0o755,
+        user: ctx.user.clone(),
+    };
+    ctx.client.make_dir(mk).await?;
+    let info = stat_of(ctx, &req.path).await?;
+    Ok(connect::unary_ok(&json!({"entry": entry(ctx, &info).await})))
+}
+
+async fn move_entry(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::MoveRequest = connect::decode(msg)?;
+    let mv = pb::MoveRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        from: user_path(&req.source),
+        to: user_path(&req.destination),
+        user: ctx.user.clone(),
+    };
+    ctx.client.r#move(mv).await?;
+    let info = stat_of(ctx, &req.destination).await?;
+    Ok(connect::unary_ok(&json!({"entry": entry(ctx, &info).await})))
+}
+
+async fn remove(ctx: &Ctx, msg: &[u8]) -> R {
+    let req: model::PathRequest = connect::decode(msg)?;
+    let rm = pb::RemoveRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        path: user_path(&req.path),
+        recursive: true,
+        user: ctx.user.clone(),
+    };
+    match ctx.client.remove(rm).await {
+        Ok(_) => {}
+        // Removing what is not there succeeds (os.RemoveAll), in a sandbox that is there.
+        Err(e) if e.reason == Reason::NotFound && !ctx.gone().await => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(connect::unary_ok(&json!({})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn basic_auth_names_the_user() {
+        let mut h = HeaderMap::new();
+        assert_eq!(basic_user(&h).unwrap(), "");
+        h.insert("authorization", "Basic cm9vdDo=".parse().unwrap());
+        assert_eq!(basic_user(&h).unwrap(), "root");
+        h.insert("authorization", "Basic Li4vZXRjOg==".parse().unwrap()); // "../etc:"
+        assert_eq!(basic_user(&h).unwrap_err().code, Code::Unauthenticated);
+        h.insert("authorization", "Bearer x".parse().unwrap());
+        assert!(basic_user(&h).is_err());
+    }
+}

@@ -1,0 +1,263 @@
+//! envd's HTTP endpoints: `GET /files` (the file's bytes), `POST /files` (multipart, one part
+//! per file named by its raw filename, or one octet-stream body, gzip allowed) and
+//! `GET /health`. Uploads are streamed to the agent and only land when complete.
+
+use axum::body::Body;
+use axum::http::{HeaderValue, Request, StatusCode, header as h};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use http_body_util::BodyExt;
+use opendsec_client::Upload;
+use opendsec_common::{ApiError, Reason};
+use opendsec_proto::v1 as pb;
+use serde_json::json;
+
+use crate::sandbox::{Ctx, stat_of, user_path};
+use crate::{error, header};
+
+/// A gzip upload is inflated in memory from at most this many compressed bytes.
+const MAX_GZIP_BODY: usize = 256 << 20;
+/// Upload chunks sent to the agent.
+const CHUNK: usize = 1 << 20;
+
+fn rest(status: StatusCode, message: impl Into<String>) -> Response {
+    let m: String = message.into();
+    crate::connect::json_response(status, &json!({"code": status.as_u16(), "message": m}))
+}
+
+/// An opendsec error on a file call, as envd's HTTP answers it (the SDK maps by status).
+async fn fail(ctx: &Ctx, path: &str, e: &ApiError) -> Response {
+    if ctx.may_be_gone(e) && ctx.gone().await {
+        return error::sandbox_not_found(&ctx.id);
+    }
+    match e.reason {
+        Reason::NotFound => rest(StatusCode::NOT_FOUND, format!("path '{path}' does not exist")),
+        Reason::InvalidArgument | Reason::InvalidState | Reason::AlreadyExists => {
+            rest(StatusCode::BAD_REQUEST, e.message.clone())
+        }
+        Reason::Unauthenticated => rest(StatusCode::UNAUTHORIZED, e.message.clone()),
+        Reason::PermissionDenied => rest(StatusCode::FORBIDDEN, e.message.clone()),
+        Reason::QuotaExceeded | Reason::RateLimited => rest(StatusCode::TOO_MANY_REQUESTS, e.message.clone()),
+        _ if e.message.contains("No space left") || e.message.contains("Disk quota") => {
+            rest(StatusCode::INSUFFICIENT_STORAGE, e.message.clone())
+        }
+        _ => rest(StatusCode::INTERNAL_SERVER_ERROR, e.message.clone()),
+    }
+}
+
+pub async fn health(ctx: &Ctx) -> Response {
+    use opendsec_proto::v1::SandboxState as S;
+    match ctx.client.get_sandbox(&ctx.id).await {
+        // Paused: not running, as E2B's proxy answers (a call into it would resume it).
+        Ok(sb) if sb.state == S::Running as i32 => {
+            let mut r = Response::new(Body::empty());
+            *r.status_mut() = StatusCode::NO_CONTENT;
+            r
+        }
+        Ok(_) => error::sandbox_not_found(&ctx.id),
+        Err(e) if matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied) => {
+            error::sandbox_not_found(&ctx.id)
+        }
+        Err(e) => rest(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+pub async fn handle(ctx: &Ctx, req: Request<Body>) -> Response {
+    let q: Vec<(String, String)> =
+        req.uri().query().map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect()).unwrap_or_default();
+    let param = |n: &str| q.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()).filter(|v| !v.is_empty());
+    // `username` overrides the Basic user (the SDK sends one or the other).
+    let ctx = &Ctx {
+        gw: ctx.gw.clone(),
+        client: ctx.client.clone(),
+        id: ctx.id.clone(),
+        user: param("username").unwrap_or_else(|| ctx.user.clone()),
+    };
+    let path = param("path");
+    match *req.method() {
+        axum::http::Method::GET => match path {
+            Some(p) => read(ctx, &p).await,
+            None => rest(StatusCode::BAD_REQUEST, "path is required"),
+        },
+        axum::http::Method::POST => write(ctx, path, req).await,
+        _ => rest(StatusCode::METHOD_NOT_ALLOWED, "GET or POST"),
+    }
+}
+
+async fn read(ctx: &Ctx, path: &str) -> Response {
+    let req = pb::ReadFileRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        path: user_path(path),
+        user: ctx.user.clone(),
+        ..Default::default()
+    };
+    let mut stream = match ctx.client.read_file(req).await {
+        Ok(s) => s,
+        Err(e) => return fail(ctx, path, &e).await,
+    };
+    // The first chunk decides between an error status and the file.
+    let first = match stream.next().await {
+        None => Bytes::new(),
+        Some(Ok(c)) => Bytes::from(c.data),
+        Some(Err(s)) => return fail(ctx, path, &ApiError::from_status(&s)).await,
+    };
+    let rest =
+        stream.map(|c| c.map(|c| Bytes::from(c.data)).map_err(|s| std::io::Error::other(s.message().to_string())));
+    let body = Body::from_stream(futures::stream::once(async move { Ok(first) }).chain(rest));
+    let mut r = Response::new(body);
+    r.headers_mut().insert(h::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    let name = path.rsplit('/').next().unwrap_or_default();
+    if let Ok(v) = HeaderValue::from_str(&format!("inline; filename={:?}", name)) {
+        r.headers_mut().insert(h::CONTENT_DISPOSITION, v);
+    }
+    r
+}
+
+/// Writes one file from `data`: the upload lands only if every chunk arrived.
+async fn put<S>(ctx: &Ctx, path: &str, data: S) -> Result<serde_json::Value, Response>
+where
+    S: Stream<Item = Result<Bytes, String>> + Send + 'static,
+{
+    let first = pb::WriteFileRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        path: user_path(path),
+        user: ctx.user.clone(),
+        make_parents: true,
+        ..Default::default()
+    };
+    let id = ctx.id.clone();
+    let chunks = rechunk(data);
+    let msgs = futures::stream::once(async move { Upload::Message(first) })
+        .chain(chunks.map(move |c| match c {
+            Ok(data) => Upload::Message(pb::WriteFileRequest { sandbox_id: id.clone(), data, ..Default::default() }),
+            Err(e) => Upload::Abort(e),
+        }))
+        .chain(futures::stream::once({
+            let id = ctx.id.clone();
+            async move { Upload::Message(pb::WriteFileRequest { sandbox_id: id, finish: true, ..Default::default() }) }
+        }));
+    if let Err(e) = ctx.client.write_file(msgs).await {
+        return Err(fail(ctx, path, &e).await);
+    }
+    // The answer names the absolute path: a relative one is resolved by asking.
+    let abs = if path.starts_with('/') {
+        path.to_string()
+    } else {
+        match stat_of(ctx, path).await {
+            Ok(i) => i.path,
+            Err(e) => return Err(fail(ctx, path, &e).await),
+        }
+    };
+    let name = abs.rsplit('/').next().unwrap_or_default().to_string();
+    Ok(json!({"path": abs, "name": name, "type": "file"}))
+}
+
+/// Chunks of at most [`CHUNK`] bytes (gRPC messages stay small whatever the client sends).
+fn rechunk<S>(data: S) -> impl Stream<Item = Result<Vec<u8>, String>> + Send + 'static
+where
+    S: Stream<Item = Result<Bytes, String>> + Send + 'static,
+{
+    data.flat_map(|c| {
+        let parts: Vec<Result<Vec<u8>, String>> = match c {
+            Ok(b) => b.chunks(CHUNK).map(|p| Ok(p.to_vec())).collect(),
+            Err(e) => vec![Err(e)],
+        };
+        futures::stream::iter(parts)
+    })
+}
+
+async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response {
+    let ctype = header(req.headers(), "content-type").unwrap_or_default().to_string();
+    let gzip = header(req.headers(), "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
+    let mut written = Vec::new();
+    if ctype.starts_with("multipart/form-data") {
+        let boundary = match multer::parse_boundary(&ctype) {
+            Ok(b) => b,
+            Err(e) => return rest(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
+        };
+        let body = req.into_body().into_data_stream();
+        let mut mp = multer::Multipart::new(body, boundary);
+        let mut seen = std::collections::HashSet::new();
+        loop {
+            let field = match mp.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return rest(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
+            };
+            if field.name() != Some("file") {
+                continue;
+            }
+            // The raw filename is the path (no basename taken); a `path` parameter wins.
+            let target = match (&path, field.file_name()) {
+                (Some(p), _) => p.clone(),
+                (None, Some(f)) if !f.is_empty() => f.to_string(),
+                _ => return rest(StatusCode::BAD_REQUEST, "a file part without a filename and no path parameter"),
+            };
+            if !seen.insert(target.clone()) {
+                return rest(StatusCode::BAD_REQUEST, format!("path '{target}' is uploaded twice"));
+            }
+            let data = field.map(|c| c.map_err(|e| e.to_string()));
+            // Each part is written before the next is read (the parts are one stream).
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(4);
+            let pump = async move {
+                futures::pin_mut!(data);
+                while let Some(c) = data.next().await {
+                    if tx.send(c).await.is_err() {
+                        break;
+                    }
+                }
+            };
+            let (_, r) = tokio::join!(pump, put(ctx, &target, tokio_stream::wrappers::ReceiverStream::new(rx)));
+            match r {
+                Ok(v) => written.push(v),
+                Err(resp) => return resp,
+            }
+        }
+        if written.is_empty() {
+            return rest(StatusCode::BAD_REQUEST, "no file part in the upload");
+        }
+    } else {
+        let Some(p) = path else { return rest(StatusCode::BAD_REQUEST, "path is required") };
+        let r = if gzip {
+            let compressed = match http_body_util::Limited::new(req.into_body(), MAX_GZIP_BODY).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => return rest(StatusCode::PAYLOAD_TOO_LARGE, format!("gzip body: {e}")),
+            };
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(4);
+            tokio::task::spawn_blocking(move || inflate(&compressed, &tx));
+            put(ctx, &p, tokio_stream::wrappers::ReceiverStream::new(rx)).await
+        } else {
+            let data = req.into_body().into_data_stream().map(|c| c.map_err(|e| e.to_string()));
+            put(ctx, &p, data).await
+        };
+        match r {
+            Ok(v) => written.push(v),
+            Err(resp) => return resp,
+        }
+    }
+    crate::connect::json_response(StatusCode::OK, &written)
+}
+
+/// Inflates a gzip body into `tx` (an error ends the stream with it: nothing is written).
+fn inflate(compressed: &[u8], tx: &tokio::sync::mpsc::Sender<Result<Bytes, String>>) {
+    use std::io::Read;
+    let mut d = flate2::read::MultiGzDecoder::new(compressed);
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        match d.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if tx.blocking_send(Ok(Bytes::copy_from_slice(&buf[..n]))).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                let _ = tx.blocking_send(Err(format!("gzip body: {e}")));
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+"""A real local cluster (``opendsecctl cluster up``, container sandboxes) with its E2B gateway,
+for E2B's own SDKs installed unmodified from PyPI (``make e2b-test``).
+
+The E2B templates' images are built by ``scripts/e2b-images.sh`` (``make e2b-images``) and
+imported into the cluster's root project, the admin token's: ``e2b-base:latest`` (template
+``base``). The SDK finds the gateway through ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (both the
+gateway) and authenticates with ``E2B_API_KEY`` (the admin token), set here for every test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "sdk" / "python" / "tools"))
+from localcluster import LocalCluster  # noqa: E402
+
+SCRIPT = REPO / "scripts" / "e2b-images.sh"
+
+
+def _ctl() -> Path:
+    env = os.environ.get("OPENDSECCTL")
+    if env:
+        return Path(env)
+    for profile in ("debug", "release"):
+        p = REPO / "target" / profile / "opendsecctl"
+        if p.exists():
+            return p
+    return REPO / "target" / "debug" / "opendsecctl"
+
+
+def rootfs(which: str) -> Path:
+    out = subprocess.run([str(SCRIPT), which, "--path"], capture_output=True, text=True, check=True).stdout
+    return Path(out.strip())
+
+
+@dataclass
+class Gateway:
+    local: LocalCluster
+    url: str
+
+    @property
+    def key(self) -> str:
+        return self.local.token
+
+    def ctl(self, *args: str) -> dict:
+        return self.local.ctl_json(*args)
+
+
+def _gateway_url(local: LocalCluster, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in local.log().splitlines():
+            if line.startswith("  e2b gateway:"):
+                return line.split(":", 1)[1].strip()
+        time.sleep(0.1)
+    raise RuntimeError("cluster up printed no e2b gateway:\n" + local.log())
+
+
+@pytest.fixture(scope="session")
+def gateway() -> Iterator[Gateway]:
+    ctl = _ctl()
+    if not ctl.exists():
+        pytest.fail(f"{ctl} is not built: run `cargo build -p opendsec-cli` (make e2b-test does)")
+    if os.geteuid() != 0:
+        pytest.fail("container sandboxes need root (CI runs as root)")
+    base = rootfs("base")
+    if not (base / "home" / "user").is_dir():
+        pytest.fail(f"the e2b-base image is missing ({base}): run `make e2b-images` first")
+    local = LocalCluster(ctl, ("container",), prefix="opendsec-e2b-test.")
+    try:
+        url = _gateway_url(local)
+        local.import_rootfs(base, "e2b-base:latest")
+        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=local.token)
+        os.environ.pop("E2B_DEBUG", None)
+        os.environ.pop("E2B_DOMAIN", None)
+        yield Gateway(local, url)
+    finally:
+        local.close()

@@ -1,0 +1,227 @@
+"""E2B's Python SDK (``e2b``, pinned in the Makefile), unmodified, against the gateway: every
+call of reference/e2b-protocol.md section 6.1 and the behaviours a user relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from e2b import (
+    AsyncSandbox,
+    CommandExitException,
+    FileNotFoundException,
+    Sandbox,
+    SandboxQuery,
+    SandboxState,
+    TimeoutException,
+)
+from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
+
+
+def test_lifecycle_and_io(gateway):
+    sbx = Sandbox.create(template="base", timeout=120, metadata={"suite": "gw"}, envs={"FOO": "bar"})
+    try:
+        r = sbx.commands.run("echo hi")
+        assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "", 0)
+        assert sbx.commands.run("echo $FOO").stdout == "bar\n"  # the sandbox's envVars
+        assert sbx.commands.run("pwd").stdout == "/home/user\n"  # default cwd: the home
+        assert sbx.commands.run("whoami").stdout == "user\n"  # default user
+        assert sbx.commands.run("whoami", user="root").stdout == "root\n"
+        assert sbx.commands.run("echo $X; pwd", envs={"X": "1"}, cwd="/tmp").stdout == "1\n/tmp\n"
+        with pytest.raises(CommandExitException) as e:
+            sbx.commands.run("echo oops >&2; exit 3")
+        assert e.value.exit_code == 3 and e.value.stderr == "oops\n"
+        h = sbx.commands.run("sleep 1; echo done", background=True)
+        assert h.pid > 0 and h.wait().stdout == "done\n"
+        h = sbx.commands.run("cat", background=True, stdin=True, timeout=0)
+        sbx.commands.send_stdin(h.pid, "abc")
+        sbx.commands.close_stdin(h.pid)
+        assert h.wait().stdout == "abc"
+        # Without stdin, a reader sees end of file at once.
+        assert sbx.commands.run("cat; echo eof").stdout == "eof\n"
+
+        w = sbx.files.write("/home/user/hello.txt", "hello")
+        assert (w.path, w.name) == ("/home/user/hello.txt", "hello.txt")
+        assert sbx.files.read("/home/user/hello.txt") == "hello"
+        assert sbx.files.read("hello.txt") == "hello"  # relative to the home
+        assert sbx.commands.run("stat -c %U /home/user/hello.txt").stdout == "user\n"
+        sbx.files.write("/tmp/bin.dat", b"\x00\x01", use_octet_stream=True)
+        assert sbx.files.read("/tmp/bin.dat", format="bytes") == bytearray(b"\x00\x01")
+        with pytest.raises(FileNotFoundException):
+            sbx.files.read("/nope")
+        assert "hello.txt" in [e.name for e in sbx.files.list("/home/user")]
+        assert sbx.files.exists("/home/user/hello.txt") and not sbx.files.exists("/nope")
+        assert sbx.files.make_dir("/tmp/d") is True and sbx.files.make_dir("/tmp/d") is False
+        sbx.files.rename("/tmp/d", "/tmp/e")
+        assert sbx.files.exists("/tmp/e") and not sbx.files.exists("/tmp/d")
+        sbx.files.remove("/tmp/e")
+        assert not sbx.files.exists("/tmp/e")
+        assert sbx.commands.kill(999999) is False
+
+        ids = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"suite": "gw"})).next_items()]
+        assert sbx.sandbox_id in ids
+        assert sbx.is_running() and sbx.get_info().state == SandboxState.RUNNING
+        sbx.set_timeout(300)
+
+        assert sbx.pause() is True and sbx.pause() is False
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+        assert sbx.is_running() is False  # envd's route answers 502
+        sbx2 = Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert sbx2.sandbox_id == sbx.sandbox_id and sbx2.files.read("/home/user/hello.txt") == "hello"
+        assert sbx2.is_running()
+    finally:
+        assert Sandbox.kill(sbx.sandbox_id) is True
+    assert Sandbox.kill(sbx.sandbox_id) is False  # 404 -> False
+
+
+def test_a_background_command_outlives_its_client_and_connect_reattaches(gateway):
+    with Sandbox.create() as sbx:
+        h = sbx.commands.run("for i in 1 2 3; do echo tick $i; sleep 1; done; echo finished", background=True, timeout=0)
+        pid = h.pid
+        h.disconnect()
+        assert pid in [p.pid for p in sbx.commands.list()]
+        again = sbx.commands.connect(pid)
+        r = again.wait()
+        assert r.stdout.endswith("finished\n") and r.exit_code == 0
+        assert pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_kill_and_timeouts(gateway):
+    with Sandbox.create() as sbx:
+        h = sbx.commands.run("sleep 60", background=True)
+        assert sbx.commands.kill(h.pid) is True
+        with pytest.raises(CommandExitException) as e:
+            h.wait()
+        assert e.value.exit_code == -1
+        with pytest.raises(TimeoutException):
+            sbx.commands.run("sleep 30", timeout=2)
+        # The timeout killed the process, connected or not.
+        time.sleep(0.5)
+        assert not any("sleep 30" in " ".join(p.args) for p in sbx.commands.list())
+
+
+def test_binary_files_round_trip_in_both_upload_forms(gateway):
+    data = bytes(range(256)) * 4096  # 1 MiB of every byte value
+    with Sandbox.create() as sbx:
+        sbx.files.write("/tmp/a.bin", data)
+        sbx.files.write("/tmp/b.bin", data, use_octet_stream=True)
+        for p in ("/tmp/a.bin", "/tmp/b.bin"):
+            assert bytes(sbx.files.read(p, format="bytes")) == data
+        infos = sbx.files.write_files([{"path": "/tmp/m/one.txt", "data": "1"}, {"path": "/tmp/m/two.txt", "data": b"2"}])
+        assert [i.path for i in infos] == ["/tmp/m/one.txt", "/tmp/m/two.txt"]
+        assert sbx.commands.run("cat /tmp/m/one.txt /tmp/m/two.txt").stdout == "12"
+        info = sbx.files.get_info("/tmp/a.bin")
+        assert info.size == len(data) and info.name == "a.bin"
+        deep = sbx.files.list("/tmp", depth=2)
+        assert "/tmp/m/one.txt" in [e.path for e in deep]
+
+
+def test_pty(gateway):
+    from e2b import PtySize
+
+    with Sandbox.create() as sbx:
+        t = sbx.pty.create(PtySize(rows=24, cols=80), timeout=30)
+        sbx.pty.resize(t.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(t.pid, b"stty size; tty; exit 7\n")
+        out = []
+        with pytest.raises(CommandExitException) as e:
+            t.wait(on_pty=out.append)
+        assert e.value.exit_code == 7
+        text = b"".join(out).decode(errors="replace")
+        assert "30 100" in text and "/dev/pts/" in text
+
+
+def test_a_bad_key_is_unauthenticated_and_another_projects_sandbox_is_not_found(gateway):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="dsk.nosuch.notarealsecret0000")
+    with Sandbox.create() as sbx:
+        tok = _other_project_token(gateway)
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(sbx.sandbox_id, api_key=tok)
+        assert Sandbox.kill(sbx.sandbox_id, api_key=tok) is False
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(sbx.sandbox_id, api_key=tok)
+        # Its envd, addressed with the other tenant's token, is a sandbox that is not there.
+        r = httpx.post(
+            f"{gateway.url}/process.Process/List",
+            headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "49983", "x-access-token": tok,
+                     "content-type": "application/json"},
+            content=b"{}",
+        )
+        assert r.status_code == 502 and r.json()["message"] == "The sandbox was not found"
+        # Without a token: unauthenticated, nothing reached.
+        r = httpx.post(
+            f"{gateway.url}/process.Process/List",
+            headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "49983", "content-type": "application/json"},
+            content=b"{}",
+        )
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+        assert sbx.commands.run("echo still mine").stdout == "still mine\n"
+
+
+def _other_project_token(gateway) -> str:
+    import opendsec
+
+    async def make() -> str:
+        async with opendsec.AsyncClient(gateway.local.addr, token=gateway.key, ca=gateway.local.ca) as admin:
+            await admin.create_project("root/e2b-other")
+            await admin.create_principal("e2b-other", "root/e2b-other")
+            await admin.grant("e2b-other", "root/e2b-other", "sandbox.create")
+            await admin.grant("e2b-other", "root/e2b-other", "sandbox.operate")
+            return (await admin.create_token("e2b-other", ttl_s=3600)).token
+
+    return asyncio.run(make())
+
+
+def test_a_killed_sandbox_answers_502_as_the_sdk_expects(gateway):
+    sbx = Sandbox.create()
+    Sandbox.kill(sbx.sandbox_id)
+    assert sbx.is_running() is False
+    with pytest.raises(SandboxException) as e:
+        sbx.commands.run("true")
+    assert "not running" in str(e.value).lower() or "not found" in str(e.value).lower()
+
+
+def test_set_timeout_ends_the_sandbox_when_it_runs_out(gateway):
+    sbx = Sandbox.create(timeout=120)
+    sbx.set_timeout(3)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sbx.is_running():
+        time.sleep(0.5)
+    assert not sbx.is_running()
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sbx.sandbox_id)
+
+
+def test_list_filters_by_metadata_and_state_across_pages(gateway):
+    made = [Sandbox.create(metadata={"batch": "list-test", "i": str(i)}) for i in range(5)]
+    try:
+        made[0].pause()
+        seen = []
+        pages = Sandbox.list(query=SandboxQuery(metadata={"batch": "list-test"}), limit=2)
+        while pages.has_next:
+            seen.extend(s.sandbox_id for s in pages.next_items())
+        assert sorted(seen) == sorted(s.sandbox_id for s in made)
+        paused = Sandbox.list(query=SandboxQuery(metadata={"batch": "list-test"}, state=[SandboxState.PAUSED]))
+        assert [s.sandbox_id for s in paused.next_items()] == [made[0].sandbox_id]
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_async_api_and_fifty_sandboxes_at_once(gateway):
+    async def one(i: int) -> str:
+        s = await AsyncSandbox.create(metadata={"async": "50"})
+        try:
+            r = await s.commands.run(f"echo {i}")
+            await s.files.write(f"/tmp/{i}.txt", str(i))
+            return r.stdout.strip() + (await s.files.read(f"/tmp/{i}.txt"))
+        finally:
+            await s.kill()
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(50)))
+
+    assert asyncio.run(main()) == [f"{i}{i}" for i in range(50)]
