@@ -225,3 +225,44 @@ def test_async_api_and_fifty_sandboxes_at_once(gateway):
         return await asyncio.gather(*(one(i) for i in range(50)))
 
     assert asyncio.run(main()) == [f"{i}{i}" for i in range(50)]
+
+
+def test_watch_dir_sees_files_made_by_commands(gateway):
+    from e2b import FilesystemEventType
+
+    with Sandbox.create() as sbx:
+        sbx.files.make_dir("/home/user/w")
+        h = sbx.files.watch_dir("/home/user/w", recursive=True)
+        sbx.commands.run("mkdir -p /home/user/w/sub && echo x > /home/user/w/sub/made.txt && echo y > /home/user/w/top.txt")
+        seen = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not {"sub/made.txt", "top.txt"} <= {e.name for e in seen}:
+            seen.extend(h.get_new_events())
+            time.sleep(0.2)
+        h.stop()
+        names = {e.name for e in seen}
+        assert {"sub", "sub/made.txt", "top.txt"} <= names
+        assert any(e.name == "top.txt" and e.type == FilesystemEventType.CREATE for e in seen)
+        # Not recursive: below the top level nothing is seen.
+        flat = sbx.files.watch_dir("/home/user/w", recursive=False)
+        sbx.commands.run("echo z > /home/user/w/sub/deeper.txt; echo z > /home/user/w/flat.txt")
+        time.sleep(1)
+        got = {e.name for e in flat.get_new_events()}
+        assert "flat.txt" in got and "sub/deeper.txt" not in got
+        flat.stop()
+
+
+def test_async_watch_streams_events(gateway):
+    async def main():
+        s = await AsyncSandbox.create()
+        try:
+            evs = []
+            h = await s.files.watch_dir("/home/user", on_event=evs.append)
+            await s.files.write("/home/user/w.txt", "x")
+            await asyncio.sleep(1)
+            await h.stop()
+            assert any(e.name == "w.txt" for e in evs)
+        finally:
+            await s.kill()
+
+    asyncio.run(main())

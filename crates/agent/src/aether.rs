@@ -254,6 +254,38 @@ impl Runtime for AetherService {
         c.stat(req).await
     }
 
+    type WatchDirStream = BoxStream<WatchDirEvent>;
+    async fn watch_dir(&self, r: Request<WatchDirRequest>) -> Result<Response<Self::WatchDirStream>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        let s = c.watch_dir(req).await?.into_inner();
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn create_watcher(&self, r: Request<WatchDirRequest>) -> Result<Response<CreateWatcherResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.create_watcher(req).await
+    }
+
+    async fn get_watcher_events(
+        &self,
+        r: Request<GetWatcherEventsRequest>,
+    ) -> Result<Response<GetWatcherEventsResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.get_watcher_events(req).await
+    }
+
+    async fn remove_watcher(
+        &self,
+        r: Request<RemoveWatcherRequest>,
+    ) -> Result<Response<RemoveWatcherResponse>, Status> {
+        let req = r.into_inner();
+        let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;
+        c.remove_watcher(req).await
+    }
+
     async fn make_dir(&self, r: Request<MakeDirRequest>) -> Result<Response<MakeDirResponse>, Status> {
         let req = r.into_inner();
         let mut c = self.0.session(&req.session_id, &req.user).await.map_err(fwd)?;

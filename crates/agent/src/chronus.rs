@@ -93,6 +93,7 @@ pub struct Chronus {
     shell: tokio::sync::Mutex<Option<Shell>>,
     records: Mutex<Records>,
     cwd: Mutex<PathBuf>,
+    watchers: crate::watch::Watchers,
 }
 impl std::fmt::Debug for Chronus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -122,6 +123,7 @@ impl Chronus {
             shell: tokio::sync::Mutex::new(None),
             records: Mutex::new(Records::default()),
             cwd: Mutex::new(cwd),
+            watchers: crate::watch::Watchers::default(),
         })
     }
 
@@ -602,6 +604,57 @@ impl Runtime for ChronusService {
         let r = r.into_inner();
         files::rename(&self.0.cwd(), &r.from, &r.to).await?;
         Ok(Response::new(MoveResponse {}))
+    }
+
+    type WatchDirStream = BoxStream<WatchDirEvent>;
+    async fn watch_dir(&self, r: Request<WatchDirRequest>) -> Result<Response<Self::WatchDirStream>, Status> {
+        let r = r.into_inner();
+        let root = files::resolve(&self.0.cwd(), &r.path)?;
+        let mut w = crate::watch::Watch::new(&root, r.recursive)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            if tx.send(Ok(WatchDirEvent { started: true, ..Default::default() })).await.is_err() {
+                return;
+            }
+            loop {
+                let b = tokio::select! {
+                    b = w.next() => b,
+                    () = tx.closed() => return,
+                };
+                let msg = match b {
+                    Ok(b) => Ok(WatchDirEvent { started: false, events: b.events, overflowed: b.overflowed }),
+                    Err(e) => Err(AgentError::fs("watch", &root, e).into()),
+                };
+                let end = msg.is_err();
+                if tx.send(msg).await.is_err() || end {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn create_watcher(&self, r: Request<WatchDirRequest>) -> Result<Response<CreateWatcherResponse>, Status> {
+        let r = r.into_inner();
+        let root = files::resolve(&self.0.cwd(), &r.path)?;
+        let watcher_id = self.0.watchers.create(crate::watch::Watch::new(&root, r.recursive)?)?;
+        Ok(Response::new(CreateWatcherResponse { watcher_id }))
+    }
+
+    async fn get_watcher_events(
+        &self,
+        r: Request<GetWatcherEventsRequest>,
+    ) -> Result<Response<GetWatcherEventsResponse>, Status> {
+        let (events, dropped) = self.0.watchers.poll(&r.into_inner().watcher_id)?;
+        Ok(Response::new(GetWatcherEventsResponse { events, dropped }))
+    }
+
+    async fn remove_watcher(
+        &self,
+        r: Request<RemoveWatcherRequest>,
+    ) -> Result<Response<RemoveWatcherResponse>, Status> {
+        self.0.watchers.remove(&r.into_inner().watcher_id);
+        Ok(Response::new(RemoveWatcherResponse {}))
     }
 
     async fn http_request(&self, r: Request<HttpRequestRequest>) -> Result<Response<HttpRequestResponse>, Status> {

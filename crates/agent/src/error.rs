@@ -14,6 +14,8 @@ pub enum AgentError {
     Evicted(String),
     #[error("no such process {0}")]
     UnknownProcess(String),
+    #[error("no such watcher {0:?} in this session")]
+    UnknownWatcher(String),
     #[error("tag {0:?} is in use by a running process")]
     TagInUse(String),
     #[error("{op} {path}: {source}")]
@@ -42,7 +44,9 @@ impl From<AgentError> for tonic::Status {
         match &e {
             AgentError::Invalid(_) => tonic::Status::invalid_argument(msg),
             AgentError::UnknownUser(_) => tonic::Status::invalid_argument(msg),
-            AgentError::UnknownRequest(_) | AgentError::UnknownProcess(_) => tonic::Status::not_found(msg),
+            AgentError::UnknownRequest(_) | AgentError::UnknownProcess(_) | AgentError::UnknownWatcher(_) => {
+                tonic::Status::not_found(msg)
+            }
             AgentError::Evicted(_) => tonic::Status::out_of_range(msg),
             AgentError::TagInUse(_) => tonic::Status::already_exists(msg),
             AgentError::Fs { source, .. } => match source.kind() {

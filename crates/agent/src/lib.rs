@@ -12,6 +12,7 @@ pub mod http;
 pub mod passwd;
 pub mod procs;
 pub mod reaper;
+pub mod watch;
 
 use std::path::PathBuf;
 use std::pin::Pin;

@@ -137,6 +137,9 @@ routed!(
     pb::SignalProcessRequest,
     pb::ListProcessesRequest,
     pb::ResizeProcessRequest,
+    pb::WatchDirRequest,
+    pb::GetWatcherEventsRequest,
+    pb::RemoveWatcherRequest,
     pb::WatchRequest,
 );
 
@@ -461,6 +464,32 @@ impl Runtime for RuntimeService {
         r: Request<pb::ListProcessesRequest>,
     ) -> Result<Response<pb::ListProcessesResponse>, Status> {
         self.unary("ListProcesses", r, |mut c, q| async move { c.list_processes(q).await }).await
+    }
+
+    type WatchDirStream = Relay<pb::WatchDirEvent>;
+    async fn watch_dir(&self, r: Request<pb::WatchDirRequest>) -> Result<Response<Self::WatchDirStream>, Status> {
+        self.stream("WatchDir", r, |mut c, q| async move { c.watch_dir(q).await }).await
+    }
+
+    async fn create_watcher(
+        &self,
+        r: Request<pb::WatchDirRequest>,
+    ) -> Result<Response<pb::CreateWatcherResponse>, Status> {
+        self.unary("CreateWatcher", r, |mut c, q| async move { c.create_watcher(q).await }).await
+    }
+
+    async fn get_watcher_events(
+        &self,
+        r: Request<pb::GetWatcherEventsRequest>,
+    ) -> Result<Response<pb::GetWatcherEventsResponse>, Status> {
+        self.unary("GetWatcherEvents", r, |mut c, q| async move { c.get_watcher_events(q).await }).await
+    }
+
+    async fn remove_watcher(
+        &self,
+        r: Request<pb::RemoveWatcherRequest>,
+    ) -> Result<Response<pb::RemoveWatcherResponse>, Status> {
+        self.unary("RemoveWatcher", r, |mut c, q| async move { c.remove_watcher(q).await }).await
     }
 
     async fn resize_process(

@@ -517,6 +517,14 @@ impl Client {
         .await
     }
 
+    pub async fn watch_dir(&self, req: pb::WatchDirRequest) -> Result<tonic::Streaming<pb::WatchDirEvent>, ApiError> {
+        self.call(const { retry::class("Runtime/WatchDir") }, |ch| {
+            let req = req.clone();
+            async move { stub_r(ch).watch_dir(req).await }
+        })
+        .await
+    }
+
     pub async fn watch(&self, req: pb::WatchRequest) -> Result<tonic::Streaming<pb::Heartbeat>, ApiError> {
         self.call(const { retry::class("Runtime/Watch") }, |ch| {
             let req = req.clone();
@@ -533,6 +541,7 @@ unary_calls! {"Runtime" stub_r:
     list_dir(pb::ListDirRequest) -> pb::ListDirResponse = "ListDir";
     stat(pb::StatRequest) -> pb::FileInfo = "Stat";
     list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse = "ListProcesses";
+    remove_watcher(pb::RemoveWatcherRequest) -> pb::RemoveWatcherResponse = "RemoveWatcher";
     resize_process(pb::ResizeProcessRequest) -> pb::ResizeProcessResponse = "ResizeProcess";
 }
 
@@ -543,6 +552,8 @@ unary_calls! {"Runtime" stub_r:
     start_process(pb::StartProcessRequest) -> pb::StartProcessResponse = "StartProcess";
     send_input(pb::SendInputRequest) -> pb::SendInputResponse = "SendInput";
     signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse = "SignalProcess";
+    create_watcher(pb::WatchDirRequest) -> pb::CreateWatcherResponse = "CreateWatcher";
+    get_watcher_events(pb::GetWatcherEventsRequest) -> pb::GetWatcherEventsResponse = "GetWatcherEvents";
 }
 
 #[cfg(test)]

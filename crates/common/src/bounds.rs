@@ -91,6 +91,8 @@ small_answers!(
     pb::SendInputRequest,
     pb::SignalProcessRequest,
     pb::ResizeProcessRequest,
+    pb::WatchDirRequest,
+    pb::RemoveWatcherRequest,
     pb::WatchRequest,
 );
 
@@ -108,7 +110,7 @@ macro_rules! list_answers {
     };
 }
 
-list_answers!(pb::ListDirRequest, pb::ListProcessesRequest);
+list_answers!(pb::ListDirRequest, pb::ListProcessesRequest, pb::GetWatcherEventsRequest);
 
 /// In-flight counts per key (principal, sandbox), each capped.
 #[derive(Debug)]

@@ -120,12 +120,10 @@ async fn rpc(ctx: &Ctx, path: &str, req: Request<Body>) -> Response {
         "filesystem.Filesystem/MakeDir" => make_dir(ctx, &msg).await,
         "filesystem.Filesystem/Move" => move_entry(ctx, &msg).await,
         "filesystem.Filesystem/Remove" => remove(ctx, &msg).await,
-        "filesystem.Filesystem/WatchDir"
-        | "filesystem.Filesystem/CreateWatcher"
-        | "filesystem.Filesystem/GetWatcherEvents"
-        | "filesystem.Filesystem/RemoveWatcher" => {
-            Err(Failure::Connect(ConnectError::new(Code::Unimplemented, format!("{method} is not supported yet"))))
-        }
+        "filesystem.Filesystem/WatchDir" => watch_dir(ctx, &msg, opts).await,
+        "filesystem.Filesystem/CreateWatcher" => create_watcher(ctx, &msg).await,
+        "filesystem.Filesystem/GetWatcherEvents" => watcher_events(ctx, &msg).await,
+        "filesystem.Filesystem/RemoveWatcher" => remove_watcher(ctx, &msg).await,
         _ => return unknown(path),
     };
     match r {
@@ -553,6 +551,155 @@ async fn remove(ctx: &Ctx, msg: &[u8]) -> R {
         Err(e) if e.reason == Reason::NotFound && !ctx.gone().await => {}
         Err(e) => return Err(e.into()),
     }
+    Ok(connect::unary_ok(&json!({})))
+}
+
+// ---- watching
+
+fn event_name(t: i32) -> Option<&'static str> {
+    use pb::FileEventType as T;
+    Some(match T::try_from(t).ok()? {
+        T::Create => "EVENT_TYPE_CREATE",
+        T::Write => "EVENT_TYPE_WRITE",
+        T::Remove => "EVENT_TYPE_REMOVE",
+        T::Rename => "EVENT_TYPE_RENAME",
+        T::Chmod => "EVENT_TYPE_CHMOD",
+        T::Unspecified => return None,
+    })
+}
+
+/// An event as envd writes it; with `root`, the entry of what it names (when it still exists).
+async fn fs_event(ctx: &Ctx, e: &pb::FileEvent, root: Option<&str>) -> Option<serde_json::Value> {
+    let mut v = json!({"name": e.name, "type": event_name(e.r#type)?});
+    if let Some(root) = root
+        && let Ok(info) = stat_of(ctx, &format!("{}/{}", root.trim_end_matches('/'), e.name)).await
+    {
+        v["entry"] = serde_json::to_value(entry(ctx, &info).await).unwrap_or_default();
+    }
+    Some(v)
+}
+
+fn watch_request(ctx: &Ctx, m: &model::WatchRequest, path: String) -> pb::WatchDirRequest {
+    pb::WatchDirRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        path,
+        recursive: m.recursive,
+        user: ctx.user.clone(),
+    }
+}
+
+async fn watch_dir(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
+    let m: model::WatchRequest = connect::decode(msg)?;
+    // The absolute root (and a clear not_found before the stream starts).
+    let root = stat_of(ctx, &m.path).await?;
+    if root.r#type != pb::FileType::Dir as i32 {
+        return Err(ConnectError::invalid(format!("path '{}' is not a directory", root.path)).into());
+    }
+    let mut events = ctx.client.watch_dir(watch_request(ctx, &m, root.path.clone())).await?;
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let ctx = Ctx { gw: ctx.gw.clone(), client: ctx.client.clone(), id: ctx.id.clone(), user: ctx.user.clone() };
+    let include = m.include_entry.then_some(root.path);
+    tokio::spawn(async move {
+        let deadline = opts.timeout.map(|t| tokio::time::Instant::now() + t);
+        let expired = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expired);
+        loop {
+            let tick = tokio::time::sleep(opts.keepalive);
+            let frames: Vec<Bytes> = tokio::select! {
+                ev = events.next() => match ev {
+                    Some(Ok(b)) if b.started => vec![connect::message(&json!({"start": {}}))],
+                    Some(Ok(b)) => {
+                        let mut out = Vec::with_capacity(b.events.len());
+                        for e in &b.events {
+                            if let Some(v) = fs_event(&ctx, e, include.as_deref()).await {
+                                out.push(connect::message(&json!({"filesystem": v})));
+                            }
+                        }
+                        out
+                    }
+                    Some(Err(status)) => {
+                        let e = error::to_connect(&ApiError::from_status(&status));
+                        let _ = tx.send(connect::end_stream(Some(&e))).await;
+                        return;
+                    }
+                    None => {
+                        let _ = tx.send(connect::end_stream(None)).await;
+                        return;
+                    }
+                },
+                () = &mut expired => {
+                    let e = ConnectError::new(Code::DeadlineExceeded, "the watch reached its timeout");
+                    let _ = tx.send(connect::end_stream(Some(&e))).await;
+                    return;
+                }
+                () = tick => vec![connect::message(&json!({"keepalive": {}}))],
+                () = tx.closed() => return,
+            };
+            for f in frames {
+                if tx.send(f).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok(connect::stream_response(ReceiverStream::new(rx)))
+}
+
+/// A polled watcher's id names the directory too (`<agent id>:<root>`), so events can carry
+/// entries without the gateway keeping anything.
+async fn create_watcher(ctx: &Ctx, msg: &[u8]) -> R {
+    let m: model::WatchRequest = connect::decode(msg)?;
+    let root = stat_of(ctx, &m.path).await?;
+    if root.r#type != pb::FileType::Dir as i32 {
+        return Err(ConnectError::invalid(format!("path '{}' is not a directory", root.path)).into());
+    }
+    let id = ctx.client.create_watcher(watch_request(ctx, &m, root.path.clone())).await?.watcher_id;
+    let full = if m.include_entry { format!("{id}:{}", root.path) } else { id };
+    Ok(connect::unary_ok(&json!({"watcherId": full})))
+}
+
+fn split_watcher(id: &str) -> (&str, Option<&str>) {
+    match id.split_once(':') {
+        Some((w, root)) => (w, Some(root)),
+        None => (id, None),
+    }
+}
+
+async fn watcher_events(ctx: &Ctx, msg: &[u8]) -> R {
+    let m: model::WatcherRequest = connect::decode(msg)?;
+    let (id, root) = split_watcher(&m.watcher_id);
+    let req = pb::GetWatcherEventsRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        watcher_id: id.to_string(),
+        user: ctx.user.clone(),
+    };
+    let got = ctx.client.get_watcher_events(req).await?;
+    let mut events = Vec::with_capacity(got.events.len());
+    for e in &got.events {
+        if let Some(v) = fs_event(ctx, e, root).await {
+            events.push(v);
+        }
+    }
+    Ok(connect::unary_ok(&json!({"events": events})))
+}
+
+async fn remove_watcher(ctx: &Ctx, msg: &[u8]) -> R {
+    let m: model::WatcherRequest = connect::decode(msg)?;
+    let (id, _) = split_watcher(&m.watcher_id);
+    let req = pb::RemoveWatcherRequest {
+        sandbox_id: ctx.id.clone(),
+        session_id: ctx.session(),
+        watcher_id: id.to_string(),
+        user: ctx.user.clone(),
+    };
+    ctx.client.remove_watcher(req).await?;
     Ok(connect::unary_ok(&json!({})))
 }
 

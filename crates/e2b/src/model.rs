@@ -288,6 +288,24 @@ pub struct MoveRequest {
     pub destination: String,
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct WatchRequest {
+    pub path: String,
+    pub recursive: bool,
+    #[serde(alias = "include_entry")]
+    pub include_entry: bool,
+    #[serde(alias = "allow_network_mounts")]
+    pub allow_network_mounts: bool,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct WatcherRequest {
+    #[serde(alias = "watcher_id")]
+    pub watcher_id: String,
+}
+
 #[derive(Debug, Serialize, Clone)]
 #[serde(rename_all = "camelCase")]
 pub struct EntryInfo {

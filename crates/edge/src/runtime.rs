@@ -274,12 +274,16 @@ runtime_impl! {
         signal_process(SignalProcessRequest) -> SignalProcessResponse;
         list_processes(ListProcessesRequest) -> ListProcessesResponse;
         resize_process(ResizeProcessRequest) -> ResizeProcessResponse;
+        create_watcher(WatchDirRequest) -> CreateWatcherResponse;
+        get_watcher_events(GetWatcherEventsRequest) -> GetWatcherEventsResponse;
+        remove_watcher(RemoveWatcherRequest) -> RemoveWatcherResponse;
     }
 
     server_streaming {
         exec_stream(ExecRequest) -> ExecStreamStream<ExecChunk>;
         read_file(ReadFileRequest) -> ReadFileStream<FileChunk>;
         connect_process(ConnectProcessRequest) -> ConnectProcessStream<ProcessEvent>;
+        watch_dir(WatchDirRequest) -> WatchDirStream<WatchDirEvent>;
     }
 
     async fn write_file(&self, r: Request<Streaming<WriteFileRequest>>) -> Result<Response<WriteFileResponse>, Status> {
