@@ -85,7 +85,7 @@ impl Watch {
         if self.dirs.len() >= MAX_DIRS {
             return Ok(());
         }
-        let wd = inotify::add_watch(self.fd.get_ref(), &self.root.join(&rel), flags())?;
+        let wd = inotify::add_watch(self.fd.get_ref(), self.root.join(&rel), flags())?;
         self.dirs.insert(wd, rel);
         Ok(())
     }
