@@ -39,6 +39,7 @@ E2B_VENV ?= target/e2b-venv
 E2B_PY_SDKS = e2b==2.63.0 e2b-code-interpreter==2.11.5
 e2b-images:
 	./scripts/e2b-images.sh base >/dev/null
+	./scripts/e2b-images.sh code-interpreter >/dev/null
 
 e2b-test: agent e2b-images
 	$(CARGO) build -p opendsec-cli

@@ -3,7 +3,8 @@
 # installs the Debian packages needed (as root), builds the release binaries and the static
 # agent, builds the Debian image (bash, python3; debootstrap, cached), starts `opendsecctl
 # cluster up` in the background (IAM, watcher, apiserver, one edge offering `container` and
-# `sim`) with its state in ./opendsec-state, imports the image as `debian:bookworm`, installs
+# `sim`) and its E2B gateway with its state in ./opendsec-state, imports the image as
+# `debian:bookworm` and the E2B templates' images (scripts/e2b-images.sh), installs
 # the Python SDK into a venv there, writes opendsec-state/env (the variables to connect) and
 # runs examples/quickstart.py against the cluster. `make down` (scripts/down.sh) stops it.
 set -euo pipefail
@@ -29,6 +30,9 @@ Connect from a shell (addresses, token, opendsecctl and the SDK's Python on PATH
   opendsecctl exec <id> -- "python3 -c 'print(6*7)'"
   python3 examples/quickstart.py
 
+E2B's SDKs (pip install e2b e2b-code-interpreter) run against it unchanged: the env file
+sets E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (docs/e2b.md).
+
 Stop it with: make down
 MSG
 }
@@ -44,12 +48,14 @@ make setup
 echo "== build (release; a first build takes several minutes)"
 cargo build --release -p opendsec-cli
 make agent >/dev/null
-echo "== the Debian image (bash, python3)"
+echo "== the Debian image (bash, python3) and the E2B templates' images"
 ROOTFS=$(./scripts/debian-image.sh)
+E2B_BASE=$(./scripts/e2b-images.sh base)
+E2B_INTERP=$(./scripts/e2b-images.sh code-interpreter)
 
 echo "== cluster"
 cat >"$STATE/config.json" <<JSON
-{"sim_edges": 1, "edge": {"backends": ["container", "sim"]}}
+{"sim_edges": 1, "edge": {"backends": ["container", "sim"]}, "e2b": {"listen": "127.0.0.1:7080"}}
 JSON
 nohup target/release/opendsecctl cluster up --config "$STATE/config.json" --state-dir "$STATE" \
   >"$STATE/cluster.log" 2>&1 &
@@ -67,12 +73,15 @@ trap stop_unless_up EXIT
 for _ in $(seq 1 600); do grep -q 'export OPENDSEC_ADDR' "$STATE/cluster.log" && break; sleep 0.1; done
 grep -q 'export OPENDSEC_ADDR' "$STATE/cluster.log" || { cat "$STATE/cluster.log" >&2; exit 1; }
 ADDR=$(sed -n 's/^  apiserver: *//p' "$STATE/cluster.log")
+E2B_URL=$(sed -n 's/^  e2b gateway: *//p' "$STATE/cluster.log")
 {
   echo "# Written by make up: . this file to use the local cluster."
   printf 'export OPENDSEC_ADDR=%q\n' "$ADDR"
   printf 'export OPENDSEC_TOKEN="$(cat %q)"\n' "$STATE/admin.token"
   printf 'export OPENDSEC_CA=%q\n' "$STATE/pki/ca.pem"
   printf 'export OPENDSEC_IMAGE_STORE=%q\n' "$STATE/images"
+  printf 'export E2B_API_URL=%q E2B_SANDBOX_URL=%q\n' "$E2B_URL" "$E2B_URL"
+  printf 'export E2B_API_KEY="$(cat %q)"\n' "$STATE/admin.token"
   printf 'export PATH=%q:%q:"$PATH"\n' "$REPO/target/release" "$STATE/venv/bin"
 } >"$STATE/env"
 . "$STATE/env"
@@ -80,6 +89,11 @@ ADDR=$(sed -n 's/^  apiserver: *//p' "$STATE/cluster.log")
 target/release/opendsecctl image import --rootfs "$ROOTFS" --name debian:bookworm --replace \
   >/dev/null 2>"$STATE/import.log" || { cat "$STATE/import.log" >&2; exit 1; }
 echo "imported debian:bookworm"
+for pair in "e2b-base:latest=$E2B_BASE" "code-interpreter-v1:latest=$E2B_INTERP"; do
+  target/release/opendsecctl image import --rootfs "${pair#*=}" --name "${pair%%=*}" --replace \
+    >/dev/null 2>>"$STATE/import.log" || { cat "$STATE/import.log" >&2; exit 1; }
+  echo "imported ${pair%%=*} (E2B template)"
+done
 
 echo "== the Python SDK (venv in $STATE/venv)"
 "$PY" -m venv "$STATE/venv"

@@ -3,7 +3,7 @@ for E2B's own SDKs installed unmodified from PyPI (``make e2b-test``).
 
 The E2B templates' images are built by ``scripts/e2b-images.sh`` (``make e2b-images``) and
 imported into the cluster's root project, the admin token's: ``e2b-base:latest`` (template
-``base``). The SDK finds the gateway through ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (both the
+``base``) and ``code-interpreter-v1:latest`` (the code interpreter's). The SDK finds the gateway through ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (both the
 gateway) and authenticates with ``E2B_API_KEY`` (the admin token), set here for every test.
 """
 
@@ -72,13 +72,15 @@ def gateway() -> Iterator[Gateway]:
         pytest.fail(f"{ctl} is not built: run `cargo build -p opendsec-cli` (make e2b-test does)")
     if os.geteuid() != 0:
         pytest.fail("container sandboxes need root (CI runs as root)")
-    base = rootfs("base")
-    if not (base / "home" / "user").is_dir():
-        pytest.fail(f"the e2b-base image is missing ({base}): run `make e2b-images` first")
+    base, interp = rootfs("base"), rootfs("code-interpreter")
+    for r in (base, interp):
+        if not (r / "home" / "user").is_dir():
+            pytest.fail(f"an E2B template image is missing ({r}): run `make e2b-images` first")
     local = LocalCluster(ctl, ("container",), prefix="opendsec-e2b-test.")
     try:
         url = _gateway_url(local)
         local.import_rootfs(base, "e2b-base:latest")
+        local.import_rootfs(interp, "code-interpreter-v1:latest", timeout=600)
         os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=local.token)
         os.environ.pop("E2B_DEBUG", None)
         os.environ.pop("E2B_DOMAIN", None)

@@ -17,12 +17,15 @@ use opendsec_proto::v1::runtime_server::Runtime;
 use opendsec_proto::v1::*;
 use tokio::io::AsyncBufReadExt;
 use tokio::sync::{OnceCell, mpsc};
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::BoxStream;
+use crate::contexts::{Context, Contexts, Language};
 use crate::error::{AgentError, check_id};
+use crate::kernel::Kernel;
 use crate::passwd::{self, User};
 use crate::procs::Procs;
 use crate::reaper::{Reaper, kill_tree, wait_gone};
@@ -58,6 +61,7 @@ pub struct Aether {
     started: Instant,
     sessions: Mutex<HashMap<String, Slot>>,
     procs: Procs,
+    contexts: Contexts,
 }
 impl std::fmt::Debug for Aether {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -78,6 +82,7 @@ impl Aether {
             started: Instant::now(),
             sessions: Mutex::new(HashMap::new()),
             procs: Procs::default(),
+            contexts: Contexts::default(),
         }))
     }
 
@@ -92,6 +97,157 @@ impl Aether {
         let group = std::fs::read_to_string(self.cfg.passwd.with_file_name("group")).unwrap_or_default();
         u.groups = passwd::groups(&group, &u.name, u.gid);
         Ok(u)
+    }
+
+    /// The context a run names: by id, else the default one of its language (made now if
+    /// it is not there yet).
+    async fn context(self: &Arc<Self>, id: &str, language: &str, user: &str) -> Result<Arc<Context>, AgentError> {
+        if !id.is_empty() {
+            let c = self.contexts.get(id)?;
+            if !language.is_empty() && Language::parse(language)? != c.language {
+                return Err(AgentError::Invalid(format!("context {id} runs {}, not {language}", c.language.name())));
+            }
+            return Ok(c);
+        }
+        let lang = Language::parse(language)?;
+        match self.contexts.find(&lang.default_id()) {
+            Some(c) => Ok(c),
+            None => self.make_context(lang.default_id(), lang, "", user).await,
+        }
+    }
+
+    async fn make_context(
+        self: &Arc<Self>,
+        id: String,
+        language: Language,
+        cwd: &str,
+        user: &str,
+    ) -> Result<Arc<Context>, AgentError> {
+        let _one = self.contexts.create.lock().await;
+        if let Some(c) = self.contexts.find(&id) {
+            return Ok(c);
+        }
+        let u = self.user(user)?;
+        let cwd = if !cwd.is_empty() {
+            cwd.to_string()
+        } else if !self.cfg.workdir.is_empty() {
+            self.cfg.workdir.clone()
+        } else if std::path::Path::new(&u.home).is_dir() {
+            u.home.clone()
+        } else {
+            "/".to_string()
+        };
+        let kernel = match language {
+            Language::Python => Some(self.start_kernel(&id, &u, &cwd).await?),
+            Language::Bash => None,
+        };
+        let c = Arc::new(Context {
+            id,
+            language,
+            cwd,
+            user: u.name.clone(),
+            kernel: tokio::sync::Mutex::new(kernel),
+            runs: Default::default(),
+        });
+        if let Err(e) = self.contexts.insert(c.clone()) {
+            if let Some(k) = c.kernel.lock().await.take() {
+                k.shutdown().await;
+            }
+            return Err(e);
+        }
+        Ok(c)
+    }
+
+    async fn start_kernel(&self, id: &str, u: &User, cwd: &str) -> Result<Kernel, AgentError> {
+        let dir = crate::kernel::kernels_dir(&self.cfg.state_dir).join(id);
+        Kernel::start(&self.reaper, &dir, u, std::path::Path::new(cwd), &self.cfg.env).await
+    }
+
+    async fn run_python(
+        &self,
+        c: &Context,
+        req: &RunCodeRequest,
+        tx: &mpsc::Sender<Result<CodeEvent, Status>>,
+    ) -> Result<(), AgentError> {
+        let mut g = c.kernel.lock().await;
+        if g.is_none() {
+            let u = self.user(&c.user)?;
+            *g = Some(self.start_kernel(&c.id, &u, &c.cwd).await?);
+        }
+        let Some(k) = g.as_mut() else { return Err(AgentError::Kernel("no kernel".into())) };
+        let timeout = (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms));
+        let wrap = crate::kernel::env_wrappers(&req.env);
+        if let Some((set, _)) = &wrap {
+            k.execute(set, true, None, tx).await?;
+        }
+        if k.execute(&req.code, false, timeout, tx).await? {
+            if let Some((_, reset)) = &wrap {
+                k.execute(reset, true, None, tx).await?;
+            }
+            return Ok(());
+        }
+        // It did not stop when interrupted: a fresh kernel takes its place.
+        if let Some(old) = g.take() {
+            old.shutdown().await;
+        }
+        let u = self.user(&c.user)?;
+        *g = Some(self.start_kernel(&c.id, &u, &c.cwd).await?);
+        Ok(())
+    }
+
+    async fn run_bash(
+        self: &Arc<Self>,
+        c: &Context,
+        req: RunCodeRequest,
+        tx: &mpsc::Sender<Result<CodeEvent, Status>>,
+    ) -> Result<(), AgentError> {
+        let n = c.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let mut s = self.session(&c.session(), &c.user).await?;
+        // The context's directory on its first run; afterwards wherever its `cd`s left it.
+        let exec = ExecRequest {
+            session_id: c.session(),
+            command: req.code,
+            timeout_ms: req.timeout_ms,
+            env: req.env,
+            cwd: if n == 1 { c.cwd.clone() } else { String::new() },
+            ..Default::default()
+        };
+        let send = |kind| tx.send(Ok(CodeEvent { kind: Some(kind) }));
+        let _ = send(code_event::Kind::ExecutionCount(n)).await;
+        let mut out = s
+            .exec_stream(exec)
+            .await
+            .map_err(|e| AgentError::Session(c.session(), e.message().to_string()))?
+            .into_inner();
+        while let Some(chunk) = out.next().await {
+            let chunk = chunk.map_err(|e| AgentError::Session(c.session(), e.message().to_string()))?;
+            match chunk.kind {
+                Some(exec_chunk::Kind::Output(o)) => {
+                    let output = CodeOutput {
+                        stderr: o.stream == OutputStream::Stderr as i32,
+                        text: String::from_utf8_lossy(&o.data).into_owned(),
+                        at_ms: crate::now_ms(),
+                    };
+                    let _ = send(code_event::Kind::Output(output)).await;
+                }
+                Some(exec_chunk::Kind::Exit(x)) => {
+                    if x.timed_out {
+                        let _ = tx
+                            .send(Err(Status::deadline_exceeded("the code ran past its timeout and was stopped")))
+                            .await;
+                    } else if x.exit_code != 0 {
+                        let e = CodeError {
+                            name: "CommandExitError".into(),
+                            value: format!("exit status {}", x.exit_code),
+                            traceback: String::new(),
+                        };
+                        let _ = send(code_event::Kind::Error(e)).await;
+                    }
+                }
+                None => {}
+            }
+        }
+        Ok(())
     }
 
     /// A client of session `sid`'s chronus, started as `user` on first use.
@@ -363,6 +519,83 @@ impl Runtime for AetherService {
         let p = self.0.procs.find(req.process).map_err(fwd)?;
         p.resize(&req.size.unwrap_or_default()).map_err(fwd)?;
         Ok(Response::new(ResizeProcessResponse {}))
+    }
+
+    type RunCodeStream = BoxStream<CodeEvent>;
+    async fn run_code(&self, r: Request<RunCodeRequest>) -> Result<Response<Self::RunCodeStream>, Status> {
+        let req = r.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let me = self.0.clone();
+        // The stream starts at once: a first run may wait seconds for its kernel to start.
+        tokio::spawn(async move {
+            let r = match me.context(&req.context_id, &req.language, &req.user).await {
+                Err(e) => Err(e),
+                Ok(c) => match c.language {
+                    Language::Python => me.run_python(&c, &req, &tx).await,
+                    Language::Bash => me.run_bash(&c, req, &tx).await,
+                },
+            };
+            if let Err(e) = r {
+                let _ = tx.send(Err(e.into())).await;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn create_code_context(&self, r: Request<CreateCodeContextRequest>) -> Result<Response<CodeContext>, Status> {
+        let req = r.into_inner();
+        let lang = Language::parse(&req.language).map_err(fwd)?;
+        let c = self.0.make_context(Contexts::new_id(), lang, &req.cwd, &req.user).await.map_err(fwd)?;
+        Ok(Response::new(c.info()))
+    }
+
+    async fn list_code_contexts(
+        &self,
+        _r: Request<ListCodeContextsRequest>,
+    ) -> Result<Response<ListCodeContextsResponse>, Status> {
+        Ok(Response::new(ListCodeContextsResponse { contexts: self.0.contexts.list() }))
+    }
+
+    async fn restart_code_context(&self, r: Request<CodeContextRequest>) -> Result<Response<CodeContext>, Status> {
+        let c = self.0.contexts.get(&r.into_inner().context_id).map_err(fwd)?;
+        match c.language {
+            Language::Python => {
+                let mut g = c.kernel.lock().await;
+                if let Some(old) = g.take() {
+                    old.shutdown().await;
+                }
+                let u = self.0.user(&c.user).map_err(fwd)?;
+                *g = Some(self.0.start_kernel(&c.id, &u, &c.cwd).await.map_err(fwd)?);
+            }
+            Language::Bash => {
+                self.0.close(&c.session()).await;
+                c.runs.store(0, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        Ok(Response::new(c.info()))
+    }
+
+    async fn remove_code_context(
+        &self,
+        r: Request<CodeContextRequest>,
+    ) -> Result<Response<RemoveCodeContextResponse>, Status> {
+        let id = r.into_inner().context_id;
+        let c = self
+            .0
+            .contexts
+            .remove(&id)
+            .ok_or_else(|| fwd(AgentError::UnknownContext(id.chars().take(64).collect())))?;
+        match c.language {
+            Language::Python => {
+                if let Some(k) = c.kernel.lock().await.take() {
+                    k.shutdown().await;
+                }
+            }
+            Language::Bash => {
+                self.0.close(&c.session()).await;
+            }
+        }
+        Ok(Response::new(RemoveCodeContextResponse {}))
     }
 
     type WatchStream = BoxStream<Heartbeat>;

@@ -691,6 +691,36 @@ impl Runtime for ChronusService {
         Err(AgentError::Unsupported("process API in a session").into())
     }
 
+    type RunCodeStream = BoxStream<CodeEvent>;
+    async fn run_code(&self, _r: Request<RunCodeRequest>) -> Result<Response<Self::RunCodeStream>, Status> {
+        Err(AgentError::Unsupported("code contexts in a session").into())
+    }
+
+    async fn create_code_context(
+        &self,
+        _r: Request<CreateCodeContextRequest>,
+    ) -> Result<Response<CodeContext>, Status> {
+        Err(AgentError::Unsupported("code contexts in a session").into())
+    }
+
+    async fn list_code_contexts(
+        &self,
+        _r: Request<ListCodeContextsRequest>,
+    ) -> Result<Response<ListCodeContextsResponse>, Status> {
+        Err(AgentError::Unsupported("code contexts in a session").into())
+    }
+
+    async fn restart_code_context(&self, _r: Request<CodeContextRequest>) -> Result<Response<CodeContext>, Status> {
+        Err(AgentError::Unsupported("code contexts in a session").into())
+    }
+
+    async fn remove_code_context(
+        &self,
+        _r: Request<CodeContextRequest>,
+    ) -> Result<Response<RemoveCodeContextResponse>, Status> {
+        Err(AgentError::Unsupported("code contexts in a session").into())
+    }
+
     async fn resize_process(
         &self,
         _r: Request<ResizeProcessRequest>,

@@ -14,6 +14,10 @@ pub enum AgentError {
     Evicted(String),
     #[error("no such process {0}")]
     UnknownProcess(String),
+    #[error("code kernel: {0}")]
+    Kernel(String),
+    #[error("no such code context {0:?}")]
+    UnknownContext(String),
     #[error("no such watcher {0:?} in this session")]
     UnknownWatcher(String),
     #[error("tag {0:?} is in use by a running process")]
@@ -44,9 +48,10 @@ impl From<AgentError> for tonic::Status {
         match &e {
             AgentError::Invalid(_) => tonic::Status::invalid_argument(msg),
             AgentError::UnknownUser(_) => tonic::Status::invalid_argument(msg),
-            AgentError::UnknownRequest(_) | AgentError::UnknownProcess(_) | AgentError::UnknownWatcher(_) => {
-                tonic::Status::not_found(msg)
-            }
+            AgentError::UnknownRequest(_)
+            | AgentError::UnknownProcess(_)
+            | AgentError::UnknownWatcher(_)
+            | AgentError::UnknownContext(_) => tonic::Status::not_found(msg),
             AgentError::Evicted(_) => tonic::Status::out_of_range(msg),
             AgentError::TagInUse(_) => tonic::Status::already_exists(msg),
             AgentError::Fs { source, .. } => match source.kind() {
@@ -62,6 +67,7 @@ impl From<AgentError> for tonic::Status {
             AgentError::Spawn { .. } | AgentError::Shell(_) => tonic::Status::internal(msg),
             AgentError::Session(..) => tonic::Status::unavailable(msg),
             AgentError::Http(_) => tonic::Status::unavailable(msg),
+            AgentError::Kernel(_) => tonic::Status::failed_precondition(msg),
             AgentError::Unsupported(_) => tonic::Status::unimplemented(msg),
         }
     }

@@ -6,9 +6,11 @@
 
 pub mod aether;
 pub mod chronus;
+pub mod contexts;
 pub mod error;
 pub mod files;
 pub mod http;
+pub mod kernel;
 pub mod passwd;
 pub mod procs;
 pub mod reaper;
@@ -26,6 +28,40 @@ pub use opendsec_proto::upload::MAX_MESSAGE_BYTES;
 pub const CHUNK: usize = 64 << 10;
 
 pub type BoxStream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send>>;
+
+/// Unix milliseconds now.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// Now in RFC 3339 (UTC, microseconds), as Jupyter's message headers carry it.
+pub fn rfc3339_now() -> String {
+    let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_micros()
+    )
+}
+
+/// The last `n` bytes of `b` as text, for error messages.
+pub fn tail_text(b: &[u8], n: usize) -> String {
+    String::from_utf8_lossy(&b[b.len().saturating_sub(n)..]).trim().to_string()
+}
 
 /// A gRPC channel to a unix socket (aether's or a chronus's).
 pub async fn unix_channel(path: PathBuf) -> Result<Channel, tonic::transport::Error> {

@@ -119,6 +119,11 @@ const METHODS: &[&str] = &[
     "SignalProcess",
     "ListProcesses",
     "ResizeProcess",
+    "RunCode",
+    "CreateCodeContext",
+    "ListCodeContexts",
+    "RestartCodeContext",
+    "RemoveCodeContext",
     "Watch",
 ];
 

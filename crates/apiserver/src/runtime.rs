@@ -140,6 +140,10 @@ routed!(
     pb::WatchDirRequest,
     pb::GetWatcherEventsRequest,
     pb::RemoveWatcherRequest,
+    pb::CreateCodeContextRequest,
+    pb::ListCodeContextsRequest,
+    pb::CodeContextRequest,
+    pb::RunCodeRequest,
     pb::WatchRequest,
 );
 
@@ -490,6 +494,39 @@ impl Runtime for RuntimeService {
         r: Request<pb::RemoveWatcherRequest>,
     ) -> Result<Response<pb::RemoveWatcherResponse>, Status> {
         self.unary("RemoveWatcher", r, |mut c, q| async move { c.remove_watcher(q).await }).await
+    }
+
+    type RunCodeStream = Relay<pb::CodeEvent>;
+    async fn run_code(&self, r: Request<pb::RunCodeRequest>) -> Result<Response<Self::RunCodeStream>, Status> {
+        self.stream("RunCode", r, |mut c, q| async move { c.run_code(q).await }).await
+    }
+
+    async fn create_code_context(
+        &self,
+        r: Request<pb::CreateCodeContextRequest>,
+    ) -> Result<Response<pb::CodeContext>, Status> {
+        self.unary("CreateCodeContext", r, |mut c, q| async move { c.create_code_context(q).await }).await
+    }
+
+    async fn list_code_contexts(
+        &self,
+        r: Request<pb::ListCodeContextsRequest>,
+    ) -> Result<Response<pb::ListCodeContextsResponse>, Status> {
+        self.unary("ListCodeContexts", r, |mut c, q| async move { c.list_code_contexts(q).await }).await
+    }
+
+    async fn restart_code_context(
+        &self,
+        r: Request<pb::CodeContextRequest>,
+    ) -> Result<Response<pb::CodeContext>, Status> {
+        self.unary("RestartCodeContext", r, |mut c, q| async move { c.restart_code_context(q).await }).await
+    }
+
+    async fn remove_code_context(
+        &self,
+        r: Request<pb::CodeContextRequest>,
+    ) -> Result<Response<pb::RemoveCodeContextResponse>, Status> {
+        self.unary("RemoveCodeContext", r, |mut c, q| async move { c.remove_code_context(q).await }).await
     }
 
     async fn resize_process(

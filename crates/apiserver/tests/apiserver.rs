@@ -497,6 +497,18 @@ macro_rules! fake_runtime {
                 Err(Status::unimplemented("fake"))
             }
 
+            type WatchDirStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::WatchDirEvent, Status>>>;
+
+            async fn watch_dir(&self, _: Request<pb::WatchDirRequest>) -> Result<Response<Self::WatchDirStream>, Status> {
+                Err(Status::unimplemented("fake"))
+            }
+
+            type RunCodeStream = tokio_stream::Iter<std::vec::IntoIter<Result<pb::CodeEvent, Status>>>;
+
+            async fn run_code(&self, _: Request<pb::RunCodeRequest>) -> Result<Response<Self::RunCodeStream>, Status> {
+                Err(Status::unimplemented("fake"))
+            }
+
             $(
                 async fn $name(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
                     Err(Status::unimplemented("fake"))
@@ -519,6 +531,14 @@ fake_runtime! {
     send_input(pb::SendInputRequest) -> pb::SendInputResponse;
     signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse;
     list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse;
+    resize_process(pb::ResizeProcessRequest) -> pb::ResizeProcessResponse;
+    create_watcher(pb::WatchDirRequest) -> pb::CreateWatcherResponse;
+    get_watcher_events(pb::GetWatcherEventsRequest) -> pb::GetWatcherEventsResponse;
+    remove_watcher(pb::RemoveWatcherRequest) -> pb::RemoveWatcherResponse;
+    create_code_context(pb::CreateCodeContextRequest) -> pb::CodeContext;
+    list_code_contexts(pb::ListCodeContextsRequest) -> pb::ListCodeContextsResponse;
+    restart_code_context(pb::CodeContextRequest) -> pb::CodeContext;
+    remove_code_context(pb::CodeContextRequest) -> pb::RemoveCodeContextResponse;
 }
 
 impl FakeEdge {

@@ -517,6 +517,15 @@ impl Client {
         .await
     }
 
+    /// Code in a context; made once (a retry would run it twice).
+    pub async fn run_code(&self, req: pb::RunCodeRequest) -> Result<tonic::Streaming<pb::CodeEvent>, ApiError> {
+        self.call(const { retry::class("Runtime/RunCode") }, |ch| {
+            let req = req.clone();
+            async move { stub_r(ch).run_code(req).await }
+        })
+        .await
+    }
+
     pub async fn watch_dir(&self, req: pb::WatchDirRequest) -> Result<tonic::Streaming<pb::WatchDirEvent>, ApiError> {
         self.call(const { retry::class("Runtime/WatchDir") }, |ch| {
             let req = req.clone();
@@ -542,6 +551,8 @@ unary_calls! {"Runtime" stub_r:
     stat(pb::StatRequest) -> pb::FileInfo = "Stat";
     list_processes(pb::ListProcessesRequest) -> pb::ListProcessesResponse = "ListProcesses";
     remove_watcher(pb::RemoveWatcherRequest) -> pb::RemoveWatcherResponse = "RemoveWatcher";
+    list_code_contexts(pb::ListCodeContextsRequest) -> pb::ListCodeContextsResponse = "ListCodeContexts";
+    remove_code_context(pb::CodeContextRequest) -> pb::RemoveCodeContextResponse = "RemoveCodeContext";
     resize_process(pb::ResizeProcessRequest) -> pb::ResizeProcessResponse = "ResizeProcess";
 }
 
@@ -553,6 +564,8 @@ unary_calls! {"Runtime" stub_r:
     send_input(pb::SendInputRequest) -> pb::SendInputResponse = "SendInput";
     signal_process(pb::SignalProcessRequest) -> pb::SignalProcessResponse = "SignalProcess";
     create_watcher(pb::WatchDirRequest) -> pb::CreateWatcherResponse = "CreateWatcher";
+    create_code_context(pb::CreateCodeContextRequest) -> pb::CodeContext = "CreateCodeContext";
+    restart_code_context(pb::CodeContextRequest) -> pb::CodeContext = "RestartCodeContext";
     get_watcher_events(pb::GetWatcherEventsRequest) -> pb::GetWatcherEventsResponse = "GetWatcherEvents";
 }
 

@@ -93,6 +93,9 @@ small_answers!(
     pb::ResizeProcessRequest,
     pb::WatchDirRequest,
     pb::RemoveWatcherRequest,
+    pb::CreateCodeContextRequest,
+    pb::CodeContextRequest,
+    pb::RunCodeRequest,
     pb::WatchRequest,
 );
 
@@ -110,7 +113,7 @@ macro_rules! list_answers {
     };
 }
 
-list_answers!(pb::ListDirRequest, pb::ListProcessesRequest, pb::GetWatcherEventsRequest);
+list_answers!(pb::ListDirRequest, pb::ListProcessesRequest, pb::GetWatcherEventsRequest, pb::ListCodeContextsRequest);
 
 /// In-flight counts per key (principal, sandbox), each capped.
 #[derive(Debug)]

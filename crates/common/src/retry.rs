@@ -128,6 +128,11 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Runtime/SignalProcess", Once),
         ("Runtime/ListProcesses", Read),
         ("Runtime/ResizeProcess", Repeat),
+        ("Runtime/RunCode", Once),
+        ("Runtime/CreateCodeContext", Once),
+        ("Runtime/ListCodeContexts", Read),
+        ("Runtime/RestartCodeContext", Once),
+        ("Runtime/RemoveCodeContext", Repeat),
         ("Runtime/Watch", Read),
     ]
 };

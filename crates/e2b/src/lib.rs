@@ -9,7 +9,7 @@
 //!   connect answers carry, which is that same key echoed back), never with an identity of
 //!   the gateway's own, so permissions, quotas and audit are the caller's;
 //! - requests carrying `E2b-Sandbox-Id` go to that sandbox by `E2b-Sandbox-Port` (49983:
-//!   envd); the rest is the REST API;
+//!   envd, 49999: the code interpreter); the rest is the REST API;
 //! - a sandbox that is unknown, not the caller's, stopped or failed answers the edge proxy's
 //!   502 "The sandbox was not found", as E2B's proxy does;
 //! - every error has the shape its SDK decodes (REST: `{"code": int, "message"}`; envd:
@@ -29,6 +29,7 @@ pub mod connect;
 mod envd;
 pub mod error;
 mod files;
+mod interp;
 mod model;
 mod names;
 mod sandbox;
@@ -38,6 +39,7 @@ mod sandbox;
 pub const ENVD_VERSION: &str = "0.6.4";
 /// The in-sandbox ports E2B's SDKs address by `E2b-Sandbox-Port`.
 pub const ENVD_PORT: &str = "49983";
+pub const CODE_INTERPRETER_PORT: &str = "49999";
 
 /// What a gateway needs to run.
 #[derive(Debug, Clone)]
@@ -114,12 +116,11 @@ async fn route(gw: Arc<Gateway>, req: Request<Body>) -> Response {
     match (header(h, "e2b-sandbox-id"), header(h, "e2b-sandbox-port")) {
         (Some(id), Some(port)) => {
             let (id, port) = (id.to_string(), port.to_string());
-            if port == ENVD_PORT {
-                envd::handle(gw, id, req).await
-            } else {
-                // The code interpreter (49999) and the sandbox's own ports are not served
-                // through the gateway yet.
-                error::port_not_open(&id, &port)
+            match port.as_str() {
+                ENVD_PORT => envd::handle(gw, id, req).await,
+                CODE_INTERPRETER_PORT => interp::handle(gw, id, req).await,
+                // The sandbox's own ports are not served through the gateway yet.
+                _ => error::port_not_open(&id, &port),
             }
         }
         (Some(_), None) => error::RestError::bad_request("Missing header: E2b-Sandbox-Port").response(),

@@ -277,6 +277,10 @@ runtime_impl! {
         create_watcher(WatchDirRequest) -> CreateWatcherResponse;
         get_watcher_events(GetWatcherEventsRequest) -> GetWatcherEventsResponse;
         remove_watcher(RemoveWatcherRequest) -> RemoveWatcherResponse;
+        create_code_context(CreateCodeContextRequest) -> CodeContext;
+        list_code_contexts(ListCodeContextsRequest) -> ListCodeContextsResponse;
+        restart_code_context(CodeContextRequest) -> CodeContext;
+        remove_code_context(CodeContextRequest) -> RemoveCodeContextResponse;
     }
 
     server_streaming {
@@ -284,6 +288,7 @@ runtime_impl! {
         read_file(ReadFileRequest) -> ReadFileStream<FileChunk>;
         connect_process(ConnectProcessRequest) -> ConnectProcessStream<ProcessEvent>;
         watch_dir(WatchDirRequest) -> WatchDirStream<WatchDirEvent>;
+        run_code(RunCodeRequest) -> RunCodeStream<CodeEvent>;
     }
 
     async fn write_file(&self, r: Request<Streaming<WriteFileRequest>>) -> Result<Response<WriteFileResponse>, Status> {

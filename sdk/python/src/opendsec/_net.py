@@ -88,6 +88,11 @@ CALLS: Dict[str, str] = {
     "Runtime/SignalProcess": "once",
     "Runtime/ListProcesses": "read",
     "Runtime/ResizeProcess": "repeat",
+    "Runtime/RunCode": "once",
+    "Runtime/CreateCodeContext": "once",
+    "Runtime/ListCodeContexts": "read",
+    "Runtime/RestartCodeContext": "once",
+    "Runtime/RemoveCodeContext": "repeat",
     "Runtime/Watch": "read",
 }
 
