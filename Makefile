@@ -37,6 +37,8 @@ images:
 # cluster's E2B gateway (tests/e2b); the templates' images built from Debian packages.
 E2B_VENV ?= target/e2b-venv
 E2B_PY_SDKS = e2b==2.63.0 e2b-code-interpreter==2.11.5
+E2B_JS_SDKS = e2b@2.51.0 @e2b/code-interpreter@2.8.0
+E2B_JS = target/e2b-js
 e2b-images:
 	./scripts/e2b-images.sh base >/dev/null
 	./scripts/e2b-images.sh code-interpreter >/dev/null
@@ -46,7 +48,11 @@ e2b-test: agent e2b-images
 	python3 -m venv $(E2B_VENV)
 	$(E2B_VENV)/bin/pip install -q --upgrade pip
 	$(E2B_VENV)/bin/pip install -q $(E2B_PY_SDKS) pytest ./sdk/python
-	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl $(E2B_VENV)/bin/pytest -q tests/e2b
+	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; }
+	mkdir -p $(E2B_JS) && cd $(E2B_JS) && { [ -f package.json ] || echo '{"private": true}' >package.json; } && \
+	  npm install --silent --no-audit --no-fund $(E2B_JS_SDKS)
+	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl E2B_JS_MODULES=$(CURDIR)/$(E2B_JS)/node_modules \
+	  $(E2B_VENV)/bin/pytest -q tests/e2b
 
 lint:
 	$(CARGO) fmt --all -- --check
