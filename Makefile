@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-sdk agent images sdk-test e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-sdk bench-e2b agent images sdk-test e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -105,6 +105,13 @@ bench-container: agent
 # The issue-11 benchmarks (sandbox networking, in a namespace of their own), as root, release.
 bench-network: agent images
 	$(CARGO) bench -p opendsec-cli --bench network
+
+# E2B's SDK through the gateway beside opendsec's SDK on the same cluster (as root, release).
+bench-e2b: agent e2b-images
+	$(CARGO) build --release -p opendsec-cli
+	python3 -m venv $(E2B_VENV)
+	$(E2B_VENV)/bin/pip install -q $(E2B_PY_SDKS) ./sdk/python
+	OPENDSECCTL=$(CURDIR)/target/release/opendsecctl $(E2B_VENV)/bin/python tests/e2b/bench.py
 
 # The Python SDK beside the Rust client (opendsecctl bench) on container sandboxes (as root).
 bench-sdk: agent

@@ -43,7 +43,8 @@ pub struct Config {
     /// sandbox's spec.workdir; empty = the user's home).
     pub workdir: String,
     /// The sandbox's environment (the image's variables, then the spec's): every session and
-    /// process gets it, after PATH, HOME, USER and LOGNAME and before its call's own.
+    /// process gets it, over the default PATH and under the user's HOME, USER and LOGNAME and
+    /// its call's own variables.
     pub env: Vec<(String, String)>,
 }
 
@@ -286,10 +287,10 @@ impl Aether {
             .arg(self.cfg.session_bytes.to_string())
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .envs(self.cfg.env.iter().map(|(k, v)| (k, v)))
             .env("HOME", &u.home)
             .env("USER", &u.name)
             .env("LOGNAME", &u.name)
-            .envs(self.cfg.env.iter().map(|(k, v)| (k, v)))
             .env(crate::chronus::WORKDIR_ENV, &self.cfg.workdir)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())

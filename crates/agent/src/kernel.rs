@@ -114,10 +114,10 @@ impl Kernel {
             .arg(&file)
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("HOME", &user.home)
             .env("USER", &user.name)
             .env("LOGNAME", &user.name)
-            .envs(env.iter().map(|(k, v)| (k, v)))
             // Figures come back as PNG results, as E2B's do.
             .env("MPLBACKEND", "module://matplotlib_inline.backend_inline")
             .stdin(std::process::Stdio::null())

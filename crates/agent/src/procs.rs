@@ -69,8 +69,8 @@ impl Procs {
         self.lock().iter().filter(|p| p.state.borrow().exit.is_none()).count()
     }
 
-    /// Starts `req` as `user`, its environment PATH, HOME, USER and LOGNAME, then the
-    /// sandbox's `env`, then the request's.
+    /// Starts `req` as `user`, its environment the default PATH, then the sandbox's `env`, then
+    /// the user's HOME, USER and LOGNAME, then the request's variables.
     pub fn start(
         &self,
         reaper: &Reaper,
@@ -88,10 +88,10 @@ impl Procs {
         c.args(&req.cmd[1..])
             .env_clear()
             .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("HOME", &user.home)
             .env("USER", &user.name)
             .env("LOGNAME", &user.name)
-            .envs(env.iter().map(|(k, v)| (k, v)))
             .envs(&req.env);
         let pty = match &req.pty {
             Some(size) => {

@@ -297,7 +297,7 @@ async fn set_end(call: &Call, sb: &pb::Sandbox, secs: u64) -> std::result::Resul
     let req = pb::SetSandboxTimeoutRequest {
         id: sb.id.clone(),
         ttl_running_stop_s: Some(secs),
-        ttl_max_s: Some(lived_ms.div_ceil(1000) + secs),
+        ttl_max_s: Some(lived_ms.div_ceil(1000).saturating_add(secs)),
         ttl_paused_s: None,
     };
     call.client.set_sandbox_timeout(req).await
@@ -325,7 +325,8 @@ async fn refresh(call: &Call, id: &str, body: &[u8]) -> Result<Response> {
 
 /// Makes the sandbox live at least `secs` from now (never shortens).
 async fn extend_to(call: &Call, sb: &pb::Sandbox, secs: u64) -> Result<()> {
-    if sb.expires_at_ms >= now_ms() + (secs as i64) * 1000 {
+    let wanted = now_ms().saturating_add(i64::try_from(secs).unwrap_or(i64::MAX).saturating_mul(1000));
+    if sb.expires_at_ms >= wanted {
         return Ok(());
     }
     set_end(call, sb, secs).await?;

@@ -45,8 +45,7 @@ fn basic_user(h: &HeaderMap) -> Result<String, ConnectError> {
     let raw = base64::engine::general_purpose::STANDARD.decode(b64.trim()).map_err(|_| bad())?;
     let text = String::from_utf8(raw).map_err(|_| bad())?;
     let user = text.split(':').next().unwrap_or_default();
-    let ok = user.len() <= 64 && user.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if !ok {
+    if !crate::sandbox::valid_user(user) {
         return Err(ConnectError::new(Code::Unauthenticated, format!("invalid username: '{user}'")));
     }
     Ok(user.to_string())

@@ -17,7 +17,7 @@ use crate::sandbox::{Ctx, stat_of, user_path};
 use crate::{error, header};
 
 /// A gzip upload is inflated in memory from at most this many compressed bytes.
-const MAX_GZIP_BODY: usize = 256 << 20;
+const MAX_GZIP_BODY: usize = 64 << 20;
 /// Upload chunks sent to the agent.
 const CHUNK: usize = 1 << 20;
 
@@ -68,12 +68,17 @@ pub async fn handle(ctx: &Ctx, req: Request<Body>) -> Response {
         req.uri().query().map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect()).unwrap_or_default();
     let param = |n: &str| q.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()).filter(|v| !v.is_empty());
     // `username` overrides the Basic user (the SDK sends one or the other).
-    let ctx = &Ctx {
-        gw: ctx.gw.clone(),
-        client: ctx.client.clone(),
-        id: ctx.id.clone(),
-        user: param("username").unwrap_or_else(|| ctx.user.clone()),
+    let user = match param("username") {
+        Some(u) if !crate::sandbox::valid_user(&u) => {
+            return rest(
+                StatusCode::UNAUTHORIZED,
+                format!("invalid username: '{}'", u.chars().take(64).collect::<String>()),
+            );
+        }
+        Some(u) => u,
+        None => ctx.user.clone(),
     };
+    let ctx = &Ctx { gw: ctx.gw.clone(), client: ctx.client.clone(), id: ctx.id.clone(), user };
     let path = param("path");
     match *req.method() {
         axum::http::Method::GET => match path {

@@ -85,6 +85,11 @@ impl From<ConnectError> for Failure {
     }
 }
 
+/// A user name a call may give: what the image's passwd may hold and a session id may carry.
+pub fn valid_user(user: &str) -> bool {
+    user.len() <= 64 && user.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// `~` and `~/x` name the user's home; relative paths are resolved by the agent against the
 /// session's directory, which is that home.
 pub(crate) fn user_path(p: &str) -> String {
