@@ -30,6 +30,9 @@ use crate::passwd::{self, User};
 use crate::procs::Procs;
 use crate::reaper::{Reaper, kill_tree, wait_gone};
 
+/// How long setting or resetting a run's variables in a kernel may take.
+const ENV_RUN_LIMIT: Duration = Duration::from_secs(30);
+
 #[derive(Debug)]
 pub struct Config {
     pub state_dir: PathBuf,
@@ -142,6 +145,7 @@ impl Aether {
             Language::Python => Some(self.start_kernel(&id, &u, &cwd).await?),
             Language::Bash => None,
         };
+        let handle = kernel.as_ref().map(Kernel::handle);
         let c = Arc::new(Context {
             id,
             language,
@@ -149,6 +153,7 @@ impl Aether {
             user: u.name.clone(),
             kernel: tokio::sync::Mutex::new(kernel),
             runs: Default::default(),
+            handle: Mutex::new(handle),
         });
         if let Err(e) = self.contexts.insert(c.clone()) {
             if let Some(k) = c.kernel.lock().await.take() {
@@ -171,28 +176,38 @@ impl Aether {
         tx: &mpsc::Sender<Result<CodeEvent, Status>>,
     ) -> Result<(), AgentError> {
         let mut g = c.kernel.lock().await;
-        if g.is_none() {
+        if g.as_ref().is_none_or(|k| !k.is_alive()) {
+            if let Some(dead) = g.take() {
+                dead.shutdown().await;
+            }
             let u = self.user(&c.user)?;
-            *g = Some(self.start_kernel(&c.id, &u, &c.cwd).await?);
+            let k = self.start_kernel(&c.id, &u, &c.cwd).await?;
+            c.set_kernel(&mut g, k);
         }
         let Some(k) = g.as_mut() else { return Err(AgentError::Kernel("no kernel".into())) };
         let timeout = (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms));
         let wrap = crate::kernel::env_wrappers(&req.env);
+        // Setting and resetting variables is quick; a kernel that hangs there is replaced.
+        let mut ok = true;
         if let Some((set, _)) = &wrap {
-            k.execute(set, true, None, tx).await?;
+            ok = k.execute(set, true, Some(ENV_RUN_LIMIT), tx).await?;
         }
-        if k.execute(&req.code, false, timeout, tx).await? {
-            if let Some((_, reset)) = &wrap {
-                k.execute(reset, true, None, tx).await?;
-            }
+        if ok {
+            ok = k.execute(&req.code, false, timeout, tx).await?;
+        }
+        if ok && let Some((_, reset)) = &wrap {
+            ok = k.execute(reset, true, Some(ENV_RUN_LIMIT), tx).await?;
+        }
+        if ok {
             return Ok(());
         }
-        // It did not stop when interrupted: a fresh kernel takes its place.
+        // It did not stop when interrupted (or died): a fresh kernel takes its place.
         if let Some(old) = g.take() {
             old.shutdown().await;
         }
         let u = self.user(&c.user)?;
-        *g = Some(self.start_kernel(&c.id, &u, &c.cwd).await?);
+        let k = self.start_kernel(&c.id, &u, &c.cwd).await?;
+        c.set_kernel(&mut g, k);
         Ok(())
     }
 
@@ -561,12 +576,15 @@ impl Runtime for AetherService {
         let c = self.0.contexts.get(&r.into_inner().context_id).map_err(fwd)?;
         match c.language {
             Language::Python => {
+                // A run in progress holds the kernel: kill it first, so the run ends.
+                c.kill_kernel().await;
                 let mut g = c.kernel.lock().await;
                 if let Some(old) = g.take() {
                     old.shutdown().await;
                 }
                 let u = self.0.user(&c.user).map_err(fwd)?;
-                *g = Some(self.0.start_kernel(&c.id, &u, &c.cwd).await.map_err(fwd)?);
+                let k = self.0.start_kernel(&c.id, &u, &c.cwd).await.map_err(fwd)?;
+                c.set_kernel(&mut g, k);
             }
             Language::Bash => {
                 self.0.close(&c.session()).await;
@@ -588,6 +606,7 @@ impl Runtime for AetherService {
             .ok_or_else(|| fwd(AgentError::UnknownContext(id.chars().take(64).collect())))?;
         match c.language {
             Language::Python => {
+                c.kill_kernel().await;
                 if let Some(k) = c.kernel.lock().await.take() {
                     k.shutdown().await;
                 }

@@ -51,9 +51,25 @@ pub struct Context {
     pub kernel: tokio::sync::Mutex<Option<Kernel>>,
     /// Runs so far (a bash context's execution count).
     pub runs: std::sync::atomic::AtomicU32,
+    /// The current kernel's handle, to kill it while a run holds `kernel`.
+    pub handle: Mutex<Option<crate::kernel::KernelHandle>>,
 }
 
 impl Context {
+    /// Puts `k` in place (its handle too).
+    pub fn set_kernel(&self, slot: &mut Option<Kernel>, k: Kernel) {
+        *self.handle.lock().unwrap_or_else(|p| p.into_inner()) = Some(k.handle());
+        *slot = Some(k);
+    }
+
+    /// Kills the current kernel, whoever holds it.
+    pub async fn kill_kernel(&self) {
+        let h = self.handle.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(h) = h {
+            h.kill().await;
+        }
+    }
+
     pub fn info(&self) -> CodeContext {
         CodeContext { id: self.id.clone(), language: self.language.name().into(), cwd: self.cwd.clone() }
     }

@@ -164,7 +164,7 @@ fn info(path: &Path, md: &std::fs::Metadata) -> FileInfo {
         r#type: kind as i32,
         size: md.len(),
         mode: md.permissions().mode() & 0o7777,
-        modified_ms: md.mtime() * 1000 + md.mtime_nsec() / 1_000_000,
+        modified_ms: md.mtime().saturating_mul(1000).saturating_add(md.mtime_nsec() / 1_000_000),
         uid: md.uid(),
         gid: md.gid(),
         symlink_target: if ft.is_symlink() {

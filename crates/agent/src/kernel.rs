@@ -41,6 +41,8 @@ fn new_id() -> String {
 /// One Jupyter kernel process and the agent's sockets to it.
 pub struct Kernel {
     pub pid: u32,
+    /// True until the kernel process is reaped (its pid may be another's afterwards).
+    alive: tokio::sync::watch::Receiver<bool>,
     key: Vec<u8>,
     session: String,
     shell: zeromq::DealerSocket,
@@ -51,6 +53,25 @@ pub struct Kernel {
 impl std::fmt::Debug for Kernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kernel").field("pid", &self.pid).finish_non_exhaustive()
+    }
+}
+
+/// A kernel's pid and whether it still lives.
+#[derive(Debug, Clone)]
+pub struct KernelHandle {
+    pid: u32,
+    alive: tokio::sync::watch::Receiver<bool>,
+}
+
+impl KernelHandle {
+    /// Kills the kernel's whole tree, unless it is already gone (its pid may be another
+    /// process's by now).
+    pub async fn kill(&self) {
+        if !*self.alive.borrow() {
+            return;
+        }
+        let pid = self.pid as i32;
+        let _ = tokio::task::spawn_blocking(move || crate::reaper::kill_tree(pid, true)).await;
     }
 }
 
@@ -78,11 +99,21 @@ impl Kernel {
         cwd: &Path,
         env: &[(String, String)],
     ) -> Result<Kernel, AgentError> {
-        std::fs::create_dir_all(dir).map_err(|e| AgentError::fs("mkdir", dir, e))?;
-        std::os::unix::fs::chown(dir, Some(user.uid), Some(user.gid)).map_err(|e| AgentError::fs("chown", dir, e))?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| AgentError::fs("chmod", dir, e))?;
+        // A fresh directory each start: the last kernel's user may have left anything in the
+        // old one (a symlink where a file goes). Made and filled by root, given to the user
+        // last; files are created new, never opened through a link.
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(AgentError::fs("remove", dir, e)),
+        }
+        if let Some(parent) = dir.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| AgentError::fs("mkdir", parent, e))?;
+        }
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| AgentError::fs("mkdir", dir, e))?;
+        }
         let ports = free_ports(5).map_err(|e| kernel_err(format!("no free loopback port: {e}")))?;
         let key = new_id();
         let conn = json!({
@@ -96,9 +127,9 @@ impl Kernel {
             use std::os::unix::fs::OpenOptionsExt;
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
+                .custom_flags(libc_o_nofollow())
                 .open(&file)
                 .map_err(|e| AgentError::fs("write", &file, e))?;
             f.write_all(conn.to_string().as_bytes()).map_err(|e| AgentError::fs("write", &file, e))?;
@@ -106,9 +137,19 @@ impl Kernel {
                 .map_err(|e| AgentError::fs("chown", &file, e))?;
         }
         let log_path = dir.join("kernel.log");
-        let log = std::fs::File::create(&log_path).map_err(|e| AgentError::fs("create", &log_path, e))?;
+        let log = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc_o_nofollow())
+                .open(&log_path)
+                .map_err(|e| AgentError::fs("create", &log_path, e))?
+        };
         std::os::unix::fs::fchown(&log, Some(user.uid), Some(user.gid))
             .map_err(|e| AgentError::fs("chown", &log_path, e))?;
+        std::os::unix::fs::chown(dir, Some(user.uid), Some(user.gid)).map_err(|e| AgentError::fs("chown", dir, e))?;
         let mut c = std::process::Command::new("python3");
         c.args(["-m", "ipykernel_launcher", "-f"])
             .arg(&file)
@@ -133,9 +174,16 @@ impl Kernel {
             .map_err(|e| AgentError::Spawn { what: "python3 -m ipykernel_launcher".into(), source: e })?;
         let pid = child.id();
         let exited = reaper.wait_for(pid);
+        let (alive_tx, alive) = tokio::sync::watch::channel(true);
+        tokio::spawn(async move {
+            let _ = exited.await;
+            let _ = alive_tx.send(false);
+        });
+        let mut gone = alive.clone();
         let endpoint = |p: u16| format!("tcp://127.0.0.1:{p}");
         let mut k = Kernel {
             pid,
+            alive,
             key: key.into_bytes(),
             session: new_id(),
             shell: zeromq::DealerSocket::new(),
@@ -167,19 +215,33 @@ impl Kernel {
         };
         let started = tokio::select! {
             r = tokio::time::timeout(START_TIMEOUT, ready) => r.unwrap_or_else(|_| Err(kernel_err("the kernel did not answer within 60 s"))),
-            _ = exited => Err(kernel_err("the kernel exited")),
+            _ = gone.wait_for(|a| !*a) => Err(kernel_err("the kernel exited")),
         };
         if let Err(e) = started {
-            let _ = rustix::process::kill_process_group(
-                rustix::process::Pid::from_raw(pid as i32).ok_or_else(|| kernel_err("pid 0"))?,
-                rustix::process::Signal::KILL,
-            );
+            k.kill().await;
             let tail = std::fs::read(&log_path).map(|b| crate::tail_text(&b, 800)).unwrap_or_default();
             return Err(kernel_err(format!("{e}: is ipykernel installed in the image? {tail}")));
         }
         // Drain the shell replies of the readiness probes.
-        while let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(20), k.shell.recv()).await {}
+        for _ in 0..1000 {
+            if !matches!(tokio::time::timeout(Duration::from_millis(20), k.shell.recv()).await, Ok(Ok(_))) {
+                break;
+            }
+        }
         Ok(k)
+    }
+
+    pub fn is_alive(&self) -> bool {
+        *self.alive.borrow()
+    }
+
+    /// What kills the kernel without holding it (a run may hold it).
+    pub fn handle(&self) -> KernelHandle {
+        KernelHandle { pid: self.pid, alive: self.alive.clone() }
+    }
+
+    pub async fn kill(&self) {
+        self.handle().kill().await;
     }
 
     fn sign(&self, parts: &[&[u8]]) -> String {
@@ -216,6 +278,25 @@ impl Kernel {
         Ok(id)
     }
 
+    /// Whether `sig` (hex) signs `parts`, compared in constant time.
+    fn verify(&self, sig: &[u8], parts: &[&[u8]]) -> bool {
+        let Some(bytes) = (sig.len() % 2 == 0)
+            .then(|| {
+                sig.chunks(2)
+                    .map(|h| std::str::from_utf8(h).ok().and_then(|h| u8::from_str_radix(h, 16).ok()))
+                    .collect::<Option<Vec<u8>>>()
+            })
+            .flatten()
+        else {
+            return false;
+        };
+        let mut mac = <HmacSha256 as KeyInit>::new_from_slice(&self.key).expect("any key length");
+        for p in parts {
+            mac.update(p);
+        }
+        mac.verify_slice(&bytes).is_ok()
+    }
+
     /// Parses (and checks the signature of) a received message.
     fn parse(&self, m: ZmqMessage) -> Option<Msg> {
         let frames = m.into_vec();
@@ -224,8 +305,7 @@ impl Kernel {
         if rest.len() < 5 {
             return None;
         }
-        let sig = std::str::from_utf8(&rest[0]).ok()?;
-        if sig != self.sign(&[&rest[1], &rest[2], &rest[3], &rest[4]]) {
+        if !self.verify(&rest[0], &[&rest[1], &rest[2], &rest[3], &rest[4]]) {
             return None;
         }
         let header: Value = serde_json::from_slice(&rest[1]).ok()?;
@@ -271,16 +351,21 @@ impl Kernel {
         let mut interrupted = false;
         loop {
             // A caller that went away interrupts the run as its timeout would.
+            let mut alive = self.alive.clone();
             let got = tokio::select! {
                 m = self.recv_iopub_until(deadline) => m?,
                 () = tx.closed(), if !interrupted && !silent => None,
+                // Killed (a restart, a removal) or dead: this run is over, the kernel too.
+                _ = alive.wait_for(|a| !*a) => return Ok(false),
             };
             let Some(m) = got else {
                 if interrupted {
                     return Ok(false);
                 }
                 // Interrupt, as Jupyter does (SIGINT to the kernel), then wait for it to idle.
-                if let Some(p) = rustix::process::Pid::from_raw(self.pid as i32) {
+                if self.is_alive()
+                    && let Some(p) = rustix::process::Pid::from_raw(self.pid as i32)
+                {
                     let _ = rustix::process::kill_process(p, rustix::process::Signal::INT);
                 }
                 interrupted = true;
@@ -332,9 +417,14 @@ impl Kernel {
             }
         }
         // Its reply on the shell socket, so the next run reads its own.
-        while let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(5), self.shell.recv()).await {
-            if self.parse(r).is_some_and(|m| m.parent_id == id) {
-                break;
+        for _ in 0..1000 {
+            match tokio::time::timeout(Duration::from_secs(5), self.shell.recv()).await {
+                Ok(Ok(r)) => {
+                    if self.parse(r).is_some_and(|m| m.parent_id == id) {
+                        break;
+                    }
+                }
+                _ => break,
             }
         }
         Ok(true)
@@ -344,9 +434,12 @@ impl Kernel {
     pub async fn shutdown(mut self) {
         let (_, m) = self.frames("shutdown_request", json!({"restart": false}));
         let _ = tokio::time::timeout(Duration::from_millis(500), self.control.send(m)).await;
-        let pid = self.pid as i32;
-        let _ = tokio::task::spawn_blocking(move || crate::reaper::kill_tree(pid, true)).await;
+        self.kill().await;
     }
+}
+
+fn libc_o_nofollow() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
 }
 
 /// The code that sets `env` for one run and the code that puts the old values back.

@@ -46,6 +46,9 @@ pub struct Proc {
     cwd: String,
     /// The terminal's master side, for resizing (a PTY process only).
     pty: Option<std::os::fd::OwnedFd>,
+    /// Set when the process is reaped, before its output has drained: from then on its pid
+    /// may be another process's, and nothing may signal it.
+    reaped: std::sync::atomic::AtomicBool,
     stdin: tokio::sync::Mutex<Option<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>>,
     state: watch::Sender<ProcState>,
 }
@@ -180,6 +183,7 @@ impl Procs {
             env: req.env,
             cwd,
             pty: resize,
+            reaped: Default::default(),
             stdin: tokio::sync::Mutex::new(stdin),
             state: watch::channel(ProcState::default()).0,
         });
@@ -188,7 +192,9 @@ impl Procs {
             tokio::spawn(async move {
                 let mut st = pp.state.subscribe();
                 let exited = st.wait_for(|s| s.exit.is_some());
-                if tokio::time::timeout(limit, exited).await.is_err() {
+                if tokio::time::timeout(limit, exited).await.is_err()
+                    && !pp.reaped.load(std::sync::atomic::Ordering::SeqCst)
+                {
                     let pid = pid as i32;
                     let _ = tokio::task::spawn_blocking(move || crate::reaper::kill_tree(pid, true)).await;
                 }
@@ -198,6 +204,7 @@ impl Procs {
         let pp = p.clone();
         tokio::spawn(async move {
             let exit = exit_rx.await.unwrap_or(Exit { code: -1, signal: 0 });
+            pp.reaped.store(true, std::sync::atomic::Ordering::SeqCst);
             for h in pumps {
                 let _ = tokio::time::timeout(Duration::from_millis(300), h).await;
             }
@@ -260,6 +267,7 @@ impl Procs {
                     exit: s.exit.map(|e| ProcessExit { exit_code: e.code, signal: e.signal }),
                     env,
                     cwd: p.cwd.clone(),
+                    pty: p.pty.is_some(),
                 }
             })
             .collect()
@@ -285,7 +293,7 @@ impl Proc {
     }
 
     pub fn signal(&self, sig: i32) -> Result<(), AgentError> {
-        if self.state.borrow().exit.is_some() {
+        if self.state.borrow().exit.is_some() || self.reaped.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(AgentError::UnknownProcess(format!("{} (exited)", self.pid)));
         }
         let s = rustix::process::Signal::from_named_raw(sig)

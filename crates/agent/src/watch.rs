@@ -117,6 +117,7 @@ impl Watch {
             let mut guard = self.fd.readable().await?;
             let mut batch = Batch::default();
             let mut new_dirs = Vec::new();
+            let mut gone = Vec::new();
             let res = guard.try_io(|fd| {
                 let mut r = inotify::Reader::new(fd.get_ref(), &mut buf);
                 loop {
@@ -128,6 +129,8 @@ impl Watch {
                                 continue;
                             }
                             if flags.contains(ReadFlags::IGNORED) {
+                                // Its directory went away: the slot is free again.
+                                gone.push(ev.wd());
                                 continue;
                             }
                             let Some(dir) = self.dirs.get(&ev.wd()) else { continue };
@@ -154,6 +157,9 @@ impl Watch {
                     }
                 }
             });
+            for wd in gone {
+                self.dirs.remove(&wd);
+            }
             for d in new_dirs {
                 if self.add(d.clone()).is_ok() {
                     self.add_tree(&d);
@@ -238,6 +244,8 @@ impl Watchers {
         }
         let id = format!("w{:016x}", rand::random::<u64>());
         let (me, key) = (self.clone(), id.clone());
+        // Registered before its task runs, so no early event finds it missing.
+        let mut g = self.lock();
         let task = tokio::spawn(async move {
             while let Ok(batch) = watch.next().await {
                 let mut g = me.lock();
@@ -251,7 +259,7 @@ impl Watchers {
                 }
             }
         });
-        self.lock().insert(id.clone(), Polled { events: VecDeque::new(), dropped: 0, polled: Instant::now(), task });
+        g.insert(id.clone(), Polled { events: VecDeque::new(), dropped: 0, polled: Instant::now(), task });
         Ok(id)
     }
 

@@ -36,6 +36,8 @@ use crate::{Gateway, error, files, header};
 const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
 /// Entries one ListDir answers at most (a deep listing of a huge tree stops there).
 const MAX_LIST_ENTRIES: usize = 100_000;
+/// Deepest listing.
+const MAX_LIST_DEPTH: u32 = 64;
 
 /// The user of `Authorization: Basic base64("<user>:")`.
 fn basic_user(h: &HeaderMap) -> Result<String, ConnectError> {
@@ -82,8 +84,7 @@ async fn rpc(ctx: &Ctx, path: &str, req: Request<Body>) -> Response {
     let timeout = header(req.headers(), "connect-timeout-ms").and_then(|v| v.parse::<u64>().ok());
     let keepalive = header(req.headers(), "keepalive-ping-interval")
         .and_then(|v| v.parse::<u64>().ok())
-        .filter(|s| *s > 0)
-        .map_or(DEFAULT_KEEPALIVE, Duration::from_secs);
+        .map_or(DEFAULT_KEEPALIVE, |s| Duration::from_secs(s.clamp(1, 300)));
     let opts = StreamOpts { timeout: timeout.filter(|t| *t > 0).map(Duration::from_millis), keepalive };
     if method == "process.Process/StreamInput" {
         return stream_input(ctx, req.into_body()).await;
@@ -209,8 +210,7 @@ async fn connect_process(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
         })
         .await?;
     // A terminal's output comes back as `pty` data, as it went out.
-    let is_pty = false;
-    Ok(process_stream(info.pid, events, is_pty, StreamOpts { timeout: None, ..opts }))
+    Ok(process_stream(info.pid, events, info.pty, StreamOpts { timeout: None, ..opts }))
 }
 
 /// The process a selector names (running or kept after its exit), or not_found.
@@ -285,6 +285,8 @@ fn process_stream(pid: u32, mut events: tonic::Streaming<pb::ProcessEvent>, pty:
                     return;
                 }
                 () = tick => send(Event::Keepalive {}),
+                // The caller left: let go of the upstream stream (the process runs on).
+                () = tx.closed() => return,
             };
             if tx.send(frame).await.is_err() {
                 return;
@@ -456,7 +458,7 @@ async fn stat(ctx: &Ctx, msg: &[u8]) -> R {
 
 async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
     let req: model::ListDirRequest = connect::decode(msg)?;
-    let depth = req.depth.max(1);
+    let depth = req.depth.clamp(1, MAX_LIST_DEPTH);
     let root = stat_of(ctx, &req.path).await?;
     if root.r#type != pb::FileType::Dir as i32 {
         return Err(ConnectError::invalid(format!("path '{}' is not a directory", root.path)).into());
@@ -488,6 +490,9 @@ async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
                     return Ok(connect::unary_ok(&json!({"entries": out})));
                 }
             }
+        }
+        if next.is_empty() {
+            break;
         }
         level = next;
     }

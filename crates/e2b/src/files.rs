@@ -2,6 +2,9 @@
 //! per file named by its raw filename, or one octet-stream body, gzip allowed) and
 //! `GET /health`. Uploads are streamed to the agent and only land when complete.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 use axum::body::Body;
 use axum::http::{HeaderValue, Request, StatusCode, header as h};
 use axum::response::Response;
@@ -18,6 +21,8 @@ use crate::{error, header};
 
 /// A gzip upload is inflated in memory from at most this many compressed bytes.
 const MAX_GZIP_BODY: usize = 64 << 20;
+/// Bytes a multipart body may carry outside its parts' data (headers, preamble, other fields).
+const MAX_BETWEEN_PARTS: u64 = 1 << 20;
 /// Upload chunks sent to the agent.
 const CHUNK: usize = 1 << 20;
 
@@ -59,6 +64,7 @@ pub async fn health(ctx: &Ctx) -> Response {
         Err(e) if matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied) => {
             error::sandbox_not_found(&ctx.id)
         }
+        Err(e) if e.reason == Reason::Unauthenticated => rest(StatusCode::UNAUTHORIZED, e.message.clone()),
         Err(e) => rest(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }
@@ -175,6 +181,15 @@ where
 }
 
 async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response {
+    // The caller may reach the sandbox before any of the body is read.
+    match ctx.client.get_sandbox(&ctx.id).await {
+        Ok(_) => {}
+        Err(e) if e.reason == Reason::Unauthenticated => return rest(StatusCode::UNAUTHORIZED, e.message),
+        Err(e) if matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied) => {
+            return error::sandbox_not_found(&ctx.id);
+        }
+        Err(e) => return rest(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
     let ctype = header(req.headers(), "content-type").unwrap_or_default().to_string();
     let gzip = header(req.headers(), "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
     let mut written = Vec::new();
@@ -183,7 +198,18 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
             Ok(b) => b,
             Err(e) => return rest(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
         };
-        let body = req.into_body().into_data_stream();
+        // Bytes between parts (their headers, the preamble) are few: a body that sends more
+        // there is refused instead of buffered.
+        let in_part = Arc::new(AtomicBool::new(false));
+        let outside = Arc::new(AtomicU64::new(0));
+        let (ip, out) = (in_part.clone(), outside.clone());
+        let body = req.into_body().into_data_stream().map(move |c| {
+            let b = c.map_err(std::io::Error::other)?;
+            if !ip.load(Ordering::Relaxed) && out.fetch_add(b.len() as u64, Ordering::Relaxed) > MAX_BETWEEN_PARTS {
+                return Err(std::io::Error::other(format!("more than {MAX_BETWEEN_PARTS} bytes between parts")));
+            }
+            Ok(b)
+        });
         let mut mp = multer::Multipart::new(body, boundary);
         let mut seen = std::collections::HashSet::new();
         loop {
@@ -192,7 +218,11 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                 Ok(None) => break,
                 Err(e) => return rest(StatusCode::BAD_REQUEST, format!("multipart: {e}")),
             };
+            in_part.store(true, Ordering::Relaxed);
+            outside.store(0, Ordering::Relaxed);
             if field.name() != Some("file") {
+                // Read through (counted as between parts: other fields carry nothing of ours).
+                in_part.store(false, Ordering::Relaxed);
                 continue;
             }
             // The raw filename is the path (no basename taken); a `path` parameter wins.
@@ -216,6 +246,7 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                 }
             };
             let (_, r) = tokio::join!(pump, put(ctx, &target, tokio_stream::wrappers::ReceiverStream::new(rx)));
+            in_part.store(false, Ordering::Relaxed);
             match r {
                 Ok(v) => written.push(v),
                 Err(resp) => return resp,

@@ -80,15 +80,15 @@ pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Respons
     let segs: Vec<&str> = path.split('/').skip(1).collect();
     match (&method, segs.as_slice()) {
         (&Method::POST, ["execute"]) => execute(&gw, &call, &body).await,
-        (&Method::POST, ["contexts"]) => create(&call, &body).await,
+        (&Method::POST, ["contexts"]) => create(&gw, &call, &body).await,
         (&Method::GET, ["contexts"]) => list(&call).await,
         (&Method::POST, ["contexts", ctx, "restart"]) => restart(&call, ctx).await,
         (&Method::DELETE, ["contexts", ctx]) => remove(&call, ctx).await,
-        (&Method::GET, ["health"]) => {
-            let mut r = Response::new(Body::from("OK"));
-            *r.status_mut() = StatusCode::OK;
-            r
-        }
+        (&Method::GET, ["health"]) => match call.client.get_sandbox(&call.id).await {
+            Ok(sb) if sb.state == pb::SandboxState::Running as i32 => Response::new(Body::from("OK")),
+            Err(e) if e.reason == Reason::Unauthenticated => rest(StatusCode::UNAUTHORIZED, e.message),
+            _ => error::sandbox_not_found(&call.id),
+        },
         _ => rest(StatusCode::NOT_FOUND, format!("no such endpoint: {method} {path}")),
     }
 }
@@ -210,7 +210,7 @@ fn context_json(c: &pb::CodeContext) -> Value {
     json!({"id": c.id, "language": c.language, "cwd": c.cwd})
 }
 
-async fn create(call: &Call, body: &[u8]) -> Response {
+async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
     let req: CreateRequest = if body.iter().all(u8::is_ascii_whitespace) {
         CreateRequest::default()
     } else {
@@ -223,7 +223,7 @@ async fn create(call: &Call, body: &[u8]) -> Response {
         sandbox_id: call.id.clone(),
         language: req.language.unwrap_or_default(),
         cwd: req.cwd.unwrap_or_default(),
-        user: String::new(),
+        user: gw.cfg.default_user.clone(),
     };
     match call.client.create_code_context(r).await {
         Ok(c) => crate::connect::json_response(StatusCode::OK, &context_json(&c)),

@@ -91,7 +91,9 @@ pub struct SandboxDetail {
 
 /// RFC 3339 in UTC with milliseconds, from unix milliseconds.
 pub fn rfc3339(ms: i64) -> String {
-    let ms = ms.max(0) as u64;
+    // RFC 3339 has four-digit years: a sandbox's file may claim any time.
+    const LAST_MS: i64 = 253_402_300_799_999; // 9999-12-31T23:59:59.999Z
+    let ms = ms.clamp(0, LAST_MS) as u64;
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
     // humantime writes `2025-01-01T00:00:00.123Z` (precision as asked).
     humantime::format_rfc3339_millis(t).to_string()
@@ -433,5 +435,7 @@ mod tests {
     #[test]
     fn times_are_rfc3339() {
         assert_eq!(rfc3339(1_735_689_600_123), "2025-01-01T00:00:00.123Z");
+        assert_eq!(rfc3339(i64::MAX), "9999-12-31T23:59:59.999Z");
+        assert_eq!(rfc3339(-5), "1970-01-01T00:00:00.000Z");
     }
 }

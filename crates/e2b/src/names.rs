@@ -12,7 +12,9 @@ use opendsec_client::Client;
 use opendsec_proto::v1 as pb;
 
 const TTL: Duration = Duration::from_secs(60);
-const MAX_SANDBOXES: usize = 4096;
+const MAX_SANDBOXES: usize = 1024;
+/// Names kept per sandbox (of users and of groups each; the rest show as numbers).
+const MAX_NAMES: usize = 4096;
 /// Larger files are not read (a sandbox's own passwd file is the sandbox's to make huge).
 const MAX_FILE: u64 = 1 << 20;
 
@@ -42,6 +44,9 @@ pub fn parse_ids(text: &str) -> HashMap<u32, String> {
     for line in text.lines() {
         let mut f = line.split(':');
         let (Some(name), Some(_), Some(id)) = (f.next(), f.next(), f.next()) else { continue };
+        if out.len() >= MAX_NAMES {
+            break;
+        }
         if let Ok(id) = id.trim().parse::<u32>() {
             out.entry(id).or_insert_with(|| name.to_string());
         }
@@ -86,6 +91,10 @@ async fn read(client: &Client, sandbox: &str, session: &str, path: &str) -> Stri
     let mut out = Vec::new();
     while let Some(Ok(c)) = s.next().await {
         out.extend_from_slice(&c.data);
+        if out.len() as u64 > MAX_FILE {
+            out.truncate(MAX_FILE as usize);
+            break;
+        }
     }
     String::from_utf8_lossy(&out).into_owned()
 }
