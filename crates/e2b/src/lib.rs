@@ -101,6 +101,14 @@ pub async fn serve(
     });
     // Streams (a background command, a watch) may stay open for hours: shutting down does
     // not wait for them.
+    // Small messages (a stream's events, a unary answer) go out at once: with Nagle's
+    // algorithm each waited for the client's delayed acknowledgement (40 ms).
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "TCP_NODELAY on a gateway connection");
+        }
+    });
     tokio::select! {
         r = axum::serve(listener, app) => r.map_err(GatewayError::Serve),
         () = shutdown => Ok(()),
