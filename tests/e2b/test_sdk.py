@@ -212,19 +212,33 @@ def test_list_filters_by_metadata_and_state_across_pages(gateway):
 
 
 def test_async_api_and_fifty_sandboxes_at_once(gateway):
+    from e2b_code_interpreter import AsyncSandbox as AsyncCodeSandbox
+
     async def one(i: int) -> str:
-        s = await AsyncSandbox.create(metadata={"async": "50"})
+        s = await AsyncCodeSandbox.create(metadata={"async": "50"}, timeout=600)
         try:
             r = await s.commands.run(f"echo {i}")
             await s.files.write(f"/tmp/{i}.txt", str(i))
-            return r.stdout.strip() + (await s.files.read(f"/tmp/{i}.txt"))
+            ex = await s.run_code(f"{i} * 2")
+            return r.stdout.strip() + (await s.files.read(f"/tmp/{i}.txt")) + ex.text
         finally:
             await s.kill()
 
     async def main():
         return await asyncio.gather(*(one(i) for i in range(50)))
 
-    assert asyncio.run(main()) == [f"{i}{i}" for i in range(50)]
+    assert asyncio.run(main()) == [f"{i}{i}{i * 2}" for i in range(50)]
+
+
+def test_pause_and_resume_keep_files_and_running_processes(gateway):
+    with Sandbox.create() as sbx:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        h = sbx.commands.run("sleep 300", background=True, timeout=0)
+        assert sbx.pause() is True
+        back = Sandbox.connect(sbx.sandbox_id)
+        assert back.files.read("/home/user/kept.txt") == "kept"
+        assert h.pid in [p.pid for p in back.commands.list()]
+        assert back.commands.kill(h.pid) is True
 
 
 def test_watch_dir_sees_files_made_by_commands(gateway):

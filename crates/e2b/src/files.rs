@@ -240,13 +240,19 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
             let pump = async move {
                 futures::pin_mut!(data);
                 while let Some(c) = data.next().await {
-                    if tx.send(c).await.is_err() {
-                        break;
+                    let bad = c.as_ref().err().cloned();
+                    if tx.send(c).await.is_err() || bad.is_some() {
+                        return bad;
                     }
                 }
+                None
             };
-            let (_, r) = tokio::join!(pump, put(ctx, &target, tokio_stream::wrappers::ReceiverStream::new(rx)));
+            let (bad, r) = tokio::join!(pump, put(ctx, &target, tokio_stream::wrappers::ReceiverStream::new(rx)));
             in_part.store(false, Ordering::Relaxed);
+            // A body that broke off is the client's error (and wrote nothing).
+            if let Some(e) = bad {
+                return rest(StatusCode::BAD_REQUEST, format!("multipart: {e}"));
+            }
             match r {
                 Ok(v) => written.push(v),
                 Err(resp) => return resp,
@@ -263,8 +269,12 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                 Err(e) => return rest(StatusCode::PAYLOAD_TOO_LARGE, format!("gzip body: {e}")),
             };
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(4);
-            tokio::task::spawn_blocking(move || inflate(&compressed, &tx));
-            put(ctx, &p, tokio_stream::wrappers::ReceiverStream::new(rx)).await
+            let inflating = tokio::task::spawn_blocking(move || inflate(&compressed, &tx));
+            let r = put(ctx, &p, tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+            if let Ok(Some(e)) = inflating.await {
+                return rest(StatusCode::BAD_REQUEST, e);
+            }
+            r
         } else {
             let data = req.into_body().into_data_stream().map(|c| c.map_err(|e| e.to_string()));
             put(ctx, &p, data).await
@@ -277,22 +287,24 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
     crate::connect::json_response(StatusCode::OK, &written)
 }
 
-/// Inflates a gzip body into `tx` (an error ends the stream with it: nothing is written).
-fn inflate(compressed: &[u8], tx: &tokio::sync::mpsc::Sender<Result<Bytes, String>>) {
+/// Inflates a gzip body into `tx`; a broken body ends the stream with its error (nothing is
+/// written) and is returned.
+fn inflate(compressed: &[u8], tx: &tokio::sync::mpsc::Sender<Result<Bytes, String>>) -> Option<String> {
     use std::io::Read;
     let mut d = flate2::read::MultiGzDecoder::new(compressed);
     let mut buf = vec![0u8; CHUNK];
     loop {
         match d.read(&mut buf) {
-            Ok(0) => return,
+            Ok(0) => return None,
             Ok(n) => {
                 if tx.blocking_send(Ok(Bytes::copy_from_slice(&buf[..n]))).is_err() {
-                    return;
+                    return None;
                 }
             }
             Err(e) => {
-                let _ = tx.blocking_send(Err(format!("gzip body: {e}")));
-                return;
+                let e = format!("gzip body: {e}");
+                let _ = tx.blocking_send(Err(e.clone()));
+                return Some(e);
             }
         }
     }
