@@ -299,14 +299,9 @@ impl Aether {
             .arg("--dir")
             .arg(&dir)
             .arg("--session-bytes")
-            .arg(self.cfg.session_bytes.to_string())
-            .env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .envs(self.cfg.env.iter().map(|(k, v)| (k, v)))
-            .env("HOME", &u.home)
-            .env("USER", &u.name)
-            .env("LOGNAME", &u.name)
-            .env(crate::chronus::WORKDIR_ENV, &self.cfg.workdir)
+            .arg(self.cfg.session_bytes.to_string());
+        passwd::user_env(&mut c, &u, &self.cfg.env);
+        c.env(crate::chronus::WORKDIR_ENV, &self.cfg.workdir)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())

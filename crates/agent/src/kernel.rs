@@ -151,16 +151,10 @@ impl Kernel {
             .map_err(|e| AgentError::fs("chown", &log_path, e))?;
         std::os::unix::fs::chown(dir, Some(user.uid), Some(user.gid)).map_err(|e| AgentError::fs("chown", dir, e))?;
         let mut c = std::process::Command::new("python3");
-        c.args(["-m", "ipykernel_launcher", "-f"])
-            .arg(&file)
-            .env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("HOME", &user.home)
-            .env("USER", &user.name)
-            .env("LOGNAME", &user.name)
-            // Figures come back as PNG results, as E2B's do.
-            .env("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        c.args(["-m", "ipykernel_launcher", "-f"]).arg(&file);
+        crate::passwd::user_env(&mut c, user, env);
+        // Figures come back as PNG results, as E2B's do.
+        c.env("MPLBACKEND", "module://matplotlib_inline.backend_inline")
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone().map_err(|e| AgentError::fs("dup", &log_path, e))?)
             .stderr(log);
@@ -280,7 +274,9 @@ impl Kernel {
 
     /// Whether `sig` (hex) signs `parts`, compared in constant time.
     fn verify(&self, sig: &[u8], parts: &[&[u8]]) -> bool {
-        let Some(bytes) = (sig.len() % 2 == 0)
+        let Some(bytes) = sig
+            .len()
+            .is_multiple_of(2)
             .then(|| {
                 sig.chunks(2)
                     .map(|h| std::str::from_utf8(h).ok().and_then(|h| u8::from_str_radix(h, 16).ok()))

@@ -36,6 +36,17 @@ pub fn groups(group: &str, name: &str, gid: u32) -> Vec<u32> {
 /// Has the command run as `u` (groups, gid, uid in that order, after everything else std does
 /// before exec), then enter `cwd` as that user. std's own `uid()` would drop supplementary
 /// groups, and its `current_dir` would enter the directory before the switch.
+/// A process's environment as the agent gives it: nothing inherited, the default PATH, then
+/// the sandbox's variables, then the user's HOME, USER and LOGNAME (the caller adds its own).
+pub fn user_env(c: &mut std::process::Command, u: &User, sandbox_env: &[(String, String)]) {
+    c.env_clear()
+        .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        .envs(sandbox_env.iter().map(|(k, v)| (k, v)))
+        .env("HOME", &u.home)
+        .env("USER", &u.name)
+        .env("LOGNAME", &u.name);
+}
+
 pub fn run_as(c: &mut std::process::Command, u: &User, cwd: Option<std::path::PathBuf>) {
     use std::os::unix::process::CommandExt;
     let switch = rustix::process::geteuid().as_raw() != u.uid || rustix::process::getegid().as_raw() != u.gid;

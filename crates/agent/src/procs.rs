@@ -88,14 +88,9 @@ impl Procs {
             return Err(AgentError::TagInUse(req.tag));
         }
         let mut c = std::process::Command::new(argv0);
-        c.args(&req.cmd[1..])
-            .env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .env("HOME", &user.home)
-            .env("USER", &user.name)
-            .env("LOGNAME", &user.name)
-            .envs(&req.env);
+        c.args(&req.cmd[1..]);
+        crate::passwd::user_env(&mut c, user, env);
+        c.envs(&req.env);
         let pty = match &req.pty {
             Some(size) => {
                 let (master, slave) = pty::open(size, user.uid, user.gid)

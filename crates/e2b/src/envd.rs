@@ -162,6 +162,19 @@ struct StreamOpts {
     keepalive: Duration,
 }
 
+impl StreamOpts {
+    /// Resolves when the stream's timeout (counted from now) runs out; never without one.
+    fn expiry(&self) -> impl std::future::Future<Output = ()> + use<> {
+        let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
+        async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        }
+    }
+}
+
 async fn start(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
     let req: model::StartRequest = connect::decode(msg)?;
     let p = req.process.ok_or_else(|| ConnectError::invalid("process is required"))?;
@@ -240,13 +253,7 @@ fn process_stream(pid: u32, mut events: tonic::Streaming<pb::ProcessEvent>, pty:
         if tx.send(send(Event::Start { pid })).await.is_err() {
             return;
         }
-        let deadline = opts.timeout.map(|t| tokio::time::Instant::now() + t);
-        let expired = async move {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
+        let expired = opts.expiry();
         tokio::pin!(expired);
         loop {
             let tick = tokio::time::sleep(opts.keepalive);
@@ -605,13 +612,7 @@ async fn watch_dir(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
     let ctx = Ctx { gw: ctx.gw.clone(), client: ctx.client.clone(), id: ctx.id.clone(), user: ctx.user.clone() };
     let include = m.include_entry.then_some(root.path);
     tokio::spawn(async move {
-        let deadline = opts.timeout.map(|t| tokio::time::Instant::now() + t);
-        let expired = async move {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
+        let expired = opts.expiry();
         tokio::pin!(expired);
         loop {
             let tick = tokio::time::sleep(opts.keepalive);
