@@ -280,3 +280,21 @@ def test_async_watch_streams_events(gateway):
             await s.kill()
 
     asyncio.run(main())
+
+
+def test_metrics_come_from_the_sandbox_cgroup_and_disk(gateway):
+    with Sandbox.create() as sbx:
+        sbx.files.write("/home/user/ballast.bin", b"z" * (50 << 20))
+        h = sbx.commands.run("python3 -c 'x = bytearray(150 << 20); import time; time.sleep(30)'", background=True)
+        time.sleep(2)
+        busy = sbx.commands.run("timeout 3 sh -c 'while :; do :; done' & sleep 0.5; echo", background=True)
+        time.sleep(1)
+        m = sbx.get_metrics()
+        assert len(m) == 1
+        m = m[0]
+        assert m.cpu_count == 2 and m.mem_total == 512 << 20
+        assert m.mem_used > 100 << 20, m  # the python holding 150 MiB
+        assert m.disk_used >= 50 << 20 and m.disk_total > m.disk_used, m
+        assert 0 < m.cpu_used_pct <= 100, m
+        h.kill()
+        busy.kill()

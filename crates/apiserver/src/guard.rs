@@ -67,6 +67,7 @@ const METHODS: &[&str] = &[
     "CreateSandbox",
     "CreateSandboxes",
     "GetSandbox",
+    "GetSandboxMetrics",
     "ListSandboxes",
     "StopSandbox",
     "PauseSandbox",

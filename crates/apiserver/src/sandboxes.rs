@@ -185,6 +185,21 @@ impl Sandboxes for SandboxesService {
         .await
     }
 
+    async fn get_sandbox_metrics(
+        &self,
+        request: Request<pb::GetSandboxMetricsRequest>,
+    ) -> Result<Response<pb::SandboxMetrics>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "GetSandboxMetrics", move |s, call| {
+            Box::pin(async move {
+                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_VIEW).await?;
+                let req = forward::to_edge(req, &project_of(&sb))?;
+                forward::edge_forward(s, &edge, |mut c| async move { c.get_sandbox_metrics(req).await }).await
+            })
+        })
+        .await
+    }
+
     async fn list_sandboxes(
         &self,
         request: Request<pb::ListSandboxesRequest>,

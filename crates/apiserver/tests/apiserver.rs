@@ -390,6 +390,13 @@ impl Edge for FakeEdge {
     async fn update_network(&self, r: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
         self.get(&r.get_ref().id).map(Response::new)
     }
+
+    async fn get_sandbox_metrics(
+        &self,
+        _: Request<pb::GetSandboxMetricsRequest>,
+    ) -> Result<Response<pb::SandboxMetrics>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// The edge's `Runtime` service: Exec echoes the command, ExecStream sends one output chunk

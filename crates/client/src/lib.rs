@@ -258,6 +258,15 @@ impl Client {
         .await
     }
 
+    pub async fn get_sandbox_metrics(&self, id: &str) -> Result<pb::SandboxMetrics, ApiError> {
+        let req = pb::GetSandboxMetricsRequest { id: id.to_string() };
+        self.call(const { retry::class("Sandboxes/GetSandboxMetrics") }, |ch| {
+            let req = req.clone();
+            async move { SandboxesClient::new(ch).get_sandbox_metrics(req).await }
+        })
+        .await
+    }
+
     pub async fn list_sandboxes(&self, req: pb::ListSandboxesRequest) -> Result<pb::ListSandboxesResponse, ApiError> {
         self.call(const { retry::class("Sandboxes/ListSandboxes") }, |ch| {
             let req = req.clone();

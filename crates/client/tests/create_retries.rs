@@ -68,6 +68,12 @@ impl Sandboxes for Full {
     async fn update_network(&self, _: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }
+    async fn get_sandbox_metrics(
+        &self,
+        _: Request<pb::GetSandboxMetricsRequest>,
+    ) -> Result<Response<pb::SandboxMetrics>, Status> {
+        no()
+    }
 }
 
 async fn serve(fake: Full) -> String {

@@ -44,6 +44,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Edge/Status", &[Watcher]),
     ("/opendsec.v1.Edge/CreateSandbox", &[Apiserver]),
     ("/opendsec.v1.Edge/GetSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/GetSandboxMetrics", &[Apiserver]),
     ("/opendsec.v1.Edge/ListSandboxes", &[Apiserver]),
     ("/opendsec.v1.Edge/StopSandbox", &[Apiserver]),
     ("/opendsec.v1.Edge/PauseSandbox", &[Apiserver]),

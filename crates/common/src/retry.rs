@@ -76,6 +76,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/CreateSandbox", Create),
         ("Sandboxes/CreateSandboxes", Create),
         ("Sandboxes/GetSandbox", Read),
+        ("Sandboxes/GetSandboxMetrics", Read),
         ("Sandboxes/ListSandboxes", Read),
         ("Sandboxes/StopSandbox", Repeat),
         ("Sandboxes/PauseSandbox", Repeat),

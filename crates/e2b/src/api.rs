@@ -76,9 +76,11 @@ async fn dispatch(gw: &Gateway, req: Request<Body>) -> Result<Response> {
             connect(gw, &call, id, &body).await
         }
         (&Method::PUT, ["sandboxes", id, "network"]) => network(&call, id, &body).await,
-        (_, ["sandboxes", _, "metrics" | "fork" | "snapshots" | "logs"] | ["snapshots" | "templates", ..]) => Err(
-            RestError::new(StatusCode::NOT_IMPLEMENTED, format!("{method} {path} is not supported yet (docs/e2b.md)")),
-        ),
+        (&Method::GET, ["sandboxes", id, "metrics"]) => metrics(&call, id).await,
+        (_, ["sandboxes", _, "fork" | "snapshots" | "logs"] | ["snapshots" | "templates", ..]) => Err(RestError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("{method} {path} is not supported yet (docs/e2b.md)"),
+        )),
         _ => Err(RestError::not_found(format!("no such endpoint: {method} {path}"))),
     }
 }
@@ -362,6 +364,34 @@ async fn connect(gw: &Gateway, call: &Call, id: &str, body: &[u8]) -> Result<Res
     }
     extend_to(call, &sb, t.timeout.unwrap_or(DEFAULT_TIMEOUT_S)).await?;
     Ok(json(status, &sandbox_answer(gw, &sb, &call.key)))
+}
+
+/// The sandbox's use now, as one SandboxMetric (E2B keeps a history; the gateway keeps
+/// nothing, so `start` and `end` name no other point).
+async fn metrics(call: &Call, id: &str) -> Result<Response> {
+    let sb = live(call, id).await?;
+    let m = match call.client.get_sandbox_metrics(id).await {
+        Ok(m) => m,
+        Err(e) if matches!(e.reason, Reason::NotFound | Reason::PermissionDenied) => return Err(not_found(id)),
+        Err(e) => return Err(e.into()),
+    };
+    let mem_total = match sb.spec.as_ref().and_then(|s| s.resources.as_ref()) {
+        // An unlimited cgroup reports a huge limit: the sandbox's own size says more.
+        Some(r) if r.memory_mb > 0 && m.memory_limit_bytes > r.memory_mb << 20 => r.memory_mb << 20,
+        _ => m.memory_limit_bytes,
+    };
+    let one = serde_json::json!({
+        "timestamp": model::rfc3339(m.at_ms),
+        "timestampUnix": m.at_ms / 1000,
+        "cpuCount": m.cpu_count,
+        "cpuUsedPct": (m.cpu_used_pct * 100.0).round() / 100.0,
+        "memUsed": m.memory_used_bytes,
+        "memTotal": mem_total,
+        "memCache": m.memory_cache_bytes,
+        "diskUsed": m.disk_used_bytes,
+        "diskTotal": m.disk_total_bytes,
+    });
+    Ok(json(StatusCode::OK, &vec![one]))
 }
 
 async fn network(call: &Call, id: &str, body: &[u8]) -> Result<Response> {

@@ -26,6 +26,7 @@
 
 mod create;
 mod list;
+mod metrics;
 mod network;
 mod pause;
 mod release;
@@ -105,6 +106,8 @@ pub(crate) struct Inner {
     pub tasks: std::sync::Mutex<Vec<JoinHandle<()>>>,
     /// Runtime calls in flight and last activity per sandbox.
     pub activity: sweep::Activity,
+    /// The last CPU reading per lease (CPU time, when), for the next reading's percentage.
+    pub cpu_readings: std::sync::Mutex<std::collections::HashMap<String, (u64, Instant)>>,
     /// The wall clock of TTLs, activity and retention.
     pub clock: Clock,
     /// Runtime calls in flight per sandbox, capped.
@@ -161,6 +164,7 @@ impl Inner {
             pressure_cache: std::sync::Mutex::new(None),
             tasks: std::sync::Mutex::new(Vec::new()),
             activity: sweep::Activity::new(p.clock.clone()),
+            cpu_readings: Default::default(),
             clock: p.clock,
             network: p.network,
         }

@@ -7,8 +7,9 @@ use tonic::{Request, Response, Status};
 
 use opendsec_proto::v1::edge_server::Edge as EdgeRpc;
 use opendsec_proto::v1::{
-    EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, GetSandboxRequest, PauseSandboxRequest,
-    ResumeSandboxRequest, Sandbox, SetSandboxTimeoutRequest, StatusRequest, StopSandboxRequest, UpdateNetworkRequest,
+    EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, GetSandboxMetricsRequest, GetSandboxRequest,
+    PauseSandboxRequest, ResumeSandboxRequest, Sandbox, SandboxMetrics, SetSandboxTimeoutRequest, StatusRequest,
+    StopSandboxRequest, UpdateNetworkRequest,
 };
 
 use crate::core::Inner;
@@ -109,6 +110,14 @@ impl EdgeRpc for EdgeService {
             .await
             .map(Response::new)
             .map_err(|e| status("SetSandboxTimeout", e))
+    }
+
+    async fn get_sandbox_metrics(
+        &self,
+        req: Request<GetSandboxMetricsRequest>,
+    ) -> Result<Response<SandboxMetrics>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
+        self.inner.metrics(&req.get_ref().id).await.map(Response::new).map_err(|e| status("GetSandboxMetrics", e))
     }
 
     async fn update_network(&self, req: Request<UpdateNetworkRequest>) -> Result<Response<Sandbox>, Status> {

@@ -54,6 +54,12 @@ impl pb::edge_server::Edge for FakeEdge {
     async fn update_network(&self, _r: Request<pb::UpdateNetworkRequest>) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }
+    async fn get_sandbox_metrics(
+        &self,
+        _r: Request<pb::GetSandboxMetricsRequest>,
+    ) -> Result<Response<pb::SandboxMetrics>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// A fake edge serving with the certificate of edge `cert` and answering Status as

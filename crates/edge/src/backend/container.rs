@@ -765,6 +765,33 @@ impl Backend for ContainerBackend {
         None
     }
 
+    async fn metrics(&self, sb: &SandboxRecord) -> Result<super::Readings, BackendError> {
+        let s = self
+            .lock()
+            .get(&sb.id)
+            .map(|h| h.sandbox.clone())
+            .ok_or_else(|| BackendError::not_found(format!("sandbox {} is not running here", sb.id)))?;
+        blocking(move || {
+            let st = s.stats().map_err(sandbox_err)?;
+            // The sandbox's root as its processes see it: the overlay, whose statistics are
+            // its upper file system's (the sandbox's own disk).
+            let root = PathBuf::from(format!("/proc/{}/root/", s.pid));
+            let fs = rustix::fs::statvfs(&root)
+                .map_err(|e| BackendError::internal(format!("statvfs {}: {e}", root.display())))?;
+            let total = fs.f_blocks.saturating_mul(fs.f_frsize);
+            let free = fs.f_bfree.saturating_mul(fs.f_frsize);
+            Ok(super::Readings {
+                cpu_ns: st.cpu_usage_ns,
+                memory_used_bytes: st.memory_usage_bytes,
+                memory_limit_bytes: st.memory_limit_bytes,
+                memory_cache_bytes: st.memory_cache_bytes,
+                disk_used_bytes: total.saturating_sub(free),
+                disk_total_bytes: total,
+            })
+        })
+        .await
+    }
+
     fn networked(&self) -> bool {
         self.opts.network.is_some()
     }

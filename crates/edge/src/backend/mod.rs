@@ -30,6 +30,18 @@ pub struct Usage {
     pub memory_mb: u64,
 }
 
+/// A sandbox's use at one moment, as a backend reads it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Readings {
+    /// CPU time used since the sandbox started (all its processes).
+    pub cpu_ns: u64,
+    pub memory_used_bytes: u64,
+    pub memory_limit_bytes: u64,
+    pub memory_cache_bytes: u64,
+    pub disk_used_bytes: u64,
+    pub disk_total_bytes: u64,
+}
+
 /// One isolation backend (`sim`, `container`, `fncall`, `microvm`, `fullvm`).
 #[async_trait]
 pub trait Backend: Send + Sync {
@@ -61,6 +73,11 @@ pub trait Backend: Send + Sync {
     /// What the backend's sandboxes actually use, when the backend can tell; `None` lets the
     /// edge measure the host instead.
     fn usage(&self) -> Option<Usage>;
+
+    /// What the sandbox uses now (CPU time, memory, disk), when the backend can tell.
+    async fn metrics(&self, sb: &SandboxRecord) -> Result<Readings, BackendError> {
+        Err(BackendError::invalid_argument(format!("backend {} does not measure sandbox {}", self.name(), sb.id)))
+    }
 
     /// Whether its sandboxes get a network from the edge (`netpol`): the edge then chooses a
     /// slot for each and records it before `create`.

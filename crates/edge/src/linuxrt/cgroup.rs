@@ -123,6 +123,10 @@ pub struct CgroupStats {
     pub pids_current: u64,
     /// OOM kills inside the cgroup, when the kernel reports them.
     pub oom_kills: u64,
+    /// CPU time of every task in the cgroup so far.
+    pub cpu_usage_ns: u64,
+    /// Page cache charged to the cgroup.
+    pub memory_cache_bytes: u64,
 }
 
 /// Result of probing core scheduling support.
@@ -471,6 +475,12 @@ impl SandboxCgroup {
             memory_limit_bytes: s.memory.memory.limit,
             pids_current: s.pids.current,
             oom_kills: self.oom_kills(),
+            // v1's cpuacct counts nanoseconds, v2's cpu.stat microseconds.
+            cpu_usage_ns: match self.layout {
+                Layout::V1 => s.cpu.usage.usage_total,
+                Layout::V2 => s.cpu.usage.usage_total.saturating_mul(1000),
+            },
+            memory_cache_bytes: s.memory.cache,
         })
     }
 

@@ -36,6 +36,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/CreateSandbox": "create",
     "Sandboxes/CreateSandboxes": "create",
     "Sandboxes/GetSandbox": "read",
+    "Sandboxes/GetSandboxMetrics": "read",
     "Sandboxes/ListSandboxes": "read",
     "Sandboxes/StopSandbox": "repeat",
     "Sandboxes/PauseSandbox": "repeat",
