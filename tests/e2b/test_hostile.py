@@ -31,7 +31,7 @@ def test_rest_errors_are_json_with_code_and_message(gateway):
         (httpx.post, "/v2/sandboxes", b'{"templateID": 7}', 400),
         (httpx.post, "/v2/sandboxes", b'{"templateID": "no-such-template"}', 404),
         (httpx.post, "/v2/sandboxes", b'{"templateID": "base", "autoPause": true}', 400),
-        (httpx.post, "/v2/sandboxes", b'{"templateID": "base", "network": {"denyOut": ["8.8.8.8"]}}', 400),
+        (httpx.post, "/v2/sandboxes", b'{"templateID": "base", "network": {"denyOut": ["192.0.2.1"]}}', 400),
         (httpx.post, "/v2/sandboxes", b'{"templateID": "base", "timeout": 18446744073709551615}', 400),
         (httpx.get, "/sandboxes/edge-000.nosuchlease", None, 404),
         (httpx.get, "/sandboxes/..%2f..%2fetc", None, 404),

@@ -250,15 +250,7 @@ async fn bench_user_namespace_cost() {
     let tweak = |userns: bool| {
         move |c: &mut opendsec_common::config::Config| {
             c.edge.user_namespaces = userns;
-            c.edge.capacity = opendsec_common::config::CapacityConfig {
-                cpu_millis: 4_000_000,
-                memory_mb: 400_000,
-                disk_mb: 4_000_000,
-                gpus: 0,
-            };
-            c.edge.max_sandboxes = 5000;
-            c.apiserver.rate_per_principal = 100_000.0;
-            c.apiserver.burst_per_principal = 100_000.0;
+            room_for_thousands(c);
         }
     };
     let with = fixture_with(tweak(true)).await;

@@ -524,7 +524,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(egress_of(Some(true), Some(&n)).unwrap().unwrap().len(), 2);
-        let deny_some = model::Network { deny_out: Some(vec!["8.8.8.8".into()]), ..Default::default() };
+        let deny_some = model::Network { deny_out: Some(vec!["192.0.2.1".into()]), ..Default::default() };
         assert_eq!(egress_of(None, Some(&deny_some)).unwrap_err().status, StatusCode::BAD_REQUEST);
         let bad = model::Network { allow_out: Some(vec!["not a rule!".into()]), ..Default::default() };
         assert!(egress_of(None, Some(&bad)).is_err());

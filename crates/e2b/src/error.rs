@@ -33,8 +33,7 @@ impl RestError {
     }
 
     pub fn response(&self) -> Response {
-        let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});
-        let mut r = connect::json_response(self.status, &body);
+        let mut r = json_error(self.status, &self.message);
         let h = r.headers_mut();
         // Only rate limits and a busy cluster are worth the SDK's automatic retry; a quota or
         // a 502 "not found" is final.
@@ -65,6 +64,12 @@ impl From<ApiError> for RestError {
             e.metadata.get("retry_after_ms").and_then(|v| v.parse::<u64>().ok()).map(|ms| ms.div_ceil(1000).max(1));
         RestError { status, message: format!("{}: {}", e.reason, e.message), retry_after_s, retry }
     }
+}
+
+/// `{"code": <status>, "message"}` with that status: the error body of E2B's REST API and of
+/// envd's and the code interpreter's HTTP endpoints.
+pub fn json_error(status: StatusCode, message: &str) -> Response {
+    connect::json_response(status, &serde_json::json!({"code": status.as_u16(), "message": message}))
 }
 
 /// What E2B's edge proxy answers for a sandbox that is unknown, killed or paused; the SDK turns

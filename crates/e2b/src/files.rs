@@ -26,9 +26,8 @@ const MAX_BETWEEN_PARTS: u64 = 1 << 20;
 /// Upload chunks sent to the agent.
 const CHUNK: usize = 1 << 20;
 
-fn rest(status: StatusCode, message: impl Into<String>) -> Response {
-    let m: String = message.into();
-    crate::connect::json_response(status, &json!({"code": status.as_u16(), "message": m}))
+fn rest(status: StatusCode, message: impl AsRef<str>) -> Response {
+    error::json_error(status, message.as_ref())
 }
 
 /// An opendsec error on a file call, as envd's HTTP answers it (the SDK maps by status).

@@ -17,31 +17,22 @@ use opendsec_common::{ApiError, Reason};
 use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
 
+use crate::sandbox::Ctx;
 use crate::{Gateway, error, header, model};
 
 const MAX_BODY: usize = 16 << 20;
 
-fn rest(status: StatusCode, message: impl Into<String>) -> Response {
-    let m: String = message.into();
-    crate::connect::json_response(status, &json!({"code": status.as_u16(), "message": m}))
+fn rest(status: StatusCode, message: impl AsRef<str>) -> Response {
+    error::json_error(status, message.as_ref())
 }
 
-struct Call {
-    client: opendsec_client::Client,
-    id: String,
-}
+type Call = Ctx;
 
-impl Call {
-    async fn fail(&self, e: &ApiError) -> Response {
-        // Gone: the SDK turns a 502 into "the sandbox timed out".
-        let gone = match self.client.get_sandbox(&self.id).await {
-            Ok(sb) => !matches!(
-                pb::SandboxState::try_from(sb.state),
-                Ok(pb::SandboxState::Running | pb::SandboxState::Paused)
-            ),
-            Err(g) => matches!(g.reason, Reason::NotFound | Reason::PermissionDenied | Reason::InvalidArgument),
-        };
-        if gone {
+impl Ctx {
+    /// A failed call's answer: 502 when the sandbox is gone (the SDK turns it into "the
+    /// sandbox timed out"), else the error's status.
+    async fn fail_http(&self, e: &ApiError) -> Response {
+        if self.gone().await {
             return error::sandbox_not_found(&self.id);
         }
         let status = match e.reason {
@@ -70,7 +61,7 @@ pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Respons
         Ok(c) => c,
         Err(e) => return rest(StatusCode::UNAUTHORIZED, e.message),
     };
-    let call = Call { client, id };
+    let call = Ctx { gw: gw.clone(), client, id, user: String::new() };
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_string();
     let body = match http_body_util::Limited::new(req.into_body(), MAX_BODY).collect().await {
@@ -173,7 +164,7 @@ async fn execute(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
     };
     let mut events = match call.client.run_code(run).await {
         Ok(s) => s,
-        Err(e) => return call.fail(&e).await,
+        Err(e) => return call.fail_http(&e).await,
     };
     // The first event (or error) decides between an error status and the stream.
     let first = events.next().await;
@@ -181,7 +172,7 @@ async fn execute(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
         Some(Err(s)) => {
             let e = ApiError::from_status(&s);
             if e.reason != Reason::DeadlineExceeded {
-                return call.fail(&e).await;
+                return call.fail_http(&e).await;
             }
             Some(Err(s))
         }
@@ -227,7 +218,7 @@ async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
     };
     match call.client.create_code_context(r).await {
         Ok(c) => crate::connect::json_response(StatusCode::OK, &context_json(&c)),
-        Err(e) => call.fail(&e).await,
+        Err(e) => call.fail_http(&e).await,
     }
 }
 
@@ -237,7 +228,7 @@ async fn list(call: &Call) -> Response {
             let v: Vec<Value> = l.contexts.iter().map(context_json).collect();
             crate::connect::json_response(StatusCode::OK, &v)
         }
-        Err(e) => call.fail(&e).await,
+        Err(e) => call.fail_http(&e).await,
     }
 }
 
@@ -245,7 +236,7 @@ async fn restart(call: &Call, ctx: &str) -> Response {
     let r = pb::CodeContextRequest { sandbox_id: call.id.clone(), context_id: ctx.to_string() };
     match call.client.restart_code_context(r).await {
         Ok(c) => crate::connect::json_response(StatusCode::OK, &context_json(&c)),
-        Err(e) => call.fail(&e).await,
+        Err(e) => call.fail_http(&e).await,
     }
 }
 
@@ -257,7 +248,7 @@ async fn remove(call: &Call, ctx: &str) -> Response {
             *r.status_mut() = StatusCode::NO_CONTENT;
             r
         }
-        Err(e) => call.fail(&e).await,
+        Err(e) => call.fail_http(&e).await,
     }
 }
 

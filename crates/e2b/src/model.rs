@@ -176,12 +176,6 @@ pub struct SendInputRequest {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-pub struct StreamInputStart {
-    pub process: Option<Selector>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
 pub struct StreamInputData {
     pub input: Option<ProcessInput>,
 }
@@ -189,7 +183,7 @@ pub struct StreamInputData {
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 pub struct StreamInputRequest {
-    pub start: Option<StreamInputStart>,
+    pub start: Option<SelectorRequest>,
     pub data: Option<StreamInputData>,
     pub keepalive: Option<serde_json::Value>,
 }
