@@ -22,7 +22,10 @@ key="$(sha256sum "$0" | cut -c1-16)"
 dir="$cache/e2b-$which-$key"
 if [ "${2:-}" = "--path" ]; then echo "$dir/rootfs"; exit 0; fi
 if [ -f "$dir/complete" ]; then echo "$dir/rootfs"; exit 0; fi
-rm -rf "$dir"
+# A run killed while /proc was mounted in the new root leaves that mount behind: take it
+# away first, and never cross into another file system while removing.
+umount -l "$dir/rootfs/proc" 2>/dev/null || true
+rm -rf --one-file-system "$dir"
 mkdir -p "$dir"
 debootstrap --variant=minbase --include="$pkgs" \
   bookworm "$dir/rootfs" http://deb.debian.org/debian >"$dir/debootstrap.log" 2>&1 || {

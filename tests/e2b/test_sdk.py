@@ -158,6 +158,9 @@ def test_a_bad_key_is_unauthenticated_and_another_projects_sandbox_is_not_found(
             content=b"{}",
         )
         assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+        # Nor its metrics.
+        r = httpx.get(f"{gateway.url}/sandboxes/{sbx.sandbox_id}/metrics", headers={"x-api-key": tok})
+        assert r.status_code == 404 and r.json()["code"] == 404
         assert sbx.commands.run("echo still mine").stdout == "still mine\n"
 
 
