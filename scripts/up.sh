@@ -31,7 +31,8 @@ Connect from a shell (addresses, token, opendsecctl and the SDK's Python on PATH
   python3 examples/quickstart.py
 
 E2B's SDKs (pip install e2b e2b-code-interpreter) run against it unchanged: the env file
-sets E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (docs/e2b.md).
+sets E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY, and SSL_CERT_FILE and NODE_EXTRA_CA_CERTS
+so that they trust the gateway's certificate (docs/e2b.md).
 
 Stop it with: make down
 MSG
@@ -82,6 +83,9 @@ E2B_URL=$(sed -n 's/^  e2b gateway: *//p' "$STATE/cluster.log")
   printf 'export OPENDSEC_IMAGE_STORE=%q\n' "$STATE/images"
   printf 'export E2B_API_URL=%q E2B_SANDBOX_URL=%q\n' "$E2B_URL" "$E2B_URL"
   printf 'export E2B_API_KEY="$(cat %q)"\n' "$STATE/admin.token"
+  # The gateway speaks HTTPS with the cluster's certificate: E2B's Python SDK trusts the
+  # file in SSL_CERT_FILE (the system's CAs and the cluster's), Node adds NODE_EXTRA_CA_CERTS.
+  printf 'export SSL_CERT_FILE=%q NODE_EXTRA_CA_CERTS=%q\n' "$STATE/pki/trust-bundle.pem" "$STATE/pki/ca.pem"
   printf 'export PATH=%q:%q:"$PATH"\n' "$REPO/target/release" "$STATE/venv/bin"
 } >"$STATE/env"
 . "$STATE/env"

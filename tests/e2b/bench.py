@@ -69,17 +69,10 @@ def main() -> None:
     ctl = Path(os.environ.get("OPENDSECCTL", REPO / "target" / "release" / "opendsecctl"))
     cl = LocalCluster(ctl, ("container",), prefix="opendsec-e2b-bench.")
     try:
-        url = None
-        deadline = time.monotonic() + 30
-        while url is None and time.monotonic() < deadline:
-            for line in cl.log().splitlines():
-                if line.startswith("  e2b gateway:"):
-                    url = line.split(":", 1)[1].strip()
-            time.sleep(0.1)
-        assert url, cl.log()
+        e2b_env = cl.e2b_env()
         cl.import_rootfs(rootfs("base"), "e2b-base:latest")
         cl.import_rootfs(rootfs("code-interpreter"), "code-interpreter-v1:latest", timeout=900)
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=cl.token)
+        os.environ.update(e2b_env)
         run(args, cl)
     finally:
         cl.close()

@@ -3,8 +3,10 @@ for E2B's own SDKs installed unmodified from PyPI (``make e2b-test``).
 
 The E2B templates' images are built by ``scripts/e2b-images.sh`` (``make e2b-images``) and
 imported into the cluster's root project, the admin token's: ``e2b-base:latest`` (template
-``base``) and ``code-interpreter-v1:latest`` (the code interpreter's). The SDK finds the gateway through ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (both the
-gateway) and authenticates with ``E2B_API_KEY`` (the admin token), set here for every test.
+``base``) and ``code-interpreter-v1:latest`` (the code interpreter's). The SDK finds the
+gateway through ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` (both the gateway, HTTPS with the
+cluster's certificate, trusted through ``SSL_CERT_FILE`` and ``NODE_EXTRA_CA_CERTS``) and
+authenticates with ``E2B_API_KEY`` (the admin token), set here for every test.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -55,16 +56,6 @@ class Gateway:
         return self.local.ctl_json(*args)
 
 
-def _gateway_url(local: LocalCluster, timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in local.log().splitlines():
-            if line.startswith("  e2b gateway:"):
-                return line.split(":", 1)[1].strip()
-        time.sleep(0.1)
-    raise RuntimeError("cluster up printed no e2b gateway:\n" + local.log())
-
-
 @pytest.fixture(scope="session")
 def gateway() -> Iterator[Gateway]:
     ctl = _ctl()
@@ -78,10 +69,14 @@ def gateway() -> Iterator[Gateway]:
             pytest.fail(f"an E2B template image is missing ({r}): run `make e2b-images` first")
     local = LocalCluster(ctl, ("container",), prefix="opendsec-e2b-test.")
     try:
-        url = _gateway_url(local)
+        env = local.e2b_env()
+        url = env["E2B_API_URL"]
+        # The test cluster has TLS: so does its gateway, with the cluster's certificate, which
+        # the SDKs trust through SSL_CERT_FILE (Python) and NODE_EXTRA_CA_CERTS (Node).
+        assert url.startswith("https://") and env["SSL_CERT_FILE"] and env["NODE_EXTRA_CA_CERTS"], env
         local.import_rootfs(base, "e2b-base:latest")
         local.import_rootfs(interp, "code-interpreter-v1:latest", timeout=600)
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=local.token)
+        os.environ.update(env)
         os.environ.pop("E2B_DEBUG", None)
         os.environ.pop("E2B_DOMAIN", None)
         yield Gateway(local, url)

@@ -194,8 +194,13 @@ pub async fn serve(
         router.serve_with_incoming_shutdown(grpc::plain_incoming(listener), stop).await
     } else {
         let per_source = shared.cfg.max_connections_per_source as usize;
-        let incoming =
-            opendsec_common::tls::incoming(listener, opts.tls.server_config(false), grpc::MAX_CONNECTIONS, per_source);
+        let incoming = opendsec_common::tls::incoming(
+            listener,
+            opts.tls.server_config(false),
+            grpc::MAX_CONNECTIONS,
+            per_source,
+            opendsec_common::tls::HTTP2_OPENING,
+        );
         router.serve_with_incoming_shutdown(incoming, stop).await
     };
 

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Subcommand;
-use opendsec_common::pki::{self, Identity, Names, Role};
+use opendsec_common::pki::{self, Identity, Names};
 use serde_json::json;
 
 use crate::error::CtlError;
@@ -31,16 +31,18 @@ pub enum PkiCmd {
         /// The directory holding ca.pem and ca.key.
         #[arg(long)]
         ca_dir: PathBuf,
-        /// <role>/<name>: role one of apiserver, iam, watcher, edge.
+        /// <role>/<name>: role one of apiserver, iam, watcher, edge, gateway (the E2B
+        /// gateway: a public server that may call nothing inside the cluster).
         #[arg(long)]
         id: String,
         /// The bundle to write (default <ca-dir>/<role>-<name>.pem).
         #[arg(long)]
         out: Option<PathBuf>,
-        /// Extra DNS names (an apiserver always gets api.opendsec.internal and localhost).
+        /// Extra DNS names (an apiserver or gateway always gets api.opendsec.internal and
+        /// localhost).
         #[arg(long)]
         dns: Vec<String>,
-        /// Extra IP addresses (an apiserver always gets the loopback addresses).
+        /// Extra IP addresses (an apiserver or gateway always gets the loopback addresses).
         #[arg(long)]
         ip: Vec<IpAddr>,
         /// How long the certificate is valid (short: rotation is cheap).
@@ -94,7 +96,7 @@ pub fn run(out: &Out, cmd: PkiCmd) -> Result<(), CtlError> {
         PkiCmd::Issue { ca_dir, id, out: path, dns, ip, lifetime } => {
             let id = Identity::parse(&id).map_err(local)?;
             let extra = Names { dns, ips: ip };
-            let names = if id.role == Role::Apiserver { pki::public_names(&extra) } else { extra };
+            let names = if id.role.is_public() { pki::public_names(&extra) } else { extra };
             let path = path.unwrap_or_else(|| pki::bundle_path(&ca_dir, &id));
             pki::issue(&ca_dir, &path, &id, &names, lifetime).map_err(local)?;
             let i = pki::inspect(&path).map_err(local)?;

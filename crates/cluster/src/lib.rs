@@ -116,6 +116,9 @@ pub struct Cluster {
     pub admin_token_path: PathBuf,
     /// The CA file clients of the public API trust (`OPENDSEC_CA`).
     pub ca_path: PathBuf,
+    /// The system's CAs and the cluster's in one file, for clients that take only one trust
+    /// store (`SSL_CERT_FILE` for E2B's Python SDK); written when the gateway serves HTTPS.
+    pub trust_bundle_path: Option<PathBuf>,
     /// Renews the components' certificates while the cluster runs.
     renewer: Option<JoinHandle<()>>,
     iam: Option<Running>,
@@ -203,6 +206,7 @@ impl Cluster {
             admin_token: toks.admin_token,
             admin_token_path: toks.admin_token_path,
             ca_path: config.tls_ca(),
+            trust_bundle_path: None,
             renewer,
             iam: None,
             watcher: None,
@@ -223,7 +227,13 @@ impl Cluster {
         cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l)?);
         if let Some(l) = e2b_l {
             let addrs = vec![cluster.apiserver_addr.to_string()];
-            cluster.e2b = Some(start_e2b(&cluster.config, addrs, cluster.client_tls(), l));
+            let serve_tls = gateway_tls(&cluster.config)?;
+            if serve_tls.is_some() {
+                let path = cluster.config.pki_dir().join(pki::TRUST_BUNDLE);
+                pki::write_trust_bundle(&cluster.ca_path, Path::new(pki::SYSTEM_CAS), &path)?;
+                cluster.trust_bundle_path = Some(path);
+            }
+            cluster.e2b = Some(start_e2b(&cluster.config, addrs, cluster.client_tls(), serve_tls, l));
         }
         Ok(cluster)
     }
@@ -352,6 +362,9 @@ fn apiserver_identity() -> Identity {
 /// Every identity of a `cluster up` cluster: IAM, the watcher, the apiserver, each edge.
 fn cluster_identities(config: &Config) -> Vec<Identity> {
     let mut ids = vec![single(pki::Role::Iam), single(pki::Role::Watcher), apiserver_identity()];
+    if !config.e2b.listen.is_empty() {
+        ids.push(single(pki::Role::Gateway));
+    }
     ids.extend(config.edges.iter().map(|e| Identity { role: pki::Role::Edge, name: e.name.clone() }));
     ids
 }
@@ -586,8 +599,25 @@ fn start_apiserver(config: &Config, l: TcpListener, metrics: Option<TcpListener>
     }))
 }
 
-fn start_e2b(config: &Config, apiserver_addrs: Vec<String>, tls: grpc::PublicTls, l: TcpListener) -> Running {
-    let opts = opendsec_e2b::GatewayOptions { config: config.e2b.clone(), apiserver_addrs, tls };
+/// The certificate the E2B gateway presents: none without TLS (plain HTTP on loopback), else
+/// `e2b.tls_bundle` or the gateway's bundle (`<pki dir>/gateway-0.pem`).
+fn gateway_tls(config: &Config) -> Result<Option<Arc<Credentials>>, ClusterError> {
+    if config.apiserver.insecure_plaintext {
+        return Ok(None);
+    }
+    let id = single(pki::Role::Gateway);
+    let bundle = config.e2b.tls_bundle.clone().unwrap_or_else(|| config.tls_bundle_of(id.role.as_str(), &id.name));
+    Ok(Some(Credentials::load(TlsFiles { ca: config.tls_ca(), bundle })?))
+}
+
+fn start_e2b(
+    config: &Config,
+    apiserver_addrs: Vec<String>,
+    tls: grpc::PublicTls,
+    serve_tls: Option<Arc<Credentials>>,
+    l: TcpListener,
+) -> Running {
+    let opts = opendsec_e2b::GatewayOptions { config: config.e2b.clone(), apiserver_addrs, tls, serve_tls };
     spawn(move |rx| async move {
         opendsec_e2b::serve(opts, l, async move {
             let _ = rx.await;
@@ -688,8 +718,10 @@ pub async fn run_daemon(
             let listen =
                 if config.e2b.listen.is_empty() { "127.0.0.1:0".to_string() } else { config.e2b.listen.clone() };
             let l = bind("e2b gateway", &listen).await?;
-            tracing::info!(addr = %local(&l), "the e2b gateway listens");
-            start_e2b(&config, config.e2b.apiserver_addrs.clone(), tls, l)
+            let serve_tls = gateway_tls(&config)?;
+            let scheme = if serve_tls.is_some() { "https" } else { "http" };
+            tracing::info!(url = %format!("{scheme}://{}", local(&l)), "the e2b gateway listens");
+            start_e2b(&config, config.e2b.apiserver_addrs.clone(), tls, serve_tls, l)
         }
         Role::Edge => {
             check_backends(&config)?;

@@ -1,7 +1,7 @@
 //! Shared setup of the end-to-end tests: a whole cluster in this process, on loopback, with
 //! short intervals so that health, snapshots and reconciliation move quickly.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::time::Duration;
 

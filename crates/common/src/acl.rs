@@ -175,6 +175,11 @@ mod tests {
     }
 
     #[test]
+    fn the_gateway_role_calls_nothing_inside() {
+        assert!(TABLE.iter().all(|(_, roles)| !roles.contains(&Role::Gateway)));
+    }
+
+    #[test]
     fn the_table_says_who_calls_what() {
         assert_eq!(allowed("/opendsec.v1.Iam/Admit"), &[Apiserver]);
         assert!(allowed("/opendsec.v1.Iam/ReleaseLeases").contains(&Edge));

@@ -73,10 +73,15 @@ impl Default for Config {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct E2bConfig {
-    /// Plain HTTP/1.1 (E2B's SDKs reach it with `E2B_API_URL` and `E2B_SANDBOX_URL`), a
-    /// loopback address only: API keys cross it in the clear. Empty: `cluster up` starts no
-    /// gateway.
+    /// Where it listens (E2B's SDKs reach it with `E2B_API_URL` and `E2B_SANDBOX_URL`):
+    /// HTTPS/1.1 when the cluster has TLS, else plain HTTP/1.1 on a loopback address only
+    /// (API keys would cross it in the clear). Empty: `cluster up` starts no gateway.
     pub listen: String,
+    /// The certificate and key (one PEM file) the gateway presents. Default the gateway's
+    /// bundle, `<pki dir>/gateway-0.pem` (`cluster up` issues it; `opendsecctl pki issue --id
+    /// gateway/NAME`): it carries the names public clients check and opens nothing inside the
+    /// cluster. A certificate from a public CA works too (then E2B's SDKs need no extra trust).
+    pub tls_bundle: Option<PathBuf>,
     /// The apiservers the gateway calls (`host:port`); `cluster up` fills in its own.
     pub apiserver_addrs: Vec<String>,
     /// E2B template names and the images they stand for (in the caller's project). A
@@ -97,6 +102,7 @@ impl Default for E2bConfig {
     fn default() -> Self {
         E2bConfig {
             listen: "127.0.0.1:0".into(),
+            tls_bundle: None,
             apiserver_addrs: Vec::new(),
             templates: [("base", "e2b-base:latest"), ("code-interpreter-v1", "code-interpreter-v1:latest")]
                 .into_iter()
@@ -792,11 +798,15 @@ impl Config {
         }
         self.network.validate()?;
         if !self.e2b.listen.is_empty() {
-            let loopback = self.e2b.listen.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().is_loopback());
-            if !loopback {
+            let addr = self.e2b.listen.parse::<std::net::SocketAddr>();
+            if addr.is_err() {
+                return Err(invalid("e2b.listen", "must be ip:port"));
+            }
+            if self.apiserver.insecure_plaintext && !addr.is_ok_and(|a| a.ip().is_loopback()) {
                 return Err(invalid(
                     "e2b.listen",
-                    "must be a loopback address (ip:port): plain HTTP carries API keys in the clear",
+                    "must be a loopback address without TLS (apiserver.insecure_plaintext): plain HTTP carries API \
+                     keys in the clear",
                 ));
             }
         }
@@ -966,10 +976,24 @@ mod tests {
             (r#"{"images": {"max_entries": 0}}"#, "images.max_entries"),
             (r#"{"images": {"max_depth": 0}}"#, "images.max_depth"),
             (r#"{"images": {"size": 1}}"#, "images"),
+            (r#"{"e2b": {"listen": "localhost"}}"#, "e2b.listen"),
+            (r#"{"apiserver": {"insecure_plaintext": true}, "e2b": {"listen": "0.0.0.0:7080"}}"#, "e2b.listen"),
         ] {
             let msg = Config::parse(text, "test").unwrap_err().to_string();
             assert!(msg.contains(field), "{text}: {msg}");
         }
+    }
+
+    #[test]
+    fn the_e2b_gateway_leaves_loopback_only_with_tls() {
+        assert!(Config::parse(r#"{"e2b": {"listen": "0.0.0.0:7080"}}"#, "test").is_ok());
+        assert!(
+            Config::parse(
+                r#"{"apiserver": {"insecure_plaintext": true}, "e2b": {"listen": "127.0.0.1:7080"}}"#,
+                "test"
+            )
+            .is_ok()
+        );
     }
 
     #[test]

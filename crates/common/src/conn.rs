@@ -33,6 +33,11 @@ impl<S> Conn<S> {
         self
     }
 
+    /// The connection inside.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
     /// Reads fail with `TimedOut` unless the peer's first `n` bytes come within `d`.
     pub fn first_bytes_within(mut self, n: usize, d: Duration) -> Conn<S> {
         self.first_byte = Some(Box::pin(tokio::time::sleep(d)));

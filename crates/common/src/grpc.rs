@@ -78,7 +78,8 @@ pub async fn serve_internal(
     creds: &Arc<Credentials>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = crate::tls::incoming(listener, creds.server_config(true), MAX_CONNECTIONS, 0);
+    let incoming =
+        crate::tls::incoming(listener, creds.server_config(true), MAX_CONNECTIONS, 0, crate::tls::HTTP2_OPENING);
     router.serve_with_incoming_shutdown(incoming, shutdown).await
 }
 

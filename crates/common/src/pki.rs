@@ -64,11 +64,14 @@ pub enum Role {
     Iam,
     Watcher,
     Edge,
+    /// The E2B gateway: a public server only. No internal method allows it ([`crate::acl`]),
+    /// so its certificate, on a host of its own, opens nothing inside the cluster.
+    Gateway,
 }
 
 impl Role {
-    pub const ALL: [Role; 4] = [Role::Apiserver, Role::Iam, Role::Watcher, Role::Edge];
-    pub const NAMES: [&'static str; 4] = ["apiserver", "iam", "watcher", "edge"];
+    pub const ALL: [Role; 5] = [Role::Apiserver, Role::Iam, Role::Watcher, Role::Edge, Role::Gateway];
+    pub const NAMES: [&'static str; 5] = ["apiserver", "iam", "watcher", "edge", "gateway"];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -76,11 +79,17 @@ impl Role {
             Role::Iam => "iam",
             Role::Watcher => "watcher",
             Role::Edge => "edge",
+            Role::Gateway => "gateway",
         }
     }
 
     pub fn parse(s: &str) -> Option<Role> {
         Role::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
+    /// Whether the role serves public clients (its leaf carries [`public_names`]).
+    pub fn is_public(self) -> bool {
+        matches!(self, Role::Apiserver | Role::Gateway)
     }
 }
 
@@ -163,6 +172,23 @@ fn write_whole(path: &Path, bytes: &[u8], mode: u32) -> Result<(), PkiError> {
         let _ = std::fs::remove_file(&tmp);
     }
     written.map_err(io("write", path))
+}
+
+/// The file name of the trust bundle (the system's CAs and the cluster's) in a PKI directory.
+pub const TRUST_BUNDLE: &str = "trust-bundle.pem";
+/// Where Debian (and most Linux systems) keep the system's CA certificates.
+pub const SYSTEM_CAS: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// Writes `out`: the CA certificates in `system` (none if it is missing) followed by those in
+/// `ca`, for clients that take a single trust file (`SSL_CERT_FILE`) and must keep trusting
+/// the web as well as the cluster.
+pub fn write_trust_bundle(ca: &Path, system: &Path, out: &Path) -> Result<(), PkiError> {
+    let mut pem = std::fs::read(system).unwrap_or_default();
+    if !pem.is_empty() && !pem.ends_with(b"\n") {
+        pem.push(b'\n');
+    }
+    pem.extend(read(ca)?.into_bytes());
+    write_whole(out, &pem, 0o644)
 }
 
 fn read(path: &Path) -> Result<String, PkiError> {
@@ -314,13 +340,13 @@ pub fn bundle_path(dir: &Path, id: &Identity) -> PathBuf {
 }
 
 /// A PKI for one in-process cluster or a test: a CA in `dir` (made if missing) and a bundle
-/// for each identity (issued afresh). The apiservers' bundles carry [`public_names`].
+/// for each identity (issued afresh). The public servers' bundles carry [`public_names`].
 pub fn local_pki(dir: &Path, ids: &[Identity], lifetime: Duration) -> Result<(), PkiError> {
     if !dir.join(CA_KEY).exists() || !dir.join(CA_CERT).exists() {
         init_ca(dir, true)?;
     }
     for id in ids {
-        let names = if id.role == Role::Apiserver { public_names(&Names::default()) } else { Names::default() };
+        let names = if id.role.is_public() { public_names(&Names::default()) } else { Names::default() };
         issue(dir, &bundle_path(dir, id), id, &names, lifetime)?;
     }
     Ok(())

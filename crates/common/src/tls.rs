@@ -37,7 +37,9 @@ const RELOAD_CHECK: Duration = Duration::from_secs(1);
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// What an HTTP/2 client sends first: the 24-byte preface and its SETTINGS frame's 9-byte
 /// header.
-const HTTP2_OPENING: usize = 24 + 9;
+pub const HTTP2_OPENING: usize = 24 + 9;
+/// The shortest opening of an HTTP/1.1 request: `GET / HTTP/1.1\r\n`.
+pub const HTTP1_OPENING: usize = 16;
 /// The suffix of the server names that encode an expected identity ([`expect`]).
 const EXPECT_SUFFIX: &str = "opendsec";
 
@@ -184,9 +186,19 @@ impl Credentials {
         self.current().identity.clone()
     }
 
-    /// A server config: mutual TLS (the client must present a certificate the CA signed, with
-    /// an opendsec identity) when `mtls`, else a server certificate only (the public port).
+    /// A server config for gRPC (HTTP/2): mutual TLS (the client must present a certificate
+    /// the CA signed, with an opendsec identity) when `mtls`, else a server certificate only
+    /// (the public port).
     pub fn server_config(self: &Arc<Self>, mtls: bool) -> Arc<ServerConfig> {
+        self.server_config_for(mtls, b"h2")
+    }
+
+    /// A server config for HTTP/1.1 (the E2B gateway): a server certificate only.
+    pub fn https_server_config(self: &Arc<Self>) -> Arc<ServerConfig> {
+        self.server_config_for(false, b"http/1.1")
+    }
+
+    fn server_config_for(self: &Arc<Self>, mtls: bool, alpn: &[u8]) -> Arc<ServerConfig> {
         let builder = ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
             .expect("the aws-lc-rs provider supports the default protocol versions");
@@ -196,7 +208,7 @@ impl Credentials {
             builder.with_no_client_auth()
         };
         let mut cfg = builder.with_cert_resolver(Arc::new(Resolver(self.clone())));
-        cfg.alpn_protocols = vec![b"h2".to_vec()];
+        cfg.alpn_protocols = vec![alpn.to_vec()];
         Arc::new(cfg)
     }
 
@@ -403,14 +415,16 @@ pub async fn connect(
 /// a deadline (a client that never finishes one holds no accept slot); at most `max_conns`
 /// connections are open at once (beyond, new ones wait in the kernel's backlog), and at most
 /// `per_source` from one source (an IPv4 address, an IPv6 /64; 0: no such cap; beyond, a new
-/// one is closed at once). A connection whose HTTP/2 opening does not come within
-/// [`HANDSHAKE_TIMEOUT`] of its handshake is closed (see [`crate::conn::Conn`]). The stream ends when its receiver is dropped, and then the
+/// one is closed at once). A connection whose first `opening` bytes ([`HTTP2_OPENING`],
+/// [`HTTP1_OPENING`]) do not come within [`HANDSHAKE_TIMEOUT`] of its handshake is closed
+/// (see [`crate::conn::Conn`]). The stream ends when its receiver is dropped, and then the
 /// listener is closed too.
 pub fn incoming(
     listener: TcpListener,
     cfg: Arc<ServerConfig>,
     max_conns: usize,
     per_source: usize,
+    opening: usize,
 ) -> tokio_stream::wrappers::ReceiverStream<
     std::io::Result<crate::conn::Conn<tokio_rustls::server::TlsStream<TcpStream>>>,
 > {
@@ -454,7 +468,7 @@ pub fn incoming(
                     Ok(Ok(s)) => {
                         let conn = crate::conn::Conn::new(s, permit)
                             .with_source(source)
-                            .first_bytes_within(HTTP2_OPENING, HANDSHAKE_TIMEOUT);
+                            .first_bytes_within(opening, HANDSHAKE_TIMEOUT);
                         let _ = tx.send(Ok(conn)).await;
                     }
                     Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),

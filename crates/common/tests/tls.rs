@@ -96,7 +96,8 @@ async fn one_source_holds_at_most_its_share_of_connections() {
     let client = Credentials::in_dir(dir.path(), &id(Role::Apiserver, "0")).unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    let incoming = opendsec_common::tls::incoming(l, server.server_config(true), 64, 3);
+    let incoming =
+        opendsec_common::tls::incoming(l, server.server_config(true), 64, 3, opendsec_common::tls::HTTP2_OPENING);
     let router = grpc::server().add_service(pb::watcher_server::WatcherServer::new(Watcher));
     tokio::spawn(async move { router.serve_with_incoming_shutdown(incoming, std::future::pending()).await });
     let expect = || opendsec_common::tls::expect(Role::Watcher, None);

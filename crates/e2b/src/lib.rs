@@ -49,6 +49,9 @@ pub struct GatewayOptions {
     pub apiserver_addrs: Vec<String>,
     /// How to reach them (TLS trusting the cluster's CA, or plain text).
     pub tls: PublicTls,
+    /// The certificate the gateway presents (HTTPS), or none: plain HTTP (a loopback address
+    /// only, [`opendsec_common::config::Config::validate`]).
+    pub serve_tls: Option<Arc<opendsec_common::tls::Credentials>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,15 +106,72 @@ pub async fn serve(
     // not wait for them.
     // Small messages (a stream's events, a unary answer) go out at once: with Nagle's
     // algorithm each waited for the client's delayed acknowledgement (40 ms).
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!(error = %e, "TCP_NODELAY on a gateway connection");
+    let served = async move {
+        match opts.serve_tls {
+            Some(creds) => axum::serve(TlsListener::new(listener, &creds)?, app).await,
+            None => {
+                use axum::serve::ListenerExt;
+                let listener = listener.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::warn!(error = %e, "TCP_NODELAY on a gateway connection");
+                    }
+                });
+                axum::serve(listener, app).await
+            }
         }
-    });
+    };
     tokio::select! {
-        r = axum::serve(listener, app) => r.map_err(GatewayError::Serve),
+        r = served => r.map_err(GatewayError::Serve),
         () = shutdown => Ok(()),
+    }
+}
+
+type TlsConn = opendsec_common::conn::Conn<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>;
+
+/// HTTPS connections for axum: handshaken off the accept loop, bounded in number, cut when
+/// no request line follows the handshake in time ([`opendsec_common::tls::incoming`]), with
+/// TCP_NODELAY set.
+struct TlsListener {
+    local: std::net::SocketAddr,
+    incoming: tokio_stream::wrappers::ReceiverStream<std::io::Result<TlsConn>>,
+}
+
+impl TlsListener {
+    fn new(listener: tokio::net::TcpListener, creds: &Arc<opendsec_common::tls::Credentials>) -> std::io::Result<Self> {
+        use opendsec_common::tls;
+        let local = listener.local_addr()?;
+        let incoming = tls::incoming(
+            listener,
+            creds.https_server_config(),
+            opendsec_common::grpc::MAX_CONNECTIONS,
+            0,
+            tls::HTTP1_OPENING,
+        );
+        Ok(TlsListener { local, incoming })
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsConn;
+    type Addr = std::net::SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        use tokio_stream::StreamExt;
+        loop {
+            match self.incoming.next().await {
+                Some(Ok(c)) => {
+                    let peer = c.get_ref().get_ref().0.peer_addr().unwrap_or(self.local);
+                    return (c, peer);
+                }
+                Some(Err(e)) => tracing::debug!(error = %e, "a gateway connection failed"),
+                // The acceptor ended: its listener failed for good. Nothing more comes.
+                None => std::future::pending::<()>().await,
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local)
     }
 }
 

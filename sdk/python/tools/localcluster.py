@@ -59,6 +59,21 @@ class LocalCluster:
         """The cluster's CA certificate (its public port speaks TLS)."""
         return self.state / "pki" / "ca.pem"
 
+    def e2b_env(self, timeout: float = 30) -> Dict[str, str]:
+        """What E2B's SDKs need to reach this cluster's E2B gateway, from the export line
+        ``cluster up`` prints: ``E2B_API_URL``, ``E2B_SANDBOX_URL``, ``E2B_API_KEY`` and, when
+        the gateway speaks HTTPS, ``SSL_CERT_FILE`` and ``NODE_EXTRA_CA_CERTS``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log().splitlines():
+                if line.startswith("  export E2B_API_URL="):
+                    pairs = (w.split("=", 1) for w in line.split()[1:] if "=" in w)
+                    env = {k: v for k, v in pairs if k != "E2B_API_KEY"}
+                    env["E2B_API_KEY"] = self.token
+                    return env
+            time.sleep(0.1)
+        raise RuntimeError("cluster up printed no E2B gateway:\n" + self.log())
+
     def log(self) -> str:
         return (self.state / "cluster.log").read_text()
 

@@ -32,8 +32,12 @@ pub(crate) async fn cluster_up(
     println!("  edges:       {} ({})", cluster.edge_names().len(), cluster.config.edge.backends.join(", "));
     println!("  state:       {}", cluster.config.state_dir.display());
     println!("  admin token: written to {}", cluster.admin_token_path.display());
-    if let Some(a) = cluster.e2b_addr {
-        println!("  e2b gateway: http://{a}");
+    let e2b_url = cluster.e2b_addr.map(|a| {
+        let scheme = if cluster.trust_bundle_path.is_some() { "https" } else { "http" };
+        format!("{scheme}://{a}")
+    });
+    if let Some(u) = &e2b_url {
+        println!("  e2b gateway: {u}");
     }
     let tls_env = if cluster.config.apiserver.insecure_plaintext {
         println!("  public API:  plain text (--insecure-plaintext)");
@@ -48,9 +52,15 @@ pub(crate) async fn cluster_up(
         cluster.apiserver_addr,
         cluster.admin_token_path.display()
     );
-    if let Some(a) = cluster.e2b_addr {
+    if let Some(u) = &e2b_url {
+        // E2B's SDKs trust the system's store: Python's reads SSL_CERT_FILE (the system's CAs
+        // and the cluster's), Node adds NODE_EXTRA_CA_CERTS to its own.
+        let trust = match &cluster.trust_bundle_path {
+            Some(b) => format!(" SSL_CERT_FILE={} NODE_EXTRA_CA_CERTS={}", b.display(), cluster.ca_path.display()),
+            None => String::new(),
+        };
         println!(
-            "  export E2B_API_URL=http://{a} E2B_SANDBOX_URL=http://{a} E2B_API_KEY=$(cat {})",
+            "  export E2B_API_URL={u} E2B_SANDBOX_URL={u} E2B_API_KEY=$(cat {}){trust}",
             cluster.admin_token_path.display()
         );
     }
