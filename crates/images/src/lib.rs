@@ -30,6 +30,7 @@ pub mod offline;
 pub mod overlay;
 pub mod progress;
 pub mod registry;
+pub mod snapshot;
 pub mod store;
 pub mod storecheck;
 pub mod unpack;

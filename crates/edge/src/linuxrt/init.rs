@@ -285,7 +285,10 @@ fn pid1(
         },
         None => cfg.lower_dirs.iter().map(|d| p(d)).collect(),
     };
-    let opts = format!("lowerdir={},upperdir={},workdir={}", lowers.join(":"), p(&upper), p(&work));
+    // No redirects or metacopy, whatever the kernel's defaults: the upper directory must hold
+    // its changes in plain overlay format, which a snapshot copies into a layer.
+    let opts =
+        format!("lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off", lowers.join(":"), p(&upper), p(&work));
     step!("overlay", mnt(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NODEV, Some(&opts)));
     // Mount points come from the image: resolve each inside the new root, through no
     // symlink, so a hostile image cannot point a mount (or a created file) at the host.
