@@ -68,6 +68,7 @@ const METHODS: &[&str] = &[
     "CreateSandboxes",
     "GetSandbox",
     "GetSandboxMetrics",
+    "CreateSnapshot",
     "ListSandboxes",
     "StopSandbox",
     "PauseSandbox",

@@ -169,6 +169,50 @@ fn project_or(req: &str, caller_project: &str) -> Result<String, ApiError> {
     Ok(p)
 }
 
+/// The image a snapshot named `name` becomes, in `project`; an existing one is
+/// `already_exists` (checked before the sandbox is frozen).
+pub(crate) async fn snapshot_target(s: &Shared, project: &str, name: &str) -> Result<ImageRef, ApiError> {
+    let target = ImageRef::parse(project, name).map_err(ImageError::from)?;
+    let store = s.images.store.clone();
+    let t = target.clone();
+    blocking(move || {
+        if store.has_image(&t) {
+            return Err(ImageError::from(StoreError::ImageExists(t.to_string())));
+        }
+        Ok(())
+    })
+    .await?;
+    Ok(target)
+}
+
+/// Registers a snapshot's image: the layers the edge stored, the config of the image the
+/// sandbox was made from (as it is now; the default config if that image is gone).
+pub(crate) async fn publish_snapshot(
+    s: &Shared,
+    target: ImageRef,
+    source_image: &str,
+    layers: &[String],
+    sandbox_id: &str,
+) -> Result<pb::Image, ApiError> {
+    let layers = layers.iter().map(|l| LayerId::parse(l)).collect::<Result<Vec<_>, _>>().map_err(ImageError::from)?;
+    let store = s.images.store.clone();
+    let (project, image) = (target.project.clone(), source_image.to_string());
+    let config = blocking(move || Ok::<_, ImageError>(store.resolve(&project, &image).map(|(_, m)| m.config).ok()))
+        .await?
+        .unwrap_or_default();
+    let m = Manifest {
+        v: 1,
+        project: target.project,
+        repo: target.repo,
+        tag: target.tag,
+        layers,
+        config,
+        created_at_ms: time::now_ms(),
+        source: format!("snapshot:{sandbox_id}"),
+    };
+    publish(s, m, false).await
+}
+
 // ---------------------------------------------------------------------------------------------
 // Handlers
 

@@ -77,6 +77,39 @@ async fn authorized_get(
     Ok((edge.to_string(), sb))
 }
 
+/// How long an edge may take to snapshot a sandbox (its disk is copied: bounded by its size).
+const SNAPSHOT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// A snapshot: the sandbox's edge stores the layer, the image is registered here, in the
+/// sandbox's project, under a name not taken yet (checked before the sandbox is frozen, and
+/// again when the manifest is written).
+async fn create_snapshot(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::CreateSnapshotRequest,
+) -> Result<pb::Snapshot, ApiError> {
+    let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+    let project = project_of(&sb);
+    let (_, ident) = caller(s, call, &md).await?;
+    s.authorize(&ident.principal, crate::images::PERM_PUBLISH, &project).await?;
+    let target = crate::images::snapshot_target(s, &project, &req.name).await?;
+    let ereq = forward::to_edge(pb::EdgeSnapshotRequest { id: req.id.clone(), pack_diff: req.pack_diff }, &project)?;
+    let c = s.up.edge(&edge, &s.edge_addr(&edge)?)?;
+    let mut c = c;
+    let taken = forward::within(&edge, Some(SNAPSHOT_TIMEOUT), async move { c.create_snapshot(ereq).await }).await?;
+    let image = sb.spec.as_ref().map(|sp| sp.image.clone()).unwrap_or_default();
+    let published = crate::images::publish_snapshot(s, target, &image, &taken.layers, &req.id).await?;
+    Ok(pb::Snapshot {
+        image: Some(published),
+        sandbox_id: req.id,
+        layer: taken.layer,
+        layer_bytes: taken.layer_bytes,
+        layer_entries: taken.layer_entries,
+        frozen_ms: taken.frozen_ms,
+    })
+}
+
 async fn list_sandboxes(
     s: &Shared,
     call: &mut Call,
@@ -198,6 +231,14 @@ impl Sandboxes for SandboxesService {
             })
         })
         .await
+    }
+
+    async fn create_snapshot(
+        &self,
+        request: Request<pb::CreateSnapshotRequest>,
+    ) -> Result<Response<pb::Snapshot>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "CreateSnapshot", move |s, call| Box::pin(create_snapshot(s, call, md, req))).await
     }
 
     async fn list_sandboxes(

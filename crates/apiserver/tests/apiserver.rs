@@ -397,6 +397,10 @@ impl Edge for FakeEdge {
     ) -> Result<Response<pb::SandboxMetrics>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn create_snapshot(&self, _: Request<pb::EdgeSnapshotRequest>) -> Result<Response<pb::EdgeSnapshot>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// The edge's `Runtime` service: Exec echoes the command, ExecStream sends one output chunk

@@ -267,6 +267,17 @@ impl Client {
         .await
     }
 
+    /// Snapshots sandbox `id`'s file system into image `name` ("repo[:tag]") of its project
+    /// (`pack_diff`: without /tmp, caches and histories). The sandbox keeps running.
+    pub async fn create_snapshot(&self, id: &str, name: &str, pack_diff: bool) -> Result<pb::Snapshot, ApiError> {
+        let req = pb::CreateSnapshotRequest { id: id.to_string(), name: name.to_string(), pack_diff };
+        self.call(const { retry::class("Sandboxes/CreateSnapshot") }, |ch| {
+            let req = req.clone();
+            async move { SandboxesClient::new(ch).create_snapshot(req).await }
+        })
+        .await
+    }
+
     pub async fn list_sandboxes(&self, req: pb::ListSandboxesRequest) -> Result<pb::ListSandboxesResponse, ApiError> {
         self.call(const { retry::class("Sandboxes/ListSandboxes") }, |ch| {
             let req = req.clone();

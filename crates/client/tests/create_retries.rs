@@ -74,6 +74,9 @@ impl Sandboxes for Full {
     ) -> Result<Response<pb::SandboxMetrics>, Status> {
         no()
     }
+    async fn create_snapshot(&self, _: Request<pb::CreateSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        no()
+    }
 }
 
 async fn serve(fake: Full) -> String {

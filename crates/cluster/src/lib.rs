@@ -546,6 +546,7 @@ fn build_backends(
                         write_iops: config.edge.disk_io.write_iops,
                     },
                     network: network.clone(),
+                    snapshot_max_layers: config.edge.snapshot_max_layers,
                 };
                 out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
             }

@@ -51,6 +51,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Edge/ResumeSandbox", &[Apiserver]),
     ("/opendsec.v1.Edge/SetSandboxTimeout", &[Apiserver]),
     ("/opendsec.v1.Edge/UpdateNetwork", &[Apiserver]),
+    ("/opendsec.v1.Edge/CreateSnapshot", &[Apiserver]),
     // Runtime calls an apiserver forwards to an edge (which passes them to the agent).
     ("/opendsec.v1.Runtime/", &[Apiserver]),
 ];

@@ -444,6 +444,9 @@ pub struct EdgeConfig {
     /// torn down and its lease released (a paused sandbox's silence is expected).
     #[serde(with = "humantime_serde")]
     pub agent_silence: Duration,
+    /// A snapshot's image stacks at most this many layers: past it, the layers above the
+    /// bottom half are merged into one (long fork chains), which stacks the same.
+    pub snapshot_max_layers: u32,
     /// The binary re-executed as a container's setup process; default: the running executable
     /// (which calls `linuxrt::init::run_if_init()` first in `main`). Tests point it elsewhere.
     pub container_setup_exe: Option<PathBuf>,
@@ -521,6 +524,9 @@ impl EdgeConfig {
         }
         positive("edge.ttl_check_interval", e.ttl_check_interval)?;
         positive("edge.agent_silence", e.agent_silence)?;
+        if e.snapshot_max_layers < 2 {
+            return Err(invalid("edge.snapshot_max_layers", "must be at least 2"));
+        }
         positive("edge.release_interval", e.release_interval)?;
         positive("edge.register_interval", e.register_interval)?;
         if e.release_batch == 0 {
@@ -555,6 +561,7 @@ impl Default for EdgeConfig {
             container_pids_limit: 1024,
             pause_reclaim: false,
             agent_silence: Duration::from_secs(60),
+            snapshot_max_layers: 32,
             container_setup_exe: None,
             user_namespaces: true,
             userns_first_id: 4096 * 65536,

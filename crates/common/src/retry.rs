@@ -83,6 +83,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/SetSandboxTimeout", Repeat),
         ("Sandboxes/UpdateNetwork", Repeat),
         ("Sandboxes/GetSandboxMetrics", Read),
+        ("Sandboxes/CreateSnapshot", Once),
         ("Admin/WhoAmI", Read),
         ("Admin/CreateProject", Once),
         ("Admin/GetProject", Read),

@@ -31,6 +31,7 @@ mod network;
 mod pause;
 mod release;
 mod resume;
+mod snapshot;
 mod status;
 mod stop;
 mod sweep;

@@ -120,6 +120,18 @@ impl EdgeRpc for EdgeService {
         self.inner.metrics(&req.get_ref().id).await.map(Response::new).map_err(|e| status("GetSandboxMetrics", e))
     }
 
+    async fn create_snapshot(
+        &self,
+        req: Request<opendsec_proto::v1::EdgeSnapshotRequest>,
+    ) -> Result<Response<opendsec_proto::v1::EdgeSnapshot>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
+        let req = req.into_inner();
+        detached(&self.inner, "snapshot", |i| async move { i.snapshot(&req.id, req.pack_diff).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("CreateSnapshot", e))
+    }
+
     async fn update_network(&self, req: Request<UpdateNetworkRequest>) -> Result<Response<Sandbox>, Status> {
         check_project(&self.inner, &req, &req.get_ref().id)?;
         let req = req.into_inner();

@@ -51,6 +51,7 @@ pub struct SnapshotOptions {
 /// Shell and REPL histories `pack_diff` leaves out, wherever they are.
 const HISTORIES: &[&[u8]] = &[
     b".bash_history",
+    b".ash_history",
     b".zsh_history",
     b".python_history",
     b".node_repl_history",
@@ -77,11 +78,7 @@ pub fn packed_out(path: &[u8]) -> bool {
         return true;
     }
     let parts: Vec<&[u8]> = path.split(|b| *b == b'/').collect();
-    match parts.as_slice() {
-        [b"root", b".cache", ..] => true,
-        [b"home", _, b".cache", ..] => true,
-        _ => false,
-    }
+    matches!(parts.as_slice(), [b"root", b".cache", ..] | [b"home", _, b".cache", ..])
 }
 
 /// What the tar writer saw.
@@ -141,9 +138,12 @@ fn xattr(fd: BorrowedFd<'_>, name: &CStr, path: &[u8]) -> Result<Option<Vec<u8>>
     }
 }
 
+/// Xattrs copied into a layer: (name, value).
+type Xattrs = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// Overlay's view of one upper inode's xattrs: whether it is an opaque directory, and the
 /// `user.*` xattrs to copy.
-fn overlay_attrs(fd: BorrowedFd<'_>, path: &[u8]) -> Result<(bool, Vec<(Vec<u8>, Vec<u8>)>), LayerError> {
+fn overlay_attrs(fd: BorrowedFd<'_>, path: &[u8]) -> Result<(bool, Xattrs), LayerError> {
     let mut opaque = false;
     let mut keep = Vec::new();
     for name in xattr_names(fd, path)? {
@@ -280,8 +280,9 @@ impl<W: Write> Walker<'_, W> {
                     }
                     self.links.insert(key, path.to_vec());
                 }
-                let fd = rfs::openat(parent, &cname, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
-                    .map_err(|e| io_err(path, e))?;
+                let fd =
+                    rfs::openat(parent, &cname, OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC, Mode::empty())
+                        .map_err(|e| io_err(path, e))?;
                 let (_, xattrs) = overlay_attrs(fd.as_fd(), path)?;
                 self.pax(&xattrs)?;
                 let mut h = self.header(&st, tar::EntryType::Regular);
@@ -391,7 +392,17 @@ mod tests {
         ] {
             assert!(packed_out(p.as_bytes()), "{p}");
         }
-        for p in ["tmp", "var/tmp", "var/cache", "tmpfile", "var/cachex/y", "home/user/.cachex", "home/user/work/.cache/x", "etc/passwd", "root"] {
+        for p in [
+            "tmp",
+            "var/tmp",
+            "var/cache",
+            "tmpfile",
+            "var/cachex/y",
+            "home/user/.cachex",
+            "home/user/work/.cache/x",
+            "etc/passwd",
+            "root",
+        ] {
             assert!(!packed_out(p.as_bytes()), "{p}");
         }
     }

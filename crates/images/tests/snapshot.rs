@@ -58,7 +58,8 @@ impl Writable {
             dir.path().join("upper").display(),
             dir.path().join("work").display()
         );
-        let st = Command::new("mount").args(["-t", "overlay", "overlay", "-o", &opts]).arg(dir.path().join("root")).status();
+        let st =
+            Command::new("mount").args(["-t", "overlay", "overlay", "-o", &opts]).arg(dir.path().join("root")).status();
         assert!(st.unwrap().success(), "mount -t overlay failed");
         Writable { dir }
     }
@@ -109,8 +110,9 @@ fn a_snapshot_stacks_to_exactly_what_the_sandbox_saw() {
     rustix::fs::setxattr(root.join("etc/new"), "user.origin", b"test", rustix::fs::XattrFlags::empty()).unwrap();
     let want = snapshot(&root);
 
-    let snap = snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &Limits::default(), "test")
-        .unwrap();
+    let snap =
+        snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &Limits::default(), "test")
+            .unwrap();
     assert!(snap.tar.entries > 10, "{:?}", snap.tar);
     let mut layers = lowers.clone();
     layers.push(snap.meta.id.clone());
@@ -119,7 +121,10 @@ fn a_snapshot_stacks_to_exactly_what_the_sandbox_saw() {
     // Hard links stay links; the xattr came along; deletions are whiteouts, the recreated
     // directory opaque (expanded into whiteouts of what was below).
     let top = store.layer_rootfs(&snap.meta.id);
-    assert_eq!(std::fs::metadata(top.join("home/user/h")).unwrap().ino(), std::fs::metadata(top.join("home/user/h2")).unwrap().ino());
+    assert_eq!(
+        std::fs::metadata(top.join("home/user/h")).unwrap().ino(),
+        std::fs::metadata(top.join("home/user/h2")).unwrap().ino()
+    );
     let mut v = [0u8; 16];
     let n = rustix::fs::getxattr(top.join("etc/new"), "user.origin", &mut v[..]).unwrap();
     assert_eq!(&v[..n], b"test");
@@ -130,8 +135,9 @@ fn a_snapshot_stacks_to_exactly_what_the_sandbox_saw() {
     assert_eq!(std::fs::metadata(top.join("usr/tool")).unwrap().permissions().mode() & 0o7777, 0o4750);
 
     // The same upper again is the same layer (content-addressed, deterministic tar).
-    let again = snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &Limits::default(), "t")
-        .unwrap();
+    let again =
+        snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &Limits::default(), "t")
+            .unwrap();
     assert_eq!(again.meta.id, snap.meta.id);
 
     // pack_diff leaves out /tmp's contents, the cache and the history; the rest is the same.

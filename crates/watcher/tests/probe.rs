@@ -60,6 +60,12 @@ impl pb::edge_server::Edge for FakeEdge {
     ) -> Result<Response<pb::SandboxMetrics>, Status> {
         Err(Status::unimplemented("fake"))
     }
+    async fn create_snapshot(
+        &self,
+        _r: Request<pb::EdgeSnapshotRequest>,
+    ) -> Result<Response<pb::EdgeSnapshot>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// A fake edge serving with the certificate of edge `cert` and answering Status as

@@ -24,6 +24,7 @@
 //! then fails it as lost). Adoption after an edge restart reconnects to the same socket.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -88,6 +89,8 @@ pub struct ContainerOptions {
     pub io: IoLimits,
     /// The edge's sandbox network; `None`: sandboxes have loopback only.
     pub network: Option<Arc<Network>>,
+    /// A snapshot's image stacks at most this many layers (`edge.snapshot_max_layers`).
+    pub snapshot_max_layers: u32,
 }
 
 struct Held {
@@ -796,6 +799,10 @@ impl Backend for ContainerBackend {
         self.opts.network.is_some()
     }
 
+    fn snapshotter(&self) -> Option<&dyn super::Snapshotter> {
+        Some(self)
+    }
+
     fn agent_access(&self) -> Option<&dyn AgentAccess> {
         Some(self)
     }
@@ -826,6 +833,86 @@ impl AgentAccess for ContainerBackend {
 }
 
 /// The last `max` bytes of `b` as text on one line (for error messages).
+#[async_trait]
+impl super::Snapshotter for ContainerBackend {
+    async fn snapshot(&self, sb: &SandboxRecord, pack_diff: bool) -> Result<super::SnapshotTaken, BackendError> {
+        let (s, lowers, paused) = {
+            let g = self.lock();
+            let h = g.get(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
+            (h.sandbox.clone(), h.layers.clone(), h.agent.paused.load(Ordering::SeqCst))
+        };
+        // Its agent falls silent while frozen: expected, not a hang.
+        if !paused {
+            self.set_paused(&sb.id, true);
+        }
+        let store = self.store.clone();
+        let max_layers = self.opts.snapshot_max_layers.max(2) as usize;
+        let source = format!("snapshot of sandbox {}", sb.id);
+        let taken = blocking(move || {
+            let started = std::time::Instant::now();
+            if !paused {
+                s.freeze().map_err(sandbox_err)?;
+            }
+            let copied = (|| {
+                let upper = s.open_upper().map_err(sandbox_err)?;
+                let opts = opendsec_images::snapshot::SnapshotOptions {
+                    id_base: s.id_map.as_ref().map(|r| r.host_first),
+                    pack_diff,
+                };
+                opendsec_images::snapshot::snapshot_layer(
+                    &store,
+                    upper.as_fd(),
+                    &lowers,
+                    &opts,
+                    &opendsec_images::layer::Limits::default(),
+                    &source,
+                )
+                .map_err(snapshot_err)
+            })();
+            let frozen = started.elapsed();
+            let thawed = if paused { Ok(()) } else { s.thaw().map_err(sandbox_err) };
+            let snap = match (copied, thawed) {
+                (Ok(snap), Ok(())) => snap,
+                (Err(e), Ok(())) | (Ok(_), Err(e)) => return Err(e),
+                (Err(e), Err(t)) => return Err(e.with_cleanup(t)),
+            };
+            let layers = chain(&store, &lowers, &snap.meta.id, max_layers)?;
+            Ok(super::SnapshotTaken { layers, layer: snap.meta, frozen })
+        })
+        .await;
+        if !paused {
+            self.set_paused(&sb.id, false);
+        }
+        taken
+    }
+}
+
+/// The layers of a snapshot's image: `lowers` plus `top`; a chain longer than `max` has its
+/// upper part (everything above the bottom `max / 2` layers) merged into one layer, which
+/// stacks the same ([`opendsec_images::merge`]).
+fn chain(store: &Store, lowers: &[LayerId], top: &LayerId, max: usize) -> Result<Vec<LayerId>, BackendError> {
+    let mut layers = lowers.to_vec();
+    layers.push(top.clone());
+    if layers.len() <= max {
+        return Ok(layers);
+    }
+    let keep = max / 2;
+    let merged = opendsec_images::merge::merge_layers(store, &layers[keep..], &layers[..keep]).map_err(snapshot_err)?;
+    layers.truncate(keep);
+    layers.push(merged.id);
+    Ok(layers)
+}
+
+/// What a snapshot's layer could not be made of is the sandbox's content (invalid_argument:
+/// a limit, an overlay feature); the rest is the node's.
+fn snapshot_err(e: opendsec_images::layer::LayerError) -> BackendError {
+    use opendsec_images::layer::LayerError as L;
+    match e {
+        L::InvalidLayer { .. } | L::TooLarge { .. } => BackendError::invalid_argument(format!("snapshot: {e}")),
+        other => BackendError::internal(format!("snapshot: {other}")),
+    }
+}
+
 fn tail_text(b: &[u8], max: usize) -> String {
     let start = b.len().saturating_sub(max);
     String::from_utf8_lossy(&b[start..]).trim().replace('\n', " | ")
@@ -891,6 +978,7 @@ mod tests {
             userns: None,
             io: IoLimits::default(),
             network: None,
+            snapshot_max_layers: 32,
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
         assert!(

@@ -7,8 +7,7 @@
 //!
 //! Optional capabilities are methods returning `Option<&dyn Capability>` (default `None`):
 //! [`Versioned`] and [`AgentAccess`] (the connection to a sandbox's agent, which the edge's
-//! `Runtime` service forwards to) now. `Snapshotter` and `Networked` come with the issues
-//! that need them.
+//! `Runtime` service forwards to) and [`Snapshotter`] (file system snapshots).
 
 use std::collections::HashSet;
 
@@ -94,6 +93,30 @@ pub trait Backend: Send + Sync {
     fn agent_access(&self) -> Option<&dyn AgentAccess> {
         None
     }
+
+    /// Capability: snapshots of a sandbox's file system.
+    fn snapshotter(&self) -> Option<&dyn Snapshotter> {
+        None
+    }
+}
+
+/// A snapshot a backend took: the layer it stored and what the sandbox stands on.
+#[derive(Clone, Debug)]
+pub struct SnapshotTaken {
+    /// The layers of the snapshot's image, bottom first: the sandbox's with the new layer on
+    /// top, or with the top of a long chain merged into one.
+    pub layers: Vec<opendsec_images::LayerId>,
+    /// The layer of what the sandbox wrote.
+    pub layer: opendsec_images::LayerMeta,
+    /// How long the sandbox was frozen.
+    pub frozen: std::time::Duration,
+}
+
+/// Capability: freezes a RUNNING (or PAUSED) sandbox for as long as it takes to copy what it
+/// wrote into a layer in the image store, then lets it run again as it was.
+#[async_trait]
+pub trait Snapshotter: Send + Sync {
+    async fn snapshot(&self, sb: &SandboxRecord, pack_diff: bool) -> Result<SnapshotTaken, BackendError>;
 }
 
 /// A `Runtime` client of the agent in a sandbox: gRPC over a channel that reconnects by itself.

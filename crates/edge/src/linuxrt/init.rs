@@ -287,8 +287,12 @@ fn pid1(
     };
     // No redirects or metacopy, whatever the kernel's defaults: the upper directory must hold
     // its changes in plain overlay format, which a snapshot copies into a layer.
-    let opts =
-        format!("lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off", lowers.join(":"), p(&upper), p(&work));
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={},redirect_dir=off,metacopy=off",
+        lowers.join(":"),
+        p(&upper),
+        p(&work)
+    );
     step!("overlay", mnt(Some("overlay"), &root, Some("overlay"), MsFlags::MS_NODEV, Some(&opts)));
     // Mount points come from the image: resolve each inside the new root, through no
     // symlink, so a hostile image cannot point a mount (or a created file) at the host.

@@ -148,6 +148,68 @@ impl Sandbox {
         Ok(self.cgroup.stats()?)
     }
 
+    /// A read-only view of the sandbox's upper directory (what it wrote), as a directory fd.
+    /// The sandbox's disk is mounted only in its own mount namespace; this mounts it once more
+    /// (the kernel shares the one ext4 superblock: no second file system over the device) in
+    /// a mount namespace of a short-lived thread, marks that mount read-only, opens `upper`
+    /// and detaches the mount again. The fd keeps the view alive; the host's mount table never
+    /// shows it. The loop device is checked to be backed by this sandbox's own disk first.
+    pub fn open_upper(&self) -> Result<std::os::fd::OwnedFd, SandboxError> {
+        let loop_file = self.dir.join(LOOP_FILE);
+        let dev = std::fs::read(&loop_file).map_err(io("read", &loop_file))?;
+        let dev = PathBuf::from(std::ffi::OsStr::from_bytes(&dev));
+        let disk = self.dir.join("disk.img");
+        let disk = std::fs::canonicalize(&disk).unwrap_or(disk);
+        if rootfs::loop_backing(&dev).as_deref() != Some(disk.as_path()) {
+            return Err(SandboxError::Gone(self.name.clone()));
+        }
+        let at = self.dir.join(format!(".upper-{:016x}", rand::random::<u64>()));
+        std::fs::create_dir(&at).map_err(io("create", &at))?;
+        let (dev2, at2) = (dev.clone(), at.clone());
+        let opened = std::thread::spawn(move || -> Result<std::os::fd::OwnedFd, String> {
+            use nix::mount::{MntFlags, MsFlags, mount, umount2};
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))?;
+            mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
+                .map_err(|e| format!("private mounts: {e}"))?;
+            let flags = MsFlags::MS_NODEV | MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+            mount(Some(&dev2), &at2, Some("ext4"), flags, None::<&str>).map_err(|e| format!("mount: {e}"))?;
+            let ro = mount(
+                None::<&str>,
+                &at2,
+                None::<&str>,
+                flags | MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+                None::<&str>,
+            )
+            .map_err(|e| format!("read-only: {e}"));
+            let fd = ro.and_then(|()| {
+                rustix::fs::open(
+                    at2.join("upper"),
+                    rustix::fs::OFlags::RDONLY
+                        | rustix::fs::OFlags::DIRECTORY
+                        | rustix::fs::OFlags::NOFOLLOW
+                        | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .map_err(|e| format!("open upper: {e}"))
+            });
+            let _ = umount2(&at2, MntFlags::MNT_DETACH);
+            fd
+        })
+        .join();
+        let _ = std::fs::remove_dir(&at);
+        match opened {
+            Ok(Ok(fd)) => Ok(fd),
+            Ok(Err(e)) => {
+                Err(SandboxError::Io { what: "view the upper disk", path: dev, source: std::io::Error::other(e) })
+            }
+            Err(_) => Err(SandboxError::Io {
+                what: "view the upper disk",
+                path: dev,
+                source: std::io::Error::other("the thread panicked"),
+            }),
+        }
+    }
+
     /// The exit status of PID 1 once it has ended (reaps it), `None` while it runs.
     pub fn exited(&self) -> Option<i32> {
         let pid = rustix::process::Pid::from_raw(self.pid)?;

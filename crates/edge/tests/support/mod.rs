@@ -74,6 +74,7 @@ pub fn options(tmp: &Path) -> ContainerOptions {
         userns: Some(IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap()),
         io: IoLimits { read_bps: 64 << 20, write_bps: 64 << 20, read_iops: 4000, write_iops: 4000 },
         network: None,
+        snapshot_max_layers: 32,
     }
 }
 

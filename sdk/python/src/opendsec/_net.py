@@ -43,6 +43,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/SetSandboxTimeout": "repeat",
     "Sandboxes/UpdateNetwork": "repeat",
     "Sandboxes/GetSandboxMetrics": "read",
+    "Sandboxes/CreateSnapshot": "once",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

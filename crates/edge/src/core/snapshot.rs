@@ -1,0 +1,46 @@
+//! Snapshots: under the sandbox's operation lock (no pause, resume or stop meanwhile), the
+//! backend freezes a RUNNING or PAUSED sandbox, copies what it wrote into a layer of the image
+//! store and lets it run again as it was. The record does not change: a snapshot is not a
+//! lifecycle step. Registering the image is the apiserver's (it checks the name and the
+//! caller's permissions).
+
+use opendsec_proto::v1::EdgeSnapshot;
+
+use super::*;
+
+impl Inner {
+    pub(crate) async fn snapshot(&self, id: &str, pack_diff: bool) -> Result<EdgeSnapshot, EdgeError> {
+        let (_g, rec) = self.lock_op(id).await?;
+        if rec.state != SandboxStatus::Running && rec.state != SandboxStatus::Paused {
+            return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "snapshot" });
+        }
+        let backend = self.backend_of(&rec)?.clone();
+        let Some(snapshotter) = backend.snapshotter() else {
+            return Err(EdgeError::InvalidArgument(format!(
+                "backend {} cannot snapshot sandboxes (the container backend can)",
+                backend.name()
+            )));
+        };
+        let taken = snapshotter.snapshot(&rec, pack_diff).await.map_err(|source| EdgeError::Backend {
+            backend: backend.name(),
+            op: "snapshot",
+            id: rec.id.clone(),
+            source,
+        })?;
+        tracing::info!(
+            sandbox_id = %rec.id,
+            layer = %taken.layer.id,
+            bytes = taken.layer.size_bytes,
+            entries = taken.layer.entries,
+            frozen_ms = taken.frozen.as_millis() as u64,
+            "snapshot taken"
+        );
+        Ok(EdgeSnapshot {
+            layers: taken.layers.iter().map(|l| l.as_str().to_string()).collect(),
+            layer: taken.layer.id.as_str().to_string(),
+            layer_bytes: taken.layer.size_bytes,
+            layer_entries: taken.layer.entries,
+            frozen_ms: taken.frozen.as_millis() as u64,
+        })
+    }
+}
