@@ -57,6 +57,14 @@ async fn a_snapshot_carries_the_file_system_and_the_sandbox_runs_on() {
     assert!(snap.layer_bytes >= 100 << 20, "{snap:?}");
     assert!(image.source.contains(&src.id));
 
+    // The same through the CLI.
+    let ca = f.cluster.ca_path.display().to_string();
+    let argv = ["opendsecctl", "--addr", &f.addr, "--token", &f.cluster.admin_token, "--ca", &ca, "snapshot", &src.id, "snap:cli"];
+    let code = opendsec_cli::ctl::run(<opendsec_cli::ctl::Cli as clap::Parser>::try_parse_from(argv).unwrap()).await.unwrap();
+    assert_eq!(code, 0);
+    let cli = admin.get_image(pb::GetImageRequest { project: "root".into(), name: "snap:cli".into() }).await.unwrap();
+    assert_eq!(cli.layers, image.layers, "nothing changed in between: the same content-addressed layer");
+
     // The source runs on, its session intact.
     assert_eq!(state(&admin.get_sandbox(&src.id).await.unwrap()), pb::SandboxState::Running);
     assert_eq!(out(&exec_in(&mut rt, &src.id, "main", "echo $KEPT").await), "yes");

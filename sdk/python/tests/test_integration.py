@@ -180,6 +180,27 @@ async def test_run_shell_sessions(container) -> None:
         assert (await c.get_sandbox(sb.id)).state in ("stopping", "stopped")
 
 
+async def test_snapshot_and_create_from_it(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        await sb.run_shell("echo kept > /etc/state && echo scratch > /tmp/scratch")
+        snap = await sb.snapshot("sdk-snap:one")
+        assert snap.image.repo == "sdk-snap" and snap.image.tag == "one" and snap.layer == snap.image.layers[-1]
+        packed = await sb.snapshot("sdk-snap:packed", pack_diff=True)
+        assert packed.layer != snap.layer
+        # The source runs on; a copy starts from the snapshot's file system.
+        assert (await sb.run_shell("cat /etc/state")).stdout == "kept\n"
+        async with c.run_sandbox("container", "sdk-snap:one", **RES) as copy:
+            r = await copy.run_shell("cat /etc/state /tmp/scratch")
+            assert r.stdout == "kept\nscratch\n"
+        async with c.run_sandbox("container", "sdk-snap:packed", **RES) as copy:
+            r = await copy.run_shell("cat /etc/state; ls -A /tmp")
+            assert r.stdout == "kept\n"
+        with pytest.raises(errors.AlreadyExists):
+            await sb.snapshot("sdk-snap:one")
+        with pytest.raises(errors.InvalidArgument):
+            await sb.snapshot("Not A Name")
+
+
 async def test_request_id_runs_once(container) -> None:
     async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
         rid = opendsec.new_request_id()

@@ -102,6 +102,20 @@ pub enum Command {
     Cp(crate::runtime::CpArgs),
     /// Processes started with `run` (or the process API) in a sandbox.
     Ps { sandbox: String },
+    /// Snapshot a sandbox's file system into an image of its project (it keeps running);
+    /// `sandbox create --image NAME` starts from it. Processes are not kept.
+    #[command(after_help = "Examples:\n  \
+    opendsecctl snapshot root-edge.0123abcd episode:step-40\n  \
+    opendsecctl snapshot root-edge.0123abcd episode:packed --pack-diff\n  \
+    opendsecctl sandbox create --backend container --image episode:step-40 --count 8")]
+    Snapshot {
+        id: String,
+        /// "repo[:tag]" of the new image (a name taken is refused).
+        name: String,
+        /// Leave out /tmp, /var/tmp, /var/cache, home caches and shell histories.
+        #[arg(long)]
+        pack_diff: bool,
+    },
     /// Signal a process in a sandbox, by pid or tag.
     Kill(crate::runtime::KillArgs),
 }

@@ -219,6 +219,17 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             });
             Ok(())
         }
+        Command::Snapshot { id, name, pack_diff } => {
+            let s = client.create_snapshot(&id, &name, pack_diff).await?;
+            let image = s.image.as_ref().map(|i| format!("{}:{}", i.repo, i.tag)).unwrap_or_default();
+            out.print(j::of(&s), || {
+                format!(
+                    "{image}: layer {} ({} bytes, {} entries; frozen {} ms)",
+                    s.layer, s.layer_bytes, s.layer_entries, s.frozen_ms
+                )
+            });
+            Ok(())
+        }
         Command::Whoami => {
             let r = client.who_am_i(pb::WhoAmIRequest {}).await?;
             out.print(j::of(&r), || format!("{} ({})", r.principal, r.project));
