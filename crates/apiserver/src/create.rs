@@ -82,6 +82,7 @@ pub async fn create_one(
     token: &str,
     spec: &pb::SandboxSpec,
     given_lease: Option<String>,
+    prefer: Option<&str>,
 ) -> Result<pb::Sandbox, ApiError> {
     let started = Instant::now();
     // A lease the client chose may be a retry of an earlier attempt: the first Admit leaves an
@@ -95,7 +96,7 @@ pub async fn create_one(
     let max_attempts = shared.cfg.placement.max_attempts.max(1);
     let mut attempt = 0;
     while attempt < max_attempts {
-        let placed = match shared.place(&spec.backend, resources, &tried) {
+        let placed = match shared.place(&spec.backend, resources, &tried, prefer) {
             Ok(p) => p,
             Err(e) => match last_refusal {
                 // Out of edges to try: the lease was admitted, give it back.
@@ -203,7 +204,7 @@ pub async fn create_single(
             .with("retry_after_ms", INFLIGHT_RETRY_AFTER_MS.to_string()));
     };
     let _g = InflightGauge::new(shared, permit);
-    create_one(shared, token, spec, lease).await
+    create_one(shared, token, spec, lease, None).await
 }
 
 /// Holds an in-flight permit and mirrors it in the gauge.
@@ -229,6 +230,7 @@ pub type BatchItem = Result<pb::CreateSandboxesResponse, tonic::Status>;
 
 /// Starts a batch; answers arrive on the returned receiver as items complete. The batch's
 /// audit line is written when every started item has finished.
+/// `prefer`: an edge each item takes while it fits (a fork's copies: the source's).
 pub fn start_batch(
     shared: Arc<Shared>,
     token: String,
@@ -236,12 +238,15 @@ pub fn start_batch(
     spec: pb::SandboxSpec,
     count: u32,
     call: Call,
+    prefer: Option<String>,
 ) -> mpsc::Receiver<BatchItem> {
     let (tx, rx) = mpsc::channel(BATCH_CHANNEL);
-    tokio::spawn(run_batch(shared, Arc::from(token), ident, Arc::new(spec), count, call, tx));
+    let prefer: Option<Arc<str>> = prefer.map(Arc::from);
+    tokio::spawn(run_batch(shared, Arc::from(token), ident, Arc::new(spec), count, call, prefer, tx));
     rx
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_batch(
     shared: Arc<Shared>,
     token: Arc<str>,
@@ -249,6 +254,7 @@ async fn run_batch(
     spec: Arc<pb::SandboxSpec>,
     count: u32,
     mut call: Call,
+    prefer: Option<Arc<str>>,
     tx: mpsc::Sender<BatchItem>,
 ) {
     let slots = Arc::new(Semaphore::new(shared.cfg.batch_concurrency.max(1)));
@@ -262,10 +268,10 @@ async fn run_batch(
         };
         while tasks.try_join_next().is_some() {}
         started += 1;
-        let (shared, token, ident, spec, failed, tx) =
-            (shared.clone(), token.clone(), ident.clone(), spec.clone(), failed.clone(), tx.clone());
+        let (shared, token, ident, spec, failed, tx, prefer) =
+            (shared.clone(), token.clone(), ident.clone(), spec.clone(), failed.clone(), tx.clone(), prefer.clone());
         tasks.spawn(async move {
-            let result = batch_item(&shared, &token, &ident, &spec, &tx).await;
+            let result = batch_item(&shared, &token, &ident, &spec, prefer.as_deref(), &tx).await;
             let resp = match result {
                 None => return, // the client left before this item started
                 Some(Ok(sb)) => pb::CreateSandboxesResponse { index, sandbox: Some(sb), error: None },
@@ -300,6 +306,7 @@ async fn batch_item(
     token: &str,
     ident: &Identity,
     spec: &pb::SandboxSpec,
+    prefer: Option<&str>,
     tx: &mpsc::Sender<BatchItem>,
 ) -> Option<Result<pb::Sandbox, ApiError>> {
     loop {
@@ -322,5 +329,5 @@ async fn batch_item(
         return None;
     }
     let _g = InflightGauge::new(shared, permit);
-    Some(create_one(shared, token, spec, None).await)
+    Some(create_one(shared, token, spec, None, prefer).await)
 }

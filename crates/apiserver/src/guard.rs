@@ -69,6 +69,7 @@ const METHODS: &[&str] = &[
     "GetSandbox",
     "GetSandboxMetrics",
     "CreateSnapshot",
+    "ForkSandbox",
     "ListSandboxes",
     "StopSandbox",
     "PauseSandbox",

@@ -126,6 +126,9 @@ pub struct Extra {
 pub struct Demand<'a> {
     pub backend: &'a str,
     pub resources: Res,
+    /// An edge to take when it fits and is not penalized (fork copies: the source's edge,
+    /// which holds the snapshot's layers in its cache already).
+    pub prefer: Option<&'a str>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -348,6 +351,11 @@ pub fn place<R: Rng + ?Sized>(
     if offering == 0 {
         return Err(PlacementError::NoEdgeOffers { backend: demand.backend.to_string() });
     }
+    if let Some(p) = demand.prefer
+        && let Some(&i) = fit.iter().find(|&&i| edges[i].name == p)
+    {
+        return Ok(i);
+    }
     let mut pool = if fit.is_empty() { fit_penalized } else { fit };
     if pool.is_empty() {
         return Err(PlacementError::NoCapacity { backend: demand.backend.to_string(), offering, skipped });
@@ -492,7 +500,7 @@ mod tests {
     }
 
     fn demand(cpu: u64, mem: u64) -> Demand<'static> {
-        Demand { backend: "sim", resources: Res { cpu_millis: cpu, memory_mb: mem, disk_mb: 0, gpus: 0 } }
+        Demand { backend: "sim", resources: Res { cpu_millis: cpu, memory_mb: mem, disk_mb: 0, gpus: 0 }, prefer: None }
     }
 
     const PARAMS: Params = Params { k: 2, usage_floor: 0.2 };
@@ -505,7 +513,7 @@ mod tests {
     #[test]
     fn unknown_backend_is_not_found_and_full_edges_are_no_capacity() {
         let edges = vec![edge("a"), edge("b")];
-        let d = Demand { backend: "microvm", resources: Res::default() };
+        let d = Demand { backend: "microvm", resources: Res::default(), prefer: None };
         let err = place_simple(&edges, &d).unwrap_err();
         assert_eq!(err, PlacementError::NoEdgeOffers { backend: "microvm".into() });
         assert_eq!(ApiError::from(&err).reason, Reason::NotFound);
@@ -526,6 +534,30 @@ mod tests {
         assert!(api.message.contains("cpu 1"), "{}", api.message);
     }
 
+    #[test]
+    fn a_preferred_edge_is_taken_when_it_fits_and_only_then() {
+        let mut busy = edge("src");
+        busy.allocated.cpu_millis = 60_000;
+        let edges = vec![edge("a"), busy.clone(), edge("b")];
+        let d = Demand { prefer: Some("src"), ..demand(1000, 1) };
+        // Loaded as it is, it still fits: taken over the idle ones (power-of-k alone would not).
+        for seed in 0..20 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let i = place(&edges, &HashMap::new(), &HashSet::new(), &HashSet::new(), &d, &PARAMS, &mut rng).unwrap();
+            assert_eq!(edges[i].name, "src");
+        }
+        // Full, penalized or already tried: placement as usual, elsewhere.
+        busy.allocated.cpu_millis = 64_000;
+        let full = vec![edge("a"), busy, edge("b")];
+        assert_ne!(full[place_simple(&full, &d).unwrap()].name, "src");
+        let mut rng = StdRng::seed_from_u64(1);
+        let penalized: HashSet<String> = ["src".to_string()].into();
+        let i = place(&edges, &HashMap::new(), &penalized, &HashSet::new(), &d, &PARAMS, &mut rng).unwrap();
+        assert_ne!(edges[i].name, "src");
+        let i = place(&edges, &HashMap::new(), &HashSet::new(), &penalized, &d, &PARAMS, &mut rng).unwrap();
+        assert_ne!(edges[i].name, "src");
+    }
+
     type Mutation = Box<dyn Fn(&mut EdgeView)>;
 
     #[test]
@@ -543,10 +575,14 @@ mod tests {
         for (mutate, want) in cases {
             let mut e = base.clone();
             mutate(&mut e);
-            let d = Demand { backend: "sim", resources: Res { cpu_millis: 1, memory_mb: 1, disk_mb: 1, gpus: 0 } };
+            let d = Demand {
+                backend: "sim",
+                resources: Res { cpu_millis: 1, memory_mb: 1, disk_mb: 1, gpus: 0 },
+                prefer: None,
+            };
             assert_eq!(skip_reason(&e, Extra::default(), &d), Some(want));
         }
-        let gpu = Demand { backend: "sim", resources: Res { gpus: 1, ..Res::default() } };
+        let gpu = Demand { backend: "sim", resources: Res { gpus: 1, ..Res::default() }, prefer: None };
         assert_eq!(skip_reason(&base, Extra::default(), &gpu), Some(Skip::Gpus));
     }
 
@@ -705,7 +741,7 @@ mod tests {
                 .collect();
             let penalized: HashSet<String> = edges.iter().zip(&pen).filter(|(_, p)| **p).map(|(e, _)| e.name.clone()).collect();
             let tried: HashSet<String> = edges.iter().zip(&tried).filter(|(_, t)| **t).map(|(e, _)| e.name.clone()).collect();
-            let d = Demand { backend, resources: res };
+            let d = Demand { backend, resources: res, prefer: None };
             let mut rng = StdRng::seed_from_u64(seed);
             let got = place(&edges, &overlay, &penalized, &tried, &d, &PARAMS, &mut rng);
 

@@ -18,6 +18,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use crate::admission;
+use crate::auth::Identity;
 use crate::call::{PERM_OPERATE, PERM_VIEW, caller, run};
 use crate::create::{self, BatchItem};
 use crate::forward;
@@ -90,24 +91,71 @@ async fn create_snapshot(
     req: pb::CreateSnapshotRequest,
 ) -> Result<pb::Snapshot, ApiError> {
     let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-    let project = project_of(&sb);
     let (_, ident) = caller(s, call, &md).await?;
-    s.authorize(&ident.principal, crate::images::PERM_PUBLISH, &project).await?;
-    let target = crate::images::snapshot_target(s, &project, &req.name).await?;
-    let ereq = forward::to_edge(pb::EdgeSnapshotRequest { id: req.id.clone(), pack_diff: req.pack_diff }, &project)?;
-    let c = s.up.edge(&edge, &s.edge_addr(&edge)?)?;
-    let mut c = c;
-    let taken = forward::within(&edge, Some(SNAPSHOT_TIMEOUT), async move { c.create_snapshot(ereq).await }).await?;
+    take_snapshot(s, &ident, &edge, &sb, &req.name, req.pack_diff).await
+}
+
+/// Checks `layer.publish` and the name, has the edge take the snapshot and registers its image.
+async fn take_snapshot(
+    s: &Shared,
+    ident: &Identity,
+    edge: &str,
+    sb: &pb::Sandbox,
+    name: &str,
+    pack_diff: bool,
+) -> Result<pb::Snapshot, ApiError> {
+    let project = project_of(sb);
+    s.authorize(&ident.principal, images::PERM_PUBLISH, &project).await?;
+    let target = images::snapshot_target(s, &project, name).await?;
+    let ereq = forward::to_edge(pb::EdgeSnapshotRequest { id: sb.id.clone(), pack_diff }, &project)?;
+    let mut c = s.up.edge(edge, &s.edge_addr(edge)?)?;
+    let taken = forward::within(edge, Some(SNAPSHOT_TIMEOUT), async move { c.create_snapshot(ereq).await }).await?;
     let image = sb.spec.as_ref().map(|sp| sp.image.clone()).unwrap_or_default();
-    let published = crate::images::publish_snapshot(s, target, &image, &taken.layers, &req.id).await?;
+    let published = images::publish_snapshot(s, target, &image, &taken.layers, &sb.id).await?;
     Ok(pb::Snapshot {
         image: Some(published),
-        sandbox_id: req.id,
+        sandbox_id: sb.id.clone(),
         layer: taken.layer,
         layer_bytes: taken.layer_bytes,
         layer_entries: taken.layer_entries,
         frozen_ms: taken.frozen_ms,
     })
+}
+
+/// Most copies one ForkSandbox makes.
+pub const MAX_FORK: u32 = 256;
+
+/// A fork: one snapshot, then a batch of creations from it with the source's spec, preferring
+/// the source's edge. Returns what the batch needs.
+async fn prepare_fork(
+    s: &Shared,
+    call: &mut Call,
+    md: &MetadataMap,
+    req: &pb::ForkSandboxRequest,
+) -> Result<(String, Arc<Identity>, pb::SandboxSpec, String), ApiError> {
+    if req.count == 0 || req.count > MAX_FORK {
+        return Err(
+            ApiError::invalid(format!("count must be 1..={MAX_FORK}, got {}", req.count)).with("field", "count")
+        );
+    }
+    let (edge, sb) = authorized_get(s, call, md, &req.id, PERM_OPERATE).await?;
+    let (token, ident) = caller(s, call, md).await?;
+    let name = if req.snapshot_name.is_empty() {
+        let lease = ids::split_sandbox_id(&req.id)?.1.to_string();
+        format!("forks/{lease}:{}", opendsec_common::time::now_ms())
+    } else {
+        req.snapshot_name.clone()
+    };
+    let snap = take_snapshot(s, &ident, &edge, &sb, &name, req.pack_diff).await?;
+    let image = snap.image.as_ref().map(|i| format!("{}:{}", i.repo, i.tag)).unwrap_or_default();
+    // The copies are new creations of the source's spec on the snapshot's image: checked
+    // and defaulted again as any creation is.
+    let mut spec = sb.spec.clone().unwrap_or_default();
+    spec.image = image;
+    let mut spec = admission::check_spec(Some(&spec), &ident.project, &s.cfg)?;
+    admission::check_network(&mut spec, &s.default_egress)?;
+    images::check_image(s, &ident.principal, &spec).await?;
+    Ok((token, ident, spec, edge))
 }
 
 async fn list_sandboxes(
@@ -199,7 +247,30 @@ impl Sandboxes for SandboxesService {
         match prepared {
             Ok((token, ident, spec)) => {
                 call.project = Some(spec.project.clone());
-                let rx = create::start_batch(s.clone(), token, ident, spec, req.count, call);
+                let rx = create::start_batch(s.clone(), token, ident, spec, req.count, call, None);
+                Ok(Response::new(ReceiverStream::new(rx)))
+            }
+            Err(e) => {
+                call.count = Some(req.count);
+                s.finish(call, Err(&e)).await;
+                Err(e.to_status())
+            }
+        }
+    }
+
+    type ForkSandboxStream = ReceiverStream<BatchItem>;
+
+    async fn fork_sandbox(
+        &self,
+        request: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<Self::ForkSandboxStream>, Status> {
+        let (md, _, req) = request.into_parts();
+        let s = &self.shared;
+        let mut call = Call::new("ForkSandbox");
+        match prepare_fork(s, &mut call, &md, &req).await {
+            Ok((token, ident, spec, edge)) => {
+                call.project = Some(spec.project.clone());
+                let rx = create::start_batch(s.clone(), token, ident, spec, req.count, call, Some(edge));
                 Ok(Response::new(ReceiverStream::new(rx)))
             }
             Err(e) => {

@@ -59,8 +59,20 @@ async fn a_snapshot_carries_the_file_system_and_the_sandbox_runs_on() {
 
     // The same through the CLI.
     let ca = f.cluster.ca_path.display().to_string();
-    let argv = ["opendsecctl", "--addr", &f.addr, "--token", &f.cluster.admin_token, "--ca", &ca, "snapshot", &src.id, "snap:cli"];
-    let code = opendsec_cli::ctl::run(<opendsec_cli::ctl::Cli as clap::Parser>::try_parse_from(argv).unwrap()).await.unwrap();
+    let argv = [
+        "opendsecctl",
+        "--addr",
+        &f.addr,
+        "--token",
+        &f.cluster.admin_token,
+        "--ca",
+        &ca,
+        "snapshot",
+        &src.id,
+        "snap:cli",
+    ];
+    let code =
+        opendsec_cli::ctl::run(<opendsec_cli::ctl::Cli as clap::Parser>::try_parse_from(argv).unwrap()).await.unwrap();
     assert_eq!(code, 0);
     let cli = admin.get_image(pb::GetImageRequest { project: "root".into(), name: "snap:cli".into() }).await.unwrap();
     assert_eq!(cli.layers, image.layers, "nothing changed in between: the same content-addressed layer");
@@ -195,4 +207,139 @@ async fn a_snapshot_of_a_busy_sandbox_is_consistent() {
     let r = exec_in(&mut rt, &sb.id, "main", "a=$(cat /a); sleep 0.3; b=$(cat /a); [ $b -gt $a ] && echo moving").await;
     assert_eq!(out(&r), "moving");
     admin.stop_sandbox(&sb.id).await.unwrap();
+}
+
+/// Sandboxes of a fork's stream, and the errors of its items.
+async fn collect(mut s: tonic::Streaming<pb::CreateSandboxesResponse>) -> (Vec<pb::Sandbox>, Vec<pb::ErrorDetail>) {
+    let (mut ok, mut failed) = (Vec::new(), Vec::new());
+    while let Some(r) = s.message().await.unwrap() {
+        match (r.sandbox, r.error) {
+            (Some(sb), _) => ok.push(sb),
+            (None, Some(e)) => failed.push(e),
+            (None, None) => panic!("an item with neither a sandbox nor an error"),
+        }
+    }
+    (ok, failed)
+}
+
+fn fork(id: &str, count: u32) -> pb::ForkSandboxRequest {
+    pb::ForkSandboxRequest { id: id.into(), count, ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_makes_independent_copies_and_each_is_charged() {
+    let f = fixture().await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let mut spec = container_spec("busybox", 32, 32);
+    spec.labels.insert("job".into(), "episode".into());
+    spec.env.insert("SEED".into(), "7".into());
+    let src = admin.create_sandbox(spec).await.unwrap();
+    exec_in(&mut rt, &src.id, "main", "mkdir /state && echo step-40 > /state/step && (sleep 1000 &)").await;
+
+    let (copies, failed) = collect(admin.fork_sandbox(fork(&src.id, 16)).await.unwrap()).await;
+    assert!(failed.is_empty(), "{failed:?}");
+    assert_eq!(copies.len(), 16);
+    let image = copies[0].spec.as_ref().unwrap().image.clone();
+    assert!(image.starts_with("forks/"), "{image}");
+    for c in &copies {
+        let sp = c.spec.as_ref().unwrap();
+        assert_eq!(sp.image, image, "one snapshot for every copy");
+        assert_eq!(sp.labels.get("job").map(String::as_str), Some("episode"));
+        assert_eq!(c.edge, src.edge, "copies go to the source's edge while it has room");
+        assert_eq!(state(c), pb::SandboxState::Running);
+    }
+    // Each copy starts from the source's state, with its env and none of its processes, and
+    // writes only to itself.
+    for (i, c) in copies.iter().enumerate() {
+        let r = exec_in(&mut rt, &c.id, "main", &format!("cat /state/step; echo $SEED; echo {i} > /state/mine")).await;
+        assert_eq!(out(&r), "step-40\n7", "{r:?}");
+    }
+    for (i, c) in copies.iter().enumerate() {
+        let r = exec_in(&mut rt, &c.id, "main", "cat /state/mine; ps -o args | grep -c '[s]leep 1000' || true").await;
+        assert_eq!(out(&r), format!("{i}\n0"));
+    }
+    assert_eq!(out(&exec_in(&mut rt, &src.id, "main", "ls /state").await), "step");
+
+    // A fork of a fork, under a name of our choosing, kept as an image.
+    let req = pb::ForkSandboxRequest {
+        id: copies[3].id.clone(),
+        count: 2,
+        snapshot_name: "episode:branch".into(),
+        pack_diff: false,
+    };
+    let (grand, failed) = collect(admin.fork_sandbox(req.clone()).await.unwrap()).await;
+    assert!(failed.is_empty() && grand.len() == 2, "{failed:?}");
+    assert_eq!(out(&exec_in(&mut rt, &grand[1].id, "main", "cat /state/mine").await), "3");
+    let img =
+        admin.get_image(pb::GetImageRequest { project: "root".into(), name: "episode:branch".into() }).await.unwrap();
+    assert_eq!(img.layers.len(), 3);
+    let e = admin.fork_sandbox(req).await.unwrap_err();
+    assert_eq!(e.reason, Reason::AlreadyExists, "{e}");
+
+    // The CLI forks too.
+    let ca = f.cluster.ca_path.display().to_string();
+    let argv = [
+        "opendsecctl",
+        "--addr",
+        &f.addr,
+        "--token",
+        &f.cluster.admin_token,
+        "--ca",
+        &ca,
+        "--json",
+        "fork",
+        &src.id,
+        "--count",
+        "2",
+    ];
+    let code =
+        opendsec_cli::ctl::run(<opendsec_cli::ctl::Cli as clap::Parser>::try_parse_from(argv).unwrap()).await.unwrap();
+    assert_eq!(code, 0);
+    let listed = admin
+        .list_sandboxes(pb::ListSandboxesRequest { project: "root".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .sandboxes;
+    let cli_copies: Vec<_> = listed
+        .iter()
+        .filter(|x| x.spec.as_ref().is_some_and(|sp| sp.image.starts_with("forks/") && sp.image != image))
+        .collect();
+    assert_eq!(cli_copies.len(), 2);
+
+    // Counts out of range, another tenant.
+    for n in [0, 257] {
+        let e = admin.fork_sandbox(fork(&src.id, n)).await.unwrap_err();
+        assert_eq!(e.reason, Reason::InvalidArgument, "{n}: {e}");
+    }
+    admin.create_project(pb::CreateProjectRequest { path: "root/other".into(), quota: None }).await.unwrap();
+    let tok =
+        principal(&admin, "eve", "root/other", &["sandbox.create", "sandbox.operate", "layer.publish", "layer.use"])
+            .await;
+    let eve = opendsec_client::Client::new(std::slice::from_ref(&f.addr), Some(&tok), &f.cluster.client_tls()).unwrap();
+    let e = eve.fork_sandbox(fork(&src.id, 1)).await.unwrap_err();
+    assert!(matches!(e.reason, Reason::PermissionDenied | Reason::NotFound), "{e}");
+
+    // Each copy is admitted on its own: with room for three more in the project's quota, a
+    // fork of five makes three and refuses two, charging exactly the three.
+    let quota = pb::Quota { memory_mb: Some(32 * 4), ..Default::default() };
+    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
+    let q = admin
+        .create_sandbox(pb::SandboxSpec { project: "root/q".into(), ..container_spec("busybox", 32, 32) })
+        .await
+        .unwrap();
+    let (made, refused) = collect(admin.fork_sandbox(fork(&q.id, 5)).await.unwrap()).await;
+    assert_eq!((made.len(), refused.len()), (3, 2), "{refused:?}");
+    assert!(refused.iter().all(|e| e.reason == "quota_exceeded"), "{refused:?}");
+    let usage = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
+    let used = usage.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap();
+    assert_eq!((used.memory_mb, used.sandboxes), (32 * 4, 4));
+
+    let cli_ids: Vec<String> = cli_copies.iter().map(|x| x.id.clone()).collect();
+    for id in &cli_ids {
+        admin.stop_sandbox(id).await.unwrap();
+    }
+    for sb in copies.iter().chain(&grand).chain(&made).chain([&src, &q]) {
+        admin.stop_sandbox(&sb.id).await.unwrap();
+    }
 }

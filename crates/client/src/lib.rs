@@ -249,6 +249,20 @@ impl Client {
         .await
     }
 
+    /// Forks sandbox `id` into `count` (1..=256) copies of its file system: one snapshot
+    /// (named `snapshot_name`, or `forks/<lease>:<ms>` when empty), results streamed as a
+    /// batch's.
+    pub async fn fork_sandbox(
+        &self,
+        req: pb::ForkSandboxRequest,
+    ) -> Result<tonic::Streaming<pb::CreateSandboxesResponse>, ApiError> {
+        self.call(const { retry::class("Sandboxes/ForkSandbox") }, |ch| {
+            let req = req.clone();
+            async move { stub_s(ch).fork_sandbox(req).await }
+        })
+        .await
+    }
+
     pub async fn get_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
         self.call(const { retry::class("Sandboxes/GetSandbox") }, |ch| {

@@ -41,6 +41,13 @@ impl Sandboxes for Full {
     ) -> Result<Response<Self::CreateSandboxesStream>, Status> {
         no()
     }
+    type ForkSandboxStream = tokio_stream::Empty<Result<pb::CreateSandboxesResponse, Status>>;
+    async fn fork_sandbox(
+        &self,
+        _: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<Self::ForkSandboxStream>, Status> {
+        no()
+    }
     async fn get_sandbox(&self, _: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }

@@ -84,6 +84,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/UpdateNetwork", Repeat),
         ("Sandboxes/GetSandboxMetrics", Read),
         ("Sandboxes/CreateSnapshot", Once),
+        ("Sandboxes/ForkSandbox", Once),
         ("Admin/WhoAmI", Read),
         ("Admin/CreateProject", Once),
         ("Admin/GetProject", Read),

@@ -201,6 +201,27 @@ async def test_snapshot_and_create_from_it(container) -> None:
             await sb.snapshot("Not A Name")
 
 
+async def test_fork_as_a_list_and_as_an_iterator(container) -> None:
+    async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
+        await sb.run_shell("echo branch-point > /etc/state")
+        copies = await sb.fork(3)
+        try:
+            assert len(copies) == 3 and len({x.id for x in copies}) == 3
+            for i, x in enumerate(copies):
+                await x.run_shell(f"echo {i} >> /etc/state")
+            outs = [(await x.run_shell("cat /etc/state")).stdout for x in copies]
+            assert outs == [f"branch-point\n{i}\n" for i in range(3)]
+            seen = [x async for x in sb.iter_fork(2, snapshot_name="sdk-fork:named")]
+            copies += seen
+            assert all(isinstance(x, opendsec.Sandbox) for x in seen)
+            assert {x.info.spec.image for x in seen} == {"sdk-fork:named"}
+            with pytest.raises(errors.InvalidArgument):
+                await sb.fork(0)
+        finally:
+            for x in copies:
+                await x.stop()
+
+
 async def test_request_id_runs_once(container) -> None:
     async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
         rid = opendsec.new_request_id()

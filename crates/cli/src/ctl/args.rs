@@ -116,6 +116,23 @@ pub enum Command {
         #[arg(long)]
         pack_diff: bool,
     },
+    /// Fork a sandbox: one snapshot, then COUNT copies of its file system with its spec, on
+    /// its edge while it has room; prints the copies' ids as they come. Processes are not
+    /// copied.
+    #[command(after_help = "Examples:\n  \
+    opendsecctl fork root-edge.0123abcd --count 8\n  \
+    opendsecctl fork root-edge.0123abcd --count 64 --snapshot-name episode:branch --json")]
+    Fork {
+        id: String,
+        /// How many copies, 1..=256.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// The image the snapshot is kept as (default forks/<lease>:<ms>).
+        #[arg(long, default_value = "")]
+        snapshot_name: String,
+        #[arg(long)]
+        pack_diff: bool,
+    },
     /// Signal a process in a sandbox, by pid or tag.
     Kill(crate::runtime::KillArgs),
 }

@@ -230,6 +230,10 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             });
             Ok(())
         }
+        Command::Fork { id, count, snapshot_name, pack_diff } => {
+            let stream = client.fork_sandbox(pb::ForkSandboxRequest { id, count, snapshot_name, pack_diff }).await?;
+            sandbox::print_batch(out, stream, count, "copies").await
+        }
         Command::Whoami => {
             let r = client.who_am_i(pb::WhoAmIRequest {}).await?;
             out.print(j::of(&r), || format!("{} ({})", r.principal, r.project));

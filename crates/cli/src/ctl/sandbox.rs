@@ -16,41 +16,8 @@ pub(crate) async fn sandbox(
                 out.print(j::of(&s), || s.id.clone());
                 return Ok(());
             }
-            let mut stream = client.create_sandboxes(spec, count).await?;
-            let mut results = Vec::new();
-            let mut failed = 0u32;
-            // Ids go to stdout as they come (for scripts); the bar to stderr, on a terminal only.
-            let bar = batch_bar(count, out.json);
-            while let Some(item) = stream.message().await.map_err(|s| CtlError::Api(ApiError::from_status(&s)))? {
-                match (&item.sandbox, &item.error) {
-                    (Some(s), _) => {
-                        if !out.json {
-                            bar.suspend(|| println!("{}", s.id));
-                        }
-                        results.push(json!({"index": item.index, "sandbox": j::of(s)}));
-                    }
-                    (None, Some(e)) => {
-                        failed += 1;
-                        if !out.json {
-                            bar.suspend(|| eprintln!("#{}: {}: {}", item.index, e.reason, e.message));
-                        }
-                        results.push(json!({"index": item.index, "error": {"reason": e.reason, "message": e.message}}));
-                    }
-                    (None, None) => {}
-                }
-                bar.inc(1);
-                if failed > 0 {
-                    bar.set_message(format!("{failed} failed"));
-                }
-            }
-            bar.finish_and_clear();
-            if out.json {
-                println!("{}", serde_json::to_string_pretty(&Value::Array(results)).unwrap_or_default());
-            }
-            if failed > 0 {
-                return Err(CtlError::Local(format!("{failed} of {count} creations failed")));
-            }
-            Ok(())
+            let stream = client.create_sandboxes(spec, count).await?;
+            print_batch(out, stream, count, "creations").await
         }
         SandboxCmd::List { states, labels, page_size, page_token, all } => {
             let mut st = Vec::new();
@@ -140,5 +107,49 @@ pub(crate) async fn network(client: &Client, out: &Out, cmd: NetworkCmd) -> Resu
         lines.extend(rules.iter().map(|r| format!("  allow {r}")));
         lines.join("\n")
     });
+    Ok(())
+}
+
+/// Prints a stream of batch results: ids to stdout as they come (JSON: one array at the end),
+/// failures to stderr, a progress bar on a terminal; fails if any item failed.
+pub(crate) async fn print_batch(
+    out: &Out,
+    mut stream: tonic::Streaming<pb::CreateSandboxesResponse>,
+    count: u32,
+    what: &str,
+) -> Result<(), CtlError> {
+    let mut results = Vec::new();
+    let mut failed = 0u32;
+    // Ids go to stdout as they come (for scripts); the bar to stderr, on a terminal only.
+    let bar = batch_bar(count, out.json);
+    while let Some(item) = stream.message().await.map_err(|s| CtlError::Api(ApiError::from_status(&s)))? {
+        match (&item.sandbox, &item.error) {
+            (Some(s), _) => {
+                if !out.json {
+                    bar.suspend(|| println!("{}", s.id));
+                }
+                results.push(json!({"index": item.index, "sandbox": j::of(s)}));
+            }
+            (None, Some(e)) => {
+                failed += 1;
+                if !out.json {
+                    bar.suspend(|| eprintln!("#{}: {}: {}", item.index, e.reason, e.message));
+                }
+                results.push(json!({"index": item.index, "error": {"reason": e.reason, "message": e.message}}));
+            }
+            (None, None) => {}
+        }
+        bar.inc(1);
+        if failed > 0 {
+            bar.set_message(format!("{failed} failed"));
+        }
+    }
+    bar.finish_and_clear();
+    if out.json {
+        println!("{}", serde_json::to_string_pretty(&Value::Array(results)).unwrap_or_default());
+    }
+    if failed > 0 {
+        return Err(CtlError::Local(format!("{failed} of {count} {what} failed")));
+    }
     Ok(())
 }

@@ -44,6 +44,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/UpdateNetwork": "repeat",
     "Sandboxes/GetSandboxMetrics": "read",
     "Sandboxes/CreateSnapshot": "once",
+    "Sandboxes/ForkSandbox": "once",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

@@ -571,6 +571,47 @@ class AsyncClient:
         self.pool.mark_ok(address)
         return got
 
+    async def iter_fork(
+        self, sandbox_id: str, count: int, *, snapshot_name: str = "", pack_diff: bool = False
+    ) -> AsyncIterator[Any]:
+        """Forks the sandbox (``ForkSandbox``): one snapshot of its file system (registered
+        as ``snapshot_name``, default ``forks/<lease>:<ms>``), then ``count`` (1..=256) copies
+        with its spec, placed on its edge while it has room. Yields each copy as a
+        :class:`Sandbox` as it is made, or the item's error as an ``OpendsecError`` (each copy
+        is admitted and charged on its own). Copies carry the file system, not the processes.
+        Not retried: a retry would snapshot again."""
+        req = pb.ForkSandboxRequest(id=sandbox_id, count=count, snapshot_name=snapshot_name, pack_diff=pack_diff)
+        address = self.pool.pick()
+        call = self._stub("Sandboxes", address).ForkSandbox(req, metadata=self._metadata())
+        try:
+            async for item in call:
+                if item.HasField("error") and item.error.reason:
+                    yield errors.from_detail(item.error.reason, item.error.message)
+                else:
+                    yield Sandbox(self, item.sandbox)
+        except grpc.RpcError as e:
+            raise self._failed(address, e) from None
+        self.pool.mark_ok(address)
+
+    async def fork_sandbox(
+        self,
+        sandbox_id: str,
+        count: int,
+        *,
+        snapshot_name: str = "",
+        pack_diff: bool = False,
+        return_exceptions: bool = False,
+    ) -> List[Any]:
+        """Every copy of :meth:`iter_fork` as a list. An item that failed is raised (the first
+        one, once every item has answered, with the copies made on its ``created``), or with
+        ``return_exceptions=True`` returned in the list."""
+        results = [r async for r in self.iter_fork(sandbox_id, count, snapshot_name=snapshot_name, pack_diff=pack_diff)]
+        failed = [r for r in results if isinstance(r, errors.OpendsecError)]
+        if failed and not return_exceptions:
+            failed[0].created = [r for r in results if isinstance(r, Sandbox)]  # type: ignore[attr-defined]
+            raise failed[0]
+        return results
+
     async def get_sandbox(self, sandbox_id: str) -> "Sandbox":
         """The sandbox with this id (``not_found`` if none)."""
         info = await self._unary("Sandboxes", "GetSandbox", pb.GetSandboxRequest(id=sandbox_id))
@@ -937,6 +978,18 @@ class Sandbox:
         """Resumes the paused sandbox (not retried); returns ``self`` with ``info`` updated."""
         self.info = (await self.client.resume_sandbox(self.id)).info
         return self
+
+    async def fork(
+        self, count: int, *, snapshot_name: str = "", pack_diff: bool = False, return_exceptions: bool = False
+    ) -> List[Any]:
+        """``count`` copies of this sandbox's file system (see :meth:`AsyncClient.fork_sandbox`)."""
+        return await self.client.fork_sandbox(
+            self.id, count, snapshot_name=snapshot_name, pack_diff=pack_diff, return_exceptions=return_exceptions
+        )
+
+    def iter_fork(self, count: int, *, snapshot_name: str = "", pack_diff: bool = False) -> AsyncIterator[Any]:
+        """The copies of :meth:`fork` as they are made (see :meth:`AsyncClient.iter_fork`)."""
+        return self.client.iter_fork(self.id, count, snapshot_name=snapshot_name, pack_diff=pack_diff)
 
     async def snapshot(self, name: str, *, pack_diff: bool = False) -> pb.Snapshot:
         """Snapshots this sandbox's file system into image ``name`` of its project (see
