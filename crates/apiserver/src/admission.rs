@@ -244,6 +244,31 @@ pub fn scoped_lease_id(project: &str, key: &str) -> String {
     h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect()
 }
 
+/// The spec of each patched item of a batch (the shared spec with the patch's env and labels
+/// added), each checked as a whole; items without a patch take the shared spec.
+pub fn patched_specs(
+    spec: &pb::SandboxSpec,
+    patches: &[pb::ItemPatch],
+    count: u32,
+    cfg: &ApiserverConfig,
+) -> Result<Vec<pb::SandboxSpec>, AdmissionError> {
+    if patches.len() > count as usize {
+        return Err(AdmissionError::Invalid {
+            field: "patches",
+            message: format!("{} patches for {count} items", patches.len()),
+        });
+    }
+    patches
+        .iter()
+        .map(|p| {
+            let mut s = spec.clone();
+            s.env.extend(p.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+            s.labels.extend(p.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+            check_spec(Some(&s), &s.project.clone(), cfg)
+        })
+        .collect()
+}
+
 pub fn check_batch_count(count: u32) -> Result<(), AdmissionError> {
     if (1..=MAX_BATCH).contains(&count) { Ok(()) } else { Err(AdmissionError::BatchCount { count, max: MAX_BATCH }) }
 }

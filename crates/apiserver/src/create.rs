@@ -230,33 +230,40 @@ pub type BatchItem = Result<pb::CreateSandboxesResponse, tonic::Status>;
 
 /// Starts a batch; answers arrive on the returned receiver as items complete. The batch's
 /// audit line is written when every started item has finished.
-/// `prefer`: an edge each item takes while it fits (a fork's copies: the source's).
+/// What a batch creates: `count` sandboxes of `spec`, item `i` of `patched[i]` where the
+/// request patched it; `prefer`: an edge each item takes while it fits (a fork's copies: the
+/// source's).
+pub struct Batch {
+    pub spec: pb::SandboxSpec,
+    pub patched: Vec<pb::SandboxSpec>,
+    pub count: u32,
+    pub prefer: Option<String>,
+}
+
 pub fn start_batch(
     shared: Arc<Shared>,
     token: String,
     ident: Arc<Identity>,
-    spec: pb::SandboxSpec,
-    count: u32,
+    batch: Batch,
     call: Call,
-    prefer: Option<String>,
 ) -> mpsc::Receiver<BatchItem> {
     let (tx, rx) = mpsc::channel(BATCH_CHANNEL);
-    let prefer: Option<Arc<str>> = prefer.map(Arc::from);
-    tokio::spawn(run_batch(shared, Arc::from(token), ident, Arc::new(spec), count, call, prefer, tx));
+    tokio::spawn(run_batch(shared, Arc::from(token), ident, batch, call, tx));
     rx
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn run_batch(
     shared: Arc<Shared>,
     token: Arc<str>,
     ident: Arc<Identity>,
-    spec: Arc<pb::SandboxSpec>,
-    count: u32,
+    batch: Batch,
     mut call: Call,
-    prefer: Option<Arc<str>>,
     tx: mpsc::Sender<BatchItem>,
 ) {
+    let count = batch.count;
+    let spec = Arc::new(batch.spec);
+    let patched: Vec<Arc<pb::SandboxSpec>> = batch.patched.into_iter().map(Arc::new).collect();
+    let prefer: Option<Arc<str>> = batch.prefer.map(Arc::from);
     let slots = Arc::new(Semaphore::new(shared.cfg.batch_concurrency.max(1)));
     let failed = Arc::new(AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -268,8 +275,9 @@ async fn run_batch(
         };
         while tasks.try_join_next().is_some() {}
         started += 1;
-        let (shared, token, ident, spec, failed, tx, prefer) =
-            (shared.clone(), token.clone(), ident.clone(), spec.clone(), failed.clone(), tx.clone(), prefer.clone());
+        let spec = patched.get(index as usize).unwrap_or(&spec).clone();
+        let (shared, token, ident, failed, tx, prefer) =
+            (shared.clone(), token.clone(), ident.clone(), failed.clone(), tx.clone(), prefer.clone());
         tasks.spawn(async move {
             let result = batch_item(&shared, &token, &ident, &spec, prefer.as_deref(), &tx).await;
             let resp = match result {

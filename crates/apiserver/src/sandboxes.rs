@@ -239,15 +239,18 @@ impl Sandboxes for SandboxesService {
             let (token, ident) = caller(s, &mut call, &md).await?;
             let mut spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
             admission::check_network(&mut spec, &s.default_egress)?;
+            // Patches change env and labels only: the project, image and backend stay shared.
+            let patched = admission::patched_specs(&spec, &req.patches, req.count, &s.cfg)?;
             // Once for the whole batch: every item has the same image and principal.
             images::check_image(s, &ident.principal, &spec).await?;
-            Ok::<_, ApiError>((token, ident, spec))
+            Ok::<_, ApiError>((token, ident, spec, patched))
         }
         .await;
         match prepared {
-            Ok((token, ident, spec)) => {
+            Ok((token, ident, spec, patched)) => {
                 call.project = Some(spec.project.clone());
-                let rx = create::start_batch(s.clone(), token, ident, spec, req.count, call, None);
+                let batch = create::Batch { spec, patched, count: req.count, prefer: None };
+                let rx = create::start_batch(s.clone(), token, ident, batch, call);
                 Ok(Response::new(ReceiverStream::new(rx)))
             }
             Err(e) => {
@@ -270,7 +273,8 @@ impl Sandboxes for SandboxesService {
         match prepare_fork(s, &mut call, &md, &req).await {
             Ok((token, ident, spec, edge)) => {
                 call.project = Some(spec.project.clone());
-                let rx = create::start_batch(s.clone(), token, ident, spec, req.count, call, Some(edge));
+                let batch = create::Batch { spec, patched: Vec::new(), count: req.count, prefer: Some(edge) };
+                let rx = create::start_batch(s.clone(), token, ident, batch, call);
                 Ok(Response::new(ReceiverStream::new(rx)))
             }
             Err(e) => {

@@ -961,7 +961,10 @@ async fn batches_stream_every_item_and_wait_for_rate_limits() {
     let mut api = c.client();
 
     let e = api
-        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec()), count: 32_769 }, ALICE))
+        .create_sandboxes(with_token(
+            pb::CreateSandboxesRequest { spec: Some(spec()), count: 32_769, patches: vec![] },
+            ALICE,
+        ))
         .await
         .unwrap_err();
     assert_eq!(reason(&e), Reason::InvalidArgument);
@@ -969,7 +972,10 @@ async fn batches_stream_every_item_and_wait_for_rate_limits() {
 
     // 6 items with a burst of 2: the rate limit makes items wait, none fails.
     let mut stream = api
-        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec()), count: 6 }, ALICE))
+        .create_sandboxes(with_token(
+            pb::CreateSandboxesRequest { spec: Some(spec()), count: 6, patches: vec![] },
+            ALICE,
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -1003,6 +1009,47 @@ async fn batches_stream_every_item_and_wait_for_rate_limits() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_items_take_their_own_env_and_labels() {
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
+    let mut api = c.client();
+    let mut shared = spec();
+    shared.labels.insert("job".into(), "eval".into());
+    shared.env.insert("MODE".into(), "base".into());
+    let patch = |i: u32| pb::ItemPatch {
+        env: [("SHARD".to_string(), i.to_string()), ("MODE".to_string(), "patched".to_string())].into(),
+        labels: [("shard".to_string(), i.to_string())].into(),
+    };
+    // Three patches for four items: the last takes the shared spec.
+    let req = pb::CreateSandboxesRequest { spec: Some(shared.clone()), count: 4, patches: (0..3).map(patch).collect() };
+    let mut stream = api.create_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner();
+    let mut got = std::collections::BTreeMap::new();
+    while let Some(item) = stream.message().await.unwrap() {
+        got.insert(item.index, item.sandbox.unwrap().spec.unwrap());
+    }
+    for i in 0..3u32 {
+        let sp = &got[&i];
+        assert_eq!(sp.env.get("SHARD").map(String::as_str), Some(i.to_string().as_str()));
+        assert_eq!(sp.env.get("MODE").map(String::as_str), Some("patched"));
+        assert_eq!(sp.labels.get("shard").map(String::as_str), Some(i.to_string().as_str()));
+        assert_eq!(sp.labels.get("job").map(String::as_str), Some("eval"));
+    }
+    assert_eq!(got[&3].env.get("MODE").map(String::as_str), Some("base"));
+    assert!(!got[&3].labels.contains_key("shard"));
+
+    // More patches than items, or one patch that makes a bad spec: the whole batch is refused
+    // before anything is admitted.
+    let admits = c.iam.st().admits.len();
+    let req = pb::CreateSandboxesRequest { spec: Some(shared.clone()), count: 1, patches: vec![patch(0), patch(1)] };
+    assert_eq!(reason(&api.create_sandboxes(with_token(req, ALICE)).await.unwrap_err()), Reason::InvalidArgument);
+    let bad = pb::ItemPatch { env: [("A=B".to_string(), "x".to_string())].into(), ..Default::default() };
+    let req = pb::CreateSandboxesRequest { spec: Some(shared), count: 3, patches: vec![patch(0), bad] };
+    let e = api.create_sandboxes(with_token(req, ALICE)).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidArgument, "{}", e.message());
+    assert_eq!(c.iam.st().admits.len(), admits);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_creation_needs_an_image_it_may_use() {
     let c = Cluster::start(&[("e1", Mode::Accept, 0)], test_config()).await;
     let mut api = c.client();
@@ -1017,7 +1064,10 @@ async fn a_creation_needs_an_image_it_may_use() {
     assert_eq!(reason(&e), Reason::NotFound);
     assert!(e.message().contains("image nope:1 not found in root/a or above"), "{}", e.message());
     let e = api
-        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: with_image("nope").spec, count: 3 }, ALICE))
+        .create_sandboxes(with_token(
+            pb::CreateSandboxesRequest { spec: with_image("nope").spec, count: 3, patches: vec![] },
+            ALICE,
+        ))
         .await
         .unwrap_err();
     assert_eq!(reason(&e), Reason::NotFound, "a batch checks its image once, up front");
@@ -1602,7 +1652,10 @@ async fn a_tenants_batch_does_not_starve_another_tenants_single_creation() {
     c.edge("e1").st.lock().unwrap().create_delay = Duration::from_millis(40);
     let mut api = c.client();
     let mut batch = api
-        .create_sandboxes(with_token(pb::CreateSandboxesRequest { spec: Some(spec()), count: 40 }, ALICE))
+        .create_sandboxes(with_token(
+            pb::CreateSandboxesRequest { spec: Some(spec()), count: 40, patches: vec![] },
+            ALICE,
+        ))
         .await
         .unwrap()
         .into_inner();

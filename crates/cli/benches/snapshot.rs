@@ -20,7 +20,8 @@ fn ms(d: Duration) -> f64 {
 }
 
 async fn write_mb(rt: &mut Rt, id: &str, mb: u64) {
-    let r = exec_in(rt, id, "main", &format!("dd if=/dev/urandom of=/data.bin bs=1M count={mb} 2>/dev/null && sync")).await;
+    let r =
+        exec_in(rt, id, "main", &format!("dd if=/dev/urandom of=/data.bin bs=1M count={mb} 2>/dev/null && sync")).await;
     assert_eq!(r.exit_code, 0, "{r:?}");
 }
 
@@ -62,8 +63,10 @@ async fn bench() {
     write_mb(&mut rt, &src.id, 10).await;
     for count in [8u32, 64] {
         let t = Instant::now();
-        let mut stream =
-            admin.fork_sandbox(pb::ForkSandboxRequest { id: src.id.clone(), count, ..Default::default() }).await.unwrap();
+        let mut stream = admin
+            .fork_sandbox(pb::ForkSandboxRequest { id: src.id.clone(), count, ..Default::default() })
+            .await
+            .unwrap();
         let mut tasks = tokio::task::JoinSet::new();
         while let Some(item) = stream.message().await.unwrap() {
             let sb = item.sandbox.unwrap_or_else(|| panic!("a copy failed: {:?}", item.error));

@@ -241,7 +241,18 @@ impl Client {
         spec: pb::SandboxSpec,
         count: u32,
     ) -> Result<tonic::Streaming<pb::CreateSandboxesResponse>, ApiError> {
-        let req = pb::CreateSandboxesRequest { spec: Some(spec), count };
+        self.create_sandboxes_patched(spec, count, Vec::new()).await
+    }
+
+    /// [`Client::create_sandboxes`] with per-item changes: `patches[i]` adds to (or replaces)
+    /// item `i`'s env and labels.
+    pub async fn create_sandboxes_patched(
+        &self,
+        spec: pb::SandboxSpec,
+        count: u32,
+        patches: Vec<pb::ItemPatch>,
+    ) -> Result<tonic::Streaming<pb::CreateSandboxesResponse>, ApiError> {
+        let req = pb::CreateSandboxesRequest { spec: Some(spec), count, patches };
         self.call(const { retry::class("Sandboxes/CreateSandboxes") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).create_sandboxes(req).await }

@@ -96,6 +96,20 @@ async def test_same_lease_id_is_one_sandbox(cluster) -> None:
         await a.stop()
 
 
+async def test_batch_items_with_their_own_env_and_labels(cluster) -> None:
+    async with client(cluster) as c:
+        patches = [{"env": {"SHARD": str(i)}, "labels": {"shard": str(i)}} for i in range(3)]
+        made = await c.create_sandboxes(4, "sim", IMG, labels={"job": "patched"}, patches=patches, memory_mb=64)
+        try:
+            for i, sb in enumerate(made[:3]):
+                assert sb.labels == {"job": "patched", "shard": str(i)}
+                assert dict(sb.info.spec.env)["SHARD"] == str(i)
+            assert made[3].labels == {"job": "patched"}
+        finally:
+            for sb in made:
+                await sb.stop()
+
+
 async def test_batch_list_with_labels_and_pagination(cluster) -> None:
     async with client(cluster) as c:
         await c.create_project("root/sdk-batch")

@@ -482,8 +482,12 @@ class AsyncClient:
         on_progress: Optional[Callable[[int, int], None]] = None,
         retry: bool = True,
         egress: Optional[Sequence[str]] = None,
+        patches: Optional[Sequence[Mapping[str, Mapping[str, str]]]] = None,
     ) -> List[Any]:
         """Creates ``n`` sandboxes from one spec in one call (``CreateSandboxes``).
+
+        ``patches[i]`` (``{"env": {...}, "labels": {...}}``) adds to or replaces item ``i``'s
+        env and labels (at most ``n`` patches; later items take the spec as it is).
 
         Returns the sandboxes in index order. An item that failed is raised (the first one,
         after every item has answered; the sandboxes that were created are on the exception's
@@ -517,9 +521,12 @@ class AsyncClient:
             if on_progress is not None:
                 on_progress(done, n)
 
+        item_patches = [
+            pb.ItemPatch(env=dict(p.get("env", {})), labels=dict(p.get("labels", {}))) for p in (patches or ())
+        ]
         todo = list(range(n))
         while todo:
-            got = await self._batch_once(spec, todo, results)
+            got = await self._batch_once(spec, todo, results, item_patches)
             again: List[int] = []
             for i in todo:
                 r = got.get(i)
@@ -545,14 +552,19 @@ class AsyncClient:
                 raise first
         return results
 
-    async def _batch_once(self, spec: Any, slots: List[int], results: List[Any]) -> Dict[int, Any]:
+    async def _batch_once(
+        self, spec: Any, slots: List[int], results: List[Any], patches: Sequence[Any] = ()
+    ) -> Dict[int, Any]:
         """One ``CreateSandboxes`` call for ``len(slots)`` sandboxes; item ``k`` of the call
-        answers ``slots[k]``. A broken stream raises, with every sandbox created so far (in
-        ``results`` and in this call) on the error's ``created``."""
+        answers ``slots[k]`` (with ``slots[k]``'s patch). A broken stream raises, with every
+        sandbox created so far (in ``results`` and in this call) on the error's ``created``."""
         got: Dict[int, Any] = {}
         address = self.pool.pick()
+        mine = [patches[i] if i < len(patches) else pb.ItemPatch() for i in slots] if patches else []
+        while mine and not mine[-1].env and not mine[-1].labels:
+            mine.pop()
         call = self._stub("Sandboxes", address).CreateSandboxes(
-            pb.CreateSandboxesRequest(spec=spec, count=len(slots)), metadata=self._metadata()
+            pb.CreateSandboxesRequest(spec=spec, count=len(slots), patches=mine), metadata=self._metadata()
         )
         try:
             async for item in call:
