@@ -301,3 +301,36 @@ def test_metrics_come_from_the_sandbox_cgroup_and_disk(gateway):
         assert 0 < m.cpu_used_pct <= 100, m
         h.kill()
         busy.kill()
+
+
+def test_snapshots_and_forks_of_the_file_system(gateway):
+    sbx = Sandbox.create()
+    made = [sbx]
+    try:
+        sbx.commands.run("echo branch-point > /home/user/state")
+        snap = sbx.create_snapshot()
+        named = sbx.create_snapshot(name="e2b-snap:named")
+        assert named.snapshot_id == "e2b-snap:named" and named.names == ["e2b-snap:named"]
+        # A snapshot is a template: new sandboxes start from its file system.
+        copy = Sandbox.create(snap.snapshot_id)
+        made.append(copy)
+        assert copy.commands.run("cat /home/user/state").stdout == "branch-point\n"
+        listed = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()
+        assert sorted(s.snapshot_id for s in listed) == sorted([snap.snapshot_id, "e2b-snap:named"])
+        assert [s.snapshot_id for s in Sandbox.list_snapshots(name="e2b-snap:named").next_items()] == ["e2b-snap:named"]
+        # Forks: copies of the file system, each its own sandbox.
+        forks = sbx.fork(count=2, timeout=120)
+        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        made += forks
+        for i, f in enumerate(forks):
+            f.commands.run(f"echo {i} >> /home/user/state")
+        assert [f.commands.run("cat /home/user/state").stdout for f in forks] == ["branch-point\n0\n", "branch-point\n1\n"]
+        assert sbx.commands.run("cat /home/user/state").stdout == "branch-point\n"
+        # memory snapshots are refused (containers keep no memory); deletes answer as E2B's.
+        with pytest.raises(SandboxException):
+            sbx.create_snapshot(mode="full")
+        assert Sandbox.delete_snapshot("e2b-snap:named") is True
+        assert Sandbox.delete_snapshot("e2b-snap:named") is False
+    finally:
+        for s in made:
+            s.kill()

@@ -13,6 +13,8 @@ use crate::state::{Call, Shared};
 
 pub const PERM_VIEW: &str = "sandbox.view";
 pub const PERM_OPERATE: &str = "sandbox.operate";
+/// Creating sandboxes (IAM checks it at Admit; a fork checks it before its snapshot too).
+pub const PERM_CREATE: &str = "sandbox.create";
 
 /// Runs one call in its own task (so that it completes and is audited even if the client
 /// leaves) and maps its error to a status once.

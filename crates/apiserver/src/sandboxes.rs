@@ -106,6 +106,9 @@ async fn take_snapshot(
 ) -> Result<pb::Snapshot, ApiError> {
     let project = project_of(sb);
     s.authorize(&ident.principal, images::PERM_PUBLISH, &project).await?;
+    // The snapshot's image carries the source image's layers: the caller must be allowed to
+    // use that image, as a creation from it would need (publishing is not enough).
+    images::check_image(s, &ident.principal, sb.spec.as_ref().unwrap_or(&pb::SandboxSpec::default())).await?;
     let target = images::snapshot_target(s, &project, name).await?;
     let ereq = forward::to_edge(pb::EdgeSnapshotRequest { id: sb.id.clone(), pack_diff }, &project)?;
     let mut c = s.up.edge(edge, &s.edge_addr(edge)?)?;
@@ -140,6 +143,12 @@ async fn prepare_fork(
     }
     let (edge, sb) = authorized_get(s, call, md, &req.id, PERM_OPERATE).await?;
     let (token, ident) = caller(s, call, md).await?;
+    // What the copies need is checked before the sandbox is frozen and copied: creating in
+    // its project, and the source's spec as a creation (the image changes, nothing else).
+    let project = project_of(&sb);
+    s.authorize(&ident.principal, crate::call::PERM_CREATE, &project).await?;
+    let mut spec = admission::check_spec(sb.spec.as_ref(), &ident.project, &s.cfg)?;
+    admission::check_network(&mut spec, &s.default_egress)?;
     let name = if req.snapshot_name.is_empty() {
         let lease = ids::split_sandbox_id(&req.id)?.1.to_string();
         format!("forks/{lease}:{}", opendsec_common::time::now_ms())
@@ -148,13 +157,9 @@ async fn prepare_fork(
     };
     let snap = take_snapshot(s, &ident, &edge, &sb, &name, req.pack_diff).await?;
     let image = snap.image.as_ref().map(|i| format!("{}:{}", i.repo, i.tag)).unwrap_or_default();
-    // The copies are new creations of the source's spec on the snapshot's image: checked
-    // and defaulted again as any creation is.
-    let mut spec = sb.spec.clone().unwrap_or_default();
+    // The snapshot's image is in the source's project, which the caller may use (checked
+    // by the snapshot).
     spec.image = image;
-    let mut spec = admission::check_spec(Some(&spec), &ident.project, &s.cfg)?;
-    admission::check_network(&mut spec, &s.default_egress)?;
-    images::check_image(s, &ident.principal, &spec).await?;
     Ok((token, ident, spec, edge))
 }
 

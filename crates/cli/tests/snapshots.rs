@@ -112,6 +112,14 @@ async fn a_snapshot_carries_the_file_system_and_the_sandbox_runs_on() {
     assert_eq!(state(&admin.get_sandbox(&src.id).await.unwrap()), pb::SandboxState::Paused);
     admin.resume_sandbox(&src.id).await.unwrap();
 
+    // A sparse file claiming more than the sandbox's disk (256 MiB) would be written out whole
+    // into the store: refused, and the sandbox runs on.
+    exec_in(&mut rt, &src.id, "main", "truncate -s 1G /data/sparse").await;
+    let e = admin.create_snapshot(&src.id, "snap:sparse", false).await.unwrap_err();
+    assert_eq!(reason_of(&e), Reason::InvalidArgument, "{e}");
+    assert!(e.message.contains("too large"), "{e}");
+    assert_eq!(out(&exec_in(&mut rt, &src.id, "main", "rm /data/sparse && echo ok").await), "ok");
+
     // Bad requests: a name taken, a bad name, a stopped sandbox, a sim sandbox.
     let e = admin.create_snapshot(&src.id, "snap:one", false).await.unwrap_err();
     assert_eq!(reason_of(&e), Reason::AlreadyExists, "{e}");
@@ -144,9 +152,22 @@ async fn a_snapshot_carries_the_file_system_and_the_sandbox_runs_on() {
         opendsec_client::Client::new(std::slice::from_ref(&f.addr), Some(&op), &f.cluster.client_tls()).unwrap();
     let e = operator.create_snapshot(&src.id, "snap:op", false).await.unwrap_err();
     assert_eq!(reason_of(&e), Reason::PermissionDenied, "{e}");
+    // Publishing where the sandbox is does not make the image's layers (root's busybox) the
+    // caller's to copy: a snapshot needs layer.use on the source image, as a creation does.
+    admin.create_project(pb::CreateProjectRequest { path: "root/p".into(), quota: None }).await.unwrap();
+    let inp = admin
+        .create_sandbox(pb::SandboxSpec { project: "root/p".into(), ..container_spec("busybox", 64, 32) })
+        .await
+        .unwrap();
+    let publ = principal(&admin, "publisher", "root/p", &["sandbox.operate", "sandbox.view", "layer.publish"]).await;
+    let publisher =
+        opendsec_client::Client::new(std::slice::from_ref(&f.addr), Some(&publ), &f.cluster.client_tls()).unwrap();
+    let e = publisher.create_snapshot(&inp.id, "copied:x", false).await.unwrap_err();
+    assert_eq!(reason_of(&e), Reason::PermissionDenied, "{e}");
+    admin.stop_sandbox(&inp.id).await.unwrap();
     let listed = admin.list_images(pb::ListImagesRequest { project: "root".into(), recursive: true }).await.unwrap();
     let names: Vec<String> = listed.images.iter().map(|i| format!("{}:{}", i.repo, i.tag)).collect();
-    assert!(!names.iter().any(|n| n == "stolen:x" || n == "snap:op" || n == "snap:sim"), "{names:?}");
+    assert!(!names.iter().any(|n| ["stolen:x", "snap:op", "snap:sim", "copied:x"].contains(&n.as_str())), "{names:?}");
 
     for id in [&src.id, &copy.id, &sim.id] {
         admin.stop_sandbox(id).await.unwrap();

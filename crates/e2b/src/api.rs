@@ -77,11 +77,147 @@ async fn dispatch(gw: &Gateway, req: Request<Body>) -> Result<Response> {
         }
         (&Method::PUT, ["sandboxes", id, "network"]) => network(&call, id, &body).await,
         (&Method::GET, ["sandboxes", id, "metrics"]) => metrics(&call, id).await,
-        (_, ["sandboxes", _, "fork" | "snapshots" | "logs"] | ["snapshots" | "templates", ..]) => Err(RestError::new(
+        (&Method::POST, ["sandboxes", id, "snapshots"]) => snapshot(&call, id, &body).await,
+        (&Method::POST, ["sandboxes", id, "fork"]) => fork(gw, &call, id, &body).await,
+        (&Method::GET, ["snapshots"]) => list_snapshots(&call).await,
+        (&Method::DELETE, ["templates", id]) => delete_snapshot(&call, id).await,
+        (_, ["sandboxes", _, "logs"] | ["snapshots" | "templates", ..]) => Err(RestError::new(
             StatusCode::NOT_IMPLEMENTED,
             format!("{method} {path} is not supported yet (docs/e2b.md)"),
         )),
         _ => Err(RestError::not_found(format!("no such endpoint: {method} {path}"))),
+    }
+}
+
+/// E2B's snapshot request: an optional name; `memory: true` asks for what containers cannot
+/// keep.
+#[derive(Debug, Default, serde::Deserialize)]
+struct SnapshotReq {
+    name: Option<String>,
+    memory: Option<bool>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+struct ForkReq {
+    timeout: Option<u64>,
+    count: Option<u32>,
+}
+
+/// The E2B snapshot id of an image: its `repo:tag` in the caller's project, which
+/// `Sandbox.create(snapshot_id)` then names as its template.
+fn snapshot_info(img: &pb::Image) -> serde_json::Value {
+    let id = format!("{}:{}", img.repo, img.tag);
+    serde_json::json!({"snapshotID": id, "names": [id]})
+}
+
+/// A snapshot of the sandbox's file system (E2B's `create_snapshot`), as an image of its
+/// project: `name`, or `snapshots/<lease>:<ms>`.
+async fn snapshot(call: &Call, id: &str, body: &[u8]) -> Result<Response> {
+    let req: SnapshotReq = parse(body)?;
+    if req.memory == Some(true) {
+        return Err(RestError::bad_request(
+            "memory snapshots are not supported: a container snapshot keeps the file system",
+        ));
+    }
+    live(call, id).await?;
+    let name = match req.name.filter(|n| !n.is_empty()) {
+        Some(n) => n,
+        None => {
+            let lease = opendsec_common::ids::split_sandbox_id(id).map(|(_, l)| l.to_string()).unwrap_or_default();
+            format!("snapshots/{lease}:{}", now_ms())
+        }
+    };
+    match call.client.create_snapshot(id, &name, false).await {
+        Ok(s) => Ok(json(StatusCode::CREATED, &snapshot_info(&s.image.unwrap_or_default()))),
+        Err(e) if e.reason == Reason::NotFound => Err(not_found(id)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// E2B's fork: copies of the sandbox's file system (not its memory), one result per copy.
+async fn fork(gw: &Gateway, call: &Call, id: &str, body: &[u8]) -> Result<Response> {
+    let req: ForkReq = parse(body)?;
+    live(call, id).await?;
+    let count = req.count.unwrap_or(1);
+    let freq = pb::ForkSandboxRequest { id: id.to_string(), count, ..Default::default() };
+    let mut stream = match call.client.fork_sandbox(freq).await {
+        Ok(s) => s,
+        Err(e) if e.reason == Reason::NotFound => return Err(not_found(id)),
+        Err(e) => return Err(e.into()),
+    };
+    let mut out = Vec::new();
+    loop {
+        let item = match stream.message().await {
+            Ok(Some(i)) => i,
+            Ok(None) => break,
+            Err(st) => return Err(ApiError::from_status(&st).into()),
+        };
+        let made = match (item.sandbox, item.error) {
+            (Some(sb), _) => match req.timeout {
+                Some(t) => set_end(call, &sb, t).await.map_err(RestError::from),
+                None => Ok(sb),
+            },
+            (None, Some(e)) => {
+                Err(RestError::from(ApiError::new(Reason::parse(&e.reason).unwrap_or(Reason::Internal), e.message)))
+            }
+            (None, None) => Err(RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "a fork answered nothing")),
+        };
+        out.push(match made {
+            Ok(sb) => serde_json::json!({"sandbox": sandbox_answer(gw, &sb, &call.key)}),
+            Err(e) => serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}}),
+        });
+    }
+    Ok(json(StatusCode::CREATED, &out))
+}
+
+/// The caller's snapshots (images made by snapshots in its project), by name, paged.
+async fn list_snapshots(call: &Call) -> Result<Response> {
+    let limit = match call.param("limit") {
+        None => 100,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|l| (1..=1000).contains(l))
+            .ok_or_else(|| RestError::bad_request(format!("limit must be 1..=1000, got {l:?}")))?,
+    };
+    let source = call.param("sandboxID").map(|s| format!("snapshot:{s}"));
+    let list = call.client.list_images(pb::ListImagesRequest { project: String::new(), recursive: false }).await?;
+    let mut snaps: Vec<pb::Image> = list
+        .images
+        .into_iter()
+        .filter(|i| match &source {
+            Some(s) => &i.source == s,
+            None => i.source.starts_with("snapshot:"),
+        })
+        .filter(|i| call.param("name").is_none_or(|n| format!("{}:{}", i.repo, i.tag) == n || i.repo == n))
+        .collect();
+    snaps.sort_by_key(|i| format!("{}:{}", i.repo, i.tag));
+    if let Some(after) = call.param("nextToken") {
+        snaps.retain(|i| format!("{}:{}", i.repo, i.tag).as_str() > after);
+    }
+    let more = snaps.len() > limit;
+    snaps.truncate(limit);
+    let body: Vec<serde_json::Value> = snaps.iter().map(snapshot_info).collect();
+    let mut r = json(StatusCode::OK, &body);
+    if more && let Some(last) = snaps.last() {
+        let token = format!("{}:{}", last.repo, last.tag);
+        if let Ok(v) = axum::http::HeaderValue::from_str(&token) {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(r)
+}
+
+/// `DELETE /templates/{id}`: E2B's delete_snapshot, the image of that name in the caller's
+/// project (404 when there is none).
+async fn delete_snapshot(call: &Call, id: &str) -> Result<Response> {
+    let name = percent_decode(id);
+    match call.client.delete_image(pb::DeleteImageRequest { project: String::new(), name: name.clone() }).await {
+        Ok(_) => Ok(no_content()),
+        Err(e) if matches!(e.reason, Reason::NotFound | Reason::InvalidArgument) => {
+            Err(RestError::not_found(format!("snapshot {name:?} not found")))
+        }
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -276,7 +276,15 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
             r
         } else {
             let data = req.into_body().into_data_stream().map(|c| c.map_err(|e| e.to_string()));
-            put(ctx, &p, data).await
+            let (data, reader) = feed(data);
+            let r = put(ctx, &p, data).await;
+            if r.is_err() {
+                // Answer only once the client stopped sending (within bounds): a client still
+                // writing its body when the connection closes sees a broken pipe, not the
+                // answer (a full disk, say).
+                let _ = tokio::time::timeout(DRAIN_TIME, reader).await;
+            }
+            r
         };
         match r {
             Ok(v) => written.push(v),
@@ -284,6 +292,34 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
         }
     }
     crate::connect::json_response(StatusCode::OK, &written)
+}
+
+/// How much of a refused upload is read (and dropped) so that its client gets the answer.
+const DRAIN_BYTES: u64 = 1 << 30;
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The body as a stream for `put`, read by a task of its own; once `put` stops taking it (it
+/// failed), the task reads the rest and drops it, up to [`DRAIN_BYTES`].
+fn feed<S>(mut body: S) -> (tokio_stream::wrappers::ReceiverStream<Result<Bytes, String>>, tokio::task::JoinHandle<()>)
+where
+    S: Stream<Item = Result<Bytes, String>> + Send + Unpin + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(4);
+    let reader = tokio::spawn(async move {
+        while let Some(c) = body.next().await {
+            if let Err(tokio::sync::mpsc::error::SendError(_)) = tx.send(c).await {
+                let mut dropped = 0u64;
+                while let Some(Ok(b)) = body.next().await {
+                    dropped += b.len() as u64;
+                    if dropped > DRAIN_BYTES {
+                        break;
+                    }
+                }
+                return;
+            }
+        }
+    });
+    (tokio_stream::wrappers::ReceiverStream::new(rx), reader)
 }
 
 /// Inflates a gzip body into `tx`; a broken body ends the stream with its error (nothing is

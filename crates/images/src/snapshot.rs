@@ -154,6 +154,8 @@ fn overlay_attrs(fd: BorrowedFd<'_>, path: &[u8]) -> Result<(bool, Xattrs), Laye
             return Err(err(path, "the upper layer uses overlay redirects or metacopy, which a layer cannot carry"));
         } else if n.starts_with(b"user.")
             && !n.starts_with(b"user.overlay.")
+            // A PAX key is UTF-8 without '=': other names cannot be carried.
+            && std::str::from_utf8(n).is_ok_and(|t| !t.contains('='))
             && let Some(v) = xattr(fd, &name, path)?
         {
             keep.push((n.to_vec(), v));
@@ -165,6 +167,10 @@ fn overlay_attrs(fd: BorrowedFd<'_>, path: &[u8]) -> Result<(bool, Xattrs), Laye
 struct Walker<'a, W: Write> {
     tar: tar::Builder<W>,
     opts: &'a SnapshotOptions,
+    limits: &'a Limits,
+    /// Names read from directories so far (bounds the memory a walk may take: a directory's
+    /// names are held while its children are walked).
+    listed: u64,
     stats: TarStats,
     /// (dev, ino) of regular files with more than one link → the first path written.
     links: std::collections::HashMap<(u64, u64), Vec<u8>>,
@@ -218,7 +224,14 @@ impl<W: Write> Walker<'_, W> {
     }
 
     /// Writes the children of directory `fd` (at `path`, "" for the root) in name order.
-    fn dir(&mut self, fd: BorrowedFd<'_>, path: &[u8]) -> Result<(), LayerError> {
+    fn dir(&mut self, fd: BorrowedFd<'_>, path: &[u8], depth: usize) -> Result<(), LayerError> {
+        if depth > self.limits.max_depth {
+            return Err(LayerError::TooLarge {
+                path: String::from_utf8_lossy(path).into_owned(),
+                what: "path components",
+                limit: self.limits.max_depth as u64,
+            });
+        }
         let mut names: Vec<Vec<u8>> = Vec::new();
         let dup = rfs::openat(fd, c".", OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| io_err(path, e))?;
@@ -226,6 +239,14 @@ impl<W: Write> Walker<'_, W> {
             let ent = ent.map_err(|e| io_err(path, e))?;
             let n = ent.file_name().to_bytes();
             if n != b"." && n != b".." {
+                self.listed += 1;
+                if self.listed > self.limits.max_entries {
+                    return Err(LayerError::TooLarge {
+                        path: String::from_utf8_lossy(path).into_owned(),
+                        what: "entries",
+                        limit: self.limits.max_entries,
+                    });
+                }
                 names.push(n.to_vec());
             }
         }
@@ -236,15 +257,20 @@ impl<W: Write> Walker<'_, W> {
                 child.push(b'/');
             }
             child.extend_from_slice(&name);
-            self.entry(fd, &name, &child)?;
+            self.entry(fd, &name, &child, depth + 1)?;
         }
         Ok(())
     }
 
-    fn entry(&mut self, parent: BorrowedFd<'_>, name: &[u8], path: &[u8]) -> Result<(), LayerError> {
+    fn entry(&mut self, parent: BorrowedFd<'_>, name: &[u8], path: &[u8], depth: usize) -> Result<(), LayerError> {
         if self.opts.pack_diff && packed_out(path) {
             self.stats.left_out += 1;
             return Ok(());
+        }
+        // In a layer these names are whiteouts: a file of that name would delete something in
+        // every copy instead of being there.
+        if name.starts_with(b".wh.") {
+            return Err(err(path, "names beginning with .wh. mean whiteouts in a layer and cannot be carried"));
         }
         let cname = CString::new(name).map_err(|_| err(path, "a NUL byte in a name"))?;
         let st = rfs::statat(parent, &cname, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err(path, e))?;
@@ -267,7 +293,7 @@ impl<W: Write> Walker<'_, W> {
                     marker.extend_from_slice(b"/.wh..wh..opq");
                     self.empty_file(&marker)?;
                 }
-                self.dir(fd.as_fd(), path)
+                self.dir(fd.as_fd(), path, depth)
             }
             FileType::RegularFile => {
                 let key = (st.st_dev, st.st_ino);
@@ -287,10 +313,10 @@ impl<W: Write> Walker<'_, W> {
                 self.pax(&xattrs)?;
                 let mut h = self.header(&st, tar::EntryType::Regular);
                 h.set_size(st.st_size as u64);
-                // A file that changes size under us (it cannot: the sandbox is frozen) would
-                // fail the tar writer rather than corrupt the stream.
-                let f = File::from(fd);
-                self.tar.append_data(&mut h, os(path), f.take(st.st_size as u64)).map_err(|e| io_err(path, e))?;
+                // A file that shrinks under us (it cannot while the sandbox is frozen) fails
+                // the walk rather than shifting the stream.
+                let f = Exact { inner: File::from(fd).take(st.st_size as u64), left: st.st_size as u64 };
+                self.tar.append_data(&mut h, os(path), f).map_err(|e| io_err(path, e))?;
                 self.stats.entries += 1;
                 Ok(())
             }
@@ -317,18 +343,59 @@ impl<W: Write> Walker<'_, W> {
     }
 }
 
+/// A file's content, failing if it ends before the size written in its header.
+struct Exact<R> {
+    inner: R,
+    left: u64,
+}
+
+impl<R: Read> Read for Exact<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && self.left > 0 && !buf.is_empty() {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the file shrank while it was copied"));
+        }
+        self.left = self.left.saturating_sub(n as u64);
+        Ok(n)
+    }
+}
+
+/// The import's side of the pipe: an end of stream after the walk failed is an error, so a
+/// layer is never committed from a tar the walk did not finish (the tar writer still writes
+/// its end-of-archive marker when it is dropped).
+struct Guarded<'a> {
+    inner: io::PipeReader,
+    failed: &'a std::sync::atomic::AtomicBool,
+}
+
+impl Read for Guarded<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && !buf.is_empty() && self.failed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(io::Error::other("the snapshot's walk failed"));
+        }
+        Ok(n)
+    }
+}
+
 fn os(b: &[u8]) -> &Path {
     use std::os::unix::ffi::OsStrExt;
     Path::new(std::ffi::OsStr::from_bytes(b))
 }
 
-/// Writes the upper directory `upper` as a layer tar to `out`.
-pub fn write_upper_tar(upper: BorrowedFd<'_>, opts: &SnapshotOptions, out: impl Write) -> Result<TarStats, LayerError> {
+/// Writes the upper directory `upper` as a layer tar to `out`, within `limits` (entries,
+/// depth).
+pub fn write_upper_tar(
+    upper: BorrowedFd<'_>,
+    opts: &SnapshotOptions,
+    limits: &Limits,
+    out: impl Write,
+) -> Result<TarStats, LayerError> {
     let mut tar = tar::Builder::new(out);
     tar.mode(tar::HeaderMode::Complete);
     tar.follow_symlinks(false);
-    let mut w = Walker { tar, opts, stats: TarStats::default(), links: Default::default() };
-    w.dir(upper, b"")?;
+    let mut w = Walker { tar, opts, limits, listed: 0, stats: TarStats::default(), links: Default::default() };
+    w.dir(upper, b"", 0)?;
     w.tar.finish().map_err(|e| io_err(b"", e))?;
     Ok(w.stats)
 }
@@ -351,14 +418,23 @@ pub fn snapshot_layer(
     limits: &Limits,
     source: &str,
 ) -> Result<Snapshot, LayerError> {
-    let (mut reader, writer) = io::pipe().map_err(|e| io_err(b"pipe", e))?;
+    let (reader, writer) = io::pipe().map_err(|e| io_err(b"pipe", e))?;
     let upper: OwnedFd = upper.try_clone_to_owned().map_err(|e| io_err(b"", e))?;
+    let failed = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
         let opts = opts.clone();
+        let failed_w = &failed;
         let tar = scope.spawn(move || {
             let out = io::BufWriter::with_capacity(1 << 20, writer);
-            write_upper_tar(upper.as_fd(), &opts, out)
+            let r = write_upper_tar(upper.as_fd(), &opts, limits, out);
+            // Set before the writer (and with it the pipe) is dropped: the importer sees the
+            // failure before it sees the end of the stream.
+            if r.is_err() {
+                failed_w.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            r
         });
+        let mut reader = Guarded { inner: reader, failed: &failed };
         let imported = import_layer(store, &mut reader, Compression::None, None, lowers, limits, source);
         // An import that stopped early (a limit) closes the pipe: the writer then fails with
         // a broken pipe, which is not the cause.
@@ -366,6 +442,11 @@ pub fn snapshot_layer(
         let written = tar.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
         match (imported, written) {
             (Ok(meta), Ok(tar)) => Ok(Snapshot { meta, tar }),
+            // The walk's own error is the cause when it failed (the import then only saw
+            // the stream end early).
+            (_, Err(e)) if !matches!(&e, LayerError::Io { source, .. } if source.kind() == io::ErrorKind::BrokenPipe) => {
+                Err(e)
+            }
             (Err(e), _) => Err(e),
             (Ok(_), Err(e)) => Err(e),
         }

@@ -179,6 +179,13 @@ fn owners_of_the_sandboxs_range_come_back_as_the_sandbox_saw_them() {
 fn an_upper_over_the_limits_or_with_redirects_is_refused_and_leaves_nothing() {
     let (_d, store, lowers) = setup();
     let w = Writable::mount(&store, &lowers);
+    let layers = || {
+        std::fs::read_dir(store.root().join("layers"))
+            .unwrap()
+            .filter(|e| !e.as_ref().unwrap().file_name().to_string_lossy().starts_with('.'))
+            .count()
+    };
+    let before = layers();
     sh(&w.root(), "dd if=/dev/zero of=opt/big bs=1M count=8 status=none");
     let small = Limits { max_file_bytes: 1 << 20, ..Limits::default() };
     let e = snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &small, "t").unwrap_err();
@@ -193,6 +200,21 @@ fn an_upper_over_the_limits_or_with_redirects_is_refused_and_leaves_nothing() {
     let e = snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &Limits::default(), "t")
         .unwrap_err();
     assert!(matches!(e, LayerError::InvalidLayer { .. }) && e.to_string().contains("redirect"), "{e}");
+    std::fs::remove_dir(upper.join("moved")).unwrap();
+    // A file the sandbox named like a whiteout would delete something in every copy.
+    std::fs::write(w.root().join("etc/.wh.passwd"), b"x").unwrap();
+    let e = snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &Limits::default(), "t")
+        .unwrap_err();
+    assert!(matches!(e, LayerError::InvalidLayer { .. }) && e.to_string().contains(".wh."), "{e}");
+    std::fs::remove_file(w.root().join("etc/.wh.passwd")).unwrap();
+    // More names than the layer may hold: refused while they are listed (a directory's names
+    // are held in memory while the walk goes below it).
+    sh(&w.root(), "mkdir many && cd many && i=0; while [ $i -lt 300 ]; do : > f$i; i=$((i+1)); done");
+    let few = Limits { max_entries: 100, ..Limits::default() };
+    let e = snapshot_layer(&store, w.upper().as_fd(), &lowers, &SnapshotOptions::default(), &few, "t").unwrap_err();
+    assert!(matches!(e, LayerError::TooLarge { what: "entries", .. }), "{e}");
+    // None of the refused snapshots left a layer, whole or partial, or a temporary one.
+    assert_eq!(layers(), before);
     let left: Vec<_> = std::fs::read_dir(store.tmp_dir()).map(|d| d.collect()).unwrap_or_default();
     assert!(left.is_empty(), "temporary layers left: {left:?}");
 }

@@ -706,11 +706,16 @@ impl Backend for ContainerBackend {
         let state_dir = self.opts.state_dir.clone();
         let name = self.name(&sb.id);
         let inuse = self.inuse_path(&sb.id);
+        let running = sb.state == crate::state::SandboxStatus::Running;
         let (sandbox, layers) = blocking(move || {
             let s = Sandbox::adopt(&state_dir, &name).map_err(|e| match e {
                 SandboxError::Cgroup(c) => BackendError::not_found(format!("sandbox {name}")).caused_by(c),
                 other => sandbox_err(other),
             })?;
+            // A RUNNING sandbox is never frozen: an edge that died mid-snapshot left it so.
+            if running {
+                s.thaw().map_err(sandbox_err)?;
+            }
             Ok((s, read_inuse(&inuse)))
         })
         .await?;
@@ -848,36 +853,37 @@ impl super::Snapshotter for ContainerBackend {
         let store = self.store.clone();
         let max_layers = self.opts.snapshot_max_layers.max(2) as usize;
         let source = format!("snapshot of sandbox {}", sb.id);
+        // What the sandbox wrote cannot be more than its disk holds: a sparse file claiming
+        // more (written out whole by the import) is refused rather than filling the store.
+        let disk_bytes = sb.resources().disk_mb.saturating_mul(1 << 20).max(1);
+        let defaults = opendsec_images::layer::Limits::default();
+        let limits = opendsec_images::layer::Limits {
+            max_file_bytes: defaults.max_file_bytes.min(disk_bytes),
+            max_layer_bytes: defaults.max_layer_bytes.min(disk_bytes),
+            ..defaults
+        };
         let taken = blocking(move || {
             let started = std::time::Instant::now();
-            if !paused {
-                s.freeze().map_err(sandbox_err)?;
-            }
-            let copied = (|| {
+            // Thawed on every way out, a panic included (unless it was paused before).
+            let frozen = Frozen::new(&s, !paused);
+            let copied = frozen.and_then(|frozen| {
                 let upper = s.open_upper().map_err(sandbox_err)?;
                 let opts = opendsec_images::snapshot::SnapshotOptions {
                     id_base: s.id_map.as_ref().map(|r| r.host_first),
                     pack_diff,
                 };
-                opendsec_images::snapshot::snapshot_layer(
-                    &store,
-                    upper.as_fd(),
-                    &lowers,
-                    &opts,
-                    &opendsec_images::layer::Limits::default(),
-                    &source,
-                )
-                .map_err(snapshot_err)
-            })();
-            let frozen = started.elapsed();
-            let thawed = if paused { Ok(()) } else { s.thaw().map_err(sandbox_err) };
-            let snap = match (copied, thawed) {
-                (Ok(snap), Ok(())) => snap,
-                (Err(e), Ok(())) | (Ok(_), Err(e)) => return Err(e),
-                (Err(e), Err(t)) => return Err(e.with_cleanup(t)),
+                let snap =
+                    opendsec_images::snapshot::snapshot_layer(&store, upper.as_fd(), &lowers, &opts, &limits, &source)
+                        .map_err(snapshot_err);
+                frozen.thaw().map(|()| snap)
+            });
+            let frozen_for = started.elapsed();
+            let snap = match copied {
+                Ok(Ok(snap)) => snap,
+                Ok(Err(e)) | Err(e) => return Err(e),
             };
             let layers = chain(&store, &lowers, &snap.meta.id, max_layers)?;
-            Ok(super::SnapshotTaken { layers, layer: snap.meta, frozen })
+            Ok(super::SnapshotTaken { layers, layer: snap.meta, frozen: frozen_for })
         })
         .await;
         if !paused {
@@ -887,12 +893,51 @@ impl super::Snapshotter for ContainerBackend {
     }
 }
 
+/// A sandbox frozen for a snapshot: thawed by `thaw`, or on drop (an error or a panic on the
+/// way) so that a failed snapshot never leaves it frozen. A freeze that fails is undone too:
+/// the cgroup may be left half frozen.
+struct Frozen<'a> {
+    s: &'a Sandbox,
+    thaw: bool,
+}
+
+impl<'a> Frozen<'a> {
+    fn new(s: &'a Sandbox, freeze: bool) -> Result<Frozen<'a>, BackendError> {
+        if freeze && let Err(e) = s.freeze() {
+            let e = sandbox_err(e);
+            return Err(match s.thaw() {
+                Ok(()) => e,
+                Err(t) => e.with_cleanup(sandbox_err(t)),
+            });
+        }
+        Ok(Frozen { s, thaw: freeze })
+    }
+
+    fn thaw(mut self) -> Result<(), BackendError> {
+        self.thaw = false;
+        self.s.thaw().map_err(sandbox_err)
+    }
+}
+
+impl Drop for Frozen<'_> {
+    fn drop(&mut self) {
+        if self.thaw
+            && let Err(e) = self.s.thaw()
+        {
+            tracing::error!(sandbox = %self.s.name, error = %e, "could not thaw a sandbox after a failed snapshot");
+        }
+    }
+}
+
 /// The layers of a snapshot's image: `lowers` plus `top`; a chain longer than `max` has its
 /// upper part (everything above the bottom `max / 2` layers) merged into one layer, which
 /// stacks the same ([`opendsec_images::merge`]).
 fn chain(store: &Store, lowers: &[LayerId], top: &LayerId, max: usize) -> Result<Vec<LayerId>, BackendError> {
     let mut layers = lowers.to_vec();
-    layers.push(top.clone());
+    // An upper identical to a layer below adds nothing (and overlay cannot stack a layer twice).
+    if !layers.contains(top) {
+        layers.push(top.clone());
+    }
     if layers.len() <= max {
         return Ok(layers);
     }
