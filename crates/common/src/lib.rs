@@ -15,6 +15,7 @@ pub mod http;
 pub mod ids;
 pub mod periodic;
 pub mod pki;
+pub mod pool;
 pub mod reason;
 pub mod retry;
 pub mod spec;

@@ -40,6 +40,7 @@ pub mod error;
 pub mod host;
 pub mod linuxrt;
 pub mod netpol;
+pub mod pool;
 pub mod record;
 mod recover;
 mod release;
