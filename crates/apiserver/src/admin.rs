@@ -165,6 +165,11 @@ nothing_around!(
     pb::GetUsageRequest,
     pb::BackupRequest,
     pb::RestoreRequest,
+    pb::CreatePoolRequest,
+    pb::UpdatePoolRequest,
+    pb::DeletePoolRequest,
+    pb::GetPoolRequest,
+    pb::ListPoolsRequest,
 );
 
 admin_proxy! {
@@ -187,4 +192,9 @@ admin_proxy! {
     get_usage: "GetUsage", pb::GetUsageRequest => pb::GetUsageResponse;
     backup: "Backup", pb::BackupRequest => pb::BackupResponse;
     restore: "Restore", pb::RestoreRequest => pb::RestoreResponse;
+    create_pool: "CreatePool", pb::CreatePoolRequest => pb::Pool;
+    update_pool: "UpdatePool", pb::UpdatePoolRequest => pb::Pool;
+    delete_pool: "DeletePool", pb::DeletePoolRequest => pb::DeletePoolResponse;
+    get_pool: "GetPool", pb::GetPoolRequest => pb::Pool;
+    list_pools: "ListPools", pb::ListPoolsRequest => pb::ListPoolsResponse;
 }

@@ -240,6 +240,11 @@ fake_admin! {
     get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse;
     backup(pb::BackupRequest) -> pb::BackupResponse;
     restore(pb::RestoreRequest) -> pb::RestoreResponse;
+    create_pool(pb::CreatePoolRequest) -> pb::Pool;
+    update_pool(pb::UpdatePoolRequest) -> pb::Pool;
+    delete_pool(pb::DeletePoolRequest) -> pb::DeletePoolResponse;
+    get_pool(pb::GetPoolRequest) -> pb::Pool;
+    list_pools(pb::ListPoolsRequest) -> pb::ListPoolsResponse;
 }
 
 // ---------------------------------------------------------------------------------------------

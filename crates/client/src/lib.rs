@@ -440,6 +440,11 @@ unary_calls! {"Admin" stub_a:
     get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse = "GetUsage";
     backup(pb::BackupRequest) -> pb::BackupResponse = "Backup";
     restore(pb::RestoreRequest) -> pb::RestoreResponse = "Restore";
+    create_pool(pb::CreatePoolRequest) -> pb::Pool = "CreatePool";
+    update_pool(pb::UpdatePoolRequest) -> pb::Pool = "UpdatePool";
+    delete_pool(pb::DeletePoolRequest) -> pb::DeletePoolResponse = "DeletePool";
+    get_pool(pb::GetPoolRequest) -> pb::Pool = "GetPool";
+    list_pools(pb::ListPoolsRequest) -> pb::ListPoolsResponse = "ListPools";
 }
 
 /// A fresh exec request id: `[A-Za-z0-9._-]`, well under the 128 the agent accepts.

@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::backup::Snapshot;
 use crate::error::IamError;
 use crate::model::{
-    GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, Quota, Resources, TokenRecord,
+    GrantRecord, LeaseRecord, LockRecord, Meta, PoolRecord, PrincipalRecord, ProjectRecord, Quota, Resources,
+    TokenRecord,
 };
 
 /// The encoding version written by [`Command::encode`].
@@ -156,6 +157,19 @@ pub enum Command {
         holder: String,
         ttl_ms: i64,
     },
+    /// Creates (`create`: the name must be free) or replaces (it must exist) a pool.
+    PutPool {
+        actor: Actor,
+        now_ms: i64,
+        pool: PoolRecord,
+        create: bool,
+    },
+    DeletePool {
+        actor: Actor,
+        now_ms: i64,
+        project: String,
+        name: String,
+    },
 }
 
 fn is_false(b: &bool) -> bool {
@@ -213,6 +227,8 @@ impl Command {
             Command::Reconcile { .. } => "reconcile",
             Command::SweepUnbound { .. } => "sweep_unbound",
             Command::AcquireLock { .. } => "acquire_lock",
+            Command::PutPool { .. } => "put_pool",
+            Command::DeletePool { .. } => "delete_pool",
         }
     }
 }
@@ -227,11 +243,20 @@ pub enum Table {
     Leases,
     Locks,
     Meta,
+    Pools,
 }
 
 impl Table {
-    pub const ALL: [Table; 7] =
-        [Table::Projects, Table::Principals, Table::Tokens, Table::Grants, Table::Leases, Table::Locks, Table::Meta];
+    pub const ALL: [Table; 8] = [
+        Table::Projects,
+        Table::Principals,
+        Table::Tokens,
+        Table::Grants,
+        Table::Leases,
+        Table::Locks,
+        Table::Meta,
+        Table::Pools,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -242,6 +267,7 @@ impl Table {
             Table::Leases => "leases",
             Table::Locks => "locks",
             Table::Meta => "meta",
+            Table::Pools => "pools",
         }
     }
 }
@@ -259,6 +285,7 @@ pub enum Row {
     Lease(LeaseRecord),
     Lock(LockRecord),
     Meta(Meta),
+    Pool(Box<PoolRecord>),
 }
 
 impl Row {
@@ -271,6 +298,7 @@ impl Row {
             Row::Lease(_) => Table::Leases,
             Row::Lock(_) => Table::Locks,
             Row::Meta(_) => Table::Meta,
+            Row::Pool(_) => Table::Pools,
         }
     }
 
@@ -283,6 +311,7 @@ impl Row {
             Row::Lease(r) => r.id.clone(),
             Row::Lock(r) => r.name.clone(),
             Row::Meta(_) => META_KEY.to_string(),
+            Row::Pool(r) => r.key(),
         }
     }
 }
@@ -305,6 +334,7 @@ pub enum Output {
     Released { released: u32 },
     Reconciled { adopted: u32, released: u32 },
     Lock { acquired: bool, holder: String, expires_at_ms: i64 },
+    Pool(PoolRecord),
 }
 
 /// What an Admit answers.

@@ -450,6 +450,54 @@ impl Iam {
         self.read(|s| s.list_grants(who, principal, project))
     }
 
+    /// Creates (`create`) or replaces a pool in `pool.project` (the caller's when empty).
+    pub async fn put_pool(
+        &self,
+        who: &Authenticated,
+        mut pool: model::PoolRecord,
+        create: bool,
+    ) -> Result<model::PoolRecord, IamError> {
+        if pool.project.is_empty() {
+            pool.project = who.project.clone();
+        }
+        match self.execute(Command::PutPool { actor: who.actor(), now_ms: now_ms(), pool, create }).await? {
+            Output::Pool(p) => Ok(p),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    pub async fn delete_pool(&self, who: &Authenticated, project: &str, name: &str) -> Result<(), IamError> {
+        let project = if project.is_empty() { who.project.as_str() } else { project };
+        self.done(Command::DeletePool {
+            actor: who.actor(),
+            now_ms: now_ms(),
+            project: project.into(),
+            name: name.into(),
+        })
+        .await
+    }
+
+    /// The pool `name` of `project` (the caller's when empty): `pool.manage` on it.
+    pub fn get_pool(&self, who: &Authenticated, project: &str, name: &str) -> Result<model::PoolRecord, IamError> {
+        let project = if project.is_empty() { who.project.as_str() } else { project };
+        self.read(|s| {
+            s.require(&who.principal, "pool.manage", project, || format!("project {project}"))?;
+            s.pool(project, name)
+                .cloned()
+                .ok_or_else(|| IamError::NotFound { kind: "pool", name: model::pool_key(project, name) })
+        })
+    }
+
+    /// The pools of `project` (the caller's when empty) and its subprojects.
+    pub fn list_pools(&self, who: &Authenticated, project: &str) -> Result<Vec<model::PoolRecord>, IamError> {
+        let project = if project.is_empty() { who.project.as_str() } else { project };
+        ids::validate_project(project).map_err(IamError::invalid)?;
+        self.read(|s| {
+            s.require(&who.principal, "pool.manage", project, || format!("project {project}"))?;
+            Ok(s.pools_within(project).cloned().collect())
+        })
+    }
+
     /// gzipped JSON of everything but leases and locks.
     pub fn backup(&self, who: &Authenticated) -> Result<Vec<u8>, IamError> {
         let snap = self.read(|s| s.backup(who))?;

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::IamError;
 
 /// Every permission a grant may name. `*` holds every permission.
-pub const PERMISSIONS: [&str; 11] = [
+pub const PERMISSIONS: [&str; 12] = [
     "*",
     "sandbox.create",
     "sandbox.view",
@@ -22,6 +22,7 @@ pub const PERMISSIONS: [&str; 11] = [
     "iam.admin",
     "layer.publish",
     "layer.use",
+    "pool.manage",
 ];
 
 /// Checks that `permission` is in the catalogue.
@@ -239,6 +240,70 @@ pub struct LeaseRecord {
     pub resources: Resources,
     pub created_at_ms: i64,
     pub bound_at_ms: i64,
+}
+
+/// A warm pool: members started ahead of time from `template` on every edge that offers its
+/// backend, `size_per_edge` of them, which creations naming the pool claim.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRecord {
+    pub project: String,
+    pub name: String,
+    pub template: opendsec_common::pool::PoolTemplate,
+    /// `template.revision()`, kept so edges compare strings, not templates.
+    pub revision: String,
+    pub size_per_edge: u32,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+impl PoolRecord {
+    /// The store key: `<project>//<name>`.
+    pub fn key(&self) -> String {
+        pool_key(&self.project, &self.name)
+    }
+}
+
+pub fn pool_key(project: &str, name: &str) -> String {
+    format!("{project}//{name}")
+}
+
+/// Most members of one pool on one edge.
+pub const MAX_POOL_SIZE: u32 = 1000;
+
+/// Checks a pool's name and template (`[a-z0-9][a-z0-9-]{0,62}`; an image, the `fncall`
+/// backend, resources, a size).
+pub fn validate_pool(r: &PoolRecord) -> Result<(), IamError> {
+    let bad = |m: String| IamError::InvalidArgument(m);
+    let n = r.name.as_bytes();
+    let name_ok = !n.is_empty()
+        && n.len() <= 63
+        && (n[0].is_ascii_lowercase() || n[0].is_ascii_digit())
+        && n.iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-');
+    if !name_ok {
+        return Err(bad(format!(
+            "pool name {:?}: [a-z0-9][a-z0-9-]{{0,62}}",
+            r.name.chars().take(80).collect::<String>()
+        )));
+    }
+    let t = &r.template;
+    if t.image.is_empty() || t.image.len() > 512 {
+        return Err(bad("pool template: an image of 1..=512 bytes".into()));
+    }
+    if t.backend != "fncall" {
+        return Err(bad(format!("pool template: backend {:?}; pools are of the fncall backend", t.backend)));
+    }
+    if t.cpu_millis == 0 || t.memory_mb == 0 || t.disk_mb == 0 {
+        return Err(bad("pool template: cpu_millis, memory_mb and disk_mb must be at least 1".into()));
+    }
+    if r.size_per_edge > MAX_POOL_SIZE {
+        return Err(bad(format!("pool size {} is more than {MAX_POOL_SIZE} per edge", r.size_per_edge)));
+    }
+    let env: std::collections::HashMap<String, String> = t.env.clone().into_iter().collect();
+    opendsec_common::spec::check_env(&env).map_err(|m| bad(format!("pool template env: {m}")))?;
+    if t.egress.len() > 256 || t.egress.iter().any(|e| e.is_empty() || e.len() > 512) {
+        return Err(bad("pool template egress: at most 256 rules of 1..=512 bytes".into()));
+    }
+    Ok(())
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

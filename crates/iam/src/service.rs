@@ -91,6 +91,58 @@ pub fn resources_to_pb(r: &Resources) -> pb::Resources {
     }
 }
 
+/// A pool from a request: the template as IAM keeps it (env sorted, egress as text).
+pub fn pool_from_pb(p: Option<pb::Pool>) -> Result<crate::model::PoolRecord, Status> {
+    let p = p.ok_or_else(|| opendsec_common::ApiError::invalid("pool is required").to_status())?;
+    let t = p.template.unwrap_or_default();
+    let r = t.resources.unwrap_or_default();
+    Ok(crate::model::PoolRecord {
+        project: p.project,
+        name: p.name,
+        template: opendsec_common::pool::PoolTemplate {
+            image: t.image,
+            backend: t.backend,
+            cpu_millis: r.cpu_millis,
+            memory_mb: r.memory_mb,
+            disk_mb: r.disk_mb,
+            env: t.env.into_iter().collect(),
+            egress: t.egress,
+            user: t.user,
+            workdir: t.workdir,
+        },
+        revision: String::new(),
+        size_per_edge: p.size_per_edge,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+    })
+}
+
+pub fn pool_to_pb(p: &crate::model::PoolRecord) -> pb::Pool {
+    let t = &p.template;
+    pb::Pool {
+        project: p.project.clone(),
+        name: p.name.clone(),
+        template: Some(pb::PoolTemplate {
+            image: t.image.clone(),
+            backend: t.backend.clone(),
+            resources: Some(pb::Resources {
+                cpu_millis: t.cpu_millis,
+                memory_mb: t.memory_mb,
+                disk_mb: t.disk_mb,
+                gpus: 0,
+            }),
+            env: t.env.clone().into_iter().collect(),
+            egress: t.egress.clone(),
+            user: t.user.clone(),
+            workdir: t.workdir.clone(),
+        }),
+        size_per_edge: p.size_per_edge,
+        revision: p.revision.clone(),
+        created_at_ms: p.created_at_ms,
+        updated_at_ms: p.updated_at_ms,
+    }
+}
+
 pub fn project_to_pb(v: &ProjectView) -> pb::Project {
     pb::Project {
         path: v.path.clone(),
@@ -416,5 +468,36 @@ impl Admin for AdminService {
         let who = self.caller(&req)?;
         self.iam.restore(&who, &req.get_ref().data).await.map_err(status)?;
         ok(pb::RestoreResponse {})
+    }
+
+    async fn create_pool(&self, req: Request<pb::CreatePoolRequest>) -> Rpc<pb::Pool> {
+        let who = self.caller(&req)?;
+        let p = pool_from_pb(req.into_inner().pool)?;
+        ok(pool_to_pb(&self.iam.put_pool(&who, p, true).await.map_err(status)?))
+    }
+
+    async fn update_pool(&self, req: Request<pb::UpdatePoolRequest>) -> Rpc<pb::Pool> {
+        let who = self.caller(&req)?;
+        let p = pool_from_pb(req.into_inner().pool)?;
+        ok(pool_to_pb(&self.iam.put_pool(&who, p, false).await.map_err(status)?))
+    }
+
+    async fn delete_pool(&self, req: Request<pb::DeletePoolRequest>) -> Rpc<pb::DeletePoolResponse> {
+        let who = self.caller(&req)?;
+        let r = req.get_ref();
+        self.iam.delete_pool(&who, &r.project, &r.name).await.map_err(status)?;
+        ok(pb::DeletePoolResponse {})
+    }
+
+    async fn get_pool(&self, req: Request<pb::GetPoolRequest>) -> Rpc<pb::Pool> {
+        let who = self.caller(&req)?;
+        let r = req.get_ref();
+        ok(pool_to_pb(&self.iam.get_pool(&who, &r.project, &r.name).map_err(status)?))
+    }
+
+    async fn list_pools(&self, req: Request<pb::ListPoolsRequest>) -> Rpc<pb::ListPoolsResponse> {
+        let who = self.caller(&req)?;
+        let v = self.iam.list_pools(&who, &req.get_ref().project).map_err(status)?;
+        ok(pb::ListPoolsResponse { pools: v.iter().map(pool_to_pb).collect() })
     }
 }

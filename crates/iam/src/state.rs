@@ -27,8 +27,8 @@ use crate::backup::Snapshot;
 use crate::command::{Actor, Admission, Command, LiveLease, Output, Row, Table, Write};
 use crate::error::IamError;
 use crate::model::{
-    GrantRecord, LeaseRecord, LockRecord, Meta, PrincipalRecord, ProjectRecord, ProjectView, QUOTA_KEYS, Quota,
-    Resources, TokenRecord, Usage, validate_permission,
+    GrantRecord, LeaseRecord, LockRecord, Meta, PoolRecord, PrincipalRecord, ProjectRecord, ProjectView, QUOTA_KEYS,
+    Quota, Resources, TokenRecord, Usage, validate_permission,
 };
 use crate::token;
 
@@ -55,6 +55,8 @@ pub struct State {
     pub(crate) grants: BTreeMap<String, BTreeSet<(String, String)>>,
     pub(crate) leases: HashMap<String, LeaseRecord>,
     pub(crate) locks: BTreeMap<String, LockRecord>,
+    /// `<project>//<name>` -> pool.
+    pub(crate) pools: BTreeMap<String, PoolRecord>,
     // Derived.
     pub(crate) usage: HashMap<String, Usage>,
     pub(crate) leases_by_edge: HashMap<String, BTreeSet<String>>,
@@ -84,6 +86,9 @@ impl State {
                 }
                 Row::Lock(r) => {
                     st.locks.insert(r.name.clone(), r);
+                }
+                Row::Pool(r) => {
+                    st.pools.insert(r.key(), *r);
                 }
                 Row::Meta(m) => st.meta = m,
             }
@@ -121,7 +126,18 @@ impl State {
         rows.extend(self.grant_records().map(Row::Grant));
         rows.extend(self.leases.values().cloned().map(Row::Lease));
         rows.extend(self.locks.values().cloned().map(Row::Lock));
+        rows.extend(self.pools.values().cloned().map(|p| Row::Pool(Box::new(p))));
         rows
+    }
+
+    /// The pool `name` of `project`.
+    pub fn pool(&self, project: &str, name: &str) -> Option<&PoolRecord> {
+        self.pools.get(&crate::model::pool_key(project, name))
+    }
+
+    /// The pools of `project` and its subprojects, by key.
+    pub fn pools_within(&self, project: &str) -> impl Iterator<Item = &PoolRecord> {
+        self.pools.values().filter(move |p| project_within(&p.project, project))
     }
 
     // ----- read accessors -----
@@ -350,6 +366,8 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         }
         Command::ReleaseLeases { now_ms: _, lease_ids, edge } => release_leases(st, w, lease_ids, edge),
         Command::Reconcile { now_ms, edge, live, min_age_ms } => reconcile(st, w, *now_ms, edge, live, *min_age_ms),
+        Command::PutPool { actor, now_ms, pool, create } => put_pool(st, w, actor, *now_ms, pool, *create),
+        Command::DeletePool { actor, now_ms, project, name } => delete_pool(st, w, actor, *now_ms, project, name),
         Command::SweepUnbound { now_ms, known_edges, older_than_ms } => {
             sweep_unbound(st, w, *now_ms, known_edges, *older_than_ms)
         }
@@ -540,6 +558,9 @@ fn delete_project(
     let held = st.usage.get(path).map_or(0, |u| u.sandboxes);
     if held > 0 {
         return Err(IamError::InvalidState(format!("project {path} still holds {held} leases")));
+    }
+    if let Some(p) = st.pools.values().find(|p| p.project == path) {
+        return Err(IamError::InvalidState(format!("project {path} still has pool {}", p.name)));
     }
     st.projects.remove(path);
     st.usage.remove(path);
@@ -761,6 +782,63 @@ fn revoke_grant(
     Ok(Output::Done)
 }
 
+/// Creates or replaces a pool: `pool.manage` on its project, which must exist; its revision is
+/// recomputed from the template (never taken from the proposer).
+fn put_pool(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    pool: &PoolRecord,
+    create: bool,
+) -> Result<Output, IamError> {
+    ids::validate_project(&pool.project).map_err(IamError::invalid)?;
+    st.check_actor(actor, now_ms)?;
+    st.require(&actor.principal, "pool.manage", &pool.project, || format!("project {}", pool.project))?;
+    crate::model::validate_pool(pool)?;
+    if !st.projects.contains_key(&pool.project) {
+        return Err(IamError::NotFound { kind: "project", name: pool.project.clone() });
+    }
+    let key = pool.key();
+    let mut rec = pool.clone();
+    rec.template = pool.template.canonical();
+    rec.revision = rec.template.revision();
+    match (st.pools.get(&key), create) {
+        (Some(_), true) => return Err(IamError::AlreadyExists { kind: "pool", name: key }),
+        (None, false) => return Err(IamError::NotFound { kind: "pool", name: key }),
+        (Some(old), false) => {
+            rec.created_at_ms = old.created_at_ms;
+            rec.updated_at_ms = now_ms;
+        }
+        (None, true) => {
+            rec.created_at_ms = now_ms;
+            rec.updated_at_ms = now_ms;
+        }
+    }
+    st.pools.insert(key, rec.clone());
+    w.push(Write::Put(Row::Pool(Box::new(rec.clone()))));
+    Ok(Output::Pool(rec))
+}
+
+fn delete_pool(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    project: &str,
+    name: &str,
+) -> Result<Output, IamError> {
+    ids::validate_project(project).map_err(IamError::invalid)?;
+    st.check_actor(actor, now_ms)?;
+    st.require(&actor.principal, "pool.manage", project, || format!("project {project}"))?;
+    let key = crate::model::pool_key(project, name);
+    if st.pools.remove(&key).is_none() {
+        return Err(IamError::NotFound { kind: "pool", name: key });
+    }
+    w.push(Write::Delete { table: Table::Pools, key });
+    Ok(Output::Done)
+}
+
 fn restore(
     st: &mut State,
     w: &mut Vec<Write>,
@@ -804,6 +882,13 @@ fn restore(
     for id in orphans {
         st.leases.remove(&id);
         w.push(Write::Delete { table: Table::Leases, key: id });
+    }
+    // Pools are kept (the backup has none) except those whose project it does not have.
+    let orphan_pools: Vec<String> =
+        st.pools.values().filter(|p| !st.projects.contains_key(&p.project)).map(|p| p.key()).collect();
+    for key in orphan_pools {
+        st.pools.remove(&key);
+        w.push(Write::Delete { table: Table::Pools, key });
     }
     st.meta.hash_key = snap.hash_key.clone();
     st.meta.epoch = st.meta.epoch.max(snap.epoch) + 1;

@@ -67,6 +67,7 @@ pub fn encode_row(row: &Row) -> Result<String, IamError> {
         Row::Lease(r) => ser(t, r),
         Row::Lock(r) => ser(t, r),
         Row::Meta(r) => ser(t, r),
+        Row::Pool(r) => ser(t, r.as_ref()),
     }
 }
 
@@ -92,6 +93,7 @@ pub fn decode_row(table: Table, key: &str, value: &str) -> Result<Row, IamError>
         Table::Leases => Row::Lease(de(table, key, value)?),
         Table::Locks => Row::Lock(de(table, key, value)?),
         Table::Meta => Row::Meta(de(table, key, value)?),
+        Table::Pools => Row::Pool(Box::new(de(table, key, value)?)),
     })
 }
 

@@ -1287,3 +1287,92 @@ fn egress_ceilings_bound_the_project_and_its_subprojects() {
     ceiling(&mut h, &Harness::admin(), "root/a/b", None).unwrap();
     admit(&mut h, "l7", &["*"]).unwrap();
 }
+
+fn pool(project: &str, name: &str, image: &str, size: u32) -> crate::model::PoolRecord {
+    crate::model::PoolRecord {
+        project: project.into(),
+        name: name.into(),
+        template: opendsec_common::pool::PoolTemplate {
+            image: image.into(),
+            backend: "fncall".into(),
+            cpu_millis: 1000,
+            memory_mb: 256,
+            disk_mb: 512,
+            egress: vec!["pypi.org:443".into(), "10.0.0.0/8".into()],
+            ..Default::default()
+        },
+        revision: "whatever the proposer says".into(),
+        size_per_edge: size,
+        created_at_ms: 0,
+        updated_at_ms: 0,
+    }
+}
+
+#[test]
+fn pools_are_kept_with_their_revision_and_need_pool_manage() {
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    let put = |h: &mut Harness, actor: &Actor, p: crate::model::PoolRecord, create: bool| {
+        let now = h.now;
+        h.run(Command::PutPool { actor: actor.clone(), now_ms: now, pool: p, create })
+    };
+    let created = match put(&mut h, &Harness::admin(), pool("root/a", "py", "python:3.12", 4), true).unwrap() {
+        Output::Pool(p) => p,
+        o => panic!("{o:?}"),
+    };
+    // The revision is IAM's, from the canonical template (egress sorted), not the proposer's.
+    assert_eq!(created.revision, created.template.revision());
+    assert_eq!(created.template.egress, vec!["10.0.0.0/8".to_string(), "pypi.org:443".to_string()]);
+    assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/a", "py", "x", 1), true)), Reason::AlreadyExists);
+    assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/a", "nope", "x", 1), false)), Reason::NotFound);
+    h.tick(10);
+    let updated = match put(&mut h, &Harness::admin(), pool("root/a", "py", "python:3.13", 8), false).unwrap() {
+        Output::Pool(p) => p,
+        o => panic!("{o:?}"),
+    };
+    assert_ne!(updated.revision, created.revision);
+    assert_eq!((updated.created_at_ms, updated.size_per_edge), (created.created_at_ms, 8));
+    assert!(updated.updated_at_ms > created.updated_at_ms);
+    assert_eq!(h.st.pool("root/a", "py"), Some(&updated));
+
+    // Bad pools: a name, a backend, no resources, a size over the bound, a project missing.
+    let mut bad = vec![pool("root/a", "Bad_Name", "x", 1), pool("root/a", "z", "", 1), pool("root/a", "z", "x", 1001)];
+    let mut b = pool("root/a", "z", "x", 1);
+    b.template.backend = "container".into();
+    bad.push(b);
+    let mut b = pool("root/a", "z", "x", 1);
+    b.template.memory_mb = 0;
+    bad.push(b);
+    for p in bad {
+        assert_eq!(reason(&put(&mut h, &Harness::admin(), p.clone(), true)), Reason::InvalidArgument, "{p:?}");
+    }
+    assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/none", "z", "x", 1), true)), Reason::NotFound);
+
+    // pool.manage on the project (or above) is needed; sandbox rights are not enough.
+    let u = h.principal("u", "root/a");
+    h.grant("u", "root/a", "sandbox.create");
+    assert_eq!(reason(&put(&mut h, &u, pool("root/a", "mine", "x", 1), true)), Reason::PermissionDenied);
+    h.grant("u", "root/a", "pool.manage");
+    put(&mut h, &u, pool("root/a", "mine", "x", 1), true).unwrap();
+    assert_eq!(reason(&put(&mut h, &u, pool("root", "rootpool", "x", 1), true)), Reason::PermissionDenied);
+    assert_eq!(h.st.pools_within("root").count(), 2);
+
+    // A project with a pool is not deleted; deleting the pool lets it go.
+    let now = h.now;
+    let del_project = Command::DeleteProject { actor: Harness::admin(), now_ms: now, path: "root/a".into() };
+    h.run(Command::DeletePrincipal { actor: Harness::admin(), now_ms: now, name: "u".into() }).unwrap();
+    assert_eq!(reason(&h.run(del_project.clone())), Reason::InvalidState);
+    for name in ["py", "mine"] {
+        h.run(Command::DeletePool {
+            actor: Harness::admin(),
+            now_ms: now,
+            project: "root/a".into(),
+            name: name.into(),
+        })
+        .unwrap();
+    }
+    let again =
+        Command::DeletePool { actor: Harness::admin(), now_ms: now, project: "root/a".into(), name: "py".into() };
+    assert_eq!(reason(&h.run(again)), Reason::NotFound);
+    h.run(del_project).unwrap();
+}

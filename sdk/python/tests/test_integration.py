@@ -96,6 +96,21 @@ async def test_same_lease_id_is_one_sandbox(cluster) -> None:
         await a.stop()
 
 
+async def test_pools_create_update_list_delete(cluster) -> None:
+    async with client(cluster) as c:
+        p = await c.create_pool("sdk-pool", IMG, 2, memory_mb=128, env={"MODE": "warm"})
+        assert p.template.backend == "fncall" and p.size_per_edge == 2 and len(p.revision) == 64
+        with pytest.raises(errors.AlreadyExists):
+            await c.create_pool("sdk-pool", IMG, 2)
+        q = await c.update_pool("sdk-pool", IMG, 3, memory_mb=256)
+        assert q.revision != p.revision and q.size_per_edge == 3
+        assert [x.name for x in await c.list_pools()] == ["sdk-pool"]
+        assert (await c.get_pool("sdk-pool")).revision == q.revision
+        await c.delete_pool("sdk-pool")
+        with pytest.raises(errors.NotFound):
+            await c.get_pool("sdk-pool")
+
+
 async def test_batch_items_with_their_own_env_and_labels(cluster) -> None:
     async with client(cluster) as c:
         patches = [{"env": {"SHARD": str(i)}, "labels": {"shard": str(i)}} for i in range(3)]

@@ -65,6 +65,9 @@ pub enum Command {
     /// Projects (nested: root/team-a/rl).
     #[command(subcommand)]
     Project(ProjectCmd),
+    /// Warm pools (fncall): members started ahead of time from a template.
+    #[command(subcommand)]
+    Pool(PoolCmd),
     /// Project quotas.
     #[command(subcommand)]
     Quota(QuotaCmd),
@@ -283,6 +286,79 @@ pub enum NetworkCmd {
     },
     /// Print a sandbox's egress rules and address.
     Get { id: String },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PoolCmd {
+    /// Create a pool in the project (--project, default the token's).
+    #[command(
+        after_help = "Example:\n  opendsecctl pool create py --image python:3.12 --size 8 --cpu 1000 --memory 512 --env MODE=warm"
+    )]
+    Create(PoolArgs),
+    /// Replace a pool's template and size (members of the old template are replaced).
+    Update(PoolArgs),
+    /// Show a pool (template, size, revision).
+    Get {
+        name: String,
+    },
+    /// The pools of the project and its subprojects.
+    List,
+    Delete {
+        name: String,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct PoolArgs {
+    pub name: String,
+    #[arg(long)]
+    pub image: String,
+    /// Members kept idle on each edge offering the backend.
+    #[arg(long)]
+    pub size: u32,
+    #[arg(long, default_value_t = 1000)]
+    pub cpu: u32,
+    /// MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub memory: u64,
+    /// MiB.
+    #[arg(long, default_value_t = 10240)]
+    pub disk: u64,
+    /// KEY=VALUE (repeatable).
+    #[arg(long)]
+    pub env: Vec<String>,
+    /// Egress rules (repeatable): a domain, a network, a named set or *.
+    #[arg(long)]
+    pub allow: Vec<String>,
+    #[arg(long, default_value = "")]
+    pub user: String,
+    #[arg(long, default_value = "")]
+    pub workdir: String,
+}
+
+impl PoolArgs {
+    pub(crate) fn to_pb(&self, project: Option<&str>) -> Result<pb::Pool, CtlError> {
+        Ok(pb::Pool {
+            project: project.unwrap_or_default().to_string(),
+            name: self.name.clone(),
+            template: Some(pb::PoolTemplate {
+                image: self.image.clone(),
+                backend: "fncall".into(),
+                resources: Some(pb::Resources {
+                    cpu_millis: self.cpu,
+                    memory_mb: self.memory,
+                    disk_mb: self.disk,
+                    gpus: 0,
+                }),
+                env: crate::support::kv(&self.env, "env")?,
+                egress: self.allow.clone(),
+                user: self.user.clone(),
+                workdir: self.workdir.clone(),
+            }),
+            size_per_edge: self.size,
+            ..Default::default()
+        })
+    }
 }
 
 #[derive(Args, Debug, Default, Clone)]

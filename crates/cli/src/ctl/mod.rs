@@ -72,6 +72,48 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
         }
         Command::Sandbox(cmd) => sandbox(client, out, project.as_deref(), cmd).await,
         Command::Network(cmd) => network(client, out, cmd).await,
+        Command::Pool(cmd) => {
+            let project = project.unwrap_or_default();
+            let line = |p: &pb::Pool| {
+                let image = p.template.as_ref().map(|t| t.image.clone()).unwrap_or_default();
+                format!(
+                    "{}//{}: {image}, {} per edge, revision {}",
+                    p.project,
+                    p.name,
+                    p.size_per_edge,
+                    &p.revision[..p.revision.len().min(12)]
+                )
+            };
+            match cmd {
+                PoolCmd::Create(a) => {
+                    let p = client.create_pool(pb::CreatePoolRequest { pool: Some(a.to_pb(Some(&project))?) }).await?;
+                    out.print(j::of(&p), || format!("created {}", line(&p)));
+                }
+                PoolCmd::Update(a) => {
+                    let p = client.update_pool(pb::UpdatePoolRequest { pool: Some(a.to_pb(Some(&project))?) }).await?;
+                    out.print(j::of(&p), || format!("updated {}", line(&p)));
+                }
+                PoolCmd::Get { name } => {
+                    let p = client.get_pool(pb::GetPoolRequest { project, name }).await?;
+                    out.print(j::of(&p), || line(&p));
+                }
+                PoolCmd::List => {
+                    let r = client.list_pools(pb::ListPoolsRequest { project }).await?;
+                    out.print(Value::Array(r.pools.iter().map(j::of).collect()), || {
+                        if r.pools.is_empty() {
+                            "no pools".to_string()
+                        } else {
+                            r.pools.iter().map(line).collect::<Vec<_>>().join("\n")
+                        }
+                    });
+                }
+                PoolCmd::Delete { name } => {
+                    client.delete_pool(pb::DeletePoolRequest { project, name: name.clone() }).await?;
+                    out.print(json!({"deleted": name}), || format!("deleted pool {name}"));
+                }
+            }
+            Ok(())
+        }
         Command::Project(cmd) => match cmd {
             ProjectCmd::Create { path, quota } => {
                 let p = client.create_project(pb::CreateProjectRequest { path, quota: Some(quota.to_pb()) }).await?;

@@ -859,6 +859,60 @@ class AsyncClient:
         req = pb.CreateProjectRequest(path=path, quota=_quota(quota) if quota is not None else None)
         return await self._unary("Admin", "CreateProject", req)
 
+    def _pool(
+        self, name: str, image: str, size: int, cpu: int, memory_mb: int, disk_mb: int,
+        env: Optional[Mapping[str, str]], egress: Optional[Sequence[str]], user: str, workdir: str,
+        project: Optional[str],
+    ) -> pb.Pool:
+        return pb.Pool(
+            project=self.project if project is None else project,
+            name=name,
+            template=pb.PoolTemplate(
+                image=image, backend="fncall",
+                resources=pb.Resources(cpu_millis=cpu, memory_mb=memory_mb, disk_mb=disk_mb),
+                env=dict(env or {}), egress=list(egress or ()), user=user, workdir=workdir,
+            ),
+            size_per_edge=size,
+        )
+
+    async def create_pool(
+        self, name: str, image: str, size: int, *, cpu: int = DEFAULT_CPU_MILLIS,
+        memory_mb: int = DEFAULT_MEMORY_MB, disk_mb: int = DEFAULT_DISK_MB,
+        env: Optional[Mapping[str, str]] = None, egress: Optional[Sequence[str]] = None,
+        user: str = "", workdir: str = "", project: Optional[str] = None,
+    ) -> pb.Pool:
+        """Creates a warm pool: ``size`` members started ahead of time on every edge from
+        this template (backend ``fncall``). Its ``revision`` names the template. Needs
+        ``pool.manage`` on the project. Not retried."""
+        pool = self._pool(name, image, size, cpu, memory_mb, disk_mb, env, egress, user, workdir, project)
+        return await self._unary("Admin", "CreatePool", pb.CreatePoolRequest(pool=pool))
+
+    async def update_pool(
+        self, name: str, image: str, size: int, *, cpu: int = DEFAULT_CPU_MILLIS,
+        memory_mb: int = DEFAULT_MEMORY_MB, disk_mb: int = DEFAULT_DISK_MB,
+        env: Optional[Mapping[str, str]] = None, egress: Optional[Sequence[str]] = None,
+        user: str = "", workdir: str = "", project: Optional[str] = None,
+    ) -> pb.Pool:
+        """Replaces a pool's template and size (a new template is a new revision: members of
+        the old one are replaced, never handed out)."""
+        pool = self._pool(name, image, size, cpu, memory_mb, disk_mb, env, egress, user, workdir, project)
+        return await self._unary("Admin", "UpdatePool", pb.UpdatePoolRequest(pool=pool))
+
+    async def get_pool(self, name: str, project: Optional[str] = None) -> pb.Pool:
+        """The pool ``name`` of the project (``not_found`` if none)."""
+        req = pb.GetPoolRequest(project=self.project if project is None else project, name=name)
+        return await self._unary("Admin", "GetPool", req)
+
+    async def list_pools(self, project: Optional[str] = None) -> List[pb.Pool]:
+        """The pools of the project and its subprojects."""
+        req = pb.ListPoolsRequest(project=self.project if project is None else project)
+        return list((await self._unary("Admin", "ListPools", req)).pools)
+
+    async def delete_pool(self, name: str, project: Optional[str] = None) -> None:
+        """Deletes the pool (its idle members are stopped by the edges)."""
+        req = pb.DeletePoolRequest(project=self.project if project is None else project, name=name)
+        await self._unary("Admin", "DeletePool", req)
+
     async def get_project(self, path: str) -> pb.Project:
         """The project ``path`` (``not_found`` if none)."""
         return await self._unary("Admin", "GetProject", pb.GetProjectRequest(path=path))
