@@ -2,32 +2,20 @@
 //! its store and registered through the API, then list, get, compose, a sandbox from it, gc,
 //! store-check, merge and delete, each as the command line would run it.
 
-use std::time::Duration;
+mod common;
 
-use clap::Parser;
-use opendsec_cli::ctl::{Cli, CtlError, run};
-use opendsec_cluster::{Cluster, UpOptions};
+use opendsec_cli::ctl::CtlError;
+use opendsec_cluster::Cluster;
 use opendsec_common::Reason;
-use opendsec_common::config::Config;
 
 async fn ctl(cluster: &Cluster, args: &[&str]) -> Result<(), CtlError> {
-    let addr = cluster.apiserver_addr.to_string();
-    let ca = cluster.ca_path.to_str().unwrap();
-    let mut argv = vec!["opendsecctl", "--addr", &addr, "--token", &cluster.admin_token, "--ca", ca, "--json"];
-    argv.extend_from_slice(args);
-    run(Cli::try_parse_from(argv).expect("a valid command line")).await.map(|_| ())
+    common::ctl_admin(cluster, args).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn import_register_use_and_collect() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = Config { state_dir: dir.path().join("state"), ..Config::default() };
-    cfg.apiserver.listen = "127.0.0.1:0".into();
-    cfg.apiserver.metrics_listen = String::new();
-    cfg.apiserver.snapshot_refresh = Duration::from_millis(100);
-    cfg.watcher.probe_interval = Duration::from_millis(100);
-    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
-    cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let cluster = common::sim_cluster(dir.path()).await;
     let store = cluster.config.image_store_dir();
     let store = store.to_str().unwrap();
 

@@ -1,31 +1,18 @@
 //! `opendsecctl pool ...` end to end, in process, against a cluster: create, get, list,
 //! update (a new revision), delete, and the refusals a user meets.
 
-use std::time::Duration;
+mod common;
 
-use clap::Parser;
-use opendsec_cli::ctl::{Cli, CtlError, reason_of, run};
-use opendsec_cluster::{Cluster, UpOptions};
+use opendsec_cli::ctl::reason_of;
 use opendsec_common::Reason;
-use opendsec_common::config::Config;
 use opendsec_proto::v1 as pb;
 
-async fn ctl(cluster: &Cluster, args: &[&str]) -> Result<(), CtlError> {
-    let addr = cluster.apiserver_addr.to_string();
-    let ca = cluster.ca_path.to_str().unwrap();
-    let mut argv = vec!["opendsecctl", "--addr", &addr, "--token", &cluster.admin_token, "--ca", ca, "--json"];
-    argv.extend_from_slice(args);
-    run(Cli::try_parse_from(argv).expect("a valid command line")).await.map(|_| ())
-}
+use common::{ctl_admin as ctl, sim_cluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = Config { state_dir: dir.path().join("state"), ..Config::default() };
-    cfg.apiserver.listen = "127.0.0.1:0".into();
-    cfg.apiserver.metrics_listen = String::new();
-    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
-    cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let cluster = sim_cluster(dir.path()).await;
     let admin = opendsec_client::Client::new(
         &[cluster.apiserver_addr.to_string()],
         Some(&cluster.admin_token),

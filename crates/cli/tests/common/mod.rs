@@ -250,3 +250,24 @@ pub fn debian_rootfs() -> PathBuf {
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
+
+/// `opendsecctl --json ARGS` against `cluster` as its administrator, in process.
+pub async fn ctl_admin(cluster: &Cluster, args: &[&str]) -> Result<(), opendsec_cli::ctl::CtlError> {
+    let addr = cluster.apiserver_addr.to_string();
+    let ca = cluster.ca_path.to_str().unwrap();
+    let mut argv = vec!["opendsecctl", "--addr", &addr, "--token", &cluster.admin_token, "--ca", ca, "--json"];
+    argv.extend_from_slice(args);
+    run(Cli::try_parse_from(argv).expect("a valid command line")).await.map(|_| ())
+}
+
+/// A cluster of one sim edge in `dir` (no root needed), ready.
+pub async fn sim_cluster(dir: &Path) -> Cluster {
+    let mut cfg = Config { state_dir: dir.join("state"), ..Config::default() };
+    cfg.apiserver.listen = "127.0.0.1:0".into();
+    cfg.apiserver.metrics_listen = String::new();
+    cfg.apiserver.snapshot_refresh = Duration::from_millis(100);
+    cfg.watcher.probe_interval = Duration::from_millis(100);
+    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), ..Default::default() }).await.unwrap();
+    cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    cluster
+}

@@ -860,9 +860,10 @@ class AsyncClient:
         return await self._unary("Admin", "CreateProject", req)
 
     def _pool(
-        self, name: str, image: str, size: int, cpu: int, memory_mb: int, disk_mb: int,
-        env: Optional[Mapping[str, str]], egress: Optional[Sequence[str]], user: str, workdir: str,
-        project: Optional[str],
+        self, name: str, image: str, size: int, *, cpu: int = DEFAULT_CPU_MILLIS,
+        memory_mb: int = DEFAULT_MEMORY_MB, disk_mb: int = DEFAULT_DISK_MB,
+        env: Optional[Mapping[str, str]] = None, egress: Optional[Sequence[str]] = None,
+        user: str = "", workdir: str = "", project: Optional[str] = None,
     ) -> pb.Pool:
         return pb.Pool(
             project=self.project if project is None else project,
@@ -875,27 +876,19 @@ class AsyncClient:
             size_per_edge=size,
         )
 
-    async def create_pool(
-        self, name: str, image: str, size: int, *, cpu: int = DEFAULT_CPU_MILLIS,
-        memory_mb: int = DEFAULT_MEMORY_MB, disk_mb: int = DEFAULT_DISK_MB,
-        env: Optional[Mapping[str, str]] = None, egress: Optional[Sequence[str]] = None,
-        user: str = "", workdir: str = "", project: Optional[str] = None,
-    ) -> pb.Pool:
+    async def create_pool(self, name: str, image: str, size: int, **template: Any) -> pb.Pool:
         """Creates a warm pool: ``size`` members started ahead of time on every edge from
-        this template (backend ``fncall``). Its ``revision`` names the template. Needs
-        ``pool.manage`` on the project. Not retried."""
-        pool = self._pool(name, image, size, cpu, memory_mb, disk_mb, env, egress, user, workdir, project)
+        this template (backend ``fncall``; keyword arguments ``cpu``, ``memory_mb``,
+        ``disk_mb``, ``env``, ``egress``, ``user``, ``workdir``, ``project``, defaults as for
+        :meth:`create_sandbox`). Its ``revision`` names the template. Needs ``pool.manage``
+        on the project. Not retried."""
+        pool = self._pool(name, image, size, **template)
         return await self._unary("Admin", "CreatePool", pb.CreatePoolRequest(pool=pool))
 
-    async def update_pool(
-        self, name: str, image: str, size: int, *, cpu: int = DEFAULT_CPU_MILLIS,
-        memory_mb: int = DEFAULT_MEMORY_MB, disk_mb: int = DEFAULT_DISK_MB,
-        env: Optional[Mapping[str, str]] = None, egress: Optional[Sequence[str]] = None,
-        user: str = "", workdir: str = "", project: Optional[str] = None,
-    ) -> pb.Pool:
-        """Replaces a pool's template and size (a new template is a new revision: members of
-        the old one are replaced, never handed out)."""
-        pool = self._pool(name, image, size, cpu, memory_mb, disk_mb, env, egress, user, workdir, project)
+    async def update_pool(self, name: str, image: str, size: int, **template: Any) -> pb.Pool:
+        """Replaces a pool's template and size (arguments as :meth:`create_pool`). A new
+        template is a new revision: members of the old one are replaced, never handed out."""
+        pool = self._pool(name, image, size, **template)
         return await self._unary("Admin", "UpdatePool", pb.UpdatePoolRequest(pool=pool))
 
     async def get_pool(self, name: str, project: Optional[str] = None) -> pb.Pool:
