@@ -1,4 +1,5 @@
-//! Backups: gzipped JSON `{"version":1, hash_key, epoch, projects, principals, tokens, grants}`.
+//! Backups: gzipped JSON `{"version":1, hash_key, epoch, projects, principals, tokens, grants,
+//! pools}`.
 //!
 //! No leases and no locks: after a restore, reconciliation rebuilds the leases from what the
 //! edges report. [`Snapshot::validate`] checks a snapshot is whole and self-consistent (root
@@ -28,6 +29,9 @@ pub struct Snapshot {
     pub principals: Vec<PrincipalRecord>,
     pub tokens: Vec<TokenRecord>,
     pub grants: Vec<GrantRecord>,
+    /// Absent in backups made before pools: a restore of one keeps the pools there are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pools: Option<Vec<crate::model::PoolRecord>>,
 }
 
 fn bad(msg: impl Into<String>) -> IamError {
@@ -126,6 +130,16 @@ impl Snapshot {
                 return Err(bad(format!("grant {} appears twice", g.key())));
             }
         }
+        let mut pools = BTreeSet::new();
+        for p in self.pools.iter().flatten() {
+            crate::model::validate_pool(p).map_err(|e| bad(format!("pool {}: {e}", p.key())))?;
+            if !projects.contains(p.project.as_str()) {
+                return Err(bad(format!("pool {} is in unknown project {}", p.name, p.project)));
+            }
+            if !pools.insert(p.key()) {
+                return Err(bad(format!("pool {} appears twice", p.key())));
+            }
+        }
         Ok(())
     }
 }
@@ -148,6 +162,7 @@ mod tests {
             principals: vec![PrincipalRecord { name: "admin".into(), project: "root".into(), created_at_ms: 1 }],
             tokens: vec![],
             grants: vec![GrantRecord { principal: "admin".into(), project: "root".into(), permission: "*".into() }],
+            pools: None,
         }
     }
 

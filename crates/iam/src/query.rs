@@ -186,6 +186,7 @@ impl State {
             principals: self.principals.values().cloned().collect(),
             tokens,
             grants: self.grant_records().collect(),
+            pools: Some(self.pools.values().cloned().collect()),
         })
     }
 }

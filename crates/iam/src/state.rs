@@ -883,12 +883,22 @@ fn restore(
         st.leases.remove(&id);
         w.push(Write::Delete { table: Table::Leases, key: id });
     }
-    // Pools are kept (the backup has none) except those whose project it does not have.
-    let orphan_pools: Vec<String> =
-        st.pools.values().filter(|p| !st.projects.contains_key(&p.project)).map(|p| p.key()).collect();
-    for key in orphan_pools {
+    // Pools: replaced by the backup's; a backup from before pools keeps those there are,
+    // except those whose project it does not have. Revisions are IAM's: recomputed.
+    let gone: Vec<String> = match &snap.pools {
+        Some(_) => st.pools.keys().cloned().collect(),
+        None => st.pools.values().filter(|p| !st.projects.contains_key(&p.project)).map(|p| p.key()).collect(),
+    };
+    for key in gone {
         st.pools.remove(&key);
         w.push(Write::Delete { table: Table::Pools, key });
+    }
+    for p in snap.pools.iter().flatten() {
+        let mut rec = p.clone();
+        rec.template = p.template.canonical();
+        rec.revision = rec.template.revision();
+        st.pools.insert(rec.key(), rec.clone());
+        w.push(Write::Put(Row::Pool(Box::new(rec))));
     }
     st.meta.hash_key = snap.hash_key.clone();
     st.meta.epoch = st.meta.epoch.max(snap.epoch) + 1;

@@ -1376,3 +1376,47 @@ fn pools_are_kept_with_their_revision_and_need_pool_manage() {
     assert_eq!(reason(&h.run(again)), Reason::NotFound);
     h.run(del_project).unwrap();
 }
+
+#[test]
+fn backups_carry_pools_and_older_backups_keep_them() {
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    let now = h.now;
+    h.run(Command::PutPool {
+        actor: Harness::admin(),
+        now_ms: now,
+        pool: pool("root/a", "py", "python:3.12", 2),
+        create: true,
+    })
+    .unwrap();
+    let admin_who = h.st.authenticate(&token::format("admintoken", &secret_of("admintoken")), h.now).unwrap();
+    let snap = h.st.backup(&admin_who).unwrap();
+    let decoded = Snapshot::decode(&snap.encode().unwrap()).unwrap();
+    assert_eq!(decoded.pools.as_ref().map(Vec::len), Some(1));
+
+    // A pool made after the backup goes with its restore; the backed-up one comes back.
+    h.run(Command::PutPool {
+        actor: Harness::admin(),
+        now_ms: now,
+        pool: pool("root/a", "later", "x", 1),
+        create: true,
+    })
+    .unwrap();
+    h.run(Command::DeletePool { actor: Harness::admin(), now_ms: now, project: "root/a".into(), name: "py".into() })
+        .unwrap();
+    h.run(Command::Restore { actor: Harness::admin(), now_ms: h.now, snapshot: decoded.clone() }).unwrap();
+    assert!(h.st.pool("root/a", "py").is_some());
+    assert!(h.st.pool("root/a", "later").is_none());
+
+    // A backup from before pools (no "pools" key) keeps the pools there are.
+    let mut old = decoded.clone();
+    old.pools = None;
+    h.run(Command::Restore { actor: Harness::admin(), now_ms: h.now, snapshot: old }).unwrap();
+    assert!(h.st.pool("root/a", "py").is_some());
+
+    // A backup naming a pool of a project it lacks, or a bad pool, is refused whole.
+    let mut bad = decoded;
+    bad.pools.as_mut().unwrap().push(pool("root/none", "z", "x", 1));
+    let r = h.run(Command::Restore { actor: Harness::admin(), now_ms: h.now, snapshot: bad });
+    assert!(r.is_err());
+}
