@@ -57,6 +57,26 @@ fn project_of(sb: &pb::Sandbox) -> String {
     sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default()
 }
 
+/// Edge call `f` for sandbox `id` once the caller holds `permission` on its project; the
+/// request names that project to the edge ([`forward::to_edge`]).
+async fn authorized_forward<Q, T, F, Fut>(
+    s: &Shared,
+    call: &mut Call,
+    md: &MetadataMap,
+    id: &str,
+    permission: &str,
+    req: Q,
+    f: F,
+) -> Result<T, ApiError>
+where
+    F: FnOnce(pb::edge_client::EdgeClient<tonic::transport::Channel>, Request<Q>) -> Fut,
+    Fut: std::future::Future<Output = Result<Response<T>, Status>>,
+{
+    let (edge, sb) = authorized_get(s, call, md, id, permission).await?;
+    let req = forward::to_edge(req, &project_of(&sb))?;
+    forward::edge_forward(s, &edge, |c| f(c, req)).await
+}
+
 /// Gets a sandbox from its edge and checks that the caller holds `permission` on its project.
 async fn authorized_get(
     s: &Shared,
@@ -305,9 +325,11 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "GetSandboxMetrics", move |s, call| {
             Box::pin(async move {
-                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_VIEW).await?;
-                let req = forward::to_edge(req, &project_of(&sb))?;
-                forward::edge_forward(s, &edge, |mut c| async move { c.get_sandbox_metrics(req).await }).await
+                let id = req.id.clone();
+                authorized_forward(s, call, &md, &id, PERM_VIEW, req, |mut c, r| async move {
+                    c.get_sandbox_metrics(r).await
+                })
+                .await
             })
         })
         .await
@@ -333,9 +355,17 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "StopSandbox", move |s, call| {
             Box::pin(async move {
-                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = forward::to_edge(req, &project_of(&sb))?;
-                forward::edge_forward(s, &edge, |mut c| async move { c.stop_sandbox(req).await }).await
+                let id = req.id.clone();
+                authorized_forward(
+                    s,
+                    call,
+                    &md,
+                    &id,
+                    PERM_OPERATE,
+                    req,
+                    |mut c, r| async move { c.stop_sandbox(r).await },
+                )
+                .await
             })
         })
         .await
@@ -345,9 +375,17 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "PauseSandbox", move |s, call| {
             Box::pin(async move {
-                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = forward::to_edge(req, &project_of(&sb))?;
-                forward::edge_forward(s, &edge, |mut c| async move { c.pause_sandbox(req).await }).await
+                let id = req.id.clone();
+                authorized_forward(
+                    s,
+                    call,
+                    &md,
+                    &id,
+                    PERM_OPERATE,
+                    req,
+                    |mut c, r| async move { c.pause_sandbox(r).await },
+                )
+                .await
             })
         })
         .await
@@ -360,9 +398,17 @@ impl Sandboxes for SandboxesService {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "ResumeSandbox", move |s, call| {
             Box::pin(async move {
-                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = forward::to_edge(req, &project_of(&sb))?;
-                forward::edge_forward(s, &edge, |mut c| async move { c.resume_sandbox(req).await }).await
+                let id = req.id.clone();
+                authorized_forward(
+                    s,
+                    call,
+                    &md,
+                    &id,
+                    PERM_OPERATE,
+                    req,
+                    |mut c, r| async move { c.resume_sandbox(r).await },
+                )
+                .await
             })
         })
         .await
@@ -376,9 +422,11 @@ impl Sandboxes for SandboxesService {
         run(&self.shared, "SetSandboxTimeout", move |s, call| {
             Box::pin(async move {
                 admission::check_timeout_update(&req, &s.cfg.ttl)?;
-                let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
-                let req = forward::to_edge(req, &project_of(&sb))?;
-                forward::edge_forward(s, &edge, |mut c| async move { c.set_sandbox_timeout(req).await }).await
+                let id = req.id.clone();
+                authorized_forward(s, call, &md, &id, PERM_OPERATE, req, |mut c, r| async move {
+                    c.set_sandbox_timeout(r).await
+                })
+                .await
             })
         })
         .await

@@ -1,7 +1,8 @@
 //! Issue 13's snapshot and fork benchmarks (`make bench-snapshot`, in release, as root;
 //! `cargo bench -p opendsec-cli --bench snapshot`). Prints figures, asserts nothing about
 //! time. Through the public API of an in-process cluster (real gRPC between apiserver, edge
-//! and agent), container sandboxes from the busybox image at the sizes a user would run:
+//! and agent), container sandboxes from the busybox image with the resources a user gets by
+//! default (`opendsecctl sandbox create`: 1 CPU, 1 GiB of memory, 10 GiB of disk):
 //!
 //! - snapshot of a sandbox that wrote 10 MB and 1 GB: the call, and how long it was frozen;
 //! - fork ×8 and ×64 of a sandbox that wrote 10 MB: from the call until every copy answered
@@ -14,6 +15,20 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use opendsec_proto::v1 as pb;
+
+/// A container sandbox of `image` with the default resources.
+fn spec(image: &str) -> pb::SandboxSpec {
+    use opendsec_cli::ctl::{DEFAULT_CPU_MILLIS, DEFAULT_DISK_MB, DEFAULT_MEMORY_MB};
+    pb::SandboxSpec {
+        resources: Some(pb::Resources {
+            cpu_millis: DEFAULT_CPU_MILLIS,
+            memory_mb: DEFAULT_MEMORY_MB,
+            disk_mb: DEFAULT_DISK_MB,
+            gpus: 0,
+        }),
+        ..container_spec(image, DEFAULT_MEMORY_MB, DEFAULT_DISK_MB)
+    }
+}
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -35,7 +50,7 @@ async fn bench() {
     let mut cold = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
-        let s = admin.create_sandbox(container_spec("busybox", 64, 64)).await.unwrap();
+        let s = admin.create_sandbox(spec("busybox")).await.unwrap();
         exec_in(&mut rt, &s.id, "main", "true").await;
         cold.push(t.elapsed());
         admin.stop_sandbox(&s.id).await.unwrap();
@@ -43,8 +58,8 @@ async fn bench() {
     cold.sort();
     println!("creation from the image until a command answers: p50 {:.1} ms (n=5)", ms(cold[2]));
 
-    for (mb, disk) in [(10u64, 64u64), (1024, 2048)] {
-        let s = admin.create_sandbox(container_spec("busybox", 256, disk)).await.unwrap();
+    for mb in [10u64, 1024] {
+        let s = admin.create_sandbox(spec("busybox")).await.unwrap();
         write_mb(&mut rt, &s.id, mb).await;
         let t = Instant::now();
         let snap = admin.create_snapshot(&s.id, &format!("bench:w{mb}"), false).await.unwrap();
@@ -59,7 +74,7 @@ async fn bench() {
         admin.stop_sandbox(&s.id).await.unwrap();
     }
 
-    let src = admin.create_sandbox(container_spec("busybox", 64, 64)).await.unwrap();
+    let src = admin.create_sandbox(spec("busybox")).await.unwrap();
     write_mb(&mut rt, &src.id, 10).await;
     for count in [8u32, 64] {
         let t = Instant::now();

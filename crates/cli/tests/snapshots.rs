@@ -58,22 +58,7 @@ async fn a_snapshot_carries_the_file_system_and_the_sandbox_runs_on() {
     assert!(image.source.contains(&src.id));
 
     // The same through the CLI.
-    let ca = f.cluster.ca_path.display().to_string();
-    let argv = [
-        "opendsecctl",
-        "--addr",
-        &f.addr,
-        "--token",
-        &f.cluster.admin_token,
-        "--ca",
-        &ca,
-        "snapshot",
-        &src.id,
-        "snap:cli",
-    ];
-    let code =
-        opendsec_cli::ctl::run(<opendsec_cli::ctl::Cli as clap::Parser>::try_parse_from(argv).unwrap()).await.unwrap();
-    assert_eq!(code, 0);
+    common::ctl_admin(&f.cluster, &["snapshot", &src.id, "snap:cli"]).await.unwrap();
     let cli = admin.get_image(pb::GetImageRequest { project: "root".into(), name: "snap:cli".into() }).await.unwrap();
     assert_eq!(cli.layers, image.layers, "nothing changed in between: the same content-addressed layer");
 
@@ -299,24 +284,7 @@ async fn a_fork_makes_independent_copies_and_each_is_charged() {
     assert_eq!(e.reason, Reason::AlreadyExists, "{e}");
 
     // The CLI forks too.
-    let ca = f.cluster.ca_path.display().to_string();
-    let argv = [
-        "opendsecctl",
-        "--addr",
-        &f.addr,
-        "--token",
-        &f.cluster.admin_token,
-        "--ca",
-        &ca,
-        "--json",
-        "fork",
-        &src.id,
-        "--count",
-        "2",
-    ];
-    let code =
-        opendsec_cli::ctl::run(<opendsec_cli::ctl::Cli as clap::Parser>::try_parse_from(argv).unwrap()).await.unwrap();
-    assert_eq!(code, 0);
+    common::ctl_admin(&f.cluster, &["fork", &src.id, "--count", "2"]).await.unwrap();
     let listed = admin
         .list_sandboxes(pb::ListSandboxesRequest { project: "root".into(), ..Default::default() })
         .await

@@ -55,7 +55,7 @@ mod tests {
             memory_mb: 512,
             disk_mb: 1024,
             env: [("A".to_string(), "1".to_string()), ("B".to_string(), "2".to_string())].into(),
-            egress: vec!["pypi.org:443".into(), "10.0.0.0/8".into()],
+            egress: vec!["pypi.org:443".into(), "198.51.100.0/24".into()],
             user: "user".into(),
             workdir: "/work".into(),
         }

@@ -63,10 +63,6 @@ impl Members {
         &self.revision
     }
 
-    pub fn get(&self, id: &str) -> Option<&Member> {
-        self.members.get(id)
-    }
-
     /// A new template (revision) or size. Idle members of other revisions are marked to
     /// stop; starting ones are stopped when they come up ([`Members::started`]).
     pub fn set_template(&mut self, revision: &str, target: u32) {
@@ -156,15 +152,6 @@ impl Members {
     /// Members of revisions other than the current one, not yet gone.
     pub fn stale(&self) -> usize {
         self.members.values().filter(|m| m.revision != self.revision).count()
-    }
-
-    /// Members per revision.
-    pub fn by_revision(&self) -> BTreeMap<String, usize> {
-        let mut out = BTreeMap::new();
-        for m in self.members.values() {
-            *out.entry(m.revision.clone()).or_default() += 1;
-        }
-        out
     }
 }
 

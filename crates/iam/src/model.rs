@@ -248,9 +248,8 @@ pub struct LeaseRecord {
 pub struct PoolRecord {
     pub project: String,
     pub name: String,
+    /// Kept in canonical form; its revision is `template.revision()`.
     pub template: opendsec_common::pool::PoolTemplate,
-    /// `template.revision()`, kept so edges compare strings, not templates.
-    pub revision: String,
     pub size_per_edge: u32,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,

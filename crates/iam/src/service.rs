@@ -110,7 +110,6 @@ pub fn pool_from_pb(p: Option<pb::Pool>) -> Result<crate::model::PoolRecord, Sta
             user: t.user,
             workdir: t.workdir,
         },
-        revision: String::new(),
         size_per_edge: p.size_per_edge,
         created_at_ms: 0,
         updated_at_ms: 0,
@@ -137,7 +136,7 @@ pub fn pool_to_pb(p: &crate::model::PoolRecord) -> pb::Pool {
             workdir: t.workdir.clone(),
         }),
         size_per_edge: p.size_per_edge,
-        revision: p.revision.clone(),
+        revision: p.template.revision(),
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
     }

@@ -782,8 +782,8 @@ fn revoke_grant(
     Ok(Output::Done)
 }
 
-/// Creates or replaces a pool: `pool.manage` on its project, which must exist; its revision is
-/// recomputed from the template (never taken from the proposer).
+/// Creates or replaces a pool: `pool.manage` on its project, which must exist; its template is
+/// kept in canonical form (its revision is derived from it).
 fn put_pool(
     st: &mut State,
     w: &mut Vec<Write>,
@@ -802,7 +802,6 @@ fn put_pool(
     let key = pool.key();
     let mut rec = pool.clone();
     rec.template = pool.template.canonical();
-    rec.revision = rec.template.revision();
     match (st.pools.get(&key), create) {
         (Some(_), true) => return Err(IamError::AlreadyExists { kind: "pool", name: key }),
         (None, false) => return Err(IamError::NotFound { kind: "pool", name: key }),
@@ -884,7 +883,7 @@ fn restore(
         w.push(Write::Delete { table: Table::Leases, key: id });
     }
     // Pools: replaced by the backup's; a backup from before pools keeps those there are,
-    // except those whose project it does not have. Revisions are IAM's: recomputed.
+    // except those whose project it does not have. Templates are kept canonical.
     let gone: Vec<String> = match &snap.pools {
         Some(_) => st.pools.keys().cloned().collect(),
         None => st.pools.values().filter(|p| !st.projects.contains_key(&p.project)).map(|p| p.key()).collect(),
@@ -896,7 +895,6 @@ fn restore(
     for p in snap.pools.iter().flatten() {
         let mut rec = p.clone();
         rec.template = p.template.canonical();
-        rec.revision = rec.template.revision();
         st.pools.insert(rec.key(), rec.clone());
         w.push(Write::Put(Row::Pool(Box::new(rec))));
     }

@@ -1298,10 +1298,9 @@ fn pool(project: &str, name: &str, image: &str, size: u32) -> crate::model::Pool
             cpu_millis: 1000,
             memory_mb: 256,
             disk_mb: 512,
-            egress: vec!["pypi.org:443".into(), "10.0.0.0/8".into()],
+            egress: vec!["pypi.org:443".into(), "198.51.100.0/24".into()],
             ..Default::default()
         },
-        revision: "whatever the proposer says".into(),
         size_per_edge: size,
         created_at_ms: 0,
         updated_at_ms: 0,
@@ -1320,9 +1319,8 @@ fn pools_are_kept_with_their_revision_and_need_pool_manage() {
         Output::Pool(p) => p,
         o => panic!("{o:?}"),
     };
-    // The revision is IAM's, from the canonical template (egress sorted), not the proposer's.
-    assert_eq!(created.revision, created.template.revision());
-    assert_eq!(created.template.egress, vec!["10.0.0.0/8".to_string(), "pypi.org:443".to_string()]);
+    // The template is kept canonical (egress sorted), so its revision names it exactly.
+    assert_eq!(created.template.egress, vec!["198.51.100.0/24".to_string(), "pypi.org:443".to_string()]);
     assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/a", "py", "x", 1), true)), Reason::AlreadyExists);
     assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/a", "nope", "x", 1), false)), Reason::NotFound);
     h.tick(10);
@@ -1330,7 +1328,7 @@ fn pools_are_kept_with_their_revision_and_need_pool_manage() {
         Output::Pool(p) => p,
         o => panic!("{o:?}"),
     };
-    assert_ne!(updated.revision, created.revision);
+    assert_ne!(updated.template.revision(), created.template.revision());
     assert_eq!((updated.created_at_ms, updated.size_per_edge), (created.created_at_ms, 8));
     assert!(updated.updated_at_ms > created.updated_at_ms);
     assert_eq!(h.st.pool("root/a", "py"), Some(&updated));

@@ -78,11 +78,7 @@ fn stack() -> Vec<(Vec<E>, u64)> {
 }
 
 fn setup() -> (tempfile::TempDir, Store, Vec<LayerId>) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("store")).unwrap();
-    let tars: Vec<Vec<u8>> = stack().iter().map(|(e, t)| tar_of(e, *t)).collect();
-    let ids = import_stack(&store, &tars);
-    (dir, store, ids)
+    stored_stack(&stack())
 }
 
 fn whiteouts_in(root: &std::path::Path) -> Vec<String> {

@@ -85,11 +85,7 @@ fn sh(root: &Path, script: &str) {
 }
 
 fn setup() -> (tempfile::TempDir, Store, Vec<LayerId>) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(dir.path().join("store")).unwrap();
-    let tars: Vec<Vec<u8>> = base().iter().map(|(e, t)| tar_of(e, *t)).collect();
-    let ids = import_stack(&store, &tars);
-    (dir, store, ids)
+    stored_stack(&base())
 }
 
 #[test]

@@ -155,6 +155,15 @@ pub fn import_with(
 }
 
 /// Imports each layer on top of the previous ones; returns their ids, bottom first.
+/// A fresh store in a temporary directory holding `layers` (bottom first), imported in order.
+pub fn stored_stack(layers: &[(Vec<E>, u64)]) -> (tempfile::TempDir, Store, Vec<LayerId>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("store")).unwrap();
+    let tars: Vec<Vec<u8>> = layers.iter().map(|(e, t)| tar_of(e, *t)).collect();
+    let ids = import_stack(&store, &tars);
+    (dir, store, ids)
+}
+
 pub fn import_stack(store: &Store, layers: &[Vec<u8>]) -> Vec<LayerId> {
     let mut ids = Vec::new();
     for t in layers {
