@@ -49,7 +49,14 @@ pub struct Config {
     /// process gets it, over the default PATH and under the user's HOME, USER and LOGNAME and
     /// its call's own variables.
     pub env: Vec<(String, String)>,
+    /// Where `SetIdentity` writes the sandbox's id (`/run/opendsec/sandbox-id` in a sandbox).
+    pub identity_file: PathBuf,
 }
+
+/// The id file inside a sandbox.
+pub const IDENTITY_FILE: &str = "/run/opendsec/sandbox-id";
+/// The variable every session and process of a sandbox finds its id in.
+pub const IDENTITY_ENV: &str = "OPENDSEC_SANDBOX_ID";
 
 struct Session {
     pid: u32,
@@ -66,6 +73,8 @@ pub struct Aether {
     sessions: Mutex<HashMap<String, Slot>>,
     procs: Procs,
     contexts: Contexts,
+    /// `cfg.env` with what `SetIdentity` gave on top (the sandbox's id, the spec's env).
+    env: std::sync::RwLock<Arc<Vec<(String, String)>>>,
 }
 impl std::fmt::Debug for Aether {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -80,14 +89,50 @@ impl Aether {
         std::fs::set_permissions(&cfg.state_dir, std::fs::Permissions::from_mode(0o711))?;
         std::fs::set_permissions(cfg.state_dir.join("sessions"), std::fs::Permissions::from_mode(0o711))?;
         Ok(Arc::new(Aether {
-            cfg,
             exe: std::env::current_exe()?,
             reaper,
             started: Instant::now(),
             sessions: Mutex::new(HashMap::new()),
             procs: Procs::default(),
             contexts: Contexts::default(),
+            env: std::sync::RwLock::new(Arc::new(cfg.env.clone())),
+            cfg,
         }))
+    }
+
+    /// The environment of sessions and processes started now.
+    fn env(&self) -> Arc<Vec<(String, String)>> {
+        self.env.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Sets the sandbox's identity: its id (in [`IDENTITY_ENV`] and the identity file) and
+    /// `extra` over the sandbox's environment, for what starts from now on.
+    fn set_identity(&self, id: &str, extra: &HashMap<String, String>) -> Result<(), AgentError> {
+        let ok_id = !id.is_empty()
+            && id.len() <= 128
+            && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+        if !ok_id {
+            return Err(AgentError::Invalid(format!("bad sandbox id {:?}", id.chars().take(64).collect::<String>())));
+        }
+        for k in extra.keys() {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                return Err(AgentError::Invalid(format!("bad env name {k:?}")));
+            }
+        }
+        let mut env: Vec<(String, String)> = self.cfg.env.clone();
+        let mut put = |k: &str, v: &str| match env.iter_mut().find(|(ek, _)| ek == k) {
+            Some(e) => e.1 = v.to_string(),
+            None => env.push((k.to_string(), v.to_string())),
+        };
+        let mut keys: Vec<&String> = extra.keys().collect();
+        keys.sort();
+        for k in keys {
+            put(k, &extra[k]);
+        }
+        put(IDENTITY_ENV, id);
+        write_identity(&self.cfg.identity_file, id)?;
+        *self.env.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(env);
+        Ok(())
     }
 
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Slot>> {
@@ -166,7 +211,7 @@ impl Aether {
 
     async fn start_kernel(&self, id: &str, u: &User, cwd: &str) -> Result<Kernel, AgentError> {
         let dir = crate::kernel::kernels_dir(&self.cfg.state_dir).join(id);
-        Kernel::start(&self.reaper, &dir, u, std::path::Path::new(cwd), &self.cfg.env).await
+        Kernel::start(&self.reaper, &dir, u, std::path::Path::new(cwd), &self.env()).await
     }
 
     async fn run_python(
@@ -300,7 +345,7 @@ impl Aether {
             .arg(&dir)
             .arg("--session-bytes")
             .arg(self.cfg.session_bytes.to_string());
-        passwd::user_env(&mut c, &u, &self.cfg.env);
+        passwd::user_env(&mut c, &u, &self.env());
         c.env(crate::chronus::WORKDIR_ENV, &self.cfg.workdir)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
@@ -484,7 +529,7 @@ impl Runtime for AetherService {
         if req.cwd.is_empty() {
             req.cwd = self.0.cfg.workdir.clone();
         }
-        let pid = self.0.procs.start(&self.0.reaper, req, &user, &self.0.cfg.env).map_err(fwd)?;
+        let pid = self.0.procs.start(&self.0.reaper, req, &user, &self.0.env()).map_err(fwd)?;
         Ok(Response::new(StartProcessResponse { pid }))
     }
 
@@ -638,6 +683,47 @@ impl Runtime for AetherService {
     }
 }
 
+/// Writes the id file whole (a temp file renamed over it), world-readable, its directory made.
+fn write_identity(path: &std::path::Path, id: &str) -> Result<(), AgentError> {
+    let dir = path.parent().unwrap_or(std::path::Path::new("/"));
+    std::fs::create_dir_all(dir).map_err(|e| AgentError::fs("mkdir", dir, e))?;
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{id}\n")).map_err(|e| AgentError::fs("write", &tmp, e))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444))
+        .map_err(|e| AgentError::fs("chmod", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| AgentError::fs("rename", path, e))
+}
+
+/// The edge's own calls (`AgentControl`).
+#[derive(Debug)]
+pub struct ControlService(pub Arc<Aether>);
+
+#[tonic::async_trait]
+impl opendsec_proto::v1::agent_control_server::AgentControl for ControlService {
+    async fn set_identity(&self, r: Request<SetIdentityRequest>) -> Result<Response<SetIdentityResponse>, Status> {
+        let r = r.into_inner();
+        if !r.hostname.is_empty() {
+            let ok = r.hostname.len() <= 63 && r.hostname.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+            if !ok {
+                return Err(fwd(AgentError::Invalid(format!(
+                    "bad hostname {:?}",
+                    r.hostname.chars().take(64).collect::<String>()
+                ))));
+            }
+            // The edge sets the hostname itself (that needs a capability the sandbox's root
+            // does not have); /etc/hosts names it, as at creation.
+            let text =
+                format!("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n", r.hostname);
+            let hosts = std::path::Path::new("/etc/hosts");
+            // Replace, never write through: it may be a symlink.
+            let _ = std::fs::remove_file(hosts);
+            std::fs::write(hosts, text).map_err(|e| fwd(AgentError::fs("write", hosts, e)))?;
+        }
+        self.0.set_identity(&r.sandbox_id, &r.env).map_err(fwd)?;
+        Ok(Response::new(SetIdentityResponse {}))
+    }
+}
+
 /// Where aether serves.
 #[derive(Debug)]
 pub enum Listen {
@@ -672,5 +758,6 @@ pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
             l
         }
     };
-    crate::serve_unix(listener, AetherService(aether)).await
+    let control = opendsec_proto::v1::agent_control_server::AgentControlServer::new(ControlService(aether.clone()));
+    crate::serve_unix_with(listener, AetherService(aether), Some(control)).await
 }

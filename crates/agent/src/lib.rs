@@ -148,11 +148,25 @@ pub async fn serve_unix<S>(listener: tokio::net::UnixListener, svc: S) -> std::i
 where
     S: opendsec_proto::v1::runtime_server::Runtime,
 {
+    serve_unix_with::<S, aether::ControlService>(listener, svc, None).await
+}
+
+/// Serves `svc`, and the edge's `AgentControl` when given, on `listener`.
+pub async fn serve_unix_with<S, C>(
+    listener: tokio::net::UnixListener,
+    svc: S,
+    control: Option<opendsec_proto::v1::agent_control_server::AgentControlServer<C>>,
+) -> std::io::Result<()>
+where
+    S: opendsec_proto::v1::runtime_server::Runtime,
+    C: opendsec_proto::v1::agent_control_server::AgentControl,
+{
     let server = opendsec_proto::v1::runtime_server::RuntimeServer::new(svc)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     tonic::transport::Server::builder()
         .add_service(server)
+        .add_optional_service(control)
         .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
         .await
         .map_err(std::io::Error::other)

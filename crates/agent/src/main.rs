@@ -96,7 +96,14 @@ fn main() -> ExitCode {
     let r = rt.block_on(async {
         match a.mode.as_str() {
             "aether" => {
+                // Inside a sandbox (PID 1 on an inherited socket) the id goes where the
+                // sandbox looks for it; a standalone aether (tests) keeps it in its state.
+                let identity_file = match listen {
+                    aether::Listen::Fd(_) => PathBuf::from(aether::IDENTITY_FILE),
+                    aether::Listen::Path(_) => a.state_dir.join("sandbox-id"),
+                };
                 let cfg = aether::Config {
+                    identity_file,
                     state_dir: a.state_dir,
                     passwd: a.passwd,
                     session_bytes: a.session_bytes,

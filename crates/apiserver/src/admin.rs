@@ -57,6 +57,60 @@ async fn may_delete_empty(shared: &Shared, token: &str, path: &str) -> Result<()
     shared.images.check_empty(path).await
 }
 
+/// What the apiserver adds to an Admin answer: a pool's state on the edges, from its cluster
+/// snapshot (IAM stores pools; only the edges know their members).
+trait Decorate {
+    fn decorate(&mut self, _shared: &Shared) {}
+}
+
+macro_rules! as_answered {
+    ($($resp:ty),* $(,)?) => {
+        $(impl Decorate for $resp {})*
+    };
+}
+
+as_answered!(
+    pb::WhoAmIResponse,
+    pb::Project,
+    pb::ListProjectsResponse,
+    pb::DeleteProjectResponse,
+    pb::Principal,
+    pb::ListPrincipalsResponse,
+    pb::DeletePrincipalResponse,
+    pb::CreateTokenResponse,
+    pb::ListTokensResponse,
+    pb::RevokeTokenResponse,
+    pb::GrantResponse,
+    pb::RevokeGrantResponse,
+    pb::ListGrantsResponse,
+    pb::GetUsageResponse,
+    pb::BackupResponse,
+    pb::RestoreResponse,
+    pb::DeletePoolResponse,
+);
+
+impl Decorate for pb::Pool {
+    fn decorate(&mut self, shared: &Shared) {
+        let snap = shared.snapshot();
+        self.edges = snap
+            .edges
+            .iter()
+            .filter_map(|e| {
+                let p = e.pools.iter().find(|p| p.project == self.project && p.name == self.name)?;
+                Some(pb::PoolStatus { edge: e.name.clone(), ..p.clone() })
+            })
+            .collect();
+    }
+}
+
+impl Decorate for pb::ListPoolsResponse {
+    fn decorate(&mut self, shared: &Shared) {
+        for p in &mut self.pools {
+            p.decorate(shared);
+        }
+    }
+}
+
 type AdminCall<Q, R> = fn(AdminClient<ServiceChannel>, Request<Q>) -> BoxFuture<'static, Result<Response<R>, Status>>;
 
 async fn forward<Q, R>(
@@ -67,7 +121,7 @@ async fn forward<Q, R>(
 ) -> Result<Response<R>, Status>
 where
     Q: Around + Clone + Send + Sync + 'static,
-    R: Send + 'static,
+    R: Decorate + Send + 'static,
 {
     let (md, _, msg) = request.into_parts();
     let shared = shared.clone();
@@ -114,7 +168,10 @@ where
             }
         }
         shared.finish(call, outcome.as_ref().map(|_| ())).await;
-        res
+        res.map(|mut r| {
+            r.get_mut().decorate(&shared);
+            r
+        })
     });
     match task.await {
         Ok(r) => r,

@@ -76,15 +76,23 @@ async fn existing(shared: &Shared, lease: &str, edge: &str, bound_at_ms: i64) ->
     }
 }
 
-/// One creation from a validated, filled spec, under the caller's token.
+/// One creation from a validated, filled spec, under the caller's token. `pool_revision`:
+/// the revision of the pool `spec.pool` names (empty without a pool); the creation then
+/// prefers an edge with idle members of it.
 pub async fn create_one(
     shared: &Shared,
     token: &str,
     spec: &pb::SandboxSpec,
+    pool_revision: &str,
     given_lease: Option<String>,
     prefer: Option<&str>,
 ) -> Result<pb::Sandbox, ApiError> {
     let started = Instant::now();
+    let warm = match (prefer, spec.pool.is_empty()) {
+        (None, false) => crate::pools::edge_with_members(shared, &spec.project, &spec.pool, pool_revision),
+        _ => None,
+    };
+    let prefer = prefer.or(warm.as_deref());
     // A lease the client chose may be a retry of an earlier attempt: the first Admit leaves an
     // existing lease where it is, so the sandbox that attempt created is found, not doubled.
     let mut keep_existing = given_lease.is_some();
@@ -145,7 +153,12 @@ pub async fn create_one(
                 return Err(e);
             }
         };
-        let req = pb::EdgeCreateRequest { lease_id: lease.clone(), spec: Some(spec.clone()), principal };
+        let req = pb::EdgeCreateRequest {
+            lease_id: lease.clone(),
+            spec: Some(spec.clone()),
+            principal,
+            pool_revision: pool_revision.to_string(),
+        };
         let result = match shared.up.edge(&placed.edge, &placed.addr) {
             Ok(mut c) => forward::edge_call(shared, &placed.edge, c.create_sandbox(req)).await,
             Err(e) => Err(e),
@@ -187,6 +200,7 @@ pub async fn create_single(
     token: &str,
     ident: &Identity,
     spec: &pb::SandboxSpec,
+    pool_revision: &str,
     lease: Option<String>,
 ) -> Result<pb::Sandbox, ApiError> {
     let limited = shared.limiter.lock().unwrap_or_else(|p| p.into_inner()).try_take(&ident.principal, Instant::now());
@@ -204,7 +218,7 @@ pub async fn create_single(
             .with("retry_after_ms", INFLIGHT_RETRY_AFTER_MS.to_string()));
     };
     let _g = InflightGauge::new(shared, permit);
-    create_one(shared, token, spec, lease, None).await
+    create_one(shared, token, spec, pool_revision, lease, None).await
 }
 
 /// Holds an in-flight permit and mirrors it in the gauge.
@@ -238,6 +252,8 @@ pub struct Batch {
     pub patched: Vec<pb::SandboxSpec>,
     pub count: u32,
     pub prefer: Option<String>,
+    /// The revision of the pool the spec names (empty: none).
+    pub pool_revision: String,
 }
 
 pub fn start_batch(
@@ -264,6 +280,7 @@ async fn run_batch(
     let spec = Arc::new(batch.spec);
     let patched: Vec<Arc<pb::SandboxSpec>> = batch.patched.into_iter().map(Arc::new).collect();
     let prefer: Option<Arc<str>> = batch.prefer.map(Arc::from);
+    let revision: Arc<str> = Arc::from(batch.pool_revision);
     let slots = Arc::new(Semaphore::new(shared.cfg.batch_concurrency.max(1)));
     let failed = Arc::new(AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -276,10 +293,17 @@ async fn run_batch(
         while tasks.try_join_next().is_some() {}
         started += 1;
         let spec = patched.get(index as usize).unwrap_or(&spec).clone();
-        let (shared, token, ident, failed, tx, prefer) =
-            (shared.clone(), token.clone(), ident.clone(), failed.clone(), tx.clone(), prefer.clone());
+        let (shared, token, ident, failed, tx, prefer, revision) = (
+            shared.clone(),
+            token.clone(),
+            ident.clone(),
+            failed.clone(),
+            tx.clone(),
+            prefer.clone(),
+            revision.clone(),
+        );
         tasks.spawn(async move {
-            let result = batch_item(&shared, &token, &ident, &spec, prefer.as_deref(), &tx).await;
+            let result = batch_item(&shared, &token, &ident, &spec, &revision, prefer.as_deref(), &tx).await;
             let resp = match result {
                 None => return, // the client left before this item started
                 Some(Ok(sb)) => pb::CreateSandboxesResponse { index, sandbox: Some(sb), error: None },
@@ -314,6 +338,7 @@ async fn batch_item(
     token: &str,
     ident: &Identity,
     spec: &pb::SandboxSpec,
+    pool_revision: &str,
     prefer: Option<&str>,
     tx: &mpsc::Sender<BatchItem>,
 ) -> Option<Result<pb::Sandbox, ApiError>> {
@@ -337,5 +362,5 @@ async fn batch_item(
         return None;
     }
     let _g = InflightGauge::new(shared, permit);
-    Some(create_one(shared, token, spec, None, prefer).await)
+    Some(create_one(shared, token, spec, pool_revision, None, prefer).await)
 }

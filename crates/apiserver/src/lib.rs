@@ -26,6 +26,7 @@ pub mod images;
 pub mod limits;
 mod metrics;
 pub mod placement;
+mod pools;
 mod runtime;
 mod sandboxes;
 mod state;

@@ -84,6 +84,8 @@ pub struct EdgeView {
     pub memory_pressure: bool,
     pub disk_pressure: bool,
     pub cpu_pressure: bool,
+    /// The warm pools the edge keeps members of.
+    pub pools: Vec<pb::PoolStatus>,
 }
 
 impl EdgeView {
@@ -106,6 +108,7 @@ impl EdgeView {
             memory_pressure: pressure.memory,
             disk_pressure: pressure.disk,
             cpu_pressure: pressure.cpu,
+            pools: st.pools,
         }
     }
 
@@ -699,6 +702,7 @@ mod tests {
                     memory_pressure: mp,
                     disk_pressure: dp,
                     cpu_pressure: cp,
+                    pools: Vec::new(),
                 }
             })
     }

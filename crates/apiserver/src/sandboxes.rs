@@ -23,6 +23,7 @@ use crate::call::{PERM_OPERATE, PERM_VIEW, caller, run};
 use crate::create::{self, BatchItem};
 use crate::forward;
 use crate::images;
+use crate::pools;
 use crate::state::{Call, Shared};
 
 pub struct SandboxesService {
@@ -42,12 +43,15 @@ async fn create_sandbox(
     req: pb::CreateSandboxRequest,
 ) -> Result<pb::Sandbox, ApiError> {
     let (token, ident) = caller(s, call, &md).await?;
-    let mut spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+    let pooled = pools::resolve(s, &ident, req.spec.as_ref()).await?;
+    let given = pooled.as_ref().map(|p| &p.spec).or(req.spec.as_ref());
+    let mut spec = admission::check_spec(given, &ident.project, &s.cfg)?;
     admission::check_network(&mut spec, &s.default_egress)?;
     call.project = Some(spec.project.clone());
     let lease = admission::check_lease_id(&req.lease_id)?.map(|key| admission::scoped_lease_id(&spec.project, &key));
     images::check_image(s, &ident.principal, &spec).await?;
-    let sb = create::create_single(s, &token, &ident, &spec, lease).await?;
+    let revision = pooled.map(|p| p.revision).unwrap_or_default();
+    let sb = create::create_single(s, &token, &ident, &spec, &revision, lease).await?;
     call.sandbox_id = Some(sb.id.clone());
     Ok(sb)
 }
@@ -262,19 +266,22 @@ impl Sandboxes for SandboxesService {
             // The count first: an oversized batch is refused before anything else happens.
             admission::check_batch_count(req.count)?;
             let (token, ident) = caller(s, &mut call, &md).await?;
-            let mut spec = admission::check_spec(req.spec.as_ref(), &ident.project, &s.cfg)?;
+            let pooled = pools::resolve(s, &ident, req.spec.as_ref()).await?;
+            let given = pooled.as_ref().map(|p| &p.spec).or(req.spec.as_ref());
+            let mut spec = admission::check_spec(given, &ident.project, &s.cfg)?;
             admission::check_network(&mut spec, &s.default_egress)?;
+            let revision = pooled.map(|p| p.revision).unwrap_or_default();
             // Patches change env and labels only: the project, image and backend stay shared.
             let patched = admission::patched_specs(&spec, &req.patches, req.count, &s.cfg)?;
             // Once for the whole batch: every item has the same image and principal.
             images::check_image(s, &ident.principal, &spec).await?;
-            Ok::<_, ApiError>((token, ident, spec, patched))
+            Ok::<_, ApiError>((token, ident, spec, patched, revision))
         }
         .await;
         match prepared {
-            Ok((token, ident, spec, patched)) => {
+            Ok((token, ident, spec, patched, pool_revision)) => {
                 call.project = Some(spec.project.clone());
-                let batch = create::Batch { spec, patched, count: req.count, prefer: None };
+                let batch = create::Batch { spec, patched, count: req.count, prefer: None, pool_revision };
                 let rx = create::start_batch(s.clone(), token, ident, batch, call);
                 Ok(Response::new(ReceiverStream::new(rx)))
             }
@@ -298,7 +305,13 @@ impl Sandboxes for SandboxesService {
         match prepare_fork(s, &mut call, &md, &req).await {
             Ok((token, ident, spec, edge)) => {
                 call.project = Some(spec.project.clone());
-                let batch = create::Batch { spec, patched: Vec::new(), count: req.count, prefer: Some(edge) };
+                let batch = create::Batch {
+                    spec,
+                    patched: Vec::new(),
+                    count: req.count,
+                    prefer: Some(edge),
+                    pool_revision: String::new(),
+                };
                 let rx = create::start_batch(s.clone(), token, ident, batch, call);
                 Ok(Response::new(ReceiverStream::new(rx)))
             }

@@ -192,6 +192,17 @@ impl Iam for FakeIam {
     ) -> Result<Response<pb::AcquireLockResponse>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn resolve_pool(&self, _: Request<pb::ResolvePoolRequest>) -> Result<Response<pb::Pool>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn list_all_pools(
+        &self,
+        _: Request<pb::ListAllPoolsRequest>,
+    ) -> Result<Response<pb::ListPoolsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 async fn fake_who_am_i(iam: &FakeIam, r: Request<pb::WhoAmIRequest>) -> Result<Response<pb::WhoAmIResponse>, Status> {

@@ -761,6 +761,21 @@ mod tests {
     }
 
     #[test]
+    fn sandbox_create_from_a_pool_leaves_the_template_to_the_pool() {
+        let cli = parse(&["sandbox", "create", "--pool", "py", "--env", "A=1", "--label", "k=v"]);
+        let Command::Sandbox(crate::ctl::SandboxCmd::Create { spec, .. }) = cli.command else { panic!() };
+        let spec = spec.to_spec(None).unwrap();
+        assert_eq!((spec.pool.as_str(), spec.image.as_str(), spec.backend.as_str()), ("py", "", ""));
+        assert!(spec.resources.is_none() && spec.network.is_none());
+        assert_eq!((spec.env["A"].as_str(), spec.labels["k"].as_str()), ("1", "v"));
+        // What the template fixes cannot be given beside it; without a pool a backend is needed.
+        for args in [&["--pool", "py", "--image", "x"][..], &["--pool", "py", "--memory", "64"], &[]] {
+            let argv = std::iter::once("opendsecctl").chain(["sandbox", "create"]).chain(args.iter().copied());
+            assert!(Cli::try_parse_from(argv).is_err(), "{args:?}");
+        }
+    }
+
+    #[test]
     fn downloads_into_a_directory_keep_the_remote_name() {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(download_target(dir.path(), "/var/log/syslog"), dir.path().join("syslog"));

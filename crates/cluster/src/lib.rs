@@ -474,7 +474,7 @@ async fn start_edge(
 /// Edges of one cluster share a host: with several, each gets an equal part of
 /// `network.subnet`, by the number its name ends in.
 async fn build_network(config: &Config, name: &str) -> Result<Option<Arc<Network>>, ClusterError> {
-    if !config.network.enabled || !config.edge.backends.iter().any(|b| b == "container") {
+    if !config.network.enabled || !config.edge.backends.iter().any(|b| b == "container" || b == "fncall") {
         return Ok(None);
     }
     let err = |source| ClusterError::Network { edge: name.to_string(), source };
@@ -511,10 +511,16 @@ fn build_backends(
     network: Option<Arc<Network>>,
 ) -> Result<Vec<Arc<dyn Backend>>, ClusterError> {
     let mut out: Vec<Arc<dyn Backend>> = Vec::new();
+    // One container runtime serves `container` and `fncall` (its warm pools).
+    let mut containers: Option<Arc<ContainerBackend>> = None;
     for b in &config.edge.backends {
         match b.as_str() {
             "sim" => out.push(sim.clone()),
-            "container" => {
+            "container" | "fncall" if containers.is_some() => {
+                let c = containers.clone().expect("checked");
+                out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::Fncall(c)) });
+            }
+            "container" | "fncall" => {
                 let err = |source| ClusterError::Backend { edge: name.into(), backend: b.clone(), source };
                 let init_exe = match &config.edge.container_setup_exe {
                     Some(p) => p.clone(),
@@ -548,7 +554,9 @@ fn build_backends(
                     network: network.clone(),
                     snapshot_max_layers: config.edge.snapshot_max_layers,
                 };
-                out.push(Arc::new(ContainerBackend::new(opts).map_err(err)?));
+                let c = Arc::new(ContainerBackend::new(opts).map_err(err)?);
+                containers = Some(c.clone());
+                out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::Fncall(c)) });
             }
             other => return Err(ClusterError::BackendUnavailable(other.into())),
         }
@@ -760,7 +768,7 @@ pub enum Role {
 /// Edges offer only what they can run: a config asking for a backend this build cannot start is
 /// refused instead of silently running sim sandboxes in its place.
 fn check_backends(config: &Config) -> Result<(), ClusterError> {
-    match config.edge.backends.iter().find(|b| !matches!(b.as_str(), "sim" | "container")) {
+    match config.edge.backends.iter().find(|b| !matches!(b.as_str(), "sim" | "container" | "fncall")) {
         Some(b) => Err(ClusterError::BackendUnavailable(b.clone())),
         None => Ok(()),
     }

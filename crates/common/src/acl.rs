@@ -34,6 +34,8 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/Reconcile", &[Watcher]),
     ("/opendsec.v1.Iam/SweepUnbound", &[Watcher]),
     ("/opendsec.v1.Iam/AcquireLock", &[Watcher]),
+    ("/opendsec.v1.Iam/ResolvePool", &[Apiserver]),
+    ("/opendsec.v1.Iam/ListAllPools", &[Edge]),
     // IAM's Admin API, which apiservers proxy with the caller's own token.
     ("/opendsec.v1.Admin/", &[Apiserver]),
     // The watcher.

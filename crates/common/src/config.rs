@@ -468,6 +468,12 @@ pub struct EdgeConfig {
     pub runtime_result_budget_mb: u64,
     /// The most of that budget one tenant's sandboxes' answers hold at once (percent).
     pub runtime_result_share_percent: u32,
+    /// How often the edge reads the warm pools from IAM (and at least how often it tops them
+    /// up; a claim tops up at once).
+    #[serde(with = "humantime_serde")]
+    pub pool_refresh: Duration,
+    /// Warm pool members started at once on this edge.
+    pub pool_starts: u32,
 }
 
 /// Disk I/O limits per sandbox (0 = no limit of that kind). On cgroup v1 only direct and
@@ -524,6 +530,10 @@ impl EdgeConfig {
         }
         positive("edge.ttl_check_interval", e.ttl_check_interval)?;
         positive("edge.agent_silence", e.agent_silence)?;
+        positive("edge.pool_refresh", e.pool_refresh)?;
+        if e.pool_starts == 0 {
+            return Err(invalid("edge.pool_starts", "must be at least 1"));
+        }
         if e.snapshot_max_layers < 2 {
             return Err(invalid("edge.snapshot_max_layers", "must be at least 2"));
         }
@@ -570,6 +580,8 @@ impl Default for EdgeConfig {
             max_runtime_calls_per_sandbox: 256,
             runtime_result_budget_mb: 2048,
             runtime_result_share_percent: 25,
+            pool_refresh: Duration::from_secs(2),
+            pool_starts: 2,
         }
     }
 }

@@ -53,8 +53,12 @@ async fn bench_creations() {
         ttl_paused_s: 3600,
         ..Default::default()
     };
-    let req =
-        |i: usize| EdgeCreateRequest { lease_id: format!("l{i}"), spec: Some(spec.clone()), principal: "p".into() };
+    let req = |i: usize| EdgeCreateRequest {
+        lease_id: format!("l{i}"),
+        spec: Some(spec.clone()),
+        principal: "p".into(),
+        ..Default::default()
+    };
 
     // Sequential: latency of one creation.
     let mut lat = Vec::new();

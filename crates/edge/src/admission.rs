@@ -54,6 +54,12 @@ pub fn validate_create(req: &EdgeCreateRequest) -> Result<(), String> {
     }
     spec::check_labels(&spec.labels).map_err(|e| format!("spec.labels: {e}"))?;
     spec::check_env(&spec.env).map_err(|e| format!("spec.env: {e}"))?;
+    if spec.pool.len() > 63 || !spec.pool.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+        return Err("spec.pool: [a-z0-9-], at most 63 bytes".into());
+    }
+    if req.pool_revision.len() > 64 || !req.pool_revision.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("pool_revision: a hex sha256".into());
+    }
     for (field, value, max) in
         [("image", &spec.image, MAX_IMAGE), ("user", &spec.user, MAX_USER), ("workdir", &spec.workdir, MAX_WORKDIR)]
     {
@@ -94,6 +100,17 @@ impl Totals {
         self.disk_mb += r.disk_mb;
         self.gpus += u64::from(r.gpus);
         self.sandboxes += 1;
+    }
+
+    /// Both together (sandboxes and warm pool members).
+    pub fn plus(self, o: Totals) -> Totals {
+        Totals {
+            cpu_millis: self.cpu_millis.saturating_add(o.cpu_millis),
+            memory_mb: self.memory_mb.saturating_add(o.memory_mb),
+            disk_mb: self.disk_mb.saturating_add(o.disk_mb),
+            gpus: self.gpus.saturating_add(o.gpus),
+            sandboxes: self.sandboxes.saturating_add(o.sandboxes),
+        }
     }
 
     pub fn sub(&mut self, r: ResourcesRecord) {
@@ -190,6 +207,7 @@ mod tests {
         EdgeCreateRequest {
             lease_id: "abc123".into(),
             principal: "alice".into(),
+            pool_revision: String::new(),
             spec: Some(SandboxSpec {
                 project: "root/a".into(),
                 backend: "sim".into(),

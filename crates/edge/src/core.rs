@@ -29,6 +29,7 @@ mod list;
 mod metrics;
 mod network;
 mod pause;
+pub(crate) mod pools;
 mod release;
 mod resume;
 mod snapshot;
@@ -37,6 +38,7 @@ mod stop;
 mod sweep;
 mod timeout;
 
+pub(crate) use pools::pool_loop;
 pub(crate) use release::run as release_loop;
 
 use std::path::PathBuf;
@@ -117,6 +119,12 @@ pub(crate) struct Inner {
     pub result_budget: Arc<opendsec_common::bounds::AnswerBudget>,
     /// The sandbox network (networked backends use it too), when the edge has one.
     pub network: Option<Arc<crate::netpol::Network>>,
+    /// Warm pools and their members (`pools`).
+    pools: std::sync::Mutex<pools::Pools>,
+    /// Members' records (`<state>/pool`).
+    pub member_store: Arc<RecordStore>,
+    /// Wakes the pool loop (a claim, a finished start or stop).
+    pub pool_wake: Notify,
 }
 
 /// Everything `Inner::new` needs.
@@ -129,6 +137,7 @@ pub(crate) struct InnerParts {
     pub backends: Vec<Arc<dyn Backend>>,
     pub host: Arc<dyn HostProbe>,
     pub store: RecordStore,
+    pub member_store: RecordStore,
     pub remote: Remote,
     pub advertise: String,
     pub clock: Clock,
@@ -168,6 +177,9 @@ impl Inner {
             cpu_readings: Default::default(),
             clock: p.clock,
             network: p.network,
+            pools: Default::default(),
+            member_store: Arc::new(p.member_store),
+            pool_wake: Notify::new(),
         }
     }
 

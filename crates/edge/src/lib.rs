@@ -131,6 +131,7 @@ impl Edge {
     ) -> Result<Edge, EdgeError> {
         check_options(&opts, &backends)?;
         let store = record::RecordStore::open(&opts.state_dir)?;
+        let member_store = record::RecordStore::open_named(&opts.state_dir, "pool")?;
         let sim_only = backends.iter().all(|b| b.name() == "sim");
         let capacity = capacity(&opts, sim_only, host.as_ref());
         let links = grpc::Links::new(opts.tls.clone());
@@ -145,6 +146,7 @@ impl Edge {
             backends,
             host,
             store,
+            member_store,
             remote,
             advertise: opts.advertise.clone(),
             clock: opts.clock.clone(),
@@ -164,6 +166,7 @@ impl Edge {
         let tasks = vec![
             tokio::spawn(ttl_loop(inner.clone(), rx.clone())),
             tokio::spawn(core::release_loop(inner.clone(), rx.clone())),
+            tokio::spawn(core::pool_loop(inner.clone(), rx.clone())),
             tokio::spawn(register_loop(inner.clone(), rx)),
         ];
         inner.tasks.lock().unwrap_or_else(|p| p.into_inner()).extend(tasks);
@@ -232,6 +235,7 @@ impl Edge {
         }
         if !inner.cfg.keep_sandboxes_on_exit {
             inner.stop_all(end_reason::EDGE_SHUTDOWN).await;
+            inner.stop_all_members().await;
             // Nothing is left that needs the network: take it off the host.
             if let Some(net) = inner.network.clone() {
                 match tokio::task::spawn_blocking(move || net.shutdown()).await {

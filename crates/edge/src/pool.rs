@@ -149,6 +149,20 @@ impl Members {
         self.members.values().filter(|m| m.state == MemberState::Idle && m.revision == self.revision).count()
     }
 
+    /// Members not claimed and not gone (any state, any revision).
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Members in `state` (any revision).
+    pub fn count(&self, state: MemberState) -> usize {
+        self.members.values().filter(|m| m.state == state).count()
+    }
+
     /// Members of revisions other than the current one, not yet gone.
     pub fn stale(&self) -> usize {
         self.members.values().filter(|m| m.revision != self.revision).count()

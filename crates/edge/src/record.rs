@@ -135,6 +135,9 @@ pub struct SpecRecord {
     /// had no network part (no egress).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub egress: Option<Vec<String>>,
+    /// The warm pool the spec names (`spec.pool`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub pool: String,
 }
 
 impl SpecRecord {
@@ -158,6 +161,7 @@ impl SpecRecord {
             egress: spec.network.as_ref().map(|n| {
                 n.egress.iter().filter_map(|r| egress::Rule::from_pb(r).ok()).map(|r| r.to_string()).collect()
             }),
+            pool: spec.pool.clone(),
         }
     }
 
@@ -186,6 +190,7 @@ impl SpecRecord {
             network: self.egress.as_ref().map(|_| opendsec_proto::v1::NetworkSpec {
                 egress: self.egress_rules().iter().map(egress::Rule::to_pb).collect(),
             }),
+            pool: self.pool.clone(),
         }
     }
 }
@@ -223,6 +228,16 @@ pub struct SandboxRecord {
     /// The sandbox's slot in the edge's network (`netpol`), 0: no network.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub net_slot: u32,
+    /// The warm pool member this sandbox runs in (its container's id), when it was claimed
+    /// from a pool; empty: the sandbox's own container, named by its id.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub member: String,
+    /// A pool member's record (`<state>/pool`): its pool (`project/name`) and the template
+    /// revision it was started from.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pool: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pool_revision: String,
     // Records of earlier edges may hold `release_if_bound` (release only if IAM still binds the
     // lease here). Every release names the edge now, which IAM checks, so the field is no
     // longer written and is ignored when read (serde skips unknown fields: this struct must
@@ -232,6 +247,12 @@ pub struct SandboxRecord {
 impl SandboxRecord {
     pub fn resources(&self) -> ResourcesRecord {
         self.spec.resources
+    }
+
+    /// The id of the container (or other backend object) the sandbox runs in: its pool
+    /// member's when claimed from a pool, else its own.
+    pub fn container_id(&self) -> &str {
+        if self.member.is_empty() { &self.id } else { &self.member }
     }
 
     /// Encodes the record as stored (compact JSON and a newline).
@@ -320,7 +341,12 @@ pub struct RecordStore {
 impl RecordStore {
     /// Opens (creating) `<state_dir>/sandboxes`.
     pub fn open(state_dir: &Path) -> Result<RecordStore, RecordError> {
-        let dir = state_dir.join(RECORDS_DIR);
+        RecordStore::open_named(state_dir, RECORDS_DIR)
+    }
+
+    /// Opens (creating) `<state_dir>/<name>` (warm pool members: `pool`).
+    pub fn open_named(state_dir: &Path, name: &str) -> Result<RecordStore, RecordError> {
+        let dir = state_dir.join(name);
         // Records hold each spec's env: the owner's alone (0700 directory, 0600 files).
         opendsec_common::fsperm::private_dir(state_dir)
             .and_then(|()| opendsec_common::fsperm::private_dir(&dir))
@@ -591,6 +617,7 @@ mod tests {
                 masked_paths: vec![],
                 readonly_paths: vec![],
                 egress: None,
+                pool: String::new(),
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,
@@ -601,6 +628,9 @@ mod tests {
             ended_at_ms: 0,
             lease_released: false,
             net_slot: 0,
+            member: String::new(),
+            pool: String::new(),
+            pool_revision: String::new(),
         }
     }
 

@@ -39,7 +39,8 @@ pub struct RecoveryReport {
 }
 
 enum Outcome {
-    Adopted(String),
+    /// The sandbox's id and its container's.
+    Adopted(String, String),
     Failed,
     Ended,
 }
@@ -70,12 +71,17 @@ impl Inner {
                 t.insert(Arc::new(rec.clone()), OpLock::default());
             }
         }
+        // Pool members: those a sandbox record names became that sandbox before the restart.
+        let named: HashSet<String> =
+            records.iter().filter(|r| !r.member.is_empty()).map(|r| r.member.clone()).collect();
+        let members = self.load_members(&named).await?;
         // The network first: adopted sandboxes keep their rules, the rest is settled below
         // through their backend's stop (which detaches them).
         if let Some(net) = self.network.clone() {
             let claims: Vec<crate::netpol::Claim> = records
                 .iter()
                 .filter(|r| r.net_slot != 0 && r.state.is_live())
+                .chain(members.iter().filter(|m| m.net_slot != 0 && m.state == SandboxStatus::Running))
                 .map(|r| crate::netpol::Claim {
                     id: r.id.clone(),
                     slot: crate::netpol::Slot(r.net_slot),
@@ -94,14 +100,16 @@ impl Inner {
             .await;
         for o in outcomes {
             match o {
-                Outcome::Adopted(id) => {
+                Outcome::Adopted(id, container) => {
                     report.adopted += 1;
                     keep.insert(id);
+                    keep.insert(container);
                 }
                 Outcome::Failed => report.failed += 1,
                 Outcome::Ended => report.ended += 1,
             }
         }
+        keep.extend(self.recover_members(members).await);
         for b in &self.backends {
             match b.cleanup(&keep).await {
                 Ok(n) => report.cleaned += n,
@@ -130,7 +138,7 @@ impl Inner {
                         // the restart counts as activity, so a sandbox in use is not idled out
                         // by a stale record.
                         self.activity.touch(&rec.lease_id);
-                        Outcome::Adopted(rec.id)
+                        Outcome::Adopted(rec.id.clone(), rec.container_id().to_string())
                     }
                     Err(e) => {
                         tracing::warn!(sandbox_id = %rec.id, error = %e, "adoption failed");

@@ -117,6 +117,16 @@ impl Remote {
         Ok(bindings(&self.edge, leases, resp.leases))
     }
 
+    /// Every pool IAM holds (one ListAllPools call).
+    pub async fn all_pools(&self) -> Result<Vec<opendsec_proto::v1::Pool>, ApiError> {
+        let resp = self
+            .call_iam("ListAllPools", |mut c| async move {
+                c.list_all_pools(opendsec_proto::v1::ListAllPoolsRequest {}).await
+            })
+            .await?;
+        Ok(resp.pools)
+    }
+
     /// Registers this edge with every watcher; failures are logged and retried next round.
     pub async fn register(&self, advertise: &str) {
         let calls = self.watchers.iter().map(|(addr, client)| {

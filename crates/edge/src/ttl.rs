@@ -113,6 +113,9 @@ mod tests {
             ended_at_ms: 0,
             lease_released: false,
             net_slot: 0,
+            member: String::new(),
+            pool: String::new(),
+            pool_revision: String::new(),
         }
     }
 

@@ -166,6 +166,14 @@ impl Iam for FakeIam {
     async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
         unimplemented()
     }
+
+    async fn resolve_pool(&self, _: Request<ResolvePoolRequest>) -> Result<Response<Pool>, Status> {
+        unimplemented()
+    }
+
+    async fn list_all_pools(&self, _: Request<ListAllPoolsRequest>) -> Result<Response<ListPoolsResponse>, Status> {
+        unimplemented()
+    }
 }
 
 /// Where the fakes serve, and the PKI of the test.
@@ -307,7 +315,12 @@ impl Harness {
     }
 
     async fn create(&self, lease: &str, spec: SandboxSpec) -> Result<Sandbox, ApiError> {
-        let req = EdgeCreateRequest { lease_id: lease.into(), spec: Some(spec), principal: "alice".into() };
+        let req = EdgeCreateRequest {
+            lease_id: lease.into(),
+            spec: Some(spec),
+            principal: "alice".into(),
+            ..Default::default()
+        };
         self.client.clone().create_sandbox(req).await.map(|r| r.into_inner()).map_err(ApiError::from)
     }
 
@@ -527,7 +540,8 @@ async fn bad_input_is_refused_and_changes_nothing() {
         let err = h.create(lease, spec.clone()).await.unwrap_err();
         assert_eq!(err.reason, Reason::InvalidArgument, "{lease:?} {spec:?}: {err}");
     }
-    let no_spec = EdgeCreateRequest { lease_id: "ok".into(), spec: None, principal: "alice".into() };
+    let no_spec =
+        EdgeCreateRequest { lease_id: "ok".into(), spec: None, principal: "alice".into(), ..Default::default() };
     let err = ApiError::from(h.client.clone().create_sandbox(no_spec).await.unwrap_err());
     assert_eq!(err.reason, Reason::InvalidArgument);
     let err = h.pause("../etc").await.unwrap_err();

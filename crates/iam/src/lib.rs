@@ -498,6 +498,23 @@ impl Iam {
         })
     }
 
+    /// The pool `name` of `project` for a creation by `principal`, who must hold
+    /// `sandbox.create` there (checked first: a pool's existence is not told to others).
+    pub fn resolve_pool(&self, principal: &str, project: &str, name: &str) -> Result<model::PoolRecord, IamError> {
+        ids::validate_project(project).map_err(IamError::invalid)?;
+        self.read(|s| {
+            s.require(principal, "sandbox.create", project, || format!("project {project}"))?;
+            s.pool(project, name)
+                .cloned()
+                .ok_or_else(|| IamError::NotFound { kind: "pool", name: model::pool_key(project, name) })
+        })
+    }
+
+    /// Every pool (for edges, which keep their members).
+    pub fn all_pools(&self) -> Vec<model::PoolRecord> {
+        self.read(|s| s.pools_within(ids::ROOT_PROJECT).cloned().collect())
+    }
+
     /// gzipped JSON of everything but leases and locks.
     pub fn backup(&self, who: &Authenticated) -> Result<Vec<u8>, IamError> {
         let snap = self.read(|s| s.backup(who))?;

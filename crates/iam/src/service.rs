@@ -139,6 +139,7 @@ pub fn pool_to_pb(p: &crate::model::PoolRecord) -> pb::Pool {
         revision: p.template.revision(),
         created_at_ms: p.created_at_ms,
         updated_at_ms: p.updated_at_ms,
+        edges: Vec::new(),
     }
 }
 
@@ -320,6 +321,16 @@ impl IamRpc for IamService {
         let (acquired, holder, expires_at_ms) =
             self.iam.acquire_lock(&r.name, &r.holder, r.ttl_ms).await.map_err(status)?;
         ok(pb::AcquireLockResponse { acquired, holder, expires_at_ms })
+    }
+
+    async fn resolve_pool(&self, req: Request<pb::ResolvePoolRequest>) -> Rpc<pb::Pool> {
+        let r = req.get_ref();
+        let p = self.iam.resolve_pool(&r.principal, &r.project, &r.name).map_err(status)?;
+        ok(pool_to_pb(&p))
+    }
+
+    async fn list_all_pools(&self, _req: Request<pb::ListAllPoolsRequest>) -> Rpc<pb::ListPoolsResponse> {
+        ok(pb::ListPoolsResponse { pools: self.iam.all_pools().iter().map(pool_to_pb).collect() })
     }
 }
 

@@ -799,6 +799,7 @@ fn put_pool(
     if !st.projects.contains_key(&pool.project) {
         return Err(IamError::NotFound { kind: "project", name: pool.project.clone() });
     }
+    check_pool_quota(st, pool)?;
     let key = pool.key();
     let mut rec = pool.clone();
     rec.template = pool.template.canonical();
@@ -817,6 +818,33 @@ fn put_pool(
     st.pools.insert(key, rec.clone());
     w.push(Write::Put(Row::Pool(Box::new(rec.clone()))));
     Ok(Output::Pool(rec))
+}
+
+/// The pool quota: what a pool keeps idle on one edge (its size times its template) must fit
+/// in the quota of its project and of every ancestor that sets one. Idle members are the
+/// operator's cost, not charged as leases; a claimed member is charged like any sandbox.
+fn check_pool_quota(st: &State, pool: &PoolRecord) -> Result<(), IamError> {
+    let t = &pool.template;
+    let n = u64::from(pool.size_per_edge);
+    let held =
+        [u64::from(t.cpu_millis).saturating_mul(n), t.memory_mb.saturating_mul(n), t.disk_mb.saturating_mul(n), 0, n];
+    for project in ids::project_chain(&pool.project) {
+        let Some(p) = st.projects.get(project) else { continue };
+        for ((key, limit), want) in crate::model::QUOTA_KEYS.iter().zip(p.quota.values()).zip(held) {
+            if let Some(limit) = limit
+                && want > limit
+            {
+                return Err(IamError::QuotaExceeded {
+                    project: project.to_string(),
+                    key,
+                    limit,
+                    used: 0,
+                    requested: want,
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 fn delete_pool(

@@ -163,10 +163,16 @@ pub enum ClusterCmd {
 
 #[derive(Args, Debug, Default)]
 pub struct SpecArgs {
-    /// Isolation backend: `container` (namespaces, cgroups, seccomp; what `make up` runs) or
-    /// `sim` (lifecycles without isolation, for scheduling tests).
-    #[arg(long)]
+    /// Isolation backend: `container` (namespaces, cgroups, seccomp; what `make up` runs),
+    /// `fncall` (containers, from a warm pool when one matches) or `sim` (lifecycles without
+    /// isolation, for scheduling tests).
+    #[arg(long, required_unless_present = "pool", default_value = "")]
     pub backend: String,
+    /// Claim an idle member of this warm pool (`opendsecctl pool create`): its template gives
+    /// the image, backend, resources, network, user and workdir.
+    #[arg(long, conflicts_with_all = ["backend", "image", "cpu", "memory", "disk", "gpus", "user", "workdir",
+        "masked_paths", "readonly_paths", "allow", "no_egress"])]
+    pub pool: Option<String>,
     /// `repo[:tag]`, found in the project or above (`scratch` is in root on a new cluster).
     #[arg(long, default_value = "scratch")]
     pub image: String,
@@ -227,10 +233,11 @@ pub enum SandboxCmd {
     opendsecctl sandbox create --backend container --image debian:bookworm --cpu 500 --memory 512 \\\n      \
     --ttl-idle 600 --label job=eval --env SEED=1\n  \
     opendsecctl sandbox create --backend container --image debian:bookworm --count 200   # one batch call\n  \
-    opendsecctl sandbox create --backend sim --count 10000 --json")]
+    opendsecctl sandbox create --backend sim --count 10000 --json\n  \
+    opendsecctl sandbox create --pool py --env TASK=7   # an idle member of a warm pool")]
     Create {
         #[command(flatten)]
-        spec: SpecArgs,
+        spec: Box<SpecArgs>,
         /// How many (more than one: a single batch call, with a progress bar on a terminal).
         #[arg(long, default_value_t = 1)]
         count: u32,
@@ -507,7 +514,26 @@ pub fn egress_rules(allow: &[String]) -> Result<Vec<pb::EgressRule>, CtlError> {
 
 impl SpecArgs {
     pub fn to_spec(&self, project: Option<&str>) -> Result<pb::SandboxSpec, CtlError> {
+        if let Some(pool) = &self.pool {
+            // The pool's template fills the rest (the apiserver refuses a spec contradicting it).
+            return Ok(pb::SandboxSpec {
+                project: project.unwrap_or_default().to_string(),
+                pool: pool.clone(),
+                ttl_running_stop_s: self.ttl_idle,
+                ttl_max_s: self.ttl_max,
+                ttl_paused_s: self.ttl_paused,
+                env: kv(&self.env, "env")?,
+                labels: kv(&self.labels, "label")?,
+                priority: if self.best_effort {
+                    pb::Priority::BestEffort as i32
+                } else {
+                    pb::Priority::Guaranteed as i32
+                },
+                ..Default::default()
+            });
+        }
         Ok(pb::SandboxSpec {
+            pool: String::new(),
             project: project.unwrap_or_default().to_string(),
             image: self.image.clone(),
             backend: self.backend.clone(),

@@ -538,8 +538,8 @@ impl Backend for ContainerBackend {
         }
         let (store, cache) = (self.store.clone(), self.cache.clone());
         let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
-        let inuse = self.inuse_path(&sb.id);
-        let name = self.name(&sb.id);
+        let inuse = self.inuse_path(sb.container_id());
+        let name = self.name(sb.container_id());
         // What the lease is charged for is what the disk gets: no hidden default.
         let disk_mb = sb.resources().disk_mb;
         if disk_mb == 0 {
@@ -588,13 +588,13 @@ impl Backend for ContainerBackend {
         let (conn, attached) =
             tokio::join!(watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), true), self.attach(sb, sandbox.pid));
         let conn = match (conn, attached) {
-            (Ok(c), Ok(())) => Ok(c),
+            (Ok(c), Ok(())) => identify(&c.channel, sb, None).await.map(|()| c),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         };
         let agent = match conn {
             Ok(a) => a,
             Err(e) => {
-                let inuse = self.inuse_path(&sb.id);
+                let inuse = self.inuse_path(sb.container_id());
                 let log = sandbox.dir.join("console.log");
                 let tail = std::fs::read(&log).map(|b| tail_text(&b, 512)).unwrap_or_default();
                 let cleanup = blocking(move || {
@@ -625,8 +625,8 @@ impl Backend for ContainerBackend {
     async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let held = self.lock().remove(&sb.id);
         let state_dir = self.opts.state_dir.clone();
-        let name = self.name(&sb.id);
-        let inuse = self.inuse_path(&sb.id);
+        let name = self.name(sb.container_id());
+        let inuse = self.inuse_path(sb.container_id());
         blocking(move || {
             let mut handle = held.map(|h| h.sandbox);
             // A probe may hold a clone for an instant; wait for it rather than leak the handle.
@@ -704,8 +704,8 @@ impl Backend for ContainerBackend {
 
     async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let state_dir = self.opts.state_dir.clone();
-        let name = self.name(&sb.id);
-        let inuse = self.inuse_path(&sb.id);
+        let name = self.name(sb.container_id());
+        let inuse = self.inuse_path(sb.container_id());
         let running = sb.state == crate::state::SandboxStatus::Running;
         let (sandbox, layers) = blocking(move || {
             let s = Sandbox::adopt(&state_dir, &name).map_err(|e| match e {
@@ -808,6 +808,10 @@ impl Backend for ContainerBackend {
         Some(self)
     }
 
+    fn warm(&self) -> Option<&dyn super::Warm> {
+        Some(self)
+    }
+
     fn agent_access(&self) -> Option<&dyn AgentAccess> {
         Some(self)
     }
@@ -837,7 +841,93 @@ impl AgentAccess for ContainerBackend {
     }
 }
 
-/// The last `max` bytes of `b` as text on one line (for error messages).
+/// Sets the hostname of the sandbox whose PID 1 is `pid`, from a thread that joins its UTS
+/// namespace and ends (the edge's other threads keep the host's).
+fn set_hostname(pid: i32, name: &str) -> Result<(), BackendError> {
+    let path = format!("/proc/{pid}/ns/uts");
+    let name = name.to_string();
+    std::thread::spawn(move || -> Result<(), String> {
+        let ns = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+        rustix::thread::move_into_link_name_space(
+            std::os::fd::AsFd::as_fd(&ns),
+            Some(rustix::thread::LinkNameSpaceType::HostNameAndNISDomainName),
+        )
+        .map_err(|e| format!("setns {path}: {e}"))?;
+        rustix::system::sethostname(name.as_bytes()).map_err(|e| format!("sethostname: {e}"))
+    })
+    .join()
+    .map_err(|_| BackendError::internal("the hostname thread panicked"))?
+    .map_err(|e| BackendError::internal(format!("cannot set the hostname: {e}")))
+}
+
+/// Tells a sandbox's agent who it is: its id (and hostname, for a claimed member) and the
+/// spec's env, for every session and process started from now on.
+async fn identify(
+    channel: &tonic::transport::Channel,
+    sb: &SandboxRecord,
+    hostname: Option<&str>,
+) -> Result<(), BackendError> {
+    let mut c = opendsec_proto::v1::agent_control_client::AgentControlClient::new(channel.clone());
+    let req = opendsec_proto::v1::SetIdentityRequest {
+        sandbox_id: sb.id.clone(),
+        env: sb.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        hostname: hostname.unwrap_or_default().to_string(),
+    };
+    match tokio::time::timeout(AGENT_READY_TIMEOUT, c.set_identity(req)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(st)) => {
+            Err(BackendError::internal(format!("agent of {} refused its identity: {}", sb.id, st.message())))
+        }
+        Err(_) => Err(BackendError::unavailable(format!("agent of {} did not take its identity in time", sb.id))),
+    }
+}
+
+#[async_trait]
+impl super::Warm for ContainerBackend {
+    async fn claim(&self, member: &SandboxRecord, sb: &SandboxRecord) -> Result<(), BackendError> {
+        if sb.member != member.id {
+            return Err(BackendError::internal(format!("sandbox {} does not name member {}", sb.id, member.id)));
+        }
+        // Under the sandbox's id from here on: whatever fails below, stopping the sandbox
+        // stops the member's container.
+        let (sandbox, channel, healthy) = {
+            let mut g = self.lock();
+            if g.contains_key(&sb.id) {
+                return Err(BackendError::invalid_state(format!("container sandbox {} already exists", sb.id)));
+            }
+            let h =
+                g.remove(&member.id).ok_or_else(|| BackendError::not_found(format!("no pool member {}", member.id)))?;
+            let out = (h.sandbox.clone(), h.agent.channel.clone(), h.agent.healthy(self.opts.agent_silence));
+            g.insert(sb.id.clone(), h);
+            out
+        };
+        if !healthy {
+            return Err(BackendError::unavailable(format!("the agent of pool member {} is gone", member.id)));
+        }
+        let limits = limits_of(sb, self.opts.pids_limit);
+        let relimit = limits != limits_of(member, self.opts.pids_limit);
+        let net = self.opts.network.clone().filter(|_| sb.net_slot != 0);
+        let (mid, sid, rules) = (member.id.clone(), sb.id.clone(), sb.spec.egress_rules());
+        let same_rules = sb.spec.egress_rules() == member.spec.egress_rules();
+        let (pid, hostname) = (sandbox.pid, sb.lease_id.clone());
+        let setup = blocking(move || {
+            set_hostname(pid, &hostname)?;
+            if relimit {
+                sandbox.cgroup.set_limits(&limits).map_err(|e| BackendError::internal("limits").caused_by(e))?;
+            }
+            if let Some(net) = net {
+                net.rename(&mid, &sid).map_err(net_err)?;
+                if !same_rules {
+                    net.update(&sid, &rules).map_err(net_err)?;
+                }
+            }
+            Ok(())
+        });
+        let (setup, identity) = tokio::join!(setup, identify(&channel, sb, Some(&sb.lease_id)));
+        setup.and(identity)
+    }
+}
+
 #[async_trait]
 impl super::Snapshotter for ContainerBackend {
     async fn snapshot(&self, sb: &SandboxRecord, pack_diff: bool) -> Result<super::SnapshotTaken, BackendError> {
@@ -958,6 +1048,7 @@ fn snapshot_err(e: opendsec_images::layer::LayerError) -> BackendError {
     }
 }
 
+/// The last `max` bytes of `b` as text on one line (for error messages).
 fn tail_text(b: &[u8], max: usize) -> String {
     let start = b.len().saturating_sub(max);
     String::from_utf8_lossy(&b[start..]).trim().replace('\n', " | ")
@@ -1050,6 +1141,9 @@ mod tests {
             ended_at_ms: 0,
             lease_released: false,
             net_slot: 0,
+            member: String::new(),
+            pool: String::new(),
+            pool_revision: String::new(),
         };
         // Stopping an unknown sandbox succeeds.
         b.stop(&rec).await.unwrap();

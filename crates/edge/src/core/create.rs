@@ -27,6 +27,19 @@ impl Inner {
                 self.backend_names().join(", ")
             ),
         })?;
+        // A creation naming a pool takes an idle member of the revision it names, if this
+        // edge has one (it adds no load: no pressure check); else it is made cold (a miss).
+        let member = match (spec.pool.is_empty(), backend.warm().is_some()) {
+            (false, true) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
+            (false, false) => {
+                self.count_miss(&spec.project, &spec.pool);
+                None
+            }
+            (true, _) => None,
+        };
+        if let Some(m) = member {
+            return self.create_claimed(req.clone(), backend.clone(), m).await;
+        }
         if let Some(dim) = admission::pressure_refusal(&self.pressure()) {
             return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: format!("{dim} pressure") });
         }
@@ -61,6 +74,9 @@ impl Inner {
             ended_at_ms: 0,
             lease_released: false,
             net_slot: slot,
+            member: String::new(),
+            pool: String::new(),
+            pool_revision: String::new(),
         };
         let rec = Arc::new(rec);
         let op = OpLock::default();
@@ -72,7 +88,9 @@ impl Inner {
                 Some(e) => Some(e.op.clone()),
                 None => {
                     // Capacity is checked and reserved in one critical section.
-                    if let Err(r) = admission::check_capacity(&self.capacity, &t.used(), rec.resources()) {
+                    if let Err(r) =
+                        admission::check_capacity(&self.capacity, &t.used().plus(self.pool_used()), rec.resources())
+                    {
                         drop(t);
                         unreserve();
                         return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() });
@@ -127,6 +145,113 @@ impl Inner {
         drop(guard);
 
         // Where IAM binds the lease is looked up in batches (see `release`).
+        if self.remote.has_iam() {
+            self.releases.push_check(lease.to_string());
+        }
+        Ok(self.to_proto(&running))
+    }
+
+    /// A creation that took pool member `member`: the sandbox's record (naming the member)
+    /// first, then the backend makes the member the sandbox. A member that cannot become the
+    /// sandbox is stopped, never returned to the pool (it may be half changed).
+    async fn create_claimed(
+        &self,
+        req: EdgeCreateRequest,
+        backend: Arc<dyn Backend>,
+        member: Arc<SandboxRecord>,
+    ) -> Result<Sandbox, EdgeError> {
+        let spec = req.spec.as_ref().expect("checked by create");
+        let lease = req.lease_id.as_str();
+        let now = self.clock.now_ms();
+        let rec = Arc::new(SandboxRecord {
+            version: RECORD_VERSION,
+            id: ids::sandbox_id(&self.name, lease),
+            edge: self.name.clone(),
+            lease_id: lease.to_string(),
+            principal: req.principal.clone(),
+            spec: SpecRecord::from_proto(spec),
+            state: SandboxStatus::Creating,
+            created_at_ms: now,
+            updated_at_ms: now,
+            last_active_ms: now,
+            paused_since_ms: 0,
+            end_reason: String::new(),
+            ended_at_ms: 0,
+            lease_released: false,
+            net_slot: member.net_slot,
+            member: member.id.clone(),
+            pool: member.pool.clone(),
+            pool_revision: member.pool_revision.clone(),
+        });
+        let op = OpLock::default();
+        let guard = op.clone().lock_owned().await;
+        let refused = {
+            let mut t = self.table();
+            if let Some(e) = t.get(lease) {
+                Some(Err(e.op.clone()))
+            } else if let Err(r) =
+                admission::check_capacity(&self.capacity, &t.used().plus(self.pool_used()), rec.resources())
+            {
+                Some(Ok(r))
+            } else {
+                t.insert(rec.clone(), op);
+                None
+            }
+        };
+        match refused {
+            None => {}
+            Some(Err(op)) => {
+                drop(guard);
+                self.discard_member(&member).await;
+                return self.existing(op, lease).await;
+            }
+            Some(Ok(r)) => {
+                self.discard_member(&member).await;
+                return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() });
+            }
+        }
+        if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
+            self.table().remove(lease);
+            self.activity.forget(lease);
+            self.discard_member(&member).await;
+            return Err(e.into());
+        }
+        let warm = backend.warm().expect("claimed only for warm backends");
+        if let Err(mut source) = warm.claim(&member, &rec).await {
+            tracing::warn!(sandbox_id = %rec.id, member = %member.id, error = %source.report(), "claiming a pool member failed");
+            if let Err(e) = backend.stop(&rec).await
+                && source.cleanup().is_none()
+            {
+                source = source.with_cleanup(e);
+            }
+            self.forget_member(&member).await;
+            self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
+            return Err(EdgeError::Backend { backend: backend.name(), op: "claim", id: rec.id.clone(), source });
+        }
+        let mut running = (*rec).clone();
+        running.state = SandboxStatus::Running;
+        running.updated_at_ms = self.clock.now_ms();
+        let running = match self.persist_then_publish(running).await {
+            Ok(r) => r,
+            Err(e) => {
+                if let Err(se) = backend.stop(&rec).await {
+                    tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
+                }
+                self.forget_member(&member).await;
+                self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
+                return Err(e);
+            }
+        };
+        drop(guard);
+        // Off the claim's path: should the edge stop before, recovery drops the record of a
+        // member a sandbox names.
+        let store = self.member_store.clone();
+        let member_lease = member.lease_id.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.remove(&member_lease) {
+                tracing::warn!(member = %member_lease, error = %e, "removing a claimed member's record failed");
+            }
+        });
         if self.remote.has_iam() {
             self.releases.push_check(lease.to_string());
         }

@@ -25,7 +25,7 @@ impl Inner {
             let t = self.table();
             let live: Vec<Arc<SandboxRecord>> =
                 if include_leases { t.records().filter(|r| r.state.is_live()).cloned().collect() } else { Vec::new() };
-            (t.used(), live)
+            (t.used().plus(self.pool_used()), live)
         };
         let leases = live
             .iter()
@@ -83,6 +83,7 @@ impl Inner {
             pressure: Some(self.pressure()),
             draining: false,
             leases,
+            pools: self.pool_status(),
         }
     }
 }

@@ -345,6 +345,19 @@ impl SandboxCgroup {
         Ok(cg)
     }
 
+    /// Applies `limits` to a cgroup in use (a warm pool member claimed with other limits).
+    pub fn set_limits(&self, limits: &Limits) -> Result<(), CgroupError> {
+        let res = resources(limits, swap_accounted(self.layout))?;
+        self.manager
+            .apply(&ControllerOpt {
+                resources: &res,
+                disable_oom_killer: false,
+                oom_score_adj: None,
+                freezer_state: None,
+            })
+            .map_err(mgr_err("apply limits", &self.rel))
+    }
+
     /// v1: denies every device, then allows [`device_allow_list`] (libcgroups' own defaults
     /// allow mknod of any device and more nodes than a sandbox has) and, for the setup
     /// process, block device `setup_disk` (it mounts the sandbox's disk; [`Self::deny_block`]

@@ -528,6 +528,16 @@ impl Network {
         Ok(())
     }
 
+    /// Hands the attachment of `from` to `to` (a warm pool member claimed as a sandbox): the
+    /// same slot, address, rules and learned names, under the new id.
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), NetworkError> {
+        let mut g = self.lock();
+        let a = g.state.sandboxes.remove(from).ok_or_else(|| NetworkError::NotAttached(from.into()))?;
+        g.state.by_addr.insert(a.addr, to.to_string());
+        g.state.sandboxes.insert(to.to_string(), a);
+        Ok(())
+    }
+
     /// Removes everything of the sandbox on `slot` (blocking): its elements, its veth, its
     /// conntrack entries, the slot. Idempotent: what is gone already is no error.
     pub fn detach(&self, id: &str, slot: Slot) -> Result<(), NetworkError> {

@@ -112,6 +112,9 @@ pub fn record(lease: &str, image: &str) -> SandboxRecord {
         ended_at_ms: 0,
         lease_released: false,
         net_slot: 0,
+        member: String::new(),
+        pool: String::new(),
+        pool_revision: String::new(),
     }
 }
 

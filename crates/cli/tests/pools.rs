@@ -1,0 +1,259 @@
+//! Warm pools end to end, as root: an edge offering `fncall` starts members of a pool ahead of
+//! time; a creation naming the pool takes one and gets its own id, hostname, env, labels and
+//! limits inside; a template change never hands out a member of the old template and replaces
+//! only idle members; a restarted edge keeps its members; a pool without idle members falls
+//! back to a cold creation, counted; and the refusals (another tenant, a contradicting spec, a
+//! pool over its project's quota, an unknown pool).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use opendsec_common::Reason;
+use opendsec_proto::v1 as pb;
+
+fn pools_config(c: &mut opendsec_common::config::Config) {
+    c.edge.backends = vec!["sim".into(), "container".into(), "fncall".into()];
+    c.edge.pool_refresh = Duration::from_millis(200);
+}
+
+fn pool(name: &str, size: u32, env: &[(&str, &str)]) -> pb::Pool {
+    pb::Pool {
+        project: "root".into(),
+        name: name.into(),
+        template: Some(pb::PoolTemplate {
+            image: "busybox:latest".into(),
+            backend: "fncall".into(),
+            resources: Some(pb::Resources { cpu_millis: 500, memory_mb: 96, disk_mb: 64, gpus: 0 }),
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Default::default()
+        }),
+        size_per_edge: size,
+        ..Default::default()
+    }
+}
+
+/// The pool on the fixture's edge, as GetPool shows it.
+async fn on_edge(admin: &opendsec_client::Client, name: &str) -> pb::PoolStatus {
+    let p = admin.get_pool(pb::GetPoolRequest { project: "root".into(), name: name.into() }).await.unwrap();
+    p.edges.into_iter().find(|e| e.edge == EDGE).unwrap_or_default()
+}
+
+/// Waits until the pool on the edge satisfies `ok`.
+async fn wait_pool(admin: &opendsec_client::Client, name: &str, what: &str, ok: impl Fn(&pb::PoolStatus) -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let s = on_edge(admin, name).await;
+        if ok(&s) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "pool {name}: {what} never happened; last {s:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn claim(name: &str) -> pb::SandboxSpec {
+    pb::SandboxSpec { pool: name.into(), ..Default::default() }
+}
+
+/// Member containers (idle, starting or claimed) under the edge's container directory.
+fn member_dirs(f: &Fixture) -> usize {
+    std::fs::read_dir(&f.containers)
+        .map(|rd| rd.flatten().filter(|e| e.file_name().to_string_lossy().contains(".pm-")).count())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_member_is_the_sandbox_with_its_own_identity() {
+    let f = fixture_with(pools_config).await;
+    let admin = f.admin.clone();
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("warm", 2, &[("A", "1"), ("B", "1")])) }).await.unwrap();
+    wait_pool(&admin, "warm", "two idle members", |s| s.idle == 2).await;
+    assert_eq!(member_dirs(&f), 2);
+
+    let mut spec = claim("warm");
+    spec.env = [("B".to_string(), "2".to_string())].into();
+    spec.labels = [("job".to_string(), "rl".to_string())].into();
+    spec.ttl_max_s = 600;
+    let sb = admin.create_sandbox(spec).await.unwrap();
+    let sp = sb.spec.clone().unwrap();
+    assert_eq!((sp.image.as_str(), sp.backend.as_str(), sp.pool.as_str()), ("busybox:latest", "fncall", "warm"));
+    assert_eq!(sp.labels["job"], "rl");
+    assert_eq!(sp.resources.unwrap().memory_mb, 96);
+    // (The pool's state comes with the cluster snapshot: a moment late.)
+    wait_pool(&admin, "warm", "the claim counted", |s| s.claims == 1).await;
+    assert_eq!(on_edge(&admin, "warm").await.misses, 0, "taken from the pool");
+
+    // Inside: its own id (env and file), hostname, the template's env under the spec's.
+    let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
+    let r =
+        exec_in(&mut rt, &sb.id, "s", "echo $OPENDSEC_SANDBOX_ID $A $B; cat /run/opendsec/sandbox-id; hostname").await;
+    let lease = sb.id.split_once('.').unwrap().1;
+    assert_eq!(out(&r), format!("{} 1 2\n{}\n{lease}", sb.id, sb.id), "{r:?}");
+    // A process started through the process API sees it too.
+    let m = admin.get_sandbox_metrics(&sb.id).await.unwrap();
+    assert_eq!(m.memory_limit_bytes, 96 << 20, "the sandbox's limits");
+
+    // The pool refills; the claimed member is the sandbox's now, not the pool's.
+    wait_pool(&admin, "warm", "refilled", |s| s.idle == 2).await;
+    assert_eq!(member_dirs(&f), 3);
+    // The sandbox lives and stops like any other; stopping it removes its container.
+    admin.stop_sandbox(&sb.id).await.unwrap();
+    until("the claimed member's container is gone", Duration::from_secs(30), || member_dirs(&f) == 2).await;
+
+    // A cold sandbox is told its id too.
+    let cold = admin.create_sandbox(container_spec("busybox", 64, 64)).await.unwrap();
+    let r = exec_in(&mut rt, &cold.id, "s", "echo $OPENDSEC_SANDBOX_ID; cat /run/opendsec/sandbox-id").await;
+    assert_eq!(out(&r), format!("{}\n{}", cold.id, cold.id));
+
+    // A batch naming the pool takes members too (and goes cold for the rest).
+    let mut batch = admin.create_sandboxes(claim("warm"), 3).await.unwrap();
+    let mut ids = Vec::new();
+    while let Some(item) = batch.message().await.unwrap() {
+        ids.push(item.sandbox.expect("every item made").id);
+    }
+    assert_eq!(ids.len(), 3);
+    for id in &ids {
+        let r = exec_in(&mut rt, id, "s", "echo $OPENDSEC_SANDBOX_ID").await;
+        assert_eq!(out(&r), *id);
+    }
+    wait_pool(&admin, "warm", "the batch counted", |s| s.claims + s.misses == 4).await;
+    let s = on_edge(&admin, "warm").await;
+    assert!(s.claims >= 2, "the two idle members were taken: {s:?}");
+    let claimed_in_batch = (s.claims - 1) as usize;
+
+    // Deleting the pool stops its idle members; claimed ones run on.
+    admin.delete_pool(pb::DeletePoolRequest { project: "root".into(), name: "warm".into() }).await.unwrap();
+    until("idle members are gone", Duration::from_secs(30), || member_dirs(&f) == claimed_in_batch).await;
+    for id in &ids {
+        assert_eq!(state(&admin.get_sandbox(id).await.unwrap()), pb::SandboxState::Running);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_never_hands_out_a_stale_member_and_busy_ones_run_on() {
+    let f = fixture_with(pools_config).await;
+    let admin = f.admin.clone();
+    let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("roll", 2, &[("REV", "1")])) }).await.unwrap();
+    wait_pool(&admin, "roll", "two idle members", |s| s.idle == 2).await;
+    let busy = admin.create_sandbox(claim("roll")).await.unwrap();
+    assert_eq!(out(&exec_in(&mut rt, &busy.id, "s", "echo $REV").await), "1");
+    wait_pool(&admin, "roll", "refilled", |s| s.idle == 2).await;
+    let old_revision = on_edge(&admin, "roll").await.revision;
+
+    // A new template: from the very next creation on, nobody gets a member of the old one,
+    // whether or not the edge has heard of the change yet (the apiserver names the revision
+    // IAM gave it; the edge hands out only that one).
+    let updated =
+        admin.update_pool(pb::UpdatePoolRequest { pool: Some(pool("roll", 2, &[("REV", "2")])) }).await.unwrap();
+    assert_ne!(updated.revision, old_revision);
+    for _ in 0..6 {
+        let sb = admin.create_sandbox(claim("roll")).await.unwrap();
+        assert_eq!(out(&exec_in(&mut rt, &sb.id, "s", "echo $REV").await), "2", "a stale member was handed out");
+        admin.stop_sandbox(&sb.id).await.unwrap();
+    }
+    // Idle members of the old revision are replaced; the busy one runs on untouched.
+    wait_pool(&admin, "roll", "rolled out", |s| s.revision == updated.revision && s.stale == 0 && s.idle == 2).await;
+    assert_eq!(out(&exec_in(&mut rt, &busy.id, "s", "echo $REV").await), "1");
+    assert_eq!(state(&admin.get_sandbox(&busy.id).await.unwrap()), pb::SandboxState::Running);
+    let before = on_edge(&admin, "roll").await.claims;
+    let sb = admin.create_sandbox(claim("roll")).await.unwrap();
+    assert_eq!(out(&exec_in(&mut rt, &sb.id, "s", "echo $REV").await), "2");
+    wait_pool(&admin, "roll", "a member of the new revision claimed", |s| s.claims == before + 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_edge_keeps_its_members_and_a_miss_goes_cold() {
+    let mut f = fixture_with(pools_config).await;
+    let admin = f.admin.clone();
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("keep", 2, &[])) }).await.unwrap();
+    wait_pool(&admin, "keep", "two idle members", |s| s.idle == 2).await;
+    let claimed = admin.create_sandbox(claim("keep")).await.unwrap();
+    wait_pool(&admin, "keep", "refilled", |s| s.idle == 2).await;
+    let dirs: Vec<String> = std::fs::read_dir(&f.containers)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".pm-"))
+        .collect();
+    assert_eq!(dirs.len(), 3);
+
+    f.cluster.stop_edge(EDGE).await.unwrap();
+    f.cluster.start_edge(EDGE).await.unwrap();
+    f.cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    // The same containers: the idle members were adopted, not started again, and the
+    // claimed one is still its sandbox's.
+    wait_pool(&admin, "keep", "idle again after the restart", |s| s.idle == 2).await;
+    let after: Vec<String> = std::fs::read_dir(&f.containers)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".pm-"))
+        .collect();
+    let (mut a, mut b) = (dirs.clone(), after.clone());
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "the members survived the restart");
+    let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
+    assert_eq!(out(&exec_in(&mut rt, &claimed.id, "s", "echo $OPENDSEC_SANDBOX_ID").await), claimed.id);
+    // Their room is still counted: the edge reports what members hold.
+    let s = on_edge(&admin, "keep").await;
+    assert_eq!(s.idle, 2);
+
+    // A pool with no idle member: the creation falls back to a cold one, counted as a miss.
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("empty", 0, &[("E", "1")])) }).await.unwrap();
+    wait_pool(&admin, "empty", "known on the edge", |s| s.target == 0 && !s.revision.is_empty()).await;
+    let cold = admin.create_sandbox(claim("empty")).await.unwrap();
+    assert_eq!(out(&exec_in(&mut rt, &cold.id, "s", "echo $E $OPENDSEC_SANDBOX_ID").await), format!("1 {}", cold.id));
+    wait_pool(&admin, "empty", "the miss counted", |s| s.misses == 1).await;
+    assert_eq!(on_edge(&admin, "empty").await.claims, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_refuse_other_tenants_contradicting_specs_and_pools_over_quota() {
+    let f = fixture_with(pools_config).await;
+    let admin = f.admin.clone();
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("mine", 0, &[])) }).await.unwrap();
+
+    // Another tenant may create sandboxes in its own project only: root's pool is not for it,
+    // and it learns nothing about whether the pool exists.
+    admin.create_project(pb::CreateProjectRequest { path: "root/other".into(), quota: None }).await.unwrap();
+    let token = principal(&admin, "other", "root/other", &["sandbox.create", "sandbox.view"]).await;
+    let other =
+        opendsec_client::Client::new(std::slice::from_ref(&f.addr), Some(&token), &f.cluster.client_tls()).unwrap();
+    for name in ["mine", "no-such-pool"] {
+        let mut spec = claim(name);
+        spec.project = "root".into();
+        let e = other.create_sandbox(spec).await.unwrap_err();
+        assert_eq!(e.reason, Reason::PermissionDenied, "{name}: {e}");
+    }
+    // In its own project the pool does not exist.
+    let e = other.create_sandbox(claim("mine")).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "{e}");
+
+    // A spec contradicting the template names the field.
+    let mut spec = claim("mine");
+    spec.image = "debian:bookworm".into();
+    let e = admin.create_sandbox(spec).await.unwrap_err();
+    assert_eq!((e.reason, e.metadata.get("field").map(String::as_str)), (Reason::InvalidArgument, Some("spec.image")));
+
+    // A pool whose idle members would not fit in its project's quota.
+    admin
+        .create_project(pb::CreateProjectRequest {
+            path: "root/small".into(),
+            quota: Some(pb::Quota { memory_mb: Some(128), ..Default::default() }),
+        })
+        .await
+        .unwrap();
+    let mut big = pool("big", 2, &[]);
+    big.project = "root/small".into();
+    let e = admin.create_pool(pb::CreatePoolRequest { pool: Some(big.clone()) }).await.unwrap_err();
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+    big.size_per_edge = 1;
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(big.clone()) }).await.unwrap();
+    big.size_per_edge = 3;
+    let e = admin.update_pool(pb::UpdatePoolRequest { pool: Some(big) }).await.unwrap_err();
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+}

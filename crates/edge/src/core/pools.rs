@@ -1,0 +1,570 @@
+//! Warm pools on this edge: members started ahead of time from each pool's template (IAM's
+//! pools, read every `edge.pool_refresh`), kept at the pool's size per edge, and claimed by
+//! creations that name the pool. `pool::Members` decides; this file does the I/O.
+//!
+//! Invariants:
+//! - a claim takes only an idle member of the revision the creation asked for, and only when
+//!   that is the edge's current revision of the pool: a member of another template is never
+//!   handed out (the creation misses and is made cold);
+//! - a member has a record in `<state>/pool` from before its container exists until after it
+//!   is gone. A claim writes the sandbox's record (naming the member in `member`) before the
+//!   member's record goes, so after a crash a member is the pool's or a sandbox's, never both
+//!   and never lost: recovery drops the member records that sandbox records name;
+//! - members hold room on the edge like sandboxes (capacity checks and the reported
+//!   allocation count them) but no lease: IAM never hears of them and no quota is charged
+//!   until a claim, which is charged like any creation;
+//! - lock order: the table's, then the pools'.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use opendsec_common::pool::PoolTemplate;
+use opendsec_proto::v1::{Pool, PoolStatus};
+
+use super::*;
+use crate::admission::Totals;
+use crate::pool::{MemberState, Members};
+
+/// Failed member starts of one pool wait this long at first, doubling up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// The prefix of members' lease parts: never a lease IAM hands out (those are hex).
+pub(crate) const MEMBER_PREFIX: &str = "pm-";
+
+/// One pool on this edge.
+struct Entry {
+    /// As IAM gave it last (`None` before the first refresh after a restart, or once IAM no
+    /// longer has it).
+    pool: Option<Pool>,
+    members: Members,
+    /// When each starting member's start began (refill latency).
+    started_at: HashMap<String, Instant>,
+    failures: u32,
+    retry_at: Option<Instant>,
+    /// The last refills' latencies, newest last (at most [`REFILLS_KEPT`]).
+    refills: std::collections::VecDeque<Duration>,
+    /// Since when members of an older revision have been around (the last rollout).
+    stale_since: Option<Instant>,
+}
+
+const REFILLS_KEPT: usize = 64;
+
+impl Entry {
+    fn new(revision: &str, target: u32) -> Entry {
+        Entry {
+            pool: None,
+            members: Members::new(revision, target),
+            started_at: HashMap::new(),
+            failures: 0,
+            retry_at: None,
+            refills: Default::default(),
+            stale_since: None,
+        }
+    }
+}
+
+/// The edge's pools and their members.
+#[derive(Default)]
+pub(crate) struct Pools {
+    /// By `project/name`.
+    entries: BTreeMap<String, Entry>,
+    /// The records of members not claimed yet (starting, idle, stopping), by member id.
+    records: HashMap<String, Arc<SandboxRecord>>,
+    /// Member ids with a start or stop in flight.
+    busy: HashSet<String>,
+    /// What members hold.
+    pub used: Totals,
+}
+
+pub(crate) fn pool_key(project: &str, name: &str) -> String {
+    format!("{project}/{name}")
+}
+
+/// A pool's template as members are started from it.
+fn template_of(p: &Pool) -> PoolTemplate {
+    let t = p.template.clone().unwrap_or_default();
+    let r = t.resources.unwrap_or_default();
+    PoolTemplate {
+        image: t.image,
+        backend: t.backend,
+        cpu_millis: r.cpu_millis,
+        memory_mb: r.memory_mb,
+        disk_mb: r.disk_mb,
+        env: t.env.into_iter().collect(),
+        egress: t.egress,
+        user: t.user,
+        workdir: t.workdir,
+    }
+}
+
+impl Inner {
+    pub(crate) fn pools(&self) -> std::sync::MutexGuard<'_, Pools> {
+        // Every update keeps the maps consistent at each step; a panic leaves them usable.
+        self.pools.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `name` is a backend this edge keeps pool members of.
+    fn warm_backend(&self, name: &str) -> Option<&Arc<dyn Backend>> {
+        self.backend(name).filter(|b| b.warm().is_some())
+    }
+
+    /// Takes an idle member of pool `spec.pool` (in `spec.project`) of `revision` for a
+    /// creation, or counts a miss. The member leaves the pool (and its room the pool's
+    /// accounting): the caller makes it a sandbox or stops it.
+    pub(crate) fn claim_member(&self, project: &str, pool: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
+        let mut g = self.pools();
+        let Pools { entries, records, used, .. } = &mut *g;
+        let e = entries.get_mut(&pool_key(project, pool))?;
+        if revision.is_empty() || e.members.revision() != revision {
+            e.members.misses += 1;
+            return None;
+        }
+        let id = e.members.claim()?;
+        let rec = records.remove(&id)?;
+        used.sub(rec.resources());
+        drop(g);
+        self.pool_wake.notify_one();
+        Some(rec)
+    }
+
+    /// Counts a creation naming a pool this edge has no entry for (or a backend without
+    /// members) as a miss of that pool.
+    pub(crate) fn count_miss(&self, project: &str, pool: &str) {
+        if let Some(e) = self.pools().entries.get_mut(&pool_key(project, pool)) {
+            e.members.misses += 1;
+        }
+    }
+
+    /// A claimed member's record is no longer needed (the sandbox's record names it).
+    pub(crate) async fn forget_member(&self, member: &SandboxRecord) {
+        let store = self.member_store.clone();
+        let lease = member.lease_id.clone();
+        match tokio::task::spawn_blocking(move || store.remove(&lease)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(member = %member.id, error = %e, "removing a claimed member's record failed"),
+            Err(e) => tracing::warn!(member = %member.id, error = %e, "removing a claimed member's record failed"),
+        }
+    }
+
+    /// Stops a member that left the pool without becoming a sandbox, and forgets it.
+    pub(crate) async fn discard_member(&self, member: &SandboxRecord) {
+        if let Some(b) = self.backend(&member.spec.backend)
+            && let Err(e) = b.stop(member).await
+        {
+            tracing::warn!(member = %member.id, error = %e, "stopping a pool member failed");
+            return; // its record stays: recovery or clean-up finishes it
+        }
+        self.forget_member(member).await;
+    }
+
+    /// What members hold (for capacity checks; call with the table's lock held).
+    pub(crate) fn pool_used(&self) -> Totals {
+        self.pools().used
+    }
+
+    /// IAM's pools now: the ones of a backend with members here are kept, at their template
+    /// and size; the others (deleted) shrink to nothing.
+    pub(crate) fn apply_pools(&self, pools: &[Pool]) {
+        let mut g = self.pools();
+        let mut seen = HashSet::new();
+        for p in pools {
+            let Some(t) = p.template.as_ref() else { continue };
+            if self.warm_backend(&t.backend).is_none() {
+                continue;
+            }
+            let key = pool_key(&p.project, &p.name);
+            // The revision is derived here from the template, never taken on trust.
+            let revision = template_of(p).revision();
+            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&revision, p.size_per_edge));
+            if e.members.revision() != revision {
+                // A new template: its starts get a fresh chance.
+                e.failures = 0;
+                e.retry_at = None;
+                if !e.members.is_empty() && e.stale_since.is_none() {
+                    e.stale_since = Some(Instant::now());
+                }
+            }
+            e.members.set_template(&revision, p.size_per_edge);
+            e.pool = Some(p.clone());
+            seen.insert(key);
+        }
+        for (k, e) in g.entries.iter_mut() {
+            if !seen.contains(k) {
+                // Gone from IAM: nothing is current, everything idle stops.
+                e.pool = None;
+                e.members.set_template("", 0);
+            }
+        }
+    }
+
+    /// One round: starts and stops members as each pool's plan says, in background tasks
+    /// (at most `edge.pool_starts` starts at once); drops pools that are gone and empty.
+    pub(crate) fn pool_round(self: &Arc<Self>) {
+        if self.closing.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut starts: Vec<(String, Pool, String, String)> = Vec::new();
+        let mut stops: Vec<Arc<SandboxRecord>> = Vec::new();
+        {
+            let mut g = self.pools();
+            let Pools { entries, records, busy, .. } = &mut *g;
+            let mut starting = entries.values().flat_map(|e| e.started_at.keys()).count();
+            let now = Instant::now();
+            entries.retain(|_, e| e.pool.is_some() || !e.members.is_empty());
+            for (key, e) in entries.iter_mut() {
+                if e.members.stale() == 0 {
+                    e.stale_since = None;
+                }
+                let plan = e.members.plan();
+                for id in plan.stop {
+                    if !busy.contains(&id)
+                        && let Some(r) = records.get(&id)
+                    {
+                        busy.insert(id);
+                        stops.push(r.clone());
+                    }
+                }
+                let Some(pool) = e.pool.clone() else { continue };
+                if e.retry_at.is_some_and(|t| t > now) {
+                    continue;
+                }
+                for _ in 0..plan.start {
+                    if starting >= self.cfg.pool_starts as usize {
+                        break;
+                    }
+                    let id = ids::sandbox_id(&self.name, &format!("{MEMBER_PREFIX}{}", ids::new_lease_id()));
+                    let revision = e.members.revision().to_string();
+                    e.members.starting(&id, &revision);
+                    e.started_at.insert(id.clone(), now);
+                    busy.insert(id.clone());
+                    starting += 1;
+                    starts.push((key.clone(), pool.clone(), id, e.members.revision().to_string()));
+                }
+            }
+        }
+        for rec in stops {
+            let me = self.clone();
+            self.spawn_pool_task(async move { me.stop_member(rec).await });
+        }
+        for (key, pool, id, revision) in starts {
+            let me = self.clone();
+            self.spawn_pool_task(async move { me.start_member(key, pool, id, revision).await });
+        }
+    }
+
+    fn spawn_pool_task(&self, f: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(tokio::spawn(f));
+    }
+
+    /// The record a member of `pool` is started with.
+    fn member_record(&self, pool: &Pool, id: &str, revision: &str) -> SandboxRecord {
+        let t = template_of(pool);
+        let now = self.clock.now_ms();
+        let (_, lease) = ids::split_sandbox_id(id).unwrap_or(("", id));
+        SandboxRecord {
+            version: RECORD_VERSION,
+            id: id.to_string(),
+            edge: self.name.clone(),
+            lease_id: lease.to_string(),
+            principal: String::new(),
+            spec: SpecRecord {
+                project: pool.project.clone(),
+                image: t.image,
+                backend: t.backend,
+                resources: crate::record::ResourcesRecord {
+                    cpu_millis: t.cpu_millis,
+                    memory_mb: t.memory_mb,
+                    disk_mb: t.disk_mb,
+                    gpus: 0,
+                },
+                env: t.env,
+                user: t.user,
+                workdir: t.workdir,
+                egress: Some(
+                    t.egress
+                        .iter()
+                        .filter_map(|r| opendsec_common::egress::Rule::parse(r).ok())
+                        .map(|r| r.to_string())
+                        .collect(),
+                ),
+                pool: pool.name.clone(),
+                ..Default::default()
+            },
+            state: SandboxStatus::Creating,
+            created_at_ms: now,
+            updated_at_ms: now,
+            last_active_ms: now,
+            paused_since_ms: 0,
+            end_reason: String::new(),
+            ended_at_ms: 0,
+            lease_released: true,
+            net_slot: 0,
+            member: String::new(),
+            pool: pool_key(&pool.project, &pool.name),
+            pool_revision: revision.to_string(),
+        }
+    }
+
+    async fn start_member(self: Arc<Self>, key: String, pool: Pool, id: String, revision: String) {
+        let result = self.start_member_inner(&pool, &id, &revision).await;
+        let mut stop = None;
+        {
+            let mut g = self.pools();
+            let Pools { entries, records, busy, used } = &mut *g;
+            busy.remove(&id);
+            let e = entries.get_mut(&key);
+            match (result, e) {
+                (Ok(rec), Some(e)) => {
+                    let began = e.started_at.remove(&id);
+                    e.failures = 0;
+                    e.retry_at = None;
+                    let rec = Arc::new(rec);
+                    used.add(rec.resources());
+                    records.insert(id.clone(), rec.clone());
+                    match e.members.started(&id) {
+                        Some(MemberState::Idle) => {
+                            if let Some(b) = began {
+                                if e.refills.len() >= REFILLS_KEPT {
+                                    e.refills.pop_front();
+                                }
+                                e.refills.push_back(b.elapsed());
+                            }
+                        }
+                        // Replaced while it started (or the pool went): stopped at once.
+                        _ => {
+                            busy.insert(id.clone());
+                            stop = Some(rec);
+                        }
+                    }
+                }
+                (Ok(rec), None) => {
+                    used.add(rec.resources());
+                    let rec = Arc::new(rec);
+                    records.insert(id.clone(), rec.clone());
+                    busy.insert(id.clone());
+                    stop = Some(rec);
+                }
+                (Err(why), e) => {
+                    tracing::warn!(pool = %key, member = %id, error = %why, "starting a pool member failed");
+                    if let Some(e) = e {
+                        e.started_at.remove(&id);
+                        e.members.gone(&id);
+                        e.failures = e.failures.saturating_add(1);
+                        let wait = FIRST_BACKOFF.saturating_mul(1 << e.failures.min(6)).min(MAX_BACKOFF);
+                        e.retry_at = Some(Instant::now() + wait);
+                    }
+                }
+            }
+        }
+        if let Some(rec) = stop {
+            self.clone().stop_member(rec).await;
+        }
+        self.pool_wake.notify_one();
+    }
+
+    /// Starts a member: its room, its record, its network slot, then the backend. On an error
+    /// nothing of it is left.
+    async fn start_member_inner(&self, pool: &Pool, id: &str, revision: &str) -> Result<SandboxRecord, String> {
+        let mut rec = self.member_record(pool, id, revision);
+        let backend = self.warm_backend(&rec.spec.backend).cloned().ok_or("backend not offered")?;
+        if let Some(dim) = admission::pressure_refusal(&self.pressure()) {
+            return Err(format!("{dim} pressure"));
+        }
+        {
+            // Members take room only where sandboxes would fit too.
+            let t = self.table();
+            let used = t.used().plus(self.pool_used());
+            admission::check_capacity(&self.capacity, &used, rec.resources()).map_err(|r| r.to_string())?;
+        }
+        let net = self.network.as_ref().filter(|_| backend.networked());
+        if let Some(n) = net {
+            rec.net_slot = n.reserve().map_err(|e| e.to_string())?.0;
+        }
+        let unreserve = |rec: &SandboxRecord| {
+            if let Some(n) = net {
+                n.unreserve(crate::netpol::Slot(rec.net_slot));
+            }
+        };
+        let bytes = rec.encode().map_err(|e| e.to_string())?;
+        let store = self.member_store.clone();
+        let lease = rec.lease_id.clone();
+        let written = tokio::task::spawn_blocking(move || store.write(&lease, &bytes, WriteMode::DurableNew))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            unreserve(&rec);
+            return Err(e);
+        }
+        if let Err(e) = backend.create(&rec).await {
+            let _ = backend.stop(&rec).await;
+            unreserve(&rec);
+            self.forget_member(&rec).await;
+            return Err(e.report());
+        }
+        rec.state = SandboxStatus::Running;
+        rec.updated_at_ms = self.clock.now_ms();
+        let bytes = rec.encode().map_err(|e| e.to_string())?;
+        let store = self.member_store.clone();
+        let lease = rec.lease_id.clone();
+        let written = tokio::task::spawn_blocking(move || store.write(&lease, &bytes, WriteMode::Durable))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            let _ = backend.stop(&rec).await;
+            self.forget_member(&rec).await;
+            return Err(e);
+        }
+        Ok(rec)
+    }
+
+    async fn stop_member(self: Arc<Self>, rec: Arc<SandboxRecord>) {
+        let stopped = match self.backend(&rec.spec.backend) {
+            Some(b) => b.stop(&rec).await,
+            None => Ok(()),
+        };
+        {
+            let mut g = self.pools();
+            let Pools { entries, records, busy, used } = &mut *g;
+            busy.remove(&rec.id);
+            if let Err(e) = &stopped {
+                // Tried again next round.
+                tracing::warn!(member = %rec.id, error = %e, "stopping a pool member failed");
+                return;
+            }
+            if records.remove(&rec.id).is_some() {
+                used.sub(rec.resources());
+            }
+            if let Some(e) = entries.get_mut(&rec.pool) {
+                e.members.gone(&rec.id);
+            }
+        }
+        self.forget_member(&rec).await;
+    }
+
+    /// Stops every member (the edge stops without keeping its sandboxes).
+    pub(crate) async fn stop_all_members(self: &Arc<Self>) {
+        let all: Vec<Arc<SandboxRecord>> = self.pools().records.values().cloned().collect();
+        futures::stream::iter(all).for_each_concurrent(LOOP_CONCURRENCY, |r| self.clone().stop_member(r)).await;
+    }
+
+    /// Members' records at start-up (before the network is recovered): the ones a sandbox
+    /// record names are that sandbox's (their records are removed), the rest are returned.
+    pub(crate) async fn load_members(&self, named: &HashSet<String>) -> Result<Vec<SandboxRecord>, EdgeError> {
+        let store = self.member_store.clone();
+        let (records, bad) = tokio::task::spawn_blocking(move || store.load_all())
+            .await
+            .map_err(|e| RecordError::Join { lease: "*".into(), message: e.to_string() })??;
+        for b in bad {
+            tracing::error!(edge = %self.name, member = %b.lease_id, error = %b.error, "unreadable pool member record removed");
+            let store = self.member_store.clone();
+            let _ = tokio::task::spawn_blocking(move || store.remove(&b.lease_id)).await;
+        }
+        let mut out = Vec::new();
+        for r in records {
+            if named.contains(&r.id) {
+                self.forget_member(&r).await;
+            } else {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adopts the members that were running before the restart as idle members of their
+    /// pool and revision (the next refresh from IAM replaces them if the template changed);
+    /// the rest are stopped. Returns the ids kept.
+    pub(crate) async fn recover_members(&self, members: Vec<SandboxRecord>) -> Vec<String> {
+        let mut kept = Vec::new();
+        for rec in members {
+            let backend = self.warm_backend(&rec.spec.backend).cloned();
+            let adopted = match (&backend, rec.state) {
+                (Some(b), SandboxStatus::Running) => b.adopt(&rec).await.map_err(|e| e.report()),
+                (Some(_), s) => Err(format!("left {s}")),
+                (None, _) => Err("backend no longer offered".into()),
+            };
+            match adopted {
+                Ok(()) => {
+                    let mut g = self.pools();
+                    let Pools { entries, records, used, .. } = &mut *g;
+                    let e = entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool_revision, 0));
+                    e.members.starting(&rec.id, &rec.pool_revision);
+                    e.members.started(&rec.id);
+                    used.add(rec.resources());
+                    kept.push(rec.id.clone());
+                    records.insert(rec.id.clone(), Arc::new(rec));
+                }
+                Err(why) => {
+                    tracing::info!(member = %rec.id, why = %why, "pool member not kept after the restart");
+                    if let Some(b) = &backend {
+                        let _ = b.stop(&rec).await;
+                    }
+                    self.forget_member(&rec).await;
+                }
+            }
+        }
+        kept
+    }
+
+    /// The pools as the watcher hears of them.
+    pub(crate) fn pool_status(&self) -> Vec<PoolStatus> {
+        let g = self.pools();
+        g.entries
+            .values()
+            .filter_map(|e| {
+                let p = e.pool.as_ref()?;
+                let stale = e.members.stale();
+                let mut refills: Vec<Duration> = e.refills.iter().copied().collect();
+                refills.sort();
+                Some(PoolStatus {
+                    project: p.project.clone(),
+                    name: p.name.clone(),
+                    revision: e.members.revision().to_string(),
+                    target: p.size_per_edge,
+                    idle: e.members.idle() as u32,
+                    starting: e.members.count(MemberState::Starting) as u32,
+                    stale: stale as u32,
+                    claims: e.members.claims,
+                    misses: e.members.misses,
+                    refill_p50_ms: refills.get(refills.len() / 2).map_or(0, |d| d.as_millis() as u64),
+                    oldest_stale_ms: e.stale_since.filter(|_| stale > 0).map_or(0, |t| t.elapsed().as_millis() as u64),
+                    edge: self.name.clone(),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Refreshes the pools from IAM every `edge.pool_refresh` and runs a round after each refresh,
+/// each claim and each finished start or stop.
+pub(crate) async fn pool_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<bool>) {
+    if !inner.backends.iter().any(|b| b.warm().is_some()) {
+        return;
+    }
+    let mut last_refresh: Option<Instant> = None;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        if inner.remote.has_iam() && last_refresh.is_none_or(|t| t.elapsed() >= inner.cfg.pool_refresh) {
+            match inner.remote.all_pools().await {
+                Ok(pools) => {
+                    inner.apply_pools(&pools);
+                    last_refresh = Some(Instant::now());
+                }
+                Err(e) => {
+                    tracing::debug!(edge = %inner.name, reason = %e.reason, error = %e.message, "reading pools failed");
+                    last_refresh = Some(Instant::now());
+                }
+            }
+        }
+        inner.pool_round();
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            _ = tokio::time::sleep(inner.cfg.pool_refresh) => {}
+            _ = inner.pool_wake.notified() => {}
+        }
+    }
+}
