@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-sdk bench-e2b agent images sdk-test e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-sdk bench-e2b agent images sdk-test e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -105,6 +105,10 @@ bench-container: agent
 # The issue-13 benchmarks (snapshots and forks of container sandboxes), as root, release.
 bench-snapshot: agent
 	$(CARGO) bench -p opendsec-cli --bench snapshot
+
+# Warm pool claims beside cold creations (issue 13), as root, release.
+bench-pool: agent
+	$(CARGO) bench -p opendsec-cli --bench pool
 
 # The issue-11 benchmarks (sandbox networking, in a namespace of their own), as root, release.
 bench-network: agent images

@@ -148,6 +148,7 @@ impl Shared {
     pub fn set_snapshot(&self, s: &pb::ClusterSnapshot) {
         let snap = Arc::new(Snapshot::from_proto(s));
         tracing::trace!(version = snap.version, edges = snap.edges.len(), "cluster snapshot");
+        self.metrics.pools.update(&snap.edges);
         {
             let mut p = self.placer.lock().unwrap_or_else(|p| p.into_inner());
             p.inflight.on_snapshot(snap.taken_at_ms, time::now_ms(), OVERLAY_MAX_AGE_MS);

@@ -40,6 +40,9 @@ pub struct BenchArgs {
     /// Leave the sandboxes running (no stop phase).
     #[arg(long)]
     pub keep: bool,
+    /// Claim members of this warm pool (its template gives image, backend and resources).
+    #[arg(long, conflicts_with_all = ["backend", "image", "cpu", "memory", "disk"])]
+    pub pool: Option<String>,
 }
 
 #[derive(Debug, Default)]
@@ -167,13 +170,22 @@ pub async fn create(client: &Client, project: Option<&str>, args: &BenchArgs) ->
     // it) is one error after the retry budget, not one per sandbox.
     client.who_am_i(pb::WhoAmIRequest {}).await?;
     let run = opendsec_common::ids::new_lease_id();
-    let spec = pb::SandboxSpec {
-        project: project.unwrap_or_default().to_string(),
-        image: args.image.clone(),
-        backend: args.backend.clone(),
-        resources: Some(resources(args)),
-        labels: [("bench".to_string(), run)].into_iter().collect(),
-        ..Default::default()
+    let labels = [("bench".to_string(), run)].into_iter().collect();
+    let spec = match &args.pool {
+        Some(pool) => pb::SandboxSpec {
+            project: project.unwrap_or_default().to_string(),
+            pool: pool.clone(),
+            labels,
+            ..Default::default()
+        },
+        None => pb::SandboxSpec {
+            project: project.unwrap_or_default().to_string(),
+            image: args.image.clone(),
+            backend: args.backend.clone(),
+            resources: Some(resources(args)),
+            labels,
+            ..Default::default()
+        },
     };
     let mut phase = Phase::default();
     let mut ids = Vec::with_capacity(args.count as usize);

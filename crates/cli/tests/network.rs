@@ -1,6 +1,7 @@
 //! Sandbox networking end to end, through the public API, in a Debian container sandbox (root;
 //! CI runs as root): DNS through the edge's proxy, allow-lists by domain and network, live
-//! updates, a project's ceiling, an edge restart, and a stop that leaves nothing.
+//! updates, a project's ceiling, an edge restart, a warm pool member claimed with its
+//! template's rules, and a stop that leaves nothing.
 //!
 //! Hermetic: the whole cluster runs in a network namespace of the test's own whose only way
 //! out is the test world (`opendsec_testkit::netns`); the edge's upstream resolver is the
@@ -60,6 +61,8 @@ fn egress_rules_through_the_public_api() {
         let mut f = fixture_with(|cfg| {
             cfg.network.enabled = true;
             cfg.network.upstream_dns = vec![DNS.to_string()];
+            cfg.edge.backends.push("fncall".into());
+            cfg.edge.pool_refresh = Duration::from_millis(200);
         })
         .await;
         import(&f.ca, &f.addr, &f.cluster.admin_token, &debian_rootfs(), &f.store, "debian:bookworm").await;
@@ -130,9 +133,46 @@ fn egress_rules_through_the_public_api() {
         assert_eq!(e.reason.as_str(), "permission_denied");
         assert!(e.message.contains("\"*\""), "{}", e.message);
 
-        // A stop leaves nothing: no veth, no element.
+        // A warm pool's member, claimed, has the template's rules and its own address; idle
+        // members are attached already (their veth is up before the claim).
+        let template = pb::PoolTemplate {
+            image: "debian:bookworm".into(),
+            backend: "fncall".into(),
+            resources: Some(pb::Resources { cpu_millis: 1000, memory_mb: 256, disk_mb: 256, gpus: 0 }),
+            egress: vec!["203.0.113.0/24:tcp/80".into()],
+            ..Default::default()
+        };
+        let pool = pb::Pool { name: "net".into(), template: Some(template), size_per_edge: 1, ..Default::default() };
+        f.admin.create_pool(pb::CreatePoolRequest { pool: Some(pool) }).await.unwrap();
+        let idle = || async {
+            let p = f.admin.get_pool(pb::GetPoolRequest { project: "root".into(), name: "net".into() }).await.unwrap();
+            p.edges.first().map_or(0, |e| e.idle)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while idle().await < 1 {
+            assert!(std::time::Instant::now() < deadline, "the pool never filled");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let links_before = leftovers().0;
+        let m = f.admin.create_sandbox(pb::SandboxSpec { pool: "net".into(), ..Default::default() }).await.unwrap();
+        assert!(m.address.starts_with("10.88.") && m.address != sb.address, "{}", m.address);
+        let in_member = |cmd: String| {
+            let mut r = r.clone();
+            let id = m.id.clone();
+            async move { out(&exec_in(&mut r, &id, "s", &cmd).await) }
+        };
+        assert_eq!(in_member(get("http://203.0.113.10/")).await, "hello 203.0.113.10:80");
+        assert_eq!(in_member(resolve("allowed.test")).await, "ERR gaierror", "only the template's rules");
+        assert!(in_member(get("http://198.51.100.10/")).await.starts_with("ERR"));
+        // The claim's veth is the member's: no new link for the claim itself (the refill
+        // adds one).
+        assert!(leftovers().0 <= links_before + 1);
+
+        // A stop leaves nothing: no veth, no element (the pool's members go with the pool).
         assert!(leftovers().0 >= 1);
         f.admin.stop_sandbox(&sb.id).await.unwrap();
-        until("the sandbox's network is gone", Duration::from_secs(30), || leftovers() == (0, 0)).await;
+        f.admin.stop_sandbox(&m.id).await.unwrap();
+        f.admin.delete_pool(pb::DeletePoolRequest { project: "root".into(), name: "net".into() }).await.unwrap();
+        until("the sandboxes' network is gone", Duration::from_secs(30), || leftovers() == (0, 0)).await;
     });
 }

@@ -140,6 +140,7 @@ async fn a_rollout_never_hands_out_a_stale_member_and_busy_ones_run_on() {
     wait_pool(&admin, "roll", "two idle members", |s| s.idle == 2).await;
     let busy = admin.create_sandbox(claim("roll")).await.unwrap();
     assert_eq!(out(&exec_in(&mut rt, &busy.id, "s", "echo $REV").await), "1");
+    wait_pool(&admin, "roll", "the claim counted", |s| s.claims == 1).await;
     wait_pool(&admin, "roll", "refilled", |s| s.idle == 2).await;
     let old_revision = on_edge(&admin, "roll").await.revision;
 
@@ -171,6 +172,8 @@ async fn a_restarted_edge_keeps_its_members_and_a_miss_goes_cold() {
     admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("keep", 2, &[])) }).await.unwrap();
     wait_pool(&admin, "keep", "two idle members", |s| s.idle == 2).await;
     let claimed = admin.create_sandbox(claim("keep")).await.unwrap();
+    // (The pool's state comes with the cluster snapshot, a moment late: the claim first.)
+    wait_pool(&admin, "keep", "the claim counted", |s| s.claims == 1).await;
     wait_pool(&admin, "keep", "refilled", |s| s.idle == 2).await;
     let dirs: Vec<String> = std::fs::read_dir(&f.containers)
         .unwrap()
@@ -198,9 +201,23 @@ async fn a_restarted_edge_keeps_its_members_and_a_miss_goes_cold() {
     assert_eq!(a, b, "the members survived the restart");
     let mut rt = runtime(&f.ca, &f.addr, &f.cluster.admin_token);
     assert_eq!(out(&exec_in(&mut rt, &claimed.id, "s", "echo $OPENDSEC_SANDBOX_ID").await), claimed.id);
-    // Their room is still counted: the edge reports what members hold.
-    let s = on_edge(&admin, "keep").await;
-    assert_eq!(s.idle, 2);
+    // A `fncall` creation naming no pool but exactly a pool's template takes its member.
+    let t = pool("keep", 2, &[]).template.unwrap();
+    let matching = pb::SandboxSpec {
+        image: t.image.clone(),
+        backend: "fncall".into(),
+        resources: t.resources,
+        ..Default::default()
+    };
+    let m = admin.create_sandbox(matching.clone()).await.unwrap();
+    wait_pool(&admin, "keep", "the matching creation claimed", |s| s.claims == 1).await;
+    assert_eq!(out(&exec_in(&mut rt, &m.id, "s", "echo $OPENDSEC_SANDBOX_ID").await), m.id);
+    // Another template (more memory) is no match: made cold.
+    let other =
+        pb::SandboxSpec { resources: Some(pb::Resources { memory_mb: 128, ..t.resources.unwrap() }), ..matching };
+    admin.create_sandbox(other).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(on_edge(&admin, "keep").await.claims, 1);
 
     // A pool with no idle member: the creation falls back to a cold one, counted as a miss.
     admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("empty", 0, &[("E", "1")])) }).await.unwrap();

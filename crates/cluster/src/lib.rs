@@ -518,7 +518,7 @@ fn build_backends(
             "sim" => out.push(sim.clone()),
             "container" | "fncall" if containers.is_some() => {
                 let c = containers.clone().expect("checked");
-                out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::Fncall(c)) });
+                out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::container::Fncall(c)) });
             }
             "container" | "fncall" => {
                 let err = |source| ClusterError::Backend { edge: name.into(), backend: b.clone(), source };
@@ -556,7 +556,7 @@ fn build_backends(
                 };
                 let c = Arc::new(ContainerBackend::new(opts).map_err(err)?);
                 containers = Some(c.clone());
-                out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::Fncall(c)) });
+                out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::container::Fncall(c)) });
             }
             other => return Err(ClusterError::BackendUnavailable(other.into())),
         }

@@ -214,6 +214,14 @@ mod tests {
     }
 
     #[test]
+    fn the_agents_control_service_is_nobodys_over_the_network() {
+        // The edge calls it on a sandbox's own socket; no internal server may take it.
+        assert!(allowed("/opendsec.v1.AgentControl/SetIdentity").is_empty());
+        assert_eq!(allowed("/opendsec.v1.Iam/ListAllPools"), &[Edge]);
+        assert_eq!(allowed("/opendsec.v1.Iam/ResolvePool"), &[Apiserver]);
+    }
+
+    #[test]
     fn every_method_of_the_internal_services_has_a_row() {
         let protos = [
             (include_str!("../../../proto/opendsec/v1/iam.proto"), "Iam"),

@@ -28,6 +28,22 @@ pub struct PoolTemplate {
 }
 
 impl PoolTemplate {
+    /// The template of a pool message (egress rules as sent, in text form).
+    pub fn from_pb(t: &opendsec_proto::v1::PoolTemplate) -> PoolTemplate {
+        let r = t.resources.unwrap_or_default();
+        PoolTemplate {
+            image: t.image.clone(),
+            backend: t.backend.clone(),
+            cpu_millis: r.cpu_millis,
+            memory_mb: r.memory_mb,
+            disk_mb: r.disk_mb,
+            env: t.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            egress: t.egress.clone(),
+            user: t.user.clone(),
+            workdir: t.workdir.clone(),
+        }
+    }
+
     /// The template as it is hashed: egress rules sorted and deduplicated.
     pub fn canonical(&self) -> PoolTemplate {
         let mut t = self.clone();

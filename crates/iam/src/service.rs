@@ -94,22 +94,10 @@ pub fn resources_to_pb(r: &Resources) -> pb::Resources {
 /// A pool from a request: the template as IAM keeps it (env sorted, egress as text).
 pub fn pool_from_pb(p: Option<pb::Pool>) -> Result<crate::model::PoolRecord, Status> {
     let p = p.ok_or_else(|| opendsec_common::ApiError::invalid("pool is required").to_status())?;
-    let t = p.template.unwrap_or_default();
-    let r = t.resources.unwrap_or_default();
     Ok(crate::model::PoolRecord {
+        template: opendsec_common::pool::PoolTemplate::from_pb(&p.template.unwrap_or_default()),
         project: p.project,
         name: p.name,
-        template: opendsec_common::pool::PoolTemplate {
-            image: t.image,
-            backend: t.backend,
-            cpu_millis: r.cpu_millis,
-            memory_mb: r.memory_mb,
-            disk_mb: r.disk_mb,
-            env: t.env.into_iter().collect(),
-            egress: t.egress,
-            user: t.user,
-            workdir: t.workdir,
-        },
         size_per_edge: p.size_per_edge,
         created_at_ms: 0,
         updated_at_ms: 0,

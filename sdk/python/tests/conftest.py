@@ -89,7 +89,7 @@ def _import_debian(local: LocalCluster) -> Optional[str]:
 def cluster() -> Iterator[Cluster]:
     if not CTL.exists():
         pytest.fail(f"{CTL} is not built: run `cargo build -p opendsec-cli` (make sdk-test does)")
-    local = LocalCluster(CTL, ("sim", "container"), prefix="opendsec-sdk-test.")
+    local = LocalCluster(CTL, ("sim", "container", "fncall"), prefix="opendsec-sdk-test.")
     try:
         c = Cluster(local)
         # The image is needed by every backend (sim too); running containers needs root.

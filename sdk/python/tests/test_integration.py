@@ -230,6 +230,32 @@ async def test_snapshot_and_create_from_it(container) -> None:
             await sb.snapshot("Not A Name")
 
 
+async def test_create_from_a_warm_pool(container) -> None:
+    async with client(container) as c:
+        await c.create_pool("sdk-warm", IMG, 1, cpu=500, memory_mb=128, disk_mb=64, env={"MODE": "warm"})
+        try:
+            for _ in range(600):
+                p = await c.get_pool("sdk-warm")
+                if p.edges and p.edges[0].idle >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"the pool never had an idle member: {p}")
+            sb = await c.create_sandbox(pool="sdk-warm", env={"TASK": "7"}, labels={"k": "v"})
+            try:
+                assert sb.info.spec.pool == "sdk-warm" and sb.info.spec.image == IMG
+                r = await sb.run_shell("echo $OPENDSEC_SANDBOX_ID $MODE $TASK; cat /run/opendsec/sandbox-id")
+                assert r.stdout == f"{sb.id} warm 7\n{sb.id}\n"
+            finally:
+                await sb.stop()
+            with pytest.raises(ValueError):
+                await c.create_sandbox(pool="sdk-warm", image=IMG)
+            with pytest.raises(ValueError):
+                await c.create_sandbox()
+        finally:
+            await c.delete_pool("sdk-warm")
+
+
 async def test_fork_as_a_list_and_as_an_iterator(container) -> None:
     async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
         await sb.run_shell("echo branch-point > /etc/state")

@@ -841,6 +841,61 @@ impl AgentAccess for ContainerBackend {
     }
 }
 
+/// The `fncall` backend: container sandboxes, claimed from warm pools when they can be (the
+/// edge's pools start members of this backend ahead of time), started cold otherwise. One
+/// container runtime serves both names; its clean-up covers both.
+#[derive(Debug)]
+pub struct Fncall(pub Arc<ContainerBackend>);
+
+#[async_trait]
+impl Backend for Fncall {
+    fn name(&self) -> &'static str {
+        "fncall"
+    }
+    async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.create(sb).await
+    }
+    async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.stop(sb).await
+    }
+    async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.pause(sb).await
+    }
+    async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.resume(sb).await
+    }
+    async fn probe(&self, id: &str) -> Result<bool, BackendError> {
+        self.0.probe(id).await
+    }
+    async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        self.0.adopt(sb).await
+    }
+    async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
+        self.0.cleanup(keep).await
+    }
+    fn usage(&self) -> Option<Usage> {
+        self.0.usage()
+    }
+    async fn metrics(&self, sb: &SandboxRecord) -> Result<super::Readings, BackendError> {
+        self.0.metrics(sb).await
+    }
+    fn networked(&self) -> bool {
+        self.0.networked()
+    }
+    fn versioned(&self) -> Option<&dyn Versioned> {
+        None
+    }
+    fn agent_access(&self) -> Option<&dyn AgentAccess> {
+        self.0.agent_access()
+    }
+    fn snapshotter(&self) -> Option<&dyn super::Snapshotter> {
+        self.0.snapshotter()
+    }
+    fn warm(&self) -> Option<&dyn super::Warm> {
+        self.0.warm()
+    }
+}
+
 /// Sets the hostname of the sandbox whose PID 1 is `pid`, from a thread that joins its UTS
 /// namespace and ends (the edge's other threads keep the host's).
 fn set_hostname(pid: i32, name: &str) -> Result<(), BackendError> {
@@ -904,17 +959,15 @@ impl super::Warm for ContainerBackend {
         if !healthy {
             return Err(BackendError::unavailable(format!("the agent of pool member {} is gone", member.id)));
         }
+        // Always: a member taken back after a claim cut short by a crash may hold another's.
         let limits = limits_of(sb, self.opts.pids_limit);
-        let relimit = limits != limits_of(member, self.opts.pids_limit);
         let net = self.opts.network.clone().filter(|_| sb.net_slot != 0);
         let (mid, sid, rules) = (member.id.clone(), sb.id.clone(), sb.spec.egress_rules());
         let same_rules = sb.spec.egress_rules() == member.spec.egress_rules();
         let (pid, hostname) = (sandbox.pid, sb.lease_id.clone());
         let setup = blocking(move || {
             set_hostname(pid, &hostname)?;
-            if relimit {
-                sandbox.cgroup.set_limits(&limits).map_err(|e| BackendError::internal("limits").caused_by(e))?;
-            }
+            sandbox.cgroup.set_limits(&limits).map_err(|e| BackendError::internal("limits").caused_by(e))?;
             if let Some(net) = net {
                 net.rename(&mid, &sid).map_err(net_err)?;
                 if !same_rules {

@@ -115,61 +115,6 @@ pub trait Warm: Send + Sync {
     async fn claim(&self, member: &SandboxRecord, sb: &SandboxRecord) -> Result<(), BackendError>;
 }
 
-/// The `fncall` backend: container sandboxes, claimed from warm pools when they can be (the
-/// edge's pools start members of this backend ahead of time), started cold otherwise. One
-/// container runtime serves both names; its clean-up covers both.
-#[derive(Debug)]
-pub struct Fncall(pub std::sync::Arc<container::ContainerBackend>);
-
-#[async_trait]
-impl Backend for Fncall {
-    fn name(&self) -> &'static str {
-        "fncall"
-    }
-    async fn create(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        self.0.create(sb).await
-    }
-    async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        self.0.stop(sb).await
-    }
-    async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        self.0.pause(sb).await
-    }
-    async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        self.0.resume(sb).await
-    }
-    async fn probe(&self, id: &str) -> Result<bool, BackendError> {
-        self.0.probe(id).await
-    }
-    async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        self.0.adopt(sb).await
-    }
-    async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
-        self.0.cleanup(keep).await
-    }
-    fn usage(&self) -> Option<Usage> {
-        self.0.usage()
-    }
-    async fn metrics(&self, sb: &SandboxRecord) -> Result<Readings, BackendError> {
-        self.0.metrics(sb).await
-    }
-    fn networked(&self) -> bool {
-        self.0.networked()
-    }
-    fn versioned(&self) -> Option<&dyn Versioned> {
-        None
-    }
-    fn agent_access(&self) -> Option<&dyn AgentAccess> {
-        self.0.agent_access()
-    }
-    fn snapshotter(&self) -> Option<&dyn Snapshotter> {
-        self.0.snapshotter()
-    }
-    fn warm(&self) -> Option<&dyn Warm> {
-        self.0.warm()
-    }
-}
-
 /// A snapshot a backend took: the layer it stored and what the sandbox stands on.
 #[derive(Clone, Debug)]
 pub struct SnapshotTaken {

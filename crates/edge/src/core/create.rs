@@ -35,10 +35,15 @@ impl Inner {
                 self.count_miss(&spec.project, &spec.pool);
                 None
             }
-            (true, _) => None,
+            // `fncall` without a pool: a member of a pool with exactly this template, if any.
+            (true, true) => self.claim_matching(spec),
+            (true, false) => None,
         };
         if let Some(m) = member {
-            return self.create_claimed(req.clone(), backend.clone(), m).await;
+            let r = self.create_claimed(req.clone(), backend.clone(), m).await;
+            // Top the pool up now that the claim is answered.
+            self.pool_wake.notify_one();
+            return r;
         }
         if let Some(dim) = admission::pressure_refusal(&self.pressure()) {
             return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: format!("{dim} pressure") });
@@ -57,27 +62,7 @@ impl Inner {
                 n.unreserve(crate::netpol::Slot(slot));
             }
         };
-        let now = self.clock.now_ms();
-        let rec = SandboxRecord {
-            version: RECORD_VERSION,
-            id: ids::sandbox_id(&self.name, lease),
-            edge: self.name.clone(),
-            lease_id: lease.to_string(),
-            principal: req.principal.clone(),
-            spec: SpecRecord::from_proto(spec),
-            state: SandboxStatus::Creating,
-            created_at_ms: now,
-            updated_at_ms: now,
-            last_active_ms: now,
-            paused_since_ms: 0,
-            end_reason: String::new(),
-            ended_at_ms: 0,
-            lease_released: false,
-            net_slot: slot,
-            member: String::new(),
-            pool: String::new(),
-            pool_revision: String::new(),
-        };
+        let rec = self.new_record(lease, &req.principal, SpecRecord::from_proto(spec), slot);
         let rec = Arc::new(rec);
         let op = OpLock::default();
         // Held until the creation is settled: a concurrent retry or stop waits for it.
@@ -162,26 +147,11 @@ impl Inner {
     ) -> Result<Sandbox, EdgeError> {
         let spec = req.spec.as_ref().expect("checked by create");
         let lease = req.lease_id.as_str();
-        let now = self.clock.now_ms();
         let rec = Arc::new(SandboxRecord {
-            version: RECORD_VERSION,
-            id: ids::sandbox_id(&self.name, lease),
-            edge: self.name.clone(),
-            lease_id: lease.to_string(),
-            principal: req.principal.clone(),
-            spec: SpecRecord::from_proto(spec),
-            state: SandboxStatus::Creating,
-            created_at_ms: now,
-            updated_at_ms: now,
-            last_active_ms: now,
-            paused_since_ms: 0,
-            end_reason: String::new(),
-            ended_at_ms: 0,
-            lease_released: false,
-            net_slot: member.net_slot,
             member: member.id.clone(),
             pool: member.pool.clone(),
             pool_revision: member.pool_revision.clone(),
+            ..self.new_record(lease, &req.principal, SpecRecord::from_proto(spec), member.net_slot)
         });
         let op = OpLock::default();
         let guard = op.clone().lock_owned().await;
@@ -210,7 +180,9 @@ impl Inner {
                 return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() });
             }
         }
-        if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
+        // The intent need not survive a crash: without it the member is the pool's again after
+        // a restart, and a claim sets everything of a member anew (id, env, limits, rules).
+        if let Err(e) = self.persist(&rec, WriteMode::Lazy).await {
             self.table().remove(lease);
             self.activity.forget(lease);
             self.discard_member(&member).await;
@@ -256,6 +228,31 @@ impl Inner {
             self.releases.push_check(lease.to_string());
         }
         Ok(self.to_proto(&running))
+    }
+
+    /// The first record of a sandbox of this edge: CREATING, now.
+    pub(super) fn new_record(&self, lease: &str, principal: &str, spec: SpecRecord, net_slot: u32) -> SandboxRecord {
+        let now = self.clock.now_ms();
+        SandboxRecord {
+            version: RECORD_VERSION,
+            id: ids::sandbox_id(&self.name, lease),
+            edge: self.name.clone(),
+            lease_id: lease.to_string(),
+            principal: principal.to_string(),
+            spec,
+            state: SandboxStatus::Creating,
+            created_at_ms: now,
+            updated_at_ms: now,
+            last_active_ms: now,
+            paused_since_ms: 0,
+            end_reason: String::new(),
+            ended_at_ms: 0,
+            lease_released: false,
+            net_slot,
+            member: String::new(),
+            pool: String::new(),
+            pool_revision: String::new(),
+        }
     }
 
     pub(super) async fn existing(&self, op: OpLock, lease: &str) -> Result<Sandbox, EdgeError> {

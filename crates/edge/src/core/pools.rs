@@ -81,19 +81,7 @@ pub(crate) fn pool_key(project: &str, name: &str) -> String {
 
 /// A pool's template as members are started from it.
 fn template_of(p: &Pool) -> PoolTemplate {
-    let t = p.template.clone().unwrap_or_default();
-    let r = t.resources.unwrap_or_default();
-    PoolTemplate {
-        image: t.image,
-        backend: t.backend,
-        cpu_millis: r.cpu_millis,
-        memory_mb: r.memory_mb,
-        disk_mb: r.disk_mb,
-        env: t.env.into_iter().collect(),
-        egress: t.egress,
-        user: t.user,
-        workdir: t.workdir,
-    }
+    PoolTemplate::from_pb(&p.template.clone().unwrap_or_default())
 }
 
 impl Inner {
@@ -121,9 +109,47 @@ impl Inner {
         let id = e.members.claim()?;
         let rec = records.remove(&id)?;
         used.sub(rec.resources());
-        drop(g);
-        self.pool_wake.notify_one();
+        // The refill is started once the claim is done (`create_claimed`): starting a member
+        // takes the CPU a claim needs.
         Some(rec)
+    }
+
+    /// A `fncall` creation naming no pool takes an idle member of a pool of its project whose
+    /// template is exactly the spec's (same revision), when there is one.
+    pub(crate) fn claim_matching(&self, spec: &opendsec_proto::v1::SandboxSpec) -> Option<Arc<SandboxRecord>> {
+        let r = spec.resources.unwrap_or_default();
+        let mut egress: Vec<String> = spec
+            .network
+            .iter()
+            .flat_map(|n| n.egress.iter())
+            .filter_map(|e| opendsec_common::egress::Rule::from_pb(e).ok())
+            .map(|e| e.to_string())
+            .collect();
+        egress.sort();
+        let t = PoolTemplate {
+            image: spec.image.clone(),
+            backend: spec.backend.clone(),
+            cpu_millis: r.cpu_millis,
+            memory_mb: r.memory_mb,
+            disk_mb: r.disk_mb,
+            env: spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            egress,
+            user: spec.user.clone(),
+            workdir: spec.workdir.clone(),
+        };
+        if spec.backend != "fncall" || r.gpus > 0 || !spec.masked_paths.is_empty() || !spec.readonly_paths.is_empty() {
+            return None;
+        }
+        let revision = t.revision();
+        let name = {
+            let g = self.pools();
+            let prefix = format!("{}/", spec.project);
+            g.entries
+                .iter()
+                .find(|(k, e)| k.starts_with(&prefix) && e.members.revision() == revision && e.members.idle() > 0)
+                .map(|(k, _)| k[prefix.len()..].to_string())?
+        };
+        self.claim_member(&spec.project, &name, &revision)
     }
 
     /// Counts a creation naming a pool this edge has no entry for (or a backend without
@@ -260,49 +286,36 @@ impl Inner {
     /// The record a member of `pool` is started with.
     fn member_record(&self, pool: &Pool, id: &str, revision: &str) -> SandboxRecord {
         let t = template_of(pool);
-        let now = self.clock.now_ms();
         let (_, lease) = ids::split_sandbox_id(id).unwrap_or(("", id));
-        SandboxRecord {
-            version: RECORD_VERSION,
-            id: id.to_string(),
-            edge: self.name.clone(),
-            lease_id: lease.to_string(),
-            principal: String::new(),
-            spec: SpecRecord {
-                project: pool.project.clone(),
-                image: t.image,
-                backend: t.backend,
-                resources: crate::record::ResourcesRecord {
-                    cpu_millis: t.cpu_millis,
-                    memory_mb: t.memory_mb,
-                    disk_mb: t.disk_mb,
-                    gpus: 0,
-                },
-                env: t.env,
-                user: t.user,
-                workdir: t.workdir,
-                egress: Some(
-                    t.egress
-                        .iter()
-                        .filter_map(|r| opendsec_common::egress::Rule::parse(r).ok())
-                        .map(|r| r.to_string())
-                        .collect(),
-                ),
-                pool: pool.name.clone(),
-                ..Default::default()
+        let spec = SpecRecord {
+            project: pool.project.clone(),
+            image: t.image,
+            backend: t.backend,
+            resources: crate::record::ResourcesRecord {
+                cpu_millis: t.cpu_millis,
+                memory_mb: t.memory_mb,
+                disk_mb: t.disk_mb,
+                gpus: 0,
             },
-            state: SandboxStatus::Creating,
-            created_at_ms: now,
-            updated_at_ms: now,
-            last_active_ms: now,
-            paused_since_ms: 0,
-            end_reason: String::new(),
-            ended_at_ms: 0,
+            env: t.env,
+            user: t.user,
+            workdir: t.workdir,
+            egress: Some(
+                t.egress
+                    .iter()
+                    .filter_map(|r| opendsec_common::egress::Rule::parse(r).ok())
+                    .map(|r| r.to_string())
+                    .collect(),
+            ),
+            pool: pool.name.clone(),
+            ..Default::default()
+        };
+        SandboxRecord {
+            // No lease: nothing of IAM's is released when it goes.
             lease_released: true,
-            net_slot: 0,
-            member: String::new(),
             pool: pool_key(&pool.project, &pool.name),
             pool_revision: revision.to_string(),
+            ..self.new_record(lease, "", spec, 0)
         }
     }
 

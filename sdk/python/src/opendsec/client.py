@@ -350,11 +350,11 @@ class AsyncClient:
         self,
         *,
         backend: str,
-        image: str,
-        cpu: int,
-        memory_mb: int,
-        disk_mb: int,
-        gpus: int,
+        image: Optional[str],
+        cpu: Optional[int],
+        memory_mb: Optional[int],
+        disk_mb: Optional[int],
+        gpus: Optional[int],
         project: Optional[str],
         labels: Optional[Mapping[str, str]],
         env: Optional[Mapping[str, str]],
@@ -365,14 +365,42 @@ class AsyncClient:
         workdir: str,
         best_effort: bool,
         egress: Optional[Sequence[str]] = None,
+        pool: Optional[str] = None,
     ) -> pb.SandboxSpec:
+        if pool:
+            # The pool's template gives these: naming them too would be ambiguous.
+            given = [
+                name
+                for name, v in (
+                    ("backend", backend), ("image", image), ("cpu", cpu), ("memory_mb", memory_mb),
+                    ("disk_mb", disk_mb), ("gpus", gpus), ("user", user), ("workdir", workdir), ("egress", egress),
+                )
+                if v not in (None, "")
+            ]
+            if given:
+                raise ValueError(f"pool {pool!r} fixes {', '.join(given)}: leave them out")
+            return pb.SandboxSpec(
+                project=self.project if project is None else project,
+                pool=pool,
+                ttl_running_stop_s=ttl_running_stop_s,
+                ttl_max_s=ttl_max_s,
+                ttl_paused_s=ttl_paused_s,
+                env=dict(env or {}),
+                labels=dict(labels or {}),
+                priority=pb.PRIORITY_BEST_EFFORT if best_effort else pb.PRIORITY_GUARANTEED,
+            )
         if not backend:
-            raise ValueError("backend is required (e.g. 'container', 'sim'): callers choose it")
+            raise ValueError("backend (e.g. 'container', 'sim') or pool is required: callers choose it")
         return pb.SandboxSpec(
             project=self.project if project is None else project,
-            image=image,
+            image=DEFAULT_IMAGE if image is None else image,
             backend=backend,
-            resources=pb.Resources(cpu_millis=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus),
+            resources=pb.Resources(
+                cpu_millis=DEFAULT_CPU_MILLIS if cpu is None else cpu,
+                memory_mb=DEFAULT_MEMORY_MB if memory_mb is None else memory_mb,
+                disk_mb=DEFAULT_DISK_MB if disk_mb is None else disk_mb,
+                gpus=gpus or 0,
+            ),
             ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s,
             ttl_paused_s=ttl_paused_s,
@@ -386,13 +414,14 @@ class AsyncClient:
 
     async def create_sandbox(
         self,
-        backend: str,
-        image: str = DEFAULT_IMAGE,
+        backend: str = "",
+        image: Optional[str] = None,
         *,
-        cpu: int = DEFAULT_CPU_MILLIS,
-        memory_mb: int = DEFAULT_MEMORY_MB,
-        disk_mb: int = DEFAULT_DISK_MB,
-        gpus: int = 0,
+        pool: Optional[str] = None,
+        cpu: Optional[int] = None,
+        memory_mb: Optional[int] = None,
+        disk_mb: Optional[int] = None,
+        gpus: Optional[int] = None,
         project: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -408,9 +437,16 @@ class AsyncClient:
         """Creates one sandbox and returns it once running.
 
         Args:
-            backend: ``"container"``, ``"sim"``, ``"microvm"``, ... (required: callers choose).
+            backend: ``"container"``, ``"fncall"``, ``"sim"``, ``"microvm"``, ... (required
+                unless ``pool`` is given: callers choose).
             image: ``repo[:tag]``, looked up in the project and its ancestors (default
                 ``scratch``, an empty image every new cluster has in ``root``).
+            pool: claim an idle member of this warm pool of the project
+                (:meth:`create_pool`): its template gives the image, backend, resources,
+                egress, user and workdir (giving one of them too is a ``ValueError``);
+                ``env`` is added to the template's, labels and TTLs are yours. Without an idle
+                member the sandbox is created cold from the template (a miss). Either way it
+                knows its id (``$OPENDSEC_SANDBOX_ID``, ``/run/opendsec/sandbox-id``).
             cpu: millicores; memory_mb/disk_mb: MiB (defaults as ``opendsecctl``: 1000,
                 1024, 10240).
             gpus: GPUs to reserve (default 0).
@@ -442,7 +478,7 @@ class AsyncClient:
             backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
-            egress=egress,
+            egress=egress, pool=pool,
         )
         own = lease_id is None
         lease = [new_lease_id() if own else check_lease_id(lease_id)]
@@ -462,13 +498,14 @@ class AsyncClient:
     async def create_sandboxes(
         self,
         n: int,
-        backend: str,
-        image: str = DEFAULT_IMAGE,
+        backend: str = "",
+        image: Optional[str] = None,
         *,
-        cpu: int = DEFAULT_CPU_MILLIS,
-        memory_mb: int = DEFAULT_MEMORY_MB,
-        disk_mb: int = DEFAULT_DISK_MB,
-        gpus: int = 0,
+        pool: Optional[str] = None,
+        cpu: Optional[int] = None,
+        memory_mb: Optional[int] = None,
+        disk_mb: Optional[int] = None,
+        gpus: Optional[int] = None,
         project: Optional[str] = None,
         labels: Optional[Mapping[str, str]] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -507,7 +544,7 @@ class AsyncClient:
             backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
-            egress=egress,
+            egress=egress, pool=pool,
         )
         results: List[Any] = [None] * n
         # Made at the first refusal: the budget is for asking again, not for the first call
@@ -720,7 +757,9 @@ class AsyncClient:
         return Sandbox(self, await self._unary("Sandboxes", "UpdateNetwork", req))
 
     @contextlib.asynccontextmanager
-    async def run_sandbox(self, backend: str, image: str = DEFAULT_IMAGE, **kwargs: Any) -> AsyncIterator["Sandbox"]:
+    async def run_sandbox(
+        self, backend: str = "", image: Optional[str] = None, **kwargs: Any
+    ) -> AsyncIterator["Sandbox"]:
         """``async with client.run_sandbox("container", "python:3") as sb:`` creates a sandbox
         (same arguments as :meth:`create_sandbox`) and stops it on exit, error or not."""
         sb = await self.create_sandbox(backend, image, **kwargs)
@@ -892,7 +931,9 @@ class AsyncClient:
         return await self._unary("Admin", "UpdatePool", pb.UpdatePoolRequest(pool=pool))
 
     async def get_pool(self, name: str, project: Optional[str] = None) -> pb.Pool:
-        """The pool ``name`` of the project (``not_found`` if none)."""
+        """The pool ``name`` of the project (``not_found`` if none), with ``edges``: its
+        state on each edge keeping members (``idle``, ``starting``, ``stale``, ``claims``,
+        ``misses``, ``refill_p50_ms``), as of the apiserver's latest cluster snapshot."""
         req = pb.GetPoolRequest(project=self.project if project is None else project, name=name)
         return await self._unary("Admin", "GetPool", req)
 

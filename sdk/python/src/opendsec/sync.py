@@ -145,7 +145,7 @@ class Client(_Proxy):
         return self._target
 
     @contextlib.contextmanager
-    def run_sandbox(self, backend: str, image: str = DEFAULT_IMAGE, **kwargs: Any) -> Iterator[SyncSandbox]:
+    def run_sandbox(self, backend: str = "", image: Optional[str] = None, **kwargs: Any) -> Iterator[SyncSandbox]:
         """Creates a sandbox and stops it on exit (see :meth:`AsyncClient.run_sandbox`)."""
         cm = self._target.run_sandbox(backend, image, **kwargs)
         sb = self._loop.run(cm.__aenter__())
