@@ -1,8 +1,9 @@
 //! Warm pools end to end, as root: an edge offering `fncall` starts members of a pool ahead of
 //! time; a creation naming the pool takes one and gets its own id, hostname, env, labels and
 //! limits inside; a template change never hands out a member of the old template and replaces
-//! only idle members; a restarted edge keeps its members; a pool without idle members falls
-//! back to a cold creation, counted; and the refusals (another tenant, a contradicting spec, a
+//! only idle members; a restarted edge keeps its members; an idle member whose agent dies is
+//! replaced, never handed out; a `fncall` spec matching a pool's template takes its member; a
+//! pool without idle members falls back to a cold creation, counted; and the refusals (another tenant, a contradicting spec, a
 //! pool over its project's quota, an unknown pool).
 
 mod common;
@@ -51,6 +52,23 @@ async fn wait_pool(admin: &opendsec_client::Client, name: &str, what: &str, ok: 
         assert!(std::time::Instant::now() < deadline, "pool {name}: {what} never happened; last {s:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The host pid of the agent (PID 1) of the container named `dir`: the oldest process of
+/// its cgroup running the agent.
+fn pid1_of(dir: &str) -> Option<i32> {
+    let mut pids: Vec<i32> = std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            cg.contains(dir) && String::from_utf8_lossy(&cmd).contains("aether")
+        })
+        .collect();
+    pids.sort();
+    pids.first().copied()
 }
 
 fn claim(name: &str) -> pb::SandboxSpec {
@@ -218,6 +236,25 @@ async fn a_restarted_edge_keeps_its_members_and_a_miss_goes_cold() {
     admin.create_sandbox(other).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(on_edge(&admin, "keep").await.claims, 1);
+
+    // An idle member whose PID 1 dies is replaced, never handed out.
+    // (An idle member still carries its own member id; a claimed one its sandbox's.)
+    let (victim, pid) = std::fs::read_dir(&f.containers)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".pm-"))
+        .filter_map(|d| Some((d.clone(), pid1_of(&d)?)))
+        .find(|(_, pid)| {
+            let id = std::fs::read_to_string(format!("/proc/{pid}/root/run/opendsec/sandbox-id")).unwrap_or_default();
+            id.contains(".pm-")
+        })
+        .expect("an idle member");
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid).unwrap(), rustix::process::Signal::KILL).unwrap();
+    until("the dead member is gone", Duration::from_secs(60), || !f.containers.join(&victim).exists()).await;
+    wait_pool(&admin, "keep", "replaced", |s| s.idle == 2).await;
+    let again = admin.create_sandbox(claim("keep")).await.unwrap();
+    assert_eq!(out(&exec_in(&mut rt, &again.id, "s", "echo $OPENDSEC_SANDBOX_ID").await), again.id);
 
     // A pool with no idle member: the creation falls back to a cold one, counted as a miss.
     admin.create_pool(pb::CreatePoolRequest { pool: Some(pool("empty", 0, &[("E", "1")])) }).await.unwrap();

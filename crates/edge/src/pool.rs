@@ -91,6 +91,20 @@ impl Members {
         Some(m.state)
     }
 
+    /// Idle members (any revision), by id.
+    pub fn idle_ids(&self) -> Vec<String> {
+        self.members.iter().filter(|(_, m)| m.state == MemberState::Idle).map(|(id, _)| id.clone()).collect()
+    }
+
+    /// An idle member found broken: it is to be stopped (and replaced by the next plan).
+    pub fn retire(&mut self, id: &str) {
+        if let Some(m) = self.members.get_mut(id)
+            && m.state == MemberState::Idle
+        {
+            m.state = MemberState::Stopping;
+        }
+    }
+
     /// Member `id` failed to start, or was stopped, or died: it is gone.
     pub fn gone(&mut self, id: &str) {
         self.members.remove(id);
@@ -224,6 +238,8 @@ mod tests {
         Claim,
         Rollout(u8, u32),
         StopDone(usize),
+        /// An idle member found dead.
+        Retire(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -234,6 +250,7 @@ mod tests {
             4 => Just(Op::Claim),
             1 => (0u8..4, 0u32..5).prop_map(|(r, n)| Op::Rollout(r, n)),
             2 => (0usize..16).prop_map(Op::StopDone),
+            1 => (0usize..16).prop_map(Op::Retire),
         ]
     }
 
@@ -282,6 +299,15 @@ mod tests {
                         }
                     }
                     Op::Rollout(r, n) => p.set_template(&format!("r{r}"), n),
+                    Op::Retire(i) => {
+                        let idle = p.idle_ids();
+                        if !idle.is_empty() {
+                            let id = idle[i % idle.len()].clone();
+                            p.retire(&id);
+                            // Never handed out again.
+                            prop_assert_eq!(p.members[&id].state, MemberState::Stopping);
+                        }
+                    }
                     Op::StopDone(i) => {
                         let stopping: Vec<String> = p.members.iter().filter(|(_, m)| m.state == MemberState::Stopping).map(|(id, _)| id.clone()).collect();
                         if !stopping.is_empty() {

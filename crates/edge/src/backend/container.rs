@@ -902,7 +902,14 @@ fn set_hostname(pid: i32, name: &str) -> Result<(), BackendError> {
     let path = format!("/proc/{pid}/ns/uts");
     let name = name.to_string();
     std::thread::spawn(move || -> Result<(), String> {
+        use std::os::unix::fs::MetadataExt;
         let ns = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+        // Never the host's own: a pid that is no longer the sandbox's would be another's.
+        let (theirs, ours) = (ns.metadata(), std::fs::metadata("/proc/self/ns/uts"));
+        match (theirs, ours) {
+            (Ok(t), Ok(o)) if (t.dev(), t.ino()) != (o.dev(), o.ino()) => {}
+            _ => return Err(format!("{path} is not a sandbox's own UTS namespace")),
+        }
         rustix::thread::move_into_link_name_space(
             std::os::fd::AsFd::as_fd(&ns),
             Some(rustix::thread::LinkNameSpaceType::HostNameAndNISDomainName),

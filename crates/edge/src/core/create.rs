@@ -29,7 +29,7 @@ impl Inner {
         })?;
         // A creation naming a pool takes an idle member of the revision it names, if this
         // edge has one (it adds no load: no pressure check); else it is made cold (a miss).
-        let member = match (spec.pool.is_empty(), backend.warm().is_some()) {
+        let take = || match (spec.pool.is_empty(), backend.warm().is_some()) {
             (false, true) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
             (false, false) => {
                 self.count_miss(&spec.project, &spec.pool);
@@ -39,6 +39,13 @@ impl Inner {
             (true, true) => self.claim_matching(spec),
             (true, false) => None,
         };
+        let mut member = take();
+        // A member whose agent went quiet is not handed out: it is stopped, the next one taken.
+        while let Some(m) = member.as_ref().filter(|m| !self.member_alive(backend, m)) {
+            tracing::warn!(member = %m.id, "a pool member's agent is gone; stopping it");
+            self.discard_member_later(m.clone());
+            member = take();
+        }
         if let Some(m) = member {
             let r = self.create_claimed(req.clone(), backend.clone(), m).await;
             // Top the pool up now that the claim is answered.

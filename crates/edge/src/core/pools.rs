@@ -182,6 +182,25 @@ impl Inner {
         self.forget_member(member).await;
     }
 
+    /// Whether a member's agent is up (its Watch stream open, its heartbeat recent).
+    pub(crate) fn member_alive(&self, backend: &Arc<dyn Backend>, member: &SandboxRecord) -> bool {
+        backend.agent_access().is_none_or(|a| a.agent(&member.id).is_ok())
+    }
+
+    /// [`Inner::discard_member`] in the background.
+    pub(crate) fn discard_member_later(&self, member: Arc<SandboxRecord>) {
+        let (backend, store) = (self.backend(&member.spec.backend).cloned(), self.member_store.clone());
+        tokio::spawn(async move {
+            if let Some(b) = backend
+                && let Err(e) = b.stop(&member).await
+            {
+                tracing::warn!(member = %member.id, error = %e, "stopping a pool member failed");
+                return;
+            }
+            let _ = tokio::task::spawn_blocking(move || store.remove(&member.lease_id)).await;
+        });
+    }
+
     /// What members hold (for capacity checks; call with the table's lock held).
     pub(crate) fn pool_used(&self) -> Totals {
         self.pools().used
@@ -233,6 +252,18 @@ impl Inner {
         {
             let mut g = self.pools();
             let Pools { entries, records, busy, .. } = &mut *g;
+            // Idle members whose agent died are stopped (the plan then starts others).
+            for e in entries.values_mut() {
+                for id in e.members.idle_ids() {
+                    let alive = records
+                        .get(&id)
+                        .is_none_or(|r| self.backend(&r.spec.backend).is_none_or(|b| self.member_alive(b, r)));
+                    if !alive {
+                        tracing::warn!(member = %id, "a pool member's agent is gone; replacing it");
+                        e.members.retire(&id);
+                    }
+                }
+            }
             let mut starting = entries.values().flat_map(|e| e.started_at.keys()).count();
             let now = Instant::now();
             entries.retain(|_, e| e.pool.is_some() || !e.members.is_empty());
