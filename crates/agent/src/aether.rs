@@ -715,9 +715,12 @@ impl opendsec_proto::v1::agent_control_server::AgentControl for ControlService {
             let text =
                 format!("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n", r.hostname);
             let hosts = std::path::Path::new("/etc/hosts");
-            // Replace, never write through: it may be a symlink.
-            let _ = std::fs::remove_file(hosts);
-            std::fs::write(hosts, text).map_err(|e| fwd(AgentError::fs("write", hosts, e)))?;
+            // As at creation: an image without /etc gets none. Replace, never write through:
+            // it may be a symlink.
+            if std::path::Path::new("/etc").is_dir() {
+                let _ = std::fs::remove_file(hosts);
+                std::fs::write(hosts, text).map_err(|e| fwd(AgentError::fs("write", hosts, e)))?;
+            }
         }
         self.0.set_identity(&r.sandbox_id, &r.env).map_err(fwd)?;
         Ok(Response::new(SetIdentityResponse {}))

@@ -92,6 +92,7 @@ pub async fn create_one(
         (None, false) => crate::pools::edge_with_members(shared, &spec.project, &spec.pool, pool_revision),
         _ => None,
     };
+    let claim = warm.is_some();
     let prefer = prefer.or(warm.as_deref());
     // A lease the client chose may be a retry of an earlier attempt: the first Admit leaves an
     // existing lease where it is, so the sandbox that attempt created is found, not doubled.
@@ -104,7 +105,7 @@ pub async fn create_one(
     let max_attempts = shared.cfg.placement.max_attempts.max(1);
     let mut attempt = 0;
     while attempt < max_attempts {
-        let placed = match shared.place(&spec.backend, resources, &tried, prefer) {
+        let placed = match shared.place(&spec.backend, resources, &tried, prefer, claim) {
             Ok(p) => p,
             Err(e) => match last_refusal {
                 // Out of edges to try: the lease was admitted, give it back.

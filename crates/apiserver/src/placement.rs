@@ -132,6 +132,10 @@ pub struct Demand<'a> {
     /// An edge to take when it fits and is not penalized (fork copies: the source's edge,
     /// which holds the snapshot's layers in its cache already).
     pub prefer: Option<&'a str>,
+    /// `prefer` holds an idle warm pool member for this creation: its room is in the edge's
+    /// allocation already and a claim adds no load, so the edge is taken whatever its fit
+    /// (healthy, not draining, not tried or penalized; the edge has the last word).
+    pub warm: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -327,6 +331,18 @@ pub fn place<R: Rng + ?Sized>(
     params: &Params,
     rng: &mut R,
 ) -> Result<usize, PlacementError> {
+    if let (true, Some(p)) = (demand.warm, demand.prefer)
+        && let Some(i) = edges.iter().position(|e| {
+            e.name == p
+                && e.healthy
+                && !e.draining
+                && e.offers(demand.backend)
+                && !tried.contains(&e.name)
+                && !penalized.contains(&e.name)
+        })
+    {
+        return Ok(i);
+    }
     let mut offering = 0u32;
     let mut skipped = SkipCounts::default();
     let mut fit = Vec::new();
@@ -503,7 +519,12 @@ mod tests {
     }
 
     fn demand(cpu: u64, mem: u64) -> Demand<'static> {
-        Demand { backend: "sim", resources: Res { cpu_millis: cpu, memory_mb: mem, disk_mb: 0, gpus: 0 }, prefer: None }
+        Demand {
+            backend: "sim",
+            resources: Res { cpu_millis: cpu, memory_mb: mem, disk_mb: 0, gpus: 0 },
+            prefer: None,
+            warm: false,
+        }
     }
 
     const PARAMS: Params = Params { k: 2, usage_floor: 0.2 };
@@ -516,7 +537,7 @@ mod tests {
     #[test]
     fn unknown_backend_is_not_found_and_full_edges_are_no_capacity() {
         let edges = vec![edge("a"), edge("b")];
-        let d = Demand { backend: "microvm", resources: Res::default(), prefer: None };
+        let d = Demand { backend: "microvm", resources: Res::default(), prefer: None, warm: false };
         let err = place_simple(&edges, &d).unwrap_err();
         assert_eq!(err, PlacementError::NoEdgeOffers { backend: "microvm".into() });
         assert_eq!(ApiError::from(&err).reason, Reason::NotFound);
@@ -561,6 +582,28 @@ mod tests {
         assert_ne!(edges[i].name, "src");
     }
 
+    #[test]
+    fn a_warm_edge_is_taken_full_as_it_is_and_only_when_usable() {
+        // Its idle member's room is in its allocation: "full" for a new sandbox, not for a claim.
+        let mut warm = edge("warm");
+        warm.allocated.cpu_millis = 64_000;
+        let edges = vec![edge("a"), warm.clone(), edge("b")];
+        let d = Demand { prefer: Some("warm"), warm: true, ..demand(1000, 1) };
+        assert_eq!(edges[place_simple(&edges, &d).unwrap()].name, "warm");
+        let cold = Demand { warm: false, ..d };
+        assert_ne!(edges[place_simple(&edges, &cold).unwrap()].name, "warm");
+        for broken in [|e: &mut EdgeView| e.healthy = false, |e: &mut EdgeView| e.draining = true] {
+            let mut w = warm.clone();
+            broken(&mut w);
+            let edges = vec![edge("a"), w];
+            assert_ne!(edges[place_simple(&edges, &d).unwrap()].name, "warm");
+        }
+        let tried: HashSet<String> = ["warm".to_string()].into();
+        let mut rng = StdRng::seed_from_u64(3);
+        let i = place(&edges, &HashMap::new(), &HashSet::new(), &tried, &d, &PARAMS, &mut rng).unwrap();
+        assert_ne!(edges[i].name, "warm");
+    }
+
     type Mutation = Box<dyn Fn(&mut EdgeView)>;
 
     #[test]
@@ -582,10 +625,11 @@ mod tests {
                 backend: "sim",
                 resources: Res { cpu_millis: 1, memory_mb: 1, disk_mb: 1, gpus: 0 },
                 prefer: None,
+                warm: false,
             };
             assert_eq!(skip_reason(&e, Extra::default(), &d), Some(want));
         }
-        let gpu = Demand { backend: "sim", resources: Res { gpus: 1, ..Res::default() }, prefer: None };
+        let gpu = Demand { backend: "sim", resources: Res { gpus: 1, ..Res::default() }, prefer: None, warm: false };
         assert_eq!(skip_reason(&base, Extra::default(), &gpu), Some(Skip::Gpus));
     }
 
@@ -745,7 +789,7 @@ mod tests {
                 .collect();
             let penalized: HashSet<String> = edges.iter().zip(&pen).filter(|(_, p)| **p).map(|(e, _)| e.name.clone()).collect();
             let tried: HashSet<String> = edges.iter().zip(&tried).filter(|(_, t)| **t).map(|(e, _)| e.name.clone()).collect();
-            let d = Demand { backend, resources: res, prefer: None };
+            let d = Demand { backend, resources: res, prefer: None, warm: false };
             let mut rng = StdRng::seed_from_u64(seed);
             let got = place(&edges, &overlay, &penalized, &tried, &d, &PARAMS, &mut rng);
 

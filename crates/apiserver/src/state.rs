@@ -249,12 +249,13 @@ impl Shared {
         resources: Res,
         tried: &HashSet<String>,
         prefer: Option<&str>,
+        warm: bool,
     ) -> Result<Placed, PlacementError> {
         let snap = self.snapshot();
         let params = Params { k: self.cfg.placement.k, usage_floor: self.cfg.placement.usage_floor };
         let mut p = self.placer.lock().unwrap_or_else(|p| p.into_inner());
         let penalized = p.penalties.active(Instant::now());
-        let demand = Demand { backend, resources, prefer };
+        let demand = Demand { backend, resources, prefer, warm };
         let i =
             placement::place(&snap.edges, p.inflight.totals(), &penalized, tried, &demand, &params, &mut rand::rng())?;
         let edge = snap.edges[i].name.clone();

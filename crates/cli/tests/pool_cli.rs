@@ -35,7 +35,7 @@ async fn pools_from_the_command_line() {
             "--env",
             "MODE=warm",
             "--allow",
-            "pypi.org:443",
+            "pypi.org:tcp/443",
         ],
     )
     .await

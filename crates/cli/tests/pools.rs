@@ -71,6 +71,14 @@ fn pid1_of(dir: &str) -> Option<i32> {
     pids.first().copied()
 }
 
+async fn until_async<F: std::future::Future<Output = bool>>(check: impl Fn() -> F) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "never happened");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn claim(name: &str) -> pb::SandboxSpec {
     pb::SandboxSpec { pool: name.into(), ..Default::default() }
 }
@@ -308,6 +316,41 @@ async fn pools_refuse_other_tenants_contradicting_specs_and_pools_over_quota() {
     big.size_per_edge = 1;
     admin.create_pool(pb::CreatePoolRequest { pool: Some(big.clone()) }).await.unwrap();
     big.size_per_edge = 3;
-    let e = admin.update_pool(pb::UpdatePoolRequest { pool: Some(big) }).await.unwrap_err();
+    let e = admin.update_pool(pb::UpdatePoolRequest { pool: Some(big.clone()) }).await.unwrap_err();
     assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+    // The project's pools count together: a second one that fits alone does not fit beside.
+    let mut second = big.clone();
+    second.name = "second".into();
+    second.size_per_edge = 1;
+    let e = admin.create_pool(pb::CreatePoolRequest { pool: Some(second) }).await.unwrap_err();
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+
+    // A subproject's pool is not its parent's: a parent's fncall creation with exactly its
+    // template is made cold, never in the subproject's member (its images may differ).
+    admin.create_project(pb::CreateProjectRequest { path: "root/other/child".into(), quota: None }).await.unwrap();
+    let mut child = pool("kid", 1, &[]);
+    child.project = "root/other/child".into();
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(child.clone()) }).await.unwrap();
+    let kid_idle = || async {
+        let p = admin.get_pool(pb::GetPoolRequest { project: "root/other/child".into(), name: "kid".into() }).await;
+        p.unwrap().edges.first().cloned().unwrap_or_default()
+    };
+    until_async(|| async { kid_idle().await.idle == 1 }).await;
+    let t = child.template.clone().unwrap();
+    let parent_spec = pb::SandboxSpec {
+        project: "root/other".into(),
+        image: t.image.clone(),
+        backend: "fncall".into(),
+        resources: t.resources,
+        ..Default::default()
+    };
+    admin.create_sandbox(parent_spec).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(kid_idle().await.claims, 0, "the parent took the subproject's member");
+
+    // Egress rules that do not parse are refused, not dropped.
+    let mut bad = pool("bad-egress", 0, &[]);
+    bad.template.as_mut().unwrap().egress = vec!["not a rule!".into()];
+    let e = admin.create_pool(pb::CreatePoolRequest { pool: Some(bad) }).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
 }

@@ -474,6 +474,9 @@ pub struct EdgeConfig {
     pub pool_refresh: Duration,
     /// Warm pool members started at once on this edge.
     pub pool_starts: u32,
+    /// The most of this edge's capacity (each of CPU, memory, disk and sandboxes) idle pool
+    /// members may hold, in percent: the rest is always left to creations.
+    pub pool_share_percent: u32,
 }
 
 /// Disk I/O limits per sandbox (0 = no limit of that kind). On cgroup v1 only direct and
@@ -534,6 +537,9 @@ impl EdgeConfig {
         if e.pool_starts == 0 {
             return Err(invalid("edge.pool_starts", "must be at least 1"));
         }
+        if e.pool_share_percent > 100 {
+            return Err(invalid("edge.pool_share_percent", "must be in 0..=100"));
+        }
         if e.snapshot_max_layers < 2 {
             return Err(invalid("edge.snapshot_max_layers", "must be at least 2"));
         }
@@ -582,6 +588,7 @@ impl Default for EdgeConfig {
             runtime_result_share_percent: 25,
             pool_refresh: Duration::from_secs(2),
             pool_starts: 2,
+            pool_share_percent: 50,
         }
     }
 }

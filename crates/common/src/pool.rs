@@ -71,7 +71,7 @@ mod tests {
             memory_mb: 512,
             disk_mb: 1024,
             env: [("A".to_string(), "1".to_string()), ("B".to_string(), "2".to_string())].into(),
-            egress: vec!["pypi.org:443".into(), "198.51.100.0/24".into()],
+            egress: vec!["pypi.org:tcp/443".into(), "198.51.100.0/24".into()],
             user: "user".into(),
             workdir: "/work".into(),
         }
@@ -82,7 +82,7 @@ mod tests {
         let a = template();
         let mut b = template();
         b.egress.reverse();
-        b.egress.push("pypi.org:443".into());
+        b.egress.push("pypi.org:tcp/443".into());
         assert_eq!(a.revision(), b.revision());
         type Change = Box<dyn Fn(&mut PoolTemplate)>;
         let changes: Vec<Change> = vec![

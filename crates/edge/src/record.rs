@@ -543,6 +543,13 @@ impl RecordStore {
         }
     }
 
+    /// [`RecordStore::remove`], then a directory fsync: the record stays gone after a crash.
+    pub fn remove_durable(&self, lease_id: &str) -> Result<(), RecordError> {
+        self.remove(lease_id)?;
+        let ticket = self.renamed.fetch_add(1, Ordering::AcqRel) + 1;
+        self.sync_dir_through(ticket).map_err(|source| RecordError::Remove { path: self.path(lease_id), source })
+    }
+
     /// Loads every record, sorted by lease. Leftover temp and spare files are removed: a temp
     /// file's rename never happened, so the previous version is the record.
     pub fn load_all(&self) -> Result<(Vec<SandboxRecord>, Vec<BadRecord>), RecordError> {

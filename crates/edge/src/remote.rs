@@ -41,7 +41,12 @@ impl Remote {
     pub fn new(edge: &str, iam_addrs: &[String], watcher_addrs: &[String], links: &Links) -> Result<Remote, ApiError> {
         let iam = iam_addrs
             .iter()
-            .map(|a| Ok((a.clone(), IamClient::new(links.channel(a, Role::Iam, None)?))))
+            .map(|a| {
+                // ListAllPools carries every pool: the large limit, as for any internal answer.
+                let c = IamClient::new(links.channel(a, Role::Iam, None)?)
+                    .max_decoding_message_size(opendsec_common::grpc::MAX_MESSAGE_BYTES);
+                Ok((a.clone(), c))
+            })
             .collect::<Result<_, ApiError>>()?;
         let watchers = watcher_addrs
             .iter()

@@ -302,6 +302,10 @@ pub fn validate_pool(r: &PoolRecord) -> Result<(), IamError> {
     if t.egress.len() > 256 || t.egress.iter().any(|e| e.is_empty() || e.len() > 512) {
         return Err(bad("pool template egress: at most 256 rules of 1..=512 bytes".into()));
     }
+    // Rules that do not parse would be dropped by whoever reads them: refused here instead.
+    for e in &t.egress {
+        opendsec_common::egress::Rule::parse(e).map_err(|why| bad(format!("pool template egress {e:?}: {why}")))?;
+    }
     Ok(())
 }
 

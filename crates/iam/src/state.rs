@@ -820,25 +820,40 @@ fn put_pool(
     Ok(Output::Pool(rec))
 }
 
-/// The pool quota: what a pool keeps idle on one edge (its size times its template) must fit
-/// in the quota of its project and of every ancestor that sets one. Idle members are the
+/// The pool quota: what a project's pools keep idle on one edge (each one's size times its
+/// template, summed over the project's pools and its subprojects') must fit in the quota of
+/// the project and of every ancestor that sets one. Idle members are the
 /// operator's cost, not charged as leases; a claimed member is charged like any sandbox.
 fn check_pool_quota(st: &State, pool: &PoolRecord) -> Result<(), IamError> {
-    let t = &pool.template;
-    let n = u64::from(pool.size_per_edge);
-    let held =
-        [u64::from(t.cpu_millis).saturating_mul(n), t.memory_mb.saturating_mul(n), t.disk_mb.saturating_mul(n), 0, n];
+    let held = |p: &PoolRecord| {
+        let (t, n) = (&p.template, u64::from(p.size_per_edge));
+        [u64::from(t.cpu_millis).saturating_mul(n), t.memory_mb.saturating_mul(n), t.disk_mb.saturating_mul(n), 0, n]
+    };
+    let want = held(pool);
+    let key = pool.key();
     for project in ids::project_chain(&pool.project) {
         let Some(p) = st.projects.get(project) else { continue };
-        for ((key, limit), want) in crate::model::QUOTA_KEYS.iter().zip(p.quota.values()).zip(held) {
+        if p.quota.values().iter().all(Option::is_none) {
+            continue;
+        }
+        // Every other pool of this project and its subprojects counts too: one tenant's pools
+        // together never hold more per edge than its quota.
+        let mut others = [0u64; 5];
+        for o in st.pools_within(project).filter(|o| o.key() != key) {
+            for (sum, v) in others.iter_mut().zip(held(o)) {
+                *sum = sum.saturating_add(v);
+            }
+        }
+        let keys = crate::model::QUOTA_KEYS.iter().zip(p.quota.values()).zip(want).zip(others);
+        for (((k, limit), want), used) in keys {
             if let Some(limit) = limit
-                && want > limit
+                && used.saturating_add(want) > limit
             {
                 return Err(IamError::QuotaExceeded {
                     project: project.to_string(),
-                    key,
+                    key: k,
                     limit,
-                    used: 0,
+                    used,
                     requested: want,
                 });
             }

@@ -1298,7 +1298,7 @@ fn pool(project: &str, name: &str, image: &str, size: u32) -> crate::model::Pool
             cpu_millis: 1000,
             memory_mb: 256,
             disk_mb: 512,
-            egress: vec!["pypi.org:443".into(), "198.51.100.0/24".into()],
+            egress: vec!["pypi.org:tcp/443".into(), "198.51.100.0/24".into()],
             ..Default::default()
         },
         size_per_edge: size,
@@ -1320,7 +1320,7 @@ fn pools_are_kept_with_their_revision_and_need_pool_manage() {
         o => panic!("{o:?}"),
     };
     // The template is kept canonical (egress sorted), so its revision names it exactly.
-    assert_eq!(created.template.egress, vec!["198.51.100.0/24".to_string(), "pypi.org:443".to_string()]);
+    assert_eq!(created.template.egress, vec!["198.51.100.0/24".to_string(), "pypi.org:tcp/443".to_string()]);
     assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/a", "py", "x", 1), true)), Reason::AlreadyExists);
     assert_eq!(reason(&put(&mut h, &Harness::admin(), pool("root/a", "nope", "x", 1), false)), Reason::NotFound);
     h.tick(10);

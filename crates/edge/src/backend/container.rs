@@ -896,30 +896,36 @@ impl Backend for Fncall {
     }
 }
 
-/// Sets the hostname of the sandbox whose PID 1 is `pid`, from a thread that joins its UTS
-/// namespace and ends (the edge's other threads keep the host's).
-fn set_hostname(pid: i32, name: &str) -> Result<(), BackendError> {
-    let path = format!("/proc/{pid}/ns/uts");
-    let name = name.to_string();
-    std::thread::spawn(move || -> Result<(), String> {
-        use std::os::unix::fs::MetadataExt;
-        let ns = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
-        // Never the host's own: a pid that is no longer the sandbox's would be another's.
-        let (theirs, ours) = (ns.metadata(), std::fs::metadata("/proc/self/ns/uts"));
-        match (theirs, ours) {
-            (Ok(t), Ok(o)) if (t.dev(), t.ino()) != (o.dev(), o.ino()) => {}
-            _ => return Err(format!("{path} is not a sandbox's own UTS namespace")),
-        }
-        rustix::thread::move_into_link_name_space(
-            std::os::fd::AsFd::as_fd(&ns),
-            Some(rustix::thread::LinkNameSpaceType::HostNameAndNISDomainName),
-        )
-        .map_err(|e| format!("setns {path}: {e}"))?;
-        rustix::system::sethostname(name.as_bytes()).map_err(|e| format!("sethostname: {e}"))
+/// Sets the hostname of `sandbox`, from a thread that joins its UTS namespace and ends (the
+/// edge's other threads keep the host's). The namespace is opened through PID 1's pid, checked
+/// to still be in the sandbox's cgroup once opened (a pid reused by another process would name
+/// another namespace), and never the edge's own.
+fn set_hostname(sandbox: &Sandbox, name: &str) -> Result<(), BackendError> {
+    use std::os::unix::fs::MetadataExt;
+    let fail = |e: String| BackendError::internal(format!("cannot set the hostname: {e}"));
+    let path = format!("/proc/{}/ns/uts", sandbox.pid);
+    let ns = std::fs::File::open(&path).map_err(|e| fail(format!("{path}: {e}")))?;
+    if !sandbox.cgroup.pids().unwrap_or_default().contains(&sandbox.pid) {
+        return Err(fail(format!("pid {} is no longer the sandbox's", sandbox.pid)));
+    }
+    match (ns.metadata(), std::fs::metadata("/proc/self/ns/uts")) {
+        (Ok(t), Ok(o)) if (t.dev(), t.ino()) != (o.dev(), o.ino()) => {}
+        _ => return Err(fail(format!("{path} is not a sandbox's own UTS namespace"))),
+    }
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> Result<(), String> {
+                rustix::thread::move_into_link_name_space(
+                    std::os::fd::AsFd::as_fd(&ns),
+                    Some(rustix::thread::LinkNameSpaceType::HostNameAndNISDomainName),
+                )
+                .map_err(|e| format!("setns {path}: {e}"))?;
+                rustix::system::sethostname(name.as_bytes()).map_err(|e| format!("sethostname: {e}"))
+            })
+            .join()
+            .map_err(|_| fail("the hostname thread panicked".into()))?
+            .map_err(fail)
     })
-    .join()
-    .map_err(|_| BackendError::internal("the hostname thread panicked"))?
-    .map_err(|e| BackendError::internal(format!("cannot set the hostname: {e}")))
 }
 
 /// Tells a sandbox's agent who it is: its id (and hostname, for a claimed member) and the
@@ -963,23 +969,25 @@ impl super::Warm for ContainerBackend {
             g.insert(sb.id.clone(), h);
             out
         };
+        // The network's entry follows at once (it cannot fail for an attached member): a stop
+        // of the sandbox after any failure below detaches it by the sandbox's id.
+        if let Some(net) = self.opts.network.as_ref().filter(|_| sb.net_slot != 0) {
+            net.rename(&member.id, &sb.id).map_err(net_err)?;
+        }
         if !healthy {
             return Err(BackendError::unavailable(format!("the agent of pool member {} is gone", member.id)));
         }
         // Always: a member taken back after a claim cut short by a crash may hold another's.
         let limits = limits_of(sb, self.opts.pids_limit);
         let net = self.opts.network.clone().filter(|_| sb.net_slot != 0);
-        let (mid, sid, rules) = (member.id.clone(), sb.id.clone(), sb.spec.egress_rules());
+        let (sid, rules) = (sb.id.clone(), sb.spec.egress_rules());
         let same_rules = sb.spec.egress_rules() == member.spec.egress_rules();
-        let (pid, hostname) = (sandbox.pid, sb.lease_id.clone());
+        let hostname = sb.lease_id.clone();
         let setup = blocking(move || {
-            set_hostname(pid, &hostname)?;
+            set_hostname(&sandbox, &hostname)?;
             sandbox.cgroup.set_limits(&limits).map_err(|e| BackendError::internal("limits").caused_by(e))?;
-            if let Some(net) = net {
-                net.rename(&mid, &sid).map_err(net_err)?;
-                if !same_rules {
-                    net.update(&sid, &rules).map_err(net_err)?;
-                }
+            if let Some(net) = net.filter(|_| !same_rules) {
+                net.update(&sid, &rules).map_err(net_err)?;
             }
             Ok(())
         });

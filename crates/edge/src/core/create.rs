@@ -162,37 +162,34 @@ impl Inner {
         });
         let op = OpLock::default();
         let guard = op.clone().lock_owned().await;
-        let refused = {
+        // The member's room becomes the sandbox's in one step: no capacity check (the room is
+        // already held), nothing else can take it in between.
+        let raced = {
             let mut t = self.table();
-            if let Some(e) = t.get(lease) {
-                Some(Err(e.op.clone()))
-            } else if let Err(r) =
-                admission::check_capacity(&self.capacity, &t.used().plus(self.pool_used()), rec.resources())
-            {
-                Some(Ok(r))
-            } else {
-                t.insert(rec.clone(), op);
-                None
+            match t.get(lease) {
+                Some(e) => Some(e.op.clone()),
+                None => {
+                    t.insert(rec.clone(), op);
+                    self.take_room(&member);
+                    None
+                }
             }
         };
-        match refused {
-            None => {}
-            Some(Err(op)) => {
-                drop(guard);
-                self.discard_member(&member).await;
-                return self.existing(op, lease).await;
-            }
-            Some(Ok(r)) => {
-                self.discard_member(&member).await;
-                return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: r.to_string() });
-            }
+        if let Some(op) = raced {
+            drop(guard);
+            self.discard_member(&member).await;
+            return self.existing(op, lease).await;
         }
         // The intent need not survive a crash: without it the member is the pool's again after
         // a restart, and a claim sets everything of a member anew (id, env, limits, rules).
         if let Err(e) = self.persist(&rec, WriteMode::Lazy).await {
+            // The sandbox's room goes with its entry; the member's stop gives nothing back twice.
             self.table().remove(lease);
             self.activity.forget(lease);
-            self.discard_member(&member).await;
+            if let Err(se) = backend.stop(&member).await {
+                tracing::warn!(member = %member.id, error = %se, "stopping a pool member failed");
+            }
+            self.forget_member(&member).await;
             return Err(e.into());
         }
         let warm = backend.warm().expect("claimed only for warm backends");
@@ -222,15 +219,14 @@ impl Inner {
             }
         };
         drop(guard);
-        // Off the claim's path: should the edge stop before, recovery drops the record of a
-        // member a sandbox names.
+        // Gone for good before the answer: after a crash, recovery must never take a member a
+        // sandbox ran in back into the pool, even if that sandbox's record became unreadable.
         let store = self.member_store.clone();
         let member_lease = member.lease_id.clone();
-        tokio::task::spawn_blocking(move || {
-            if let Err(e) = store.remove(&member_lease) {
-                tracing::warn!(member = %member_lease, error = %e, "removing a claimed member's record failed");
-            }
-        });
+        let removed = tokio::task::spawn_blocking(move || store.remove_durable(&member_lease)).await;
+        if !matches!(removed, Ok(Ok(()))) {
+            tracing::warn!(member = %member.id, result = ?removed, "removing a claimed member's record failed");
+        }
         if self.remote.has_iam() {
             self.releases.push_check(lease.to_string());
         }

@@ -30,8 +30,23 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// The prefix of members' lease parts: never a lease IAM hands out (those are hex).
 pub(crate) const MEMBER_PREFIX: &str = "pm-";
 
+/// Why a member did not start.
+enum StartError {
+    /// Not now: no room on the edge for it.
+    NoRoom(String),
+    Failed(String),
+}
+
+impl From<String> for StartError {
+    fn from(s: String) -> StartError {
+        StartError::Failed(s)
+    }
+}
+
 /// One pool on this edge.
 struct Entry {
+    project: String,
+    name: String,
     /// As IAM gave it last (`None` before the first refresh after a restart, or once IAM no
     /// longer has it).
     pool: Option<Pool>,
@@ -49,8 +64,11 @@ struct Entry {
 const REFILLS_KEPT: usize = 64;
 
 impl Entry {
-    fn new(revision: &str, target: u32) -> Entry {
+    fn new(key: &str, revision: &str, target: u32) -> Entry {
+        let (project, name) = key.rsplit_once('/').unwrap_or(("", key));
         Entry {
+            project: project.to_string(),
+            name: name.to_string(),
             pool: None,
             members: Members::new(revision, target),
             started_at: HashMap::new(),
@@ -73,6 +91,12 @@ pub(crate) struct Pools {
     busy: HashSet<String>,
     /// What members hold.
     pub used: Totals,
+    /// Where the next round's starts begin (pools take turns).
+    cursor: usize,
+    /// IAM's pools were read at least once since the edge started: until then members
+    /// recovered from before the restart are kept whatever their pool's size (IAM may be
+    /// unreachable in a cluster-wide restart).
+    refreshed: bool,
 }
 
 pub(crate) fn pool_key(project: &str, name: &str) -> String {
@@ -100,15 +124,16 @@ impl Inner {
     /// accounting): the caller makes it a sandbox or stops it.
     pub(crate) fn claim_member(&self, project: &str, pool: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
         let mut g = self.pools();
-        let Pools { entries, records, used, .. } = &mut *g;
+        let Pools { entries, records, .. } = &mut *g;
         let e = entries.get_mut(&pool_key(project, pool))?;
         if revision.is_empty() || e.members.revision() != revision {
             e.members.misses += 1;
             return None;
         }
         let id = e.members.claim()?;
+        // Its room stays the pool's until the sandbox's record takes it (`take_room`) or the
+        // member is stopped (`discard_member`): a running container is always counted.
         let rec = records.remove(&id)?;
-        used.sub(rec.resources());
         // The refill is started once the claim is done (`create_claimed`): starting a member
         // takes the CPU a claim needs.
         Some(rec)
@@ -142,12 +167,13 @@ impl Inner {
         }
         let revision = t.revision();
         let name = {
+            // The sandbox's own project exactly: a subproject's pool (its own images) is not
+            // its parent's.
             let g = self.pools();
-            let prefix = format!("{}/", spec.project);
             g.entries
-                .iter()
-                .find(|(k, e)| k.starts_with(&prefix) && e.members.revision() == revision && e.members.idle() > 0)
-                .map(|(k, _)| k[prefix.len()..].to_string())?
+                .values()
+                .find(|e| e.project == spec.project && e.members.revision() == revision && e.members.idle() > 0)
+                .map(|e| e.name.clone())?
         };
         self.claim_member(&spec.project, &name, &revision)
     }
@@ -171,15 +197,25 @@ impl Inner {
         }
     }
 
-    /// Stops a member that left the pool without becoming a sandbox, and forgets it.
+    /// Stops a member that left the pool without becoming a sandbox, and forgets it (its room
+    /// with it).
     pub(crate) async fn discard_member(&self, member: &SandboxRecord) {
-        if let Some(b) = self.backend(&member.spec.backend)
-            && let Err(e) = b.stop(member).await
-        {
+        let stopped = match self.backend(&member.spec.backend) {
+            Some(b) => b.stop(member).await,
+            None => Ok(()),
+        };
+        self.pools().used.sub(member.resources());
+        if let Err(e) = stopped {
             tracing::warn!(member = %member.id, error = %e, "stopping a pool member failed");
             return; // its record stays: recovery or clean-up finishes it
         }
         self.forget_member(member).await;
+    }
+
+    /// A claimed member's room becomes its sandbox's: called with the table's lock held, as
+    /// the sandbox's record goes in.
+    pub(crate) fn take_room(&self, member: &SandboxRecord) {
+        self.pools().used.sub(member.resources());
     }
 
     /// Whether a member's agent is up (its Watch stream open, its heartbeat recent).
@@ -190,6 +226,8 @@ impl Inner {
     /// [`Inner::discard_member`] in the background.
     pub(crate) fn discard_member_later(&self, member: Arc<SandboxRecord>) {
         let (backend, store) = (self.backend(&member.spec.backend).cloned(), self.member_store.clone());
+        // (Its room is given back at once: for the moment the stop takes, a dead member's.)
+        self.pools().used.sub(member.resources());
         tokio::spawn(async move {
             if let Some(b) = backend
                 && let Err(e) = b.stop(&member).await
@@ -210,6 +248,7 @@ impl Inner {
     /// and size; the others (deleted) shrink to nothing.
     pub(crate) fn apply_pools(&self, pools: &[Pool]) {
         let mut g = self.pools();
+        g.refreshed = true;
         let mut seen = HashSet::new();
         for p in pools {
             let Some(t) = p.template.as_ref() else { continue };
@@ -219,7 +258,7 @@ impl Inner {
             let key = pool_key(&p.project, &p.name);
             // The revision is derived here from the template, never taken on trust.
             let revision = template_of(p).revision();
-            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&revision, p.size_per_edge));
+            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&key, &revision, p.size_per_edge));
             if e.members.revision() != revision {
                 // A new template: its starts get a fresh chance.
                 e.failures = 0;
@@ -251,7 +290,10 @@ impl Inner {
         let mut stops: Vec<Arc<SandboxRecord>> = Vec::new();
         {
             let mut g = self.pools();
-            let Pools { entries, records, busy, .. } = &mut *g;
+            if !g.refreshed {
+                return;
+            }
+            let Pools { entries, records, busy, cursor, .. } = &mut *g;
             // Idle members whose agent died are stopped (the plan then starts others).
             for e in entries.values_mut() {
                 for id in e.members.idle_ids() {
@@ -267,7 +309,14 @@ impl Inner {
             let mut starting = entries.values().flat_map(|e| e.started_at.keys()).count();
             let now = Instant::now();
             entries.retain(|_, e| e.pool.is_some() || !e.members.is_empty());
-            for (key, e) in entries.iter_mut() {
+            // Pools take turns at the start slots: one that sorts first never starves the rest.
+            let n = entries.len().max(1);
+            *cursor = (*cursor + 1) % n;
+            let first = *cursor;
+            let mut order: Vec<(&String, &mut Entry)> = entries.iter_mut().collect();
+            let len = order.len();
+            order.rotate_left(first.min(len));
+            for (key, e) in order {
                 if e.members.stale() == 0 {
                     e.stale_since = None;
                 }
@@ -355,7 +404,7 @@ impl Inner {
         let mut stop = None;
         {
             let mut g = self.pools();
-            let Pools { entries, records, busy, used } = &mut *g;
+            let Pools { entries, records, busy, .. } = &mut *g;
             busy.remove(&id);
             let e = entries.get_mut(&key);
             match (result, e) {
@@ -363,8 +412,8 @@ impl Inner {
                     let began = e.started_at.remove(&id);
                     e.failures = 0;
                     e.retry_at = None;
+                    // Its room was reserved when the start began.
                     let rec = Arc::new(rec);
-                    used.add(rec.resources());
                     records.insert(id.clone(), rec.clone());
                     match e.members.started(&id) {
                         Some(MemberState::Idle) => {
@@ -383,20 +432,31 @@ impl Inner {
                     }
                 }
                 (Ok(rec), None) => {
-                    used.add(rec.resources());
                     let rec = Arc::new(rec);
                     records.insert(id.clone(), rec.clone());
                     busy.insert(id.clone());
                     stop = Some(rec);
                 }
                 (Err(why), e) => {
-                    tracing::warn!(pool = %key, member = %id, error = %why, "starting a pool member failed");
+                    // No room now (pressure, capacity, the pools' share) is tried again next
+                    // round; anything else waits longer after each failure.
+                    let (room, why) = match why {
+                        StartError::NoRoom(w) => (true, w),
+                        StartError::Failed(w) => (false, w),
+                    };
+                    if room {
+                        tracing::debug!(pool = %key, member = %id, why = %why, "no room for a pool member now");
+                    } else {
+                        tracing::warn!(pool = %key, member = %id, error = %why, "starting a pool member failed");
+                    }
                     if let Some(e) = e {
                         e.started_at.remove(&id);
                         e.members.gone(&id);
-                        e.failures = e.failures.saturating_add(1);
-                        let wait = FIRST_BACKOFF.saturating_mul(1 << e.failures.min(6)).min(MAX_BACKOFF);
-                        e.retry_at = Some(Instant::now() + wait);
+                        if !room {
+                            e.failures = e.failures.saturating_add(1);
+                            let wait = FIRST_BACKOFF.saturating_mul(1 << e.failures.min(6)).min(MAX_BACKOFF);
+                            e.retry_at = Some(Instant::now() + wait);
+                        }
                     }
                 }
             }
@@ -409,57 +469,94 @@ impl Inner {
 
     /// Starts a member: its room, its record, its network slot, then the backend. On an error
     /// nothing of it is left.
-    async fn start_member_inner(&self, pool: &Pool, id: &str, revision: &str) -> Result<SandboxRecord, String> {
+    async fn start_member_inner(&self, pool: &Pool, id: &str, revision: &str) -> Result<SandboxRecord, StartError> {
         let mut rec = self.member_record(pool, id, revision);
-        let backend = self.warm_backend(&rec.spec.backend).cloned().ok_or("backend not offered")?;
+        let backend = self
+            .warm_backend(&rec.spec.backend)
+            .cloned()
+            .ok_or_else(|| StartError::Failed("backend not offered".into()))?;
         if let Some(dim) = admission::pressure_refusal(&self.pressure()) {
-            return Err(format!("{dim} pressure"));
+            return Err(StartError::NoRoom(format!("{dim} pressure")));
         }
         {
-            // Members take room only where sandboxes would fit too.
+            // Members take room only where sandboxes would fit too, reserved as it is checked.
             let t = self.table();
-            let used = t.used().plus(self.pool_used());
-            admission::check_capacity(&self.capacity, &used, rec.resources()).map_err(|r| r.to_string())?;
+            let mut p = self.pools();
+            admission::check_capacity(&self.capacity, &t.used().plus(p.used), rec.resources())
+                .map_err(|r| StartError::NoRoom(r.to_string()))?;
+            // And members together hold at most `edge.pool_share_percent` of the edge.
+            let share = |v: u64| v.saturating_mul(u64::from(self.cfg.pool_share_percent)) / 100;
+            let c = &self.capacity;
+            let pool_cap = crate::admission::Capacity {
+                cpu_millis: share(c.cpu_millis),
+                memory_mb: share(c.memory_mb),
+                disk_mb: share(c.disk_mb),
+                gpus: share(c.gpus),
+                max_sandboxes: u32::try_from(share(u64::from(c.max_sandboxes))).unwrap_or(u32::MAX),
+            };
+            admission::check_capacity(&pool_cap, &p.used, rec.resources()).map_err(|r| {
+                StartError::NoRoom(format!("pool members' share of the edge (edge.pool_share_percent): {r}"))
+            })?;
+            p.used.add(rec.resources());
         }
+        let res = rec.resources();
+        let release = || self.pools().used.sub(res);
         let net = self.network.as_ref().filter(|_| backend.networked());
         if let Some(n) = net {
-            rec.net_slot = n.reserve().map_err(|e| e.to_string())?.0;
+            match n.reserve() {
+                Ok(slot) => rec.net_slot = slot.0,
+                Err(e) => {
+                    release();
+                    return Err(StartError::NoRoom(e.to_string()));
+                }
+            }
         }
         let unreserve = |rec: &SandboxRecord| {
             if let Some(n) = net {
                 n.unreserve(crate::netpol::Slot(rec.net_slot));
             }
         };
-        let bytes = rec.encode().map_err(|e| e.to_string())?;
         let store = self.member_store.clone();
         let lease = rec.lease_id.clone();
-        let written = tokio::task::spawn_blocking(move || store.write(&lease, &bytes, WriteMode::DurableNew))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let written = match rec.encode() {
+            Ok(bytes) => tokio::task::spawn_blocking(move || store.write(&lease, &bytes, WriteMode::DurableNew))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string())),
+            Err(e) => Err(e.to_string()),
+        };
         if let Err(e) = written {
             unreserve(&rec);
-            return Err(e);
+            release();
+            return Err(e.into());
         }
-        if let Err(e) = backend.create(&rec).await {
+        let created = match self.closing.load(Ordering::Relaxed) {
+            true => Err(crate::backend::BackendError::unavailable("the edge is stopping")),
+            false => backend.create(&rec).await,
+        };
+        if let Err(e) = created {
             let _ = backend.stop(&rec).await;
             unreserve(&rec);
+            release();
             self.forget_member(&rec).await;
-            return Err(e.report());
+            return Err(e.report().into());
         }
         rec.state = SandboxStatus::Running;
         rec.updated_at_ms = self.clock.now_ms();
-        let bytes = rec.encode().map_err(|e| e.to_string())?;
         let store = self.member_store.clone();
         let lease = rec.lease_id.clone();
-        let written = tokio::task::spawn_blocking(move || store.write(&lease, &bytes, WriteMode::Durable))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map_err(|e| e.to_string()));
+        let written = match rec.encode() {
+            Ok(bytes) => tokio::task::spawn_blocking(move || store.write(&lease, &bytes, WriteMode::Durable))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string())),
+            Err(e) => Err(e.to_string()),
+        };
         if let Err(e) = written {
             let _ = backend.stop(&rec).await;
+            release();
             self.forget_member(&rec).await;
-            return Err(e);
+            return Err(e.into());
         }
         Ok(rec)
     }
@@ -471,7 +568,7 @@ impl Inner {
         };
         {
             let mut g = self.pools();
-            let Pools { entries, records, busy, used } = &mut *g;
+            let Pools { entries, records, busy, used, .. } = &mut *g;
             busy.remove(&rec.id);
             if let Err(e) = &stopped {
                 // Tried again next round.
@@ -533,7 +630,8 @@ impl Inner {
                 Ok(()) => {
                     let mut g = self.pools();
                     let Pools { entries, records, used, .. } = &mut *g;
-                    let e = entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool_revision, 0));
+                    let e =
+                        entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool, &rec.pool_revision, 0));
                     e.members.starting(&rec.id, &rec.pool_revision);
                     e.members.started(&rec.id);
                     used.add(rec.resources());
@@ -599,7 +697,7 @@ pub(crate) async fn pool_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<b
                     last_refresh = Some(Instant::now());
                 }
                 Err(e) => {
-                    tracing::debug!(edge = %inner.name, reason = %e.reason, error = %e.message, "reading pools failed");
+                    tracing::warn!(edge = %inner.name, reason = %e.reason, error = %e.message, "reading the warm pools from IAM failed");
                     last_refresh = Some(Instant::now());
                 }
             }
