@@ -585,9 +585,15 @@ impl Inner {
         self.forget_member(&rec).await;
     }
 
-    /// Stops every member (the edge stops without keeping its sandboxes).
+    /// Stops every member (the edge stops without keeping its sandboxes): the pools' and any
+    /// other record in `<state>/pool` (a start cut short by the shutdown).
     pub(crate) async fn stop_all_members(self: &Arc<Self>) {
-        let all: Vec<Arc<SandboxRecord>> = self.pools().records.values().cloned().collect();
+        let mut all: Vec<Arc<SandboxRecord>> = self.pools().records.values().cloned().collect();
+        let store = self.member_store.clone();
+        if let Ok(Ok((on_disk, _))) = tokio::task::spawn_blocking(move || store.load_all()).await {
+            let known: HashSet<String> = all.iter().map(|r| r.id.clone()).collect();
+            all.extend(on_disk.into_iter().filter(|r| !known.contains(&r.id)).map(Arc::new));
+        }
         futures::stream::iter(all).for_each_concurrent(LOOP_CONCURRENCY, |r| self.clone().stop_member(r)).await;
     }
 
