@@ -56,7 +56,7 @@ E2B_INTERP=$(./scripts/e2b-images.sh code-interpreter)
 
 echo "== cluster"
 cat >"$STATE/config.json" <<JSON
-{"sim_edges": 1, "edge": {"backends": ["container", "sim"]}, "e2b": {"listen": "127.0.0.1:7080"}}
+{"sim_edges": 1, "edge": {"backends": ["container", "fncall", "sim"]}, "e2b": {"listen": "127.0.0.1:7080"}}
 JSON
 nohup target/release/opendsecctl cluster up --config "$STATE/config.json" --state-dir "$STATE" \
   >"$STATE/cluster.log" 2>&1 &
