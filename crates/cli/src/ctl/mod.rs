@@ -76,13 +76,21 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             let project = project.unwrap_or_default();
             let line = |p: &pb::Pool| {
                 let image = p.template.as_ref().map(|t| t.image.clone()).unwrap_or_default();
-                format!(
-                    "{}//{}: {image}, {} per edge, revision {}",
-                    p.project,
+                let mut s = format!(
+                    "pool {} in {}: {image}, {} per edge, revision {}",
                     p.name,
+                    p.project,
                     p.size_per_edge,
                     &p.revision[..p.revision.len().min(12)]
-                )
+                );
+                // What the edges keep of it, as of the apiserver's cluster snapshot.
+                for e in &p.edges {
+                    s.push_str(&format!(
+                        "\n  {}: {} idle, {} starting, {} stale; {} claims, {} misses; refill p50 {} ms",
+                        e.edge, e.idle, e.starting, e.stale, e.claims, e.misses, e.refill_p50_ms
+                    ));
+                }
+                s
             };
             match cmd {
                 PoolCmd::Create(a) => {
