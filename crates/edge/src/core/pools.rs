@@ -45,8 +45,8 @@ impl From<String> for StartError {
 
 /// One pool on this edge.
 struct Entry {
+    /// The pool's project (its key is `project/name`).
     project: String,
-    name: String,
     /// As IAM gave it last (`None` before the first refresh after a restart, or once IAM no
     /// longer has it).
     pool: Option<Pool>,
@@ -65,10 +65,9 @@ const REFILLS_KEPT: usize = 64;
 
 impl Entry {
     fn new(key: &str, revision: &str, target: u32) -> Entry {
-        let (project, name) = key.rsplit_once('/').unwrap_or(("", key));
+        let (project, _) = key.rsplit_once('/').unwrap_or(("", key));
         Entry {
             project: project.to_string(),
-            name: name.to_string(),
             pool: None,
             members: Members::new(revision, target),
             started_at: HashMap::new(),
@@ -103,6 +102,20 @@ pub(crate) fn pool_key(project: &str, name: &str) -> String {
     format!("{project}/{name}")
 }
 
+/// [`Inner::claim_member`] under the pools' lock.
+fn take_locked(g: &mut Pools, key: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
+    let Pools { entries, records, .. } = g;
+    let e = entries.get_mut(key)?;
+    if revision.is_empty() || e.members.revision() != revision {
+        e.members.misses += 1;
+        return None;
+    }
+    let id = e.members.claim()?;
+    // The refill is started once the claim is done (`create`): starting a member takes the
+    // CPU a claim needs.
+    records.remove(&id)
+}
+
 /// A pool's template as members are started from it.
 fn template_of(p: &Pool) -> PoolTemplate {
     PoolTemplate::from_pb(&p.template.clone().unwrap_or_default())
@@ -119,24 +132,12 @@ impl Inner {
         self.backend(name).filter(|b| b.warm().is_some())
     }
 
-    /// Takes an idle member of pool `spec.pool` (in `spec.project`) of `revision` for a
-    /// creation, or counts a miss. The member leaves the pool (and its room the pool's
-    /// accounting): the caller makes it a sandbox or stops it.
+    /// Takes an idle member of pool `pool` of `project` of `revision` for a creation, or
+    /// counts a miss. The member leaves the pool; its room stays counted as the pool's until
+    /// the sandbox's record takes it (`take_room`) or the member is stopped (`discard_member`):
+    /// a running container is always counted. The caller makes it a sandbox or stops it.
     pub(crate) fn claim_member(&self, project: &str, pool: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
-        let mut g = self.pools();
-        let Pools { entries, records, .. } = &mut *g;
-        let e = entries.get_mut(&pool_key(project, pool))?;
-        if revision.is_empty() || e.members.revision() != revision {
-            e.members.misses += 1;
-            return None;
-        }
-        let id = e.members.claim()?;
-        // Its room stays the pool's until the sandbox's record takes it (`take_room`) or the
-        // member is stopped (`discard_member`): a running container is always counted.
-        let rec = records.remove(&id)?;
-        // The refill is started once the claim is done (`create_claimed`): starting a member
-        // takes the CPU a claim needs.
-        Some(rec)
+        take_locked(&mut self.pools(), &pool_key(project, pool), revision)
     }
 
     /// A `fncall` creation naming no pool takes an idle member of a pool of its project whose
@@ -166,16 +167,15 @@ impl Inner {
             return None;
         }
         let revision = t.revision();
-        let name = {
-            // The sandbox's own project exactly: a subproject's pool (its own images) is not
-            // its parent's.
-            let g = self.pools();
-            g.entries
-                .values()
-                .find(|e| e.project == spec.project && e.members.revision() == revision && e.members.idle() > 0)
-                .map(|e| e.name.clone())?
-        };
-        self.claim_member(&spec.project, &name, &revision)
+        // The sandbox's own project exactly: a subproject's pool (its own images) is not its
+        // parent's. Found and taken under one lock: no miss is counted to a pool not named.
+        let mut g = self.pools();
+        let key = g
+            .entries
+            .iter()
+            .find(|(_, e)| e.project == spec.project && e.members.revision() == revision && e.members.idle() > 0)
+            .map(|(k, _)| k.clone())?;
+        take_locked(&mut g, &key, &revision)
     }
 
     /// Counts a creation naming a pool this edge has no entry for (or a backend without
