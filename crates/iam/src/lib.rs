@@ -482,9 +482,7 @@ impl Iam {
         let project = if project.is_empty() { who.project.as_str() } else { project };
         self.read(|s| {
             s.require(&who.principal, "pool.manage", project, || format!("project {project}"))?;
-            s.pool(project, name)
-                .cloned()
-                .ok_or_else(|| IamError::NotFound { kind: "pool", name: model::pool_key(project, name) })
+            s.pool_named(project, name)
         })
     }
 
@@ -504,9 +502,7 @@ impl Iam {
         ids::validate_project(project).map_err(IamError::invalid)?;
         self.read(|s| {
             s.require(principal, "sandbox.create", project, || format!("project {project}"))?;
-            s.pool(project, name)
-                .cloned()
-                .ok_or_else(|| IamError::NotFound { kind: "pool", name: model::pool_key(project, name) })
+            s.pool_named(project, name)
         })
     }
 

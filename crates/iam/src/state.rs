@@ -136,6 +136,13 @@ impl State {
     }
 
     /// The pools of `project` and its subprojects, by key.
+    /// The pool `name` of `project`, or `not_found` naming it.
+    pub fn pool_named(&self, project: &str, name: &str) -> Result<PoolRecord, IamError> {
+        self.pool(project, name)
+            .cloned()
+            .ok_or_else(|| IamError::NotFound { kind: "pool", name: crate::model::pool_key(project, name) })
+    }
+
     pub fn pools_within(&self, project: &str) -> impl Iterator<Item = &PoolRecord> {
         self.pools.values().filter(move |p| project_within(&p.project, project))
     }

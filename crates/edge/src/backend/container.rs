@@ -588,7 +588,7 @@ impl Backend for ContainerBackend {
         let (conn, attached) =
             tokio::join!(watch_agent(&sb.id, agent_channel(sandbox.dir.clone()), true), self.attach(sb, sandbox.pid));
         let conn = match (conn, attached) {
-            (Ok(c), Ok(())) => identify(&c.channel, sb, None).await.map(|()| c),
+            (Ok(c), Ok(())) => identify(&c.channel, sb, "").await.map(|()| c),
             (Err(e), _) | (Ok(_), Err(e)) => Err(e),
         };
         let agent = match conn {
@@ -928,18 +928,15 @@ fn set_hostname(sandbox: &Sandbox, name: &str) -> Result<(), BackendError> {
     })
 }
 
-/// Tells a sandbox's agent who it is: its id (and hostname, for a claimed member) and the
-/// spec's env, for every session and process started from now on.
-async fn identify(
-    channel: &tonic::transport::Channel,
-    sb: &SandboxRecord,
-    hostname: Option<&str>,
-) -> Result<(), BackendError> {
+/// Tells a sandbox's agent who it is: its id and the spec's env, for every session and
+/// process started from now on, and its new hostname for /etc/hosts (a claimed member; empty:
+/// unchanged).
+async fn identify(channel: &tonic::transport::Channel, sb: &SandboxRecord, hostname: &str) -> Result<(), BackendError> {
     let mut c = opendsec_proto::v1::agent_control_client::AgentControlClient::new(channel.clone());
     let req = opendsec_proto::v1::SetIdentityRequest {
         sandbox_id: sb.id.clone(),
         env: sb.spec.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        hostname: hostname.unwrap_or_default().to_string(),
+        hostname: hostname.to_string(),
     };
     match tokio::time::timeout(AGENT_READY_TIMEOUT, c.set_identity(req)).await {
         Ok(Ok(_)) => Ok(()),
@@ -981,7 +978,7 @@ impl super::Warm for ContainerBackend {
         let limits = limits_of(sb, self.opts.pids_limit);
         let net = self.opts.network.clone().filter(|_| sb.net_slot != 0);
         let (sid, rules) = (sb.id.clone(), sb.spec.egress_rules());
-        let same_rules = sb.spec.egress_rules() == member.spec.egress_rules();
+        let same_rules = rules == member.spec.egress_rules();
         let hostname = sb.lease_id.clone();
         let setup = blocking(move || {
             set_hostname(&sandbox, &hostname)?;
@@ -991,7 +988,7 @@ impl super::Warm for ContainerBackend {
             }
             Ok(())
         });
-        let (setup, identity) = tokio::join!(setup, identify(&channel, sb, Some(&sb.lease_id)));
+        let (setup, identity) = tokio::join!(setup, identify(&channel, sb, &sb.lease_id));
         setup.and(identity)
     }
 }

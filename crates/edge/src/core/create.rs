@@ -29,15 +29,11 @@ impl Inner {
         })?;
         // A creation naming a pool takes an idle member of the revision it names, if this
         // edge has one (it adds no load: no pressure check); else it is made cold (a miss).
-        let take = || match (spec.pool.is_empty(), backend.warm().is_some()) {
-            (false, true) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
-            (false, false) => {
-                self.count_miss(&spec.project, &spec.pool);
-                None
-            }
+        let take = || match (spec.pool.is_empty(), backend.warm()) {
+            (_, None) => None,
+            (false, Some(_)) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
             // `fncall` without a pool: a member of a pool with exactly this template, if any.
-            (true, true) => self.claim_matching(spec),
-            (true, false) => None,
+            (true, Some(_)) => self.claim_matching(spec),
         };
         let mut member = take();
         // A member whose agent went quiet is not handed out: it is stopped, the next one taken.
@@ -106,34 +102,11 @@ impl Inner {
             return Err(e.into());
         }
 
-        if let Err(mut source) = backend.create(&rec).await {
+        if let Err(source) = backend.create(&rec).await {
             tracing::debug!(sandbox_id = %rec.id, error = %source.report(), "creation failed");
-            // The backend cleans up after itself; this stop only catches leftovers. If it
-            // fails, the error says so beside the creation's own failure.
-            if let Err(e) = backend.stop(&rec).await {
-                tracing::warn!(sandbox_id = %rec.id, error = %e.report(), "cleanup after a failed creation failed");
-                if source.cleanup().is_none() {
-                    source = source.with_cleanup(e);
-                }
-            }
-            self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
-            return Err(EdgeError::Backend { backend: backend.name(), op: "create", id: rec.id.clone(), source });
+            return Err(self.start_failed(&rec, backend, source, "create").await);
         }
-
-        let mut running = (*rec).clone();
-        running.state = SandboxStatus::Running;
-        running.updated_at_ms = self.clock.now_ms();
-        let running = match self.persist_then_publish(running).await {
-            Ok(r) => r,
-            Err(e) => {
-                // Without a record the sandbox would not survive a restart: undo it.
-                if let Err(se) = backend.stop(&rec).await {
-                    tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
-                }
-                self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
-                return Err(e);
-            }
-        };
+        let running = self.settle_running(&rec, backend).await?;
         drop(guard);
 
         // Where IAM binds the lease is looked up in batches (see `release`).
@@ -193,28 +166,18 @@ impl Inner {
             return Err(e.into());
         }
         let warm = backend.warm().expect("claimed only for warm backends");
-        if let Err(mut source) = warm.claim(&member, &rec).await {
-            tracing::warn!(sandbox_id = %rec.id, member = %member.id, error = %source.report(), "claiming a pool member failed");
-            if let Err(e) = backend.stop(&rec).await
-                && source.cleanup().is_none()
-            {
-                source = source.with_cleanup(e);
+        // From here on the member is the sandbox's: a failure stops it through the sandbox.
+        let settled = match warm.claim(&member, &rec).await {
+            Err(source) => {
+                tracing::warn!(sandbox_id = %rec.id, member = %member.id, error = %source.report(), "claiming a pool member failed");
+                Err(self.start_failed(&rec, &backend, source, "claim").await)
             }
-            self.forget_member(&member).await;
-            self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
-            return Err(EdgeError::Backend { backend: backend.name(), op: "claim", id: rec.id.clone(), source });
-        }
-        let mut running = (*rec).clone();
-        running.state = SandboxStatus::Running;
-        running.updated_at_ms = self.clock.now_ms();
-        let running = match self.persist_then_publish(running).await {
+            Ok(()) => self.settle_running(&rec, &backend).await,
+        };
+        let running = match settled {
             Ok(r) => r,
             Err(e) => {
-                if let Err(se) = backend.stop(&rec).await {
-                    tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
-                }
                 self.forget_member(&member).await;
-                self.fail_locked(&rec, end_reason::CREATE_FAILED, Release::Yes).await;
                 return Err(e);
             }
         };
@@ -231,6 +194,48 @@ impl Inner {
             self.releases.push_check(lease.to_string());
         }
         Ok(self.to_proto(&running))
+    }
+
+    /// A start (`op`: create, claim) that failed: the sandbox is stopped (the backend cleans
+    /// up after itself; this catches leftovers, and says so beside the start's own failure)
+    /// and FAILED, its lease released.
+    async fn start_failed(
+        &self,
+        rec: &SandboxRecord,
+        backend: &Arc<dyn Backend>,
+        mut source: BackendError,
+        op: &'static str,
+    ) -> EdgeError {
+        if let Err(e) = backend.stop(rec).await {
+            tracing::warn!(sandbox_id = %rec.id, error = %e.report(), "cleanup after a failed start failed");
+            if source.cleanup().is_none() {
+                source = source.with_cleanup(e);
+            }
+        }
+        self.fail_locked(rec, end_reason::CREATE_FAILED, Release::Yes).await;
+        EdgeError::Backend { backend: backend.name(), op, id: rec.id.clone(), source }
+    }
+
+    /// The RUNNING record of a sandbox that started, on disk first; without it the sandbox
+    /// would not survive a restart, so a failed write undoes the sandbox.
+    async fn settle_running(
+        &self,
+        rec: &Arc<SandboxRecord>,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<Arc<SandboxRecord>, EdgeError> {
+        let mut running = (**rec).clone();
+        running.state = SandboxStatus::Running;
+        running.updated_at_ms = self.clock.now_ms();
+        match self.persist_then_publish(running).await {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                if let Err(se) = backend.stop(rec).await {
+                    tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
+                }
+                self.fail_locked(rec, end_reason::CREATE_FAILED, Release::Yes).await;
+                Err(e)
+            }
+        }
     }
 
     /// The first record of a sandbox of this edge: CREATING, now.

@@ -45,8 +45,6 @@ impl From<String> for StartError {
 
 /// One pool on this edge.
 struct Entry {
-    /// The pool's project (its key is `project/name`).
-    project: String,
     /// As IAM gave it last (`None` before the first refresh after a restart, or once IAM no
     /// longer has it).
     pool: Option<Pool>,
@@ -64,10 +62,8 @@ struct Entry {
 const REFILLS_KEPT: usize = 64;
 
 impl Entry {
-    fn new(key: &str, revision: &str, target: u32) -> Entry {
-        let (project, _) = key.rsplit_once('/').unwrap_or(("", key));
+    fn new(revision: &str, target: u32) -> Entry {
         Entry {
-            project: project.to_string(),
             pool: None,
             members: Members::new(revision, target),
             started_at: HashMap::new(),
@@ -102,6 +98,11 @@ pub(crate) fn pool_key(project: &str, name: &str) -> String {
     format!("{project}/{name}")
 }
 
+/// The project of a pool key (pool names have no `/`).
+fn project_of(key: &str) -> &str {
+    key.rsplit_once('/').map_or("", |(p, _)| p)
+}
+
 /// [`Inner::claim_member`] under the pools' lock.
 fn take_locked(g: &mut Pools, key: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
     let Pools { entries, records, .. } = g;
@@ -118,7 +119,7 @@ fn take_locked(g: &mut Pools, key: &str, revision: &str) -> Option<Arc<SandboxRe
 
 /// A pool's template as members are started from it.
 fn template_of(p: &Pool) -> PoolTemplate {
-    PoolTemplate::from_pb(&p.template.clone().unwrap_or_default())
+    p.template.as_ref().map(PoolTemplate::from_pb).unwrap_or_default()
 }
 
 impl Inner {
@@ -144,14 +145,17 @@ impl Inner {
     /// template is exactly the spec's (same revision), when there is one.
     pub(crate) fn claim_matching(&self, spec: &opendsec_proto::v1::SandboxSpec) -> Option<Arc<SandboxRecord>> {
         let r = spec.resources.unwrap_or_default();
-        let mut egress: Vec<String> = spec
+        if spec.backend != "fncall" || r.gpus > 0 || !spec.masked_paths.is_empty() || !spec.readonly_paths.is_empty() {
+            return None;
+        }
+        // Rules in their canonical text, as pools keep them (the revision sorts them).
+        let egress: Vec<String> = spec
             .network
             .iter()
             .flat_map(|n| n.egress.iter())
             .filter_map(|e| opendsec_common::egress::Rule::from_pb(e).ok())
             .map(|e| e.to_string())
             .collect();
-        egress.sort();
         let t = PoolTemplate {
             image: spec.image.clone(),
             backend: spec.backend.clone(),
@@ -163,9 +167,6 @@ impl Inner {
             user: spec.user.clone(),
             workdir: spec.workdir.clone(),
         };
-        if spec.backend != "fncall" || r.gpus > 0 || !spec.masked_paths.is_empty() || !spec.readonly_paths.is_empty() {
-            return None;
-        }
         let revision = t.revision();
         // The sandbox's own project exactly: a subproject's pool (its own images) is not its
         // parent's. Found and taken under one lock: no miss is counted to a pool not named.
@@ -173,17 +174,9 @@ impl Inner {
         let key = g
             .entries
             .iter()
-            .find(|(_, e)| e.project == spec.project && e.members.revision() == revision && e.members.idle() > 0)
+            .find(|(k, e)| project_of(k) == spec.project && e.members.revision() == revision && e.members.idle() > 0)
             .map(|(k, _)| k.clone())?;
         take_locked(&mut g, &key, &revision)
-    }
-
-    /// Counts a creation naming a pool this edge has no entry for (or a backend without
-    /// members) as a miss of that pool.
-    pub(crate) fn count_miss(&self, project: &str, pool: &str) {
-        if let Some(e) = self.pools().entries.get_mut(&pool_key(project, pool)) {
-            e.members.misses += 1;
-        }
     }
 
     /// A claimed member's record is no longer needed (the sandbox's record names it).
@@ -258,7 +251,7 @@ impl Inner {
             let key = pool_key(&p.project, &p.name);
             // The revision is derived here from the template, never taken on trust.
             let revision = template_of(p).revision();
-            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&key, &revision, p.size_per_edge));
+            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&revision, p.size_per_edge));
             if e.members.revision() != revision {
                 // A new template: its starts get a fresh chance.
                 e.failures = 0;
@@ -343,7 +336,7 @@ impl Inner {
                     e.started_at.insert(id.clone(), now);
                     busy.insert(id.clone());
                     starting += 1;
-                    starts.push((key.clone(), pool.clone(), id, e.members.revision().to_string()));
+                    starts.push((key.clone(), pool.clone(), id, revision));
                 }
             }
         }
@@ -452,11 +445,15 @@ impl Inner {
                     if let Some(e) = e {
                         e.started_at.remove(&id);
                         e.members.gone(&id);
-                        if !room {
+                        // Either way not before the wait: the round this start's end wakes
+                        // would otherwise try again at once, round after round.
+                        let wait = if room {
+                            self.cfg.pool_refresh
+                        } else {
                             e.failures = e.failures.saturating_add(1);
-                            let wait = FIRST_BACKOFF.saturating_mul(1 << e.failures.min(6)).min(MAX_BACKOFF);
-                            e.retry_at = Some(Instant::now() + wait);
-                        }
+                            FIRST_BACKOFF.saturating_mul(1 << e.failures.min(6)).min(MAX_BACKOFF)
+                        };
+                        e.retry_at = Some(Instant::now() + wait);
                     }
                 }
             }
@@ -636,8 +633,7 @@ impl Inner {
                 Ok(()) => {
                     let mut g = self.pools();
                     let Pools { entries, records, used, .. } = &mut *g;
-                    let e =
-                        entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool, &rec.pool_revision, 0));
+                    let e = entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool_revision, 0));
                     e.members.starting(&rec.id, &rec.pool_revision);
                     e.members.started(&rec.id);
                     used.add(rec.resources());
