@@ -159,6 +159,7 @@ pub async fn create_one(
             spec: Some(spec.clone()),
             principal,
             pool_revision: pool_revision.to_string(),
+            moved_in: None,
         };
         let result = match shared.up.edge(&placed.edge, &placed.addr) {
             Ok(mut c) => forward::edge_call(shared, &placed.edge, c.create_sandbox(req)).await,

@@ -70,6 +70,7 @@ const METHODS: &[&str] = &[
     "GetSandboxMetrics",
     "CreateSnapshot",
     "ForkSandbox",
+    "MoveSandbox",
     "ListSandboxes",
     "StopSandbox",
     "PauseSandbox",

@@ -25,6 +25,7 @@ mod image_store;
 pub mod images;
 pub mod limits;
 mod metrics;
+mod moves;
 pub mod placement;
 mod pools;
 mod runtime;

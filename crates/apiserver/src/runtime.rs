@@ -191,13 +191,15 @@ async fn authorized(
     md: &MetadataMap,
     id: &str,
 ) -> Result<(String, String), ApiError> {
-    let (edge, _) = ids::split_sandbox_id(id)?;
+    let mut edge = crate::moves::route(s, id)?;
     call.sandbox_id = Some(id.to_string());
     let (_, ident) = caller(s, call, md).await?;
     let project = match projects.get(id) {
         Some(p) => p,
         None => {
-            let sb = forward::edge_get(s, edge, id).await?;
+            let (at, sb) =
+                crate::moves::follow(s, id, |edge| async move { forward::edge_get(s, &edge, id).await }).await?;
+            edge = at;
             let project = sb.spec.map(|sp| sp.project).unwrap_or_default();
             if project.is_empty() {
                 return Err(ApiError::denied(format!("sandbox {id} has no project")));
@@ -208,7 +210,7 @@ async fn authorized(
     };
     call.project = Some(project.clone());
     s.authorize(&ident.principal, PERM_OPERATE, &project).await?;
-    Ok((edge.to_string(), project))
+    Ok((edge, project))
 }
 
 /// A client of an edge's Runtime service, its unary answers metered.
@@ -249,9 +251,9 @@ impl RuntimeService {
         f: F,
     ) -> Result<Response<T>, Status>
     where
-        Q: Routed + AnswerBytes + Send + 'static,
+        Q: Routed + AnswerBytes + Clone + Send + Sync + 'static,
         T: Send + 'static,
-        F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
+        F: Fn(EdgeRuntime, Request<Q>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
         let (md, _, req) = request.into_parts();
@@ -260,7 +262,7 @@ impl RuntimeService {
             Box::pin(async move {
                 let id = req.sandbox_id().to_string();
                 req.answer_bytes()?;
-                let (edge, project) = authorized(s, &projects, call, &md, &id).await?;
+                let (_, project) = authorized(s, &projects, call, &md, &id).await?;
                 let principal = call.principal.clone().unwrap_or_default();
                 let _in_flight = s.runtime_calls.try_take(&principal).ok_or_else(|| {
                     ApiError::new(
@@ -279,8 +281,18 @@ impl RuntimeService {
                 let meter =
                     metered.then(|| Meter::new(&s.result_budget, ids::tenant_of(&project), &req, wait)).transpose()?;
                 let limit = limit(&req, s.cfg.edge_call_timeout);
-                let c = client(s, &edge, meter.clone())?;
-                let answer = forward::within(&edge, limit, f(c, to_edge(req, &project)?)).await;
+                // A sandbox that moved, or is moving: the call follows it (the same request
+                // again, to the edge it is on now).
+                let (f, req, meter_c) = (&f, &req, &meter);
+                let answer = crate::moves::follow(s, &id, |edge| {
+                    let project = &project;
+                    async move {
+                        let c = client(s, &edge, meter_c.clone())?;
+                        forward::within(&edge, limit, f(c, to_edge(req.clone(), project)?)).await
+                    }
+                })
+                .await
+                .map(|(_, a)| a);
                 if answer.as_ref().is_err_and(|e| e.reason == Reason::NotFound) {
                     // Gone, or the id names another project's sandbox now: ask the edge again
                     // next time.
@@ -300,9 +312,9 @@ impl RuntimeService {
 
     async fn unary<Q, T, F, Fut>(&self, method: &'static str, request: Request<Q>, f: F) -> Result<Response<T>, Status>
     where
-        Q: Routed + AnswerBytes + Send + 'static,
+        Q: Routed + AnswerBytes + Clone + Send + Sync + 'static,
         T: Send + 'static,
-        F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
+        F: Fn(EdgeRuntime, Request<Q>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
         self.forward(method, request, Q::limit, true, f).await
@@ -316,9 +328,9 @@ impl RuntimeService {
         f: F,
     ) -> Result<Response<Relay<T>>, Status>
     where
-        Q: Routed + AnswerBytes + Send + 'static,
+        Q: Routed + AnswerBytes + Clone + Send + Sync + 'static,
         T: Send + 'static,
-        F: FnOnce(EdgeRuntime, Request<Q>) -> Fut + Send + 'static,
+        F: Fn(EdgeRuntime, Request<Q>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Response<Streaming<T>>, Status>> + Send,
     {
         // A stream holds only what is in flight on it (HTTP/2 flow control): no reservation.

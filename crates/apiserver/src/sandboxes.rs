@@ -23,6 +23,7 @@ use crate::call::{PERM_OPERATE, PERM_VIEW, caller, run};
 use crate::create::{self, BatchItem};
 use crate::forward;
 use crate::images;
+use crate::moves;
 use crate::pools;
 use crate::state::{Call, Shared};
 
@@ -73,12 +74,20 @@ async fn authorized_forward<Q, T, F, Fut>(
     f: F,
 ) -> Result<T, ApiError>
 where
-    F: FnOnce(pb::edge_client::EdgeClient<tonic::transport::Channel>, Request<Q>) -> Fut,
+    Q: Clone,
+    F: Fn(pb::edge_client::EdgeClient<tonic::transport::Channel>, Request<Q>) -> Fut,
     Fut: std::future::Future<Output = Result<Response<T>, Status>>,
 {
-    let (edge, sb) = authorized_get(s, call, md, id, permission).await?;
-    let req = forward::to_edge(req, &project_of(&sb))?;
-    forward::edge_forward(s, &edge, |c| f(c, req)).await
+    let (_, sb) = authorized_get(s, call, md, id, permission).await?;
+    let project = project_of(&sb);
+    // A move that began since the get: the call waits for it and goes to the copy.
+    let f = &f;
+    let answered = moves::follow(s, id, |edge| {
+        let req = forward::to_edge(req.clone(), &project);
+        async move { forward::edge_forward(s, &edge, |c| async move { f(c, req?).await }).await }
+    })
+    .await?;
+    Ok(answered.1)
 }
 
 /// Gets a sandbox from its edge and checks that the caller holds `permission` on its project.
@@ -90,16 +99,16 @@ async fn authorized_get(
     permission: &str,
 ) -> Result<(String, pb::Sandbox), ApiError> {
     let (_, ident) = caller(s, call, md).await?;
-    let (edge, _) = ids::split_sandbox_id(id)?;
+    ids::split_sandbox_id(id)?;
     call.sandbox_id = Some(id.to_string());
-    let sb = forward::edge_get(s, edge, id).await?;
+    let (edge, sb) = moves::follow(s, id, |edge| async move { forward::edge_get(s, &edge, id).await }).await?;
     let project = sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default();
     if project.is_empty() {
         return Err(ApiError::denied(format!("sandbox {id} has no project")));
     }
     call.project = Some(project.clone());
     s.authorize(&ident.principal, permission, &project).await?;
-    Ok((edge.to_string(), sb))
+    Ok((edge, sb))
 }
 
 /// How long an edge may take to snapshot a sandbox (its disk is copied: bounded by its size).
@@ -185,6 +194,26 @@ async fn prepare_fork(
     // by the snapshot).
     spec.image = image;
     Ok((token, ident, spec, edge))
+}
+
+/// A move to another edge: the caller may see the sandbox and manages edges (`edge.manage`
+/// on root); asked again once done, it answers the sandbox where it is.
+async fn move_sandbox(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::MoveSandboxRequest,
+) -> Result<pb::Sandbox, ApiError> {
+    ids::validate_edge(&req.to_edge)
+        .map_err(|e| ApiError::invalid(format!("to_edge: {}", e.message)).with("field", "to_edge"))?;
+    let (token, ident) = caller(s, call, &md).await?;
+    // The operator's permission first: a tenant learns nothing about the sandbox or the edges.
+    s.authorize(&ident.principal, moves::PERM_EDGE_MANAGE, ids::ROOT_PROJECT).await?;
+    let (edge, sb) = authorized_get(s, call, &md, &req.id, PERM_OPERATE).await?;
+    if edge == req.to_edge {
+        return Ok(sb);
+    }
+    moves::move_sandbox(s, &token, &edge, &sb, &req.to_edge).await
 }
 
 async fn list_sandboxes(
@@ -321,6 +350,11 @@ impl Sandboxes for SandboxesService {
                 Err(e.to_status())
             }
         }
+    }
+
+    async fn move_sandbox(&self, request: Request<pb::MoveSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "MoveSandbox", move |s, call| Box::pin(move_sandbox(s, call, md, req))).await
     }
 
     async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {

@@ -38,6 +38,8 @@ pub struct Snapshot {
     pub edges: Vec<EdgeView>,
     /// Edge name -> (address, healthy).
     pub addrs: HashMap<String, (String, bool)>,
+    /// Sandboxes that moved: id -> the edge holding them now (edges report them, `moved_in`).
+    pub moved: HashMap<String, String>,
 }
 
 impl Snapshot {
@@ -47,7 +49,36 @@ impl Snapshot {
             taken_at_ms: s.taken_at_ms,
             edges: s.edges.iter().map(EdgeView::from_info).collect(),
             addrs: s.edges.iter().map(|e| (e.name.clone(), (e.address.clone(), e.healthy))).collect(),
+            moved: s
+                .edges
+                .iter()
+                .flat_map(|e| e.status.iter().flat_map(|st| st.moved_in.iter()).map(|id| (id.clone(), e.name.clone())))
+                .collect(),
         }
+    }
+}
+
+/// Most routes remembered; past it the map starts over (the snapshot and the source edges'
+/// answers still find every moved sandbox).
+const ROUTES_MAX: usize = 65_536;
+
+/// Where moved sandboxes went, as edges answered.
+#[derive(Debug, Default)]
+pub struct Routes {
+    learned: RwLock<HashMap<String, String>>,
+}
+
+impl Routes {
+    pub(crate) fn get(&self, id: &str) -> Option<String> {
+        self.learned.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+    }
+
+    pub(crate) fn learn(&self, id: &str, edge: &str) {
+        let mut m = self.learned.write().unwrap_or_else(|p| p.into_inner());
+        if m.len() >= ROUTES_MAX && !m.contains_key(id) {
+            m.clear();
+        }
+        m.insert(id.to_string(), edge.to_string());
     }
 }
 
@@ -115,6 +146,8 @@ pub struct Shared {
     pub images: ImageStore,
     /// Egress rules of a sandbox whose spec has no network part (`network.default_egress`).
     pub default_egress: Vec<pb::EgressRule>,
+    /// Where moved sandboxes went, as edges answered (`moves`).
+    pub routes: Routes,
 }
 
 impl Shared {
@@ -138,6 +171,7 @@ impl Shared {
             audit,
             images,
             default_egress: Vec::new(),
+            routes: Routes::default(),
         }
     }
 

@@ -417,6 +417,14 @@ impl Edge for FakeEdge {
     async fn create_snapshot(&self, _: Request<pb::EdgeSnapshotRequest>) -> Result<Response<pb::EdgeSnapshot>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn move_out(&self, _: Request<pb::EdgeMoveOutRequest>) -> Result<Response<pb::EdgeMoveOut>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn finish_move(&self, _: Request<pb::EdgeFinishMoveRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// The edge's `Runtime` service: Exec echoes the command, ExecStream sends one output chunk

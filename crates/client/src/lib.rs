@@ -274,6 +274,16 @@ impl Client {
         .await
     }
 
+    /// Moves a sandbox to edge `to` under the same id (needs `edge.manage` on root).
+    pub async fn move_sandbox(&self, id: &str, to: &str) -> Result<pb::Sandbox, ApiError> {
+        let req = pb::MoveSandboxRequest { id: id.to_string(), to_edge: to.to_string() };
+        self.call(const { retry::class("Sandboxes/MoveSandbox") }, |ch| {
+            let req = req.clone();
+            async move { stub_s(ch).move_sandbox(req).await }
+        })
+        .await
+    }
+
     pub async fn get_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
         self.call(const { retry::class("Sandboxes/GetSandbox") }, |ch| {

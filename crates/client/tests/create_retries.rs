@@ -48,6 +48,9 @@ impl Sandboxes for Full {
     ) -> Result<Response<Self::ForkSandboxStream>, Status> {
         no()
     }
+    async fn move_sandbox(&self, _: Request<pb::MoveSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        no()
+    }
     async fn get_sandbox(&self, _: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }

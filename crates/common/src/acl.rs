@@ -54,6 +54,8 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Edge/SetSandboxTimeout", &[Apiserver]),
     ("/opendsec.v1.Edge/UpdateNetwork", &[Apiserver]),
     ("/opendsec.v1.Edge/CreateSnapshot", &[Apiserver]),
+    ("/opendsec.v1.Edge/MoveOut", &[Apiserver]),
+    ("/opendsec.v1.Edge/FinishMove", &[Apiserver]),
     // Runtime calls an apiserver forwards to an edge (which passes them to the agent).
     ("/opendsec.v1.Runtime/", &[Apiserver]),
 ];

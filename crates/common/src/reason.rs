@@ -14,6 +14,12 @@ use tonic_types::{ErrorDetails, StatusExt};
 /// The `ErrorInfo.domain` of every opendsec error.
 pub const DOMAIN: &str = "opendsec";
 
+/// Metadata of an `unavailable` answer from an edge a sandbox is moving away from: the edge it
+/// is moving to (ask again shortly).
+pub const MOVING_TO: &str = "moving_to";
+/// Metadata of an `unavailable` answer from an edge a sandbox moved away from: where it runs.
+pub const MOVED_TO: &str = "moved_to";
+
 /// A stable, machine-readable error reason.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {

@@ -85,6 +85,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/GetSandboxMetrics", Read),
         ("Sandboxes/CreateSnapshot", Once),
         ("Sandboxes/ForkSandbox", Once),
+        ("Sandboxes/MoveSandbox", Repeat),
         ("Admin/WhoAmI", Read),
         ("Admin/CreateProject", Once),
         ("Admin/GetProject", Read),

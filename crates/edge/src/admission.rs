@@ -208,6 +208,7 @@ mod tests {
             lease_id: "abc123".into(),
             principal: "alice".into(),
             pool_revision: String::new(),
+            moved_in: None,
             spec: Some(SandboxSpec {
                 project: "root/a".into(),
                 backend: "sim".into(),

@@ -27,6 +27,7 @@
 mod create;
 mod list;
 mod metrics;
+pub(crate) mod moves;
 mod network;
 mod pause;
 pub(crate) mod pools;
@@ -38,6 +39,7 @@ mod stop;
 mod sweep;
 mod timeout;
 
+pub(crate) use create::MOVED_IN_PREFIX;
 pub(crate) use pools::pool_loop;
 pub(crate) use release::run as release_loop;
 
@@ -212,26 +214,60 @@ impl Inner {
         EdgeError::NotFound { id: id.chars().take(120).collect(), edge: self.name.clone() }
     }
 
-    /// The lease of a sandbox id of this edge.
+    /// The lease of a sandbox id of this edge: one it names, or one that moved in here (its id
+    /// names the edge it was created on).
     pub(crate) fn lease_of<'a>(&self, id: &'a str) -> Result<&'a str, EdgeError> {
         let (edge, lease) = ids::split_sandbox_id(id).map_err(|e| EdgeError::InvalidArgument(e.message))?;
-        if edge != self.name {
+        if edge != self.name && self.table().get(lease).is_none_or(|e| e.rec.id != id) {
             return Err(self.not_found(id));
         }
         Ok(lease)
+    }
+
+    /// The id of the sandbox holding `lease` here (`<this edge>.<lease>` unless it moved in).
+    pub(crate) fn id_of(&self, lease: &str) -> String {
+        match self.table().get(lease) {
+            Some(e) => e.rec.id.clone(),
+            None => ids::sandbox_id(&self.name, lease),
+        }
     }
 
     fn op_lock(&self, lease: &str) -> Option<OpLock> {
         self.table().get(lease).map(|e| e.op.clone())
     }
 
-    /// Takes the sandbox's operation lock, then reads its record as the last operation left it.
+    /// Takes the sandbox's operation lock, then reads its record as the last operation left
+    /// it. A sandbox moving away, or moved, is refused (`Moving`, `Moved`).
     async fn lock_op(&self, id: &str) -> Result<(OwnedMutexGuard<()>, Arc<SandboxRecord>), EdgeError> {
+        let (guard, rec) = self.lock_op_any(id).await?;
+        Self::check_not_moving(&rec)?;
+        Ok((guard, rec))
+    }
+
+    /// [`Self::lock_op`] for the move itself: whatever the move left.
+    async fn lock_op_any(&self, id: &str) -> Result<(OwnedMutexGuard<()>, Arc<SandboxRecord>), EdgeError> {
         let lease = self.lease_of(id)?;
         let op = self.op_lock(lease).ok_or_else(|| self.not_found(id))?;
         let guard = op.lock_owned().await;
         let rec = self.table().rec(lease).ok_or_else(|| self.not_found(id))?;
         Ok((guard, rec))
+    }
+
+    /// Calls on a sandbox that is moving away wait for the move; on one that moved, they go
+    /// where it went.
+    pub(crate) fn check_not_moving(rec: &SandboxRecord) -> Result<(), EdgeError> {
+        if rec.moved.is_moving() {
+            return Err(EdgeError::Moving { id: rec.id.clone(), to: rec.moved.moving_to.clone() });
+        }
+        if !rec.moved.moved_to.is_empty() {
+            return Err(EdgeError::Moved { id: rec.id.clone(), to: rec.moved.moved_to.clone() });
+        }
+        // A copy moving in, still starting: asked again shortly, it runs (or the original
+        // runs on, and its edge answers).
+        if rec.state == SandboxStatus::Creating && !rec.moved.moved_from.is_empty() {
+            return Err(EdgeError::Moving { id: rec.id.clone(), to: rec.edge.clone() });
+        }
+        Ok(())
     }
 
     pub(crate) fn to_proto(&self, rec: &SandboxRecord) -> Sandbox {

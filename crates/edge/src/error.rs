@@ -9,6 +9,9 @@ use crate::backend::BackendError;
 use crate::record::RecordError;
 use crate::state::SandboxStatus;
 
+/// What a call refused during a move is told to wait before asking again.
+pub const MOVING_RETRY_MS: u64 = 50;
+
 #[derive(Debug, thiserror::Error)]
 pub enum EdgeError {
     #[error("{0}")]
@@ -29,6 +32,13 @@ pub enum EdgeError {
     },
     #[error(transparent)]
     Record(#[from] RecordError),
+    /// A move to another edge is under way: the caller waits and asks again (it then finds
+    /// the sandbox moved, or back).
+    #[error("sandbox {id} is moving to edge {to}: try again shortly")]
+    Moving { id: String, to: String },
+    /// The sandbox runs on another edge now.
+    #[error("sandbox {id} moved to edge {to}")]
+    Moved { id: String, to: String },
     #[error("edge {edge} is shutting down")]
     ShuttingDown { edge: String },
     #[error("{op} did not finish: {message}")]
@@ -56,6 +66,7 @@ impl EdgeError {
             EdgeError::NoCapacity { .. } => Reason::NoCapacity,
             EdgeError::Backend { source, .. } => source.reason(),
             EdgeError::Record(_) | EdgeError::ShuttingDown { .. } | EdgeError::Serve(_) => Reason::Unavailable,
+            EdgeError::Moving { .. } | EdgeError::Moved { .. } => Reason::Unavailable,
             EdgeError::TaskFailed { .. } | EdgeError::Options(_) => Reason::Internal,
             EdgeError::NetworkSetup(_) => Reason::Unavailable,
             EdgeError::Network { source, .. } => {
@@ -79,6 +90,10 @@ impl EdgeError {
             EdgeError::InvalidState { state, .. } => e.with("state", state.as_str()),
             EdgeError::NoCapacity { edge, .. } | EdgeError::ShuttingDown { edge } => e.with("edge", edge.clone()),
             EdgeError::Backend { backend, .. } => e.with("backend", *backend),
+            EdgeError::Moving { to, .. } => e
+                .with(opendsec_common::reason::MOVING_TO, to.clone())
+                .with("retry_after_ms", MOVING_RETRY_MS.to_string()),
+            EdgeError::Moved { to, .. } => e.with(opendsec_common::reason::MOVED_TO, to.clone()),
             _ => e,
         }
     }

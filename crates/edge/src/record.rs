@@ -195,6 +195,51 @@ impl SpecRecord {
     }
 }
 
+/// A sandbox's part in a move between edges (`core::moves`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MoveRecord {
+    /// On the source, while moving: the target edge. Calls are held off (answered
+    /// `unavailable` with `moving_to`); the sandbox is frozen.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub moving_to: String,
+    /// When the move started (a move left unfinished past `MOVE_STALE` is settled by the
+    /// edge from where IAM binds the lease).
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub moving_since_ms: i64,
+    /// The move froze a RUNNING sandbox: an abandoned move lets it run again.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub resume_on_abort: bool,
+    /// On the source, after the move: where the sandbox runs now (the record is STOPPED with
+    /// end_reason "moved", and answers with this edge until it is deleted).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub moved_to: String,
+    /// On the target: the edge the sandbox came from (its id names the edge it was created on).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub moved_from: String,
+    /// On the target: the image the copy runs, pinned (layer ids bottom first, PID 1's image
+    /// environment) rather than resolved by name.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub image_env: Vec<String>,
+}
+
+impl MoveRecord {
+    pub fn is_empty(&self) -> bool {
+        *self == MoveRecord::default()
+    }
+
+    /// A move out of this edge is under way.
+    pub fn is_moving(&self) -> bool {
+        !self.moving_to.is_empty()
+    }
+}
+
+fn is_zero_i64(n: &i64) -> bool {
+    *n == 0
+}
+
 /// Everything the edge knows about one sandbox; what backends are handed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
@@ -228,8 +273,10 @@ pub struct SandboxRecord {
     /// The sandbox's slot in the edge's network (`netpol`), 0: no network.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub net_slot: u32,
-    /// The warm pool member this sandbox runs in (its container's id), when it was claimed
-    /// from a pool; empty: the sandbox's own container, named by its id.
+    /// The container (or other backend object) the sandbox runs in when it is not named by the
+    /// sandbox's id: its warm pool member's id when it was claimed from a pool,
+    /// `<edge>.mv-<lease>` when it moved in (the original, named by the id, may still be on
+    /// this host). Empty: the sandbox's own container, named by its id.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub member: String,
     /// A pool member's record (`<state>/pool`): its pool (`project/name`) and the template
@@ -238,6 +285,9 @@ pub struct SandboxRecord {
     pub pool: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub pool_revision: String,
+    /// A move to or from another edge (`core::moves`); empty for most sandboxes.
+    #[serde(default, skip_serializing_if = "MoveRecord::is_empty")]
+    pub moved: MoveRecord,
     // Records of earlier edges may hold `release_if_bound` (release only if IAM still binds the
     // lease here). Every release names the edge now, which IAM checks, so the field is no
     // longer written and is ignored when read (serde skips unknown fields: this struct must
@@ -638,6 +688,7 @@ mod tests {
             member: String::new(),
             pool: String::new(),
             pool_revision: String::new(),
+            moved: Default::default(),
         }
     }
 
@@ -695,6 +746,24 @@ mod tests {
         assert_eq!(String::from_utf8(rec.encode().unwrap()).unwrap(), GOLDEN_V1_NETWORK);
         // No network part: no egress field written at all (older records stay byte-equal).
         assert_eq!(sample().spec.egress, None);
+    }
+
+    #[test]
+    fn a_move_round_trips_and_an_empty_one_is_not_written() {
+        assert!(!String::from_utf8(sample().encode().unwrap()).unwrap().contains("moved"));
+        let mut rec = sample();
+        rec.moved = MoveRecord {
+            moving_to: "edge-2".into(),
+            moving_since_ms: 9,
+            resume_on_abort: true,
+            moved_from: "edge-0".into(),
+            layers: vec!["sha256-ab".into()],
+            image_env: vec!["PATH=/bin".into()],
+            ..Default::default()
+        };
+        let bytes = rec.encode().unwrap();
+        assert_eq!(SandboxRecord::decode(&bytes, Path::new("moved")).unwrap(), rec);
+        assert!(rec.moved.is_moving() && !MoveRecord::default().is_moving());
     }
 
     #[test]

@@ -56,6 +56,8 @@ impl Inner {
         for b in bad {
             tracing::error!(edge = %self.name, lease_id = %b.lease_id, error = %b.error, "unreadable sandbox record left alone");
             keep.insert(ids::sandbox_id(&self.name, &b.lease_id));
+            // Or a sandbox that moved in, whose container is named apart.
+            keep.insert(format!("{}.{}{}", self.name, crate::core::MOVED_IN_PREFIX, b.lease_id));
         }
         if let Some(r) = records.iter().find(|r| r.edge != self.name) {
             return Err(EdgeError::Options(format!(

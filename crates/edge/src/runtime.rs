@@ -90,8 +90,11 @@ impl Inner {
             self.activity.begin(&lease);
             guard = Some(CallGuard { inner: self.clone(), lease: lease.clone() });
         }
-        // Read after the call counts: the TTL loop may have acted in between.
+        // Read after the call counts: the TTL loop may have acted in between, and a move
+        // waits for the calls it finds counted (so one that got past here ends before the
+        // sandbox is frozen).
         let rec = self.table().rec(&lease).ok_or_else(|| self.not_found(id))?;
+        Inner::check_not_moving(&rec)?;
         match (rec.state, kind) {
             (SandboxStatus::Running, _) => {}
             (SandboxStatus::Paused | SandboxStatus::Pausing | SandboxStatus::Resuming, CallKind::Call) => {

@@ -132,6 +132,30 @@ impl EdgeRpc for EdgeService {
             .map_err(|e| status("CreateSnapshot", e))
     }
 
+    async fn move_out(
+        &self,
+        req: Request<opendsec_proto::v1::EdgeMoveOutRequest>,
+    ) -> Result<Response<opendsec_proto::v1::EdgeMoveOut>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
+        let req = req.into_inner();
+        detached(&self.inner, "move_out", |i| async move { i.move_out(&req).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("MoveOut", e))
+    }
+
+    async fn finish_move(
+        &self,
+        req: Request<opendsec_proto::v1::EdgeFinishMoveRequest>,
+    ) -> Result<Response<Sandbox>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
+        let req = req.into_inner();
+        detached(&self.inner, "finish_move", |i| async move { i.finish_move(&req).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("FinishMove", e))
+    }
+
     async fn update_network(&self, req: Request<UpdateNetworkRequest>) -> Result<Response<Sandbox>, Status> {
         check_project(&self.inner, &req, &req.get_ref().id)?;
         let req = req.into_inner();

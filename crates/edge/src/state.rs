@@ -145,6 +145,9 @@ impl std::fmt::Display for SandboxStatus {
 pub mod end_reason {
     /// Stopped by a StopSandbox call.
     pub const USER: &str = "user";
+    /// Moved to another edge: the copy there runs on under the same id (this record answers
+    /// where it went).
+    pub const MOVED: &str = "moved";
     /// Idle longer than `ttl_running_stop_s`.
     pub const TTL_RUNNING_STOP: &str = "ttl_running_stop";
     /// Older than `ttl_max_s`.

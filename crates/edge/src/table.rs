@@ -28,7 +28,15 @@ pub(crate) struct Entry {
 #[derive(Default)]
 pub(crate) struct Table {
     entries: BTreeMap<String, Entry>,
+    /// Sandboxes that moved in: their ids (naming the edge they were created on) to leases.
+    /// Listing merges them into id order.
+    foreign: BTreeMap<String, String>,
     used: Totals,
+}
+
+/// Whether the record's id names another edge than the one holding it (it moved in).
+fn is_foreign(rec: &SandboxRecord) -> bool {
+    rec.id.strip_prefix(rec.edge.as_str()).and_then(|r| r.strip_prefix('.')) != Some(rec.lease_id.as_str())
 }
 
 impl Table {
@@ -52,10 +60,24 @@ impl Table {
         self.entries.values().map(|e| &e.rec)
     }
 
+    /// The ids of sandboxes that moved in here and run (a copy still starting may yet be
+    /// abandoned: calls stay with the original until then).
+    pub fn moved_in(&self) -> Vec<String> {
+        self.foreign
+            .values()
+            .filter_map(|lease| self.entries.get(lease))
+            .filter(|e| e.rec.state.is_live() && e.rec.state != SandboxStatus::Creating)
+            .map(|e| e.rec.id.clone())
+            .collect()
+    }
+
     /// Adds a sandbox with its operation lock (replacing any entry of the same lease).
     pub fn insert(&mut self, rec: Arc<SandboxRecord>, op: OpLock) {
         if rec.state.is_live() {
             self.used.add(rec.resources());
+        }
+        if is_foreign(&rec) {
+            self.foreign.insert(rec.id.clone(), rec.lease_id.clone());
         }
         let lease = rec.lease_id.clone();
         if let Some(old) = self.entries.insert(lease, Entry { rec, op }) {
@@ -68,6 +90,9 @@ impl Table {
     pub fn publish(&mut self, rec: Arc<SandboxRecord>) {
         if rec.state.is_live() {
             self.used.add(rec.resources());
+        }
+        if is_foreign(&rec) {
+            self.foreign.insert(rec.id.clone(), rec.lease_id.clone());
         }
         match self.entries.get_mut(&rec.lease_id) {
             Some(e) => {
@@ -84,6 +109,9 @@ impl Table {
     pub fn remove(&mut self, lease: &str) -> Option<Entry> {
         let e = self.entries.remove(lease)?;
         self.forget(&e.rec);
+        if is_foreign(&e.rec) {
+            self.foreign.remove(&e.rec.id);
+        }
         Some(e)
     }
 
@@ -94,7 +122,9 @@ impl Table {
     }
 
     /// Up to `limit` records matching `filter` with ids after `after`, in id order, and whether
-    /// more match. Ids of this table all start with `<edge>.`, so id order is lease order.
+    /// more match. The ids this edge gave out all start with `<edge>.`, so their order is lease
+    /// order; those that moved in are merged in from their own index. A sandbox that moved
+    /// away is not listed (the edge it went to lists it).
     pub fn list(&self, edge: &str, filter: &ListFilter, after: &str, limit: usize) -> (Vec<Arc<SandboxRecord>>, bool) {
         let prefix = format!("{edge}.");
         let range: Box<dyn Iterator<Item = &Entry>> = if after.is_empty() {
@@ -106,9 +136,18 @@ impl Table {
         } else {
             Box::new(std::iter::empty())
         };
+        let own = range.filter(|e| !is_foreign(&e.rec));
+        let foreign = self
+            .foreign
+            .range::<str, _>((
+                if after.is_empty() { Bound::Unbounded } else { Bound::Excluded(after) },
+                Bound::Unbounded,
+            ))
+            .filter_map(|(_, lease)| self.entries.get(lease));
+        let merged = merge_by_id(own, foreign);
         let mut out = Vec::new();
         let mut more = false;
-        for e in range.filter(|e| filter.matches(&e.rec)) {
+        for e in merged.filter(|e| e.rec.moved.moved_to.is_empty() && filter.matches(&e.rec)) {
             if out.len() == limit {
                 more = true;
                 break;
@@ -117,6 +156,25 @@ impl Table {
         }
         (out, more)
     }
+}
+
+/// Two iterators of entries, each in id order, merged into one in id order.
+fn merge_by_id<'a>(
+    a: impl Iterator<Item = &'a Entry>,
+    b: impl Iterator<Item = &'a Entry>,
+) -> impl Iterator<Item = &'a Entry> {
+    let (mut a, mut b) = (a.peekable(), b.peekable());
+    std::iter::from_fn(move || match (a.peek(), b.peek()) {
+        (Some(x), Some(y)) => {
+            if x.rec.id <= y.rec.id {
+                a.next()
+            } else {
+                b.next()
+            }
+        }
+        (Some(_), None) => a.next(),
+        (None, _) => b.next(),
+    })
 }
 
 /// What ListSandboxes selects.
@@ -170,6 +228,7 @@ mod tests {
             member: String::new(),
             pool: String::new(),
             pool_revision: String::new(),
+            moved: Default::default(),
         })
     }
 
@@ -215,5 +274,41 @@ mod tests {
         // `after` outside this edge's ids: everything or nothing.
         assert_eq!(t.list("e", &ListFilter::default(), "a", 10).0.len(), 4);
         assert!(t.list("e", &ListFilter::default(), "f", 10).0.is_empty());
+    }
+
+    #[test]
+    fn sandboxes_that_moved_in_list_in_id_order_and_those_that_left_do_not() {
+        let mut t = Table::default();
+        for lease in ["b", "d"] {
+            t.insert(rec(lease, "root", SandboxStatus::Running, 1), OpLock::default());
+        }
+        // Moved in from edges named before and after this one ("e").
+        let moved = |id: &str, lease: &str, state| {
+            let mut r = (*rec(lease, "root", state, 1)).clone();
+            r.id = id.into();
+            r.moved.moved_from = "x".into();
+            Arc::new(r)
+        };
+        t.insert(moved("a.c", "c", SandboxStatus::Running), OpLock::default());
+        t.insert(moved("f.a", "a", SandboxStatus::Running), OpLock::default());
+        t.insert(moved("a.s", "s", SandboxStatus::Creating), OpLock::default());
+        // Moved away: its record stays, STOPPED, and is not listed (even asking for STOPPED).
+        let mut gone = (*rec("g", "root", SandboxStatus::Stopped, 1)).clone();
+        gone.moved.moved_to = "f".into();
+        t.insert(Arc::new(gone), OpLock::default());
+        let ids = |v: Vec<Arc<SandboxRecord>>| v.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
+        let all = ListFilter::default();
+        assert_eq!(ids(t.list("e", &all, "", 10).0), ["a.c", "a.s", "e.b", "e.d", "f.a"]);
+        let (page, more) = t.list("e", &all, "", 2);
+        assert_eq!((ids(page), more), (vec!["a.c".to_string(), "a.s".to_string()], true));
+        assert_eq!(ids(t.list("e", &all, "a.s", 2).0), ["e.b", "e.d"]);
+        assert_eq!(ids(t.list("e", &all, "e.d", 10).0), ["f.a"]);
+        let stopped = ListFilter { states: vec![SandboxStatus::Stopped], ..Default::default() };
+        assert!(t.list("e", &stopped, "", 10).0.is_empty());
+        // Reported for routing: those that run (a copy still starting may be abandoned).
+        assert_eq!(t.moved_in(), ["a.c", "f.a"]);
+        t.remove("c");
+        assert_eq!(t.moved_in(), ["f.a"]);
+        assert_eq!(t.used().sandboxes, 4);
     }
 }

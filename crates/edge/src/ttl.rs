@@ -116,6 +116,7 @@ mod tests {
             member: String::new(),
             pool: String::new(),
             pool_revision: String::new(),
+            moved: Default::default(),
         }
     }
 

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::IamError;
 
 /// Every permission a grant may name. `*` holds every permission.
-pub const PERMISSIONS: [&str; 12] = [
+pub const PERMISSIONS: [&str; 13] = [
     "*",
     "sandbox.create",
     "sandbox.view",
@@ -23,6 +23,7 @@ pub const PERMISSIONS: [&str; 12] = [
     "layer.publish",
     "layer.use",
     "pool.manage",
+    "edge.manage",
 ];
 
 /// Checks that `permission` is in the catalogue.

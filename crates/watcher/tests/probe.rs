@@ -66,6 +66,14 @@ impl pb::edge_server::Edge for FakeEdge {
     ) -> Result<Response<pb::EdgeSnapshot>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn move_out(&self, _r: Request<pb::EdgeMoveOutRequest>) -> Result<Response<pb::EdgeMoveOut>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn finish_move(&self, _r: Request<pb::EdgeFinishMoveRequest>) -> Result<Response<pb::Sandbox>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// A fake edge serving with the certificate of edge `cert` and answering Status as

@@ -136,6 +136,17 @@ pub enum Command {
         #[arg(long)]
         pack_diff: bool,
     },
+    /// Move a sandbox to another edge under the same id: frozen, its file system copied, the
+    /// copy started there, the original stopped once the copy runs. Calls made meanwhile wait
+    /// and go to the copy. Processes are not carried (containers). Needs edge.manage on root.
+    #[command(after_help = "Examples:\n  \
+    opendsecctl move root-edge.0123abcd --to edge-2")]
+    Move {
+        id: String,
+        /// The edge the sandbox runs on afterwards.
+        #[arg(long)]
+        to: String,
+    },
     /// Signal a process in a sandbox, by pid or tag.
     Kill(crate::runtime::KillArgs),
 }

@@ -284,6 +284,11 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             let stream = client.fork_sandbox(pb::ForkSandboxRequest { id, count, snapshot_name, pack_diff }).await?;
             sandbox::print_batch(out, stream, count, "copies").await
         }
+        Command::Move { id, to } => {
+            let sb = client.move_sandbox(&id, &to).await?;
+            out.print(j::of(&sb), || format!("{} runs on {} now", sb.id, sb.edge));
+            Ok(())
+        }
         Command::Whoami => {
             let r = client.who_am_i(pb::WhoAmIRequest {}).await?;
             out.print(j::of(&r), || format!("{} ({})", r.principal, r.project));

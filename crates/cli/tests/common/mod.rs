@@ -25,7 +25,8 @@ impl Drop for Guard {
     fn drop(&mut self) {
         let _ = sandbox::cleanup_leftovers(
             &self.containers,
-            &opendsec_edge::backend::container::sandbox_name(&self.containers, &format!("{EDGE}.")),
+            // Every sandbox of this state directory, whatever its edge's name.
+            &opendsec_edge::backend::container::name_tag(&self.containers),
             &[],
         );
     }
@@ -49,6 +50,8 @@ pub fn freezer_state(s: &Sandbox) -> String {
 pub struct Fixture {
     pub _dir: tempfile::TempDir,
     pub _guard: Guard,
+    /// The other edges' (with [`fixture_edges`]).
+    pub _guards: Vec<Guard>,
     pub cluster: Cluster,
     pub containers: PathBuf,
     pub store: PathBuf,
@@ -72,7 +75,17 @@ pub async fn fixture_with_clock(clock: opendsec_common::time::Clock) -> Fixture 
     fixture_full(|_| {}, clock).await
 }
 
+/// [`fixture_with`] with `edges` edges (`edge-000`, `edge-001`, ...), each as the one of
+/// [`fixture`].
+pub async fn fixture_edges(edges: u32, tweak: impl FnOnce(&mut Config)) -> Fixture {
+    fixture_n(tweak, opendsec_common::time::Clock::system(), edges).await
+}
+
 async fn fixture_full(tweak: impl FnOnce(&mut Config), clock: opendsec_common::time::Clock) -> Fixture {
+    fixture_n(tweak, clock, 1).await
+}
+
+async fn fixture_n(tweak: impl FnOnce(&mut Config), clock: opendsec_common::time::Clock, edges: u32) -> Fixture {
     if !is_root() {
         panic!("this test needs root (CI runs as root)");
     }
@@ -94,7 +107,10 @@ async fn fixture_full(tweak: impl FnOnce(&mut Config), clock: opendsec_common::t
     tweak(&mut cfg);
     let containers = cfg.edge_state_dir(EDGE).join("containers");
     let guard = Guard { containers: containers.clone() };
-    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(1), clock, ..Default::default() }).await.unwrap();
+    let guards = (1..edges)
+        .map(|i| Guard { containers: cfg.edge_state_dir(&opendsec_cluster::edge_name(i)).join("containers") })
+        .collect();
+    let cluster = Cluster::up(cfg, UpOptions { sim_edges: Some(edges), clock, ..Default::default() }).await.unwrap();
     cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
     let rootfs_dir = busybox_rootfs(dir.path(), &[]);
     let store = cluster.config.image_store_dir();
@@ -105,7 +121,7 @@ async fn fixture_full(tweak: impl FnOnce(&mut Config), clock: opendsec_common::t
         opendsec_client::Client::new(std::slice::from_ref(&addr), Some(&cluster.admin_token), &cluster.client_tls())
             .unwrap()
             .with_retry_timeout(Duration::from_secs(10));
-    Fixture { _dir: dir, _guard: guard, cluster, containers, store, addr, ca, admin }
+    Fixture { _dir: dir, _guard: guard, _guards: guards, cluster, containers, store, addr, ca, admin }
 }
 
 /// An edge (and apiserver) that takes thousands of small sandboxes from one principal, for the

@@ -178,6 +178,23 @@ pub fn name_tag(state_dir: &Path) -> String {
     format!("sbx-{tag}-")
 }
 
+/// Layers (bottom first) and PID 1's image environment.
+type Pinned = (Vec<LayerId>, Vec<String>);
+
+/// The layers and image environment a moved-in sandbox was moved with; `None` for any other.
+fn pinned_image(sb: &SandboxRecord) -> Result<Option<Pinned>, BackendError> {
+    if sb.moved.layers.is_empty() {
+        return Ok(None);
+    }
+    let layers = sb
+        .moved
+        .layers
+        .iter()
+        .map(|l| LayerId::parse(l).map_err(|e| BackendError::invalid_argument("moved layers").caused_by(e)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some((layers, sb.moved.image_env.clone())))
+}
+
 /// PID 1's environment: the image's, then the spec's (a spec variable replaces the image's of
 /// the same name), and a default PATH when neither sets one. Image entries without `=` are
 /// kept as names with empty values.
@@ -565,17 +582,25 @@ impl Backend for ContainerBackend {
             io: self.opts.io,
         };
         let spec_env = sb.spec.env.clone();
+        let pinned = pinned_image(sb)?;
         let started = blocking(move || {
-            let (_, manifest) = store.resolve(&project, &image).map_err(store_err)?;
+            // A sandbox that moved in runs the layers it was moved with; any other, its image.
+            let (layers, image_env) = match pinned {
+                Some(p) => p,
+                None => {
+                    let (_, manifest) = store.resolve(&project, &image).map_err(store_err)?;
+                    (manifest.layers, manifest.config.env)
+                }
+            };
             // Write the holder file first, then use the layers (lower_dirs fails if GC took one).
-            write_inuse(&inuse, &manifest.layers)?;
+            write_inuse(&inuse, &layers)?;
             let mut run = || -> Result<Sandbox, BackendError> {
-                spec.lower_dirs = rootfs::lower_dirs(&cache, &store, &manifest.layers).map_err(rootfs_err)?;
-                spec.env = merge_env(&manifest.config.env, &spec_env);
+                spec.lower_dirs = rootfs::lower_dirs(&cache, &store, &layers).map_err(rootfs_err)?;
+                spec.env = merge_env(&image_env, &spec_env);
                 Sandbox::start(&spec).map_err(sandbox_err)
             };
             match run() {
-                Ok(s) => Ok((s, manifest.layers)),
+                Ok(s) => Ok((s, layers)),
                 Err(e) => match remove_inuse(&inuse) {
                     Ok(()) => Err(e),
                     Err(cleanup) => Err(e.with_cleanup(cleanup)),
@@ -1008,6 +1033,10 @@ impl super::Snapshotter for ContainerBackend {
         let store = self.store.clone();
         let max_layers = self.opts.snapshot_max_layers.max(2) as usize;
         let source = format!("snapshot of sandbox {}", sb.id);
+        // PID 1's environment from the image, for a copy that moves with these layers (a
+        // sandbox that moved here already has it; an image gone since gives none).
+        let moved_env = (!sb.moved.layers.is_empty()).then(|| sb.moved.image_env.clone());
+        let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
         // What the sandbox wrote cannot be more than its disk holds: a sparse file claiming
         // more (written out whole by the import) is refused rather than filling the store.
         let disk_bytes = sb.resources().disk_mb.saturating_mul(1 << 20).max(1);
@@ -1018,6 +1047,10 @@ impl super::Snapshotter for ContainerBackend {
             ..defaults
         };
         let taken = blocking(move || {
+            let image_env = match moved_env {
+                Some(env) => env,
+                None => store.resolve(&project, &image).map(|(_, m)| m.config.env).unwrap_or_default(),
+            };
             let started = std::time::Instant::now();
             // Thawed on every way out, a panic included (unless it was paused before).
             let frozen = Frozen::new(&s, !paused);
@@ -1038,7 +1071,7 @@ impl super::Snapshotter for ContainerBackend {
                 Ok(Err(e)) | Err(e) => return Err(e),
             };
             let layers = chain(&store, &lowers, &snap.meta.id, max_layers)?;
-            Ok(super::SnapshotTaken { layers, layer: snap.meta, frozen: frozen_for })
+            Ok(super::SnapshotTaken { layers, layer: snap.meta, frozen: frozen_for, image_env })
         })
         .await;
         if !paused {
@@ -1209,6 +1242,7 @@ mod tests {
             member: String::new(),
             pool: String::new(),
             pool_revision: String::new(),
+            moved: Default::default(),
         };
         // Stopping an unknown sandbox succeeds.
         b.stop(&rec).await.unwrap();

@@ -125,6 +125,8 @@ pub struct SnapshotTaken {
     pub layer: opendsec_images::LayerMeta,
     /// How long the sandbox was frozen.
     pub frozen: std::time::Duration,
+    /// PID 1's environment from the sandbox's image config (a move carries it along).
+    pub image_env: Vec<String>,
 }
 
 /// Capability: freezes a RUNNING (or PAUSED) sandbox for as long as it takes to copy what it

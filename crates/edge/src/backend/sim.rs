@@ -203,6 +203,7 @@ mod tests {
             member: String::new(),
             pool: String::new(),
             pool_revision: String::new(),
+            moved: Default::default(),
         }
     }
 

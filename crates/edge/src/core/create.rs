@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// What the container of a sandbox that moved in is named after: `<edge>.mv-<lease>`.
+pub(crate) const MOVED_IN_PREFIX: &str = "mv-";
+
 impl Inner {
     pub(crate) async fn create(&self, req: EdgeCreateRequest) -> Result<Sandbox, EdgeError> {
         if self.closing.load(Ordering::Relaxed) {
@@ -13,6 +16,10 @@ impl Inner {
             return Err(EdgeError::InvalidArgument("spec is required".into()));
         };
         let lease = req.lease_id.as_str();
+        if let Some(mv) = &req.moved_in {
+            self.check_moved_in(mv, lease)?;
+            self.forget_tombstone(lease).await?;
+        }
 
         // Idempotent per lease: a retry gets what the first attempt made (once it finished).
         if let Some(op) = self.op_lock(lease) {
@@ -31,6 +38,8 @@ impl Inner {
         // edge has one (it adds no load: no pressure check); else it is made cold (a miss).
         let take = || match (spec.pool.is_empty(), backend.warm()) {
             (_, None) => None,
+            // A sandbox moving in brings its own file system.
+            _ if req.moved_in.is_some() => None,
             (false, Some(_)) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
             // `fncall` without a pool: a member of a pool with exactly this template, if any.
             (true, Some(_)) => self.claim_matching(spec),
@@ -65,7 +74,16 @@ impl Inner {
                 n.unreserve(crate::netpol::Slot(slot));
             }
         };
-        let rec = self.new_record(lease, &req.principal, SpecRecord::from_proto(spec), slot);
+        let mut rec = self.new_record(lease, &req.principal, SpecRecord::from_proto(spec), slot);
+        if let Some(mv) = &req.moved_in {
+            rec.id = mv.id.clone();
+            rec.created_at_ms = mv.created_at_ms;
+            rec.last_active_ms = rec.last_active_ms.max(mv.last_active_ms);
+            rec.member = format!("{}.{MOVED_IN_PREFIX}{lease}", self.name);
+            rec.moved.moved_from = mv.from_edge.clone();
+            rec.moved.layers = mv.layers.clone();
+            rec.moved.image_env = mv.image_env.clone();
+        }
         let rec = Arc::new(rec);
         let op = OpLock::default();
         // Held until the creation is settled: a concurrent retry or stop waits for it.
@@ -260,12 +278,49 @@ impl Inner {
             member: String::new(),
             pool: String::new(),
             pool_revision: String::new(),
+            moved: Default::default(),
         }
+    }
+
+    /// What a creation moving a sandbox in must carry: its id, of this lease, from another edge.
+    fn check_moved_in(&self, mv: &opendsec_proto::v1::MovedIn, lease: &str) -> Result<(), EdgeError> {
+        let (_, id_lease) = ids::split_sandbox_id(&mv.id).map_err(|e| EdgeError::InvalidArgument(e.message))?;
+        if id_lease != lease {
+            return Err(EdgeError::InvalidArgument(format!("moved_in.id {} is not of lease {lease}", mv.id)));
+        }
+        ids::validate_edge(&mv.from_edge)
+            .map_err(|e| EdgeError::InvalidArgument(format!("moved_in.from_edge: {}", e.message)))?;
+        if mv.from_edge == self.name {
+            return Err(EdgeError::InvalidArgument(format!("sandbox {} already runs on edge {}", mv.id, self.name)));
+        }
+        if mv.layers.is_empty() {
+            return Err(EdgeError::InvalidArgument("moved_in.layers is empty".into()));
+        }
+        Ok(())
+    }
+
+    /// A sandbox moving back to an edge it once left: the record of its departure goes (the
+    /// lease is the new copy's now).
+    async fn forget_tombstone(&self, lease: &str) -> Result<(), EdgeError> {
+        let Some(op) = self.op_lock(lease) else { return Ok(()) };
+        let _g = op.lock_owned().await;
+        let Some(rec) = self.table().rec(lease) else { return Ok(()) };
+        if !rec.state.is_ended() || rec.moved.moved_to.is_empty() {
+            return Ok(());
+        }
+        let store = self.store.clone();
+        let l = lease.to_string();
+        tokio::task::spawn_blocking(move || store.remove_durable(&l))
+            .await
+            .map_err(|e| RecordError::Join { lease: lease.to_string(), message: e.to_string() })??;
+        self.table().remove(lease);
+        self.activity.forget(lease);
+        Ok(())
     }
 
     pub(super) async fn existing(&self, op: OpLock, lease: &str) -> Result<Sandbox, EdgeError> {
         let _g = op.lock_owned().await;
-        let rec = self.table().rec(lease).ok_or_else(|| self.not_found(&ids::sandbox_id(&self.name, lease)))?;
+        let rec = self.table().rec(lease).ok_or_else(|| self.not_found(&self.id_of(lease)))?;
         Ok(self.to_proto(&rec))
     }
 
@@ -273,7 +328,7 @@ impl Inner {
     /// (retried elsewhere, or gave up and released it). Stops the sandbox without releasing
     /// the lease, which is not ours.
     pub(crate) async fn stop_moved(&self, lease: &str, binding: &LeaseBinding) {
-        let id = ids::sandbox_id(&self.name, lease);
+        let id = self.id_of(lease);
         let Ok((_g, rec)) = self.lock_op(&id).await else { return };
         if !rec.state.can_stop() {
             return;

@@ -6,6 +6,10 @@ impl Inner {
     pub(crate) fn get(&self, id: &str) -> Result<Sandbox, EdgeError> {
         let lease = self.lease_of(id)?;
         let rec = self.table().rec(lease).ok_or_else(|| self.not_found(id))?;
+        // A sandbox that moved away answers where it went; one moving away answers as it is.
+        if !rec.moved.moved_to.is_empty() {
+            Self::check_not_moving(&rec)?;
+        }
         Ok(self.to_proto(&rec))
     }
 

@@ -12,9 +12,15 @@ impl Inner {
         if !rec.state.can_pause() {
             return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "pause" });
         }
-        let backend = self.backend_of(&rec)?.clone();
+        let paused = self.pause_locked(&rec).await?;
+        Ok(self.to_proto(&paused))
+    }
+
+    /// Pauses a RUNNING sandbox; the caller holds its operation lock.
+    pub(super) async fn pause_locked(&self, rec: &SandboxRecord) -> Result<Arc<SandboxRecord>, EdgeError> {
+        let backend = self.backend_of(rec)?.clone();
         let now = self.clock.now_ms();
-        let mut pausing = (*rec).clone();
+        let mut pausing = rec.clone();
         pausing.state = SandboxStatus::Pausing;
         pausing.updated_at_ms = now;
         pausing.last_active_ms = now;
@@ -28,8 +34,7 @@ impl Inner {
         paused.updated_at_ms = now;
         paused.paused_since_ms = now;
         let (paused, written) = self.publish_then_persist(paused).await;
-        written?;
-        Ok(self.to_proto(&paused))
+        written.map(|()| paused)
     }
 
     /// A pause or resume failed: a sandbox that is still alive goes back to `back_to`, a dead

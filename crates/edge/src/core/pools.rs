@@ -388,6 +388,7 @@ impl Inner {
             lease_released: true,
             pool: pool_key(&pool.project, &pool.name),
             pool_revision: revision.to_string(),
+            moved: Default::default(),
             ..self.new_record(lease, "", spec, 0)
         }
     }

@@ -11,8 +11,14 @@ impl Inner {
         if !rec.state.can_resume() {
             return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "resume" });
         }
-        let backend = self.backend_of(&rec)?.clone();
-        let mut resuming = (*rec).clone();
+        let running = self.resume_locked(&rec).await?;
+        Ok(self.to_proto(&running))
+    }
+
+    /// Resumes a PAUSED sandbox; the caller holds its operation lock.
+    pub(super) async fn resume_locked(&self, rec: &SandboxRecord) -> Result<Arc<SandboxRecord>, EdgeError> {
+        let backend = self.backend_of(rec)?.clone();
+        let mut resuming = rec.clone();
         resuming.state = SandboxStatus::Resuming;
         resuming.updated_at_ms = self.clock.now_ms();
         let resuming = self.persist_then_publish(resuming).await?;
@@ -26,7 +32,6 @@ impl Inner {
         running.last_active_ms = now;
         running.paused_since_ms = 0;
         let (running, written) = self.publish_then_persist(running).await;
-        written?;
-        Ok(self.to_proto(&running))
+        written.map(|()| running)
     }
 }

@@ -20,12 +20,12 @@ impl Inner {
     }
 
     pub(crate) fn status(&self, include_leases: bool) -> EdgeStatus {
-        let (used, live) = {
+        let (used, live, moved_in) = {
             // Only pointers are copied under the lock; the messages are built after it.
             let t = self.table();
             let live: Vec<Arc<SandboxRecord>> =
                 if include_leases { t.records().filter(|r| r.state.is_live()).cloned().collect() } else { Vec::new() };
-            (t.used().plus(self.pool_used()), live)
+            (t.used().plus(self.pool_used()), live, t.moved_in())
         };
         let leases = live
             .iter()
@@ -84,6 +84,7 @@ impl Inner {
             draining: false,
             leases,
             pools: self.pool_status(),
+            moved_in,
         }
     }
 }

@@ -22,8 +22,16 @@ impl Inner {
         let mut expired = Vec::new();
         let mut probe = Vec::new();
         let mut delete = Vec::new();
+        let mut moves = Vec::new();
+        let stale = i64::try_from(moves::MOVE_STALE.as_millis()).unwrap_or(i64::MAX);
         for rec in self.table().records() {
-            if ttl::expired_active(rec, now, self.active_ms(&rec.lease_id, now)).is_some() {
+            if rec.moved.is_moving() || (!rec.moved.moved_to.is_empty() && rec.state.is_live()) {
+                // A move holds the sandbox (no expiry, no probes of a frozen sandbox) until it
+                // is finished, by its caller or, past its time, here.
+                if !rec.moved.is_moving() || rec.moved.moving_since_ms.saturating_add(stale) <= now {
+                    moves.push(rec.lease_id.clone());
+                }
+            } else if ttl::expired_active(rec, now, self.active_ms(&rec.lease_id, now)).is_some() {
                 expired.push(rec.lease_id.clone());
             } else if rec.state.is_adoptable() {
                 probe.push(rec.clone());
@@ -44,6 +52,9 @@ impl Inner {
             .await;
         if !delete.is_empty() {
             self.delete_ended(delete).await;
+        }
+        for lease in moves {
+            self.settle_stale_move(&lease).await;
         }
         if !self.sim_only {
             // Keeps the CPU window fed and the pressure cache fresh between creations.

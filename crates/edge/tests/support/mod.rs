@@ -115,6 +115,7 @@ pub fn record(lease: &str, image: &str) -> SandboxRecord {
         member: String::new(),
         pool: String::new(),
         pool_revision: String::new(),
+        moved: Default::default(),
     }
 }
 

@@ -45,6 +45,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/GetSandboxMetrics": "read",
     "Sandboxes/CreateSnapshot": "once",
     "Sandboxes/ForkSandbox": "once",
+    "Sandboxes/MoveSandbox": "repeat",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

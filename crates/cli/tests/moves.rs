@@ -1,0 +1,245 @@
+//! Moving sandboxes between edges end to end, as root: two edges offering containers, a
+//! busybox sandbox with a changed file system moved from one to the other while four callers
+//! keep running commands in it (every call answered, every call's write found in the copy,
+//! never two running copies), moved back, moved by the CLI; a move the target cannot take
+//! leaves the original running where it was with its lease; and the refusals (unknown edge,
+//! a backend that cannot move, a tenant without edge.manage, another tenant's sandbox).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::*;
+use opendsec_common::Reason;
+use opendsec_proto::v1 as pb;
+
+const FINGERPRINT: &str = "cd / && find data etc tmp bin/cat -xdev 2>/dev/null | grep -vx -e etc/hosts -e data/log | sort | \
+     while read -r p; do stat -c '%n|%A|%u|%g' \"$p\"; [ -f \"$p\" ] && md5sum < \"$p\"; done; readlink data/link";
+
+fn other(edge: &str) -> String {
+    if edge == EDGE { opendsec_cluster::edge_name(1) } else { EDGE.to_string() }
+}
+
+/// The container sandboxes of the edge whose containers live in `containers`, by cgroup.
+fn held_by(containers: &std::path::Path) -> Vec<String> {
+    let tag = opendsec_edge::backend::container::name_tag(containers);
+    opendsec_edge::linuxrt::cgroup::list(&tag).unwrap_or_default()
+}
+
+fn containers_of(f: &Fixture, edge: &str) -> std::path::PathBuf {
+    f.cluster.config.edge_state_dir(edge).join("containers")
+}
+
+async fn live_usage(admin: &opendsec_client::Client) -> u64 {
+    let usage = admin.get_usage(pb::GetUsageRequest { project: "root".into() }).await.unwrap();
+    usage.projects.iter().find(|p| p.path == "root").and_then(|p| p.usage).map(|u| u.sandboxes).unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_moved_sandbox_keeps_its_id_files_and_calls() {
+    let f = fixture_edges(2, |_| {}).await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let sb = admin.create_sandbox(container_spec("busybox", 64, 256)).await.unwrap();
+    let (from, to) = (sb.edge.clone(), other(&sb.edge));
+    let setup = "mkdir -p /data && echo hello > /data/a && chown 1000:1001 /data/a && chmod 4750 /data/a && \
+         ln -s a /data/link && rm /bin/cat && echo t > /tmp/t && \
+         dd if=/dev/urandom of=/data/big bs=1M count=10 2>/dev/null && (sleep 1000 &)";
+    assert_eq!(exec_in(&mut rt, &sb.id, "main", setup).await.exit_code, 0);
+    let want = out(&exec_in(&mut rt, &sb.id, "fp", FINGERPRINT).await);
+    assert!(want.contains("data/a|-rwsr-x---|1000|1001"), "{want}");
+    let before = held_by(&containers_of(&f, &from));
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    // Four callers append numbered lines while the sandbox moves. Every call must be
+    // answered, and every answered call's line must be in the copy: calls in flight when the
+    // move begins finish on the source before it is frozen and copied; later ones wait and
+    // run in the copy.
+    let stop = Arc::new(AtomicBool::new(false));
+    let seq = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    for c in 0..4 {
+        let (mut rt, id, stop, seq) = (rt.clone(), sb.id.clone(), stop.clone(), seq.clone());
+        callers.push(tokio::spawn(async move {
+            let mut done = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let n = seq.fetch_add(1, Ordering::SeqCst);
+                let req = pb::ExecRequest {
+                    sandbox_id: id.clone(),
+                    session_id: format!("caller-{c}"),
+                    command: format!("echo {n} >> /data/log"),
+                    timeout_ms: 60_000,
+                    ..Default::default()
+                };
+                let r = rt.exec(req).await.unwrap_or_else(|e| panic!("call {n} during the move: {e:?}")).into_inner();
+                assert_eq!(r.exit_code, 0, "{r:?}");
+                done.push(n);
+            }
+            done
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    let moved = admin.move_sandbox(&sb.id, &to).await.unwrap();
+    // A figure for people (not asserted): 10 MB written, four callers in flight.
+    eprintln!("move under load: {} ms", started.elapsed().as_millis());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::SeqCst);
+    let mut answered: Vec<u64> = Vec::new();
+    for c in callers {
+        answered.extend(c.await.unwrap());
+    }
+    assert_eq!((moved.id.as_str(), moved.edge.as_str()), (sb.id.as_str(), to.as_str()));
+    assert_eq!(state(&moved), pb::SandboxState::Running);
+
+    let got = admin.get_sandbox(&sb.id).await.unwrap();
+    assert_eq!(got.edge, to);
+    let mut logged: Vec<u64> =
+        out(&exec_in(&mut rt, &sb.id, "check", "cat /data/log").await).lines().map(|l| l.parse().unwrap()).collect();
+    logged.sort_unstable();
+    answered.sort_unstable();
+    assert!(answered.len() > 8, "the callers ran through the move: {answered:?}");
+    assert_eq!(logged, answered, "every answered call's write is in the copy, once");
+
+    // The file system came along, /tmp included; the processes did not (containers).
+    assert_eq!(out(&exec_in(&mut rt, &sb.id, "fp", FINGERPRINT).await), want);
+    let ps = exec_in(&mut rt, &sb.id, "ps", "ps -o args | grep -c '[s]leep 1000' || true").await;
+    assert_eq!(out(&ps), "0");
+    let id_inside = exec_in(&mut rt, &sb.id, "id", "cat /run/opendsec/sandbox-id; echo $OPENDSEC_SANDBOX_ID").await;
+    assert_eq!(out(&id_inside), format!("{}\n{}", sb.id, sb.id));
+
+    // One copy runs, on the target; the original's container is gone from its host.
+    assert!(held_by(&containers_of(&f, &from)).is_empty(), "the original still holds a container");
+    assert_eq!(held_by(&containers_of(&f, &to)).len(), 1);
+    let listed = admin
+        .list_sandboxes(pb::ListSandboxesRequest { project: "root".into(), ..Default::default() })
+        .await
+        .unwrap()
+        .sandboxes;
+    assert_eq!(listed.iter().filter(|x| x.id == sb.id).count(), 1, "{listed:?}");
+    assert_eq!(listed.iter().find(|x| x.id == sb.id).unwrap().edge, to);
+    assert_eq!(live_usage(&admin).await, 1, "one lease, charged once");
+
+    // Moved again, by the CLI, back to where it was created (its old record there goes), and
+    // asked again for the edge it is on (answered as it is).
+    let started = std::time::Instant::now();
+    common::ctl_admin(&f.cluster, &["move", &sb.id, "--to", &from]).await.unwrap();
+    eprintln!("move, quiet: {} ms", started.elapsed().as_millis());
+    let back = admin.move_sandbox(&sb.id, &from).await.unwrap();
+    assert_eq!(back.edge, from);
+    assert!(out(&exec_in(&mut rt, &sb.id, "check", "wc -l < /data/log").await).parse::<usize>().unwrap() > 8);
+    assert!(held_by(&containers_of(&f, &to)).is_empty());
+    assert_eq!(held_by(&containers_of(&f, &from)).len(), 1);
+
+    // Its lease follows it: stopping it frees the quota, nothing stays behind.
+    let stopped = admin.stop_sandbox(&sb.id).await.unwrap();
+    assert_eq!(state(&stopped), pb::SandboxState::Stopped);
+    opendsec_testkit::eventually("the lease released", Duration::from_secs(10), || async {
+        live_usage(&admin).await == 0
+    })
+    .await;
+    assert!(held_by(&containers_of(&f, &from)).is_empty() && held_by(&containers_of(&f, &to)).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_the_target_cannot_take_leaves_the_sandbox_where_it_was() {
+    // Three sandboxes per edge: the target is filled with sim sandboxes first.
+    let f = fixture_edges(2, |c| c.edge.max_sandboxes = 3).await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let sb = admin.create_sandbox(container_spec("busybox", 32, 64)).await.unwrap();
+    let to = other(&sb.edge);
+    exec_in(&mut rt, &sb.id, "main", "echo kept > /kept").await;
+    let sim = pb::SandboxSpec {
+        project: "root".into(),
+        backend: "sim".into(),
+        image: "scratch".into(),
+        resources: Some(pb::Resources { cpu_millis: 10, memory_mb: 1, disk_mb: 0, gpus: 0 }),
+        ..Default::default()
+    };
+    let mut sims = Vec::new();
+    for _ in 0..5 {
+        sims.push(admin.create_sandbox(sim.clone()).await.unwrap());
+    }
+    assert_eq!(sims.iter().filter(|s| s.edge == to).count(), 3, "the target is full");
+
+    let e = admin.move_sandbox(&sb.id, &to).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NoCapacity, "{e}");
+    let got = admin.get_sandbox(&sb.id).await.unwrap();
+    assert_eq!((got.edge.as_str(), state(&got)), (sb.edge.as_str(), pb::SandboxState::Running));
+    // It runs (not left frozen), and keeps what it had.
+    assert_eq!(out(&exec_in(&mut rt, &sb.id, "main", "cat /kept").await), "kept");
+    assert_eq!(freezer_state_of(&f, &sb), "THAWED");
+
+    // The lease is bound where it runs: stopping it there releases it.
+    for s in &sims {
+        admin.stop_sandbox(&s.id).await.unwrap();
+    }
+    admin.stop_sandbox(&sb.id).await.unwrap();
+    opendsec_testkit::eventually("the leases released", Duration::from_secs(10), || async {
+        live_usage(&admin).await == 0
+    })
+    .await;
+}
+
+fn freezer_state_of(f: &Fixture, sb: &pb::Sandbox) -> String {
+    let containers = containers_of(f, &sb.edge);
+    let name = opendsec_edge::backend::container::sandbox_name(&containers, &sb.id);
+    let s = opendsec_edge::linuxrt::sandbox::Sandbox::adopt(&containers, &name).unwrap();
+    let st = freezer_state(&s);
+    if st == "0" || st == "THAWED" { "THAWED".into() } else { st }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moves_are_refused_clearly() {
+    let f = fixture_edges(2, |_| {}).await;
+    let admin = f.admin.clone();
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let sb = admin.create_sandbox(container_spec("busybox", 32, 64)).await.unwrap();
+    let to = other(&sb.edge);
+
+    let e = admin.move_sandbox(&sb.id, "no-such-edge").await.unwrap_err();
+    assert_eq!(e.reason, Reason::NotFound, "{e}");
+    let e = admin.move_sandbox(&sb.id, "Bad Edge!").await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
+    let e = admin.move_sandbox("nonsense", &to).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
+    let same = admin.move_sandbox(&sb.id, &sb.edge).await.unwrap();
+    assert_eq!(same.edge, sb.edge);
+
+    // A backend without a file system to copy.
+    let sim = admin
+        .create_sandbox(pb::SandboxSpec {
+            project: "root".into(),
+            backend: "sim".into(),
+            image: "scratch".into(),
+            resources: Some(pb::Resources { cpu_millis: 10, memory_mb: 1, disk_mb: 0, gpus: 0 }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let e = admin.move_sandbox(&sim.id, &other(&sim.edge)).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
+    assert_eq!(state(&admin.get_sandbox(&sim.id).await.unwrap()), pb::SandboxState::Running);
+
+    // A tenant who may operate its sandboxes but not manage edges, and another tenant.
+    admin.create_project(pb::CreateProjectRequest { path: "root/t".into(), quota: None }).await.unwrap();
+    let tok = principal(&admin, "tess", "root/t", &["sandbox.create", "sandbox.operate", "sandbox.view"]).await;
+    let grant = pb::Grant { principal: "tess".into(), project: "root".into(), permission: "layer.use".into() };
+    admin.grant(pb::GrantRequest { grant: Some(grant) }).await.unwrap();
+    let tess =
+        opendsec_client::Client::new(std::slice::from_ref(&f.addr), Some(&tok), &f.cluster.client_tls()).unwrap();
+    let own = tess
+        .create_sandbox(pb::SandboxSpec { project: "root/t".into(), ..container_spec("busybox", 32, 64) })
+        .await
+        .unwrap();
+    let e = tess.move_sandbox(&own.id, &other(&own.edge)).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    let e = tess.move_sandbox(&sb.id, &to).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    // Nothing was frozen by the refusals.
+    assert_eq!(exec_in(&mut rt, &sb.id, "main", "true").await.exit_code, 0);
+    assert_eq!(exec_in(&mut rt, &own.id, "main", "true").await.exit_code, 0);
+}
