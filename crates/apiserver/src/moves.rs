@@ -51,11 +51,19 @@ where
     let deadline = Instant::now() + MOVE_WAIT;
     let mut hops = 0;
     loop {
+        let learned = s.routes.get(id).is_some();
         let edge = route(s, id)?;
         let err = match f(edge.clone()).await {
             Ok(v) => return Ok((edge, v)),
             Err(e) => e,
         };
+        if err.reason == Reason::NotFound && learned && hops < MAX_HOPS {
+            // The edge it moved to forgot it (it moved on, or back): the snapshot and the id
+            // know better now.
+            hops += 1;
+            s.routes.forget(id);
+            continue;
+        }
         if err.reason != Reason::Unavailable {
             return Err(err);
         }
@@ -94,7 +102,22 @@ pub(crate) async fn move_sandbox(
     let started = Instant::now();
     let out_req = forward::to_edge(pb::EdgeMoveOutRequest { id: sb.id.clone(), to_edge: to.to_string() }, &project)?;
     let mut c = s.up.edge(from, &s.edge_addr(from)?)?;
-    let out = forward::within(from, Some(MOVE_OUT_TIMEOUT), async move { c.move_out(out_req).await }).await?;
+    let out = match forward::within(from, Some(MOVE_OUT_TIMEOUT), async move { c.move_out(out_req).await }).await {
+        Ok(out) => out,
+        Err(e) => {
+            // An answer lost or late may leave the sandbox frozen: let it run on. Not when
+            // the edge refused (another move holds it, or nothing began).
+            let refused = matches!(
+                e.reason,
+                Reason::InvalidArgument | Reason::InvalidState | Reason::NotFound | Reason::PermissionDenied
+            ) || e.metadata.contains_key(MOVING_TO)
+                || e.metadata.contains_key(MOVED_TO);
+            if !refused {
+                abandon(s, from, &sb.id, &project).await;
+            }
+            return Err(e);
+        }
+    };
     let copied_ms = started.elapsed().as_millis();
     let spec = out.spec.clone().unwrap_or_default();
 
@@ -114,15 +137,31 @@ pub(crate) async fn move_sandbox(
         Ok(mut c) => forward::edge_call(s, to, c.create_sandbox(create)).await,
         Err(e) => Err(e),
     };
+    let running = |c: &pb::Sandbox| c.state == pb::SandboxState::Running as i32 && c.edge == to && c.id == sb.id;
+    let created = match created {
+        Ok(copy) if running(&copy) => Ok(copy),
+        Ok(copy) => Err(ApiError::internal(format!(
+            "edge {to} answered the copy of {} as {:?}",
+            sb.id,
+            pb::SandboxState::try_from(copy.state).unwrap_or_default()
+        ))),
+        Err(e) => Err(e),
+    };
     let copy = match created {
         Ok(copy) => copy,
         Err(e) => match forward::edge_get(s, to, &sb.id).await {
             // The answer was lost, not the copy.
-            Ok(copy) if copy.state == pb::SandboxState::Running as i32 => copy,
+            Ok(copy) if running(&copy) => copy,
             Ok(copy) if copy.state == pb::SandboxState::Creating as i32 => {
                 // Still starting: the source settles the move once it is old enough (from
                 // where IAM binds the lease, the target's now).
                 tracing::warn!(sandbox_id = %sb.id, to, error = %e, "move: the copy is still starting");
+                return Err(e);
+            }
+            Err(ge) if ge.reason != Reason::NotFound => {
+                // Whether a copy runs is unknown: thawing the original could make two. The
+                // source settles the move later, from where IAM binds the lease.
+                tracing::warn!(sandbox_id = %sb.id, to, error = %ge, "move: the copy's state is unknown");
                 return Err(e);
             }
             _ => {

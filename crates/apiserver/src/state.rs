@@ -73,6 +73,10 @@ impl Routes {
         self.learned.read().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
     }
 
+    pub(crate) fn forget(&self, id: &str) {
+        self.learned.write().unwrap_or_else(|p| p.into_inner()).remove(id);
+    }
+
     pub(crate) fn learn(&self, id: &str, edge: &str) {
         let mut m = self.learned.write().unwrap_or_else(|p| p.into_inner());
         if m.len() >= ROUTES_MAX && !m.contains_key(id) {

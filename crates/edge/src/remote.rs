@@ -122,6 +122,18 @@ impl Remote {
         Ok(bindings(&self.edge, leases, resp.leases))
     }
 
+    /// Where IAM binds `lease` and since when; `None` if IAM has no such lease.
+    pub async fn lease(&self, lease: &str) -> Result<Option<(String, i64)>, ApiError> {
+        let req = GetLeasesRequest { lease_ids: vec![lease.to_string()] };
+        let resp = self
+            .call_iam("GetLeases", |mut c| {
+                let req = req.clone();
+                async move { c.get_leases(req).await }
+            })
+            .await?;
+        Ok(resp.leases.into_iter().find(|l| l.id == lease).map(|l| (l.edge, l.bound_at_ms)))
+    }
+
     /// Every pool IAM holds (one ListAllPools call).
     pub async fn all_pools(&self) -> Result<Vec<opendsec_proto::v1::Pool>, ApiError> {
         let resp = self

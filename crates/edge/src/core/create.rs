@@ -230,8 +230,14 @@ impl Inner {
                 source = source.with_cleanup(e);
             }
         }
-        self.fail_locked(rec, end_reason::CREATE_FAILED, Release::Yes).await;
+        self.fail_locked(rec, end_reason::CREATE_FAILED, Self::start_release(rec)).await;
         EdgeError::Backend { backend: backend.name(), op, id: rec.id.clone(), source }
+    }
+
+    /// What a failed start does with the lease: releases it, unless the sandbox was moving in
+    /// (the original still runs, and the apiserver binds the lease back to it).
+    fn start_release(rec: &SandboxRecord) -> Release {
+        if rec.moved.moved_from.is_empty() { Release::Yes } else { Release::No }
     }
 
     /// The RUNNING record of a sandbox that started, on disk first; without it the sandbox
@@ -250,7 +256,7 @@ impl Inner {
                 if let Err(se) = backend.stop(rec).await {
                     tracing::error!(sandbox_id = %rec.id, error = %se, "stop after a failed record write failed");
                 }
-                self.fail_locked(rec, end_reason::CREATE_FAILED, Release::Yes).await;
+                self.fail_locked(rec, end_reason::CREATE_FAILED, Self::start_release(rec)).await;
                 Err(e)
             }
         }
@@ -299,14 +305,15 @@ impl Inner {
         Ok(())
     }
 
-    /// A sandbox moving back to an edge it once left: the record of its departure goes (the
-    /// lease is the new copy's now).
+    /// A sandbox moving in finds no record of its lease here but an ended one (it left this
+    /// edge before, or an earlier copy failed), which goes: the lease is the new copy's now. A
+    /// live one is refused: it is not this move's copy to hand out.
     async fn forget_tombstone(&self, lease: &str) -> Result<(), EdgeError> {
         let Some(op) = self.op_lock(lease) else { return Ok(()) };
         let _g = op.lock_owned().await;
         let Some(rec) = self.table().rec(lease) else { return Ok(()) };
-        if !rec.state.is_ended() || rec.moved.moved_to.is_empty() {
-            return Ok(());
+        if rec.state.is_live() {
+            return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "move in over it" });
         }
         let store = self.store.clone();
         let l = lease.to_string();

@@ -85,9 +85,10 @@ impl Inner {
         rec: &Arc<SandboxRecord>,
         snapshotter: &dyn crate::backend::Snapshotter,
     ) -> Result<EdgeMoveOut, EdgeError> {
-        // Calls that got in before the move wrote its intent finish first.
+        // Calls that got in before the move wrote its intent finish first. A paused sandbox
+        // runs none: its counted calls wait for the resume this move's lock holds off.
         let waited = std::time::Instant::now();
-        while self.activity.of(&rec.lease_id).0 > 0 {
+        while rec.state == SandboxStatus::Running && self.activity.of(&rec.lease_id).0 > 0 {
             if waited.elapsed() >= MOVE_DRAIN {
                 tracing::warn!(sandbox_id = %rec.id, "calls still in flight after the drain; freezing anyway");
                 break;
@@ -209,26 +210,29 @@ impl Inner {
             }
             return;
         }
-        let binding = match self.remote.lease_bindings(&[lease.to_string()]).await {
-            Ok(b) => b.into_iter().next(),
+        let bound = match self.remote.lease(lease).await {
+            Ok(b) => b,
             Err(e) => {
                 tracing::warn!(lease_id = %lease, error = %e, "cannot settle a stale move without IAM; will retry");
                 return;
             }
         };
-        let settled = match binding {
-            Some(LeaseBinding::Here) => self.abort_move_locked(&rec).await,
-            Some(LeaseBinding::Elsewhere(edge)) => {
+        let settled = match bound {
+            // Bound elsewhere for longer than a move takes: the lease outlived IAM's
+            // reconciliation with that edge, which releases leases their edge does not hold,
+            // so the copy runs there.
+            Some((edge, bound_at)) if edge != self.name => {
+                if bound_at.saturating_add(stale) > now {
+                    return; // rebound lately: asked again next round
+                }
                 let mut to = (*rec).clone();
                 to.moved.moving_to = edge;
                 self.commit_move_locked(&to).await
             }
-            Some(LeaseBinding::Gone) | None => {
-                let mut gone = (*rec).clone();
-                gone.moved.moving_to.clear();
-                gone.moved.moving_since_ms = 0;
-                self.stop_locked(Arc::new(gone), end_reason::LEASE_MOVED, Release::No).await
-            }
+            // Bound here: the copy never took over. Gone: no copy holds it (a copy that
+            // failed, or ended); the original runs on, and IAM's reconciliation adopts its
+            // lease again. Never stopped on a guess: it may be the only instance.
+            _ => self.abort_move_locked(&rec).await,
         };
         match settled {
             Ok(r) => tracing::warn!(sandbox_id = %r.id, state = %r.state, "settled a move left unfinished"),

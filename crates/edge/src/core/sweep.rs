@@ -70,6 +70,10 @@ impl Inner {
         // Looked at again under the lock: a call may have reset the clock meanwhile.
         let now = self.clock.now_ms();
         let Some(reason) = ttl::expired_active(&rec, now, self.active_ms(&rec.lease_id, now)) else { return };
+        // A move began since the sweep looked: it holds the sandbox.
+        if rec.moved.is_moving() || !rec.moved.moved_to.is_empty() {
+            return;
+        }
         tracing::debug!(sandbox_id = %rec.id, reason, "sandbox expired");
         if let Err(e) = self.stop_locked(rec, reason, Release::Yes).await {
             tracing::warn!(lease_id = %lease, error = %e, "stopping an expired sandbox failed; will retry");
