@@ -185,6 +185,8 @@ async fn a_rollout_never_hands_out_a_stale_member_and_busy_ones_run_on() {
     wait_pool(&admin, "roll", "rolled out", |s| s.revision == updated.revision && s.stale == 0 && s.idle == 2).await;
     assert_eq!(out(&exec_in(&mut rt, &busy.id, "s", "echo $REV").await), "1");
     assert_eq!(state(&admin.get_sandbox(&busy.id).await.unwrap()), pb::SandboxState::Running);
+    // Every creation so far counted (the pool's state comes with the snapshot, a moment late).
+    wait_pool(&admin, "roll", "seven creations counted", |s| s.claims + s.misses == 7).await;
     let before = on_edge(&admin, "roll").await.claims;
     let sb = admin.create_sandbox(claim("roll")).await.unwrap();
     assert_eq!(out(&exec_in(&mut rt, &sb.id, "s", "echo $REV").await), "2");
