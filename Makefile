@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-sdk bench-e2b agent images sdk-test e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-sdk bench-e2b agent images s3-server sdk-test e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
@@ -15,7 +15,7 @@ build:
 
 # Container tests run the static agent as PID 1 of their sandboxes and use the Debian test
 # image (built once with debootstrap, cached under /var/cache/opendsec): make both first.
-test: agent images
+test: agent images s3-server
 	$(CARGO) nextest run --workspace --no-fail-fast
 	$(MAKE) sdk-test
 	$(MAKE) e2b-test
@@ -32,6 +32,14 @@ sdk-test: agent images
 
 images:
 	./scripts/debian-image.sh
+
+# An S3-compatible server for the session sync tests (moto's server mode, from PyPI): the
+# tests start it on loopback themselves (crates/testkit s3).
+S3_VENV ?= target/s3-venv
+s3-server:
+	@[ -x $(S3_VENV)/bin/moto_server ] || { python3 -m venv $(S3_VENV) && \
+	  $(S3_VENV)/bin/pip install -q --upgrade pip && \
+	  $(S3_VENV)/bin/pip install -q 'moto[s3]==5.2.5' flask flask-cors boto3; }
 
 # E2B's own SDKs, unmodified, from their registries at pinned versions, against a real local
 # cluster's E2B gateway (tests/e2b); the templates' images built from Debian packages.

@@ -179,6 +179,10 @@ pub fn check_spec(
         opendsec_common::spec::check_extra_paths(paths)
             .map_err(|message| AdmissionError::Invalid { field, message })?;
     }
+    if let Some(ss) = &s.session {
+        opendsec_common::spec::check_session(&ss.name, &ss.paths)
+            .map_err(|message| AdmissionError::Invalid { field: "spec.session", message })?;
+    }
     if s.user.starts_with('-') {
         return Err(AdmissionError::Invalid { field: "spec.user", message: "must not start with '-'".into() });
     }

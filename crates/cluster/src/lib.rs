@@ -553,6 +553,13 @@ fn build_backends(
                     },
                     network: network.clone(),
                     snapshot_max_layers: config.edge.snapshot_max_layers,
+                    sessions: match &config.edge.session_store {
+                        Some(s) => Some(Arc::new(
+                            opendsec_edge::sessions::SessionStore::new(s, state.join("sessions"))
+                                .map_err(|e| err(BackendError::invalid_argument(e)))?,
+                        )),
+                        None => None,
+                    },
                 };
                 let c = Arc::new(ContainerBackend::new(opts).map_err(err)?);
                 containers = Some(c.clone());

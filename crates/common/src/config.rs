@@ -477,6 +477,26 @@ pub struct EdgeConfig {
     /// The most of this edge's capacity (each of CPU, memory, disk and sandboxes) idle pool
     /// members may hold, in percent: the rest is always left to creations.
     pub pool_share_percent: u32,
+    /// S3-compatible object storage for session sync (docs/sessions.md); none: sandboxes that
+    /// name a session are refused.
+    pub session_store: Option<SessionStoreConfig>,
+}
+
+/// Where session sync keeps sessions: `<prefix><project>/<session>.tar.zst` in `bucket`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionStoreConfig {
+    /// e.g. `https://s3.eu-west-1.amazonaws.com` or `http://127.0.0.1:9000`.
+    pub endpoint: String,
+    pub bucket: String,
+    pub region: String,
+    pub access_key_id: String,
+    /// A secret (keep the config file private).
+    pub secret_access_key: String,
+    /// Allow a plain-HTTP endpoint (a store on the same host or network only).
+    pub allow_http: bool,
+    /// Prefix of every key, e.g. `sessions/`.
+    pub prefix: String,
 }
 
 /// Disk I/O limits per sandbox (0 = no limit of that kind). On cgroup v1 only direct and
@@ -540,6 +560,14 @@ impl EdgeConfig {
         if e.pool_share_percent > 100 {
             return Err(invalid("edge.pool_share_percent", "must be in 0..=100"));
         }
+        if let Some(s) = &e.session_store {
+            if s.endpoint.is_empty() || s.bucket.is_empty() {
+                return Err(invalid("edge.session_store", "needs an endpoint and a bucket"));
+            }
+            if s.endpoint.starts_with("http://") && !s.allow_http {
+                return Err(invalid("edge.session_store.endpoint", "is plain HTTP: set allow_http to use it"));
+            }
+        }
         if e.snapshot_max_layers < 2 {
             return Err(invalid("edge.snapshot_max_layers", "must be at least 2"));
         }
@@ -589,6 +617,7 @@ impl Default for EdgeConfig {
             pool_refresh: Duration::from_secs(2),
             pool_starts: 2,
             pool_share_percent: 50,
+            session_store: None,
         }
     }
 }

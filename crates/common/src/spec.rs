@@ -61,9 +61,43 @@ pub fn check_extra_paths(paths: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// Most paths one session saves.
+pub const MAX_SESSION_PATHS: usize = 16;
+/// Longest session name.
+pub const MAX_SESSION_NAME: usize = 128;
+
+/// Checks a session sync's name and paths: a name of `[a-z0-9._-]` (not only dots), and 1 to
+/// 16 plain absolute paths other than `/`.
+pub fn check_session(name: &str, paths: &[String]) -> Result<(), String> {
+    let ok = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-');
+    if name.is_empty() || name.len() > MAX_SESSION_NAME || !name.chars().all(ok) || name.chars().all(|c| c == '.') {
+        let shown: String = name.chars().take(40).collect();
+        return Err(format!("name {shown:?} must be 1..={MAX_SESSION_NAME} characters of [a-z0-9._-]"));
+    }
+    if paths.is_empty() || paths.len() > MAX_SESSION_PATHS {
+        return Err(format!("{} paths; 1..={MAX_SESSION_PATHS}", paths.len()));
+    }
+    check_extra_paths(paths)?;
+    if let Some(p) = paths.iter().find(|p| p.trim_end_matches('/').is_empty()) {
+        return Err(format!("{p:?}: the whole file system is not a session path"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn session_names_and_paths_are_plain_and_bounded() {
+        assert!(check_session("ep-1.v2_x", &["/data".into(), "/root/.config".into()]).is_ok());
+        for bad in ["", "..", "A", "a/b", "a b", &"a".repeat(129)] {
+            assert!(check_session(bad, &["/data".into()]).is_err(), "{bad:?}");
+        }
+        for bad in [vec![], vec!["/".to_string()], vec!["data".into()], vec!["/a/../b".into()], vec!["/x".into(); 17]] {
+            assert!(check_session("s", &bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn extra_paths_are_absolute_plain_and_bounded() {

@@ -47,6 +47,7 @@ mod release;
 mod remote;
 pub mod runtime;
 mod service;
+pub mod sessions;
 pub mod state;
 mod table;
 pub mod ttl;

@@ -138,6 +138,16 @@ pub struct SpecRecord {
     /// The warm pool the spec names (`spec.pool`).
     #[serde(skip_serializing_if = "String::is_empty")]
     pub pool: String,
+    /// Session sync (`spec.session`): what is saved at stop and restored at creation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionRecord>,
+}
+
+/// A session sync as stored: its name in the project and the absolute paths it saves.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub name: String,
+    pub paths: Vec<String>,
 }
 
 impl SpecRecord {
@@ -162,6 +172,7 @@ impl SpecRecord {
                 n.egress.iter().filter_map(|r| egress::Rule::from_pb(r).ok()).map(|r| r.to_string()).collect()
             }),
             pool: spec.pool.clone(),
+            session: spec.session.as_ref().map(|s| SessionRecord { name: s.name.clone(), paths: s.paths.clone() }),
         }
     }
 
@@ -191,6 +202,10 @@ impl SpecRecord {
                 egress: self.egress_rules().iter().map(egress::Rule::to_pb).collect(),
             }),
             pool: self.pool.clone(),
+            session: self
+                .session
+                .as_ref()
+                .map(|s| opendsec_proto::v1::SessionSync { name: s.name.clone(), paths: s.paths.clone() }),
         }
     }
 }
@@ -675,6 +690,7 @@ mod tests {
                 readonly_paths: vec![],
                 egress: None,
                 pool: String::new(),
+                session: None,
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,

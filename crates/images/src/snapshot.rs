@@ -46,6 +46,34 @@ pub struct SnapshotOptions {
     pub id_base: Option<u32>,
     /// Leave out temporary files, caches and histories ([`packed_out`]).
     pub pack_diff: bool,
+    /// Only these paths (relative to the root, no leading `/`) with everything below them,
+    /// and the directories above them (without their opaque marks, which would hide what lies
+    /// beside the paths); empty: everything. Session sync saves named paths so.
+    pub only: Vec<Vec<u8>>,
+}
+
+/// Where `path` stands to the paths a snapshot keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kept {
+    /// One of them or below one.
+    Yes,
+    /// A directory above one of them.
+    Above,
+    No,
+}
+
+fn kept(only: &[Vec<u8>], path: &[u8]) -> Kept {
+    if only.is_empty() {
+        return Kept::Yes;
+    }
+    let below = |a: &[u8], b: &[u8]| a.len() > b.len() && a.starts_with(b) && a[b.len()] == b'/';
+    if only.iter().any(|p| path == p.as_slice() || below(path, p)) {
+        Kept::Yes
+    } else if only.iter().any(|p| below(p, path)) {
+        Kept::Above
+    } else {
+        Kept::No
+    }
 }
 
 /// Shell and REPL histories `pack_diff` leaves out, wherever they are.
@@ -263,7 +291,8 @@ impl<W: Write> Walker<'_, W> {
     }
 
     fn entry(&mut self, parent: BorrowedFd<'_>, name: &[u8], path: &[u8], depth: usize) -> Result<(), LayerError> {
-        if self.opts.pack_diff && packed_out(path) {
+        let place = kept(&self.opts.only, path);
+        if place == Kept::No || (self.opts.pack_diff && packed_out(path)) {
             self.stats.left_out += 1;
             return Ok(());
         }
@@ -274,6 +303,11 @@ impl<W: Write> Walker<'_, W> {
         }
         let cname = CString::new(name).map_err(|_| err(path, "a NUL byte in a name"))?;
         let st = rfs::statat(parent, &cname, AtFlags::SYMLINK_NOFOLLOW).map_err(|e| io_err(path, e))?;
+        // Above a kept path only directories lead on; anything else there is left out.
+        if place == Kept::Above && FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+            self.stats.left_out += 1;
+            return Ok(());
+        }
         match FileType::from_raw_mode(st.st_mode) {
             FileType::Directory => {
                 let fd = rfs::openat(
@@ -288,7 +322,7 @@ impl<W: Write> Walker<'_, W> {
                 let mut h = self.header(&st, tar::EntryType::Directory);
                 self.tar.append_data(&mut h, os(path), io::empty()).map_err(|e| io_err(path, e))?;
                 self.stats.entries += 1;
-                if opaque {
+                if opaque && place == Kept::Yes {
                     let mut marker = path.to_vec();
                     marker.extend_from_slice(b"/.wh..wh..opq");
                     self.empty_file(&marker)?;

@@ -150,6 +150,22 @@ fn a_snapshot_stacks_to_exactly_what_the_sandbox_saw() {
     assert!(got.contains_key("tmp/old"));
     assert_eq!(got.get("etc/new"), want.get("etc/new"));
     assert_eq!(got.get("opt/app/fresh/f"), want.get("opt/app/fresh/f"));
+
+    // Only named paths (session sync): they come as written, deletions included; beside them
+    // the lowers show through, even under a directory above them.
+    let only = SnapshotOptions { only: vec![b"opt/app".to_vec(), b"home/user".to_vec()], ..Default::default() };
+    let o = snapshot_layer(&store, w.upper().as_fd(), &lowers, &only, &Limits::default(), "t").unwrap();
+    let mut layers = lowers.clone();
+    layers.push(o.meta.id.clone());
+    let got = snapshot(Overlay::of(&store, &layers).path());
+    for kept in ["opt/app/fresh/f", "home/user/h", "home/user/pw", "home/user/priv", "home/user/.bash_history"] {
+        assert_eq!(got.get(kept), want.get(kept), "{kept}");
+    }
+    assert!(!got.contains_key("opt/app/a"), "a deletion under a named path is carried");
+    for beside in ["etc/new", "tmp/t", "opt/big"] {
+        assert!(!got.contains_key(beside), "{beside} is not under a named path");
+    }
+    assert!(got.contains_key("etc/shadow") && got.contains_key("tmp/old"), "deletions beside are not carried");
 }
 
 #[test]
@@ -162,7 +178,7 @@ fn owners_of_the_sandboxs_range_come_back_as_the_sandbox_saw_them() {
     std::os::unix::fs::chown(root.join("etc/mine"), Some(base + 1000), Some(base + 1001)).unwrap();
     std::fs::write(root.join("etc/foreign"), b"f").unwrap();
     std::os::unix::fs::chown(root.join("etc/foreign"), Some(12), Some(12)).unwrap();
-    let opts = SnapshotOptions { id_base: Some(base), pack_diff: false };
+    let opts = SnapshotOptions { id_base: Some(base), pack_diff: false, ..Default::default() };
     let snap = snapshot_layer(&store, w.upper().as_fd(), &lowers, &opts, &Limits::default(), "t").unwrap();
     let top = store.layer_rootfs(&snap.meta.id);
     let m = std::fs::metadata(top.join("etc/mine")).unwrap();

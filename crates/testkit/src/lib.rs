@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod netns;
+pub mod s3;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

@@ -227,6 +227,13 @@ pub struct SpecArgs {
     /// A path inside the sandbox to make read-only (container backend), repeatable.
     #[arg(long = "readonly")]
     pub readonly_paths: Vec<String>,
+    /// Session sync: save the --sync paths under this name in the project's session store
+    /// when the sandbox stops, and restore them from there when it starts (docs/sessions.md).
+    #[arg(long, requires = "sync", conflicts_with = "pool")]
+    pub session: Option<String>,
+    /// An absolute path the session saves and restores, repeatable.
+    #[arg(long, requires = "session")]
+    pub sync: Vec<String>,
     /// An egress rule (`*`, a domain, an IPv4 network or `@set`, optionally
     /// `:tcp|udp|icmp[/PORT[-PORT]]`), repeatable. None given: the cluster's default.
     #[arg(long)]
@@ -565,6 +572,7 @@ impl SpecArgs {
             masked_paths: self.masked_paths.clone(),
             readonly_paths: self.readonly_paths.clone(),
             network: network_of(&self.allow, self.no_egress)?,
+            session: self.session.as_ref().map(|name| pb::SessionSync { name: name.clone(), paths: self.sync.clone() }),
         })
     }
 }

@@ -91,6 +91,8 @@ pub struct ContainerOptions {
     pub network: Option<Arc<Network>>,
     /// A snapshot's image stacks at most this many layers (`edge.snapshot_max_layers`).
     pub snapshot_max_layers: u32,
+    /// Session sync's object storage (`edge.session_store`), if configured.
+    pub sessions: Option<Arc<crate::sessions::SessionStore>>,
 }
 
 struct Held {
@@ -176,6 +178,67 @@ pub fn name_tag(state_dir: &Path) -> String {
     let hash = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
     let tag: String = hash.iter().take(4).map(|b| format!("{b:02x}")).collect();
     format!("sbx-{tag}-")
+}
+
+/// Layer limits with a file and the whole no larger than a disk of `disk_mb`.
+fn bounded_by_disk(disk_mb: u64) -> opendsec_images::layer::Limits {
+    let disk_bytes = disk_mb.saturating_mul(1 << 20).max(1);
+    let defaults = opendsec_images::layer::Limits::default();
+    opendsec_images::layer::Limits {
+        max_file_bytes: defaults.max_file_bytes.min(disk_bytes),
+        max_layer_bytes: defaults.max_layer_bytes.min(disk_bytes),
+        ..defaults
+    }
+}
+
+/// The file in a sandbox's directory naming the session layer it was started with.
+const SESSION_LAYER_FILE: &str = "session-layer";
+
+/// Writes the session of sandbox `s` (stacked on `lowers`) under `paths` as a zstd layer tar
+/// to `out`, frozen meanwhile (it is about to stop: it stays frozen). A sandbox that started
+/// from a saved session saves that session's layer and what it wrote since, merged: the
+/// session carries its files on, not only the last run's changes.
+fn write_session(
+    s: &Sandbox,
+    store: &Store,
+    lowers: &[LayerId],
+    paths: &[Vec<u8>],
+    limits: &opendsec_images::layer::Limits,
+    out: &Path,
+) -> Result<(), BackendError> {
+    use opendsec_images::snapshot::{SnapshotOptions, snapshot_layer, write_upper_tar};
+    let saving = |e| BackendError::invalid_argument("the session cannot be saved").caused_by(e);
+    s.freeze().map_err(sandbox_err)?;
+    let upper = s.open_upper().map_err(sandbox_err)?;
+    let opts =
+        SnapshotOptions { id_base: s.id_map.as_ref().map(|r| r.host_first), pack_diff: false, only: paths.to_vec() };
+    let restored = std::fs::read_to_string(s.dir.join(SESSION_LAYER_FILE))
+        .ok()
+        .and_then(|t| LayerId::parse(t.trim()).ok())
+        .filter(|l| lowers.last() == Some(l));
+    let file = std::fs::File::create(out).map_err(|e| BackendError::internal("stage the session").caused_by(e))?;
+    let mut z = zstd::Encoder::new(std::io::BufWriter::new(file), 3)
+        .map_err(|e| BackendError::internal("compress the session").caused_by(e))?;
+    match restored {
+        None => {
+            write_upper_tar(upper.as_fd(), &opts, limits, &mut z).map_err(saving)?;
+        }
+        Some(session) => {
+            let written =
+                snapshot_layer(store, upper.as_fd(), lowers, &opts, limits, "session save").map_err(saving)?;
+            let image = &lowers[..lowers.len() - 1];
+            let merged =
+                opendsec_images::merge::merge_layers(store, &[session, written.meta.id], image).map_err(saving)?;
+            let dir = std::fs::File::open(store.layer_rootfs(&merged.id))
+                .map_err(|e| BackendError::internal("open the merged session").caused_by(e))?;
+            // The stored layer holds the owners as the sandbox sees them already.
+            let as_stored = SnapshotOptions { id_base: None, ..opts };
+            write_upper_tar(dir.as_fd(), &as_stored, limits, &mut z).map_err(saving)?;
+        }
+    }
+    let mut w = z.finish().map_err(|e| BackendError::internal("compress the session").caused_by(e))?;
+    std::io::Write::flush(&mut w).map_err(|e| BackendError::internal("stage the session").caused_by(e))?;
+    Ok(())
 }
 
 /// Layers (bottom first) and PID 1's image environment.
@@ -486,6 +549,25 @@ impl ContainerBackend {
         self.lock().get(id).map(|h| h.sandbox.clone())
     }
 
+    /// A sandbox naming a session (not one that moved in, which brings its files) gets it
+    /// fetched to a staged file, if one was saved.
+    async fn fetch_session(&self, sb: &SandboxRecord, name: &str) -> Result<Option<PathBuf>, BackendError> {
+        let Some(session) = sb.spec.session.as_ref().filter(|_| sb.moved.layers.is_empty()) else { return Ok(None) };
+        let store = self.opts.sessions.clone().ok_or_else(|| {
+            BackendError::invalid_argument("this edge has no session store (edge.session_store): session sync is off")
+        })?;
+        let staged = store.staging.join(format!("{name}.restore"));
+        let max = sb.resources().disk_mb.saturating_mul(1 << 20);
+        match store.fetch(&sb.spec.project, &session.name, &staged, max).await {
+            Ok(true) => Ok(Some(staged)),
+            Ok(false) => Ok(None),
+            Err(e) => {
+                let _ = tokio::fs::remove_file(&staged).await;
+                Err(e)
+            }
+        }
+    }
+
     fn inuse_path(&self, id: &str) -> PathBuf {
         self.opts.store_dir.join("inuse").join(id)
     }
@@ -583,6 +665,8 @@ impl Backend for ContainerBackend {
         };
         let spec_env = sb.spec.env.clone();
         let pinned = pinned_image(sb)?;
+        let restore = self.fetch_session(sb, &name).await?;
+        let session_limits = bounded_by_disk(disk_mb);
         let started = blocking(move || {
             // A sandbox that moved in runs the layers it was moved with; any other, its image.
             let (layers, image_env) = match pinned {
@@ -592,6 +676,30 @@ impl Backend for ContainerBackend {
                     (manifest.layers, manifest.config.env)
                 }
             };
+            // A saved session goes on top, imported like any layer (it is untrusted).
+            let mut layers = layers;
+            let mut session_layer = None;
+            if let Some(staged) = restore {
+                let imported = std::fs::File::open(&staged)
+                    .map_err(|e| BackendError::internal("the staged session").caused_by(e))
+                    .and_then(|mut f| {
+                        opendsec_images::layer::import_layer(
+                            &store,
+                            &mut f,
+                            opendsec_images::decompress::Compression::Zstd,
+                            None,
+                            &layers,
+                            &session_limits,
+                            "session restore",
+                        )
+                        .map_err(|e| {
+                            BackendError::invalid_argument("the saved session cannot be restored").caused_by(e)
+                        })
+                    });
+                let _ = std::fs::remove_file(&staged);
+                session_layer = Some(imported?.id);
+                layers.extend(session_layer.clone());
+            }
             // Write the holder file first, then use the layers (lower_dirs fails if GC took one).
             write_inuse(&inuse, &layers)?;
             let mut run = || -> Result<Sandbox, BackendError> {
@@ -600,7 +708,15 @@ impl Backend for ContainerBackend {
                 Sandbox::start(&spec).map_err(sandbox_err)
             };
             match run() {
-                Ok(s) => Ok((s, layers)),
+                Ok(s) => {
+                    // Which layer is the session's: its next save merges onto it.
+                    if let Some(l) = &session_layer
+                        && let Err(e) = std::fs::write(s.dir.join(SESSION_LAYER_FILE), l.as_str())
+                    {
+                        tracing::warn!(sandbox = %s.name, error = %e, "recording the session layer failed");
+                    }
+                    Ok((s, layers))
+                }
                 Err(e) => match remove_inuse(&inuse) {
                     Ok(()) => Err(e),
                     Err(cleanup) => Err(e.with_cleanup(cleanup)),
@@ -652,6 +768,36 @@ impl Backend for ContainerBackend {
         let state_dir = self.opts.state_dir.clone();
         let name = self.name(sb.container_id());
         let inuse = self.inuse_path(sb.container_id());
+        // A sandbox that ends (not one that moved, nor a creation undone) saves its session.
+        let save = match (&self.opts.sessions, &sb.spec.session, &held) {
+            (Some(store), Some(session), Some(h))
+                if sb.state == crate::state::SandboxStatus::Stopping
+                    && sb.end_reason != crate::state::end_reason::MOVED =>
+            {
+                Some((store.clone(), session.clone(), h.sandbox.clone(), h.layers.clone()))
+            }
+            _ => None,
+        };
+        if let Some((store, session, s, lowers)) = save {
+            let layers = self.store.clone();
+            let staged = store.staging.join(format!("{name}.save"));
+            let paths: Vec<Vec<u8>> = session.paths.iter().map(|p| p.trim_matches('/').as_bytes().to_vec()).collect();
+            let limits = bounded_by_disk(sb.resources().disk_mb);
+            let out = staged.clone();
+            let written = blocking(move || write_session(&s, &layers, &lowers, &paths, &limits, &out)).await;
+            let saved = match written {
+                Ok(()) => store.save(&sb.spec.project, &session.name, &staged).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            let _ = tokio::fs::remove_file(&staged).await;
+            match saved {
+                Ok(()) => tracing::info!(sandbox_id = %sb.id, session = %session.name, "session saved"),
+                // The stop goes on: a sandbox must end even when the store is down.
+                Err(e) => {
+                    tracing::error!(sandbox_id = %sb.id, session = %session.name, error = %e.report(), "saving the session failed")
+                }
+            }
+        }
         blocking(move || {
             let mut handle = held.map(|h| h.sandbox);
             // A probe may hold a clone for an instant; wait for it rather than leak the handle.
@@ -1059,6 +1205,7 @@ impl super::Snapshotter for ContainerBackend {
                 let opts = opendsec_images::snapshot::SnapshotOptions {
                     id_base: s.id_map.as_ref().map(|r| r.host_first),
                     pack_diff,
+                    ..Default::default()
                 };
                 let snap =
                     opendsec_images::snapshot::snapshot_layer(&store, upper.as_fd(), &lowers, &opts, &limits, &source)
@@ -1213,6 +1360,7 @@ mod tests {
             io: IoLimits::default(),
             network: None,
             snapshot_max_layers: 32,
+            sessions: None,
         };
         let e = ContainerBackend::new(opts.clone()).unwrap_err();
         assert!(

@@ -38,8 +38,9 @@ impl Inner {
         // edge has one (it adds no load: no pressure check); else it is made cold (a miss).
         let take = || match (spec.pool.is_empty(), backend.warm()) {
             (_, None) => None,
-            // A sandbox moving in brings its own file system.
-            _ if req.moved_in.is_some() => None,
+            // A sandbox moving in brings its own file system; one restoring a session needs its
+            // files under it before it starts.
+            _ if req.moved_in.is_some() || spec.session.is_some() => None,
             (false, Some(_)) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
             // `fncall` without a pool: a member of a pool with exactly this template, if any.
             (true, Some(_)) => self.claim_matching(spec),

@@ -75,6 +75,7 @@ pub fn options(tmp: &Path) -> ContainerOptions {
         io: IoLimits { read_bps: 64 << 20, write_bps: 64 << 20, read_iops: 4000, write_iops: 4000 },
         network: None,
         snapshot_max_layers: 32,
+        sessions: None,
     }
 }
 
