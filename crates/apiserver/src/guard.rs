@@ -71,6 +71,7 @@ const METHODS: &[&str] = &[
     "CreateSnapshot",
     "ForkSandbox",
     "MoveSandbox",
+    "SaveSession",
     "ListSandboxes",
     "StopSandbox",
     "PauseSandbox",

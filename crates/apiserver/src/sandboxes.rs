@@ -357,6 +357,29 @@ impl Sandboxes for SandboxesService {
         run(&self.shared, "MoveSandbox", move |s, call| Box::pin(move_sandbox(s, call, md, req))).await
     }
 
+    async fn save_session(
+        &self,
+        request: Request<pb::SaveSessionRequest>,
+    ) -> Result<Response<pb::SessionSaved>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "SaveSession", move |s, call| {
+            Box::pin(async move {
+                let id = req.id.clone();
+                authorized_forward(
+                    s,
+                    call,
+                    &md,
+                    &id,
+                    PERM_OPERATE,
+                    req,
+                    |mut c, r| async move { c.save_session(r).await },
+                )
+                .await
+            })
+        })
+        .await
+    }
+
     async fn get_sandbox(&self, request: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         let (md, _, req) = request.into_parts();
         run(&self.shared, "GetSandbox", move |s, call| {

@@ -425,6 +425,10 @@ impl Edge for FakeEdge {
     async fn finish_move(&self, _: Request<pb::EdgeFinishMoveRequest>) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn save_session(&self, _: Request<pb::SaveSessionRequest>) -> Result<Response<pb::SessionSaved>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// The edge's `Runtime` service: Exec echoes the command, ExecStream sends one output chunk

@@ -77,6 +77,20 @@ async fn a_session_is_saved_at_stop_and_restored_at_creation() {
     )
     .await;
     assert_eq!(out(&r), "one\none-more\ntwo\na");
+
+    // Saved on demand (the CLI's save-session), the sandbox runs on: a sandbox started
+    // meanwhile sees the save, and the saver keeps its session shell.
+    exec_in(&mut rt, &c.id, "keep", "export KEPT=yes; echo three > /data/c").await;
+    ctl_admin(&f.cluster, &["save-session", &c.id]).await.unwrap();
+    let saved = admin.save_session(&c.id).await.unwrap();
+    assert_eq!(saved.name, "episode-1");
+    assert!(saved.bytes > 4 << 20, "{saved:?}");
+    assert_eq!(out(&exec_in(&mut rt, &c.id, "keep", "echo $KEPT; cat /data/c").await), "yes\nthree");
+    let d = admin.create_sandbox(spec.clone()).await.unwrap();
+    assert_eq!(out(&exec_in(&mut rt, &d.id, "s", "cat /data/c /data/b").await), "three\ntwo");
+    admin.stop_sandbox(&d.id).await.unwrap();
+    let e = admin.save_session(&d.id).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidState, "a stopped sandbox saves nothing: {e}");
     assert_eq!(out(&exec_in(&mut rt, &c.id, "s", "md5sum < /data/sub/big").await).len(), 35);
 
     // The CLI names a session too.
@@ -157,6 +171,9 @@ async fn bad_sessions_are_refused() {
     let e = admin.create_sandbox(session_spec("root", "s", &["/data"])).await.unwrap_err();
     assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
     assert!(e.message.contains("session store"), "{e}");
+    let plain = admin.create_sandbox(container_spec("busybox", 32, 64)).await.unwrap();
+    let e = admin.save_session(&plain.id).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
     for (name, paths) in [
         ("Bad/Name", vec!["/data"]),
         ("..", vec!["/data"]),

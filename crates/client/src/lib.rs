@@ -284,6 +284,16 @@ impl Client {
         .await
     }
 
+    /// Saves the sandbox's session now (`spec.session`), as its stop would.
+    pub async fn save_session(&self, id: &str) -> Result<pb::SessionSaved, ApiError> {
+        let req = pb::SaveSessionRequest { id: id.to_string() };
+        self.call(const { retry::class("Sandboxes/SaveSession") }, |ch| {
+            let req = req.clone();
+            async move { stub_s(ch).save_session(req).await }
+        })
+        .await
+    }
+
     pub async fn get_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
         self.call(const { retry::class("Sandboxes/GetSandbox") }, |ch| {

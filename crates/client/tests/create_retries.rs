@@ -51,6 +51,9 @@ impl Sandboxes for Full {
     async fn move_sandbox(&self, _: Request<pb::MoveSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }
+    async fn save_session(&self, _: Request<pb::SaveSessionRequest>) -> Result<Response<pb::SessionSaved>, Status> {
+        no()
+    }
     async fn get_sandbox(&self, _: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }

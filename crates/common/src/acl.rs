@@ -56,6 +56,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Edge/CreateSnapshot", &[Apiserver]),
     ("/opendsec.v1.Edge/MoveOut", &[Apiserver]),
     ("/opendsec.v1.Edge/FinishMove", &[Apiserver]),
+    ("/opendsec.v1.Edge/SaveSession", &[Apiserver]),
     // Runtime calls an apiserver forwards to an edge (which passes them to the agent).
     ("/opendsec.v1.Runtime/", &[Apiserver]),
 ];

@@ -156,6 +156,18 @@ impl EdgeRpc for EdgeService {
             .map_err(|e| status("FinishMove", e))
     }
 
+    async fn save_session(
+        &self,
+        req: Request<opendsec_proto::v1::SaveSessionRequest>,
+    ) -> Result<Response<opendsec_proto::v1::SessionSaved>, Status> {
+        check_project(&self.inner, &req, &req.get_ref().id)?;
+        let id = req.into_inner().id;
+        detached(&self.inner, "save_session", |i| async move { i.save_session(&id).await })
+            .await
+            .map(Response::new)
+            .map_err(|e| status("SaveSession", e))
+    }
+
     async fn update_network(&self, req: Request<UpdateNetworkRequest>) -> Result<Response<Sandbox>, Status> {
         check_project(&self.inner, &req, &req.get_ref().id)?;
         let req = req.into_inner();

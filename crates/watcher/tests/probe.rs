@@ -74,6 +74,10 @@ impl pb::edge_server::Edge for FakeEdge {
     async fn finish_move(&self, _r: Request<pb::EdgeFinishMoveRequest>) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }
+
+    async fn save_session(&self, _r: Request<pb::SaveSessionRequest>) -> Result<Response<pb::SessionSaved>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 /// A fake edge serving with the certificate of edge `cert` and answering Status as

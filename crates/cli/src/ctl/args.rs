@@ -147,6 +147,9 @@ pub enum Command {
         #[arg(long)]
         to: String,
     },
+    /// Save a sandbox's session (created with --session/--sync) now, as its stop would; it
+    /// runs on.
+    SaveSession { id: String },
     /// Signal a process in a sandbox, by pid or tag.
     Kill(crate::runtime::KillArgs),
 }

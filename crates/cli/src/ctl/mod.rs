@@ -284,6 +284,11 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             let stream = client.fork_sandbox(pb::ForkSandboxRequest { id, count, snapshot_name, pack_diff }).await?;
             sandbox::print_batch(out, stream, count, "copies").await
         }
+        Command::SaveSession { id } => {
+            let saved = client.save_session(&id).await?;
+            out.print(j::of(&saved), || format!("session {} saved ({} bytes)", saved.name, saved.bytes));
+            Ok(())
+        }
         Command::Move { id, to } => {
             let sb = client.move_sandbox(&id, &to).await?;
             out.print(j::of(&sb), || format!("{} runs on {} now", sb.id, sb.edge));

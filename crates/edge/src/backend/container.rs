@@ -194,8 +194,8 @@ fn bounded_by_disk(disk_mb: u64) -> opendsec_images::layer::Limits {
 /// The file in a sandbox's directory naming the session layer it was started with.
 const SESSION_LAYER_FILE: &str = "session-layer";
 
-/// Writes the session of sandbox `s` (stacked on `lowers`) under `paths` as a zstd layer tar
-/// to `out`, frozen meanwhile (it is about to stop: it stays frozen). A sandbox that started
+/// Writes the session of sandbox `s` (stacked on `lowers`, frozen by the caller) under `paths`
+/// as a zstd layer tar to `out`. A sandbox that started
 /// from a saved session saves that session's layer and what it wrote since, merged: the
 /// session carries its files on, not only the last run's changes.
 fn write_session(
@@ -208,7 +208,6 @@ fn write_session(
 ) -> Result<(), BackendError> {
     use opendsec_images::snapshot::{SnapshotOptions, snapshot_layer, write_upper_tar};
     let saving = |e| BackendError::invalid_argument("the session cannot be saved").caused_by(e);
-    s.freeze().map_err(sandbox_err)?;
     let upper = s.open_upper().map_err(sandbox_err)?;
     let opts =
         SnapshotOptions { id_base: s.id_map.as_ref().map(|r| r.host_first), pack_diff: false, only: paths.to_vec() };
@@ -549,6 +548,50 @@ impl ContainerBackend {
         self.lock().get(id).map(|h| h.sandbox.clone())
     }
 
+    /// Saves the session of sandbox `sb` (held as `s`, stacked on `lowers`), frozen while its
+    /// files are read; `thaw`: let it run again after (unless it was paused). Returns the
+    /// object's size.
+    async fn save_session_of(
+        &self,
+        sb: &SandboxRecord,
+        store: &Arc<crate::sessions::SessionStore>,
+        session: &crate::record::SessionRecord,
+        s: Arc<Sandbox>,
+        lowers: Vec<LayerId>,
+        thaw: bool,
+    ) -> Result<u64, BackendError> {
+        let layers = self.store.clone();
+        let staged = store.staging.join(format!("{}.save", self.name(sb.container_id())));
+        let paths: Vec<Vec<u8>> = session.paths.iter().map(|p| p.trim_matches('/').as_bytes().to_vec()).collect();
+        let limits = bounded_by_disk(sb.resources().disk_mb);
+        let out = staged.clone();
+        let paused = self.lock().get(&sb.id).is_some_and(|h| h.agent.paused.load(Ordering::SeqCst));
+        let refreeze = thaw && !paused;
+        if refreeze {
+            self.set_paused(&sb.id, true);
+        }
+        let written = blocking(move || {
+            let frozen = Frozen::new(&s, true)?;
+            write_session(&s, &layers, &lowers, &paths, &limits, &out)?;
+            if refreeze {
+                frozen.thaw()
+            } else {
+                std::mem::forget(frozen);
+                Ok(())
+            }
+        })
+        .await;
+        if refreeze {
+            self.set_paused(&sb.id, false);
+        }
+        let saved = match written {
+            Ok(()) => store.save(&sb.spec.project, &session.name, &staged).await,
+            Err(e) => Err(e),
+        };
+        let _ = tokio::fs::remove_file(&staged).await;
+        saved
+    }
+
     /// A sandbox naming a session (not one that moved in, which brings its files) gets it
     /// fetched to a staged file, if one was saved.
     async fn fetch_session(&self, sb: &SandboxRecord, name: &str) -> Result<Option<PathBuf>, BackendError> {
@@ -779,19 +822,9 @@ impl Backend for ContainerBackend {
             _ => None,
         };
         if let Some((store, session, s, lowers)) = save {
-            let layers = self.store.clone();
-            let staged = store.staging.join(format!("{name}.save"));
-            let paths: Vec<Vec<u8>> = session.paths.iter().map(|p| p.trim_matches('/').as_bytes().to_vec()).collect();
-            let limits = bounded_by_disk(sb.resources().disk_mb);
-            let out = staged.clone();
-            let written = blocking(move || write_session(&s, &layers, &lowers, &paths, &limits, &out)).await;
-            let saved = match written {
-                Ok(()) => store.save(&sb.spec.project, &session.name, &staged).await.map(|_| ()),
-                Err(e) => Err(e),
-            };
-            let _ = tokio::fs::remove_file(&staged).await;
-            match saved {
-                Ok(()) => tracing::info!(sandbox_id = %sb.id, session = %session.name, "session saved"),
+            // Frozen for good: it is about to stop.
+            match self.save_session_of(sb, &store, &session, s, lowers, false).await {
+                Ok(_) => tracing::info!(sandbox_id = %sb.id, session = %session.name, "session saved"),
                 // The stop goes on: a sandbox must end even when the store is down.
                 Err(e) => {
                     tracing::error!(sandbox_id = %sb.id, session = %session.name, error = %e.report(), "saving the session failed")
@@ -1166,6 +1199,20 @@ impl super::Warm for ContainerBackend {
 
 #[async_trait]
 impl super::Snapshotter for ContainerBackend {
+    async fn save_session(&self, sb: &SandboxRecord) -> Result<u64, BackendError> {
+        let store = self.opts.sessions.clone().ok_or_else(|| {
+            BackendError::invalid_argument("this edge has no session store (edge.session_store): session sync is off")
+        })?;
+        let session =
+            sb.spec.session.clone().ok_or_else(|| BackendError::invalid_argument("the sandbox names no session"))?;
+        let (s, lowers) = {
+            let g = self.lock();
+            let h = g.get(&sb.id).ok_or_else(|| BackendError::not_found(format!("no container sandbox {}", sb.id)))?;
+            (h.sandbox.clone(), h.layers.clone())
+        };
+        self.save_session_of(sb, &store, &session, s, lowers, true).await
+    }
+
     async fn snapshot(&self, sb: &SandboxRecord, pack_diff: bool) -> Result<super::SnapshotTaken, BackendError> {
         let (s, lowers, paused) = {
             let g = self.lock();

@@ -134,6 +134,10 @@ pub struct SnapshotTaken {
 #[async_trait]
 pub trait Snapshotter: Send + Sync {
     async fn snapshot(&self, sb: &SandboxRecord, pack_diff: bool) -> Result<SnapshotTaken, BackendError>;
+
+    /// Saves the sandbox's session (`spec.session`) now, the sandbox frozen meanwhile and left
+    /// as it was; returns the saved object's size.
+    async fn save_session(&self, sb: &SandboxRecord) -> Result<u64, BackendError>;
 }
 
 /// A `Runtime` client of the agent in a sandbox: gRPC over a channel that reconnects by itself.

@@ -9,6 +9,27 @@ use opendsec_proto::v1::EdgeSnapshot;
 use super::*;
 
 impl Inner {
+    /// Saves the sandbox's session now (`Snapshotter::save_session`), under its operation lock.
+    pub(crate) async fn save_session(&self, id: &str) -> Result<opendsec_proto::v1::SessionSaved, EdgeError> {
+        let (_g, rec) = self.lock_op(id).await?;
+        if rec.state != SandboxStatus::Running && rec.state != SandboxStatus::Paused {
+            return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "save its session" });
+        }
+        let backend = self.backend_of(&rec)?.clone();
+        let Some(snapshotter) = backend.snapshotter() else {
+            return Err(EdgeError::InvalidArgument(format!("backend {} has no sessions", backend.name())));
+        };
+        let bytes = snapshotter.save_session(&rec).await.map_err(|source| EdgeError::Backend {
+            backend: backend.name(),
+            op: "save the session of",
+            id: rec.id.clone(),
+            source,
+        })?;
+        let name = rec.spec.session.as_ref().map(|s| s.name.clone()).unwrap_or_default();
+        tracing::info!(sandbox_id = %rec.id, session = %name, bytes, "session saved on demand");
+        Ok(opendsec_proto::v1::SessionSaved { name, bytes })
+    }
+
     pub(crate) async fn snapshot(&self, id: &str, pack_diff: bool) -> Result<EdgeSnapshot, EdgeError> {
         let (_g, rec) = self.lock_op(id).await?;
         if rec.state != SandboxStatus::Running && rec.state != SandboxStatus::Paused {

@@ -46,6 +46,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/CreateSnapshot": "once",
     "Sandboxes/ForkSandbox": "once",
     "Sandboxes/MoveSandbox": "repeat",
+    "Sandboxes/SaveSession": "repeat",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

@@ -366,7 +366,14 @@ class AsyncClient:
         best_effort: bool,
         egress: Optional[Sequence[str]] = None,
         pool: Optional[str] = None,
+        session: Optional[str] = None,
+        session_paths: Optional[Sequence[str]] = None,
     ) -> pb.SandboxSpec:
+        if bool(session) != bool(session_paths):
+            raise ValueError("session and session_paths go together")
+        sync = pb.SessionSync(name=session, paths=list(session_paths or [])) if session else None
+        if pool and sync:
+            raise ValueError(f"pool {pool!r}: a session is restored at creation, which a warm member is past")
         if pool:
             # The pool's template gives these: naming them too would be ambiguous.
             given = [
@@ -410,6 +417,7 @@ class AsyncClient:
             workdir=workdir,
             priority=pb.PRIORITY_BEST_EFFORT if best_effort else pb.PRIORITY_GUARANTEED,
             network=None if egress is None else pb.NetworkSpec(egress=[egress_rule(r) for r in egress]),
+            session=sync,
         )
 
     async def create_sandbox(
@@ -433,6 +441,8 @@ class AsyncClient:
         best_effort: bool = False,
         lease_id: Optional[str] = None,
         egress: Optional[Sequence[str]] = None,
+        session: Optional[str] = None,
+        session_paths: Optional[Sequence[str]] = None,
     ) -> "Sandbox":
         """Creates one sandbox and returns it once running.
 
@@ -462,6 +472,10 @@ class AsyncClient:
                 (``"pypi.org"`` with its subdomains, ``"@pypi"`` a set from the cluster config,
                 ``"203.0.113.0/24:tcp/443"``, ``"*"`` every public address). ``None``: the
                 cluster's default (none at all unless configured); ``[]``: no egress.
+            session/session_paths: session sync (docs/sessions.md): the absolute paths are
+                restored from session ``session`` of the project when one was saved, and
+                saved to it when the sandbox stops (or on :meth:`Sandbox.save_session`). Needs
+                the cluster's session store (``invalid_argument`` otherwise).
 
         Retried within ``retry_timeout`` on ``unavailable``, ``no_capacity`` (every edge full
         or under pressure, often for seconds only), ``rate_limited`` (after the wait it names)
@@ -478,7 +492,7 @@ class AsyncClient:
             backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
-            egress=egress, pool=pool,
+            egress=egress, pool=pool, session=session, session_paths=session_paths,
         )
         own = lease_id is None
         lease = [new_lease_id() if own else check_lease_id(lease_id)]
@@ -728,6 +742,13 @@ class AsyncClient:
         """
         req = pb.CreateSnapshotRequest(id=sandbox_id, name=name, pack_diff=pack_diff)
         return await self._unary("Sandboxes", "CreateSnapshot", req)
+
+    async def save_session(self, sandbox_id: str) -> pb.SessionSaved:
+        """Saves the sandbox's session (``create_sandbox(session=...)``) now, as its stop
+        would: frozen while its files are read, then running on. Returns the saved ``name``
+        and ``bytes``. Needs ``sandbox.operate``; ``invalid_argument`` for a sandbox without a
+        session. Retried."""
+        return await self._unary("Sandboxes", "SaveSession", pb.SaveSessionRequest(id=sandbox_id))
 
     async def set_sandbox_timeout(
         self,
@@ -1095,6 +1116,10 @@ class Sandbox:
         """Snapshots this sandbox's file system into image ``name`` of its project (see
         :meth:`AsyncClient.create_snapshot`); ``create_sandbox(image=name)`` starts from it."""
         return await self.client.create_snapshot(self.id, name, pack_diff=pack_diff)
+
+    async def save_session(self) -> pb.SessionSaved:
+        """Saves this sandbox's session now (see :meth:`AsyncClient.save_session`)."""
+        return await self.client.save_session(self.id)
 
     async def set_timeout(
         self,
