@@ -571,14 +571,14 @@ impl ContainerBackend {
             self.set_paused(&sb.id, true);
         }
         let written = blocking(move || {
-            let frozen = Frozen::new(&s, true)?;
-            write_session(&s, &layers, &lowers, &paths, &limits, &out)?;
-            if refreeze {
-                frozen.thaw()
-            } else {
-                std::mem::forget(frozen);
-                Ok(())
+            // Thawed after (and on any way out) only when this froze it to read it; a paused
+            // sandbox stays paused, a stopping one frozen, whatever happens.
+            let frozen = Frozen::new(&s, refreeze)?;
+            if !refreeze {
+                s.freeze().map_err(sandbox_err)?;
             }
+            write_session(&s, &layers, &lowers, &paths, &limits, &out)?;
+            if refreeze { frozen.thaw() } else { Ok(()) }
         })
         .await;
         if refreeze {
@@ -1232,13 +1232,7 @@ impl super::Snapshotter for ContainerBackend {
         let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
         // What the sandbox wrote cannot be more than its disk holds: a sparse file claiming
         // more (written out whole by the import) is refused rather than filling the store.
-        let disk_bytes = sb.resources().disk_mb.saturating_mul(1 << 20).max(1);
-        let defaults = opendsec_images::layer::Limits::default();
-        let limits = opendsec_images::layer::Limits {
-            max_file_bytes: defaults.max_file_bytes.min(disk_bytes),
-            max_layer_bytes: defaults.max_layer_bytes.min(disk_bytes),
-            ..defaults
-        };
+        let limits = bounded_by_disk(sb.resources().disk_mb);
         let taken = blocking(move || {
             let image_env = match moved_env {
                 Some(env) => env,
