@@ -95,6 +95,7 @@ async fn a_snapshot_carries_the_file_system_and_the_sandbox_runs_on() {
     admin.pause_sandbox(&src.id).await.unwrap();
     admin.create_snapshot(&src.id, "snap:paused", false).await.unwrap();
     assert_eq!(state(&admin.get_sandbox(&src.id).await.unwrap()), pb::SandboxState::Paused);
+    assert_eq!(freezer_state_of(&f, &src), "FROZEN", "the snapshot left it frozen");
     admin.resume_sandbox(&src.id).await.unwrap();
 
     // A sparse file claiming more than the sandbox's disk (256 MiB) would be written out whole

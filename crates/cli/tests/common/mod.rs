@@ -36,6 +36,20 @@ pub fn state(s: &pb::Sandbox) -> pb::SandboxState {
     pb::SandboxState::try_from(s.state).unwrap_or(pb::SandboxState::Unspecified)
 }
 
+/// Whether the container of `sb` is frozen in its cgroup: `THAWED` or `FROZEN` (or what the
+/// kernel says in between).
+pub fn freezer_state_of(f: &Fixture, sb: &pb::Sandbox) -> String {
+    let containers = f.cluster.config.edge_state_dir(&sb.edge).join("containers");
+    let name = opendsec_edge::backend::container::sandbox_name(&containers, &sb.id);
+    let s = opendsec_edge::linuxrt::sandbox::Sandbox::adopt(&containers, &name).unwrap();
+    let st = freezer_state(&s);
+    match st.as_str() {
+        "0" | "THAWED" => "THAWED".into(),
+        "1" => "FROZEN".into(),
+        _ => st,
+    }
+}
+
 pub fn freezer_state(s: &Sandbox) -> String {
     let rel = s.cgroup.rel_path().strip_prefix("/").unwrap_or(s.cgroup.rel_path()).to_path_buf();
     let p = match s.cgroup.layout() {

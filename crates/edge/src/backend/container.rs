@@ -1289,8 +1289,11 @@ impl<'a> Frozen<'a> {
         Ok(Frozen { s, thaw: freeze })
     }
 
+    /// Lets it run again, unless it was frozen before (paused, or moving away): that stays.
     fn thaw(mut self) -> Result<(), BackendError> {
-        self.thaw = false;
+        if !std::mem::take(&mut self.thaw) {
+            return Ok(());
+        }
         self.s.thaw().map_err(sandbox_err)
     }
 }
