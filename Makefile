@@ -23,7 +23,7 @@ test: agent images s3-server
 # The Python SDK (sdk/python), installed from the repo into a venv, tested against a real
 # local cluster started from the built opendsecctl.
 SDK_VENV ?= target/sdk-venv
-sdk-test: agent images
+sdk-test: agent images s3-server
 	$(CARGO) build -p opendsec-cli
 	python3 -m venv $(SDK_VENV)
 	$(SDK_VENV)/bin/pip install -q --upgrade pip

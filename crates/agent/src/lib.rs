@@ -96,10 +96,10 @@ pub fn runtime_client(channel: Channel) -> opendsec_proto::v1::runtime_client::R
 pub async fn upload_forward(
     channel: Channel,
     first: opendsec_proto::v1::WriteFileRequest,
-    incoming: tonic::Streaming<opendsec_proto::v1::WriteFileRequest>,
+    mut incoming: tonic::Streaming<opendsec_proto::v1::WriteFileRequest>,
 ) -> Result<tonic::Response<opendsec_proto::v1::WriteFileResponse>, tonic::Status> {
     let hop = opendsec_proto::upload::Hop { abort_wait: std::time::Duration::from_secs(10), ..Default::default() };
-    opendsec_proto::upload::forward(channel, first, incoming, |_| Ok(()), hop).await
+    opendsec_proto::upload::forward(channel, first, &mut incoming, |_| Ok(()), hop).await
 }
 
 /// Binds a unix socket at `path` (an old socket file is replaced; the socket is for its owner

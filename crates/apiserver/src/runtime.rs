@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
+use opendsec_common::reason::{MOVED_TO, MOVING_TO};
 use opendsec_common::{ApiError, Reason, ids};
 use opendsec_proto::upload::{self, Hop};
 use opendsec_proto::v1 as pb;
@@ -342,6 +343,11 @@ impl RuntimeService {
 /// Forwards an upload: the first message is read and authorized, then it and the rest go to
 /// the edge as they come. Messages after the first must name the same sandbox (or none).
 ///
+/// A sandbox moving or moved away is followed as for every other call, as long as no message
+/// past the first has been read: the edge refuses such an upload on its first message, so the
+/// upload starts again where the sandbox is. Past that, the caller gets `unavailable` and sends
+/// it again.
+///
 /// A failure on the caller's side aborts the forwarded stream with an error (see
 /// `opendsec_proto::upload`: merely dropping the call would read as a clean end at the edge).
 /// A caller that cancels its own call is, to tonic, a clean end: the protocol cannot tell that
@@ -351,33 +357,65 @@ async fn write_file(
     projects: &ProjectCache,
     call: &mut Call,
     md: MetadataMap,
-    mut incoming: Streaming<pb::WriteFileRequest>,
+    incoming: Streaming<pb::WriteFileRequest>,
 ) -> Result<pb::WriteFileResponse, ApiError> {
+    let mut incoming = incoming;
     let first = incoming
         .message()
         .await
         .map_err(|st| ApiError::from_status(&st))?
         .ok_or_else(|| ApiError::invalid("empty WriteFile stream: the first message names the sandbox and path"))?;
     let id = first.sandbox_id.clone();
-    let (edge, project) = authorized(s, projects, call, &md, &id).await?;
-    let ch = s.up.edge_channel(&edge, &s.edge_addr(&edge)?)?;
-    let check = |m: &pb::WriteFileRequest| {
-        if m.sandbox_id.is_empty() || m.sandbox_id == id {
-            Ok(())
-        } else {
-            Err(ApiError::invalid(format!("WriteFile stream for sandbox {id} carries a message for another sandbox"))
-                .to_status())
+    let (_, project) = authorized(s, projects, call, &md, &id).await?;
+    let metadata = to_edge((), &project)?.into_parts().0;
+    // Messages read past the first, over every attempt: an upload that read any cannot start
+    // again.
+    let read_on = std::sync::atomic::AtomicUsize::new(0);
+    let incoming = tokio::sync::Mutex::new(incoming);
+    let (_, answer) = crate::moves::follow(s, &id, |edge| {
+        let (first, metadata, read_on, incoming, id) = (first.clone(), metadata.clone(), &read_on, &incoming, &id);
+        async move {
+            let mut incoming = incoming.lock().await;
+            if read_on.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+                return Err(ApiError::new(
+                    Reason::Unavailable,
+                    format!("the upload to sandbox {id} was cut by a move; send it again"),
+                ));
+            }
+            let ch = s.up.edge_channel(&edge, &s.edge_addr(&edge)?)?;
+            let check = |m: &pb::WriteFileRequest| {
+                read_on.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if m.sandbox_id.is_empty() || m.sandbox_id == *id {
+                    Ok(())
+                } else {
+                    Err(ApiError::invalid(format!(
+                        "WriteFile stream for sandbox {id} carries a message for another sandbox"
+                    ))
+                    .to_status())
+                }
+            };
+            let hop = Hop { metadata, answer_wait: Some(s.cfg.edge_call_timeout), abort_wait: s.cfg.edge_call_timeout };
+            let answer = upload::forward(ch, first, &mut incoming, check, hop).await;
+            match answer {
+                Ok(r) => Ok(r.into_inner()),
+                Err(st) => {
+                    let e = ApiError::from_status(&st).with("edge", edge.as_str());
+                    if read_on.load(std::sync::atomic::Ordering::SeqCst) > 0
+                        && (e.metadata.contains_key(MOVED_TO) || e.metadata.contains_key(MOVING_TO))
+                    {
+                        // Cut mid-way: what went out is gone with the refused stream.
+                        return Err(ApiError::new(
+                            Reason::Unavailable,
+                            format!("the upload to sandbox {id} was cut by a move; send it again"),
+                        ));
+                    }
+                    Err(e)
+                }
+            }
         }
-    };
-    let hop = Hop {
-        metadata: to_edge((), &project)?.into_parts().0,
-        answer_wait: Some(s.cfg.edge_call_timeout),
-        abort_wait: s.cfg.edge_call_timeout,
-    };
-    upload::forward(ch, first, incoming, check, hop)
-        .await
-        .map(Response::into_inner)
-        .map_err(|st| ApiError::from_status(&st).with("edge", edge.as_str()))
+    })
+    .await?;
+    Ok(answer)
 }
 
 #[tonic::async_trait]

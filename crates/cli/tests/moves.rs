@@ -80,6 +80,28 @@ async fn a_moved_sandbox_keeps_its_id_files_and_calls() {
             done
         }));
     }
+    // And one uploader: each file written whole (one message), and answered, is in the copy.
+    let uploader = {
+        let (admin, id, stop) = (admin.clone(), sb.id.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let first = pb::WriteFileRequest {
+                    sandbox_id: id.clone(),
+                    path: format!("/data/up/{n}"),
+                    make_parents: true,
+                    finish: true,
+                    ..Default::default()
+                };
+                admin
+                    .write_file_all(first, format!("upload {n}").as_bytes())
+                    .await
+                    .unwrap_or_else(|e| panic!("upload {n} during the move: {e:?}"));
+                n += 1;
+            }
+            n
+        })
+    };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = std::time::Instant::now();
     let moved = admin.move_sandbox(&sb.id, &to).await.unwrap();
@@ -91,6 +113,7 @@ async fn a_moved_sandbox_keeps_its_id_files_and_calls() {
     for c in callers {
         answered.extend(c.await.unwrap());
     }
+    let uploads = uploader.await.unwrap();
     assert_eq!((moved.id.as_str(), moved.edge.as_str()), (sb.id.as_str(), to.as_str()));
     assert_eq!(state(&moved), pb::SandboxState::Running);
 
@@ -102,6 +125,14 @@ async fn a_moved_sandbox_keeps_its_id_files_and_calls() {
     answered.sort_unstable();
     assert!(answered.len() > 8, "the callers ran through the move: {answered:?}");
     assert_eq!(logged, answered, "every answered call's write is in the copy, once");
+    let listed =
+        out(&exec_in(&mut rt, &sb.id, "check", "cd /data/up && for f in *; do echo \"$f $(cat $f)\"; done").await);
+    let want_up: Vec<String> = (0..uploads).map(|n| format!("{n} upload {n}")).collect();
+    let mut got_up: Vec<String> = listed.lines().map(str::to_string).collect();
+    got_up.sort_by_key(|l| l.split(' ').next().unwrap().parse::<u64>().unwrap());
+    assert!(uploads > 2, "the uploader ran through the move: {uploads}");
+    assert_eq!(got_up, want_up, "every answered upload is in the copy");
+    let _ = exec_in(&mut rt, &sb.id, "check", "rm -r /data/up").await;
 
     // The file system came along, /tmp included; the processes did not (containers).
     assert_eq!(out(&exec_in(&mut rt, &sb.id, "fp", FINGERPRINT).await), want);
@@ -184,14 +215,6 @@ async fn a_move_the_target_cannot_take_leaves_the_sandbox_where_it_was() {
     .await;
 }
 
-fn freezer_state_of(f: &Fixture, sb: &pb::Sandbox) -> String {
-    let containers = containers_of(f, &sb.edge);
-    let name = opendsec_edge::backend::container::sandbox_name(&containers, &sb.id);
-    let s = opendsec_edge::linuxrt::sandbox::Sandbox::adopt(&containers, &name).unwrap();
-    let st = freezer_state(&s);
-    if st == "0" || st == "THAWED" { "THAWED".into() } else { st }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn moves_are_refused_clearly() {
     let f = fixture_edges(2, |_| {}).await;
@@ -242,4 +265,186 @@ async fn moves_are_refused_clearly() {
     // Nothing was frozen by the refusals.
     assert_eq!(exec_in(&mut rt, &sb.id, "main", "true").await.exit_code, 0);
     assert_eq!(exec_in(&mut rt, &own.id, "main", "true").await.exit_code, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_moves_of_one_sandbox_at_once_leave_one_copy() {
+    let f = fixture_edges(2, |_| {}).await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let sb = admin.create_sandbox(container_spec("busybox", 32, 64)).await.unwrap();
+    let (from, to) = (sb.edge.clone(), other(&sb.edge));
+    exec_in(&mut rt, &sb.id, "main", "echo kept > /kept").await;
+
+    // A move has one driver: the second MoveOut is refused while the first holds the
+    // sandbox (the client may ask again and find it moved: answered as it is). Without that,
+    // the second driver's copy would fail on the target and thaw the original beside the
+    // first's copy.
+    let (a, b) = tokio::join!(admin.move_sandbox(&sb.id, &to), admin.move_sandbox(&sb.id, &to));
+    let answers = [a, b];
+    assert!(answers.iter().any(Result::is_ok), "{answers:?}");
+    for r in &answers {
+        match r {
+            Ok(m) => assert_eq!(m.edge, to),
+            Err(e) => assert!(matches!(e.reason, Reason::Unavailable | Reason::InvalidArgument), "{e}"),
+        }
+    }
+    assert!(held_by(&containers_of(&f, &from)).is_empty(), "the original still runs");
+    assert_eq!(held_by(&containers_of(&f, &to)).len(), 1, "one copy");
+    assert_eq!(out(&exec_in(&mut rt, &sb.id, "main", "cat /kept").await), "kept");
+    assert_eq!(admin.get_sandbox(&sb.id).await.unwrap().edge, to);
+    assert_eq!(live_usage(&admin).await, 1);
+}
+
+/// Drives a move's steps as the apiserver does, stopping where a dying apiserver would.
+struct Driver {
+    links: std::sync::Arc<opendsec_common::grpc::Links>,
+    addrs: std::collections::HashMap<String, String>,
+    iam: String,
+    token: String,
+}
+
+impl Driver {
+    fn new(f: &Fixture) -> Driver {
+        let c = &f.cluster;
+        let addrs = c.edge_names().into_iter().map(|n| (n.clone(), c.edge_addr(&n).unwrap().to_string())).collect();
+        Driver {
+            links: c.apiserver_links().unwrap(),
+            addrs,
+            iam: c.config.iam.addrs[0].clone(),
+            token: c.admin_token.clone(),
+        }
+    }
+
+    fn edge(&self, name: &str) -> pb::edge_client::EdgeClient<tonic::transport::Channel> {
+        let ch = self.links.channel(&self.addrs[name], opendsec_common::pki::Role::Edge, Some(name)).unwrap();
+        pb::edge_client::EdgeClient::new(ch)
+    }
+
+    fn req<Q>(q: Q) -> tonic::Request<Q> {
+        let mut r = tonic::Request::new(q);
+        r.metadata_mut().insert(opendsec_common::grpc::EXPECT_PROJECT_HEADER, "root".parse().unwrap());
+        r
+    }
+
+    async fn move_out(&self, id: &str, from: &str, to: &str) -> pb::EdgeMoveOut {
+        let q = pb::EdgeMoveOutRequest { id: id.into(), to_edge: to.into() };
+        self.edge(from).move_out(Self::req(q)).await.unwrap().into_inner()
+    }
+
+    async fn rebind(&self, out: &pb::EdgeMoveOut, to: &str) {
+        let spec = out.spec.clone().unwrap();
+        let ch = self.links.channel(&self.iam, opendsec_common::pki::Role::Iam, None).unwrap();
+        let a = pb::iam_client::IamClient::new(ch)
+            .admit(pb::AdmitRequest {
+                token: self.token.clone(),
+                lease_id: out.lease_id.clone(),
+                project: spec.project.clone(),
+                resources: spec.resources,
+                edge: to.into(),
+                keep_existing: false,
+                egress: Vec::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(a.edge, to, "{a:?}");
+    }
+
+    async fn create_copy(&self, out: &pb::EdgeMoveOut, to: &str) -> pb::Sandbox {
+        let q = pb::EdgeCreateRequest {
+            lease_id: out.lease_id.clone(),
+            spec: out.spec.clone(),
+            principal: out.principal.clone(),
+            pool_revision: String::new(),
+            moved_in: out.moved_in.clone(),
+        };
+        self.edge(to).create_sandbox(Self::req(q)).await.unwrap().into_inner()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_move_its_apiserver_abandoned_is_settled_by_the_source_after_a_restart() {
+    // Settled after 4 s here (10 min by default); IAM's reconciliation runs well inside that,
+    // as the configuration demands.
+    let mut f = fixture_edges(2, |c| {
+        c.edge.move_stale = Duration::from_secs(4);
+        c.iam.reconcile_min_age = Duration::from_millis(500);
+        c.watcher.reconcile_interval = Duration::from_millis(500);
+    })
+    .await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let driver = Driver::new(&f);
+    let mut sbs = Vec::new();
+    while sbs.len() < 3 {
+        // All three on one edge: the source.
+        let sb = admin.create_sandbox(container_spec("busybox", 32, 64)).await.unwrap();
+        if sbs.first().is_none_or(|s: &pb::Sandbox| s.edge == sb.edge) {
+            exec_in(&mut rt, &sb.id, "main", &format!("echo {} > /kept", sb.id)).await;
+            sbs.push(sb);
+        } else {
+            admin.stop_sandbox(&sb.id).await.unwrap();
+        }
+    }
+    let (from, to) = (sbs[0].edge.clone(), other(&sbs[0].edge));
+    // The apiserver died: 0 after the source froze and copied it; 1 after the lease was bound
+    // to the target too; 2 after the copy started there as well.
+    let mut outs = Vec::new();
+    for sb in &sbs {
+        outs.push(driver.move_out(&sb.id, &from, &to).await);
+    }
+    driver.rebind(&outs[1], &to).await;
+    driver.rebind(&outs[2], &to).await;
+    let copy = driver.create_copy(&outs[2], &to).await;
+    assert_eq!(state(&copy), pb::SandboxState::Running);
+    // Nobody drives them on: no second driver may take a move up.
+    let q = pb::EdgeMoveOutRequest { id: sbs[0].id.clone(), to_edge: to.clone() };
+    let e = driver.edge(&from).move_out(Driver::req(q)).await.unwrap_err();
+    let e = opendsec_common::ApiError::from_status(&e);
+    assert_eq!((e.reason, e.metadata.get("moving_to")), (Reason::Unavailable, Some(&to)), "{e}");
+    assert_eq!(held_by(&containers_of(&f, &from)).len(), 3);
+    for sb in &sbs {
+        assert_eq!(freezer_state_of(&f, sb), "FROZEN", "frozen while moving");
+    }
+
+    // The source edge restarts in the middle of it all; the intents are durable.
+    f.cluster.stop_edge(&from).await.unwrap();
+    f.cluster.start_edge(&from).await.unwrap();
+    // A call made now waits for the settlement and lands where the sandbox runs.
+    let waiting = {
+        let (mut rt, id) = (rt.clone(), sbs[2].id.clone());
+        tokio::spawn(async move { out(&exec_in(&mut rt, &id, "main", "cat /kept").await) })
+    };
+
+    // 0 and 1: the copy never ran; the originals run on, thawed, with their files.
+    for sb in &sbs[..2] {
+        opendsec_testkit::eventually("the original runs on", Duration::from_secs(60), || async {
+            admin.get_sandbox(&sb.id).await.is_ok_and(|g| g.edge == from && state(&g) == pb::SandboxState::Running)
+                && freezer_state_of(&f, sb) == "THAWED"
+        })
+        .await;
+        assert_eq!(out(&exec_in(&mut rt, &sb.id, "main", "cat /kept").await), sb.id);
+    }
+    // 2: the copy runs on the target, the original is stopped.
+    assert_eq!(waiting.await.unwrap(), sbs[2].id);
+    let got = admin.get_sandbox(&sbs[2].id).await.unwrap();
+    assert_eq!((got.edge.as_str(), state(&got)), (to.as_str(), pb::SandboxState::Running));
+    opendsec_testkit::eventually("the original of the copy stopped", Duration::from_secs(30), || async {
+        held_by(&containers_of(&f, &from)).len() == 2
+    })
+    .await;
+    assert_eq!(held_by(&containers_of(&f, &to)).len(), 1);
+    // Every lease bound where its sandbox runs, charged once (the one released while its
+    // copy did not exist is adopted again).
+    opendsec_testkit::eventually("three leases", Duration::from_secs(30), || async { live_usage(&admin).await == 3 })
+        .await;
+    for sb in &sbs {
+        admin.stop_sandbox(&sb.id).await.unwrap();
+    }
+    opendsec_testkit::eventually("the leases released", Duration::from_secs(30), || async {
+        live_usage(&admin).await == 0
+    })
+    .await;
+    assert!(held_by(&containers_of(&f, &from)).is_empty() && held_by(&containers_of(&f, &to)).is_empty());
 }

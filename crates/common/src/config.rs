@@ -480,6 +480,12 @@ pub struct EdgeConfig {
     /// S3-compatible object storage for session sync (docs/sessions.md); none: sandboxes that
     /// name a session are refused.
     pub session_store: Option<SessionStoreConfig>,
+    /// A move between edges left unfinished this long (its apiserver died) is settled by the
+    /// source edge from where IAM binds the lease (docs/move.md). Must outlast IAM's
+    /// reconciliation twice over (`iam.reconcile_min_age` + `watcher.reconcile_interval`):
+    /// a lease still bound to the target after that is held there.
+    #[serde(with = "humantime_serde")]
+    pub move_stale: Duration,
 }
 
 /// Where session sync keeps sessions: `<prefix><project>/<session>.tar.zst` in `bucket`.
@@ -618,6 +624,7 @@ impl Default for EdgeConfig {
             pool_starts: 2,
             pool_share_percent: 50,
             session_store: None,
+            move_stale: Duration::from_secs(600),
         }
     }
 }
@@ -936,6 +943,16 @@ impl Config {
             return Err(invalid("watcher.failure_threshold", "must be at least 1"));
         }
         self.edge.validate()?;
+        let settled = (self.iam.reconcile_min_age + w.reconcile_interval) * 2;
+        if self.edge.move_stale < settled {
+            return Err(invalid(
+                "edge.move_stale",
+                format!(
+                    "must be at least twice iam.reconcile_min_age + watcher.reconcile_interval ({})",
+                    humantime::format_duration(settled)
+                ),
+            ));
+        }
         for (i, ep) in self.edges.iter().enumerate() {
             crate::ids::validate_edge(&ep.name).map_err(|err| invalid(&format!("edges[{i}].name"), err.message))?;
             if ep.address.is_empty() {
@@ -1032,6 +1049,10 @@ mod tests {
             (r#"{"images": {"max_depth": 0}}"#, "images.max_depth"),
             (r#"{"images": {"size": 1}}"#, "images"),
             (r#"{"e2b": {"listen": "localhost"}}"#, "e2b.listen"),
+            // A move settled before IAM's reconciliation could release a lease bound to a
+            // copy that never started would stop the only instance.
+            (r#"{"edge": {"move_stale": "2m"}}"#, "edge.move_stale"),
+            (r#"{"edge": {"move_stale": "10m"}, "iam": {"reconcile_min_age": "5m"}}"#, "edge.move_stale"),
             (r#"{"apiserver": {"insecure_plaintext": true}, "e2b": {"listen": "0.0.0.0:7080"}}"#, "e2b.listen"),
         ] {
             let msg = Config::parse(text, "test").unwrap_err().to_string();

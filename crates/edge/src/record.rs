@@ -218,7 +218,7 @@ pub struct MoveRecord {
     /// `unavailable` with `moving_to`); the sandbox is frozen.
     #[serde(skip_serializing_if = "String::is_empty")]
     pub moving_to: String,
-    /// When the move started (a move left unfinished past `MOVE_STALE` is settled by the
+    /// When the move started (a move left unfinished past `edge.move_stale` is settled by the
     /// edge from where IAM binds the lease).
     #[serde(skip_serializing_if = "is_zero_i64")]
     pub moving_since_ms: i64,

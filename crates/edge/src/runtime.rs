@@ -309,7 +309,7 @@ runtime_impl! {
             }
         };
         let hop = Hop { abort_wait: ABORT_WAIT, ..Hop::default() };
-        upload::forward(ch, first, incoming, check, hop).await.map_err(untrusted)
+        upload::forward(ch, first, &mut incoming, check, hop).await.map_err(untrusted)
     }
 
     /// The agent's heartbeats, for as long as the caller listens. Watching neither resumes a

@@ -118,10 +118,12 @@ pub struct Hop {
 /// `incoming`, each checked by `check`, to `channel`. A failure on the incoming side (or a
 /// refused message) resets the forwarded stream with an error, so the next hop never commits
 /// a short file. Every hop forwarding WriteFile (apiserver, edge, aether) goes through here.
+/// `incoming` is only borrowed: a hop that refused the first message can be tried again with
+/// the rest of it, when `check` saw no other.
 pub async fn forward<T>(
     channel: T,
     first: pb::WriteFileRequest,
-    mut incoming: Streaming<pb::WriteFileRequest>,
+    incoming: &mut Streaming<pb::WriteFileRequest>,
     check: impl Fn(&pb::WriteFileRequest) -> Result<(), Status>,
     hop: Hop,
 ) -> Result<tonic::Response<pb::WriteFileResponse>, Status>

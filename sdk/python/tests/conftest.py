@@ -5,6 +5,8 @@ The cluster is ``opendsecctl cluster up`` with one sim edge offering the ``sim``
 ``busybox:t`` is imported from the host's /bin/busybox for container sandboxes (root only), and
 the Debian test image (bash, python3; built by ``make images`` through
 ``scripts/debian-image.sh``) as ``debian:bookworm`` for the examples (``examples/``).
+Its edge saves sessions to a real S3-compatible server on loopback (moto's server mode, from
+``make s3-server``), started here first.
 ``$OPENDSECCTL`` overrides the binary (default: the repository's target/debug/opendsecctl, else
 target/release/opendsecctl).
 """
@@ -16,6 +18,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
@@ -42,9 +47,67 @@ DEBIAN_IMAGE = "debian:bookworm"
 DEBIAN_SCRIPT = REPO / "scripts" / "debian-image.sh"
 
 
+S3_VENV = Path(os.environ.get("OPENDSEC_S3_VENV") or REPO / "target" / "s3-venv")
+S3_BUCKET = "sdk-sessions"
+
+
+class S3Server:
+    """moto's S3 server on a free loopback port, with bucket S3_BUCKET made; never skipped."""
+
+    def __init__(self) -> None:
+        exe = S3_VENV / "bin" / "moto_server"
+        if not exe.exists():
+            pytest.fail(f"{exe} is missing: run `make s3-server` (make sdk-test does)")
+        self.proc = subprocess.Popen(
+            [str(exe), "-H", "127.0.0.1", "-p", "0"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        found: List[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                if not found and "http://127.0.0.1:" in line:
+                    found.append(line[line.index("http://127.0.0.1:"):].split()[0])
+                    ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(30):
+            self.close()
+            raise RuntimeError("moto_server did not say where it listens")
+        self.endpoint = found[0]
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                # moto takes an unsigned request.
+                urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/{S3_BUCKET}", method="PUT"), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise
+                time.sleep(0.1)
+
+    def store_config(self) -> dict:
+        return {
+            "endpoint": self.endpoint, "bucket": S3_BUCKET, "region": "us-east-1", "access_key_id": "test",
+            "secret_access_key": "test", "allow_http": True, "prefix": "sdk/",
+        }
+
+    def keys(self) -> List[str]:
+        body = urllib.request.urlopen(f"{self.endpoint}/{S3_BUCKET}?list-type=2", timeout=5).read().decode()
+        return [part.split("</Key>")[0] for part in body.split("<Key>")[1:]]
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 @dataclass
 class Cluster:
     local: LocalCluster
+    s3: Optional[S3Server] = None
     has_container: bool = False
     has_image: bool = False
     # Why the Debian image is not there (None: imported as DEBIAN_IMAGE).
@@ -89,9 +152,17 @@ def _import_debian(local: LocalCluster) -> Optional[str]:
 def cluster() -> Iterator[Cluster]:
     if not CTL.exists():
         pytest.fail(f"{CTL} is not built: run `cargo build -p opendsec-cli` (make sdk-test does)")
-    local = LocalCluster(CTL, ("sim", "container", "fncall"), prefix="opendsec-sdk-test.")
+    s3 = S3Server()
     try:
-        c = Cluster(local)
+        local = LocalCluster(
+            CTL, ("sim", "container", "fncall"), prefix="opendsec-sdk-test.",
+            edge={"session_store": s3.store_config()},
+        )
+    except BaseException:
+        s3.close()
+        raise
+    try:
+        c = Cluster(local, s3)
         # The image is needed by every backend (sim too); running containers needs root.
         c.has_image = local.import_busybox(IMAGE)
         c.has_container = c.has_image and os.geteuid() == 0
@@ -99,6 +170,7 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         local.close()
+        s3.close()
 
 
 @pytest.fixture

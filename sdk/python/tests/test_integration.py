@@ -386,6 +386,26 @@ async def test_processes(container) -> None:
             await sb.signal_process(999999, 15)
 
 
+async def test_session_sync_round_trip(container) -> None:
+    """A session's paths saved (on demand and at stop) to the S3 server, restored into a new
+    sandbox; what lies outside them does not come along."""
+    kw = dict(session="work", session_paths=["/work"], **RES)
+    async with client(container) as c:
+        async with c.run_sandbox("container", IMG, **kw) as sb:
+            r = await sb.run_shell("mkdir -p /work && echo one > /work/a && echo out > /outside")
+            assert r.ok, r
+            saved = await sb.save_session()
+            assert saved.name == "work" and saved.bytes > 0
+            assert await sb.run_shell("echo two > /work/b") is not None
+        # Saved again at the stop, with /work/b.
+        assert any(k.endswith("work.tar.zst") for k in container.s3.keys()), container.s3.keys()
+        async with c.run_sandbox("container", IMG, **kw) as sb:
+            r = await sb.run_shell("cat /work/a /work/b; [ -e /outside ] && echo leaked || echo clean")
+            assert r.stdout == "one\ntwo\nclean\n", r
+        with pytest.raises(ValueError):
+            await c.create_sandbox("container", IMG, session="work", **RES)
+
+
 def test_sync_shell_and_stream(container) -> None:
     with opendsec.Client(container.addr, token=container.token, ca=container.local.ca) as c:
         with c.run_sandbox("container", IMG, **RES) as sb:

@@ -17,15 +17,22 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 
 class LocalCluster:
-    def __init__(self, ctl: Path, backends: Sequence[str] = ("sim", "container"), prefix: str = "opendsec-local.") -> None:
+    def __init__(
+        self,
+        ctl: Path,
+        backends: Sequence[str] = ("sim", "container"),
+        prefix: str = "opendsec-local.",
+        edge: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        """``edge``: more of the edge's configuration (e.g. ``session_store``)."""
         self.ctl = Path(ctl)
         self.state = Path(tempfile.mkdtemp(prefix=prefix))
         cfg = self.state / "config.json"
-        edge = {"backends": list(backends), "keep_sandboxes_on_exit": False}
+        edge = {"backends": list(backends), "keep_sandboxes_on_exit": False, **(edge or {})}
         # Sandbox networking changes the host's network (a table, forwarding): off here; the
         # Rust network tests run it inside namespaces of their own.
         cfg.write_text(json.dumps({

@@ -11,9 +11,12 @@
 //! - after the commit the record stays, STOPPED with end reason `moved`, and answers `Moved`
 //!   (`moved_to`) until it is deleted with the other ended records; its lease is not ours to
 //!   release;
-//! - a move left unfinished (the apiserver died) is settled after [`MOVE_STALE`] from where IAM
-//!   binds the lease: still here, the move is abandoned; elsewhere, it is committed; gone, the
-//!   sandbox is stopped.
+//! - a move has one driver: `MoveOut` on a sandbox already moving (or moved) is refused, so two
+//!   apiservers moving one sandbox at once cannot both drive it (the second would undo the
+//!   first's copy);
+//! - a move left unfinished (the apiserver died) is settled after `edge.move_stale` from where
+//!   IAM binds the lease: here or nowhere, the move is abandoned and the sandbox runs on;
+//!   elsewhere for that long, it is committed. A sandbox is never stopped on a guess.
 
 use std::time::Duration;
 
@@ -25,13 +28,10 @@ use crate::record::MoveRecord;
 /// How long a move waits for the calls in flight on the sandbox to end before freezing it
 /// (longer ones are cut by the freeze and the stop).
 pub(crate) const MOVE_DRAIN: Duration = Duration::from_secs(30);
-/// A move unfinished this long after its snapshot is settled by the edge itself.
-pub(crate) const MOVE_STALE: Duration = Duration::from_secs(600);
 
 impl Inner {
     /// A move's first half: calls held off, those in flight drained, the sandbox frozen and
-    /// its file system snapshotted. Asked again for the same target (a retry), it snapshots
-    /// again.
+    /// its file system snapshotted. Refused while another move holds the sandbox.
     pub(crate) async fn move_out(&self, req: &EdgeMoveOutRequest) -> Result<EdgeMoveOut, EdgeError> {
         ids::validate_edge(&req.to_edge).map_err(|e| EdgeError::InvalidArgument(format!("to_edge: {}", e.message)))?;
         if self.closing.load(Ordering::Relaxed) {
@@ -41,9 +41,7 @@ impl Inner {
         if req.to_edge == self.name {
             return Err(EdgeError::InvalidArgument(format!("sandbox {} already runs on edge {}", rec.id, self.name)));
         }
-        if !rec.moved.moved_to.is_empty() || (rec.moved.is_moving() && rec.moved.moving_to != req.to_edge) {
-            Self::check_not_moving(&rec)?;
-        }
+        Self::check_not_moving(&rec)?;
         if !matches!(rec.state, SandboxStatus::Running | SandboxStatus::Paused) {
             return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "move" });
         }
@@ -54,17 +52,13 @@ impl Inner {
                 backend.name()
             )));
         };
-        let rec = if rec.moved.is_moving() {
-            rec
-        } else {
-            let mut moving = (*rec).clone();
-            let now = self.clock.now_ms();
-            moving.moved.moving_to = req.to_edge.clone();
-            moving.moved.moving_since_ms = now;
-            moving.moved.resume_on_abort = rec.state == SandboxStatus::Running;
-            moving.updated_at_ms = now;
-            self.persist_then_publish(moving).await?
-        };
+        let mut moving = (*rec).clone();
+        let now = self.clock.now_ms();
+        moving.moved.moving_to = req.to_edge.clone();
+        moving.moved.moving_since_ms = now;
+        moving.moved.resume_on_abort = rec.state == SandboxStatus::Running;
+        moving.updated_at_ms = now;
+        let rec = self.persist_then_publish(moving).await?;
         match self.freeze_and_copy(&rec, snapshotter).await {
             Ok(out) => Ok(out),
             Err(e) => {
@@ -198,7 +192,7 @@ impl Inner {
         let _g = op.lock_owned().await;
         let Some(rec) = self.table().rec(lease) else { return };
         let now = self.clock.now_ms();
-        let stale = i64::try_from(MOVE_STALE.as_millis()).unwrap_or(i64::MAX);
+        let stale = i64::try_from(self.cfg.move_stale.as_millis()).unwrap_or(i64::MAX);
         let unfinished_stop = !rec.moved.moved_to.is_empty() && rec.state.is_live();
         let stale_move = rec.moved.is_moving() && rec.moved.moving_since_ms.saturating_add(stale) <= now;
         if !unfinished_stop && !stale_move {

@@ -23,7 +23,7 @@ impl Inner {
         let mut probe = Vec::new();
         let mut delete = Vec::new();
         let mut moves = Vec::new();
-        let stale = i64::try_from(moves::MOVE_STALE.as_millis()).unwrap_or(i64::MAX);
+        let stale = i64::try_from(self.cfg.move_stale.as_millis()).unwrap_or(i64::MAX);
         for rec in self.table().records() {
             if rec.moved.is_moving() || (!rec.moved.moved_to.is_empty() && rec.state.is_live()) {
                 // A move holds the sandbox (no expiry, no probes of a frozen sandbox) until it
