@@ -1,10 +1,10 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-sdk bench-e2b agent images s3-server sdk-test e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-sdk bench-e2b agent images vm-kernel s3-server sdk-test e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
-APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv
+APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod
 
 setup:
 	@if dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then echo "system packages present"; else \
@@ -15,7 +15,7 @@ build:
 
 # Container tests run the static agent as PID 1 of their sandboxes and use the Debian test
 # image (built once with debootstrap, cached under /var/cache/opendsec): make both first.
-test: agent images s3-server
+test: agent images s3-server vm-kernel
 	$(CARGO) nextest run --workspace --no-fail-fast
 	$(MAKE) sdk-test
 	$(MAKE) e2b-test
@@ -23,7 +23,7 @@ test: agent images s3-server
 # The Python SDK (sdk/python), installed from the repo into a venv, tested against a real
 # local cluster started from the built opendsecctl.
 SDK_VENV ?= target/sdk-venv
-sdk-test: agent images s3-server
+sdk-test: agent images s3-server vm-kernel
 	$(CARGO) build -p opendsec-cli
 	python3 -m venv $(SDK_VENV)
 	$(SDK_VENV)/bin/pip install -q --upgrade pip
@@ -32,6 +32,10 @@ sdk-test: agent images s3-server
 
 images:
 	./scripts/debian-image.sh
+
+# The VM backends' guest kernel and modules, from Debian's kernel package (cached by content).
+vm-kernel:
+	./scripts/vm-kernel.sh
 
 # An S3-compatible server for the session sync tests (moto's server mode, from PyPI): the
 # tests start it on loopback themselves (crates/testkit s3).

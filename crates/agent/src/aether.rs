@@ -735,6 +735,8 @@ pub enum Listen {
     /// A listening unix socket inherited at this fd (PID 1 of a container sandbox: the edge
     /// bound it on the host, where nothing inside the sandbox can reach or replace it).
     Fd(i32),
+    /// A virtio-serial port (PID 1 of a VM: `vm-init`), one connection at a time.
+    Serial(PathBuf),
 }
 
 /// `opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH]`.
@@ -749,7 +751,11 @@ pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
         std::fs::create_dir_all(&aether.cfg.workdir)?;
     }
     let aether_log = aether.cfg.state_dir.join("aether.log");
+    let control = opendsec_proto::v1::agent_control_server::AgentControlServer::new(ControlService(aether.clone()));
     let listener = match listen {
+        Listen::Serial(port) => {
+            return crate::serve_incoming(crate::serial::incoming(port), AetherService(aether), Some(control)).await;
+        }
         Listen::Path(p) => crate::bind_unix(&p)?,
         Listen::Fd(fd) => {
             let l = crate::inherited_listener(fd)?;
@@ -761,6 +767,5 @@ pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
             l
         }
     };
-    let control = opendsec_proto::v1::agent_control_server::AgentControlServer::new(ControlService(aether.clone()));
     crate::serve_unix_with(listener, AetherService(aether), Some(control)).await
 }

@@ -14,6 +14,8 @@ pub mod kernel;
 pub mod passwd;
 pub mod procs;
 pub mod reaper;
+pub mod serial;
+pub mod vminit;
 pub mod watch;
 
 use std::path::PathBuf;
@@ -161,13 +163,28 @@ where
     S: opendsec_proto::v1::runtime_server::Runtime,
     C: opendsec_proto::v1::agent_control_server::AgentControl,
 {
+    serve_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener), svc, control).await
+}
+
+/// Serves `svc`, and `control` when given, on each connection `incoming` yields.
+pub async fn serve_incoming<S, C, I, IO>(
+    incoming: I,
+    svc: S,
+    control: Option<opendsec_proto::v1::agent_control_server::AgentControlServer<C>>,
+) -> std::io::Result<()>
+where
+    S: opendsec_proto::v1::runtime_server::Runtime,
+    C: opendsec_proto::v1::agent_control_server::AgentControl,
+    I: futures::Stream<Item = std::io::Result<IO>>,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + tonic::transport::server::Connected + Unpin + Send + 'static,
+{
     let server = opendsec_proto::v1::runtime_server::RuntimeServer::new(svc)
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     tonic::transport::Server::builder()
         .add_service(server)
         .add_optional_service(control)
-        .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
+        .serve_with_incoming(incoming)
         .await
         .map_err(std::io::Error::other)
 }

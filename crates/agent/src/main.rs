@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use opendsec_agent::{aether, chronus};
 
-const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
+const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N | --serial PORT) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent vm-init (PID 1 of a VM, from its initramfs)\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
 
 /// Blocking threads started up front (see `main`).
 const BLOCKING_THREADS: usize = 2;
@@ -15,6 +15,7 @@ struct Args {
     mode: String,
     socket: Option<PathBuf>,
     listen_fd: Option<i32>,
+    serial: Option<PathBuf>,
     state_dir: PathBuf,
     passwd: PathBuf,
     dir: Option<PathBuf>,
@@ -29,6 +30,7 @@ fn parse() -> Result<Args, String> {
         mode: it.next().ok_or("no mode")?,
         socket: None,
         listen_fd: None,
+        serial: None,
         state_dir: PathBuf::from("/run/opendsec-agent"),
         passwd: PathBuf::from("/etc/passwd"),
         dir: None,
@@ -40,6 +42,7 @@ fn parse() -> Result<Args, String> {
         let v = it.next().ok_or_else(|| format!("{k} needs a value"))?;
         match k.as_str() {
             "--socket" => a.socket = Some(v.into()),
+            "--serial" => a.serial = Some(v.into()),
             "--listen-fd" => a.listen_fd = Some(v.parse().map_err(|_| format!("bad --listen-fd {v}"))?),
             "--state-dir" => a.state_dir = v.into(),
             "--passwd" => a.passwd = v.into(),
@@ -54,6 +57,16 @@ fn parse() -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
+    // The kernel runs the initramfs's /init with the words after `--` on its command line.
+    if std::env::args().nth(1).as_deref() == Some("vm-init") {
+        let e = opendsec_agent::vminit::main();
+        eprintln!("opendsec-agent vm-init: {e}");
+        // PID 1 must not exit (the kernel panics): leave the reason on the console and wait
+        // for the edge, which sees no agent, to stop the VM.
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
     let a = match parse() {
         Ok(a) => a,
         Err(e) => {
@@ -61,11 +74,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let listen = match (a.socket.clone(), a.listen_fd, a.mode.as_str()) {
-        (Some(p), None, _) => aether::Listen::Path(p),
-        (None, Some(fd), "aether") => aether::Listen::Fd(fd),
+    let listen = match (a.socket.clone(), a.listen_fd, a.serial.clone(), a.mode.as_str()) {
+        (Some(p), None, None, _) => aether::Listen::Path(p),
+        (None, Some(fd), None, "aether") => aether::Listen::Fd(fd),
+        (None, None, Some(port), "aether") => aether::Listen::Serial(port),
         _ => {
-            eprintln!("opendsec-agent: give exactly one of --socket and --listen-fd (aether only)\n{USAGE}");
+            eprintln!(
+                "opendsec-agent: give exactly one of --socket, --listen-fd and --serial (the last two aether only)\n{USAGE}"
+            );
             return ExitCode::from(2);
         }
     };
@@ -99,7 +115,7 @@ fn main() -> ExitCode {
                 // Inside a sandbox (PID 1 on an inherited socket) the id goes where the
                 // sandbox looks for it; a standalone aether (tests) keeps it in its state.
                 let identity_file = match listen {
-                    aether::Listen::Fd(_) => PathBuf::from(aether::IDENTITY_FILE),
+                    aether::Listen::Fd(_) | aether::Listen::Serial(_) => PathBuf::from(aether::IDENTITY_FILE),
                     aether::Listen::Path(_) => a.state_dir.join("sandbox-id"),
                 };
                 let cfg = aether::Config {

@@ -2,6 +2,7 @@
 //! forwarding `Runtime.WriteFile` needs (an upload that can be aborted visibly).
 #![allow(clippy::all, clippy::pedantic, missing_docs)]
 
+pub mod serial;
 pub mod upload;
 
 pub mod v1 {

@@ -102,24 +102,25 @@ struct Held {
 }
 
 /// The edge's connection to one sandbox's agent.
-struct AgentConn {
-    channel: tonic::transport::Channel,
+#[derive(Debug)]
+pub(super) struct AgentConn {
+    pub(super) channel: tonic::transport::Channel,
     /// False once the Watch stream ended: the agent (PID 1) is gone or cut off.
-    alive: Arc<AtomicBool>,
+    pub(super) alive: Arc<AtomicBool>,
     /// The last heartbeat (or resume, or adoption), for [`ContainerOptions::agent_silence`].
     last_beat: Arc<std::sync::atomic::AtomicU64>,
     /// The sandbox is frozen on purpose: its agent's silence means nothing.
-    paused: Arc<AtomicBool>,
-    watch: tokio::task::JoinHandle<()>,
+    pub(super) paused: Arc<AtomicBool>,
+    pub(super) watch: tokio::task::JoinHandle<()>,
 }
 
 impl AgentConn {
-    fn beat_now(&self) {
+    pub(super) fn beat_now(&self) {
         self.last_beat.store(mono_ms(), Ordering::SeqCst);
     }
 
     /// Alive: the Watch stream is open and, unless paused, a heartbeat came within `silence`.
-    fn healthy(&self, silence: Duration) -> bool {
+    pub(super) fn healthy(&self, silence: Duration) -> bool {
         if !self.alive.load(Ordering::SeqCst) {
             return false;
         }
@@ -402,6 +403,16 @@ fn agent_channel(dir: PathBuf) -> tonic::transport::Channel {
 /// in the background (an adopted sandbox may be frozen and answer only after a resume).
 /// The returned connection's `alive` turns false when the stream ends.
 async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) -> Result<AgentConn, BackendError> {
+    watch_agent_within(id, channel, ready, AGENT_READY_TIMEOUT).await
+}
+
+/// [`watch_agent`], waiting up to `wait` for the first heartbeat (a VM boots first).
+pub(super) async fn watch_agent_within(
+    id: &str,
+    channel: tonic::transport::Channel,
+    ready: bool,
+    wait: Duration,
+) -> Result<AgentConn, BackendError> {
     let alive = Arc::new(AtomicBool::new(true));
     let last_beat = Arc::new(std::sync::atomic::AtomicU64::new(mono_ms()));
     let beat = last_beat.clone();
@@ -415,7 +426,7 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
             let hb = s.message().await?;
             Ok::<_, tonic::Status>((s, hb))
         };
-        let stream = match tokio::time::timeout(AGENT_READY_TIMEOUT, first).await {
+        let stream = match tokio::time::timeout(wait, first).await {
             Ok(Ok((s, Some(_)))) => s,
             Ok(Ok((_, None))) => return Err(BackendError::internal(format!("agent of {id} ended its Watch stream"))),
             Ok(Err(st)) => {
@@ -424,7 +435,7 @@ async fn watch_agent(id: &str, channel: tonic::transport::Channel, ready: bool) 
             Err(_) => {
                 return Err(BackendError::unavailable(format!(
                     "agent of {id} did not answer within {}s",
-                    AGENT_READY_TIMEOUT.as_secs()
+                    wait.as_secs()
                 )));
             }
         };
@@ -461,7 +472,7 @@ fn join_err(e: tokio::task::JoinError) -> BackendError {
 }
 
 /// Runs blocking work on a blocking thread.
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, BackendError> + Send + 'static,
 ) -> Result<T, BackendError> {
     tokio::task::spawn_blocking(f).await.map_err(join_err)?
@@ -637,7 +648,7 @@ impl ContainerBackend {
 }
 
 /// Writes `<store>/inuse/<id>` whole (temp file + rename).
-fn write_inuse(path: &Path, layers: &[LayerId]) -> Result<(), BackendError> {
+pub(super) fn write_inuse(path: &Path, layers: &[LayerId]) -> Result<(), BackendError> {
     let ids: Vec<&str> = layers.iter().map(|l| l.as_str()).collect();
     let bytes = serde_json::to_vec(&ids).map_err(|e| BackendError::internal(format!("inuse encoding: {e}")))?;
     let tmp = path.with_extension(format!("tmp{}", rand::random::<u32>()));
@@ -656,7 +667,7 @@ fn read_inuse(path: &Path) -> Vec<LayerId> {
     ids.iter().filter_map(|s| LayerId::parse(s).ok()).collect()
 }
 
-fn remove_inuse(path: &Path) -> Result<(), BackendError> {
+pub(super) fn remove_inuse(path: &Path) -> Result<(), BackendError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -1135,7 +1146,11 @@ fn set_hostname(sandbox: &Sandbox, name: &str) -> Result<(), BackendError> {
 /// Tells a sandbox's agent who it is: its id and the spec's env, for every session and
 /// process started from now on, and its new hostname for /etc/hosts (a claimed member; empty:
 /// unchanged).
-async fn identify(channel: &tonic::transport::Channel, sb: &SandboxRecord, hostname: &str) -> Result<(), BackendError> {
+pub(super) async fn identify(
+    channel: &tonic::transport::Channel,
+    sb: &SandboxRecord,
+    hostname: &str,
+) -> Result<(), BackendError> {
     let mut c = opendsec_proto::v1::agent_control_client::AgentControlClient::new(channel.clone());
     let req = opendsec_proto::v1::SetIdentityRequest {
         sandbox_id: sb.id.clone(),

@@ -18,6 +18,7 @@ use crate::record::SandboxRecord;
 pub mod container;
 mod error;
 pub mod sim;
+pub mod vm;
 
 pub use error::{BackendError, Kind as BackendErrorKind};
 

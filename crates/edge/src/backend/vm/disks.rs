@@ -1,0 +1,234 @@
+//! What a VM boots from and writes to ([C 7]): the initramfs (the agent as `/init` and the
+//! kernel modules it loads), the image disk (the image's layers flattened into one EROFS file,
+//! built once per layer set into the store's `vmdisks/` under a lock and shared by every VM of
+//! that image), the writable disk (sparse ext4, `disk_mb`) and the config disk (raw: a
+//! little-endian u32 length, then JSON; read once by the agent).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use opendsec_images::{LayerId, Store};
+use sha2::{Digest, Sha256};
+
+use crate::backend::BackendError;
+
+fn io_err(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> BackendError {
+    move |e| BackendError::internal(format!("{what}: {e}"))
+}
+
+/// Runs a tool; its output goes into the error when it fails.
+fn run(cmd: &mut Command) -> Result<(), BackendError> {
+    let out = cmd.output().map_err(|e| BackendError::internal(format!("cannot run {:?}: {e}", cmd.get_program())))?;
+    if !out.status.success() {
+        return Err(BackendError::internal(format!(
+            "{:?} failed ({}): {}",
+            cmd.get_program(),
+            out.status,
+            crate::backend::vm::tail(&out.stderr)
+        )));
+    }
+    Ok(())
+}
+
+/// The newc cpio archive of an initramfs, written entry by entry.
+struct Cpio<W: Write> {
+    out: W,
+    ino: u32,
+}
+
+impl<W: Write> Cpio<W> {
+    fn entry(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) -> std::io::Result<()> {
+        self.ino += 1;
+        let namesize = name.len() + 1;
+        let header = format!(
+            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
+            self.ino,
+            mode,
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            namesize,
+            0
+        );
+        self.out.write_all(header.as_bytes())?;
+        self.out.write_all(name.as_bytes())?;
+        self.out.write_all(&[0])?;
+        let pad = |n: usize| (4 - n % 4) % 4;
+        self.out.write_all(&[0; 3][..pad(110 + namesize)])?;
+        self.out.write_all(data)?;
+        self.out.write_all(&[0; 3][..pad(data.len())])
+    }
+
+    fn finish(mut self) -> std::io::Result<W> {
+        self.entry("TRAILER!!!", 0, (0, 0), &[])?;
+        Ok(self.out)
+    }
+}
+
+/// The initramfs for `agent` and the modules in `kernel_dir` (scripts/vm-kernel.sh), built
+/// once into `cache` and named by the hash of what went in.
+pub fn initramfs(cache: &Path, agent: &Path, kernel_dir: &Path) -> Result<PathBuf, BackendError> {
+    let agent_bytes = std::fs::read(agent).map_err(io_err(format!("reading the agent {}", agent.display())))?;
+    let modules = kernel_dir.join("modules");
+    let mut names: Vec<String> = Vec::new();
+    for order in ["mmio.order", "pci.order"] {
+        let list = std::fs::read_to_string(kernel_dir.join(order))
+            .map_err(io_err(format!("reading {} (run scripts/vm-kernel.sh)", kernel_dir.join(order).display())))?;
+        for n in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
+            if n.contains('/') || !n.ends_with(".ko") {
+                return Err(BackendError::invalid_argument(format!("{order} names {n:?}, not a module file")));
+            }
+            if !names.iter().any(|x| x == n) {
+                names.push(n.to_string());
+            }
+        }
+    }
+    let mut h = Sha256::new();
+    h.update(&agent_bytes);
+    for n in &names {
+        h.update(n.as_bytes());
+        h.update(std::fs::read(modules.join(n)).map_err(io_err(format!("reading module {n}")))?);
+    }
+    for order in ["mmio.order", "pci.order"] {
+        h.update(std::fs::read(kernel_dir.join(order)).unwrap_or_default());
+    }
+    let key: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let path = cache.join(format!("initramfs-{key}.cpio"));
+    if path.exists() {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(cache).map_err(io_err(format!("creating {}", cache.display())))?;
+    let tmp = cache.join(format!(".initramfs-{key}.tmp{}", rand::random::<u32>()));
+    let build = || -> std::io::Result<()> {
+        let f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+        let mut c = Cpio { out: f, ino: 0 };
+        c.entry("dev", 0o040755, (0, 0), &[])?;
+        // The kernel opens it for init's stdin, stdout and stderr before /dev is mounted.
+        c.entry("dev/console", 0o020600, (5, 1), &[])?;
+        c.entry("init", 0o100755, (0, 0), &agent_bytes)?;
+        c.entry("modules", 0o040755, (0, 0), &[])?;
+        for order in ["mmio.order", "pci.order"] {
+            c.entry(&format!("modules/{order}"), 0o100644, (0, 0), &std::fs::read(kernel_dir.join(order))?)?;
+        }
+        for n in &names {
+            c.entry(&format!("modules/{n}"), 0o100644, (0, 0), &std::fs::read(modules.join(n))?)?;
+        }
+        let mut f = c.finish()?;
+        f.flush()?;
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+    };
+    build().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        BackendError::internal(format!("building the initramfs: {e}"))
+    })?;
+    std::fs::rename(&tmp, &path).map_err(io_err("placing the initramfs"))?;
+    Ok(path)
+}
+
+/// The image disk of `layers`: `<store>/vmdisks/<key>.erofs`, built by the first VM that needs
+/// it (under `<key>.lock`, so concurrent creations on any node build it once) and shared.
+pub fn image_disk(store: &Store, layers: &[LayerId]) -> Result<PathBuf, BackendError> {
+    if layers.is_empty() {
+        return Err(BackendError::invalid_argument("an image without layers has nothing to boot"));
+    }
+    let mut h = Sha256::new();
+    h.update(b"erofs-v1\n");
+    for l in layers {
+        h.update(l.as_str().as_bytes());
+        h.update(b"\n");
+    }
+    let key: String = h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect();
+    let dir = store.root().join("vmdisks");
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+    let disk = dir.join(format!("{key}.erofs"));
+    if disk.exists() {
+        return Ok(disk);
+    }
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(format!("{key}.lock")))
+        .map_err(io_err("opening the image disk's lock"))?;
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive)
+        .map_err(|e| BackendError::internal(format!("locking the image disk: {e}")))?;
+    if disk.exists() {
+        return Ok(disk); // built meanwhile
+    }
+    // One tree of all layers (whiteouts applied), then one EROFS file of it; uncompressed: a
+    // guest under TCG reads it faster than it decompresses.
+    let tree = match layers {
+        [one] => store.layer_rootfs(one),
+        _ => {
+            let merged = opendsec_images::merge::merge_layers(store, layers, &[])
+                .map_err(|e| BackendError::internal(format!("flattening the image's layers: {e}")))?;
+            store.layer_rootfs(&merged.id)
+        }
+    };
+    let tmp = dir.join(format!(".{key}.tmp{}", rand::random::<u32>()));
+    let built = run(Command::new("mkfs.erofs").arg("-T0").arg(&tmp).arg(&tree));
+    if let Err(e) = built {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &disk).map_err(io_err("placing the image disk"))?;
+    Ok(disk)
+}
+
+/// A sparse ext4 file of `mb` MiB at `path`.
+pub fn writable_disk(path: &Path, mb: u64) -> Result<(), BackendError> {
+    let f = std::fs::File::create(path).map_err(io_err(format!("creating {}", path.display())))?;
+    f.set_len(mb << 20).map_err(io_err("sizing the writable disk"))?;
+    drop(f);
+    run(Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
+        .arg(path))
+}
+
+/// The config disk: the length, the JSON, padded to whole sectors.
+pub fn config_disk(path: &Path, json: &[u8]) -> Result<(), BackendError> {
+    let mut raw = u32::try_from(json.len())
+        .map_err(|_| BackendError::invalid_argument("the VM's config is too large"))?
+        .to_le_bytes()
+        .to_vec();
+    raw.extend_from_slice(json);
+    raw.resize(raw.len().div_ceil(4096) * 4096, 0);
+    std::fs::write(path, raw).map_err(io_err(format!("writing {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpio_archive_lists_what_went_in() {
+        let mut c = Cpio { out: Vec::new(), ino: 0 };
+        c.entry("init", 0o100755, (0, 0), b"#!x").unwrap();
+        c.entry("dev/console", 0o020600, (5, 1), &[]).unwrap();
+        let out = c.finish().unwrap();
+        assert_eq!(out.len() % 4, 0);
+        // cpio(1) reads it back.
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.cpio");
+        std::fs::write(&p, &out).unwrap();
+        let o = Command::new("sh").arg("-c").arg(format!("cpio -t < {} 2>/dev/null", p.display())).output().unwrap();
+        assert!(o.status.success(), "cpio(1) is part of make setup");
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "init\ndev/console\n");
+    }
+
+    #[test]
+    fn the_config_disk_is_whole_sectors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.img");
+        config_disk(&p, b"{}").unwrap();
+        let raw = std::fs::read(&p).unwrap();
+        assert_eq!((raw.len(), &raw[..6]), (4096, &[2u8, 0, 0, 0, b'{', b'}'][..]));
+    }
+}

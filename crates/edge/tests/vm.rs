@@ -1,0 +1,189 @@
+//! The VM backends (`microvm` on `-M microvm`, `fullvm` on q35) on real QEMU, as root: the
+//! backend conformance suite, and a sandbox's calls end to end through the agent in the guest
+//! (over the virtio-serial port and its handshake). Under TCG here (no usable /dev/kvm):
+//! each boot takes seconds, so the number of VMs is kept small.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use opendsec_edge::backend::vm::{Accel, Machine, VmBackend, VmOptions};
+use opendsec_edge::backend::{Backend, BackendErrorKind};
+use opendsec_edge::record::SandboxRecord;
+use opendsec_edge::state::SandboxStatus;
+use opendsec_proto::v1 as pb;
+
+mod support;
+
+/// scripts/vm-kernel.sh's output (`OPENDSEC_VM_KERNEL` overrides).
+fn kernel_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("OPENDSEC_VM_KERNEL") {
+        return d.into();
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vm-kernel.sh");
+    let out = std::process::Command::new(script).arg("--path").output().unwrap();
+    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    assert!(dir.join("complete").exists(), "no guest kernel in {}: run `make vm-kernel`", dir.display());
+    dir
+}
+
+fn options(root: &Path, machine: Machine) -> VmOptions {
+    VmOptions {
+        machine,
+        edge: support::EDGE.into(),
+        store_dir: root.join("store"),
+        state_dir: root.join("vms"),
+        agent: support::static_agent(),
+        kernel_dir: kernel_dir(),
+        qemu: "qemu-system-x86_64".into(),
+        accel: Accel::Tcg,
+        boot_timeout: Duration::from_secs(90),
+    }
+}
+
+fn record(lease: &str, backend: &str) -> SandboxRecord {
+    let mut r = support::record(lease, "busybox");
+    r.spec.backend = backend.into();
+    r.spec.resources.memory_mb = 192;
+    r.spec.resources.disk_mb = 64;
+    r
+}
+
+/// What a VM holds on the node: its directory, its layer holder file, its VMM process.
+fn held(root: &Path, machine: &str, id: &str) -> Vec<String> {
+    let name = format!("{machine}.{id}");
+    let dir = root.join("vms").join(&name);
+    let mut held = Vec::new();
+    if dir.exists() {
+        held.push(format!("directory {}", dir.display()));
+    }
+    if root.join("store/inuse").join(&name).exists() {
+        held.push(format!("holder file of {id}"));
+    }
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(dir.to_str().unwrap()) {
+            held.push(format!("process {}", p.file_name().to_string_lossy()));
+        }
+    }
+    held
+}
+
+fn with_state(rec: &SandboxRecord, state: SandboxStatus) -> SandboxRecord {
+    SandboxRecord { state, ..rec.clone() }
+}
+
+async fn exec(b: &VmBackend, id: &str, cmd: &str) -> pb::ExecResult {
+    use opendsec_edge::backend::Backend;
+    let mut c = opendsec_edge::backend::agent_client(b.agent_access().unwrap().agent(id).unwrap());
+    let req =
+        pb::ExecRequest { sandbox_id: id.into(), session_id: "main".into(), command: cmd.into(), ..Default::default() };
+    c.exec(req).await.unwrap().into_inner()
+}
+
+async fn suite(machine: Machine) {
+    if !rustix::process::geteuid().is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let name = match machine {
+        Machine::Microvm => "microvm",
+        Machine::Q35 => "fullvm",
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    support::busybox_image(&root.join("store"), &root).await;
+    let make = || Arc::new(VmBackend::new(options(&root, machine)).unwrap());
+    let b = make();
+    let versions = b.versioned().unwrap().runtime_versions();
+    assert!(versions[0].starts_with("qemu ") && versions[0].ends_with("(tcg)"), "{versions:?}");
+
+    // The lifecycle, and the agent's calls in the guest.
+    let rec = record("vm-a", name);
+    assert!(!b.probe(&rec.id).await.unwrap());
+    let started = std::time::Instant::now();
+    b.create(&rec).await.unwrap();
+    eprintln!("{name}: create -> agent answering: {} ms (TCG)", started.elapsed().as_millis());
+    assert!(b.probe(&rec.id).await.unwrap());
+    assert!(!held(&root, name, &rec.id).is_empty());
+    let r = exec(
+        &b,
+        &rec.id,
+        "cat /run/opendsec/sandbox-id; hostname; echo $OPENDSEC_SANDBOX_ID; cat /etc/passwd | head -1",
+    )
+    .await;
+    assert_eq!(r.exit_code, 0, "{r:?}");
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    assert_eq!(out.lines().take(3).collect::<Vec<_>>(), [rec.id.as_str(), "vm-a", rec.id.as_str()], "{out}");
+    // A real kernel of its own, the image as its root, its writable disk under it, and no
+    // vsock device: the only way out is its own serial port.
+    let r = exec(
+        &b,
+        &rec.id,
+        "uname -r; echo x > /written && cat /written; ls /dev/vsock 2>&1; ls /dev/virtio-ports; df -k / | tail -1",
+    )
+    .await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].ends_with("-amd64"), "{out}");
+    assert_eq!(lines[1], "x");
+    assert!(lines[2].contains("No such file"), "{out}");
+    assert_eq!(lines[3], "opendsec.agent", "{out}");
+
+    let running = with_state(&rec, SandboxStatus::Running);
+    b.pause(&running).await.unwrap();
+    assert!(b.probe(&rec.id).await.unwrap(), "a paused VM is alive");
+    let paused = with_state(&rec, SandboxStatus::Paused);
+    b.pause(&paused).await.unwrap();
+    b.resume(&paused).await.unwrap();
+    b.resume(&running).await.unwrap();
+    // The session's state survived the pause.
+    let r = exec(&b, &rec.id, "cat /written").await;
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "x\n");
+    b.stop(&running).await.unwrap();
+    assert!(!b.probe(&rec.id).await.unwrap());
+    assert_eq!(held(&root, name, &rec.id), Vec::<String>::new(), "a stopped VM leaves nothing");
+    b.stop(&running).await.unwrap();
+    b.stop(&record("vm-never", name)).await.unwrap();
+    let err = b.pause(&with_state(&record("vm-never", name), SandboxStatus::Running)).await;
+    assert!(matches!(err, Err(ref e) if e.kind() == BackendErrorKind::NotFound), "{err:?}");
+
+    // An edge restart: VMs outlive the edge and are adopted; cleanup removes what no record
+    // claims.
+    let kept = record("vm-kept", name);
+    let lost = record("vm-lost", name);
+    let (k, l) = tokio::join!(b.create(&kept), b.create(&lost));
+    k.unwrap();
+    l.unwrap();
+    drop(b);
+    let b = make();
+    let kept = with_state(&kept, SandboxStatus::Running);
+    b.adopt(&kept).await.unwrap();
+    assert!(b.probe(&kept.id).await.unwrap(), "adopted");
+    let keep: HashSet<String> = [kept.id.clone()].into();
+    assert_eq!(b.cleanup(&keep).await.unwrap(), 1);
+    assert_eq!(held(&root, name, &lost.id), Vec::<String>::new());
+    let r = exec(&b, &kept.id, "echo adopted").await;
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "adopted\n");
+    b.stop(&kept).await.unwrap();
+    assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 0);
+
+    // A guest whose agent cannot start (its default user is not in the image) fails the
+    // creation, and leaves nothing.
+    let mut bad = record("vm-bad", name);
+    bad.spec.user = "nobody-such".into();
+    let e = b.create(&bad).await.unwrap_err();
+    eprintln!("{name}: a failed creation: {e}");
+    assert!(!b.probe(&bad.id).await.unwrap());
+    assert_eq!(held(&root, name, &bad.id), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn microvm_conforms() {
+    suite(Machine::Microvm).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fullvm_conforms() {
+    suite(Machine::Q35).await;
+}

@@ -1,0 +1,199 @@
+//! The agent's link to the edge in a VM: HTTP/2 (gRPC) over one virtio-serial port.
+//!
+//! A serial port is one byte stream that outlives its users: bytes of an earlier connection
+//! (one cut by a pause, a snapshot restored into a new VMM, a host that gave up mid-way) may
+//! still be queued on either side. So each connection starts with a handshake that both sides
+//! find amid such leftovers: the host sends `OPENDSEC-HELLO <nonce>\n` with a fresh nonce, the
+//! guest skips everything up to a well-formed hello and answers `OPENDSEC-READY <nonce>\n`,
+//! and the host skips everything up to the answer carrying its nonce. HTTP/2 begins right
+//! after; bytes read past the handshake are handed on ([`Prefixed`]).
+//!
+//! What the guest sends is data, never trusted by the host: the host reads at most
+//! [`MAX_SKIP`] bytes looking for the answer, and never parses anything else.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+
+const HELLO: &[u8] = b"OPENDSEC-HELLO ";
+const READY: &[u8] = b"OPENDSEC-READY ";
+/// Most bytes either side skips looking for the other's line before giving up.
+pub const MAX_SKIP: usize = 16 << 20;
+
+/// A stream with bytes already read from it put back in front.
+#[derive(Debug)]
+pub struct Prefixed<S> {
+    rest: Vec<u8>,
+    at: usize,
+    inner: S,
+}
+
+impl<S> Prefixed<S> {
+    pub fn new(rest: Vec<u8>, inner: S) -> Prefixed<S> {
+        Prefixed { rest, at: 0, inner }
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        if self.at < self.rest.len() {
+            let n = (self.rest.len() - self.at).min(buf.remaining());
+            let at = self.at;
+            buf.put_slice(&self.rest[at..at + n]);
+            self.at += n;
+            if self.at == self.rest.len() {
+                self.rest = Vec::new();
+                self.at = 0;
+            }
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+fn line(tag: &[u8], nonce: u64) -> Vec<u8> {
+    let mut l = tag.to_vec();
+    l.extend_from_slice(format!("{nonce:016x}\n").as_bytes());
+    l
+}
+
+/// Finds `tag` + 16 hex digits + `\n` in `buf`: the nonce and the offset just past the line.
+fn find(buf: &[u8], tag: &[u8]) -> Option<(u64, usize)> {
+    let want = tag.len() + 17;
+    let mut from = 0;
+    while let Some(i) = buf[from..].windows(tag.len()).position(|w| w == tag) {
+        let at = from + i;
+        if buf.len() < at + want {
+            return None; // the rest of a candidate is still to come
+        }
+        let hex = &buf[at + tag.len()..at + tag.len() + 16];
+        if buf[at + want - 1] == b'\n'
+            && let Ok(s) = std::str::from_utf8(hex)
+            && let Ok(n) = u64::from_str_radix(s, 16)
+        {
+            return Some((n, at + want));
+        }
+        from = at + 1;
+    }
+    None
+}
+
+/// Reads until `accept` finds its line; returns what it found and the bytes after it.
+async fn scan<S: AsyncRead + Unpin>(
+    s: &mut S,
+    tag: &[u8],
+    accept: impl Fn(u64) -> bool,
+) -> std::io::Result<(u64, Vec<u8>)> {
+    let mut buf: Vec<u8> = Vec::with_capacity(256);
+    let mut skipped = 0usize;
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the other side closed the port"));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        while let Some((nonce, end)) = find(&buf, tag) {
+            if accept(nonce) {
+                return Ok((nonce, buf.split_off(end)));
+            }
+            skipped += end;
+            buf.drain(..end);
+        }
+        // Keep only what could still begin a line.
+        let keep = tag.len() + 17;
+        if buf.len() > keep {
+            let cut = buf.len() - keep;
+            skipped += cut;
+            buf.drain(..cut);
+        }
+        if skipped > MAX_SKIP {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("no handshake in the first {MAX_SKIP} bytes"),
+            ));
+        }
+    }
+}
+
+/// The host's half: says hello with `nonce` and waits for the guest's answer to it.
+pub async fn host_handshake<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, nonce: u64) -> std::io::Result<Prefixed<S>> {
+    s.write_all(&line(HELLO, nonce)).await?;
+    s.flush().await?;
+    let (_, rest) = scan(&mut s, READY, |n| n == nonce).await?;
+    Ok(Prefixed::new(rest, s))
+}
+
+/// The guest's half: waits for a hello and answers it.
+pub async fn guest_handshake<S: AsyncRead + AsyncWrite + Unpin>(mut s: S) -> std::io::Result<Prefixed<S>> {
+    let (nonce, rest) = scan(&mut s, HELLO, |_| true).await?;
+    s.write_all(&line(READY, nonce)).await?;
+    s.flush().await?;
+    Ok(Prefixed::new(rest, s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn both_sides_find_each_other_amid_leftovers() {
+        let (host, guest) = tokio::io::duplex(1 << 16);
+        let g = tokio::spawn(async move {
+            let mut guest = guest;
+            // What an earlier connection left: a stale answer, half a hello, garbage.
+            guest.write_all(b"\x00\x00PRI * HTTP/2.0OPENDSEC-READY 0000000000000001\nOPENDSEC-RE").await.unwrap();
+            let mut g = guest_handshake(guest).await.unwrap();
+            let mut got = [0u8; 5];
+            g.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"after");
+            g.write_all(b"reply").await.unwrap();
+        });
+        let mut host = host;
+        host.write_all(b"junk OPENDSEC-HELLO zzzzzzzzzzzzzzzz\nOPENDSEC-HELLO 12").await.unwrap();
+        let mut h = host_handshake(host, 0xabc).await.unwrap();
+        h.write_all(b"after").await.unwrap();
+        let mut got = [0u8; 5];
+        h.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"reply");
+        g.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_host_gives_up_on_a_guest_that_only_talks() {
+        let (host, mut guest) = tokio::io::duplex(1 << 16);
+        tokio::spawn(async move {
+            let junk = vec![b'x'; 1 << 16];
+            while guest.write_all(&junk).await.is_ok() {}
+        });
+        let e = host_handshake(host, 7).await.err().unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    }
+
+    #[test]
+    fn lines_are_found_exactly() {
+        let l = line(READY, 0xfeed);
+        assert_eq!(find(&l, READY), Some((0xfeed, l.len())));
+        assert_eq!(find(&l[..l.len() - 1], READY), None);
+        let mut bad = l.clone();
+        bad[READY.len() + 3] = b'g';
+        assert_eq!(find(&bad, READY), None);
+    }
+}
