@@ -19,6 +19,8 @@ use serde::Deserialize;
 
 /// The serial port the agent is served on (`virtserialport name=`).
 pub const PORT_NAME: &str = "opendsec.agent";
+/// What a probe boot prints once the guest runs its init (`opendsec.probe` on the command line).
+pub const PROBE_OK: &str = "OPENDSEC-PROBE-OK";
 /// Largest configuration the config disk may hold.
 const MAX_CONFIG_BYTES: u32 = 1 << 20;
 /// How long the disks may take to appear after the modules are loaded.
@@ -103,6 +105,11 @@ pub fn assemble(exe: &Path) -> std::io::Result<VmConfig> {
         ctx(mount(src, dst, fs, MountFlags::NOSUID, None), &format!("mounting {dst}"))?;
     }
     let cmdline = std::fs::read_to_string("/proc/cmdline")?;
+    if cmdline.split_whitespace().any(|w| w == "opendsec.probe") {
+        // The edge's check that this host's accelerator boots a guest: it got this far.
+        println!("{PROBE_OK}");
+        let _ = rustix::system::reboot(rustix::system::RebootCommand::PowerOff);
+    }
     let bus = cmdline
         .split_whitespace()
         .find_map(|w| w.strip_prefix("opendsec.bus="))

@@ -576,6 +576,30 @@ fn build_backends(
                 containers = Some(c.clone());
                 out.push(if b == "container" { c } else { Arc::new(opendsec_edge::backend::container::Fncall(c)) });
             }
+            "microvm" | "fullvm" => {
+                use opendsec_edge::backend::vm::{Accel, Machine, VmBackend, VmOptions};
+                let err = |source| ClusterError::Backend { edge: name.into(), backend: b.clone(), source };
+                let vm = &config.edge.vm;
+                let kernel_dir = vm.kernel_dir.clone().ok_or_else(|| {
+                    err(BackendError::invalid_argument("edge.vm.kernel_dir is not set (scripts/vm-kernel.sh)"))
+                })?;
+                let opts = VmOptions {
+                    machine: if b == "microvm" { Machine::Microvm } else { Machine::Q35 },
+                    edge: name.into(),
+                    store_dir: config.image_store_dir(),
+                    state_dir: config.edge_state_dir(name).join("vms"),
+                    agent: agent_path(config).map_err(err)?,
+                    kernel_dir,
+                    qemu: vm.qemu.clone().into(),
+                    accel: match vm.accel.as_str() {
+                        "kvm" => Accel::Kvm,
+                        "tcg" => Accel::Tcg,
+                        _ => Accel::Auto,
+                    },
+                    boot_timeout: vm.boot_timeout,
+                };
+                out.push(Arc::new(VmBackend::new(opts).map_err(err)?));
+            }
             other => return Err(ClusterError::BackendUnavailable(other.into())),
         }
     }
@@ -786,7 +810,12 @@ pub enum Role {
 /// Edges offer only what they can run: a config asking for a backend this build cannot start is
 /// refused instead of silently running sim sandboxes in its place.
 fn check_backends(config: &Config) -> Result<(), ClusterError> {
-    match config.edge.backends.iter().find(|b| !matches!(b.as_str(), "sim" | "container" | "fncall")) {
+    match config
+        .edge
+        .backends
+        .iter()
+        .find(|b| !matches!(b.as_str(), "sim" | "container" | "fncall" | "microvm" | "fullvm"))
+    {
         Some(b) => Err(ClusterError::BackendUnavailable(b.clone())),
         None => Ok(()),
     }

@@ -486,6 +486,36 @@ pub struct EdgeConfig {
     /// a lease still bound to the target after that is held there.
     #[serde(with = "humantime_serde")]
     pub move_stale: Duration,
+    /// The VM backends (`microvm`, `fullvm`; docs/vms.md).
+    pub vm: VmConfig,
+}
+
+/// The VM backends' settings.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct VmConfig {
+    /// The guest kernel and its modules, as scripts/vm-kernel.sh makes them (it prints the
+    /// directory); needed when `edge.backends` names a VM backend.
+    pub kernel_dir: Option<PathBuf>,
+    /// The QEMU binary.
+    pub qemu: String,
+    /// `kvm`, `tcg` (software emulation), or `auto`: KVM when a short boot under it succeeds
+    /// at edge start (the answer is kept per host kernel, QEMU and guest kernel), else TCG.
+    pub accel: String,
+    /// How long a VM may take from launch to its agent answering.
+    #[serde(with = "humantime_serde")]
+    pub boot_timeout: Duration,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            kernel_dir: None,
+            qemu: "qemu-system-x86_64".into(),
+            accel: "auto".into(),
+            boot_timeout: Duration::from_secs(60),
+        }
+    }
 }
 
 /// Where session sync keeps sessions: `<prefix><project>/<session>.tar.zst` in `bucket`.
@@ -574,6 +604,13 @@ impl EdgeConfig {
                 return Err(invalid("edge.session_store.endpoint", "is plain HTTP: set allow_http to use it"));
             }
         }
+        if !matches!(e.vm.accel.as_str(), "auto" | "kvm" | "tcg") {
+            return Err(invalid("edge.vm.accel", "must be auto, kvm or tcg"));
+        }
+        positive("edge.vm.boot_timeout", e.vm.boot_timeout)?;
+        if e.backends.iter().any(|b| b == "microvm" || b == "fullvm") && e.vm.kernel_dir.is_none() {
+            return Err(invalid("edge.vm.kernel_dir", "is needed by the VM backends (scripts/vm-kernel.sh prints it)"));
+        }
         if e.snapshot_max_layers < 2 {
             return Err(invalid("edge.snapshot_max_layers", "must be at least 2"));
         }
@@ -625,6 +662,7 @@ impl Default for EdgeConfig {
             pool_share_percent: 50,
             session_store: None,
             move_stale: Duration::from_secs(600),
+            vm: VmConfig::default(),
         }
     }
 }

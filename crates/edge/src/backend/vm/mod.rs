@@ -54,6 +54,65 @@ impl Machine {
 pub enum Accel {
     Kvm,
     Tcg,
+    /// KVM if a short boot under it succeeds ([`probe_kvm`]), else TCG.
+    Auto,
+}
+
+/// What a probe boot prints when the guest's init runs (the agent's `PROBE_OK`).
+const PROBE_OK: &str = "OPENDSEC-PROBE-OK";
+/// How long a probe boot may take under KVM (seconds there; a host whose KVM cannot boot a
+/// guest hangs or fails).
+const PROBE_WAIT: Duration = Duration::from_secs(15);
+
+/// Whether a guest boots under KVM here: the kernel and initramfs booted with
+/// `opendsec.probe`, whose init prints [`PROBE_OK`] and powers off. The answer is kept in
+/// `cache` per host kernel, QEMU and guest kernel, so only the first edge start pays for it.
+pub fn probe_kvm(qemu: &Path, kernel_dir: &Path, initramfs: &Path, cache: &Path) -> bool {
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let release = std::fs::read_to_string(kernel_dir.join("release")).unwrap_or_default();
+    let key: String = {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(format!("{}|{}|{}|{}", host.trim(), qemu.display(), release.trim(), initramfs.display()));
+        h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    };
+    let kept = cache.join(format!("kvm-probe-{key}"));
+    if let Ok(v) = std::fs::read_to_string(&kept) {
+        return v.trim() == "kvm";
+    }
+    let ok = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok() && {
+        let child = std::process::Command::new(qemu)
+            .args(["-accel", "kvm", "-cpu", "host", "-m", "128M", "-M", "microvm", "-nodefaults", "-no-user-config"])
+            .args(["-nographic", "-no-reboot", "-serial", "stdio", "-kernel"])
+            .arg(kernel_dir.join("vmlinux"))
+            .arg("-initrd")
+            .arg(initramfs)
+            .args(["-append", "console=ttyS0 quiet panic=-1 rdinit=/init opendsec.bus=mmio opendsec.probe -- vm-init"])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+        match child {
+            Ok(mut child) => {
+                let out = child.stdout.take();
+                let (tx, rx) = std::sync::mpsc::channel();
+                std::thread::spawn(move || {
+                    use std::io::BufRead;
+                    let found = out.is_some_and(|o| {
+                        std::io::BufReader::new(o).lines().map_while(Result::ok).any(|l| l.contains(PROBE_OK))
+                    });
+                    let _ = tx.send(found);
+                });
+                let found = rx.recv_timeout(PROBE_WAIT).unwrap_or(false);
+                let _ = child.kill();
+                let _ = child.wait();
+                found
+            }
+            Err(_) => false,
+        }
+    };
+    let _ = std::fs::write(&kept, if ok { "kvm" } else { "tcg" });
+    ok
 }
 
 #[derive(Clone, Debug)]
@@ -143,13 +202,27 @@ impl VmBackend {
         let initramfs = disks::initramfs(&opts.state_dir.join(".boot"), &opts.agent, &opts.kernel_dir)?;
         let store =
             Arc::new(Store::open(&opts.store_dir).map_err(|e| BackendError::internal(format!("image store: {e}")))?);
+        let mut opts = opts;
+        if opts.accel == Accel::Auto {
+            let boot = opts.state_dir.join(".boot");
+            opts.accel =
+                if probe_kvm(&opts.qemu, &opts.kernel_dir, &initramfs, &boot) { Accel::Kvm } else { Accel::Tcg };
+        }
         if opts.accel == Accel::Tcg {
             tracing::warn!(
                 backend = opts.machine.backend(),
-                "VMs run under TCG (software emulation): expect seconds to boot, not milliseconds"
+                "VMs run under TCG (software emulation; KVM off or unable to boot a guest here): expect seconds to boot, not milliseconds"
             );
         }
         Ok(VmBackend { tsc_khz: host_tsc_khz(), store, initramfs, version, vms: Mutex::new(HashMap::new()), opts })
+    }
+
+    /// The accelerator VMs run under (never `auto` once the backend exists).
+    pub fn accel_name(&self) -> &'static str {
+        match self.opts.accel {
+            Accel::Kvm => "kvm",
+            Accel::Tcg | Accel::Auto => "tcg",
+        }
     }
 
     /// The directory of sandbox `id`'s VM.
@@ -178,10 +251,7 @@ impl VmBackend {
             Machine::Microvm => ("microvm,x-option-roms=off,pit=off,pic=off,memory-backend=mem", "mmio", "device"),
             Machine::Q35 => ("q35,memory-backend=mem", "pci", "pci"),
         };
-        let accel = match self.opts.accel {
-            Accel::Kvm => "kvm",
-            Accel::Tcg => "tcg",
-        };
+        let accel = self.accel_name();
         let mut append =
             format!("console=ttyS0 quiet panic=-1 cryptomgr.notests mitigations=off rdinit=/init opendsec.bus={bus}");
         if self.opts.machine == Machine::Microvm
@@ -508,10 +578,7 @@ impl Backend for VmBackend {
 
 impl Versioned for VmBackend {
     fn runtime_versions(&self) -> Vec<String> {
-        let accel = match self.opts.accel {
-            Accel::Kvm => "kvm",
-            Accel::Tcg => "tcg",
-        };
+        let accel = self.accel_name();
         let release = std::fs::read_to_string(self.opts.kernel_dir.join("release")).unwrap_or_default();
         vec![format!("qemu {} ({accel})", self.version), format!("guest linux {}", release.trim())]
     }
