@@ -99,12 +99,30 @@ async fn accept(path: &std::path::Path) -> Prefixed<Port> {
     loop {
         let attempt = async { guest_handshake(Port::open(path)?).await };
         match attempt.await {
-            Ok(io) => return io,
+            Ok((io, host_ns)) => {
+                set_clock(host_ns);
+                return io;
+            }
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
             Err(e) => eprintln!("opendsec-agent: agent port {}: {e}", path.display()),
         }
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_millis(20));
+    }
+}
+
+/// Sets the guest's wall clock to the host's when they differ by more than a little: a VM
+/// restored from a snapshot (a resume, a fork) wakes with the clock it was saved with.
+fn set_clock(host_ns: u64) {
+    const SLACK_NS: u128 = 50_000_000;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    if host_ns == 0 || now.abs_diff(u128::from(host_ns)) <= SLACK_NS {
+        return;
+    }
+    let ts =
+        rustix::time::Timespec { tv_sec: (host_ns / 1_000_000_000) as i64, tv_nsec: (host_ns % 1_000_000_000) as i64 };
+    if let Err(e) = rustix::time::clock_settime(rustix::time::ClockId::Realtime, ts) {
+        eprintln!("opendsec-agent: setting the clock: {e}");
     }
 }
 

@@ -130,16 +130,34 @@ async fn suite(machine: Machine) {
     assert!(lines[2].contains("No such file"), "{out}");
     assert_eq!(lines[3], "opendsec.agent", "{out}");
 
+    // A background process and the session's state survive a pause. A microvm's pause
+    // saves its state and ends its VMM (the memory goes back to the host); its resume restores
+    // it in a new VMM, and the guest takes the host's clock again.
+    let r = exec(&b, &rec.id, "cd /tmp && KEPT=yes && (sleep 1000 &) && echo started").await;
+    assert_eq!(String::from_utf8_lossy(&r.stdout), "started\n");
     let running = with_state(&rec, SandboxStatus::Running);
+    let t = std::time::Instant::now();
     b.pause(&running).await.unwrap();
+    eprintln!("{name}: pause {} ms", t.elapsed().as_millis());
     assert!(b.probe(&rec.id).await.unwrap(), "a paused VM is alive");
+    let vmm = held(&root, name, &rec.id).iter().filter(|h| h.starts_with("process")).count();
+    assert_eq!(vmm, usize::from(machine == Machine::Q35), "a paused microvm has no VMM, a paused full VM keeps it");
     let paused = with_state(&rec, SandboxStatus::Paused);
     b.pause(&paused).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let t = std::time::Instant::now();
     b.resume(&paused).await.unwrap();
+    eprintln!("{name}: resume {} ms", t.elapsed().as_millis());
     b.resume(&running).await.unwrap();
-    // The session's state survived the pause.
-    let r = exec(&b, &rec.id, "cat /written").await;
-    assert_eq!(String::from_utf8_lossy(&r.stdout), "x\n");
+    let r = exec(&b, &rec.id, "cat /written; echo $(pwd) $KEPT; ps -o args | grep -c '[s]leep 1000'; date +%s").await;
+    let out = String::from_utf8_lossy(&r.stdout).to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[..3], ["x", "/tmp yes", "1"], "{out}");
+    if machine == Machine::Microvm {
+        let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
+        let guest: i64 = lines[3].parse().unwrap();
+        assert!((host - guest).abs() <= 1, "the restored guest's clock: {guest}, the host's: {host}");
+    }
     b.stop(&running).await.unwrap();
     assert!(!b.probe(&rec.id).await.unwrap());
     assert_eq!(held(&root, name, &rec.id), Vec::<String>::new(), "a stopped VM leaves nothing");

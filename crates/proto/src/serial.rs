@@ -3,8 +3,10 @@
 //! A serial port is one byte stream that outlives its users: bytes of an earlier connection
 //! (one cut by a pause, a snapshot restored into a new VMM, a host that gave up mid-way) may
 //! still be queued on either side. So each connection starts with a handshake that both sides
-//! find amid such leftovers: the host sends `OPENDSEC-HELLO <nonce>\n` with a fresh nonce, the
-//! guest skips everything up to a well-formed hello and answers `OPENDSEC-READY <nonce>\n`,
+//! find amid such leftovers: the host sends `OPENDSEC-HELLO <nonce> <time>\n` with a fresh
+//! nonce and its wall clock (ns since the epoch, both 16 hex digits; a guest restored from a
+//! snapshot sets its clock by it), the guest skips everything up to a well-formed hello and
+//! answers `OPENDSEC-READY <nonce>\n`,
 //! and the host skips everything up to the answer carrying its nonce. HTTP/2 begins right
 //! after; bytes read past the handshake are handed on ([`Prefixed`]).
 //!
@@ -68,27 +70,42 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
     }
 }
 
-fn line(tag: &[u8], nonce: u64) -> Vec<u8> {
+fn line(tag: &[u8], nonce: u64, time: Option<u64>) -> Vec<u8> {
     let mut l = tag.to_vec();
-    l.extend_from_slice(format!("{nonce:016x}\n").as_bytes());
+    l.extend_from_slice(format!("{nonce:016x}").as_bytes());
+    if let Some(t) = time {
+        l.extend_from_slice(format!(" {t:016x}").as_bytes());
+    }
+    l.push(b'\n');
     l
 }
 
-/// Finds `tag` + 16 hex digits + `\n` in `buf`: the nonce and the offset just past the line.
-fn find(buf: &[u8], tag: &[u8]) -> Option<(u64, usize)> {
-    let want = tag.len() + 17;
+fn hex16(b: &[u8]) -> Option<u64> {
+    let s = std::str::from_utf8(b).ok()?;
+    if s.len() != 16 || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    u64::from_str_radix(s, 16).ok()
+}
+
+/// Finds `tag` + 16 hex digits (+ ` ` + 16 more when `timed`) + `\n` in `buf`: the nonce,
+/// the time, and the offset just past the line.
+fn find(buf: &[u8], tag: &[u8], timed: bool) -> Option<(u64, u64, usize)> {
+    let want = tag.len() + if timed { 34 } else { 17 };
     let mut from = 0;
     while let Some(i) = buf[from..].windows(tag.len()).position(|w| w == tag) {
         let at = from + i;
         if buf.len() < at + want {
             return None; // the rest of a candidate is still to come
         }
-        let hex = &buf[at + tag.len()..at + tag.len() + 16];
+        let body = &buf[at + tag.len()..at + want - 1];
         if buf[at + want - 1] == b'\n'
-            && let Ok(s) = std::str::from_utf8(hex)
-            && let Ok(n) = u64::from_str_radix(s, 16)
+            && let Some(n) = hex16(&body[..16])
         {
-            return Some((n, at + want));
+            let time = if timed { (body[16] == b' ').then(|| hex16(&body[17..])).flatten() } else { Some(0) };
+            if let Some(t) = time {
+                return Some((n, t, at + want));
+            }
         }
         from = at + 1;
     }
@@ -99,8 +116,9 @@ fn find(buf: &[u8], tag: &[u8]) -> Option<(u64, usize)> {
 async fn scan<S: AsyncRead + Unpin>(
     s: &mut S,
     tag: &[u8],
+    timed: bool,
     accept: impl Fn(u64) -> bool,
-) -> std::io::Result<(u64, Vec<u8>)> {
+) -> std::io::Result<(u64, u64, Vec<u8>)> {
     let mut buf: Vec<u8> = Vec::with_capacity(256);
     let mut skipped = 0usize;
     let mut chunk = [0u8; 4096];
@@ -110,15 +128,15 @@ async fn scan<S: AsyncRead + Unpin>(
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the other side closed the port"));
         }
         buf.extend_from_slice(&chunk[..n]);
-        while let Some((nonce, end)) = find(&buf, tag) {
+        while let Some((nonce, time, end)) = find(&buf, tag, timed) {
             if accept(nonce) {
-                return Ok((nonce, buf.split_off(end)));
+                return Ok((nonce, time, buf.split_off(end)));
             }
             skipped += end;
             buf.drain(..end);
         }
         // Keep only what could still begin a line.
-        let keep = tag.len() + 17;
+        let keep = tag.len() + 34;
         if buf.len() > keep {
             let cut = buf.len() - keep;
             skipped += cut;
@@ -133,20 +151,65 @@ async fn scan<S: AsyncRead + Unpin>(
     }
 }
 
-/// The host's half: says hello with `nonce` and waits for the guest's answer to it.
-pub async fn host_handshake<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, nonce: u64) -> std::io::Result<Prefixed<S>> {
-    s.write_all(&line(HELLO, nonce)).await?;
-    s.flush().await?;
-    let (_, rest) = scan(&mut s, READY, |n| n == nonce).await?;
-    Ok(Prefixed::new(rest, s))
+/// How often the host says hello again while no answer came: a guest may have read a hello
+/// as part of a connection it still thought open (a VM restored from a snapshot), and answers
+/// the next one.
+const HELLO_AGAIN: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The host's half: says hello with `nonce` and the time (again every [`HELLO_AGAIN`]), and
+/// waits for the guest's answer.
+pub async fn host_handshake<S: AsyncRead + AsyncWrite + Unpin>(s: S, nonce: u64) -> std::io::Result<Prefixed<S>> {
+    let (mut r, mut w) = tokio::io::split(s);
+    let rest = {
+        let answer = scan(&mut r, READY, false, |n| n == nonce);
+        tokio::pin!(answer);
+        loop {
+            let now =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+            w.write_all(&line(HELLO, nonce, Some(u64::try_from(now).unwrap_or(u64::MAX)))).await?;
+            w.flush().await?;
+            tokio::select! {
+                r = &mut answer => break r?.2,
+                () = tokio::time::sleep(HELLO_AGAIN) => {}
+            }
+        }
+    };
+    Ok(Prefixed::new(rest, r.unsplit(w)))
 }
 
-/// The guest's half: waits for a hello and answers it.
-pub async fn guest_handshake<S: AsyncRead + AsyncWrite + Unpin>(mut s: S) -> std::io::Result<Prefixed<S>> {
-    let (nonce, rest) = scan(&mut s, HELLO, |_| true).await?;
-    s.write_all(&line(READY, nonce)).await?;
+/// The guest's half: waits for a hello and answers it; returns the host's time too (ns
+/// since the epoch). The host's repeats of that hello (sent before the answer reached it)
+/// come before anything else it sends, and are dropped.
+pub async fn guest_handshake<S: AsyncRead + AsyncWrite + Unpin>(mut s: S) -> std::io::Result<(Prefixed<S>, u64)> {
+    let (nonce, time, mut rest) = scan(&mut s, HELLO, true, |_| true).await?;
+    s.write_all(&line(READY, nonce, None)).await?;
     s.flush().await?;
-    Ok(Prefixed::new(rest, s))
+    // A repeat is this hello's tag and nonce, then another time.
+    let head = &line(HELLO, nonce, None)[..HELLO.len() + 16];
+    let full = HELLO.len() + 34;
+    loop {
+        let k = rest.len().min(head.len());
+        if rest[..k] != head[..k] {
+            break; // not a repeat: HTTP/2 (its preface begins "PRI")
+        }
+        if rest.len() >= full {
+            match find(&rest[..full], HELLO, true) {
+                Some((n, _, end)) if n == nonce && end == full => {
+                    rest.drain(..full);
+                    continue;
+                }
+                _ => break,
+            }
+        }
+        // Could still be a repeat: the host sends more (HTTP/2) once it has the answer.
+        let mut chunk = [0u8; 256];
+        let got = s.read(&mut chunk).await?;
+        if got == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the other side closed the port"));
+        }
+        rest.extend_from_slice(&chunk[..got]);
+    }
+    Ok((Prefixed::new(rest, s), time))
 }
 
 #[cfg(test)]
@@ -160,19 +223,41 @@ mod tests {
             let mut guest = guest;
             // What an earlier connection left: a stale answer, half a hello, garbage.
             guest.write_all(b"\x00\x00PRI * HTTP/2.0OPENDSEC-READY 0000000000000001\nOPENDSEC-RE").await.unwrap();
-            let mut g = guest_handshake(guest).await.unwrap();
+            let (mut g, time) = guest_handshake(guest).await.unwrap();
+            assert!(time > 1_700_000_000_000_000_000, "the host's clock: {time}");
             let mut got = [0u8; 5];
             g.read_exact(&mut got).await.unwrap();
             assert_eq!(&got, b"after");
             g.write_all(b"reply").await.unwrap();
         });
         let mut host = host;
-        host.write_all(b"junk OPENDSEC-HELLO zzzzzzzzzzzzzzzz\nOPENDSEC-HELLO 12").await.unwrap();
+        host.write_all(b"junk OPENDSEC-HELLO zzzzzzzzzzzzzzzz 0000000000000000\nOPENDSEC-HELLO 12").await.unwrap();
         let mut h = host_handshake(host, 0xabc).await.unwrap();
         h.write_all(b"after").await.unwrap();
         let mut got = [0u8; 5];
         h.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"reply");
+        g.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_guest_that_read_the_first_hello_as_something_else_answers_a_repeat() {
+        let (host, guest) = tokio::io::duplex(1 << 16);
+        let g = tokio::spawn(async move {
+            let mut guest = guest;
+            // A connection it still thought open swallows the first hello.
+            let mut swallowed = [0u8; 49];
+            guest.read_exact(&mut swallowed).await.unwrap();
+            assert!(swallowed.starts_with(HELLO));
+            let (mut g, _) = guest_handshake(guest).await.unwrap();
+            // The repeats sent before the answer arrived are gone: the stream starts with
+            // what the host sent after.
+            let mut got = [0u8; 3];
+            g.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"PRI");
+        });
+        let mut h = host_handshake(host, 0x77).await.unwrap();
+        h.write_all(b"PRI").await.unwrap();
         g.await.unwrap();
     }
 
@@ -189,11 +274,16 @@ mod tests {
 
     #[test]
     fn lines_are_found_exactly() {
-        let l = line(READY, 0xfeed);
-        assert_eq!(find(&l, READY), Some((0xfeed, l.len())));
-        assert_eq!(find(&l[..l.len() - 1], READY), None);
+        let l = line(READY, 0xfeed, None);
+        assert_eq!(find(&l, READY, false), Some((0xfeed, 0, l.len())));
+        assert_eq!(find(&l[..l.len() - 1], READY, false), None);
         let mut bad = l.clone();
         bad[READY.len() + 3] = b'g';
-        assert_eq!(find(&bad, READY), None);
+        assert_eq!(find(&bad, READY, false), None);
+        let h = line(HELLO, 7, Some(0x1234));
+        assert_eq!(find(&h, HELLO, true), Some((7, 0x1234, h.len())));
+        let mut bad = h.clone();
+        bad[HELLO.len() + 16] = b'x';
+        assert_eq!(find(&bad, HELLO, true), None);
     }
 }

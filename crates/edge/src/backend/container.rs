@@ -115,6 +115,17 @@ pub(super) struct AgentConn {
 }
 
 impl AgentConn {
+    /// A connection with no Watch stream, marked paused (a VM without a VMM while paused).
+    pub(super) fn detached(channel: tonic::transport::Channel) -> AgentConn {
+        AgentConn {
+            channel,
+            alive: Arc::new(AtomicBool::new(false)),
+            last_beat: Arc::new(std::sync::atomic::AtomicU64::new(mono_ms())),
+            paused: Arc::new(AtomicBool::new(true)),
+            watch: tokio::spawn(async {}),
+        }
+    }
+
     pub(super) fn beat_now(&self) {
         self.last_beat.store(mono_ms(), Ordering::SeqCst);
     }

@@ -400,22 +400,10 @@ impl VmBackend {
             Ok(disk)
         })
         .await?;
-        let log = std::fs::File::create(dir.join("qemu.log")).map_err(internal("creating the VMM's log"))?;
-        let mut cmd = tokio::process::Command::new(&self.opts.qemu);
-        cmd.args(self.argv(&dir, &image_disk, memory_mb, cpus))
-            .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().map_err(internal("the VMM's log"))?)
-            .stderr(log)
-            // Outlives the edge: adopted after a restart.
-            .process_group(0)
-            .kill_on_drop(false);
-        let mut child = cmd.spawn().map_err(internal(format!("starting {}", self.opts.qemu.display())))?;
-        let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-        std::fs::write(dir.join("pid"), pid.to_string()).map_err(internal("writing the VMM's pid"))?;
-        // Reaped here while the edge runs; an adopted VM is reaped by whoever inherits it.
-        tokio::spawn(async move {
-            let _ = child.wait().await;
-        });
+        let argv = self.argv(&dir, &image_disk, memory_mb, cpus);
+        let kept = serde_json::to_vec(&argv).map_err(|e| BackendError::internal(e.to_string()))?;
+        std::fs::write(dir.join("argv.json"), kept).map_err(internal("writing the VMM's command line"))?;
+        let pid = self.spawn_vmm(&dir, &argv, false)?;
         let agent = watch_agent_within(&sb.id, self.agent_channel(&dir), true, self.opts.boot_timeout).await;
         let agent = match agent {
             Ok(a) => a,
@@ -432,6 +420,127 @@ impl VmBackend {
         };
         identify(&agent.channel, sb, &sb.lease_id).await?;
         Ok(Arc::new(Vm { dir, pid, agent }))
+    }
+
+    /// Starts the VMM of `dir` with `argv` (waiting for an incoming migration with
+    /// `incoming`); returns its pid, also written to `dir/pid`.
+    fn spawn_vmm(&self, dir: &Path, argv: &[String], incoming: bool) -> Result<i32, BackendError> {
+        // Sockets an earlier VMM of this directory left would answer "refused" until this one
+        // binds its own.
+        for sock in ["qmp.sock", "agent.sock"] {
+            let _ = std::fs::remove_file(dir.join(sock));
+        }
+        let log = std::fs::File::create(dir.join("qemu.log")).map_err(internal("creating the VMM's log"))?;
+        let mut cmd = tokio::process::Command::new(&self.opts.qemu);
+        cmd.args(argv)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().map_err(internal("the VMM's log"))?)
+            .stderr(log)
+            // Outlives the edge: adopted after a restart.
+            .process_group(0)
+            .kill_on_drop(false);
+        if incoming {
+            cmd.args(["-incoming", "defer"]);
+        }
+        let mut child = cmd.spawn().map_err(internal(format!("starting {}", self.opts.qemu.display())))?;
+        let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+        std::fs::write(dir.join("pid"), pid.to_string()).map_err(internal("writing the VMM's pid"))?;
+        // Reaped here while the edge runs; an adopted VM is reaped by whoever inherits it.
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+        });
+        Ok(pid)
+    }
+
+    /// A microvm's pause: the vCPUs stopped, the device state saved to `dir/state` (the
+    /// memory is the VM's file already: `x-ignore-shared` leaves it out of the stream), and
+    /// the VMM ended, so the host gets its memory back (the file's pages are page cache, on
+    /// disk once written back).
+    async fn snapshot_and_exit(&self, vm: &Vm) -> Result<(), BackendError> {
+        let fail = |what: &str| {
+            let what = what.to_string();
+            move |e: qmp::QmpError| BackendError::internal(format!("{what}: {e}"))
+        };
+        let mut q = self.qmp(&vm.dir).await?;
+        q.stop().await.map_err(fail("stopping the vCPUs"))?;
+        let tmp = vm.dir.join("state.tmp");
+        let saved = async {
+            q.execute(
+                "migrate-set-capabilities",
+                Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
+            )
+            .await
+            .map_err(fail("setting x-ignore-shared"))?;
+            q.execute("migrate", Some(serde_json::json!({ "uri": format!("exec:cat > {}", tmp.display()) })))
+                .await
+                .map_err(fail("saving the device state"))?;
+            wait_migration(&mut q).await
+        };
+        if let Err(e) = saved.await {
+            let _ = q.cont().await;
+            return Err(e);
+        }
+        std::fs::rename(&tmp, vm.dir.join("state")).map_err(internal("placing the saved state"))?;
+        q.quit().await.map_err(fail("ending the VMM"))?;
+        vm.agent.watch.abort();
+        let dir = vm.dir.clone();
+        blocking(move || {
+            kill_vmm(&dir);
+            Ok(())
+        })
+        .await
+    }
+
+    /// A paused microvm's resume: a new VMM restores the saved state over the same memory
+    /// file and runs on; the agent's connection is made anew over its port.
+    async fn restore(&self, sb: &SandboxRecord, dir: &Path) -> Result<Arc<Vm>, BackendError> {
+        let argv: Vec<String> = std::fs::read(dir.join("argv.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| BackendError::internal(format!("the paused VM of {} has no command line", sb.id)))?;
+        let pid = self.spawn_vmm(dir, &argv, true)?;
+        let fail = |what: &'static str| move |e: qmp::QmpError| BackendError::internal(format!("{what}: {e}"));
+        let restored = async {
+            let mut q = loop {
+                match qmp::Qmp::connect(&dir.join("qmp.sock")).await {
+                    Ok(q) => break q,
+                    // Not listening yet (the sockets of the VMM before it were removed).
+                    Err(_) if Path::new(&format!("/proc/{pid}")).exists() => {
+                        tokio::time::sleep(Duration::from_millis(5)).await
+                    }
+                    Err(e) => return Err(BackendError::internal(format!("the restoring VMM ended: {e}"))),
+                }
+            };
+            q.execute(
+                "migrate-set-capabilities",
+                Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
+            )
+            .await
+            .map_err(fail("setting x-ignore-shared"))?;
+            q.execute(
+                "migrate-incoming",
+                Some(serde_json::json!({ "uri": format!("exec:cat {}", dir.join("state").display()) })),
+            )
+            .await
+            .map_err(fail("restoring the device state"))?;
+            wait_migration(&mut q).await?;
+            q.cont().await.map_err(fail("running the restored VM"))
+        };
+        if let Err(e) = tokio::time::timeout(self.opts.boot_timeout, restored)
+            .await
+            .unwrap_or_else(|_| Err(BackendError::unavailable(format!("the VM of {} was not restored in time", sb.id))))
+        {
+            let d = dir.to_path_buf();
+            let _ = blocking(move || {
+                kill_vmm(&d);
+                Ok(())
+            })
+            .await;
+            return Err(e);
+        }
+        let agent = watch_agent_within(&sb.id, self.agent_channel(dir), true, self.opts.boot_timeout).await?;
+        let _ = std::fs::remove_file(dir.join("state"));
+        Ok(Arc::new(Vm { dir: dir.to_path_buf(), pid, agent }))
     }
 
     /// Ends the VM of `id` (if any) and removes its directory and its hold on layers.
@@ -453,8 +562,40 @@ impl VmBackend {
     }
 }
 
+/// The agent connection of a VM paused by snapshot: no VMM, so no stream; marked paused.
+fn paused_conn(vm: &Vm) -> AgentConn {
+    vm.agent.paused.store(true, Ordering::SeqCst);
+    AgentConn::detached(vm.agent.channel.clone())
+}
+
 fn opendsec_agent_port() -> &'static str {
     "opendsec.agent"
+}
+
+/// Waits for the migration on `q` (either side) to end.
+async fn wait_migration(q: &mut qmp::Qmp) -> Result<(), BackendError> {
+    loop {
+        let m = q.execute("query-migrate", None).await.map_err(|e| BackendError::internal(e.to_string()))?;
+        match m["status"].as_str().unwrap_or("") {
+            "completed" => return Ok(()),
+            "failed" | "cancelled" => {
+                return Err(BackendError::internal(format!(
+                    "the migration failed: {}",
+                    m["error-desc"].as_str().unwrap_or("no reason given")
+                )));
+            }
+            // An incoming side reports nothing until it starts, and `completed` only briefly:
+            // its run state says it is done.
+            "" => {
+                let st = q.status().await.map_err(|e| BackendError::internal(e.to_string()))?;
+                if matches!(st.as_str(), "paused" | "running" | "postmigrate") {
+                    return Ok(());
+                }
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// The pid in `dir/pid`, if that process is the VMM of `dir` (its command line names it).
@@ -503,17 +644,40 @@ impl Backend for VmBackend {
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let vm = self.lock().get(&sb.id).cloned().ok_or_else(|| BackendError::not_found(format!("no VM {}", sb.id)))?;
-        vm.agent.paused.store(true, Ordering::SeqCst);
-        let r = async { self.qmp(&vm.dir).await?.stop().await.map_err(|e| BackendError::internal(e.to_string())) };
-        let r = r.await;
-        if r.is_err() {
-            vm.agent.paused.store(false, Ordering::SeqCst);
+        if vm.pid == 0 || vm.agent.paused.load(Ordering::SeqCst) {
+            return Ok(()); // paused already
         }
-        r
+        vm.agent.paused.store(true, Ordering::SeqCst);
+        let r = match self.opts.machine {
+            Machine::Microvm => self.snapshot_and_exit(&vm).await,
+            Machine::Q35 => {
+                async { self.qmp(&vm.dir).await?.stop().await.map_err(|e| BackendError::internal(e.to_string())) }.await
+            }
+        };
+        match r {
+            Ok(()) if self.opts.machine == Machine::Microvm => {
+                self.lock()
+                    .insert(sb.id.clone(), Arc::new(Vm { dir: vm.dir.clone(), pid: 0, agent: paused_conn(&vm) }));
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+            Err(e) => {
+                vm.agent.paused.store(false, Ordering::SeqCst);
+                Err(e)
+            }
+        }
     }
 
     async fn resume(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let vm = self.lock().get(&sb.id).cloned().ok_or_else(|| BackendError::not_found(format!("no VM {}", sb.id)))?;
+        if vm.pid == 0 {
+            let restored = self.restore(sb, &vm.dir).await?;
+            self.lock().insert(sb.id.clone(), restored);
+            return Ok(());
+        }
+        if !vm.agent.paused.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         self.qmp(&vm.dir).await?.cont().await.map_err(|e| BackendError::internal(e.to_string()))?;
         vm.agent.paused.store(false, Ordering::SeqCst);
         vm.agent.beat_now();
@@ -524,6 +688,10 @@ impl Backend for VmBackend {
         let vm = self.lock().get(id).cloned();
         let Some(vm) = vm else { return Ok(false) };
         let dir = vm.dir.clone();
+        if vm.pid == 0 {
+            // Paused by snapshot: no VMM, its state on disk.
+            return Ok(dir.join("state").exists() && dir.join("mem").exists());
+        }
         let vmm = blocking(move || Ok(vmm_pid(&dir))).await?;
         // A paused VM's agent is silent by design; its VMM must still be there.
         Ok(vmm == Some(vm.pid) && (vm.agent.paused.load(Ordering::SeqCst) || vm.agent.alive.load(Ordering::SeqCst)))
@@ -532,9 +700,16 @@ impl Backend for VmBackend {
     async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let dir = self.dir_of(&sb.id);
         let d = dir.clone();
-        let pid = blocking(move || Ok(vmm_pid(&d)))
-            .await?
-            .ok_or_else(|| BackendError::not_found(format!("the VM of {} is gone", sb.id)))?;
+        let pid = blocking(move || Ok(vmm_pid(&d))).await?;
+        let Some(pid) = pid else {
+            if self.opts.machine == Machine::Microvm && dir.join("state").exists() && dir.join("mem").exists() {
+                // Paused by snapshot: resumed on demand.
+                let agent = AgentConn::detached(self.agent_channel(&dir));
+                self.lock().insert(sb.id.clone(), Arc::new(Vm { dir, pid: 0, agent }));
+                return Ok(());
+            }
+            return Err(BackendError::not_found(format!("the VM of {} is gone", sb.id)));
+        };
         let status = self.qmp(&dir).await?.status().await.map_err(|e| BackendError::internal(e.to_string()))?;
         let agent = watch_agent_within(&sb.id, self.agent_channel(&dir), false, self.opts.boot_timeout).await?;
         if status == "paused" {
