@@ -130,6 +130,9 @@ fn ttl(field: &'static str, value: u64, default: Duration, max: Duration) -> Res
     Ok(value)
 }
 
+/// Smallest memory of a VM sandbox: its kernel and agent need this much.
+pub const VM_MIN_MEMORY_MB: u64 = 128;
+
 /// Validates a creation spec and returns it filled: project (the caller's own when empty),
 /// TTLs (cluster defaults for zeros) and priority (guaranteed when unspecified).
 pub fn check_spec(
@@ -158,6 +161,14 @@ pub fn check_spec(
         });
     }
     range("spec.resources.gpus", u64::from(r.gpus), 0, MAX_GPUS)?;
+    // A VM gets whole vCPUs and at least the memory its kernel needs: charged as it gets them
+    // (docs/vms.md), not as asked.
+    if matches!(s.backend.as_str(), "microvm" | "fullvm")
+        && let Some(r) = s.resources.as_mut()
+    {
+        r.cpu_millis = r.cpu_millis.div_ceil(1000).saturating_mul(1000).min(MAX_CPU_MILLIS as u32);
+        r.memory_mb = r.memory_mb.max(VM_MIN_MEMORY_MB);
+    }
     // The sim backend accepts any image name until the image store lands; the name is bounded.
     if s.image.is_empty() {
         return Err(AdmissionError::Empty { field: "spec.image" });
@@ -423,6 +434,19 @@ mod tests {
         given.ttl_max_s = 7200;
         let s = check_spec(Some(&given), "root/me", &cfg()).unwrap();
         assert_eq!((s.project.as_str(), s.ttl_max_s), ("root/other", 7200));
+    }
+
+    #[test]
+    fn a_vm_is_charged_what_it_gets() {
+        for (backend, cpu, mem, want) in
+            [("microvm", 1, 1, (1000, 128)), ("fullvm", 1500, 512, (2000, 512)), ("container", 1, 1, (1, 1))]
+        {
+            let mut given = good();
+            given.backend = backend.into();
+            given.resources = Some(pb::Resources { cpu_millis: cpu, memory_mb: mem, disk_mb: 64, gpus: 0 });
+            let r = check_spec(Some(&given), "root/me", &cfg()).unwrap().resources.unwrap();
+            assert_eq!((r.cpu_millis, r.memory_mb), want, "{backend}");
+        }
     }
 
     #[test]

@@ -106,6 +106,10 @@ async fn suite(machine: Machine) {
     eprintln!("{name}: create -> agent answering: {} ms (TCG)", started.elapsed().as_millis());
     assert!(b.probe(&rec.id).await.unwrap());
     assert!(!held(&root, name, &rec.id).is_empty());
+    // Its sockets control it: its directory is root's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let dir = root.join("vms").join(format!("{name}.{}", rec.id));
+    assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
     let r = exec(
         &b,
         &rec.id,
@@ -186,6 +190,21 @@ async fn suite(machine: Machine) {
     b.stop(&kept).await.unwrap();
     assert_eq!(b.cleanup(&HashSet::new()).await.unwrap(), 0);
 
+    // A VMM killed from outside: the sandbox is found gone (the edge then marks it lost), and
+    // stopping it removes what is left.
+    let killed = record("vm-killed", name);
+    b.create(&killed).await.unwrap();
+    let dir = root.join("vms").join(format!("{name}.{}", killed.id));
+    let pid: i32 = std::fs::read_to_string(dir.join("pid")).unwrap().trim().parse().unwrap();
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid).unwrap(), rustix::process::Signal::KILL).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while b.probe(&killed.id).await.unwrap() {
+        assert!(std::time::Instant::now() < deadline, "a killed VMM still reads as alive");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    b.stop(&with_state(&killed, SandboxStatus::Running)).await.unwrap();
+    assert_eq!(held(&root, name, &killed.id), Vec::<String>::new());
+
     // A guest whose agent cannot start (its default user is not in the image) fails the
     // creation, and leaves nothing.
     let mut bad = record("vm-bad", name);
@@ -204,4 +223,36 @@ async fn microvm_conforms() {
 #[tokio::test(flavor = "multi_thread")]
 async fn fullvm_conforms() {
     suite(Machine::Q35).await;
+}
+
+#[test]
+fn kvm_is_probed_by_a_boot_and_the_answer_kept() {
+    if !rustix::process::geteuid().is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let kernel = kernel_dir();
+    let initramfs =
+        opendsec_edge::backend::vm::disks::initramfs(&tmp.path().join("boot"), &support::static_agent(), &kernel)
+            .unwrap();
+    let qemu = Path::new("qemu-system-x86_64");
+    let first = opendsec_edge::backend::vm::probe_kvm(qemu, &kernel, &initramfs, tmp.path());
+    // Printed, not asserted: whether this host's KVM boots a guest is the host's business
+    // (ours, a nested PVM device, does not).
+    eprintln!("KVM boots a guest here: {first}");
+    let kept: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("kvm-probe-"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    assert_eq!(kept, [if first { "kvm" } else { "tcg" }]);
+    // Asked again, the kept answer is the answer, even when it says otherwise now.
+    let e = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with("kvm-probe-"))
+        .unwrap();
+    std::fs::write(e.path(), if first { "tcg" } else { "kvm" }).unwrap();
+    assert_eq!(opendsec_edge::backend::vm::probe_kvm(qemu, &kernel, &initramfs, tmp.path()), !first);
 }

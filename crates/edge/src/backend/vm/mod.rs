@@ -160,7 +160,12 @@ pub struct VmBackend {
     tsc_khz: Option<u64>,
     version: String,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
+    /// The last words of each VMM this edge started, by VM directory.
+    logs: Mutex<HashMap<PathBuf, Arc<Mutex<std::collections::VecDeque<u8>>>>>,
 }
+
+/// How much of a VMM's output the edge keeps (its last bytes).
+const VMM_LOG_BYTES: usize = 16 << 10;
 
 fn internal(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> BackendError {
     move |e| BackendError::internal(format!("{what}: {e}"))
@@ -199,6 +204,8 @@ impl VmBackend {
             )));
         }
         std::fs::create_dir_all(&opts.state_dir).map_err(internal("creating the VM directory"))?;
+        std::fs::set_permissions(&opts.state_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(internal("closing the VM directory"))?;
         let initramfs = disks::initramfs(&opts.state_dir.join(".boot"), &opts.agent, &opts.kernel_dir)?;
         let store =
             Arc::new(Store::open(&opts.store_dir).map_err(|e| BackendError::internal(format!("image store: {e}")))?);
@@ -214,7 +221,15 @@ impl VmBackend {
                 "VMs run under TCG (software emulation; KVM off or unable to boot a guest here): expect seconds to boot, not milliseconds"
             );
         }
-        Ok(VmBackend { tsc_khz: host_tsc_khz(), store, initramfs, version, vms: Mutex::new(HashMap::new()), opts })
+        Ok(VmBackend {
+            tsc_khz: host_tsc_khz(),
+            store,
+            initramfs,
+            version,
+            vms: Mutex::new(HashMap::new()),
+            logs: Mutex::new(HashMap::new()),
+            opts,
+        })
     }
 
     /// The accelerator VMs run under (never `auto` once the backend exists).
@@ -251,7 +266,12 @@ impl VmBackend {
             Machine::Microvm => ("microvm,x-option-roms=off,pit=off,pic=off,memory-backend=mem", "mmio", "device"),
             Machine::Q35 => ("q35,memory-backend=mem", "pci", "pci"),
         };
-        let accel = self.accel_name();
+        // Under TCG a smaller translation cache than QEMU's 1 GiB default: host memory that
+        // no quota counts.
+        let accel = match self.opts.accel {
+            Accel::Kvm => "kvm".to_string(),
+            Accel::Tcg | Accel::Auto => "tcg,tb-size=64".to_string(),
+        };
         let mut append =
             format!("console=ttyS0 quiet panic=-1 cryptomgr.notests mitigations=off rdinit=/init opendsec.bus={bus}");
         if self.opts.machine == Machine::Microvm
@@ -264,7 +284,12 @@ impl VmBackend {
             "-name",
             &self.name(dir.file_name().and_then(|n| n.to_str()).unwrap_or("")),
             "-accel",
-            accel,
+            &accel,
+            // QEMU's seccomp filter: no obsolete calls, no privilege changes, no scheduler or
+            // resource controls. Spawning stays allowed: the state of a pause is saved through
+            // `exec:` (moving that to `fd:` is on the list in docs/vms.md).
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny",
             "-cpu",
             "max",
             "-smp",
@@ -387,7 +412,10 @@ impl VmBackend {
                 .map_err(|e| BackendError::invalid_argument(format!("image {image}: {e}")))?;
             write_inuse(&inuse, &manifest.layers)?;
             let disk = disks::image_disk(&store, &manifest.layers)?;
+            // Root's alone: its sockets control the VM.
             std::fs::create_dir_all(&d).map_err(internal("creating the VM's directory"))?;
+            std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .map_err(internal("closing the VM's directory"))?;
             let mut config = config;
             config["env"] = serde_json::json!(
                 super::container::merge_env(&manifest.config.env, &spec_env)
@@ -409,7 +437,7 @@ impl VmBackend {
             Ok(a) => a,
             Err(e) => {
                 let console = self.console(&dir).await;
-                let qemu_log = std::fs::read(dir.join("qemu.log")).map(|b| tail(&b)).unwrap_or_default();
+                let qemu_log = self.vmm_log(&dir);
                 let _ = self.teardown(&sb.id).await;
                 return Err(BackendError::new(
                     e.kind(),
@@ -430,12 +458,13 @@ impl VmBackend {
         for sock in ["qmp.sock", "agent.sock"] {
             let _ = std::fs::remove_file(dir.join(sock));
         }
-        let log = std::fs::File::create(dir.join("qemu.log")).map_err(internal("creating the VMM's log"))?;
         let mut cmd = tokio::process::Command::new(&self.opts.qemu);
+        // QEMU's own messages (some a guest can provoke, unthrottled) go to a pipe the edge
+        // keeps the last VMM_LOG_BYTES of, never to a file that could fill the host's disk.
         cmd.args(argv)
             .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone().map_err(internal("the VMM's log"))?)
-            .stderr(log)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
             // Outlives the edge: adopted after a restart.
             .process_group(0)
             .kill_on_drop(false);
@@ -444,12 +473,49 @@ impl VmBackend {
         }
         let mut child = cmd.spawn().map_err(internal(format!("starting {}", self.opts.qemu.display())))?;
         let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-        std::fs::write(dir.join("pid"), pid.to_string()).map_err(internal("writing the VMM's pid"))?;
+        if let Err(e) = std::fs::write(dir.join("pid"), pid.to_string()) {
+            // Unrecorded, it would run on out of every account.
+            let _ = child.start_kill();
+            return Err(BackendError::internal(format!("writing the VMM's pid: {e}")));
+        }
+        let log = Arc::new(Mutex::new(std::collections::VecDeque::<u8>::new()));
+        self.logs.lock().unwrap_or_else(|p| p.into_inner()).insert(dir.to_path_buf(), log.clone());
+        for out in [
+            child.stdout.take().map(|o| Box::new(o) as Box<dyn tokio::io::AsyncRead + Send + Unpin>),
+            child.stderr.take().map(|e| Box::new(e) as _),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let log = log.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut out = out;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = out.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                    let mut l = log.lock().unwrap_or_else(|p| p.into_inner());
+                    l.extend(&buf[..n]);
+                    let over = l.len().saturating_sub(VMM_LOG_BYTES);
+                    l.drain(..over);
+                }
+            });
+        }
         // Reaped here while the edge runs; an adopted VM is reaped by whoever inherits it.
         tokio::spawn(async move {
             let _ = child.wait().await;
         });
         Ok(pid)
+    }
+
+    /// The end of what the VMM of `dir` printed.
+    fn vmm_log(&self, dir: &Path) -> String {
+        let logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
+        logs.get(dir)
+            .map(|l| tail(&l.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect::<Vec<u8>>()))
+            .unwrap_or_default()
     }
 
     /// A microvm's pause: the vCPUs stopped, the device state saved to `dir/state` (the
@@ -550,6 +616,7 @@ impl VmBackend {
             vm.agent.watch.abort();
         }
         let dir = self.dir_of(id);
+        self.logs.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
         let inuse = self.inuse_path(id);
         blocking(move || {
             kill_vmm(&dir);
