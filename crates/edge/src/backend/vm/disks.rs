@@ -17,6 +17,11 @@ fn io_err(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> Backen
     move |e| BackendError::internal(format!("{what}: {e}"))
 }
 
+/// The last bytes of a tool's or a console's output, as text, for error messages.
+pub(crate) fn tail(b: &[u8]) -> String {
+    String::from_utf8_lossy(&b[b.len().saturating_sub(600)..]).trim().to_string()
+}
+
 /// Runs a tool; its output goes into the error when it fails.
 fn run(cmd: &mut Command) -> Result<(), BackendError> {
     let out = cmd.output().map_err(|e| BackendError::internal(format!("cannot run {:?}: {e}", cmd.get_program())))?;
@@ -25,7 +30,7 @@ fn run(cmd: &mut Command) -> Result<(), BackendError> {
             "{:?} failed ({}): {}",
             cmd.get_program(),
             out.status,
-            crate::backend::vm::tail(&out.stderr)
+            tail(&out.stderr)
         )));
     }
     Ok(())

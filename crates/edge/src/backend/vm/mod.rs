@@ -140,10 +140,7 @@ const DEFAULT_DISK_MB: u64 = 1024;
 /// The guest's console, kept by QEMU in memory (the guest writes it: bounded).
 const CONSOLE_BYTES: u64 = 64 << 10;
 
-/// The last bytes of a tool's or a console's output, as text, for error messages.
-pub(crate) fn tail(b: &[u8]) -> String {
-    String::from_utf8_lossy(&b[b.len().saturating_sub(600)..]).trim().to_string()
-}
+use disks::tail;
 
 #[derive(Debug)]
 struct Vm {
