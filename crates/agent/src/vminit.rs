@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use rustix::mount::{MountFlags, mount, mount_move};
 use serde::Deserialize;
 
-/// The serial port the agent is served on (`virtserialport name=`).
-pub const PORT_NAME: &str = "opendsec.agent";
+/// The serial port the agent is served on.
+pub const PORT_NAME: &str = opendsec_proto::serial::AGENT_PORT;
 /// What a probe boot prints once the guest runs its init (`opendsec.probe` on the command line).
 pub const PROBE_OK: &str = "OPENDSEC-PROBE-OK";
 /// Largest configuration the config disk may hold.

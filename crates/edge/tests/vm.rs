@@ -31,7 +31,6 @@ fn kernel_dir() -> PathBuf {
 fn options(root: &Path, machine: Machine) -> VmOptions {
     VmOptions {
         machine,
-        edge: support::EDGE.into(),
         store_dir: root.join("store"),
         state_dir: root.join("vms"),
         agent: support::static_agent(),

@@ -18,6 +18,9 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
+/// The name of the agent's virtio-serial port (`virtserialport name=`), on both sides.
+pub const AGENT_PORT: &str = "opendsec.agent";
+
 const HELLO: &[u8] = b"OPENDSEC-HELLO ";
 const READY: &[u8] = b"OPENDSEC-READY ";
 /// Most bytes either side skips looking for the other's line before giving up.

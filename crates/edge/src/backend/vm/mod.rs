@@ -118,8 +118,6 @@ pub fn probe_kvm(qemu: &Path, kernel_dir: &Path, initramfs: &Path, cache: &Path)
 #[derive(Clone, Debug)]
 pub struct VmOptions {
     pub machine: Machine,
-    /// Prefix of every VM directory name on this node: `<edge>.` (see [`VmBackend::name`]).
-    pub edge: String,
     pub store_dir: PathBuf,
     /// Where each VM's directory lives (`<edge state>/vms`).
     pub state_dir: PathBuf,
@@ -318,7 +316,7 @@ impl VmBackend {
             "-chardev",
             &format!("socket,id=agent,path={},server=on,wait=off", d("agent.sock")),
             "-device",
-            &format!("virtserialport,chardev=agent,name={}", opendsec_agent_port()),
+            &format!("virtserialport,chardev=agent,name={}", opendsec_proto::serial::AGENT_PORT),
         ]
         .iter()
         .map(|s| s.to_string())
@@ -630,10 +628,6 @@ impl VmBackend {
 fn paused_conn(vm: &Vm) -> AgentConn {
     vm.agent.paused.store(true, Ordering::SeqCst);
     AgentConn::detached(vm.agent.channel.clone())
-}
-
-fn opendsec_agent_port() -> &'static str {
-    "opendsec.agent"
 }
 
 /// Waits for the migration on `q` (either side) to end.
