@@ -596,6 +596,11 @@ fn build_backends(
                         _ => Accel::Auto,
                     },
                     boot_timeout: vm.boot_timeout,
+                    agent_silence: config.edge.agent_silence,
+                    // Always: a VMM runs under a uid of its own whether or not containers use
+                    // user namespaces.
+                    ids: IdPool::new(config.edge.userns_first_id, config.edge.userns_ranges)
+                        .map_err(|e| err(BackendError::invalid_argument(e.to_string())))?,
                 };
                 out.push(Arc::new(VmBackend::new(opts).map_err(err)?));
             }

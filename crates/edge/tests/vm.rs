@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use opendsec_edge::backend::vm::{Accel, Machine, VmBackend, VmOptions};
 use opendsec_edge::backend::{Backend, BackendErrorKind};
+use opendsec_edge::linuxrt::idmap::{self, IdPool};
 use opendsec_edge::record::SandboxRecord;
 use opendsec_edge::state::SandboxStatus;
 use opendsec_proto::v1 as pb;
@@ -38,6 +39,8 @@ fn options(root: &Path, machine: Machine) -> VmOptions {
         qemu: "qemu-system-x86_64".into(),
         accel: Accel::Tcg,
         boot_timeout: Duration::from_secs(90),
+        agent_silence: Duration::from_secs(60),
+        ids: IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap(),
     }
 }
 
@@ -60,6 +63,14 @@ fn held(root: &Path, machine: &str, id: &str) -> Vec<String> {
     if root.join("store/inuse").join(&name).exists() {
         held.push(format!("holder file of {id}"));
     }
+    if !opendsec_edge::linuxrt::cgroup::list(&name).unwrap().is_empty() {
+        held.push(format!("cgroup {name}"));
+    }
+    for c in std::fs::read_dir(idmap::CLAIMS_DIR).into_iter().flatten().flatten() {
+        if std::fs::read_to_string(c.path()).unwrap_or_default().lines().next() == Some(name.as_str()) {
+            held.push(format!("uid claim {}", c.path().display()));
+        }
+    }
     for p in std::fs::read_dir("/proc").unwrap().flatten() {
         let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
         if String::from_utf8_lossy(&cmdline).contains(dir.to_str().unwrap()) {
@@ -67,6 +78,80 @@ fn held(root: &Path, machine: &str, id: &str) -> Vec<String> {
         }
     }
     held
+}
+
+/// What the host sees of the VMM of `dir`: not root, no capability, no way to gain one, in
+/// the empty jail, in a network namespace of its own, in its own cgroup with limits, under
+/// QEMU's seccomp filter, its guest's memory and disk reserved on the host's disk.
+fn assert_confined(dir: &Path, name: &str) {
+    let pid: i32 = std::fs::read_to_string(dir.join("pid")).unwrap().trim().parse().unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field =
+        |k: &str| status.lines().find_map(|l| l.strip_prefix(&format!("{k}:"))).map(|v| v.trim().to_string()).unwrap();
+    let uid = field("Uid");
+    let uids: Vec<u32> = uid.split_whitespace().map(|v| v.parse().unwrap()).collect();
+    assert!(uids.iter().all(|&u| u >= idmap::DEFAULT_FIRST_ID && u == uids[0]), "{uid}");
+    let kept: u32 = std::fs::read_to_string(dir.join("ids")).unwrap().trim().parse().unwrap();
+    assert_eq!(uids[0], kept);
+    assert!(field("Gid").split_whitespace().all(|g| g == kept.to_string()), "{status}");
+    for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        if cap != "CapBnd" {
+            assert_eq!(u64::from_str_radix(&field(cap), 16).unwrap(), 0, "{cap}");
+        }
+    }
+    assert_eq!(field("NoNewPrivs"), "1");
+    assert_eq!(field("Seccomp"), "2");
+    let root = std::fs::read_link(format!("/proc/{pid}/root")).unwrap();
+    assert_eq!(root, dir.parent().unwrap().join(".jail"));
+    assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0, "the jail is empty");
+    for ns in ["net", "ipc", "uts"] {
+        let host = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+        assert_ne!(std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap(), host, "{ns}");
+    }
+    // Its session of its own: no terminal of the edge's.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    assert_eq!(after[3], pid.to_string(), "session leader");
+    assert_eq!(after[4], "0", "no controlling terminal");
+    // Its cgroup (v1: per controller; v2: the one line), with a memory and a pids limit.
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let dir_of = |ctrl: &str| {
+        let line = cg
+            .lines()
+            .find(|l| l.split(':').nth(1).is_some_and(|c| c.split(',').any(|c| c == ctrl)))
+            .or_else(|| cg.lines().find(|l| l.starts_with("0::")))
+            .unwrap_or_else(|| panic!("{cg}"));
+        let rel = line.splitn(3, ':').nth(2).unwrap();
+        assert!(rel.ends_with(&format!("/{name}")), "{ctrl}: {line}");
+        let v1 = Path::new("/sys/fs/cgroup").join(ctrl).join(rel.trim_start_matches('/'));
+        if v1.is_dir() { v1 } else { Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/')) }
+    };
+    let read = |d: PathBuf, files: [&str; 2]| {
+        files.iter().find_map(|f| std::fs::read_to_string(d.join(f)).ok()).unwrap().trim().to_string()
+    };
+    let limit = read(dir_of("memory"), ["memory.limit_in_bytes", "memory.max"]);
+    assert!(limit.parse::<u64>().is_ok_and(|l| l < 1 << 40), "a memory limit: {limit}");
+    assert_ne!(read(dir_of("pids"), ["pids.max", "pids.max"]), "max");
+    let _ = dir_of("cpu");
+    // The guest's memory and disk hold their space on the host's disk.
+    use std::os::unix::fs::MetadataExt;
+    for f in ["mem", "disk.img"] {
+        let m = std::fs::metadata(dir.join(f)).unwrap();
+        assert!(m.blocks() * 512 >= m.len(), "{f}: {} of {} bytes allocated", m.blocks() * 512, m.len());
+    }
+    // No file of the host is open in it but its own VM's and the shared read-only ones.
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        let Ok(target) = std::fs::read_link(fd.path()) else { continue };
+        if target.is_absolute() && target.exists() && !target.starts_with("/dev") {
+            assert!(
+                target.starts_with(dir)
+                    || target.to_string_lossy().contains("/vmdisks/")
+                    || target.starts_with(dir.parent().unwrap().join(".boot")),
+                "the VMM holds {}",
+                target.display()
+            );
+        }
+    }
 }
 
 fn with_state(rec: &SandboxRecord, state: SandboxStatus) -> SandboxRecord {
@@ -109,6 +194,7 @@ async fn suite(machine: Machine) {
     use std::os::unix::fs::PermissionsExt;
     let dir = root.join("vms").join(format!("{name}.{}", rec.id));
     assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+    assert_confined(&dir, &format!("{name}.{}", rec.id));
     let r = exec(
         &b,
         &rec.id,
@@ -156,6 +242,8 @@ async fn suite(machine: Machine) {
     let out = String::from_utf8_lossy(&r.stdout).to_string();
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[..3], ["x", "/tmp yes", "1"], "{out}");
+    // The VMM that restored it is as confined as the first.
+    assert_confined(&dir, &format!("{name}.{}", rec.id));
     if machine == Machine::Microvm {
         let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let guest: i64 = lines[3].parse().unwrap();

@@ -332,6 +332,7 @@ impl SandboxCgroup {
         // the first process joins, so create them here.
         for d in dirs_of(cg.layout, &cg.rel) {
             std::fs::create_dir_all(&d).map_err(|source| CgroupError::Io { op: "mkdir", path: d.clone(), source })?;
+            fill_cpuset(&d)?;
         }
         let res = resources(limits, swap_accounted(cg.layout))?;
         cg.manager
@@ -459,6 +460,12 @@ impl SandboxCgroup {
         self.controller_dir("memory")
     }
 
+    /// The `cgroup.procs` files a process writes `0` into to join this cgroup (one per v1
+    /// hierarchy; one on v2), for a child joining before it runs anything (`pre_exec`).
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        dirs_of(self.layout, &self.rel).into_iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
     pub fn add_pid(&self, pid: i32) -> Result<(), CgroupError> {
         self.manager.add_task(Pid::from_raw(pid)).map_err(mgr_err("add a process", &self.rel))
     }
@@ -548,6 +555,27 @@ fn kill_all(cg: &SandboxCgroup) -> Result<(), CgroupError> {
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(10));
     }
+}
+
+/// A new v1 cpuset cgroup starts with no CPUs and no memory nodes, and no task can join it
+/// (`ENOSPC`) until they are set: they are copied from the parent, the way the kernel does for
+/// v2 and libcgroups does in `add_task`, so that a process can also join by writing its own
+/// `cgroup.procs` ([`SandboxCgroup::procs_files`]).
+fn fill_cpuset(dir: &Path) -> Result<(), CgroupError> {
+    for f in ["cpuset.cpus", "cpuset.mems"] {
+        let own = dir.join(f);
+        let Ok(v) = std::fs::read_to_string(&own) else { continue };
+        if !v.trim().is_empty() {
+            continue;
+        }
+        let Some(parent) = dir.parent() else { continue };
+        // The parents may be as new (the edge's own `opendsec` cgroup): filled first.
+        fill_cpuset(parent)?;
+        let from = parent.join(f);
+        let v = std::fs::read_to_string(&from).map_err(|source| CgroupError::Io { op: "read", path: from, source })?;
+        std::fs::write(&own, v.trim()).map_err(|source| CgroupError::Io { op: "write", path: own.clone(), source })?;
+    }
+    Ok(())
 }
 
 /// Names of existing sandbox cgroups starting with `prefix` (for leftover cleanup).

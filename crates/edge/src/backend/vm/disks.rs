@@ -189,12 +189,36 @@ pub fn image_disk(store: &Store, layers: &[LayerId]) -> Result<PathBuf, BackendE
 
 /// A sparse ext4 file of `mb` MiB at `path`.
 pub fn writable_disk(path: &Path, mb: u64) -> Result<(), BackendError> {
-    let f = std::fs::File::create(path).map_err(io_err(format!("creating {}", path.display())))?;
-    f.set_len(mb << 20).map_err(io_err("sizing the writable disk"))?;
-    drop(f);
+    reserve(path, mb)?;
     run(Command::new("mkfs.ext4")
         .args(["-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"])
-        .arg(path))
+        .arg(path))?;
+    // mke2fs zeroes parts of a file by punching holes: allocated again.
+    allocate(
+        &std::fs::OpenOptions::new().write(true).open(path).map_err(io_err("opening the writable disk"))?,
+        path,
+        mb,
+    )
+}
+
+/// Creates `path` with `mb` MiB allocated on the host's disk (unwritten extents: no data
+/// written, the space held), so that a VM filling its disk or its memory cannot run the host's
+/// file system out of space later; a host without the room fails now, with `no_capacity`.
+pub fn reserve(path: &Path, mb: u64) -> Result<(), BackendError> {
+    let f = std::fs::File::create(path).map_err(io_err(format!("creating {}", path.display())))?;
+    allocate(&f, path, mb)
+}
+
+fn allocate(f: &std::fs::File, path: &Path, mb: u64) -> Result<(), BackendError> {
+    match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, mb << 20) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::NOSPC) => {
+            Err(BackendError::no_capacity(format!("the host's disk has no room for {mb} MiB more")))
+        }
+        // A file system that cannot allocate ahead (tmpfs can; some cannot): sparse.
+        Err(rustix::io::Errno::OPNOTSUPP) => f.set_len(mb << 20).map_err(io_err("sizing a VM file")),
+        Err(e) => Err(BackendError::internal(format!("reserving {}: {e}", path.display()))),
+    }
 }
 
 /// The config disk: the length, the JSON, padded to whole sectors.

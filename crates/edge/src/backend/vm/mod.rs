@@ -27,6 +27,9 @@ use async_trait::async_trait;
 use opendsec_images::Store;
 use tonic::transport::Endpoint;
 
+use crate::linuxrt::cgroup::{self, Limits, SandboxCgroup};
+use crate::linuxrt::idmap::{IdPool, IdRange};
+
 use super::container::{AgentConn, blocking, identify, remove_inuse, watch_agent_within, write_inuse};
 use super::{AgentAccess, Backend, BackendError, Usage, Versioned};
 use crate::record::SandboxRecord;
@@ -129,12 +132,45 @@ pub struct VmOptions {
     pub accel: Accel,
     /// How long a VM may take from launch to its agent answering.
     pub boot_timeout: Duration,
+    /// A running VM whose agent sent no heartbeat for this long is reported gone by `probe`.
+    pub agent_silence: Duration,
+    /// Where each VMM's own host uid comes from: one block of the edge's user-namespace id
+    /// ranges per VM (its first id), so that a VMM shares its uid with no other process.
+    pub ids: IdPool,
 }
 
 /// Smallest guest memory: the kernel and the agent need this much.
 pub const MIN_MEMORY_MB: u64 = 128;
+/// What a VMM may use beyond its guest's memory (QEMU itself, the TCG translation cache of
+/// `tb-size`, device buffers), in its cgroup's memory limit.
+const VMM_OVERHEAD_MB: u64 = 256;
+/// Tasks per VMM (vCPU threads, QEMU's I/O workers): bounded so that no VM can take the
+/// host's pids.
+const VMM_PIDS: u64 = 256;
+/// The file in a VM's directory that holds its VMM's host uid (the first id of its block).
+const IDS_FILE: &str = "ids";
 /// Writable disk of a sandbox whose spec asks for none.
 const DEFAULT_DISK_MB: u64 = 1024;
+/// How a VM's QEMU is started, kept in its directory (`vmm.json`) for the VMM that resumes it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Vmm {
+    argv: Vec<String>,
+    drives: Vec<Drive>,
+}
+
+/// A disk handed to QEMU open, as fd set `set`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Drive {
+    set: u32,
+    path: PathBuf,
+    writable: bool,
+}
+
+/// The file of a VM's [`Vmm`].
+const VMM_FILE: &str = "vmm.json";
+
+/// The empty, root-owned directory (in the VM state directory) every VMM chroots into.
+const JAIL: &str = ".jail";
 /// The guest's console, kept by QEMU in memory (the guest writes it: bounded).
 const CONSOLE_BYTES: u64 = 64 << 10;
 
@@ -201,6 +237,13 @@ impl VmBackend {
         std::fs::create_dir_all(&opts.state_dir).map_err(internal("creating the VM directory"))?;
         std::fs::set_permissions(&opts.state_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
             .map_err(internal("closing the VM directory"))?;
+        let jail = opts.state_dir.join(JAIL);
+        std::fs::create_dir_all(&jail).map_err(internal("creating the VMMs' empty root"))?;
+        std::fs::set_permissions(&jail, std::os::unix::fs::PermissionsExt::from_mode(0o555))
+            .map_err(internal("closing the VMMs' empty root"))?;
+        if std::fs::read_dir(&jail).map_err(internal("reading the VMMs' empty root"))?.next().is_some() {
+            return Err(BackendError::internal(format!("{} must be empty", jail.display())));
+        }
         let initramfs = disks::initramfs(&opts.state_dir.join(".boot"), &opts.agent, &opts.kernel_dir)?;
         let store =
             Arc::new(Store::open(&opts.store_dir).map_err(|e| BackendError::internal(format!("image store: {e}")))?);
@@ -253,7 +296,7 @@ impl VmBackend {
     }
 
     /// QEMU's command line for the VM in `dir`.
-    fn argv(&self, dir: &Path, image: &Path, memory_mb: u64, cpus: u64) -> Vec<String> {
+    fn argv(&self, dir: &Path, image: &Path, memory_mb: u64, cpus: u64, uid: u32) -> Vmm {
         let d = |f: &str| dir.join(f).display().to_string();
         let (machine, bus, suffix) = match self.opts.machine {
             // microvm: ACPI stays on (Debian's kernel finds virtio-mmio devices only through it),
@@ -277,14 +320,21 @@ impl VmBackend {
         append.push_str(" -- vm-init");
         let mut a: Vec<String> = [
             "-name",
-            &self.name(dir.file_name().and_then(|n| n.to_str()).unwrap_or("")),
+            dir.file_name().and_then(|n| n.to_str()).unwrap_or(""),
             "-accel",
             &accel,
-            // QEMU's seccomp filter: no obsolete calls, no privilege changes, no scheduler or
-            // resource controls. Spawning stays allowed: the state of a pause is saved through
-            // `exec:` (moving that to `fd:` is on the list in docs/vms.md).
+            // QEMU's seccomp filter: no obsolete calls, no spawning, no scheduler or resource
+            // controls. Privilege changes stay allowed because QEMU makes one itself: once
+            // every file and device is open it chroots into an empty directory and becomes
+            // the VM's own uid (-runas, -chroot), with no capability left and no_new_privs
+            // set, so nothing can be raised again (`elevateprivileges=deny` would refuse
+            // that very drop).
             "-sandbox",
-            "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny",
+            "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny",
+            "-runas",
+            &format!("{uid}:{uid}"),
+            "-chroot",
+            &self.opts.state_dir.join(JAIL).display().to_string(),
             "-cpu",
             "max",
             "-smp",
@@ -321,18 +371,29 @@ impl VmBackend {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        for (id, file, ro) in [
-            ("config", d("config.img"), true),
-            ("image", image.display().to_string(), true),
-            ("disk", d("disk.img"), false),
-        ] {
-            let ro = if ro { ",readonly=on" } else { "" };
+        // Disks are handed over open (fd sets), never named: the chrooted VMM opens no path.
+        // A writable disk's set holds it read-write and read-only, for QEMU's reopen when a
+        // migration inactivates the disk and when it runs again.
+        let mut drives = Vec::new();
+        for (set, (id, file, writable)) in [
+            ("config", dir.join("config.img"), false),
+            ("image", image.to_path_buf(), false),
+            ("disk", dir.join("disk.img"), true),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let set = set as u32 + 1;
+            let ro = if writable { "" } else { ",readonly=on" };
             a.push("-drive".into());
-            a.push(format!("file={file},if=none,id={id},format=raw{ro},cache=none,aio=threads"));
+            a.push(format!("file=/dev/fdset/{set},if=none,id={id},format=raw{ro},cache=none,aio=threads"));
             a.push("-device".into());
-            a.push(format!("virtio-blk-{suffix},drive={id},serial={id}"));
+            // No discard and no write-zeroes requests from the guest: they would punch holes
+            // into the space its disk holds on the host.
+            a.push(format!("virtio-blk-{suffix},drive={id},serial={id},discard=off,write-zeroes=off"));
+            drives.push(Drive { set, path: file, writable });
         }
-        a
+        Vmm { argv: a, drives }
     }
 
     /// A lazily connecting channel to the agent in `dir`: each connection is the serial port's
@@ -401,7 +462,15 @@ impl VmBackend {
         let spec_env = sb.spec.env.clone();
         let inuse = self.inuse_path(&sb.id);
         let d = dir.clone();
-        let image_disk = blocking(move || {
+        let name = self.name(&sb.id);
+        let pool = self.opts.ids.clone();
+        let limits = Limits {
+            cpu_millis: cpus * 1000,
+            best_effort: sb.spec.priority == crate::record::PriorityRecord::BestEffort,
+            memory_bytes: (memory_mb + VMM_OVERHEAD_MB) << 20,
+            pids: VMM_PIDS,
+        };
+        let prepared = blocking(move || {
             let (_, manifest) = store
                 .resolve(&project, &image)
                 .map_err(|e| BackendError::invalid_argument(format!("image {image}: {e}")))?;
@@ -411,6 +480,15 @@ impl VmBackend {
             std::fs::create_dir_all(&d).map_err(internal("creating the VM's directory"))?;
             std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
                 .map_err(internal("closing the VM's directory"))?;
+            // The VMM's cgroup (its limits in place before it starts) and its own uid, held
+            // while the cgroup exists (paused VMs included).
+            let cg = SandboxCgroup::create(&name, &limits).map_err(cgroup_err)?;
+            let at = cg.rel_path().to_string_lossy().into_owned();
+            let ids = pool
+                .claim(&name, &at, |holder| cgroup::exists_at(Path::new(holder)))
+                .map_err(|e| BackendError::no_capacity(format!("no host uid for the VMM: {e}")))?;
+            std::fs::write(d.join(IDS_FILE), ids.host_first.to_string())
+                .map_err(internal("recording the VMM's uid"))?;
             let mut config = config;
             config["env"] = serde_json::json!(
                 super::container::merge_env(&manifest.config.env, &spec_env)
@@ -420,13 +498,32 @@ impl VmBackend {
             );
             disks::config_disk(&d.join("config.img"), config.to_string().as_bytes())?;
             disks::writable_disk(&d.join("disk.img"), disk_mb)?;
-            Ok(disk)
+            // The guest's memory, reserved on disk (its pages are written back there, and
+            // kept there while paused): a full host disk is found now, not by a running VM.
+            disks::reserve(&d.join("mem"), memory_mb)?;
+            Ok((disk, ids.host_first))
         })
-        .await?;
-        let argv = self.argv(&dir, &image_disk, memory_mb, cpus);
-        let kept = serde_json::to_vec(&argv).map_err(|e| BackendError::internal(e.to_string()))?;
-        std::fs::write(dir.join("argv.json"), kept).map_err(internal("writing the VMM's command line"))?;
-        let pid = self.spawn_vmm(&dir, &argv, false)?;
+        .await;
+        let (image_disk, uid) = match prepared {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = self.teardown(&sb.id).await;
+                return Err(e);
+            }
+        };
+        let vmm = self.argv(&dir, &image_disk, memory_mb, cpus, uid);
+        let kept = serde_json::to_vec(&vmm).map_err(|e| BackendError::internal(e.to_string()))?;
+        let started = async {
+            std::fs::write(dir.join(VMM_FILE), kept).map_err(internal("writing the VMM's command line"))?;
+            self.spawn_vmm(&dir, &vmm, false)
+        };
+        let pid = match started.await {
+            Ok(pid) => pid,
+            Err(e) => {
+                let _ = self.teardown(&sb.id).await;
+                return Err(e);
+            }
+        };
         let agent = watch_agent_within(&sb.id, self.agent_channel(&dir), true, self.opts.boot_timeout).await;
         let agent = match agent {
             Ok(a) => a,
@@ -447,28 +544,84 @@ impl VmBackend {
 
     /// Starts the VMM of `dir` with `argv` (waiting for an incoming migration with
     /// `incoming`); returns its pid, also written to `dir/pid`.
-    fn spawn_vmm(&self, dir: &Path, argv: &[String], incoming: bool) -> Result<i32, BackendError> {
+    fn spawn_vmm(&self, dir: &Path, vmm: &Vmm, incoming: bool) -> Result<i32, BackendError> {
         // Sockets an earlier VMM of this directory left would answer "refused" until this one
         // binds its own.
         for sock in ["qmp.sock", "agent.sock"] {
             let _ = std::fs::remove_file(dir.join(sock));
         }
+        let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let cg = SandboxCgroup::open(name).map_err(cgroup_err)?;
+        let procs: Vec<std::ffi::CString> = cg
+            .procs_files()
+            .into_iter()
+            .map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| BackendError::internal(format!("a cgroup path: {e}")))?;
+        // The disks, open here (close-on-exec in the edge, so no other child gets them; the
+        // VMM's copies are made inheritable between fork and exec).
+        let mut files = Vec::new();
+        let mut fdsets = Vec::new();
+        for d in &vmm.drives {
+            let modes: &[bool] = if d.writable { &[true, false] } else { &[false] };
+            for &rw in modes {
+                let f = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(rw)
+                    .open(&d.path)
+                    .map_err(internal(format!("opening {}", d.path.display())))?;
+                fdsets.push("-add-fd".to_string());
+                fdsets.push(format!("fd={},set={}", std::os::fd::AsRawFd::as_raw_fd(&f), d.set));
+                files.push(f);
+            }
+        }
         let mut cmd = tokio::process::Command::new(&self.opts.qemu);
+        cmd.args(&fdsets);
         // QEMU's own messages (some a guest can provoke, unthrottled) go to a pipe the edge
         // keeps the last VMM_LOG_BYTES of, never to a file that could fill the host's disk.
-        cmd.args(argv)
+        cmd.args(&vmm.argv)
+            .env_clear()
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
-            // Outlives the edge: adopted after a restart.
-            .process_group(0)
             .kill_on_drop(false);
+        #[allow(unsafe_code)]
+        // SAFETY: between fork and exec the closure makes raw system calls only (open,
+        // write, unshare, setsid) on memory prepared before the fork; it allocates nothing.
+        unsafe {
+            let fds: Vec<std::os::fd::RawFd> = files.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
+            cmd.pre_exec(move || {
+                for &fd in &fds {
+                    rustix::io::fcntl_setfd(std::os::fd::BorrowedFd::borrow_raw(fd), rustix::io::FdFlags::empty())?;
+                }
+                // In its cgroup before it runs a single instruction of QEMU: every page and
+                // task it makes is counted there.
+                for p in &procs {
+                    let fd = rustix::fs::open(p.as_c_str(), rustix::fs::OFlags::WRONLY, rustix::fs::Mode::empty())?;
+                    rustix::io::write(&fd, b"0")?;
+                }
+                // Its own network (none: the VM has no NIC on the host), IPC and host name:
+                // a VMM taken over by its guest reaches no host socket, abstract or TCP.
+                rustix::thread::unshare_unsafe(
+                    rustix::thread::UnshareFlags::NEWNET
+                        | rustix::thread::UnshareFlags::NEWIPC
+                        | rustix::thread::UnshareFlags::NEWUTS,
+                )?;
+                // A session of its own (no terminal), outliving the edge: adopted after a
+                // restart.
+                rustix::process::setsid()?;
+                Ok(())
+            });
+        }
         if incoming {
             cmd.args(["-incoming", "defer"]);
         }
         let mut child = cmd.spawn().map_err(internal(format!("starting {}", self.opts.qemu.display())))?;
         let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-        if let Err(e) = std::fs::write(dir.join("pid"), pid.to_string()) {
+        let pid_tmp = dir.join("pid.tmp");
+        if let Err(e) =
+            std::fs::write(&pid_tmp, pid.to_string()).and_then(|()| std::fs::rename(&pid_tmp, dir.join("pid")))
+        {
             // Unrecorded, it would run on out of every account.
             let _ = child.start_kill();
             return Err(BackendError::internal(format!("writing the VMM's pid: {e}")));
@@ -526,22 +679,33 @@ impl VmBackend {
         q.stop().await.map_err(fail("stopping the vCPUs"))?;
         let tmp = vm.dir.join("state.tmp");
         let saved = async {
+            // The edge opens the file and hands it over: the VMM can open none itself.
+            let file = std::fs::File::create(&tmp).map_err(internal("creating the state file"))?;
+            q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(fail("handing over the state file"))?;
+            drop(file);
             q.execute(
                 "migrate-set-capabilities",
                 Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
             )
             .await
             .map_err(fail("setting x-ignore-shared"))?;
-            q.execute("migrate", Some(serde_json::json!({ "uri": format!("exec:cat > {}", tmp.display()) })))
+            q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
                 .await
                 .map_err(fail("saving the device state"))?;
-            wait_migration(&mut q).await
+            wait_migration(&mut q).await?;
+            std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(internal("syncing the saved state"))?;
+            std::fs::rename(&tmp, vm.dir.join("state")).map_err(internal("placing the saved state"))
         };
-        if let Err(e) = saved.await {
+        let saved = tokio::time::timeout(self.opts.boot_timeout, saved).await.unwrap_or_else(|_| {
+            Err(BackendError::unavailable(format!("the state of {} was not saved in time", vm.dir.display())))
+        });
+        if let Err(e) = saved {
+            // Running again as before: the pause did not happen.
+            let _ = q.execute("migrate_cancel", None).await;
             let _ = q.cont().await;
+            let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        std::fs::rename(&tmp, vm.dir.join("state")).map_err(internal("placing the saved state"))?;
         q.quit().await.map_err(fail("ending the VMM"))?;
         vm.agent.watch.abort();
         let dir = vm.dir.clone();
@@ -555,11 +719,11 @@ impl VmBackend {
     /// A paused microvm's resume: a new VMM restores the saved state over the same memory
     /// file and runs on; the agent's connection is made anew over its port.
     async fn restore(&self, sb: &SandboxRecord, dir: &Path) -> Result<Arc<Vm>, BackendError> {
-        let argv: Vec<String> = std::fs::read(dir.join("argv.json"))
+        let vmm: Vmm = std::fs::read(dir.join(VMM_FILE))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
             .ok_or_else(|| BackendError::internal(format!("the paused VM of {} has no command line", sb.id)))?;
-        let pid = self.spawn_vmm(dir, &argv, true)?;
+        let pid = self.spawn_vmm(dir, &vmm, true)?;
         let fail = |what: &'static str| move |e: qmp::QmpError| BackendError::internal(format!("{what}: {e}"));
         let restored = async {
             let mut q = loop {
@@ -578,12 +742,12 @@ impl VmBackend {
             )
             .await
             .map_err(fail("setting x-ignore-shared"))?;
-            q.execute(
-                "migrate-incoming",
-                Some(serde_json::json!({ "uri": format!("exec:cat {}", dir.join("state").display()) })),
-            )
-            .await
-            .map_err(fail("restoring the device state"))?;
+            let file = std::fs::File::open(dir.join("state")).map_err(internal("opening the saved state"))?;
+            q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(fail("handing over the saved state"))?;
+            drop(file);
+            q.execute("migrate-incoming", Some(serde_json::json!({ "uri": "fd:state" })))
+                .await
+                .map_err(fail("restoring the device state"))?;
             wait_migration(&mut q).await?;
             q.cont().await.map_err(fail("running the restored VM"))
         };
@@ -613,8 +777,20 @@ impl VmBackend {
         let dir = self.dir_of(id);
         self.logs.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
         let inuse = self.inuse_path(id);
+        let name = self.name(id);
+        let pool = self.opts.ids.clone();
         blocking(move || {
             kill_vmm(&dir);
+            // Whatever is left in its cgroup goes with it (a VMM whose pid was never kept).
+            if cgroup::exists_at(&cgroup::parent_rel().map_err(cgroup_err)?.1.join(&name)) {
+                SandboxCgroup::open(&name).and_then(SandboxCgroup::remove).map_err(cgroup_err)?;
+            }
+            if let Some(first) =
+                std::fs::read_to_string(dir.join(IDS_FILE)).ok().and_then(|t| t.trim().parse::<u32>().ok())
+            {
+                pool.release(IdRange { host_first: first, count: crate::linuxrt::idmap::RANGE }, &name)
+                    .map_err(|e| BackendError::internal(format!("releasing the VMM's uid: {e}")))?;
+            }
             if dir.exists() {
                 std::fs::remove_dir_all(&dir).map_err(internal(format!("removing {}", dir.display())))?;
             }
@@ -622,6 +798,10 @@ impl VmBackend {
         })
         .await
     }
+}
+
+fn cgroup_err(e: cgroup::CgroupError) -> BackendError {
+    BackendError::internal(format!("the VMM's cgroup: {e}"))
 }
 
 /// The agent connection of a VM paused by snapshot: no VMM, so no stream; marked paused.
@@ -752,13 +932,30 @@ impl Backend for VmBackend {
         }
         let vmm = blocking(move || Ok(vmm_pid(&dir))).await?;
         // A paused VM's agent is silent by design; its VMM must still be there.
-        Ok(vmm == Some(vm.pid) && (vm.agent.paused.load(Ordering::SeqCst) || vm.agent.alive.load(Ordering::SeqCst)))
+        Ok(vmm == Some(vm.pid) && vm.agent.healthy(self.opts.agent_silence))
     }
 
     async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         let dir = self.dir_of(&sb.id);
         let d = dir.clone();
-        let pid = blocking(move || Ok(vmm_pid(&d))).await?;
+        let (name, pool) = (self.name(&sb.id), self.opts.ids.clone());
+        let pid = blocking(move || {
+            let pid = vmm_pid(&d);
+            let paused = d.join("state").exists() && d.join("mem").exists();
+            // Its uid is held again under its name (the claim may predate a host reboot
+            // of /run, or name an earlier edge's view of the cgroup), if there is a VM.
+            if (pid.is_some() || paused)
+                && let Some(first) = std::fs::read_to_string(d.join(IDS_FILE)).ok().and_then(|t| t.trim().parse().ok())
+            {
+                let cg = SandboxCgroup::open(&name).map_err(cgroup_err)?;
+                let range = IdRange { host_first: first, count: crate::linuxrt::idmap::RANGE };
+                IdPool::in_dir(&pool.dir, first, 1)
+                    .and_then(|p| p.confirm(range, &name, &cg.rel_path().to_string_lossy()))
+                    .map_err(|e| BackendError::internal(format!("the VMM's uid: {e}")))?;
+            }
+            Ok(pid)
+        })
+        .await?;
         let Some(pid) = pid else {
             if self.opts.machine == Machine::Microvm && dir.join("state").exists() && dir.join("mem").exists() {
                 // Paused by snapshot: resumed on demand.

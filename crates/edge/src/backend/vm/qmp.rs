@@ -80,6 +80,11 @@ impl Qmp {
         let mut out = serde_json::to_vec(&msg).map_err(|e| QmpError::Protocol(e.to_string()))?;
         out.push(b'\n');
         self.write.write_all(&out).await?;
+        self.answer(command).await
+    }
+
+    /// The answer to `command`, just sent; events before it are kept aside.
+    async fn answer(&mut self, command: &str) -> Result<Value, QmpError> {
         let answer = async {
             loop {
                 let v = self.line().await?;
@@ -105,6 +110,38 @@ impl Qmp {
         tokio::time::timeout(ANSWER_WAIT, answer)
             .await
             .map_err(|_| QmpError::Protocol(format!("{command} got no answer within {} s", ANSWER_WAIT.as_secs())))?
+    }
+
+    /// Hands QEMU the file descriptor `fd` under `name` (`getfd`, the descriptor sent beside
+    /// the command with SCM_RIGHTS), for commands that take `fd:<name>`: a confined QEMU can
+    /// open no file of its own.
+    pub async fn getfd(&mut self, name: &str, fd: std::os::fd::BorrowedFd<'_>) -> Result<(), QmpError> {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+        let mut out = serde_json::to_vec(&json!({ "execute": "getfd", "arguments": { "fdname": name } }))
+            .map_err(|e| QmpError::Protocol(e.to_string()))?;
+        out.push(b'\n');
+        let stream: &UnixStream = self.write.as_ref();
+        let mut sent = 0;
+        while sent < out.len() {
+            stream.writable().await?;
+            let n = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                let fds = [fd];
+                let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut anc = SendAncillaryBuffer::new(&mut space);
+                // The descriptor rides with the first byte only.
+                if sent == 0 {
+                    anc.push(SendAncillaryMessage::ScmRights(&fds));
+                }
+                sendmsg(stream, &[std::io::IoSlice::new(&out[sent..])], &mut anc, SendFlags::NOSIGNAL)
+                    .map_err(std::io::Error::from)
+            });
+            match n {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.answer("getfd").await.map(drop)
     }
 
     /// The VM's run state (`running`, `paused`, `inmigrate`, `postmigrate`, ...).
