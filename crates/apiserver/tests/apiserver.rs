@@ -1482,14 +1482,25 @@ async fn admin_messages_are_bounded_and_calls_capped_per_principal() {
     assert_eq!(bearers() - n0, 2, "only the small calls reached IAM's Admin");
 
     // Two slow Runtime calls hold alice's two slots: her third call of any kind waits its
-    // turn; bob's is served.
+    // turn; bob's is served. An answered call lets go of its slot only once the server has
+    // sent its last frame, a moment after the client has the answer: the held calls retry on
+    // rate_limited as a client would.
     let mut api = c.client();
     let sb = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
     let slow: Vec<_> = (0..2)
         .map(|_| {
             let mut rt = c.runtime();
             let req = pb::ExecRequest { sandbox_id: sb.id.clone(), command: "hold".into(), ..Default::default() };
-            tokio::spawn(async move { rt.exec(with_token(req, ALICE)).await })
+            tokio::spawn(async move {
+                loop {
+                    match rt.exec(with_token(req.clone(), ALICE)).await {
+                        Err(e) if reason(&e) == Reason::RateLimited => {
+                            tokio::time::sleep(Duration::from_millis(20)).await
+                        }
+                        other => return other,
+                    }
+                }
+            })
         })
         .collect();
     until("both held calls reached the edge", WAIT, || c.edge("e1").calls("Exec") == 2).await;

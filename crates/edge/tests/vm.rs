@@ -269,9 +269,14 @@ async fn suite(machine: Machine) {
     let kept = with_state(&kept, SandboxStatus::Running);
     b.adopt(&kept).await.unwrap();
     assert!(b.probe(&kept.id).await.unwrap(), "adopted");
+    // A cgroup left without its VM's directory (a teardown cut short) goes too.
+    let orphan = record("vm-orphan", name);
+    let limits = opendsec_edge::linuxrt::cgroup::Limits { cpu_millis: 0, best_effort: false, memory_bytes: 0, pids: 0 };
+    opendsec_edge::linuxrt::cgroup::SandboxCgroup::create(&format!("{name}.{}", orphan.id), &limits).unwrap();
     let keep: HashSet<String> = [kept.id.clone()].into();
-    assert_eq!(b.cleanup(&keep).await.unwrap(), 1);
+    assert_eq!(b.cleanup(&keep).await.unwrap(), 2);
     assert_eq!(held(&root, name, &lost.id), Vec::<String>::new());
+    assert_eq!(held(&root, name, &orphan.id), Vec::<String>::new());
     let r = exec(&b, &kept.id, "echo adopted").await;
     assert_eq!(String::from_utf8_lossy(&r.stdout), "adopted\n");
     b.stop(&kept).await.unwrap();

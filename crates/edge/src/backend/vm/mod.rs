@@ -987,6 +987,15 @@ impl Backend for VmBackend {
                 }
             }
         }
+        // A cgroup whose directory is gone (a teardown cut short) goes too, with any VMM in it.
+        for name in cgroup::list(&prefix).unwrap_or_default() {
+            if let Some(id) = name.strip_prefix(&prefix)
+                && !keep.contains(id)
+                && !gone.iter().any(|g| g == id)
+            {
+                gone.push(id.to_string());
+            }
+        }
         for id in &gone {
             self.teardown(id).await?;
         }
