@@ -694,17 +694,20 @@ fn write_identity(path: &std::path::Path, id: &str) -> Result<(), AgentError> {
     std::fs::rename(&tmp, path).map_err(|e| AgentError::fs("rename", path, e))
 }
 
-/// The edge's own calls (`AgentControl`).
+/// The edge's own calls (`AgentControl`); `vm`: aether is PID 1 of a VM (the guest's kernel
+/// is the sandbox's own).
 #[derive(Debug)]
-pub struct ControlService(pub Arc<Aether>);
+pub struct ControlService {
+    pub aether: Arc<Aether>,
+    pub vm: bool,
+}
 
 #[tonic::async_trait]
 impl opendsec_proto::v1::agent_control_server::AgentControl for ControlService {
     async fn set_identity(&self, r: Request<SetIdentityRequest>) -> Result<Response<SetIdentityResponse>, Status> {
         let r = r.into_inner();
         if !r.hostname.is_empty() {
-            let ok = r.hostname.len() <= 63 && r.hostname.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
-            if !ok {
+            if !crate::restore::valid_hostname(&r.hostname) {
                 return Err(fwd(AgentError::Invalid(format!(
                     "bad hostname {:?}",
                     r.hostname.chars().take(64).collect::<String>()
@@ -712,18 +715,19 @@ impl opendsec_proto::v1::agent_control_server::AgentControl for ControlService {
             }
             // The edge sets the hostname itself (that needs a capability the sandbox's root
             // does not have); /etc/hosts names it, as at creation.
-            let text =
-                format!("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n", r.hostname);
-            let hosts = std::path::Path::new("/etc/hosts");
-            // As at creation: an image without /etc gets none. Replace, never write through:
-            // it may be a symlink.
-            if std::path::Path::new("/etc").is_dir() {
-                let _ = std::fs::remove_file(hosts);
-                std::fs::write(hosts, text).map_err(|e| fwd(AgentError::fs("write", hosts, e)))?;
-            }
+            crate::restore::write_hosts(&r.hostname).map_err(fwd)?;
         }
-        self.0.set_identity(&r.sandbox_id, &r.env).map_err(fwd)?;
+        self.aether.set_identity(&r.sandbox_id, &r.env).map_err(fwd)?;
         Ok(Response::new(SetIdentityResponse {}))
+    }
+
+    async fn post_restore(&self, r: Request<PostRestoreRequest>) -> Result<Response<PostRestoreResponse>, Status> {
+        if !self.vm {
+            return Err(fwd(AgentError::Unsupported("PostRestore outside a VM")));
+        }
+        let r = r.into_inner();
+        crate::restore::post_restore(&r.hostname, &r.machine_id, &r.random_seed).map_err(fwd)?;
+        Ok(Response::new(PostRestoreResponse {}))
     }
 }
 
@@ -751,7 +755,11 @@ pub async fn main(listen: Listen, cfg: Config) -> std::io::Result<()> {
         std::fs::create_dir_all(&aether.cfg.workdir)?;
     }
     let aether_log = aether.cfg.state_dir.join("aether.log");
-    let control = opendsec_proto::v1::agent_control_server::AgentControlServer::new(ControlService(aether.clone()));
+    let vm = matches!(listen, Listen::Serial(_));
+    let control = opendsec_proto::v1::agent_control_server::AgentControlServer::new(ControlService {
+        aether: aether.clone(),
+        vm,
+    });
     let listener = match listen {
         Listen::Serial(port) => {
             return crate::serve_incoming(crate::serial::incoming(port), AetherService(aether), Some(control)).await;

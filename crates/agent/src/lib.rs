@@ -14,6 +14,7 @@ pub mod kernel;
 pub mod passwd;
 pub mod procs;
 pub mod reaper;
+pub mod restore;
 pub mod serial;
 pub mod vminit;
 pub mod watch;

@@ -37,6 +37,7 @@ fn store_error(e: StoreError) -> ApiError {
         StoreError::ImageNotFound(name) => ApiError::not_found(msg).with("image", name),
         StoreError::LayerNotFound(layer) => ApiError::not_found(msg).with("layer", layer),
         StoreError::ImageExists(name) => ApiError::new(Reason::AlreadyExists, msg).with("image", name),
+        StoreError::SnapshotNotFound(id) => ApiError::not_found(msg).with("vm_snapshot", id),
         // The store cannot be read or holds garbage: this apiserver cannot serve images now.
         StoreError::Io { .. } | StoreError::Corrupt { .. } => {
             tracing::warn!(error = %msg, "image store error");
@@ -75,7 +76,15 @@ where
 }
 
 /// (project, image name) -> when resolved, and where the image was found (`None`: nowhere).
-type ResolveCache = HashMap<(String, String), (Instant, Option<ImageRef>)>;
+type ResolveCache = HashMap<(String, String), (Instant, Option<Resolved>)>;
+
+/// Where an image name resolved, and what a creation must know of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    pub image: ImageRef,
+    /// The image is a microvm's memory snapshot (only backend microvm restores it).
+    pub vm_snapshot: bool,
+}
 
 /// The store and the creation path's resolution cache.
 #[derive(Debug)]
@@ -124,6 +133,11 @@ impl ImageStore {
     /// Where `name` (a sandbox's `spec.image`) is found for a sandbox in `project`: cached for
     /// [`RESOLVE_CACHE_TTL`], found or not; store errors are not cached.
     pub async fn resolve(&self, project: &str, name: &str) -> Result<ImageRef, ImageError> {
+        Ok(self.resolve_full(project, name).await?.image)
+    }
+
+    /// [`ImageStore::resolve`], with what a creation must know of the image.
+    pub async fn resolve_full(&self, project: &str, name: &str) -> Result<Resolved, ImageError> {
         let key = (project.to_string(), name.to_string());
         let now = Instant::now();
         if let Some((at, found)) = self.cache().get(&key)
@@ -134,7 +148,7 @@ impl ImageStore {
         let store = self.store.clone();
         let (p, n) = key.clone();
         let found = blocking(move || match Source::parse(&n)?.resolve(&store, &p) {
-            Ok((r, _)) => Ok(Some(r)),
+            Ok((image, m)) => Ok(Some(Resolved { image, vm_snapshot: !m.vm_snapshot.is_empty() })),
             Err(StoreError::ImageNotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
         })

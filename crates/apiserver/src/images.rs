@@ -45,9 +45,22 @@ const MAX_SOURCE_BYTES: usize = 1024;
 /// The image check of a creation (one per `CreateSandbox`, one per batch): the image exists in
 /// the sandbox's project or above, and the caller holds `layer.use` where it was found.
 pub async fn check_image(s: &Shared, principal: &str, spec: &pb::SandboxSpec) -> Result<(), ApiError> {
-    let found = s.images.resolve(&spec.project, &spec.image).await?;
-    s.authorize(principal, PERM_USE, &found.project).await
+    let found = s.images.resolve_full(&spec.project, &spec.image).await?;
+    s.authorize(principal, PERM_USE, &found.image.project).await?;
+    // A memory snapshot is restored by the backend that took it; another would boot only the
+    // image under it and lose what the snapshot holds.
+    if found.vm_snapshot && spec.backend != VM_SNAPSHOT_BACKEND {
+        return Err(ApiError::invalid(format!(
+            "image {} is a microvm's memory snapshot: only backend {VM_SNAPSHOT_BACKEND} restores it, not {}",
+            spec.image, spec.backend
+        ))
+        .with("field", "backend"));
+    }
+    Ok(())
 }
+
+/// The backend that takes and restores memory snapshots.
+pub const VM_SNAPSHOT_BACKEND: &str = "microvm";
 
 // ---------------------------------------------------------------------------------------------
 // Conversions
@@ -67,6 +80,7 @@ pub fn to_proto(m: &Manifest) -> pb::Image {
         }),
         created_at_ms: m.created_at_ms,
         source: m.source.clone(),
+        vm_snapshot: m.vm_snapshot.clone(),
     }
 }
 
@@ -129,6 +143,7 @@ pub fn manifest_from_request(
         config: ImageConfig { env: c.env, workdir: c.workdir, user: c.user, entrypoint: c.entrypoint, cmd: c.cmd },
         created_at_ms: now_ms,
         source: img.source.clone(),
+        vm_snapshot: String::new(),
     })
 }
 
@@ -193,6 +208,7 @@ pub(crate) async fn publish_snapshot(
     source_image: &str,
     layers: &[String],
     sandbox_id: &str,
+    vm_snapshot: &str,
 ) -> Result<pb::Image, ApiError> {
     let layers = layers.iter().map(|l| LayerId::parse(l)).collect::<Result<Vec<_>, _>>().map_err(ImageError::from)?;
     let store = s.images.store.clone();
@@ -209,6 +225,7 @@ pub(crate) async fn publish_snapshot(
         config,
         created_at_ms: time::now_ms(),
         source: format!("snapshot:{sandbox_id}"),
+        vm_snapshot: vm_snapshot.to_string(),
     };
     publish(s, m, false).await
 }

@@ -147,7 +147,7 @@ async fn take_snapshot(
     let mut c = s.up.edge(edge, &s.edge_addr(edge)?)?;
     let taken = forward::within(edge, Some(SNAPSHOT_TIMEOUT), async move { c.create_snapshot(ereq).await }).await?;
     let image = sb.spec.as_ref().map(|sp| sp.image.clone()).unwrap_or_default();
-    let published = images::publish_snapshot(s, target, &image, &taken.layers, &sb.id).await?;
+    let published = images::publish_snapshot(s, target, &image, &taken.layers, &sb.id, &taken.vm_snapshot).await?;
     Ok(pb::Snapshot {
         image: Some(published),
         sandbox_id: sb.id.clone(),
@@ -155,6 +155,8 @@ async fn take_snapshot(
         layer_bytes: taken.layer_bytes,
         layer_entries: taken.layer_entries,
         frozen_ms: taken.frozen_ms,
+        vm_snapshot: taken.vm_snapshot,
+        vm_snapshot_bytes: taken.vm_snapshot_bytes,
     })
 }
 

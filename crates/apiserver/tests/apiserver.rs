@@ -671,6 +671,7 @@ fn seed_images(dir: &std::path::Path) {
             config: ImageConfig::default(),
             created_at_ms: 1,
             source: "test".into(),
+            vm_snapshot: String::new(),
         };
         store.write_manifest(&m).unwrap();
     }

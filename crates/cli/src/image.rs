@@ -436,6 +436,7 @@ async fn import_cmd(client: &Client, out: &Out, project: &str, args: ImportArgs)
         }),
         created_at_ms: 0,
         source: imported.source.clone(),
+        vm_snapshot: String::new(),
     };
     let registered =
         client.register_image(pb::RegisterImageRequest { image: Some(image), replace: args.replace }).await?;

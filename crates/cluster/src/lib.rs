@@ -585,6 +585,7 @@ fn build_backends(
                 })?;
                 let opts = VmOptions {
                     machine: if b == "microvm" { Machine::Microvm } else { Machine::Q35 },
+                    edge: name.to_string(),
                     store_dir: config.image_store_dir(),
                     state_dir: config.edge_state_dir(name).join("vms"),
                     agent: agent_path(config).map_err(err)?,
@@ -723,6 +724,7 @@ pub fn seed_images(dir: &Path) -> Result<(), ClusterError> {
         config: ImageConfig::default(),
         created_at_ms: opendsec_common::time::now_ms(),
         source: "opendsec cluster up: the empty image".into(),
+        vm_snapshot: String::new(),
     };
     opendsec_images::gc::publish_manifest(&store, &manifest).map_err(err)?;
     tracing::info!(store = %dir.display(), image = SCRATCH_IMAGE, "seeded the image store");

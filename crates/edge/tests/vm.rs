@@ -29,9 +29,10 @@ fn kernel_dir() -> PathBuf {
     dir
 }
 
-fn options(root: &Path, machine: Machine) -> VmOptions {
+fn options(root: &Path, machine: Machine, edge: &str) -> VmOptions {
     VmOptions {
         machine,
+        edge: edge.into(),
         store_dir: root.join("store"),
         state_dir: root.join("vms"),
         agent: support::static_agent(),
@@ -154,6 +155,42 @@ fn assert_confined(dir: &Path, name: &str) {
     }
 }
 
+/// Stops what a failing test leaves running (VMMs outlive the test in sessions of their own):
+/// on a panic, every VMM of the test's directory is killed and the cgroups and uid claims of
+/// the test's sandboxes are released.
+struct Leftovers {
+    root: PathBuf,
+    names: Vec<String>,
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(self.root.to_str().unwrap_or("-"))
+                && let Some(pid) = p.file_name().to_str().and_then(|n| n.parse().ok())
+                && let Some(pid) = rustix::process::Pid::from_raw(pid)
+            {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        for name in &self.names {
+            if let Ok(cg) = opendsec_edge::linuxrt::cgroup::SandboxCgroup::open(name) {
+                let _ = cg.remove();
+            }
+            for c in std::fs::read_dir(idmap::CLAIMS_DIR).into_iter().flatten().flatten() {
+                if std::fs::read_to_string(c.path()).unwrap_or_default().lines().next() == Some(name.as_str()) {
+                    let _ = std::fs::remove_file(c.path());
+                }
+            }
+        }
+    }
+}
+
 fn with_state(rec: &SandboxRecord, state: SandboxStatus) -> SandboxRecord {
     SandboxRecord { state, ..rec.clone() }
 }
@@ -176,8 +213,13 @@ async fn suite(machine: Machine) {
     };
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().to_path_buf();
+    let leases = ["vm-a", "vm-kept", "vm-lost", "vm-orphan", "vm-killed", "vm-bad"];
+    let _leftovers = Leftovers {
+        root: root.clone(),
+        names: leases.iter().map(|l| format!("{name}.{}", record(l, name).id)).collect(),
+    };
     support::busybox_image(&root.join("store"), &root).await;
-    let make = || Arc::new(VmBackend::new(options(&root, machine)).unwrap());
+    let make = || Arc::new(VmBackend::new(options(&root, machine, support::EDGE)).unwrap());
     let b = make();
     let versions = b.versioned().unwrap().runtime_versions();
     assert!(versions[0].starts_with("qemu ") && versions[0].ends_with("(tcg)"), "{versions:?}");
@@ -347,4 +389,197 @@ fn kvm_is_probed_by_a_boot_and_the_answer_kept() {
         .unwrap();
     std::fs::write(e.path(), if first { "tcg" } else { "kvm" }).unwrap();
     assert_eq!(opendsec_edge::backend::vm::probe_kvm(qemu, &kernel, &initramfs, tmp.path()), !first);
+}
+
+/// What `cmd` prints in session `session` of VM `id` (it must succeed).
+async fn out(b: &VmBackend, id: &str, session: &str, cmd: &str) -> String {
+    let mut c = opendsec_edge::backend::agent_client(b.agent_access().unwrap().agent(id).unwrap());
+    let req = pb::ExecRequest {
+        sandbox_id: id.into(),
+        session_id: session.into(),
+        command: cmd.into(),
+        ..Default::default()
+    };
+    let r = c.exec(req).await.unwrap().into_inner();
+    assert_eq!(r.exit_code, 0, "{cmd}: {r:?}");
+    String::from_utf8_lossy(&r.stdout).trim().to_string()
+}
+
+/// `(id, count)` from the counter file a copy's background process keeps writing.
+async fn counter(b: &VmBackend, id: &str) -> (String, u64) {
+    let line = out(b, id, "probe", "cat /tmp/counter").await;
+    let (who, n) = line.split_once(' ').unwrap_or_else(|| panic!("{line:?}"));
+    (who.to_string(), n.parse().unwrap())
+}
+
+/// A microvm's memory snapshot and the copies restored from it: a background process and a
+/// session's shell variables are carried, each copy runs on and diverges on its own, and
+/// takes its own hostname, machine-id and random seed; the source runs on; a paused VM is
+/// snapshotted without running; a copy must have the snapshot's shape; nothing is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn microvm_snapshots_carry_memory_into_independent_copies() {
+    if !rustix::process::geteuid().is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    // An edge of its own: the conformance suite's clean-up, running beside it, takes every
+    // cgroup of its edge that it does not know.
+    let record = |lease: &str, backend: &str| {
+        let mut r = record(lease, backend);
+        r.edge = "cbsnap".into();
+        r.id = format!("cbsnap.{lease}");
+        r
+    };
+    let leases = ["vm-src", "vm-c1", "vm-c2", "vm-c3", "vm-wrong"];
+    let _leftovers = Leftovers {
+        root: root.clone(),
+        names: leases.iter().map(|l| format!("microvm.{}", record(l, "microvm").id)).collect(),
+    };
+    support::busybox_image(&root.join("store"), &root).await;
+    let b = Arc::new(VmBackend::new(options(&root, Machine::Microvm, "cbsnap")).unwrap());
+    let store = opendsec_images::Store::open(root.join("store")).unwrap();
+
+    // A source whose memory holds a value only it knows (a random id drawn once), counting in
+    // a background process, with state in a session's shell and a file on its disk.
+    let src = with_state(&record("vm-src", "microvm"), SandboxStatus::Running);
+    b.create(&src).await.unwrap();
+    out(
+        &b,
+        &src.id,
+        "main",
+        "(s=$(cat /proc/sys/kernel/random/uuid); i=0; while true; do i=$((i+1)); echo $s $i > /tmp/counter; \
+         sleep 0.1; done) >/dev/null 2>&1 & HELD=from-the-source; echo on-disk > /kept",
+    )
+    .await;
+    let until = |b: Arc<VmBackend>, id: String, past: u64| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let c = counter(&b, &id).await;
+            if c.1 > past {
+                return c;
+            }
+            assert!(std::time::Instant::now() < deadline, "{id}'s counter stopped at {}", c.1);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let (secret, _) = until(b.clone(), src.id.clone(), 2).await;
+
+    let snapper = b.vm_snapshotter().expect("microvm takes memory snapshots");
+    let t = std::time::Instant::now();
+    let taken = snapper.snapshot_vm(&src).await.unwrap();
+    eprintln!(
+        "microvm: snapshot of a running VM: {} ms ({} ms frozen), {} MiB in the store",
+        t.elapsed().as_millis(),
+        taken.frozen.as_millis(),
+        taken.bytes >> 20
+    );
+    let (_, at_snapshot) = counter(&b, &src.id).await;
+    let rec = store.vm_snapshot(&taken.id).unwrap();
+    assert_eq!((rec.memory_mb, rec.cpus, rec.disk_mb, rec.source.as_str()), (192, 1, 64, src.id.as_str()));
+    // The source runs on.
+    until(b.clone(), src.id.clone(), at_snapshot + 3).await;
+    // Published as an image, as the apiserver does.
+    let base = store.resolve("root", "busybox").unwrap().1;
+    let mut m = base.clone();
+    m.repo = "snap".into();
+    m.layers = taken.layers.clone();
+    m.vm_snapshot = taken.id.clone();
+    store.write_manifest(&m).unwrap();
+
+    // Two copies, restored at once.
+    let copy = |lease: &str| {
+        let mut r = record(lease, "microvm");
+        r.spec.image = "snap".into();
+        with_state(&r, SandboxStatus::Running)
+    };
+    let (c1, c2) = (copy("vm-c1"), copy("vm-c2"));
+    let t = std::time::Instant::now();
+    let (r1, r2) = tokio::join!(b.create(&c1), b.create(&c2));
+    r1.unwrap();
+    r2.unwrap();
+    eprintln!("microvm: two copies restored and answering: {} ms", t.elapsed().as_millis());
+    for c in [&c1, &c2] {
+        // The process and its memory came along: the same secret, counting on from the
+        // snapshot, not from zero; so did the session's shell and the disk.
+        let (who, n) = counter(&b, &c.id).await;
+        assert_eq!(who, secret, "{}", c.id);
+        assert!(n >= at_snapshot.saturating_sub(1), "{}: {n} after {at_snapshot}", c.id);
+        until(b.clone(), c.id.clone(), n + 2).await;
+        assert_eq!(out(&b, &c.id, "main", "echo $HELD; cat /kept").await, "from-the-source\non-disk");
+        assert_eq!(
+            out(&b, &c.id, "x", "cat /run/opendsec/sandbox-id; echo $OPENDSEC_SANDBOX_ID")
+                .await
+                .lines()
+                .collect::<Vec<_>>(),
+            [c.id.as_str(); 2]
+        );
+        assert_confined(&root.join("vms").join(format!("microvm.{}", c.id)), &format!("microvm.{}", c.id));
+    }
+    // Each its own machine: hostname, machine-id, and what its random generator draws.
+    let ident = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
+    let i1 = out(&b, &c1.id, "x", ident).await;
+    let i2 = out(&b, &c2.id, "x", ident).await;
+    let (l1, l2): (Vec<&str>, Vec<&str>) = (i1.lines().collect(), i2.lines().collect());
+    assert_eq!((l1[0], l2[0]), ("vm-c1", "vm-c2"));
+    assert_eq!(l1[1].len(), 32);
+    assert_ne!(l1[1], l2[1], "machine-ids");
+    assert_ne!(l1[2], l2[2], "random bytes");
+    assert_eq!(out(&b, &src.id, "x", "hostname").await, "vm-src");
+    // They diverge independently.
+    out(&b, &c1.id, "main", "echo one > /mine; HELD=changed-in-c1").await;
+    assert_eq!(
+        out(&b, &c2.id, "main", "cat /mine 2>/dev/null || echo none; echo $HELD").await,
+        "none\nfrom-the-source"
+    );
+    assert_eq!(out(&b, &src.id, "main", "cat /mine 2>/dev/null || echo none").await, "none");
+    assert_eq!(out(&b, &c1.id, "main", "cat /mine; echo $HELD").await, "one\nchanged-in-c1");
+
+    // A copy pauses and resumes like any microvm, its process still counting.
+    let paused = with_state(&c1, SandboxStatus::Paused);
+    b.pause(&c1).await.unwrap();
+    b.resume(&paused).await.unwrap();
+    let (_, n) = counter(&b, &c1.id).await;
+    until(b.clone(), c1.id.clone(), n + 2).await;
+
+    // A paused VM's snapshot: taken without running it (no VMM before or after), and a copy
+    // of it runs on from there.
+    b.pause(&src).await.unwrap();
+    let vmm_of = |id: &str| held(&root, "microvm", id).iter().filter(|h| h.starts_with("process")).count();
+    assert_eq!(vmm_of(&src.id), 0);
+    let taken2 = snapper.snapshot_vm(&with_state(&src, SandboxStatus::Paused)).await.unwrap();
+    assert_eq!(vmm_of(&src.id), 0, "the paused VM stays without a VMM");
+    let mut m2 = m.clone();
+    m2.repo = "snap2".into();
+    m2.vm_snapshot = taken2.id.clone();
+    store.write_manifest(&m2).unwrap();
+    let mut c3 = copy("vm-c3");
+    c3.spec.image = "snap2".into();
+    b.create(&c3).await.unwrap();
+    let (who, n3) = counter(&b, &c3.id).await;
+    assert_eq!(who, secret);
+    until(b.clone(), c3.id.clone(), n3 + 2).await;
+    b.resume(&with_state(&src, SandboxStatus::Paused)).await.unwrap();
+    until(b.clone(), src.id.clone(), n3).await;
+
+    // A copy must be the snapshot's shape; nothing is left of one that is not.
+    let mut wrong = copy("vm-wrong");
+    wrong.spec.resources.memory_mb = 256;
+    let e = b.create(&wrong).await.unwrap_err();
+    assert_eq!(e.kind(), BackendErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("192 MiB"), "{e}");
+    assert_eq!(held(&root, "microvm", &wrong.id), Vec::<String>::new());
+
+    // Everything stops clean; this node's copy of a snapshot goes once the store's does.
+    for s in [&src, &c1, &c2, &c3] {
+        b.stop(s).await.unwrap();
+        assert_eq!(held(&root, "microvm", &s.id), Vec::<String>::new());
+    }
+    let cache = root.join("vms/.snapshots");
+    assert!(cache.join(&taken.id).exists());
+    store.delete_vm_snapshot(&taken.id).unwrap();
+    store.delete_vm_snapshot(&taken2.id).unwrap();
+    b.cleanup(&HashSet::new()).await.unwrap();
+    let left: Vec<_> = std::fs::read_dir(&cache).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "{left:?}");
 }

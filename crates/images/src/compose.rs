@@ -122,6 +122,7 @@ pub fn compose(
         config,
         created_at_ms,
         source,
+        vm_snapshot: String::new(),
     })
 }
 
@@ -150,6 +151,7 @@ mod tests {
             },
             created_at_ms: 1,
             source: String::new(),
+            vm_snapshot: String::new(),
         };
         (r, m)
     }

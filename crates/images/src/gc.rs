@@ -460,6 +460,7 @@ mod tests {
                 config: ImageConfig::default(),
                 created_at_ms: 1,
                 source: "test".into(),
+                vm_snapshot: String::new(),
             })
             .unwrap();
     }

@@ -7,8 +7,8 @@
 //!                                        exactly when layers/<id>/meta.json does
 //! <root>/layers/.tmp/<random>/           layers being written (GC removes stale ones)
 //! <root>/images/<project>/<repo>/<tag>.json   manifests (repo '/' stored as '+')
-//! <root>/snapshots/<id>/                 snapshots (later issues)
-//! <root>/vmdisks/<key>.erofs             microVM image disks (later issues)
+//! <root>/snapshots/<id>/                 microVM memory snapshots (`vmsnap`)
+//! <root>/vmdisks/<key>.erofs             microVM image disks (built by the edge's VM backend)
 //! <root>/inuse/<holder>                  layer ids used by a running sandbox (for GC)
 //! ```
 //!
@@ -34,5 +34,6 @@ pub mod snapshot;
 pub mod store;
 pub mod storecheck;
 pub mod unpack;
+pub mod vmsnap;
 
 pub use store::{ImageConfig, ImageRef, LayerId, LayerMeta, Manifest, Store, StoreError};

@@ -21,6 +21,8 @@ pub enum StoreError {
     LayerNotFound(String),
     #[error("image {0} already exists")]
     ImageExists(String),
+    #[error("vm snapshot {0} not found")]
+    SnapshotNotFound(String),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -183,6 +185,11 @@ pub struct Manifest {
     /// Where it came from (`registry/repo@digest`, `oci-layout:...`, `compose:...`), for people.
     #[serde(default)]
     pub source: String,
+    /// A microvm's memory snapshot (`snapshots/<id>`, [`crate::vmsnap`]) that sandboxes of this
+    /// image are restored from; empty for an ordinary image. Only the apiserver's snapshot
+    /// publication sets it: a registered or composed image never names one.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub vm_snapshot: String,
 }
 
 /// `layers/<id>/meta.json`.
@@ -390,6 +397,9 @@ impl Store {
                 return Err(StoreError::LayerNotFound(l.to_string()));
             }
         }
+        if !m.vm_snapshot.is_empty() && !self.has_vm_snapshot(&m.vm_snapshot) {
+            return Err(StoreError::SnapshotNotFound(m.vm_snapshot.clone()));
+        }
         let p = self.manifest_path(&r);
         let dir = p.parent().map(Path::to_path_buf).unwrap_or_else(|| self.root.join("images"));
         fs::create_dir_all(&dir).map_err(io(&dir))?;
@@ -587,6 +597,7 @@ mod tests {
             config: ImageConfig { env: vec!["PATH=/bin".into()], ..Default::default() },
             created_at_ms: 1,
             source: "test".into(),
+            vm_snapshot: String::new(),
         };
         store.write_manifest(&m).unwrap();
         let (r, got) = store.resolve("root/team-a/rl", "library/busybox").unwrap();

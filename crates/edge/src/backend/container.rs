@@ -738,6 +738,13 @@ impl Backend for ContainerBackend {
                 Some(p) => p,
                 None => {
                     let (_, manifest) = store.resolve(&project, &image).map_err(store_err)?;
+                    // Its layers are only what the VM booted from: the snapshot's memory and
+                    // disk would be lost without a word.
+                    if !manifest.vm_snapshot.is_empty() {
+                        return Err(BackendError::invalid_argument(format!(
+                            "image {image} is a microvm's memory snapshot: only backend microvm restores it"
+                        )));
+                    }
                     (manifest.layers, manifest.config.env)
                 }
             };

@@ -7,7 +7,8 @@
 //!
 //! Optional capabilities are methods returning `Option<&dyn Capability>` (default `None`):
 //! [`Versioned`] and [`AgentAccess`] (the connection to a sandbox's agent, which the edge's
-//! `Runtime` service forwards to) and [`Snapshotter`] (file system snapshots).
+//! `Runtime` service forwards to), [`Snapshotter`] (file system snapshots) and
+//! [`VmSnapshotter`] (a VM's memory snapshots).
 
 use std::collections::HashSet;
 
@@ -104,6 +105,33 @@ pub trait Backend: Send + Sync {
     fn warm(&self) -> Option<&dyn Warm> {
         None
     }
+
+    /// Capability: snapshots of a whole VM, memory included.
+    fn vm_snapshotter(&self) -> Option<&dyn VmSnapshotter> {
+        None
+    }
+}
+
+/// A VM's memory snapshot, stored in the image store (`opendsec_images::vmsnap`).
+#[derive(Clone, Debug)]
+pub struct VmSnapshotTaken {
+    /// Its id (`snapshots/<id>`).
+    pub id: String,
+    /// The image's layers under its disk, bottom first (the sandbox's).
+    pub layers: Vec<opendsec_images::LayerId>,
+    /// Bytes its files take in the store.
+    pub bytes: u64,
+    /// How long the VM's vCPUs were stopped.
+    pub frozen: std::time::Duration,
+}
+
+/// Capability: stops a RUNNING VM's vCPUs for as long as it takes to save its memory, device
+/// state and disk into the image store, then runs it on (a PAUSED one stays paused). A sandbox
+/// created from the image the snapshot is published as is restored from it, not booted: its
+/// processes and their memory are carried.
+#[async_trait]
+pub trait VmSnapshotter: Send + Sync {
+    async fn snapshot_vm(&self, sb: &SandboxRecord) -> Result<VmSnapshotTaken, BackendError>;
 }
 
 /// Capability: a sandbox started ahead of time (a warm pool member, created through

@@ -47,6 +47,7 @@ pub async fn image_from(store_dir: &Path, root: &Path, repo: &str) {
         config: imported.config.clone(),
         created_at_ms: 0,
         source: "test".into(),
+        vm_snapshot: String::new(),
     };
     store.write_manifest(&manifest).unwrap();
 }

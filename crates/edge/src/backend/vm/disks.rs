@@ -209,6 +209,57 @@ pub fn reserve(path: &Path, mb: u64) -> Result<(), BackendError> {
     allocate(&f, path, mb)
 }
 
+/// Allocates `mb` MiB for the existing file at `path` (its data kept; see [`reserve`]).
+pub fn reserve_existing(path: &Path, mb: u64) -> Result<(), BackendError> {
+    let f =
+        std::fs::OpenOptions::new().write(true).open(path).map_err(io_err(format!("opening {}", path.display())))?;
+    allocate(&f, path, mb)
+}
+
+/// Copies `src` into a new file `dst` of the same length, data only: holes stay holes and
+/// pages of zeros become holes (a VM's disk or memory is mostly either). Returns the bytes of
+/// data written.
+pub fn copy_sparse(src: &Path, dst: &Path) -> Result<u64, BackendError> {
+    use std::os::unix::fs::FileExt;
+    const PAGE: usize = 4096;
+    const CHUNK: usize = 1 << 20;
+    let from = std::fs::File::open(src).map_err(io_err(format!("opening {}", src.display())))?;
+    let len = from.metadata().map_err(io_err(format!("reading {}", src.display())))?.len();
+    let to = std::fs::File::create(dst).map_err(io_err(format!("creating {}", dst.display())))?;
+    to.set_len(len).map_err(io_err(format!("sizing {}", dst.display())))?;
+    let mut buf = vec![0u8; CHUNK];
+    let (mut at, mut written) = (0u64, 0u64);
+    while at < len {
+        // The next run of data (a file system without SEEK_DATA: all of it is data).
+        let start = match rustix::fs::seek(&from, rustix::fs::SeekFrom::Data(at)) {
+            Ok(p) => p,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(rustix::io::Errno::INVAL) => at,
+            Err(e) => return Err(BackendError::internal(format!("seeking in {}: {e}", src.display()))),
+        };
+        let end = match rustix::fs::seek(&from, rustix::fs::SeekFrom::Hole(start)) {
+            Ok(p) => p.min(len),
+            Err(_) => len,
+        };
+        let mut off = start;
+        while off < end {
+            let n = (CHUNK as u64).min(end - off) as usize;
+            from.read_exact_at(&mut buf[..n], off).map_err(io_err(format!("reading {}", src.display())))?;
+            for (i, page) in buf[..n].chunks(PAGE).enumerate() {
+                if page.iter().any(|&b| b != 0) {
+                    to.write_all_at(page, off + (i * PAGE) as u64)
+                        .map_err(io_err(format!("writing {}", dst.display())))?;
+                    written += page.len() as u64;
+                }
+            }
+            off += n as u64;
+        }
+        at = end.max(start + 1);
+    }
+    to.sync_all().map_err(io_err(format!("syncing {}", dst.display())))?;
+    Ok(written)
+}
+
 fn allocate(f: &std::fs::File, path: &Path, mb: u64) -> Result<(), BackendError> {
     match rustix::fs::fallocate(f, rustix::fs::FallocateFlags::empty(), 0, mb << 20) {
         Ok(()) => Ok(()),
@@ -250,6 +301,32 @@ mod tests {
         let o = Command::new("sh").arg("-c").arg(format!("cpio -t < {} 2>/dev/null", p.display())).output().unwrap();
         assert!(o.status.success(), "cpio(1) is part of make setup");
         assert_eq!(String::from_utf8_lossy(&o.stdout), "init\ndev/console\n");
+    }
+
+    #[test]
+    fn a_sparse_copy_keeps_the_data_and_leaves_zeros_out() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst) = (dir.path().join("src"), dir.path().join("dst"));
+        let f = std::fs::File::create(&src).unwrap();
+        f.set_len(64 << 20).unwrap();
+        // Data at the start, in the middle (unaligned), a page of written zeros, and the end.
+        f.write_all_at(b"head", 0).unwrap();
+        f.write_all_at(&[7u8; 10_000], (20 << 20) + 123).unwrap();
+        f.write_all_at(&[0u8; 8192], 30 << 20).unwrap();
+        f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
+        f.sync_all().unwrap();
+        let written = copy_sparse(&src, &dst).unwrap();
+        assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
+        // The non-zero pages only: "head", three pages of 7s, "tail".
+        assert_eq!(written, 5 * 4096);
+        let m = std::fs::metadata(&dst).unwrap();
+        assert_eq!(m.len(), 64 << 20);
+        assert!(m.blocks() * 512 <= 64 << 10, "{} bytes allocated", m.blocks() * 512);
+        // An empty file copies to an empty file.
+        std::fs::File::create(&src).unwrap();
+        assert_eq!(copy_sparse(&src, &dst).unwrap(), 0);
+        assert_eq!(std::fs::metadata(&dst).unwrap().len(), 0);
     }
 
     #[test]

@@ -16,6 +16,7 @@
 
 pub mod disks;
 pub mod qmp;
+mod snapshot;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -29,6 +30,7 @@ use tonic::transport::Endpoint;
 
 use crate::linuxrt::cgroup::{self, Limits, SandboxCgroup};
 use crate::linuxrt::idmap::{IdPool, IdRange};
+use opendsec_images::vmsnap;
 
 use super::container::{AgentConn, blocking, identify, remove_inuse, watch_agent_within, write_inuse};
 use super::{AgentAccess, Backend, BackendError, Usage, Versioned};
@@ -121,6 +123,9 @@ pub fn probe_kvm(qemu: &Path, kernel_dir: &Path, initramfs: &Path, cache: &Path)
 #[derive(Clone, Debug)]
 pub struct VmOptions {
     pub machine: Machine,
+    /// The edge's name: its VMs' cgroups are `<backend>.<edge>.<lease>`, and only those are its
+    /// own to clean up (other edges may run VMs on the same host).
+    pub edge: String,
     pub store_dir: PathBuf,
     /// Where each VM's directory lives (`<edge state>/vms`).
     pub state_dir: PathBuf,
@@ -151,11 +156,24 @@ const VMM_PIDS: u64 = 256;
 const IDS_FILE: &str = "ids";
 /// Writable disk of a sandbox whose spec asks for none.
 const DEFAULT_DISK_MB: u64 = 1024;
-/// How a VM's QEMU is started, kept in its directory (`vmm.json`) for the VMM that resumes it.
+/// How a VM's QEMU is started, kept in its directory (`vmm.json`) for the VMM that resumes it,
+/// with the VM's shape (what a snapshot of it records).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct Vmm {
     argv: Vec<String>,
     drives: Vec<Drive>,
+    #[serde(default)]
+    shape: Shape,
+}
+
+/// What a VM is made of: a copy restored from its snapshot must be the same.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Shape {
+    memory_mb: u64,
+    cpus: u64,
+    disk_mb: u64,
+    /// The image's layers (its image disk), bottom first.
+    layers: Vec<opendsec_images::LayerId>,
 }
 
 /// A disk handed to QEMU open, as fd set `set`.
@@ -278,6 +296,18 @@ impl VmBackend {
         }
     }
 
+    /// What a VMM restoring a snapshot must match: QEMU's version, the accelerator, the
+    /// machine and the layout of its devices (a change to [`VmBackend::argv`]'s devices is a new
+    /// `devices-N`).
+    fn vmm_key(&self) -> String {
+        format!("qemu {} {} {} devices-1", self.version, self.accel_name(), self.opts.machine.backend())
+    }
+
+    /// This node's copies of VM snapshots (`<vm state>/.snapshots`).
+    fn snapshot_cache(&self) -> PathBuf {
+        self.opts.state_dir.join(snapshot::CACHE)
+    }
+
     /// The directory of sandbox `id`'s VM.
     pub fn name(&self, id: &str) -> String {
         format!("{}.{}", self.opts.machine.backend(), id)
@@ -296,7 +326,8 @@ impl VmBackend {
     }
 
     /// QEMU's command line for the VM in `dir`.
-    fn argv(&self, dir: &Path, image: &Path, memory_mb: u64, cpus: u64, uid: u32) -> Vmm {
+    fn argv(&self, dir: &Path, image: &Path, shape: Shape, uid: u32) -> Vmm {
+        let (memory_mb, cpus) = (shape.memory_mb, shape.cpus);
         let d = |f: &str| dir.join(f).display().to_string();
         let (machine, bus, suffix) = match self.opts.machine {
             // microvm: ACPI stays on (Debian's kernel finds virtio-mmio devices only through it),
@@ -384,7 +415,11 @@ impl VmBackend {
         .enumerate()
         {
             let set = set as u32 + 1;
-            let ro = if writable { "" } else { ",readonly=on" };
+            // A writable disk's two descriptors are two open files to QEMU's image locking,
+            // which then refuses itself the write lock when a snapshot's migration has
+            // inactivated the disk and `cont` takes it back. Nothing else opens the file (the
+            // VM's directory is root's): the lock guards nothing here.
+            let ro = if writable { ",file.locking=off" } else { ",readonly=on" };
             a.push("-drive".into());
             a.push(format!("file=/dev/fdset/{set},if=none,id={id},format=raw{ro},cache=none,aio=threads"));
             a.push("-device".into());
@@ -393,7 +428,7 @@ impl VmBackend {
             a.push(format!("virtio-blk-{suffix},drive={id},serial={id},discard=off,write-zeroes=off"));
             drives.push(Drive { set, path: file, writable });
         }
-        Vmm { argv: a, drives }
+        Vmm { argv: a, drives, shape }
     }
 
     /// A lazily connecting channel to the agent in `dir`: each connection is the serial port's
@@ -444,14 +479,19 @@ impl VmBackend {
         }
     }
 
+    /// Boots a new VM for `sb`, or restores one from the memory snapshot its image is (a
+    /// copy: it runs on from where the snapshot's VM was, then takes an identity of its own).
     async fn launch(&self, sb: &SandboxRecord) -> Result<Arc<Vm>, BackendError> {
         let dir = self.dir_of(&sb.id);
         let store = self.store.clone();
         let (project, image) = (sb.spec.project.clone(), sb.spec.image.clone());
         let res = sb.resources();
-        let memory_mb = res.memory_mb.max(MIN_MEMORY_MB);
-        let cpus = u64::from(res.cpu_millis).div_ceil(1000).max(1);
-        let disk_mb = if res.disk_mb == 0 { DEFAULT_DISK_MB } else { res.disk_mb };
+        let wanted = Shape {
+            memory_mb: res.memory_mb.max(MIN_MEMORY_MB),
+            cpus: u64::from(res.cpu_millis).div_ceil(1000).max(1),
+            disk_mb: if res.disk_mb == 0 { DEFAULT_DISK_MB } else { res.disk_mb },
+            layers: Vec::new(),
+        };
         let config = serde_json::json!({
             "sandbox_id": sb.id,
             "hostname": sb.lease_id,
@@ -465,17 +505,25 @@ impl VmBackend {
         let name = self.name(&sb.id);
         let pool = self.opts.ids.clone();
         let limits = Limits {
-            cpu_millis: cpus * 1000,
+            cpu_millis: wanted.cpus * 1000,
             best_effort: sb.spec.priority == crate::record::PriorityRecord::BestEffort,
-            memory_bytes: (memory_mb + VMM_OVERHEAD_MB) << 20,
+            memory_bytes: (wanted.memory_mb + VMM_OVERHEAD_MB) << 20,
             pids: VMM_PIDS,
         };
+        let (vmm_key, snapshots) = (self.vmm_key(), self.snapshot_cache());
         let prepared = blocking(move || {
             let (_, manifest) = store
                 .resolve(&project, &image)
                 .map_err(|e| BackendError::invalid_argument(format!("image {image}: {e}")))?;
-            write_inuse(&inuse, &manifest.layers)?;
-            let disk = disks::image_disk(&store, &manifest.layers)?;
+            // A memory snapshot: restored with exactly the shape it was taken with.
+            let from = match manifest.vm_snapshot.as_str() {
+                "" => None,
+                id => Some(snapshot::restorable(&store, id, &image, &vmm_key, &wanted)?),
+            };
+            let shape =
+                Shape { layers: from.as_ref().map(|r| r.layers.clone()).unwrap_or(manifest.layers.clone()), ..wanted };
+            write_inuse(&inuse, &shape.layers)?;
+            let disk = disks::image_disk(&store, &shape.layers)?;
             // Root's alone: its sockets control the VM.
             std::fs::create_dir_all(&d).map_err(internal("creating the VM's directory"))?;
             std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
@@ -497,25 +545,47 @@ impl VmBackend {
                     .collect::<Vec<_>>()
             );
             disks::config_disk(&d.join("config.img"), config.to_string().as_bytes())?;
-            disks::writable_disk(&d.join("disk.img"), disk_mb)?;
+            let state = match &from {
+                None => {
+                    disks::writable_disk(&d.join("disk.img"), shape.disk_mb)?;
+                    None
+                }
+                Some(rec) => {
+                    // The snapshot's files on this node (fetched once, shared by every copy
+                    // here); the copy's disk is its own, reserved like any VM's.
+                    let cached = snapshot::cached(&snapshots, &store, rec)?;
+                    disks::copy_sparse(&cached.join(vmsnap::DISK), &d.join("disk.img"))?;
+                    disks::reserve_existing(&d.join("disk.img"), shape.disk_mb)?;
+                    Some(cached.join(vmsnap::STATE))
+                }
+            };
             // The guest's memory, reserved on disk (its pages are written back there, and
             // kept there while paused): a full host disk is found now, not by a running VM.
-            disks::reserve(&d.join("mem"), memory_mb)?;
-            Ok((disk, ids.host_first))
+            disks::reserve(&d.join("mem"), shape.memory_mb)?;
+            Ok((disk, ids.host_first, shape, state))
         })
         .await;
-        let (image_disk, uid) = match prepared {
+        let (image_disk, uid, shape, state) = match prepared {
             Ok(v) => v,
             Err(e) => {
                 let _ = self.teardown(&sb.id).await;
                 return Err(e);
             }
         };
-        let vmm = self.argv(&dir, &image_disk, memory_mb, cpus, uid);
+        let vmm = self.argv(&dir, &image_disk, shape, uid);
         let kept = serde_json::to_vec(&vmm).map_err(|e| BackendError::internal(e.to_string()))?;
         let started = async {
             std::fs::write(dir.join(VMM_FILE), kept).map_err(internal("writing the VMM's command line"))?;
-            self.spawn_vmm(&dir, &vmm, false)
+            match &state {
+                None => self.spawn_vmm(&dir, &vmm, false),
+                // Its memory and devices from the snapshot's stream (every page is in it), then
+                // running from where the snapshot's VM stopped.
+                Some(state) => {
+                    let (pid, mut q) = self.incoming(&dir, &vmm, state, false).await?;
+                    q.cont().await.map_err(|e| BackendError::internal(format!("running the restored VM: {e}")))?;
+                    Ok(pid)
+                }
+            }
         };
         let pid = match started.await {
             Ok(pid) => pid,
@@ -538,7 +608,17 @@ impl VmBackend {
                 .caused_by(e));
             }
         };
-        identify(&agent.channel, sb, &sb.lease_id).await?;
+        let identified = async {
+            if state.is_some() {
+                snapshot::post_restore(&agent.channel, sb).await?;
+            }
+            identify(&agent.channel, sb, &sb.lease_id).await
+        };
+        if let Err(e) = identified.await {
+            agent.watch.abort();
+            let _ = self.teardown(&sb.id).await;
+            return Err(e);
+        }
         Ok(Arc::new(Vm { dir, pid, agent }))
     }
 
@@ -671,29 +751,11 @@ impl VmBackend {
     /// the VMM ended, so the host gets its memory back (the file's pages are page cache, on
     /// disk once written back).
     async fn snapshot_and_exit(&self, vm: &Vm) -> Result<(), BackendError> {
-        let fail = |what: &str| {
-            let what = what.to_string();
-            move |e: qmp::QmpError| BackendError::internal(format!("{what}: {e}"))
-        };
         let mut q = self.qmp(&vm.dir).await?;
-        q.stop().await.map_err(fail("stopping the vCPUs"))?;
+        q.stop().await.map_err(qmp_fail("stopping the vCPUs"))?;
         let tmp = vm.dir.join("state.tmp");
         let saved = async {
-            // The edge opens the file and hands it over: the VMM can open none itself.
-            let file = std::fs::File::create(&tmp).map_err(internal("creating the state file"))?;
-            q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(fail("handing over the state file"))?;
-            drop(file);
-            q.execute(
-                "migrate-set-capabilities",
-                Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
-            )
-            .await
-            .map_err(fail("setting x-ignore-shared"))?;
-            q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
-                .await
-                .map_err(fail("saving the device state"))?;
-            wait_migration(&mut q).await?;
-            std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(internal("syncing the saved state"))?;
+            save_stream(&mut q, &tmp, true).await?;
             std::fs::rename(&tmp, vm.dir.join("state")).map_err(internal("placing the saved state"))
         };
         let saved = tokio::time::timeout(self.opts.boot_timeout, saved).await.unwrap_or_else(|_| {
@@ -706,7 +768,7 @@ impl VmBackend {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        q.quit().await.map_err(fail("ending the VMM"))?;
+        q.quit().await.map_err(qmp_fail("ending the VMM"))?;
         vm.agent.watch.abort();
         let dir = vm.dir.clone();
         blocking(move || {
@@ -716,15 +778,17 @@ impl VmBackend {
         .await
     }
 
-    /// A paused microvm's resume: a new VMM restores the saved state over the same memory
-    /// file and runs on; the agent's connection is made anew over its port.
-    async fn restore(&self, sb: &SandboxRecord, dir: &Path) -> Result<Arc<Vm>, BackendError> {
-        let vmm: Vmm = std::fs::read(dir.join(VMM_FILE))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .ok_or_else(|| BackendError::internal(format!("the paused VM of {} has no command line", sb.id)))?;
-        let pid = self.spawn_vmm(dir, &vmm, true)?;
-        let fail = |what: &'static str| move |e: qmp::QmpError| BackendError::internal(format!("{what}: {e}"));
+    /// Starts a VMM for `dir` that restores the migration stream in `state` and leaves the VM
+    /// stopped. `ignore_shared`: the stream leaves out the memory, which is the VM's own file
+    /// already (a pause's); otherwise every page comes from the stream (a snapshot's).
+    async fn incoming(
+        &self,
+        dir: &Path,
+        vmm: &Vmm,
+        state: &Path,
+        ignore_shared: bool,
+    ) -> Result<(i32, qmp::Qmp), BackendError> {
+        let pid = self.spawn_vmm(dir, vmm, true)?;
         let restored = async {
             let mut q = loop {
                 match qmp::Qmp::connect(&dir.join("qmp.sock")).await {
@@ -733,35 +797,64 @@ impl VmBackend {
                     Err(_) if Path::new(&format!("/proc/{pid}")).exists() => {
                         tokio::time::sleep(Duration::from_millis(5)).await
                     }
-                    Err(e) => return Err(BackendError::internal(format!("the restoring VMM ended: {e}"))),
+                    Err(e) => {
+                        return Err(BackendError::internal(format!(
+                            "the restoring VMM ended: {e} ({})",
+                            self.vmm_log(dir)
+                        )));
+                    }
                 }
             };
-            q.execute(
-                "migrate-set-capabilities",
-                Some(serde_json::json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})),
-            )
-            .await
-            .map_err(fail("setting x-ignore-shared"))?;
-            let file = std::fs::File::open(dir.join("state")).map_err(internal("opening the saved state"))?;
-            q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(fail("handing over the saved state"))?;
+            q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
+            // Handed over open, read-only: the VMM opens no file itself.
+            let file = std::fs::File::open(state).map_err(internal("opening the saved state"))?;
+            q.getfd("state", std::os::fd::AsFd::as_fd(&file))
+                .await
+                .map_err(qmp_fail("handing over the saved state"))?;
             drop(file);
             q.execute("migrate-incoming", Some(serde_json::json!({ "uri": "fd:state" })))
                 .await
-                .map_err(fail("restoring the device state"))?;
+                .map_err(qmp_fail("restoring the device state"))?;
             wait_migration(&mut q).await?;
-            q.cont().await.map_err(fail("running the restored VM"))
+            Ok(q)
         };
-        if let Err(e) = tokio::time::timeout(self.opts.boot_timeout, restored)
-            .await
-            .unwrap_or_else(|_| Err(BackendError::unavailable(format!("the VM of {} was not restored in time", sb.id))))
-        {
+        match tokio::time::timeout(self.opts.boot_timeout, restored).await.unwrap_or_else(|_| {
+            Err(BackendError::unavailable(format!("the VM of {} was not restored in time", dir.display())))
+        }) {
+            Ok(q) => Ok((pid, q)),
+            Err(e) => {
+                let d = dir.to_path_buf();
+                let _ = blocking(move || {
+                    kill_vmm(&d);
+                    Ok(())
+                })
+                .await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The kept command line of the VM in `dir`.
+    fn kept_vmm(dir: &Path) -> Result<Vmm, BackendError> {
+        std::fs::read(dir.join(VMM_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| BackendError::internal(format!("the VM in {} has no command line", dir.display())))
+    }
+
+    /// A paused microvm's resume: a new VMM restores the saved state over the same memory
+    /// file and runs on; the agent's connection is made anew over its port.
+    async fn restore(&self, sb: &SandboxRecord, dir: &Path) -> Result<Arc<Vm>, BackendError> {
+        let vmm = Self::kept_vmm(dir)?;
+        let (pid, mut q) = self.incoming(dir, &vmm, &dir.join("state"), true).await?;
+        if let Err(e) = q.cont().await {
             let d = dir.to_path_buf();
             let _ = blocking(move || {
                 kill_vmm(&d);
                 Ok(())
             })
             .await;
-            return Err(e);
+            return Err(BackendError::internal(format!("running the restored VM: {e}")));
         }
         let agent = watch_agent_within(&sb.id, self.agent_channel(dir), true, self.opts.boot_timeout).await?;
         let _ = std::fs::remove_file(dir.join("state"));
@@ -798,6 +891,24 @@ impl VmBackend {
         })
         .await
     }
+}
+
+fn qmp_fail(what: &'static str) -> impl FnOnce(qmp::QmpError) -> BackendError {
+    move |e| BackendError::internal(format!("{what}: {e}"))
+}
+
+/// Saves the stopped VM of `q` as a migration stream into a new file at `path`, synced; with
+/// `ignore_shared` its memory (the VM's own file) is left out.
+async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Result<(), BackendError> {
+    // The edge opens the file and hands it over: the VMM can open none itself.
+    let file = std::fs::File::create(path).map_err(internal("creating the state file"))?;
+    q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(qmp_fail("handing over the state file"))?;
+    q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
+    q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
+        .await
+        .map_err(qmp_fail("saving the device state"))?;
+    wait_migration(q).await?;
+    file.sync_all().map_err(internal("syncing the saved state"))
 }
 
 fn cgroup_err(e: cgroup::CgroupError) -> BackendError {
@@ -976,6 +1087,7 @@ impl Backend for VmBackend {
 
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
         let prefix = format!("{}.", self.opts.machine.backend());
+        let own = format!("{prefix}{}.", self.opts.edge);
         let mut gone = Vec::new();
         if let Ok(rd) = std::fs::read_dir(&self.opts.state_dir) {
             for e in rd.flatten() {
@@ -988,7 +1100,7 @@ impl Backend for VmBackend {
             }
         }
         // A cgroup whose directory is gone (a teardown cut short) goes too, with any VMM in it.
-        for name in cgroup::list(&prefix).unwrap_or_default() {
+        for name in cgroup::list(&own).unwrap_or_default() {
             if let Some(id) = name.strip_prefix(&prefix)
                 && !keep.contains(id)
                 && !gone.iter().any(|g| g == id)
@@ -999,6 +1111,8 @@ impl Backend for VmBackend {
         for id in &gone {
             self.teardown(id).await?;
         }
+        let (cache, store) = (self.snapshot_cache(), self.store.clone());
+        blocking(move || Ok(snapshot::prune(&cache, &store, true))).await?;
         Ok(gone.len())
     }
 
@@ -1012,6 +1126,10 @@ impl Backend for VmBackend {
 
     fn agent_access(&self) -> Option<&dyn AgentAccess> {
         Some(self)
+    }
+
+    fn vm_snapshotter(&self) -> Option<&dyn super::VmSnapshotter> {
+        (self.opts.machine == Machine::Microvm).then_some(self as &dyn super::VmSnapshotter)
     }
 }
 

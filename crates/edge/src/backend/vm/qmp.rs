@@ -145,6 +145,18 @@ impl Qmp {
     }
 
     /// The VM's run state (`running`, `paused`, `inmigrate`, `postmigrate`, ...).
+    /// Whether migrations leave out RAM that is mapped shared (`x-ignore-shared`): on for a
+    /// pause (the memory is the VM's own file already), off for a snapshot (the stream then
+    /// carries every page). Both ends of one stream must agree.
+    pub async fn ignore_shared(&mut self, on: bool) -> Result<(), QmpError> {
+        self.execute(
+            "migrate-set-capabilities",
+            Some(json!({"capabilities": [{"capability": "x-ignore-shared", "state": on}]})),
+        )
+        .await
+        .map(drop)
+    }
+
     pub async fn status(&mut self) -> Result<String, QmpError> {
         let v = self.execute("query-status", None).await?;
         Ok(v["status"].as_str().unwrap_or("").to_string())
