@@ -1,7 +1,7 @@
 //! VM sandboxes through the public API, as root, under TCG: a microvm created by
 //! `CreateSandbox` with `backend = microvm`, its shell sessions, files, pause and resume, and
-//! its stop releasing the lease; a fullvm likewise, more briefly. What a VM cannot do yet is
-//! refused clearly (a snapshot: containers only).
+//! its stop releasing the lease, and a fork of it carrying its memory; a fullvm likewise, more
+//! briefly (its snapshots are refused: a full VM has none).
 
 mod common;
 
@@ -68,14 +68,68 @@ async fn vm_sandboxes_run_sessions_files_and_pause() {
     let r = exec_in(&mut rt, &sb.id, "main", "echo $(pwd) $X").await;
     assert_eq!(out(&r), "/tmp kept");
 
-    // Not yet for VMs: a snapshot.
-    let e = admin.create_snapshot(&sb.id, "vm:snap", false).await.unwrap_err();
+    // A fork carries memory: a process counting in the background and the session's shell
+    // variable run on in each copy, which then goes its own way under its own hostname.
+    let counting = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done) >/dev/null 2>&1 & \
+                    MARK=from-$(hostname)";
+    exec_in(&mut rt, &sb.id, "main", counting).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let req = pb::ForkSandboxRequest { id: sb.id.clone(), count: 2, ..Default::default() };
+    let started = std::time::Instant::now();
+    let mut stream = admin.fork_sandbox(req).await.unwrap();
+    let mut copies = Vec::new();
+    while let Some(r) = stream.message().await.unwrap() {
+        copies.push(r.sandbox.unwrap_or_else(|| panic!("{:?}", r.error)));
+    }
+    eprintln!("microvm fork x2 through the API: {} ms to both running (TCG)", started.elapsed().as_millis());
+    assert_eq!(copies.len(), 2);
+    let image = copies[0].spec.as_ref().unwrap().image.clone();
+    let img = admin.get_image(pb::GetImageRequest { project: "root".into(), name: image.clone() }).await.unwrap();
+    assert!(img.vm_snapshot.starts_with("vm-"), "{img:?}");
+    let source_host = out(&exec_in(&mut rt, &sb.id, "x", "hostname").await);
+    let mut hosts = vec![source_host.clone()];
+    for c in &copies {
+        let r = exec_in(
+            &mut rt,
+            &c.id,
+            "main",
+            "a=$(cat /tmp/n); sleep 0.5; b=$(cat /tmp/n); echo $MARK $((b > a)); hostname",
+        )
+        .await;
+        let text = out(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], format!("from-{source_host} 1"), "{}: {text}", c.id);
+        hosts.push(lines[1].to_string());
+    }
+    hosts.sort();
+    hosts.dedup();
+    assert_eq!(hosts.len(), 3, "every copy has a hostname of its own: {hosts:?}");
+    exec_in(&mut rt, &copies[0].id, "main", "echo mine > /only-here").await;
+    let r = exec_in(&mut rt, &copies[1].id, "main", "cat /only-here 2>/dev/null || echo absent").await;
+    assert_eq!(out(&r), "absent");
+    assert_eq!(live_usage(&admin).await, 3, "each copy is charged");
+    // The snapshot image is restored by microvm only; a copy of another shape is refused.
+    let e = admin.create_sandbox(pb::SandboxSpec { image: image.clone(), ..container_spec("x", 32, 32) }).await;
+    assert_eq!(e.unwrap_err().reason, Reason::InvalidArgument);
+    let mut bigger = vm_spec("microvm");
+    bigger.image = image.clone();
+    bigger.resources.as_mut().unwrap().memory_mb = 256;
+    let e = admin.create_sandbox(bigger).await.unwrap_err();
     assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
+    assert!(e.message.contains("192 MiB"), "{e}");
+    for c in &copies {
+        admin.stop_sandbox(&c.id).await.unwrap();
+    }
 
-    // A full VM too.
+    // A full VM too; it has no memory snapshots ([C 8]).
     let full = admin.create_sandbox(vm_spec("fullvm")).await.unwrap();
     assert_eq!(out(&exec_in(&mut rt, &full.id, "main", "echo full").await), "full");
-    assert_eq!(live_usage(&admin).await, 2);
+    let e = admin.create_snapshot(&full.id, "vm:snap", false).await.unwrap_err();
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
+    opendsec_testkit::eventually("the copies' leases released", Duration::from_secs(10), || async {
+        live_usage(&admin).await == 2
+    })
+    .await;
 
     for id in [&sb.id, &full.id] {
         let s = admin.stop_sandbox(id).await.unwrap();
