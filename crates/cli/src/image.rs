@@ -236,9 +236,10 @@ pub async fn run(client: &Client, out: &Out, project: Option<&str>, cmd: ImageCm
             let verb = if dry_run { "would remove" } else { "removed" };
             out.print(serde_json::to_value(&report).unwrap_or_default(), || {
                 let mut s = format!(
-                    "{verb} {} layers ({} bytes) and {} interrupted writes; kept {} referenced, {} within the grace period",
+                    "{verb} {} layers ({} bytes), {} vm snapshots and {} interrupted writes; kept {} referenced, {} within the grace period",
                     report.removed.len(),
                     report.bytes_freed,
+                    report.snapshots_removed.len(),
                     report.tmp_removed.len(),
                     report.kept,
                     report.young.len()

@@ -35,8 +35,16 @@
 //! starts using layers of an image deleted more than `grace` ago, between GC's reading of
 //! `inuse/` and its removal, loses them (hence "write, then check").
 //!
-//! Snapshots, vmdisks and manifests are never removed here (snapshots arrive with a later issue
-//! and will name what keeps them).
+//! A VM snapshot (`snapshots/<id>/`, [`crate::vmsnap`]) is kept while a manifest names it
+//! (again read conservatively: every `vm-<32 hex>` token in a manifest file counts), and
+//! otherwise removed once its record is older than `grace` (an edge writes the snapshot, then
+//! the apiserver publishes its image, well within `grace`), renamed away first so it vanishes
+//! whole. Interrupted snapshot writes (`snapshots/.tmp-*`, `.gone-*`) go after `grace` too.
+//! A creation that resolved a snapshot's image just before the image was deleted may find the
+//! snapshot gone and fail with `not_found`. While a snapshot exists its record's layers are
+//! referenced (above), so its image disk can always be built.
+//!
+//! vmdisks and manifests are never removed here.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -65,6 +73,9 @@ pub struct GcReport {
     pub bytes_freed: u64,
     /// Stale entries of `layers/.tmp/` removed (interrupted writes).
     pub tmp_removed: Vec<String>,
+    /// VM snapshots (`snapshots/<id>`) no manifest names any more, removed, and interrupted
+    /// snapshot writes.
+    pub snapshots_removed: Vec<String>,
     /// Layers referenced but not in the store (e.g. a manifest naming a missing layer).
     pub missing: Vec<LayerId>,
     /// Files read conservatively or entries skipped, for people.
@@ -245,6 +256,86 @@ pub fn referenced_layers(store: &Store, warnings: &mut Vec<String>) -> Result<BT
     Ok(refs)
 }
 
+/// Every `vm-<32 hex>` token in `text`: the conservative reading of a manifest's snapshot.
+pub fn scan_snapshot_ids(text: &[u8]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(at) = text[i..].windows(3).position(|w| w == b"vm-") {
+        let start = i + at;
+        let hex = &text[start + 3..];
+        let n = hex.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+        let bounded = start == 0 || !text[start - 1].is_ascii_alphanumeric();
+        if n == 32 && bounded {
+            out.push(String::from_utf8_lossy(&text[start..start + 35]).into_owned());
+        }
+        i = start + 3;
+    }
+    out
+}
+
+/// The VM snapshots manifests name. Fails when a manifest cannot be read.
+fn referenced_snapshots(store: &Store) -> Result<BTreeSet<String>, StoreError> {
+    let mut refs = BTreeSet::new();
+    let mut stack = vec![store.root().join("images")];
+    while let Some(dir) = stack.pop() {
+        for e in read_dir_or_empty(&dir)? {
+            let path = e.path();
+            let ft = e.file_type().map_err(io_err(&path))?;
+            if ft.is_dir() {
+                stack.push(path);
+            } else if ft.is_file() {
+                match fs::read(&path) {
+                    Ok(b) => refs.extend(scan_snapshot_ids(&b)),
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                    Err(err) => return Err(StoreError::Io { path, source: err }),
+                }
+            }
+        }
+    }
+    Ok(refs)
+}
+
+/// Removes VM snapshots no manifest names, older than `grace`, and stale interrupted writes.
+fn collect_snapshots(store: &Store, grace: Duration, now: SystemTime, report: &mut GcReport) -> Result<(), StoreError> {
+    let refs = referenced_snapshots(store)?;
+    let dir = store.root().join("snapshots");
+    for e in read_dir_or_empty(&dir)? {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let path = e.path();
+        let stale = if name.starts_with(".tmp-") || name.starts_with(".gone-") {
+            tree_is_stale(&path, grace, now)
+        } else if crate::vmsnap::check_id(&name).is_ok() {
+            // Judged by its record (or, without one, by the directory itself).
+            let m = fs::symlink_metadata(path.join(crate::vmsnap::RECORD)).or_else(|_| fs::symlink_metadata(&path));
+            !refs.contains(&name) && m.is_ok_and(|m| age(now, changed_at(&m)) >= grace)
+        } else {
+            false
+        };
+        if !stale {
+            continue;
+        }
+        if !report.dry_run {
+            let grave = dir.join(format!(".gone-{}", graveyard_name("snapshot")));
+            let removed = if name.starts_with('.') {
+                remove_any(&path)
+            } else {
+                fs::rename(&path, &grave).and_then(|()| remove_any(&grave))
+            };
+            match removed {
+                Ok(()) => tracing::info!(snapshot = %name, "gc removed a vm snapshot"),
+                Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+                Err(err) => {
+                    report.errors.push(format!("{}: {err}", path.display()));
+                    continue;
+                }
+            }
+        }
+        report.snapshots_removed.push(name);
+    }
+    report.snapshots_removed.sort();
+    Ok(())
+}
+
 /// Whether nothing in the tree at `path` (not following symlinks) changed within `grace`.
 /// Stops at the first young entry. Entries that vanish while walking are skipped; any other
 /// error counts as young (keep what cannot be judged).
@@ -414,6 +505,7 @@ pub fn gc(store: &Store, grace: Duration, now: SystemTime, dry_run: bool) -> Res
         }
         report.tmp_removed.push(name);
     }
+    collect_snapshots(store, grace, now, &mut report)?;
     report.young.sort();
     report.removed.sort();
     report.tmp_removed.sort();
@@ -516,6 +608,86 @@ mod tests {
         store.delete_manifest(&crate::ImageRef::new("root", "app", "latest").unwrap()).unwrap();
         let r = gc(&store, HOUR, later(), false).unwrap();
         assert_eq!(r.removed, vec![by_manifest, by_holder_json]);
+    }
+
+    fn vm_snapshot(store: &Store, layers: Vec<LayerId>) -> String {
+        let id = crate::vmsnap::new_id();
+        let w = store.begin_vm_snapshot(&id).unwrap();
+        fs::write(w.join(crate::vmsnap::STATE), b"s").unwrap();
+        fs::write(w.join(crate::vmsnap::DISK), b"d").unwrap();
+        let rec = crate::vmsnap::VmSnapshotRecord {
+            v: crate::vmsnap::VERSION,
+            id: id.clone(),
+            backend: "microvm".into(),
+            vmm: "qemu".into(),
+            layers,
+            memory_mb: 128,
+            cpus: 1,
+            disk_mb: 64,
+            source: "e.l".into(),
+            created_at_ms: 1,
+            bytes: 2,
+        };
+        store.commit_vm_snapshot(&w, &rec).unwrap();
+        id
+    }
+
+    #[test]
+    fn vm_snapshots_live_while_an_image_names_them_and_keep_their_layers() {
+        let (_d, store) = new_store();
+        let (under_named, under_unnamed) = (layer(&store, 1), layer(&store, 2));
+        let named = vm_snapshot(&store, vec![under_named.clone()]);
+        let unnamed = vm_snapshot(&store, vec![under_unnamed.clone()]);
+        let m = Manifest {
+            v: 1,
+            project: "root".into(),
+            repo: "forks/x".into(),
+            tag: "1".into(),
+            layers: vec![under_named.clone()],
+            config: ImageConfig::default(),
+            created_at_ms: 1,
+            source: "snapshot:e.l".into(),
+            vm_snapshot: named.clone(),
+        };
+        store.write_manifest(&m).unwrap();
+        // An interrupted write, and a name that is no snapshot's (left alone).
+        let tmp = store.begin_vm_snapshot(&crate::vmsnap::new_id()).unwrap();
+        fs::create_dir_all(store.root().join("snapshots/not-a-snapshot")).unwrap();
+
+        // Within the grace period nothing goes: the unnamed one is being published.
+        let r = gc(&store, HOUR, SystemTime::now(), false).unwrap();
+        assert!(r.snapshots_removed.is_empty(), "{r:?}");
+        let r = gc(&store, HOUR, later(), true).unwrap();
+        assert_eq!(r.snapshots_removed.len(), 2, "a dry run says: {r:?}");
+        assert!(store.has_vm_snapshot(&unnamed) && tmp.exists());
+
+        let r = gc(&store, HOUR, later(), false).unwrap();
+        let mut expect = vec![unnamed.clone(), tmp.file_name().unwrap().to_string_lossy().into_owned()];
+        expect.sort();
+        assert_eq!(r.snapshots_removed, expect);
+        assert!(store.has_vm_snapshot(&named) && !store.has_vm_snapshot(&unnamed) && !tmp.exists());
+        assert!(store.root().join("snapshots/not-a-snapshot").exists());
+        // The removed snapshot's layers were referenced by it, so they go one run later.
+        assert!(store.has_layer(&under_unnamed));
+        let r = gc(&store, HOUR, later(), false).unwrap();
+        assert_eq!(r.removed, vec![under_unnamed]);
+        let left: Vec<_> =
+            fs::read_dir(store.root().join("snapshots")).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 2, "{left:?}");
+
+        // Its image gone, the named one goes too.
+        store.delete_manifest(&crate::ImageRef::new("root", "forks/x", "1").unwrap()).unwrap();
+        let r = gc(&store, HOUR, later(), false).unwrap();
+        assert_eq!(r.snapshots_removed, vec![named]);
+    }
+
+    #[test]
+    fn snapshot_ids_are_read_from_any_text() {
+        let id = "vm-0123456789abcdef0123456789abcdef";
+        assert_eq!(scan_snapshot_ids(format!(r#"{{"vm_snapshot":"{id}"}}"#).as_bytes()), vec![id]);
+        assert_eq!(scan_snapshot_ids(format!("{id}\nxvm-{}", &id[3..]).as_bytes()), vec![id]);
+        assert!(scan_snapshot_ids(b"vm-0123").is_empty());
+        assert!(scan_snapshot_ids(format!("{id}0").as_bytes()).is_empty(), "33 digits name no snapshot");
     }
 
     #[test]
