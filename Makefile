@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-sdk bench-e2b agent images vm-kernel s3-server sdk-test e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b agent images vm-kernel s3-server sdk-test e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod
@@ -117,6 +117,11 @@ bench-container: agent
 # The issue-13 benchmarks (snapshots and forks of container sandboxes), as root, release.
 bench-snapshot: agent
 	$(CARGO) bench -p opendsec-cli --bench snapshot
+
+# VMs (issue 14): creation beside QEMU booting the same kernel by hand, pause, memory
+# snapshots, fork x8, host memory; as root, release.
+bench-vm: agent vm-kernel
+	$(CARGO) bench -p opendsec-cli --bench vm
 
 # Warm pool claims beside cold creations (issue 13), as root, release.
 bench-pool: agent

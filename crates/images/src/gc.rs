@@ -614,6 +614,7 @@ mod tests {
         let id = crate::vmsnap::new_id();
         let w = store.begin_vm_snapshot(&id).unwrap();
         fs::write(w.join(crate::vmsnap::STATE), b"s").unwrap();
+        fs::write(w.join(crate::vmsnap::MEM), b"m").unwrap();
         fs::write(w.join(crate::vmsnap::DISK), b"d").unwrap();
         let rec = crate::vmsnap::VmSnapshotRecord {
             v: crate::vmsnap::VERSION,

@@ -3,8 +3,9 @@
 //!
 //! ```text
 //! snapshots/<id>/record.json   what it is (VmSnapshotRecord); written last
-//! snapshots/<id>/state         QEMU's migration stream: the device state and every non-zero
-//!                              page of the guest's memory (zero pages are a flag each)
+//! snapshots/<id>/state         QEMU's migration stream of the device state (the memory left
+//!                              out: it is `mem`)
+//! snapshots/<id>/mem           the guest's memory, its zero pages holes
 //! snapshots/<id>/disk.img      the guest's writable disk, raw ext4, sparse
 //! ```
 //!
@@ -26,8 +27,10 @@ use crate::store::{LayerId, Store, StoreError, sync_dir, write_synced};
 pub const VERSION: u32 = 1;
 /// The file a snapshot exists by.
 pub const RECORD: &str = "record.json";
-/// The migration stream.
+/// The migration stream of the device state.
 pub const STATE: &str = "state";
+/// The guest's memory.
+pub const MEM: &str = "mem";
 /// The writable disk.
 pub const DISK: &str = "disk.img";
 
@@ -102,7 +105,7 @@ impl Store {
     /// the directory renamed into place.
     pub fn commit_vm_snapshot(&self, tmp: &Path, rec: &VmSnapshotRecord) -> Result<(), StoreError> {
         let dir = self.vm_snapshot_dir(&rec.id)?;
-        for f in [STATE, DISK] {
+        for f in [STATE, MEM, DISK] {
             let p = tmp.join(f);
             fs::File::open(&p).and_then(|f| f.sync_all()).map_err(io(&p))?;
         }
@@ -165,6 +168,7 @@ mod tests {
         assert!(matches!(store.vm_snapshot(&id), Err(StoreError::SnapshotNotFound(_))));
         let w = store.begin_vm_snapshot(&id).unwrap();
         fs::write(w.join(STATE), b"state").unwrap();
+        fs::write(w.join(MEM), b"mem").unwrap();
         fs::write(w.join(DISK), b"disk").unwrap();
         assert!(!store.has_vm_snapshot(&id), "not before its commit");
         let rec = VmSnapshotRecord {

@@ -12,7 +12,13 @@
 //! reaches no host or VM vsock port.
 //!
 //! A VM outlives the edge (its own process group): an edge restart adopts it from the pid
-//! file in its directory. Pause stops the vCPUs (QMP `stop`), the memory kept.
+//! file in its directory. A microvm's pause saves it and ends its VMM; a fullvm's stops the
+//! vCPUs (QMP `stop`), the memory kept. A microvm's memory snapshots and the copies restored
+//! from them are in [`snapshot`].
+//!
+//! Cycles on purpose: `snapshot` holds [`VmBackend`]'s snapshot and restore verbs, split out
+//! for length; it uses this module's private helpers, and this module's creation calls its
+//! restore steps.
 
 pub mod disks;
 pub mod qmp;
@@ -431,38 +437,9 @@ impl VmBackend {
         Vmm { argv: a, drives, shape }
     }
 
-    /// A lazily connecting channel to the agent in `dir`: each connection is the serial port's
-    /// socket, begun with the handshake; it waits for a booting guest.
+    /// A lazily connecting channel to the agent in `dir` ([`serial_channel`]).
     fn agent_channel(&self, dir: &Path) -> tonic::transport::Channel {
-        let sock = dir.join("agent.sock");
-        let wait = self.opts.boot_timeout;
-        Endpoint::from_static("http://agent.invalid").connect_with_connector_lazy(tower::service_fn(move |_| {
-            let sock = sock.clone();
-            async move {
-                let connect = async {
-                    // QEMU makes the socket shortly after it starts.
-                    let s = loop {
-                        match tokio::net::UnixStream::connect(&sock).await {
-                            Ok(s) => break s,
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                                ) && sock.parent().is_some_and(|d| d.join("pid").exists()) =>
-                            {
-                                tokio::time::sleep(Duration::from_millis(10)).await
-                            }
-                            Err(e) => return Err(e),
-                        }
-                    };
-                    opendsec_proto::serial::host_handshake(s, rand::random()).await
-                };
-                let io = tokio::time::timeout(wait, connect)
-                    .await
-                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the guest did not answer"))??;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(io))
-            }
-        }))
+        serial_channel(dir.join("agent.sock"), self.opts.boot_timeout)
     }
 
     async fn qmp(&self, dir: &Path) -> Result<qmp::Qmp, BackendError> {
@@ -556,12 +533,18 @@ impl VmBackend {
                     let cached = snapshot::cached(&snapshots, &store, rec)?;
                     disks::copy_sparse(&cached.join(vmsnap::DISK), &d.join("disk.img"))?;
                     disks::reserve_existing(&d.join("disk.img"), shape.disk_mb)?;
+                    disks::copy_sparse(&cached.join(vmsnap::MEM), &d.join("mem"))?;
                     Some(cached.join(vmsnap::STATE))
                 }
             };
             // The guest's memory, reserved on disk (its pages are written back there, and
             // kept there while paused): a full host disk is found now, not by a running VM.
-            disks::reserve(&d.join("mem"), shape.memory_mb)?;
+            // A copy's holds the snapshot's pages already.
+            if state.is_some() {
+                disks::reserve_existing(&d.join("mem"), shape.memory_mb)?;
+            } else {
+                disks::reserve(&d.join("mem"), shape.memory_mb)?;
+            }
             Ok((disk, ids.host_first, shape, state))
         })
         .await;
@@ -578,10 +561,10 @@ impl VmBackend {
             std::fs::write(dir.join(VMM_FILE), kept).map_err(internal("writing the VMM's command line"))?;
             match &state {
                 None => self.spawn_vmm(&dir, &vmm, false),
-                // Its memory and devices from the snapshot's stream (every page is in it), then
-                // running from where the snapshot's VM stopped.
+                // Its devices from the snapshot's stream over its copy of the snapshot's
+                // memory, as a resume does, then running from where the snapshot's VM stopped.
                 Some(state) => {
-                    let (pid, mut q) = self.incoming(&dir, &vmm, state, false).await?;
+                    let (pid, mut q) = self.incoming(&dir, &vmm, state, true).await?;
                     q.cont().await.map_err(|e| BackendError::internal(format!("running the restored VM: {e}")))?;
                     Ok(pid)
                 }
@@ -780,7 +763,7 @@ impl VmBackend {
 
     /// Starts a VMM for `dir` that restores the migration stream in `state` and leaves the VM
     /// stopped. `ignore_shared`: the stream leaves out the memory, which is the VM's own file
-    /// already (a pause's); otherwise every page comes from the stream (a snapshot's).
+    /// already (a pause's, a snapshot's); otherwise every page comes from the stream.
     async fn incoming(
         &self,
         dir: &Path,
@@ -893,6 +876,53 @@ impl VmBackend {
     }
 }
 
+/// A lazily connecting channel to the agent behind the VM's serial-port socket `sock`: each
+/// connection is a new connection to the socket (QEMU's), begun with the handshake of
+/// `opendsec_proto::serial` (the host reads at most 16 MiB looking for the guest's answer),
+/// then one HTTP/2 connection carrying every call, with the message limits of every hop
+/// ([`crate::backend::agent_client`]). It waits up to `wait` for a booting guest to answer.
+/// Everything the guest sends is data: what it says cannot make the edge read or hold more
+/// than those bounds.
+pub fn serial_channel(sock: PathBuf, wait: Duration) -> tonic::transport::Channel {
+    // The guest's headers are bounded well below HTTP/2's 16 MiB default: the agent sends a
+    // handful of short ones.
+    Endpoint::from_static("http://agent.invalid")
+        .http2_max_header_list_size(GUEST_HEADER_BYTES)
+        .connect_with_connector_lazy(tower::service_fn(move |_| {
+            let sock = sock.clone();
+            async move {
+                let connect = async {
+                    // QEMU makes the socket shortly after it starts.
+                    let s = loop {
+                        match tokio::net::UnixStream::connect(&sock).await {
+                            Ok(s) => break s,
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                                ) && sock.parent().is_some_and(|d| d.join("pid").exists()) =>
+                            {
+                                tokio::time::sleep(Duration::from_millis(10)).await
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    };
+                    opendsec_proto::serial::host_handshake(s, rand::random()).await
+                };
+                let io = tokio::time::timeout(wait, connect)
+                    .await
+                    .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the guest did not answer"))??;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(io))
+            }
+        }))
+}
+
+/// Most header bytes the edge takes from a guest in one answer.
+const GUEST_HEADER_BYTES: u32 = 64 << 10;
+
+/// The bandwidth a migration of a stopped VM to a file may use (bytes/s): no throttle.
+const MIGRATION_BYTES_PER_S: u64 = 1 << 40;
+
 fn qmp_fail(what: &'static str) -> impl FnOnce(qmp::QmpError) -> BackendError {
     move |e| BackendError::internal(format!("{what}: {e}"))
 }
@@ -904,6 +934,11 @@ async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Resu
     let file = std::fs::File::create(path).map_err(internal("creating the state file"))?;
     q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(qmp_fail("handing over the state file"))?;
     q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
+    // The vCPUs are stopped: nothing to spare them from (QEMU throttles a migration to
+    // 128 MiB/s by default).
+    q.execute("migrate-set-parameters", Some(serde_json::json!({ "max-bandwidth": MIGRATION_BYTES_PER_S })))
+        .await
+        .map_err(qmp_fail("lifting the migration's throttle"))?;
     q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
         .await
         .map_err(qmp_fail("saving the device state"))?;

@@ -1,26 +1,30 @@
 //! Memory snapshots of microVMs and the copies restored from them ([C 7] "Creating from
-//! snapshots, fork"): the snapshot is the VM's whole migration stream (device state and every
-//! non-zero page of its memory) and its writable disk, stored in the image store
-//! (`opendsec_images::vmsnap`) and published as an image; a sandbox created from that image is
-//! restored from it, not booted, and runs on from where the snapshot's VM stopped, its
-//! processes and their memory included. After the restore it takes a hostname, a machine-id and
-//! a random seed of its own (`PostRestore`), and the host's clock (the serial handshake).
+//! snapshots, fork"): the snapshot is the VM's device state (a migration stream without the
+//! memory), its memory (a file, zero pages left as holes) and its writable disk, stored in the
+//! image store (`opendsec_images::vmsnap`) and published as an image. A sandbox created from
+//! that image is restored from it, not booted, and runs on from where the snapshot's VM
+//! stopped, its processes and their memory included. After the restore it takes a hostname, a
+//! machine-id and a random seed of its own (`PostRestore`), and the host's clock (the serial
+//! handshake).
 //!
-//! Why the memory travels in the stream and not as a file the copies map privately (as
-//! Firecracker does): QEMU 7.2 opens a memory backend file read-write (its `readonly=on` maps it
-//! read-only, which a guest cannot run on), as root, before it drops to the VM's uid; a VMM
-//! taken over by its guest would keep that descriptor and could write into the memory every
-//! other copy maps. From the stream each copy loads its own memory into its own file; the
-//! snapshot's files are only ever opened by the edge, read-only for the VMM. (QEMU 8.2's
-//! `rom=off` opens the file read-only and maps it private: sharing pages between copies is
-//! then safe, and is the next step where that QEMU is installed.)
+//! A copy's memory is its own file: a copy of the snapshot's, data only (the pages the guest
+//! had written), reserved on the host like every VM's memory file, which its VMM maps shared
+//! exactly as after a pause. Not the snapshot's file mapped privately into every copy (as
+//! Firecracker does, sharing the pages no copy wrote): QEMU 7.2 opens a memory backend file
+//! read-write, as root, before it drops to the VM's uid (its `readonly=on` maps the memory
+//! read-only, which no guest runs on), and keeps the descriptor; a VMM taken over by its guest
+//! could write into the memory every other copy maps. The snapshot's files are only ever opened
+//! by the edge. (QEMU 8.2's `rom=off` opens the file read-only and maps it private: sharing
+//! pages between copies is then safe, and is the next step where that QEMU is installed.) Not a
+//! migration stream carrying every page either: loading one touches every page of the guest's
+//! memory, zero or not, a full guest's worth of host memory per copy.
 //!
 //! Copies' disks are sparse copies of the snapshot's disk (its data only), reserved on the
 //! host like every VM disk, not qcow2 overlays: a qcow2's metadata is written by the VMM (the
 //! guest's side) and read back by the next VMM, as root, before it drops privileges, and by
 //! any host tool that flattens it for the next snapshot; a raw disk carries nothing anyone
 //! reads as instructions. With every VM's disk reserved in full, sharing blocks would not save
-//! reserved space; the copy costs the data the source wrote.
+//! reserved space; a copy costs the data the source wrote.
 //!
 //! Snapshots live in the shared store; each node keeps its own copy of the ones it restores
 //! (`<vm state>/.snapshots/<id>/`, hard links where the store is on the same file system),
@@ -34,7 +38,7 @@ use async_trait::async_trait;
 use opendsec_images::Store;
 use opendsec_images::vmsnap::{self, VmSnapshotRecord};
 
-use super::{Machine, Shape, Vm, VmBackend, blocking, disks, internal, kill_vmm, qmp_fail, save_stream};
+use super::{Machine, Shape, Vm, VmBackend, blocking, disks, internal, qmp_fail, save_stream};
 use crate::backend::{BackendError, VmSnapshotTaken, VmSnapshotter};
 use crate::record::SandboxRecord;
 
@@ -102,7 +106,7 @@ pub(super) fn cached(cache: &Path, store: &Store, rec: &VmSnapshotRecord) -> Res
     let fetched = (|| {
         std::fs::create_dir_all(&tmp).map_err(internal("creating a snapshot cache entry"))?;
         // The record last: an entry exists exactly when its record does.
-        for f in [vmsnap::STATE, vmsnap::DISK, vmsnap::RECORD] {
+        for f in [vmsnap::STATE, vmsnap::MEM, vmsnap::DISK, vmsnap::RECORD] {
             if std::fs::hard_link(from.join(f), tmp.join(f)).is_err() {
                 disks::copy_sparse(&from.join(f), &tmp.join(f))?;
             }
@@ -164,20 +168,17 @@ fn allocated(path: &Path) -> u64 {
 }
 
 impl VmBackend {
-    /// Saves the stopped VM of `q` into the snapshot directory `tmp`: its migration stream,
-    /// every page in it, and a copy of its disk (consistent: the migration flushed and
-    /// inactivated it).
-    async fn save_into(&self, q: &mut super::qmp::Qmp, dir: &Path, tmp: &Path) -> Result<(), BackendError> {
-        save_stream(q, &tmp.join(vmsnap::STATE), false).await?;
-        let (disk, to) = (dir.join("disk.img"), tmp.join(vmsnap::DISK));
-        blocking(move || disks::copy_sparse(&disk, &to).map(drop)).await
-    }
-
-    /// A running VM: its vCPUs stopped for the save, then run on (also when the save failed).
+    /// A running VM: its vCPUs stopped while its device state is saved (its memory left out:
+    /// it is the VM's own file) and its memory and disk are copied, then run on (also when the
+    /// save failed). The migration flushed and inactivated the disk, so the copy is consistent.
     async fn snapshot_running(&self, vm: &Vm, tmp: &Path) -> Result<(), BackendError> {
         let mut q = self.qmp(&vm.dir).await?;
         q.stop().await.map_err(qmp_fail("stopping the vCPUs"))?;
-        let saved = tokio::time::timeout(self.opts.boot_timeout, self.save_into(&mut q, &vm.dir, tmp))
+        let save = async {
+            save_stream(&mut q, &tmp.join(vmsnap::STATE), true).await?;
+            copy_files(&vm.dir, tmp, false).await
+        };
+        let saved = tokio::time::timeout(self.opts.boot_timeout, save)
             .await
             .unwrap_or_else(|_| Err(BackendError::unavailable(format!("{} was not saved in time", vm.dir.display()))));
         if saved.is_err() {
@@ -187,24 +188,24 @@ impl VmBackend {
         vm.agent.beat_now();
         saved.and(ran)
     }
+}
 
-    /// A microvm paused by snapshot (no VMM): a VMM restores it without running it, saves it
-    /// again with its memory, and ends; the VM stays paused, its own state untouched.
-    async fn snapshot_paused(&self, vm: &Vm, tmp: &Path) -> Result<(), BackendError> {
-        let vmm = Self::kept_vmm(&vm.dir)?;
-        let (_, mut q) = self.incoming(&vm.dir, &vmm, &vm.dir.join("state"), true).await?;
-        let saved = tokio::time::timeout(self.opts.boot_timeout, self.save_into(&mut q, &vm.dir, tmp))
-            .await
-            .unwrap_or_else(|_| Err(BackendError::unavailable(format!("{} was not saved in time", vm.dir.display()))));
-        let _ = q.quit().await;
-        let dir = vm.dir.clone();
-        blocking(move || {
-            kill_vmm(&dir);
-            Ok(())
-        })
-        .await?;
-        saved
-    }
+/// Copies a VM's memory and disk from `dir` into the snapshot directory `tmp` (data only),
+/// and with `state` its saved device state too (a paused microvm's, which the pause wrote
+/// without the memory, as a snapshot's is).
+async fn copy_files(dir: &Path, tmp: &Path, state: bool) -> Result<(), BackendError> {
+    let (dir, tmp) = (dir.to_path_buf(), tmp.to_path_buf());
+    blocking(move || {
+        let mut files = vec![("mem", vmsnap::MEM), ("disk.img", vmsnap::DISK)];
+        if state {
+            files.push(("state", vmsnap::STATE));
+        }
+        for (from, to) in files {
+            disks::copy_sparse(&dir.join(from), &tmp.join(to))?;
+        }
+        Ok(())
+    })
+    .await
 }
 
 #[async_trait]
@@ -227,9 +228,10 @@ impl VmSnapshotter for VmBackend {
             blocking(move || store.begin_vm_snapshot(&id).map_err(|e| BackendError::unavailable(e.to_string()))).await?
         };
         let started = Instant::now();
-        // A paused microvm has no VMM (pid 0).
+        // A paused microvm has no VMM (pid 0): its saved state and memory are what a snapshot
+        // holds already.
         let saved =
-            if vm.pid == 0 { self.snapshot_paused(&vm, &tmp).await } else { self.snapshot_running(&vm, &tmp).await };
+            if vm.pid == 0 { copy_files(&vm.dir, &tmp, true).await } else { self.snapshot_running(&vm, &tmp).await };
         let frozen = started.elapsed();
         let committed = match saved {
             Ok(()) => {
@@ -245,7 +247,7 @@ impl VmSnapshotter for VmBackend {
                     disk_mb: shape.disk_mb,
                     source: sb.id.clone(),
                     created_at_ms: opendsec_common::time::now_ms(),
-                    bytes: allocated(&tmp.join(vmsnap::STATE)) + allocated(&tmp.join(vmsnap::DISK)),
+                    bytes: [vmsnap::STATE, vmsnap::MEM, vmsnap::DISK].iter().map(|f| allocated(&tmp.join(f))).sum(),
                 };
                 let bytes = rec.bytes;
                 blocking(move || {
