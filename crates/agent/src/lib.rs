@@ -17,6 +17,7 @@ pub mod reaper;
 pub mod restore;
 pub mod serial;
 pub mod vminit;
+pub mod vmnet;
 pub mod watch;
 
 use std::path::PathBuf;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use opendsec_agent::{aether, chronus};
 
-const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N | --serial PORT) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent vm-init (PID 1 of a VM, from its initramfs)\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
+const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N | --serial PORT) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent vm-init (PID 1 of a VM, from its initramfs)\n       opendsec-agent hold-netns DIR (the edge's placeholder of a VM's network namespace)\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
 
 /// Blocking threads started up front (see `main`).
 const BLOCKING_THREADS: usize = 2;
@@ -65,6 +65,14 @@ fn main() -> ExitCode {
         // for the edge, which sees no agent, to stop the VM.
         loop {
             std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+    }
+    // The placeholder that keeps a VM's network namespace alive while its VMM is gone (a
+    // paused microvm): started by the edge inside that namespace, under the VM's uid; it does
+    // nothing until it is killed. Its argument (the VM's directory) names it for the edge.
+    if std::env::args().nth(1).as_deref() == Some("hold-netns") {
+        loop {
+            std::thread::park();
         }
     }
     let a = match parse() {

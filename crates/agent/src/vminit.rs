@@ -37,6 +37,8 @@ pub struct VmConfig {
     pub user: String,
     pub workdir: String,
     pub session_bytes: u64,
+    /// The VM has a NIC (`opendsec_proto::vmnet`): configure it.
+    pub network: bool,
 }
 
 impl VmConfig {
@@ -174,6 +176,19 @@ pub fn assemble(exe: &Path) -> std::io::Result<VmConfig> {
         }),
         "mounting /tmp",
     )?;
+    crate::vmnet::loopback()?;
+    if config.network {
+        crate::vmnet::nic()?;
+        // The gateway answers names (the edge's DNS proxy behind it). Replaced, never written
+        // through: it may be a symlink in the image.
+        if Path::new("/etc").is_dir() {
+            let _ = std::fs::remove_file("/etc/resolv.conf");
+            std::fs::write(
+                "/etc/resolv.conf",
+                format!("nameserver {}\noptions edns0\n", opendsec_proto::vmnet::GATEWAY_ADDR),
+            )?;
+        }
+    }
     eprintln!("opendsec-agent vm-init: root assembled in {} ms", started.elapsed().as_millis());
     Ok(config)
 }

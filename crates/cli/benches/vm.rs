@@ -50,12 +50,6 @@ fn p50_p99(v: &mut [Duration]) -> (f64, f64) {
     (ms(rank(0.5)), ms(rank(0.99)))
 }
 
-fn vm_kernel() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vm-kernel.sh");
-    let out = std::process::Command::new(script).arg("--path").output().unwrap();
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
-
 fn tsc_khz() -> Option<u64> {
     if let Ok(s) = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/tsc_freq_khz") {
         return s.trim().parse().ok();

@@ -11,14 +11,6 @@ use common::*;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 
-fn vm_kernel() -> std::path::PathBuf {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vm-kernel.sh");
-    let out = std::process::Command::new(script).arg("--path").output().unwrap();
-    let dir = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-    assert!(dir.join("complete").exists(), "no guest kernel in {}: run `make vm-kernel`", dir.display());
-    dir
-}
-
 fn vm_spec(backend: &str) -> pb::SandboxSpec {
     pb::SandboxSpec { backend: backend.into(), ..container_spec("busybox", 192, 64) }
 }

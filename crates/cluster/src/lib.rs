@@ -481,11 +481,13 @@ async fn start_edge(
 /// The backends `config.edge.backends` names. The sim one is the slot's (tests reach it through
 /// [`Cluster::sim_backend`]); a container backend is made afresh on every start, so an edge
 /// restart adopts its sandboxes as a new process would.
-/// The sandbox network of edge `name`, when `network.enabled` and the edge offers containers.
+/// The sandbox network of edge `name`, when `network.enabled` and the edge offers containers
+/// or VMs.
 /// Edges of one cluster share a host: with several, each gets an equal part of
 /// `network.subnet`, by the number its name ends in.
 async fn build_network(config: &Config, name: &str) -> Result<Option<Arc<Network>>, ClusterError> {
-    if !config.network.enabled || !config.edge.backends.iter().any(|b| b == "container" || b == "fncall") {
+    let networked = ["container", "fncall", "microvm", "fullvm"];
+    if !config.network.enabled || !config.edge.backends.iter().any(|b| networked.contains(&b.as_str())) {
         return Ok(None);
     }
     let err = |source| ClusterError::Network { edge: name.to_string(), source };
@@ -602,6 +604,7 @@ fn build_backends(
                     // user namespaces.
                     ids: IdPool::new(config.edge.userns_first_id, config.edge.userns_ranges)
                         .map_err(|e| err(BackendError::invalid_argument(e.to_string())))?,
+                    network: network.clone(),
                 };
                 out.push(Arc::new(VmBackend::new(opts).map_err(err)?));
             }

@@ -42,6 +42,7 @@ fn options(root: &Path, machine: Machine, edge: &str) -> VmOptions {
         boot_timeout: Duration::from_secs(90),
         agent_silence: Duration::from_secs(60),
         ids: IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap(),
+        network: None,
     }
 }
 

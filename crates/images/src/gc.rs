@@ -625,6 +625,7 @@ mod tests {
             memory_mb: 128,
             cpus: 1,
             disk_mb: 64,
+            net: false,
             source: "e.l".into(),
             created_at_ms: 1,
             bytes: 2,

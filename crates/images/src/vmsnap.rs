@@ -50,6 +50,9 @@ pub struct VmSnapshotRecord {
     pub memory_mb: u64,
     pub cpus: u64,
     pub disk_mb: u64,
+    /// The VM had a NIC (its copies have one too: the devices are restored as they were).
+    #[serde(default)]
+    pub net: bool,
     /// The sandbox it was taken of.
     pub source: String,
     pub created_at_ms: i64,
@@ -180,6 +183,7 @@ mod tests {
             memory_mb: 192,
             cpus: 1,
             disk_mb: 64,
+            net: false,
             source: "e1.x".into(),
             created_at_ms: 1,
             bytes: 9,

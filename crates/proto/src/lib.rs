@@ -4,6 +4,7 @@
 
 pub mod serial;
 pub mod upload;
+pub mod vmnet;
 
 pub mod v1 {
     tonic::include_proto!("opendsec.v1");

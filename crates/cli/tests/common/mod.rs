@@ -301,3 +301,12 @@ pub async fn sim_cluster(dir: &Path) -> Cluster {
     cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
     cluster
 }
+
+/// The VM backends' guest kernel (`make vm-kernel`).
+pub fn vm_kernel() -> PathBuf {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/vm-kernel.sh");
+    let out = std::process::Command::new(script).arg("--path").output().unwrap();
+    let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    assert!(dir.join("complete").exists(), "no guest kernel in {}: run `make vm-kernel`", dir.display());
+    dir
+}

@@ -331,7 +331,7 @@ fn rootfs_err(e: rootfs::RootfsError) -> BackendError {
     BackendError::internal("layer cache").caused_by(e)
 }
 
-fn net_err(e: NetworkError) -> BackendError {
+pub(super) fn net_err(e: NetworkError) -> BackendError {
     let kind = match &e {
         NetworkError::Rule(_) => BackendErrorKind::InvalidArgument,
         NetworkError::Exhausted(_) => BackendErrorKind::NoCapacity,

@@ -130,6 +130,16 @@ pub fn create_veth(
     Ok(())
 }
 
+/// Link `name` of the namespace `sock` is in: its MAC set to `mac`, `addr`/`prefix` added,
+/// up (a VM's tap, made by the tun device; see `backend::vm::net`).
+pub fn configure(sock: &mut NlSocket, name: &str, mac: [u8; 6], addr: Ipv4Addr, prefix: u8) -> Result<(), NlError> {
+    let idx = index_of(sock, name)?.ok_or_else(|| NlError::Malformed { what: format!("link {name} is missing") })?;
+    let msg = LinkUnspec::new_with_index(idx).address(mac.to_vec()).build();
+    sock.route_change(&format!("the MAC of {name}"), RouteNetlinkMessage::SetLink(msg), false)?;
+    add_address(sock, idx, addr, prefix, &format!("the address of {name}"))?;
+    up(sock, idx, &format!("set {name} up"))
+}
+
 /// Deletes link `name` (one end of a veth takes the other with it); a link that is not there
 /// is no error.
 pub fn delete(sock: &mut NlSocket, name: &str) -> Result<(), NlError> {

@@ -21,6 +21,7 @@
 //! restore steps.
 
 pub mod disks;
+mod net;
 pub mod qmp;
 mod snapshot;
 
@@ -148,6 +149,9 @@ pub struct VmOptions {
     /// Where each VMM's own host uid comes from: one block of the edge's user-namespace id
     /// ranges per VM (its first id), so that a VMM shares its uid with no other process.
     pub ids: IdPool,
+    /// The edge's sandbox network, when it has one: VMs then get a NIC in a namespace of
+    /// their own ([`net`]).
+    pub network: Option<Arc<crate::netpol::Network>>,
 }
 
 /// Smallest guest memory: the kernel and the agent need this much.
@@ -180,6 +184,9 @@ struct Shape {
     disk_mb: u64,
     /// The image's layers (its image disk), bottom first.
     layers: Vec<opendsec_images::LayerId>,
+    /// It has a NIC ([`net`]).
+    #[serde(default)]
+    net: bool,
 }
 
 /// A disk handed to QEMU open, as fd set `set`.
@@ -434,6 +441,15 @@ impl VmBackend {
             a.push(format!("virtio-blk-{suffix},drive={id},serial={id},discard=off,write-zeroes=off"));
             drives.push(Drive { set, path: file, writable });
         }
+        // The NIC, on the tap the edge hands over at each start (`-netdev`, in spawn_vmm).
+        if shape.net {
+            a.push("-device".into());
+            let rom = if suffix == "pci" { ",romfile=" } else { "" };
+            a.push(format!(
+                "virtio-net-{suffix},netdev=net0,mac={}{rom}",
+                opendsec_proto::vmnet::mac_text(opendsec_proto::vmnet::GUEST_MAC)
+            ));
+        }
         Vmm { argv: a, drives, shape }
     }
 
@@ -468,7 +484,13 @@ impl VmBackend {
             cpus: u64::from(res.cpu_millis).div_ceil(1000).max(1),
             disk_mb: if res.disk_mb == 0 { DEFAULT_DISK_MB } else { res.disk_mb },
             layers: Vec::new(),
+            net: false,
         };
+        // Its network, when the edge has one and gave it a slot: the namespace is set up here,
+        // the veth and its rules by netpol.
+        let network = self.opts.network.clone().filter(|_| sb.net_slot != 0);
+        let (sid, slot, rules) = (sb.id.clone(), crate::netpol::Slot(sb.net_slot), sb.spec.egress_rules());
+        let holder_exe = self.opts.agent.clone();
         let config = serde_json::json!({
             "sandbox_id": sb.id,
             "hostname": sb.lease_id,
@@ -497,8 +519,13 @@ impl VmBackend {
                 "" => None,
                 id => Some(snapshot::restorable(&store, id, &image, &vmm_key, &wanted)?),
             };
-            let shape =
-                Shape { layers: from.as_ref().map(|r| r.layers.clone()).unwrap_or(manifest.layers.clone()), ..wanted };
+            // A copy has a NIC when its snapshot's VM had one (its devices are restored as they
+            // were), whether or not the network reaches it here.
+            let shape = Shape {
+                layers: from.as_ref().map(|r| r.layers.clone()).unwrap_or(manifest.layers.clone()),
+                net: from.as_ref().map(|r| r.net).unwrap_or(network.is_some()),
+                ..wanted
+            };
             write_inuse(&inuse, &shape.layers)?;
             let disk = disks::image_disk(&store, &shape.layers)?;
             // Root's alone: its sockets control the VM.
@@ -514,7 +541,26 @@ impl VmBackend {
                 .map_err(|e| BackendError::no_capacity(format!("no host uid for the VMM: {e}")))?;
             std::fs::write(d.join(IDS_FILE), ids.host_first.to_string())
                 .map_err(internal("recording the VMM's uid"))?;
+            if shape.net {
+                let procs: Vec<std::ffi::CString> = cg
+                    .procs_files()
+                    .into_iter()
+                    .map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| BackendError::internal(format!("a cgroup path: {e}")))?;
+                net::start_holder(&holder_exe, &d, &procs, ids.host_first)?;
+                let ns = net::netns_of(&d)?;
+                let out = match &network {
+                    Some(n) => {
+                        n.attach(&sid, slot, &rules, &ns).map_err(super::container::net_err)?;
+                        Some((n.addrs(slot).1, n.dns_addr()))
+                    }
+                    None => None,
+                };
+                net::set_up(&ns, out)?;
+            }
             let mut config = config;
+            config["network"] = serde_json::json!(shape.net);
             config["env"] = serde_json::json!(
                 super::container::merge_env(&manifest.config.env, &spec_env)
                     .iter()
@@ -638,6 +684,14 @@ impl VmBackend {
                 files.push(f);
             }
         }
+        // The tap, opened in the VM's network namespace (the VMM lives in an empty one).
+        let mut tap = None;
+        if vmm.shape.net {
+            let fd = net::open_tap(&net::netns_of(dir)?)?;
+            fdsets.push("-netdev".to_string());
+            fdsets.push(format!("tap,id=net0,fd={}", std::os::fd::AsRawFd::as_raw_fd(&fd)));
+            tap = Some(fd);
+        }
         let mut cmd = tokio::process::Command::new(&self.opts.qemu);
         cmd.args(&fdsets);
         // QEMU's own messages (some a guest can provoke, unthrottled) go to a pipe the edge
@@ -652,7 +706,11 @@ impl VmBackend {
         // SAFETY: between fork and exec the closure makes raw system calls only (open,
         // write, unshare, setsid) on memory prepared before the fork; it allocates nothing.
         unsafe {
-            let fds: Vec<std::os::fd::RawFd> = files.iter().map(std::os::fd::AsRawFd::as_raw_fd).collect();
+            let fds: Vec<std::os::fd::RawFd> = files
+                .iter()
+                .map(std::os::fd::AsRawFd::as_raw_fd)
+                .chain(tap.as_ref().map(std::os::fd::AsRawFd::as_raw_fd))
+                .collect();
             cmd.pre_exec(move || {
                 for &fd in &fds {
                     rustix::io::fcntl_setfd(std::os::fd::BorrowedFd::borrow_raw(fd), rustix::io::FdFlags::empty())?;
@@ -844,6 +902,13 @@ impl VmBackend {
         Ok(Arc::new(Vm { dir: dir.to_path_buf(), pid, agent }))
     }
 
+    /// Takes the sandbox's rules and addresses out of the edge's network (idempotent).
+    async fn detach(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
+        let Some(net) = self.opts.network.clone().filter(|_| sb.net_slot != 0) else { return Ok(()) };
+        let (id, slot) = (sb.id.clone(), crate::netpol::Slot(sb.net_slot));
+        blocking(move || net.detach(&id, slot).map_err(super::container::net_err)).await
+    }
+
     /// Ends the VM of `id` (if any) and removes its directory and its hold on layers.
     async fn teardown(&self, id: &str) -> Result<(), BackendError> {
         let vm = self.lock().remove(id);
@@ -857,6 +922,8 @@ impl VmBackend {
         let pool = self.opts.ids.clone();
         blocking(move || {
             kill_vmm(&dir);
+            // Its network namespace with it (the tap and the veth go with the namespace).
+            net::stop_holder(&dir);
             // Whatever is left in its cgroup goes with it (a VMM whose pid was never kept).
             if cgroup::exists_at(&cgroup::parent_rel().map_err(cgroup_err)?.1.join(&name)) {
                 SandboxCgroup::open(&name).and_then(SandboxCgroup::remove).map_err(cgroup_err)?;
@@ -1017,13 +1084,21 @@ impl Backend for VmBackend {
         }
         // Leftovers of an interrupted creation go first.
         self.teardown(&sb.id).await?;
-        let vm = self.launch(sb).await?;
-        self.lock().insert(sb.id.clone(), vm);
-        Ok(())
+        match self.launch(sb).await {
+            Ok(vm) => {
+                self.lock().insert(sb.id.clone(), vm);
+                Ok(())
+            }
+            Err(e) => Err(match self.detach(sb).await {
+                Ok(()) => e,
+                Err(de) => e.with_cleanup(de),
+            }),
+        }
     }
 
     async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
-        self.teardown(&sb.id).await
+        self.teardown(&sb.id).await?;
+        self.detach(sb).await
     }
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
@@ -1153,6 +1228,10 @@ impl Backend for VmBackend {
 
     fn usage(&self) -> Option<Usage> {
         None
+    }
+
+    fn networked(&self) -> bool {
+        self.opts.network.is_some()
     }
 
     fn versioned(&self) -> Option<&dyn Versioned> {

@@ -245,6 +245,7 @@ impl VmSnapshotter for VmBackend {
                     memory_mb: shape.memory_mb,
                     cpus: shape.cpus,
                     disk_mb: shape.disk_mb,
+                    net: shape.net,
                     source: sb.id.clone(),
                     created_at_ms: opendsec_common::time::now_ms(),
                     bytes: [vmsnap::STATE, vmsnap::MEM, vmsnap::DISK].iter().map(|f| allocated(&tmp.join(f))).sum(),
