@@ -161,6 +161,16 @@ pub fn check_spec(
         });
     }
     range("spec.resources.gpus", u64::from(r.gpus), 0, MAX_GPUS)?;
+    // GPUs are passed through to full VMs (VFIO); sim only counts them.
+    if r.gpus > 0 && !matches!(s.backend.as_str(), "fullvm" | "sim") {
+        return Err(AdmissionError::Invalid {
+            field: "spec.resources.gpus",
+            message: format!(
+                "backend {} has no GPUs; they are passed through to full VMs (backend fullvm)",
+                s.backend
+            ),
+        });
+    }
     // A VM gets whole vCPUs and at least the memory its kernel needs: charged as it gets them
     // (docs/vms.md), not as asked.
     if matches!(s.backend.as_str(), "microvm" | "fullvm")
@@ -523,6 +533,18 @@ mod tests {
         huge_but_ok.resources =
             Some(pb::Resources { cpu_millis: 1_024_000, memory_mb: 16 << 20, disk_mb: 64 << 20, gpus: 64 });
         assert!(check_spec(Some(&huge_but_ok), "root/me", &cfg()).is_ok());
+        // GPUs: passed through to full VMs (sim counts them); other backends have none.
+        for backend in ["container", "fncall", "microvm"] {
+            let e = err_of(|s| {
+                s.backend = backend.into();
+                s.resources.as_mut().unwrap().gpus = 1;
+            });
+            assert_eq!(e.field(), "spec.resources.gpus", "{backend}: {e}");
+        }
+        let mut full_gpu = good();
+        full_gpu.backend = "fullvm".into();
+        full_gpu.resources.as_mut().unwrap().gpus = 1;
+        assert!(check_spec(Some(&full_gpu), "root/me", &cfg()).is_ok());
         // A sim sandbox allocates no disk: 0 is fine there.
         let mut sim_no_disk = good();
         sim_no_disk.resources.as_mut().unwrap().disk_mb = 0;

@@ -26,6 +26,8 @@ async fn vm_sandboxes_run_sessions_files_and_pause() {
         c.edge.backends.extend(["microvm".to_string(), "fullvm".to_string()]);
         c.edge.vm.kernel_dir = Some(vm_kernel());
         c.edge.vm.accel = "tcg".into();
+        // Room for a GPU, but none to pass through (edge.vm.gpu_devices is empty).
+        c.edge.capacity.gpus = 1;
     })
     .await;
     let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
@@ -112,6 +114,16 @@ async fn vm_sandboxes_run_sessions_files_and_pause() {
     for c in &copies {
         admin.stop_sandbox(&c.id).await.unwrap();
     }
+
+    // GPUs: a microvm has no PCI bus for them; a full VM gets one only if the edge has one to
+    // pass through (here none: no_capacity, and nothing left behind).
+    let mut gpu = vm_spec("microvm");
+    gpu.resources.as_mut().unwrap().gpus = 1;
+    assert_eq!(admin.create_sandbox(gpu.clone()).await.unwrap_err().reason, Reason::InvalidArgument);
+    gpu.backend = "fullvm".into();
+    let e = admin.create_sandbox(gpu).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NoCapacity, "{e}");
+    assert!(e.message.contains("GPU"), "{e}");
 
     // A full VM too; it has no memory snapshots ([C 8]).
     let full = admin.create_sandbox(vm_spec("fullvm")).await.unwrap();

@@ -605,6 +605,7 @@ fn build_backends(
                     ids: IdPool::new(config.edge.userns_first_id, config.edge.userns_ranges)
                         .map_err(|e| err(BackendError::invalid_argument(e.to_string())))?,
                     network: network.clone(),
+                    gpu_devices: vm.gpu_devices.clone(),
                 };
                 out.push(Arc::new(VmBackend::new(opts).map_err(err)?));
             }

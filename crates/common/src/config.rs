@@ -505,6 +505,10 @@ pub struct VmConfig {
     /// How long a VM may take from launch to its agent answering.
     #[serde(with = "humantime_serde")]
     pub boot_timeout: Duration,
+    /// PCI addresses (`0000:01:00.0`) of the host's GPUs that full VMs may have passed through
+    /// (VFIO): bound to `vfio-pci` by the operator, one sandbox each. `edge.capacity.gpus`
+    /// should count them. Empty: a fullvm asking for GPUs is `no_capacity`.
+    pub gpu_devices: Vec<String>,
 }
 
 impl Default for VmConfig {
@@ -514,6 +518,7 @@ impl Default for VmConfig {
             qemu: "qemu-system-x86_64".into(),
             accel: "auto".into(),
             boot_timeout: Duration::from_secs(60),
+            gpu_devices: Vec::new(),
         }
     }
 }
@@ -608,6 +613,11 @@ impl EdgeConfig {
             return Err(invalid("edge.vm.accel", "must be auto, kvm or tcg"));
         }
         positive("edge.vm.boot_timeout", e.vm.boot_timeout)?;
+        for d in &e.vm.gpu_devices {
+            if !pci_address(d) {
+                return Err(invalid("edge.vm.gpu_devices", "each must be a PCI address like 0000:01:00.0"));
+            }
+        }
         if e.backends.iter().any(|b| b == "microvm" || b == "fullvm") && e.vm.kernel_dir.is_none() {
             return Err(invalid("edge.vm.kernel_dir", "is needed by the VM backends (scripts/vm-kernel.sh prints it)"));
         }
@@ -1051,8 +1061,23 @@ pub fn parse_token_shape(token: &str) -> Option<(&str, &str)> {
     (id_ok && secret_ok).then_some((id, secret))
 }
 
+/// Whether `s` is a full PCI address, `dddd:bb:dd.f` in hex.
+pub fn pci_address(s: &str) -> bool {
+    let b = s.as_bytes();
+    let hex = |r: std::ops::Range<usize>| b.get(r).is_some_and(|x| x.iter().all(u8::is_ascii_hexdigit));
+    b.len() == 12 && hex(0..4) && b[4] == b':' && hex(5..7) && b[7] == b':' && hex(8..10) && b[10] == b'.' && hex(11..12)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn pci_addresses_are_whole() {
+        assert!(super::pci_address("0000:01:00.0"));
+        for bad in ["", "01:00.0", "0000:01:00", "0000:01:00.0 ", "0000:0g:00.0", "../../00:00.0"] {
+            assert!(!super::pci_address(bad), "{bad:?}");
+        }
+    }
+
     use super::*;
 
     #[test]
@@ -1150,3 +1175,4 @@ mod doc {
         assert_eq!(Config::parse(&doc[start..end], "doc").unwrap(), Config::default());
     }
 }
+

@@ -43,6 +43,7 @@ fn options(root: &Path, machine: Machine, edge: &str) -> VmOptions {
         agent_silence: Duration::from_secs(60),
         ids: IdPool::new(idmap::DEFAULT_FIRST_ID, idmap::DEFAULT_RANGES).unwrap(),
         network: None,
+        gpu_devices: Vec::new(),
     }
 }
 

@@ -152,6 +152,9 @@ pub struct VmOptions {
     /// The edge's sandbox network, when it has one: VMs then get a NIC in a namespace of
     /// their own ([`net`]).
     pub network: Option<Arc<crate::netpol::Network>>,
+    /// PCI addresses of the host's GPUs that full VMs may have passed through (VFIO), one
+    /// sandbox each (`edge.vm.gpu_devices`).
+    pub gpu_devices: Vec<String>,
 }
 
 /// Smallest guest memory: the kernel and the agent need this much.
@@ -187,6 +190,9 @@ struct Shape {
     /// It has a NIC ([`net`]).
     #[serde(default)]
     net: bool,
+    /// The host's GPUs passed through to it (PCI addresses; full VMs only).
+    #[serde(default)]
+    gpus: Vec<String>,
 }
 
 /// A disk handed to QEMU open, as fd set `set`.
@@ -222,6 +228,8 @@ pub struct VmBackend {
     tsc_khz: Option<u64>,
     version: String,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
+    /// Held while GPUs are claimed (the claims are the VMs' `gpus` files).
+    gpu_lock: Arc<Mutex<()>>,
     /// The last words of each VMM this edge started, by VM directory.
     logs: Mutex<HashMap<PathBuf, Arc<Mutex<std::collections::VecDeque<u8>>>>>,
 }
@@ -296,6 +304,7 @@ impl VmBackend {
             initramfs,
             version,
             vms: Mutex::new(HashMap::new()),
+            gpu_lock: Arc::new(Mutex::new(())),
             logs: Mutex::new(HashMap::new()),
             opts,
         })
@@ -441,6 +450,11 @@ impl VmBackend {
             a.push(format!("virtio-blk-{suffix},drive={id},serial={id},discard=off,write-zeroes=off"));
             drives.push(Drive { set, path: file, writable });
         }
+        // GPUs passed through (VFIO): QEMU opens their groups before it drops privileges.
+        for g in &shape.gpus {
+            a.push("-device".into());
+            a.push(format!("vfio-pci,host={g}"));
+        }
         // The NIC, on the tap the edge hands over at each start (`-netdev`, in spawn_vmm).
         if shape.net {
             a.push("-device".into());
@@ -485,7 +499,14 @@ impl VmBackend {
             disk_mb: if res.disk_mb == 0 { DEFAULT_DISK_MB } else { res.disk_mb },
             layers: Vec::new(),
             net: false,
+            gpus: Vec::new(),
         };
+        let gpus = res.gpus as usize;
+        if gpus > 0 && self.opts.machine == Machine::Microvm {
+            return Err(BackendError::invalid_argument(
+                "a microvm has no PCI bus to pass GPUs through to: ask for backend fullvm",
+            ));
+        }
         // Its network, when the edge has one and gave it a slot: the namespace is set up here,
         // the veth and its rules by netpol.
         let network = self.opts.network.clone().filter(|_| sb.net_slot != 0);
@@ -510,6 +531,7 @@ impl VmBackend {
             pids: VMM_PIDS,
         };
         let (vmm_key, snapshots) = (self.vmm_key(), self.snapshot_cache());
+        let gpu_pool = (self.opts.gpu_devices.clone(), self.opts.state_dir.clone(), self.gpu_lock.clone());
         let prepared = blocking(move || {
             let (_, manifest) = store
                 .resolve(&project, &image)
@@ -521,7 +543,7 @@ impl VmBackend {
             };
             // A copy has a NIC when its snapshot's VM had one (its devices are restored as they
             // were), whether or not the network reaches it here.
-            let shape = Shape {
+            let mut shape = Shape {
                 layers: from.as_ref().map(|r| r.layers.clone()).unwrap_or(manifest.layers.clone()),
                 net: from.as_ref().map(|r| r.net).unwrap_or(network.is_some()),
                 ..wanted
@@ -541,6 +563,9 @@ impl VmBackend {
                 .map_err(|e| BackendError::no_capacity(format!("no host uid for the VMM: {e}")))?;
             std::fs::write(d.join(IDS_FILE), ids.host_first.to_string())
                 .map_err(internal("recording the VMM's uid"))?;
+            if gpus > 0 {
+                shape.gpus = claim_gpus(&gpu_pool.0, &gpu_pool.1, &d, gpus, &gpu_pool.2)?;
+            }
             if shape.net {
                 let procs: Vec<std::ffi::CString> = cg
                     .procs_files()
@@ -1013,6 +1038,37 @@ async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Resu
     file.sync_all().map_err(internal("syncing the saved state"))
 }
 
+/// The file in a VM's directory naming the GPUs passed through to it, one PCI address a line.
+const GPUS_FILE: &str = "gpus";
+
+/// Claims `n` of `devices` for the VM in `dir` (written to its `gpus` file): the ones no other
+/// VM directory under `state_dir` names. Too few free: `no_capacity`.
+fn claim_gpus(
+    devices: &[String],
+    state_dir: &Path,
+    dir: &Path,
+    n: usize,
+    lock: &Mutex<()>,
+) -> Result<Vec<String>, BackendError> {
+    let _held = lock.lock().unwrap_or_else(|p| p.into_inner());
+    let mut used = HashSet::new();
+    for e in std::fs::read_dir(state_dir).into_iter().flatten().flatten() {
+        for l in std::fs::read_to_string(e.path().join(GPUS_FILE)).unwrap_or_default().lines() {
+            used.insert(l.trim().to_string());
+        }
+    }
+    let free: Vec<String> = devices.iter().filter(|d| !used.contains(*d)).take(n).cloned().collect();
+    if free.len() < n {
+        return Err(BackendError::no_capacity(format!(
+            "{n} GPUs asked for, {} of this edge's {} free for passthrough",
+            free.len(),
+            devices.len()
+        )));
+    }
+    std::fs::write(dir.join(GPUS_FILE), free.join("\n")).map_err(internal("recording the VM's GPUs"))?;
+    Ok(free)
+}
+
 fn cgroup_err(e: cgroup::CgroupError) -> BackendError {
     BackendError::internal(format!("the VMM's cgroup: {e}"))
 }
@@ -1267,6 +1323,27 @@ impl AgentAccess for VmBackend {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn gpus_go_to_one_vm_each() {
+        let state = tempfile::tempdir().unwrap();
+        let devices = vec!["0000:01:00.0".to_string(), "0000:02:00.0".to_string()];
+        let lock = std::sync::Mutex::new(());
+        let dir = |n: &str| {
+            let d = state.path().join(n);
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        };
+        let a = super::claim_gpus(&devices, state.path(), &dir("a"), 1, &lock).unwrap();
+        let b = super::claim_gpus(&devices, state.path(), &dir("b"), 1, &lock).unwrap();
+        assert_eq!((a.as_slice(), b.as_slice()), (&devices[..1], &devices[1..]));
+        let e = super::claim_gpus(&devices, state.path(), &dir("c"), 1, &lock).unwrap_err();
+        assert_eq!(e.kind(), crate::backend::BackendErrorKind::NoCapacity, "{e}");
+        // A VM gone (its directory removed) gives its GPU back.
+        std::fs::remove_dir_all(state.path().join("a")).unwrap();
+        assert_eq!(super::claim_gpus(&devices, state.path(), &dir("c"), 1, &lock).unwrap(), a);
+        assert!(super::claim_gpus(&[], state.path(), &dir("d"), 1, &lock).is_err());
+    }
+
     #[test]
     fn the_host_tsc_is_known() {
         assert!(super::host_tsc_khz().is_some_and(|k| k > 100_000));
