@@ -32,6 +32,7 @@ sdk-test: agent images s3-server vm-kernel
 
 images:
 	./scripts/debian-image.sh
+	./scripts/debian-image.sh systemd
 
 # The VM backends' guest kernel and modules, from Debian's kernel package (cached by content).
 vm-kernel:

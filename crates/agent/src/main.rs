@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use opendsec_agent::{aether, chronus};
 
-const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N | --serial PORT) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent vm-init (PID 1 of a VM, from its initramfs)\n       opendsec-agent hold-netns DIR (the edge's placeholder of a VM's network namespace)\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
+const USAGE: &str = "usage: opendsec-agent aether (--socket PATH | --listen-fd N | --serial PORT) [--state-dir DIR] [--passwd PATH] [--session-bytes N] [--user U] [--workdir D]\n       opendsec-agent vm-init (PID 1 of a VM, from its initramfs)\n       opendsec-agent vm-agent (the agent as a service of a full VM's own init)\n       opendsec-agent hold-netns DIR (the edge's placeholder of a VM's network namespace)\n       opendsec-agent chronus --socket PATH --dir DIR [--session-bytes N]";
 
 /// Blocking threads started up front (see `main`).
 const BLOCKING_THREADS: usize = 2;
@@ -60,12 +60,19 @@ fn main() -> ExitCode {
     // The kernel runs the initramfs's /init with the words after `--` on its command line.
     if std::env::args().nth(1).as_deref() == Some("vm-init") {
         let e = opendsec_agent::vminit::main();
-        eprintln!("opendsec-agent vm-init: {e}");
+        // One line the edge watches the console for, to fail the creation at once.
+        eprintln!("{} {e}", opendsec_proto::vmnet::INIT_FAILED);
         // PID 1 must not exit (the kernel panics): leave the reason on the console and wait
         // for the edge, which sees no agent, to stop the VM.
         loop {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }
+    }
+    // A full-init guest's agent service (vm-init made it a systemd unit).
+    if std::env::args().nth(1).as_deref() == Some("vm-agent") {
+        let e = opendsec_agent::vminit::service();
+        eprintln!("opendsec-agent vm-agent: {e}");
+        return ExitCode::FAILURE;
     }
     // The placeholder that keeps a VM's network namespace alive while its VMM is gone (a
     // paused microvm): started by the edge inside that namespace, under the VM's uid; it does

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rustix::mount::{MountFlags, mount, mount_move};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The serial port the agent is served on.
 pub const PORT_NAME: &str = opendsec_proto::serial::AGENT_PORT;
@@ -27,7 +27,7 @@ const MAX_CONFIG_BYTES: u32 = 1 << 20;
 const DISK_WAIT: Duration = Duration::from_secs(30);
 
 /// What the edge tells the guest through the config disk.
-#[derive(Debug, Default, Deserialize, PartialEq)]
+#[derive(Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct VmConfig {
     pub sandbox_id: String,
@@ -39,6 +39,8 @@ pub struct VmConfig {
     pub session_bytes: u64,
     /// The VM has a NIC (`opendsec_proto::vmnet`): configure it.
     pub network: bool,
+    /// The image's own init is PID 1 (systemd), the agent a service of it ([`boot_image_init`]).
+    pub full_init: bool,
 }
 
 impl VmConfig {
@@ -68,7 +70,8 @@ pub const EXE: &str = "/run/opendsec-agent/bin/opendsec-agent";
 /// aether's state directory in a VM.
 pub const STATE_DIR: &str = "/run/opendsec-agent";
 
-/// `vm-init`: assembles the root, then becomes aether (same PID 1) serving on the port.
+/// `vm-init`: assembles the root, then becomes aether (same PID 1) serving on the port, or
+/// with `full_init` the image's own init.
 pub fn main() -> std::io::Error {
     let config = match assemble(Path::new(EXE)) {
         Ok(c) => c,
@@ -83,6 +86,70 @@ pub fn main() -> std::io::Error {
             return e;
         }
     }
+    if config.full_init {
+        return boot_image_init(&config);
+    }
+    exec_aether(&config)
+}
+
+/// Where a full-init guest's agent service finds its configuration (root's alone).
+const SERVICE_CONFIG: &str = "/run/opendsec-agent/vm.json";
+/// The agent's systemd unit, in /run (the guest's own tmpfs, kept by systemd).
+const UNIT: &str = "/run/systemd/system/opendsec-agent.service";
+const UNIT_TEXT: &str = "[Unit]
+Description=opendsec agent (the sandbox's Runtime API on its serial port)
+DefaultDependencies=no
+[Service]
+ExecStart=/run/opendsec-agent/bin/opendsec-agent vm-agent
+Restart=always
+RestartSec=1
+";
+
+/// `full_init`: the agent becomes a systemd service (its unit in /run, wanted by sysinit so it
+/// answers early in the boot; restarted if it dies), and the image's own `/sbin/init` becomes
+/// PID 1. Only systemd is supported: an image whose init is anything else fails here, with the
+/// reason on the console.
+fn boot_image_init(config: &VmConfig) -> std::io::Error {
+    let init = Path::new("/sbin/init");
+    let systemd = std::fs::canonicalize(init).ok().is_some_and(|p| p.ends_with("systemd"));
+    if !systemd {
+        return err("full_init: the image's /sbin/init is not systemd (the only init the agent can be a service of)");
+    }
+    let written = (|| -> std::io::Result<()> {
+        let json = serde_json::to_vec(config).map_err(err)?;
+        std::fs::write(SERVICE_CONFIG, json)?;
+        std::fs::set_permissions(SERVICE_CONFIG, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let wants = Path::new("/run/systemd/system/sysinit.target.wants");
+        std::fs::create_dir_all(wants)?;
+        std::fs::write(UNIT, UNIT_TEXT)?;
+        std::os::unix::fs::symlink(UNIT, wants.join("opendsec-agent.service"))?;
+        // systemd names the machine from /etc/hostname: the sandbox's. Replaced, never written
+        // through.
+        if !config.hostname.is_empty() && Path::new("/etc").is_dir() {
+            let _ = std::fs::remove_file("/etc/hostname");
+            std::fs::write("/etc/hostname", format!("{}\n", config.hostname))?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = written {
+        return e;
+    }
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new(init).env_clear().exec()
+}
+
+/// `vm-agent`: the agent as a full-init guest's service: aether, configured as vm-init would.
+pub fn service() -> std::io::Error {
+    let config = match std::fs::read(SERVICE_CONFIG).map_err(err).and_then(|b| serde_json::from_slice(&b).map_err(err))
+    {
+        Ok(c) => c,
+        Err(e) => return e,
+    };
+    exec_aether(&config)
+}
+
+/// Execs aether, serving on the port, with the sandbox's configuration.
+fn exec_aether(config: &VmConfig) -> std::io::Error {
     use std::os::unix::process::CommandExt;
     let mut cmd = std::process::Command::new(EXE);
     cmd.arg("aether")

@@ -161,14 +161,17 @@ pub fn check_spec(
         });
     }
     range("spec.resources.gpus", u64::from(r.gpus), 0, MAX_GPUS)?;
+    if s.full_init && s.backend != "fullvm" {
+        return Err(AdmissionError::Invalid {
+            field: "spec.full_init",
+            message: format!("only a full VM boots its image's own init (backend fullvm, not {})", s.backend),
+        });
+    }
     // GPUs are passed through to full VMs (VFIO); sim only counts them.
     if r.gpus > 0 && !matches!(s.backend.as_str(), "fullvm" | "sim") {
         return Err(AdmissionError::Invalid {
             field: "spec.resources.gpus",
-            message: format!(
-                "backend {} has no GPUs; they are passed through to full VMs (backend fullvm)",
-                s.backend
-            ),
+            message: format!("backend {} has no GPUs; they are passed through to full VMs (backend fullvm)", s.backend),
         });
     }
     // A VM gets whole vCPUs and at least the memory its kernel needs: charged as it gets them
@@ -541,9 +544,15 @@ mod tests {
             });
             assert_eq!(e.field(), "spec.resources.gpus", "{backend}: {e}");
         }
+        let e = err_of(|s| {
+            s.backend = "microvm".into();
+            s.full_init = true;
+        });
+        assert_eq!(e.field(), "spec.full_init", "{e}");
         let mut full_gpu = good();
         full_gpu.backend = "fullvm".into();
         full_gpu.resources.as_mut().unwrap().gpus = 1;
+        full_gpu.full_init = true;
         assert!(check_spec(Some(&full_gpu), "root/me", &cfg()).is_ok());
         // A sim sandbox allocates no disk: 0 is fine there.
         let mut sim_no_disk = good();

@@ -152,3 +152,44 @@ async fn vm_sandboxes_run_sessions_files_and_pause() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+/// `full_init`: a full VM boots its image's own init (systemd), the agent a service of it; an
+/// image whose init is not systemd fails clearly and leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_vm_boots_its_images_own_init() {
+    let f = fixture_edges(1, |c| {
+        c.edge.backends.push("fullvm".to_string());
+        c.edge.vm.kernel_dir = Some(vm_kernel());
+        c.edge.vm.accel = "tcg".into();
+        c.edge.vm.boot_timeout = Duration::from_secs(120);
+    })
+    .await;
+    import(&f.ca, &f.addr, &f.cluster.admin_token, &debian_systemd_rootfs(), &f.store, "debian-systemd:latest").await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let spec = pb::SandboxSpec { full_init: true, ..vm_spec("fullvm") };
+    let started = std::time::Instant::now();
+    let sb =
+        admin.create_sandbox(pb::SandboxSpec { image: "debian-systemd:latest".into(), ..spec.clone() }).await.unwrap();
+    eprintln!("fullvm with systemd as init: {} ms to the agent answering (TCG)", started.elapsed().as_millis());
+    let lease = sb.id.split_once('.').unwrap().1.to_string();
+    // systemd is PID 1 and the agent (with the session's shell) is in its service's cgroup.
+    let r = exec_in(&mut rt, &sb.id, "main", "cat /proc/1/comm; hostname; cat /proc/self/cgroup; X=kept").await;
+    let text = out(&r);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[..2], ["systemd", lease.as_str()], "{text}");
+    assert!(lines[2].ends_with("/opendsec-agent.service"), "{text}");
+    admin.pause_sandbox(&sb.id).await.unwrap();
+    admin.resume_sandbox(&sb.id).await.unwrap();
+    assert_eq!(out(&exec_in(&mut rt, &sb.id, "main", "echo $X").await), "kept");
+    admin.stop_sandbox(&sb.id).await.unwrap();
+
+    // busybox's init is no systemd: refused by the guest, its reason in the error.
+    let e = admin.create_sandbox(spec).await.unwrap_err();
+    assert!(e.message.contains("not systemd"), "{e}");
+    let vms = f.cluster.config.edge_state_dir(EDGE).join("vms");
+    opendsec_testkit::eventually("nothing left", Duration::from_secs(10), || async {
+        std::fs::read_dir(&vms).unwrap().flatten().all(|e| e.file_name().to_string_lossy().starts_with('.'))
+    })
+    .await;
+}

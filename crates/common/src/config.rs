@@ -1065,7 +1065,14 @@ pub fn parse_token_shape(token: &str) -> Option<(&str, &str)> {
 pub fn pci_address(s: &str) -> bool {
     let b = s.as_bytes();
     let hex = |r: std::ops::Range<usize>| b.get(r).is_some_and(|x| x.iter().all(u8::is_ascii_hexdigit));
-    b.len() == 12 && hex(0..4) && b[4] == b':' && hex(5..7) && b[7] == b':' && hex(8..10) && b[10] == b'.' && hex(11..12)
+    b.len() == 12
+        && hex(0..4)
+        && b[4] == b':'
+        && hex(5..7)
+        && b[7] == b':'
+        && hex(8..10)
+        && b[10] == b'.'
+        && hex(11..12)
 }
 
 #[cfg(test)]
@@ -1175,4 +1182,3 @@ mod doc {
         assert_eq!(Config::parse(&doc[start..end], "doc").unwrap(), Config::default());
     }
 }
-

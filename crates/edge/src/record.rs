@@ -141,6 +141,9 @@ pub struct SpecRecord {
     /// Session sync (`spec.session`): what is saved at stop and restored at creation.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session: Option<SessionRecord>,
+    /// A full VM boots the image's own init (`spec.full_init`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub full_init: bool,
 }
 
 /// A session sync as stored: its name in the project and the absolute paths it saves.
@@ -173,6 +176,7 @@ impl SpecRecord {
             }),
             pool: spec.pool.clone(),
             session: spec.session.as_ref().map(|s| SessionRecord { name: s.name.clone(), paths: s.paths.clone() }),
+            full_init: spec.full_init,
         }
     }
 
@@ -206,6 +210,7 @@ impl SpecRecord {
                 .session
                 .as_ref()
                 .map(|s| opendsec_proto::v1::SessionSync { name: s.name.clone(), paths: s.paths.clone() }),
+            full_init: self.full_init,
         }
     }
 }
@@ -691,6 +696,7 @@ mod tests {
                 egress: None,
                 pool: String::new(),
                 session: None,
+                full_init: false,
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,

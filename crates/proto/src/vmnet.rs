@@ -1,4 +1,4 @@
-//! The network every VM guest sees, the same in every VM and every copy restored from a
+//! What the edge and a VM guest's init agree on. The network every VM guest sees, the same in every VM and every copy restored from a
 //! snapshot ([C 7] "network for clones"): its NIC has one fixed address and MAC behind a tap of
 //! one fixed name and MAC in the sandbox's own network namespace, where the edge translates
 //! the guest's address to the sandbox's own (and the gateway's DNS port to the edge's DNS
@@ -20,6 +20,10 @@ pub const TAP: &str = "tap0";
 pub const TAP_MAC: [u8; 6] = [0x02, 0x6f, 0x64, 0x00, 0x00, 0x01];
 /// The guest NIC's MAC.
 pub const GUEST_MAC: [u8; 6] = [0x02, 0x6f, 0x64, 0x00, 0x00, 0x02];
+
+/// What a guest's init prints on its console, before the reason, when it cannot start the
+/// agent (the edge then fails the creation at once instead of waiting for its boot timeout).
+pub const INIT_FAILED: &str = "OPENDSEC-INIT-FAILED:";
 
 /// `aa:bb:..` of `mac`.
 pub fn mac_text(mac: [u8; 6]) -> String {

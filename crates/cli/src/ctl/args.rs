@@ -199,8 +199,12 @@ pub struct SpecArgs {
     /// Disk in MiB.
     #[arg(long, default_value_t = DEFAULT_DISK_MB)]
     pub disk: u64,
+    /// GPUs passed through (backend fullvm only).
     #[arg(long, default_value_t = 0)]
     pub gpus: u32,
+    /// Backend fullvm: boot the image's own init (systemd), the agent as its service.
+    #[arg(long)]
+    pub full_init: bool,
     /// Idle timeout in seconds (0: cluster default).
     #[arg(long, default_value_t = 0)]
     pub ttl_idle: u64,
@@ -576,6 +580,7 @@ impl SpecArgs {
             readonly_paths: self.readonly_paths.clone(),
             network: network_of(&self.allow, self.no_egress)?,
             session: self.session.as_ref().map(|name| pb::SessionSync { name: name.clone(), paths: self.sync.clone() }),
+            full_init: self.full_init,
         })
     }
 }

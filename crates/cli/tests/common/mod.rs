@@ -276,6 +276,19 @@ pub fn debian_rootfs() -> PathBuf {
     p
 }
 
+/// The Debian test image with systemd as its init (`scripts/debian-image.sh systemd`).
+pub fn debian_systemd_rootfs() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/debian-image.sh");
+    let o = std::process::Command::new(&script).args(["systemd", "--path"]).output().unwrap();
+    let p = PathBuf::from(String::from_utf8_lossy(&o.stdout).trim());
+    assert!(
+        p.join("lib/systemd/systemd").exists(),
+        "the Debian systemd image is missing: run {} systemd first",
+        script.display()
+    );
+    p
+}
+
 /// A free loopback port (for a listener a child process binds).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

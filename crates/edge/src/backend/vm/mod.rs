@@ -232,6 +232,8 @@ pub struct VmBackend {
     gpu_lock: Arc<Mutex<()>>,
     /// The last words of each VMM this edge started, by VM directory.
     logs: Mutex<HashMap<PathBuf, Arc<Mutex<std::collections::VecDeque<u8>>>>>,
+    /// What was read of each VM's console while it started, by VM directory.
+    consoles: Mutex<HashMap<PathBuf, String>>,
 }
 
 /// How much of a VMM's output the edge keeps (its last bytes).
@@ -306,6 +308,7 @@ impl VmBackend {
             vms: Mutex::new(HashMap::new()),
             gpu_lock: Arc::new(Mutex::new(())),
             logs: Mutex::new(HashMap::new()),
+            consoles: Mutex::new(HashMap::new()),
             opts,
         })
     }
@@ -478,12 +481,42 @@ impl VmBackend {
             .map_err(|e| BackendError::unavailable(format!("the VMM of {} does not answer: {e}", dir.display())))
     }
 
+    /// Resolves when the guest's console shows its init's failure line
+    /// (`opendsec_proto::vmnet::INIT_FAILED`), with the reason (printable characters only: it
+    /// comes from the guest); pending otherwise.
+    async fn init_failure(&self, dir: &Path) -> String {
+        let marker = opendsec_proto::vmnet::INIT_FAILED;
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let console = self.read_console(dir).await;
+            if let Some(at) = console.rfind(marker) {
+                let line = console[at + marker.len()..].lines().next().unwrap_or("").trim();
+                return line.chars().take(300).map(|c| if c.is_control() { '?' } else { c }).collect();
+            }
+        }
+    }
+
+    /// The console's new text added to what was read of it before (reading QEMU's ring buffer
+    /// empties it); its last [`CONSOLE_BYTES`].
+    async fn read_console(&self, dir: &Path) -> String {
+        let new = match self.qmp(dir).await {
+            Ok(mut q) => q.ringbuf_read("console", CONSOLE_BYTES).await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let mut all = self.consoles.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = all.entry(dir.to_path_buf()).or_default();
+        kept.push_str(&new);
+        let over = kept.len().saturating_sub(CONSOLE_BYTES as usize);
+        if over > 0 {
+            let cut = (over..=kept.len()).find(|&i| kept.is_char_boundary(i)).unwrap_or(kept.len());
+            kept.drain(..cut);
+        }
+        kept.clone()
+    }
+
     /// The guest's console so far (for errors), if QEMU answers.
     async fn console(&self, dir: &Path) -> String {
-        match self.qmp(dir).await {
-            Ok(mut q) => q.ringbuf_read("console", CONSOLE_BYTES).await.map(|s| tail(s.as_bytes())).unwrap_or_default(),
-            Err(_) => String::new(),
-        }
+        tail(self.read_console(dir).await.as_bytes())
     }
 
     /// Boots a new VM for `sb`, or restores one from the memory snapshot its image is (a
@@ -512,12 +545,18 @@ impl VmBackend {
         let network = self.opts.network.clone().filter(|_| sb.net_slot != 0);
         let (sid, slot, rules) = (sb.id.clone(), crate::netpol::Slot(sb.net_slot), sb.spec.egress_rules());
         let holder_exe = self.opts.agent.clone();
+        if sb.spec.full_init && self.opts.machine == Machine::Microvm {
+            return Err(BackendError::invalid_argument(
+                "a microvm boots the agent as its init: full_init is for backend fullvm",
+            ));
+        }
         let config = serde_json::json!({
             "sandbox_id": sb.id,
             "hostname": sb.lease_id,
             "env": Vec::<(String, String)>::new(),
             "user": sb.spec.user,
             "workdir": sb.spec.workdir,
+            "full_init": sb.spec.full_init,
         });
         let spec_env = sb.spec.env.clone();
         let inuse = self.inuse_path(&sb.id);
@@ -648,7 +687,12 @@ impl VmBackend {
                 return Err(e);
             }
         };
-        let agent = watch_agent_within(&sb.id, self.agent_channel(&dir), true, self.opts.boot_timeout).await;
+        // A guest whose init cannot start the agent says so on its console: no need to wait
+        // out the boot timeout.
+        let agent = tokio::select! {
+            a = watch_agent_within(&sb.id, self.agent_channel(&dir), true, self.opts.boot_timeout) => a,
+            reason = self.init_failure(&dir) => Err(BackendError::invalid_argument(format!("the guest's init failed: {reason}"))),
+        };
         let agent = match agent {
             Ok(a) => a,
             Err(e) => {
@@ -673,6 +717,7 @@ impl VmBackend {
             let _ = self.teardown(&sb.id).await;
             return Err(e);
         }
+        self.consoles.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
         Ok(Arc::new(Vm { dir, pid, agent }))
     }
 
@@ -942,6 +987,7 @@ impl VmBackend {
         }
         let dir = self.dir_of(id);
         self.logs.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
+        self.consoles.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
         let inuse = self.inuse_path(id);
         let name = self.name(id);
         let pool = self.opts.ids.clone();
