@@ -129,6 +129,13 @@ class Cluster:
         return self.local.env()
 
 
+def vm_kernel() -> Path:
+    """The VM backends' guest kernel, where ``scripts/vm-kernel.sh`` builds it (``make
+    vm-kernel``, which ``make sdk-test`` runs first)."""
+    out = subprocess.run([str(REPO / "scripts" / "vm-kernel.sh"), "--path"], capture_output=True, text=True)
+    return Path(out.stdout.strip())
+
+
 def debian_rootfs() -> Path:
     """The Debian test image's root file system, where ``scripts/debian-image.sh`` builds it
     (``$OPENDSEC_DEBIAN_ROOTFS`` overrides), as the Rust tests find it."""
@@ -155,8 +162,8 @@ def cluster() -> Iterator[Cluster]:
     s3 = S3Server()
     try:
         local = LocalCluster(
-            CTL, ("sim", "container", "fncall"), prefix="opendsec-sdk-test.",
-            edge={"session_store": s3.store_config()},
+            CTL, ("sim", "container", "fncall", "microvm"), prefix="opendsec-sdk-test.",
+            edge={"session_store": s3.store_config(), "vm": {"kernel_dir": str(vm_kernel()), "accel": "tcg"}},
         )
     except BaseException:
         s3.close()

@@ -277,6 +277,27 @@ async def test_fork_as_a_list_and_as_an_iterator(container) -> None:
                 await x.stop()
 
 
+async def test_a_microvm_fork_carries_its_running_processes(container) -> None:
+    async with client(container) as c, c.run_sandbox("microvm", IMG, cpu=1000, memory_mb=192, disk_mb=64) as sb:
+        await sb.run_shell("(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done) >/dev/null 2>&1 &")
+        await asyncio.sleep(0.5)
+        copies = await sb.fork(2)
+        try:
+            for x in copies:
+                r = await x.run_shell("a=$(cat /tmp/n); sleep 0.5; b=$(cat /tmp/n); echo $((a > 0 && b > a)) $(hostname)")
+                ran, host = r.stdout.split()
+                assert ran == "1", r
+                assert host == x.id.split(".", 1)[1]
+            image = copies[0].info.spec.image
+            img = await c.get_image(image)
+            assert img.vm_snapshot.startswith("vm-")
+            with pytest.raises(errors.InvalidArgument):
+                await c.create_sandbox("container", image, **RES)
+        finally:
+            for x in copies:
+                await x.stop()
+
+
 async def test_request_id_runs_once(container) -> None:
     async with client(container) as c, c.run_sandbox("container", IMG, **RES) as sb:
         rid = opendsec.new_request_id()

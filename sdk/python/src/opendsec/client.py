@@ -368,6 +368,7 @@ class AsyncClient:
         pool: Optional[str] = None,
         session: Optional[str] = None,
         session_paths: Optional[Sequence[str]] = None,
+        full_init: bool = False,
     ) -> pb.SandboxSpec:
         if bool(session) != bool(session_paths):
             raise ValueError("session and session_paths go together")
@@ -418,6 +419,7 @@ class AsyncClient:
             priority=pb.PRIORITY_BEST_EFFORT if best_effort else pb.PRIORITY_GUARANTEED,
             network=None if egress is None else pb.NetworkSpec(egress=[egress_rule(r) for r in egress]),
             session=sync,
+            full_init=full_init,
         )
 
     async def create_sandbox(
@@ -443,6 +445,7 @@ class AsyncClient:
         egress: Optional[Sequence[str]] = None,
         session: Optional[str] = None,
         session_paths: Optional[Sequence[str]] = None,
+        full_init: bool = False,
     ) -> "Sandbox":
         """Creates one sandbox and returns it once running.
 
@@ -459,7 +462,8 @@ class AsyncClient:
                 knows its id (``$OPENDSEC_SANDBOX_ID``, ``/run/opendsec/sandbox-id``).
             cpu: millicores; memory_mb/disk_mb: MiB (defaults as ``opendsecctl``: 1000,
                 1024, 10240).
-            gpus: GPUs to reserve (default 0).
+            gpus: GPUs passed through (default 0; backend ``"fullvm"`` only, on an edge with
+                GPUs to pass through: ``no_capacity`` otherwise).
             project: project path; default the client's project.
             labels/env: sandbox labels and environment.
             ttl_*: idle/lifetime/paused TTLs in seconds (0: cluster defaults).
@@ -476,6 +480,8 @@ class AsyncClient:
                 restored from session ``session`` of the project when one was saved, and
                 saved to it when the sandbox stops (or on :meth:`Sandbox.save_session`). Needs
                 the cluster's session store (``invalid_argument`` otherwise).
+            full_init: backend ``"fullvm"`` only: the image's own init (systemd) runs as PID 1,
+                the agent as its service (docs/vms.md).
 
         Retried within ``retry_timeout`` on ``unavailable``, ``no_capacity`` (every edge full
         or under pressure, often for seconds only), ``rate_limited`` (after the wait it names)
@@ -492,7 +498,7 @@ class AsyncClient:
             backend=backend, image=image, cpu=cpu, memory_mb=memory_mb, disk_mb=disk_mb, gpus=gpus,
             project=project, labels=labels, env=env, ttl_running_stop_s=ttl_running_stop_s,
             ttl_max_s=ttl_max_s, ttl_paused_s=ttl_paused_s, user=user, workdir=workdir, best_effort=best_effort,
-            egress=egress, pool=pool, session=session, session_paths=session_paths,
+            egress=egress, pool=pool, session=session, session_paths=session_paths, full_init=full_init,
         )
         own = lease_id is None
         lease = [new_lease_id() if own else check_lease_id(lease_id)]
@@ -1103,7 +1109,9 @@ class Sandbox:
     async def fork(
         self, count: int, *, snapshot_name: str = "", pack_diff: bool = False, return_exceptions: bool = False
     ) -> List[Any]:
-        """``count`` copies of this sandbox's file system (see :meth:`AsyncClient.fork_sandbox`)."""
+        """``count`` copies of this sandbox (see :meth:`AsyncClient.fork_sandbox`): of its file
+        system for a container; of its whole machine, running processes and memory included, for
+        a microvm."""
         return await self.client.fork_sandbox(
             self.id, count, snapshot_name=snapshot_name, pack_diff=pack_diff, return_exceptions=return_exceptions
         )
@@ -1113,8 +1121,10 @@ class Sandbox:
         return self.client.iter_fork(self.id, count, snapshot_name=snapshot_name, pack_diff=pack_diff)
 
     async def snapshot(self, name: str, *, pack_diff: bool = False) -> pb.Snapshot:
-        """Snapshots this sandbox's file system into image ``name`` of its project (see
-        :meth:`AsyncClient.create_snapshot`); ``create_sandbox(image=name)`` starts from it."""
+        """Snapshots this sandbox into image ``name`` of its project (see
+        :meth:`AsyncClient.create_snapshot`); ``create_sandbox(image=name)`` starts from it. A
+        container's snapshot is its file system; a microvm's is its memory, devices and disk
+        (``vm_snapshot`` on the result), restored with processes running."""
         return await self.client.create_snapshot(self.id, name, pack_diff=pack_diff)
 
     async def save_session(self) -> pb.SessionSaved:
