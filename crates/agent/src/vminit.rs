@@ -41,6 +41,9 @@ pub struct VmConfig {
     pub network: bool,
     /// The image's own init is PID 1 (systemd), the agent a service of it ([`boot_image_init`]).
     pub full_init: bool,
+    /// The image disk is the VM's virtio-pmem device (a full VM), mounted with DAX: the guest
+    /// reads the host's page cache instead of keeping a copy.
+    pub image_pmem: bool,
 }
 
 impl VmConfig {
@@ -187,12 +190,13 @@ pub fn assemble(exe: &Path) -> std::io::Result<VmConfig> {
     load_modules(Path::new("/modules"), &format!("{bus}.order"))?;
 
     let config = read_config(&wait_for_disk("config")?)?;
-    let image = wait_for_disk("image")?;
+    let image = if config.image_pmem { wait_for_pmem()? } else { wait_for_disk("image")? };
     let disk = wait_for_disk("disk")?;
     for d in ["/mnt/image", "/mnt/disk", "/newroot"] {
         std::fs::create_dir_all(d)?;
     }
-    ctx(mount(&image, "/mnt/image", "erofs", MountFlags::RDONLY, None), "mounting the image disk")?;
+    let dax = config.image_pmem.then_some(c"dax");
+    ctx(mount(&image, "/mnt/image", "erofs", MountFlags::RDONLY, dax), "mounting the image disk")?;
     ctx(mount(&disk, "/mnt/disk", "ext4", MountFlags::empty(), None), "mounting the writable disk")?;
     for d in ["/mnt/disk/upper", "/mnt/disk/work"] {
         std::fs::create_dir_all(d)?;
@@ -289,6 +293,20 @@ fn wait_for_disk(serial: &str) -> std::io::Result<PathBuf> {
         }
         if Instant::now() > deadline {
             return Err(err(format!("no disk with serial {serial:?} appeared")));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The VM's one persistent-memory device (its image disk on a full VM), once it appears.
+fn wait_for_pmem() -> std::io::Result<PathBuf> {
+    let deadline = Instant::now() + DISK_WAIT;
+    loop {
+        if Path::new("/sys/block/pmem0").exists() {
+            return Ok(PathBuf::from("/dev/pmem0"));
+        }
+        if Instant::now() > deadline {
+            return Err(err("no pmem device appeared for the image disk"));
         }
         std::thread::sleep(Duration::from_millis(5));
     }

@@ -119,9 +119,16 @@ fn peer_boot(kernel: &Path, initramfs: &Path, machine: &str) -> Duration {
     took
 }
 
+/// The name of sandbox `id`'s VM (its directory and cgroup).
+fn vm_name(f: &Fixture, backend: &str, id: &str) -> String {
+    use opendsec_edge::backend::vm::{Machine, name_of};
+    let m = if backend == "microvm" { Machine::Microvm } else { Machine::Q35 };
+    name_of(m, &f.cluster.config.edge_state_dir(EDGE).join("vms"), id)
+}
+
 /// The VM directory of sandbox `id`.
 fn vm_dir(f: &Fixture, backend: &str, id: &str) -> PathBuf {
-    f.cluster.config.edge_state_dir(EDGE).join("vms").join(format!("{backend}.{id}"))
+    f.cluster.config.edge_state_dir(EDGE).join("vms").join(vm_name(f, backend, id))
 }
 
 /// The proportional set size of the VMM of `dir` (0 without one), in MiB.
@@ -190,7 +197,7 @@ async fn bench() {
 
         let sb = kept.unwrap();
         let dir = vm_dir(&f, backend, &sb.id);
-        let name = format!("{backend}.{}", sb.id);
+        let name = vm_name(&f, backend, &sb.id);
         println!(
             "{backend}: host memory of a running VM: VMM {:.0} MiB proportional set size, cgroup charged {:.0} MiB",
             vmm_pss_mb(&dir),
@@ -259,7 +266,7 @@ async fn bench() {
         println!(
             "microvm: host memory of a restored copy: VMM {:.0} MiB proportional set size, cgroup charged {:.0} MiB",
             vmm_pss_mb(&vm_dir(&f, "microvm", copy)),
-            cgroup_mb(&format!("microvm.{copy}"))
+            cgroup_mb(&vm_name(&f, "microvm", copy))
         );
         for (id, _) in done {
             admin.stop_sandbox(&id).await.unwrap();

@@ -587,7 +587,6 @@ fn build_backends(
                 })?;
                 let opts = VmOptions {
                     machine: if b == "microvm" { Machine::Microvm } else { Machine::Q35 },
-                    edge: name.to_string(),
                     store_dir: config.image_store_dir(),
                     state_dir: config.edge_state_dir(name).join("vms"),
                     agent: agent_path(config).map_err(err)?,

@@ -29,10 +29,9 @@ fn kernel_dir() -> PathBuf {
     dir
 }
 
-fn options(root: &Path, machine: Machine, edge: &str) -> VmOptions {
+fn options(root: &Path, machine: Machine) -> VmOptions {
     VmOptions {
         machine,
-        edge: edge.into(),
         store_dir: root.join("store"),
         state_dir: root.join("vms"),
         agent: support::static_agent(),
@@ -55,9 +54,15 @@ fn record(lease: &str, backend: &str) -> SandboxRecord {
     r
 }
 
+/// The name of sandbox `id`'s VM on the `machine` backend of the edge state under `root`.
+fn vm_name(root: &Path, machine: &str, id: &str) -> String {
+    let m = if machine == "microvm" { Machine::Microvm } else { Machine::Q35 };
+    opendsec_edge::backend::vm::name_of(m, &root.join("vms"), id)
+}
+
 /// What a VM holds on the node: its directory, its layer holder file, its VMM process.
 fn held(root: &Path, machine: &str, id: &str) -> Vec<String> {
-    let name = format!("{machine}.{id}");
+    let name = vm_name(root, machine, id);
     let dir = root.join("vms").join(&name);
     let mut held = Vec::new();
     if dir.exists() {
@@ -218,10 +223,10 @@ async fn suite(machine: Machine) {
     let leases = ["vm-a", "vm-kept", "vm-lost", "vm-orphan", "vm-killed", "vm-bad"];
     let _leftovers = Leftovers {
         root: root.clone(),
-        names: leases.iter().map(|l| format!("{name}.{}", record(l, name).id)).collect(),
+        names: leases.iter().map(|l| vm_name(&root, name, &record(l, name).id)).collect(),
     };
     support::busybox_image(&root.join("store"), &root).await;
-    let make = || Arc::new(VmBackend::new(options(&root, machine, support::EDGE)).unwrap());
+    let make = || Arc::new(VmBackend::new(options(&root, machine)).unwrap());
     let b = make();
     let versions = b.versioned().unwrap().runtime_versions();
     assert!(versions[0].starts_with("qemu ") && versions[0].ends_with("(tcg)"), "{versions:?}");
@@ -236,9 +241,9 @@ async fn suite(machine: Machine) {
     assert!(!held(&root, name, &rec.id).is_empty());
     // Its sockets control it: its directory is root's alone.
     use std::os::unix::fs::PermissionsExt;
-    let dir = root.join("vms").join(format!("{name}.{}", rec.id));
+    let dir = root.join("vms").join(vm_name(&root, name, &rec.id));
     assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
-    assert_confined(&dir, &format!("{name}.{}", rec.id));
+    assert_confined(&dir, &vm_name(&root, name, &rec.id));
     let r = exec(
         &b,
         &rec.id,
@@ -262,6 +267,15 @@ async fn suite(machine: Machine) {
     assert_eq!(lines[1], "x");
     assert!(lines[2].contains("No such file"), "{out}");
     assert_eq!(lines[3], "opendsec.agent", "{out}");
+    // A full VM's image disk is persistent memory read with DAX (the host's page cache, not a
+    // copy in the guest); a microvm's is a block device.
+    // (The mount itself lies outside the guest's root: its kernel log says where it came from.)
+    let log = String::from_utf8_lossy(&exec(&b, &rec.id, "dmesg | grep erofs").await.stdout).to_string();
+    if machine == Machine::Q35 {
+        assert!(log.contains("(device pmem0): mounted") && log.contains("DAX enabled"), "{log}");
+    } else {
+        assert!(log.contains("(device vd"), "{log}");
+    }
 
     // A background process and the session's state survive a pause. A microvm's pause
     // saves its state and ends its VMM (the memory goes back to the host); its resume restores
@@ -287,7 +301,7 @@ async fn suite(machine: Machine) {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines[..3], ["x", "/tmp yes", "1"], "{out}");
     // The VMM that restored it is as confined as the first.
-    assert_confined(&dir, &format!("{name}.{}", rec.id));
+    assert_confined(&dir, &vm_name(&root, name, &rec.id));
     if machine == Machine::Microvm {
         let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         let guest: i64 = lines[3].parse().unwrap();
@@ -316,7 +330,7 @@ async fn suite(machine: Machine) {
     // A cgroup left without its VM's directory (a teardown cut short) goes too.
     let orphan = record("vm-orphan", name);
     let limits = opendsec_edge::linuxrt::cgroup::Limits { cpu_millis: 0, best_effort: false, memory_bytes: 0, pids: 0 };
-    opendsec_edge::linuxrt::cgroup::SandboxCgroup::create(&format!("{name}.{}", orphan.id), &limits).unwrap();
+    opendsec_edge::linuxrt::cgroup::SandboxCgroup::create(&vm_name(&root, name, &orphan.id), &limits).unwrap();
     let keep: HashSet<String> = [kept.id.clone()].into();
     assert_eq!(b.cleanup(&keep).await.unwrap(), 2);
     assert_eq!(held(&root, name, &lost.id), Vec::<String>::new());
@@ -330,7 +344,7 @@ async fn suite(machine: Machine) {
     // stopping it removes what is left.
     let killed = record("vm-killed", name);
     b.create(&killed).await.unwrap();
-    let dir = root.join("vms").join(format!("{name}.{}", killed.id));
+    let dir = root.join("vms").join(vm_name(&root, name, &killed.id));
     let pid: i32 = std::fs::read_to_string(dir.join("pid")).unwrap().trim().parse().unwrap();
     rustix::process::kill_process(rustix::process::Pid::from_raw(pid).unwrap(), rustix::process::Signal::KILL).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -425,8 +439,7 @@ async fn microvm_snapshots_carry_memory_into_independent_copies() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().to_path_buf();
-    // An edge of its own: the conformance suite's clean-up, running beside it, takes every
-    // cgroup of its edge that it does not know.
+    // Sandboxes of an edge of its own (ids apart from the conformance suite's beside it).
     let record = |lease: &str, backend: &str| {
         let mut r = record(lease, backend);
         r.edge = "cbsnap".into();
@@ -436,10 +449,10 @@ async fn microvm_snapshots_carry_memory_into_independent_copies() {
     let leases = ["vm-src", "vm-c1", "vm-c2", "vm-c3", "vm-wrong"];
     let _leftovers = Leftovers {
         root: root.clone(),
-        names: leases.iter().map(|l| format!("microvm.{}", record(l, "microvm").id)).collect(),
+        names: leases.iter().map(|l| vm_name(&root, "microvm", &record(l, "microvm").id)).collect(),
     };
     support::busybox_image(&root.join("store"), &root).await;
-    let b = Arc::new(VmBackend::new(options(&root, Machine::Microvm, "cbsnap")).unwrap());
+    let b = Arc::new(VmBackend::new(options(&root, Machine::Microvm)).unwrap());
     let store = opendsec_images::Store::open(root.join("store")).unwrap();
 
     // A source whose memory holds a value only it knows (a random id drawn once), counting in
@@ -516,7 +529,7 @@ async fn microvm_snapshots_carry_memory_into_independent_copies() {
                 .collect::<Vec<_>>(),
             [c.id.as_str(); 2]
         );
-        assert_confined(&root.join("vms").join(format!("microvm.{}", c.id)), &format!("microvm.{}", c.id));
+        assert_confined(&root.join("vms").join(vm_name(&root, "microvm", &c.id)), &vm_name(&root, "microvm", &c.id));
     }
     // Each its own machine: hostname, machine-id, and what its random generator draws.
     let ident = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
@@ -726,11 +739,11 @@ async fn a_hundred_creations_and_stops_leave_nothing() {
         root: root.clone(),
         names: std::iter::once("vm-src".to_string())
             .chain((0..100).map(|i| format!("vm-{i}")))
-            .map(|l| format!("microvm.{}", record(&l).id))
+            .map(|l| vm_name(&root, "microvm", &record(&l).id))
             .collect(),
     };
     support::busybox_image(&root.join("store"), &root).await;
-    let b = Arc::new(VmBackend::new(options(&root, Machine::Microvm, EDGE)).unwrap());
+    let b = Arc::new(VmBackend::new(options(&root, Machine::Microvm)).unwrap());
     let store = opendsec_images::Store::open(root.join("store")).unwrap();
     let src = record("vm-src");
     b.create(&src).await.unwrap();
@@ -776,12 +789,12 @@ async fn a_hundred_creations_and_stops_leave_nothing() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     left.sort();
-    assert_eq!(left, [".boot", ".jail", ".snapshots", &format!("microvm.{}", src.id)]);
+    assert_eq!(left, [".boot", ".jail", ".snapshots", &vm_name(&root, "microvm", &src.id)]);
     let holders: Vec<_> =
         std::fs::read_dir(root.join("store/inuse")).unwrap().flatten().map(|e| e.file_name()).collect();
     assert_eq!(holders.len(), 1, "{holders:?}");
-    let cgroups = opendsec_edge::linuxrt::cgroup::list(&format!("microvm.{EDGE}.")).unwrap();
-    assert_eq!(cgroups, [format!("microvm.{}", src.id)]);
+    let cgroups = opendsec_edge::linuxrt::cgroup::list(&vm_name(&root, "microvm", "")).unwrap();
+    assert_eq!(cgroups, [vm_name(&root, "microvm", &src.id)]);
     b.stop(&src).await.unwrap();
     assert_eq!(held(&root, "microvm", &src.id), Vec::<String>::new());
 }

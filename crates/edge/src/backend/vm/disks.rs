@@ -1,7 +1,7 @@
 //! What a VM boots from and writes to ([C 7]): the initramfs (the agent as `/init` and the
 //! kernel modules it loads), the image disk (the image's layers flattened into one EROFS file,
 //! built once per layer set into the store's `vmdisks/` under a lock and shared by every VM of
-//! that image), the writable disk (sparse ext4, `disk_mb`) and the config disk (raw: a
+//! that image; virtio-blk on a microvm, virtio-pmem read with DAX on a full VM), the writable disk (sparse ext4, `disk_mb`) and the config disk (raw: a
 //! little-endian u32 length, then JSON; read once by the agent).
 
 use std::io::Write;
@@ -144,7 +144,7 @@ pub fn image_disk(store: &Store, layers: &[LayerId]) -> Result<PathBuf, BackendE
         return Err(BackendError::invalid_argument("an image without layers has nothing to boot"));
     }
     let mut h = Sha256::new();
-    h.update(b"erofs-v1\n");
+    h.update(b"erofs-v2\n");
     for l in layers {
         h.update(l.as_str().as_bytes());
         h.update(b"\n");
@@ -178,7 +178,13 @@ pub fn image_disk(store: &Store, layers: &[LayerId]) -> Result<PathBuf, BackendE
         }
     };
     let tmp = dir.join(format!(".{key}.tmp{}", rand::random::<u32>()));
-    let built = run(Command::new("mkfs.erofs").arg("-T0").arg(&tmp).arg(&tree));
+    // Padded to whole 2 MiB: a full VM maps it as virtio-pmem, whose size must be aligned
+    // (EROFS ignores what follows its last block).
+    let built = run(Command::new("mkfs.erofs").arg("-T0").arg(&tmp).arg(&tree)).and_then(|()| {
+        let f = std::fs::OpenOptions::new().write(true).open(&tmp).map_err(io_err("opening the image disk"))?;
+        let len = f.metadata().map_err(io_err("sizing the image disk"))?.len();
+        f.set_len(len.next_multiple_of(2 << 20)).map_err(io_err("padding the image disk"))
+    });
     if let Err(e) = built {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);

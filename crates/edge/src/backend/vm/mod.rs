@@ -130,9 +130,6 @@ pub fn probe_kvm(qemu: &Path, kernel_dir: &Path, initramfs: &Path, cache: &Path)
 #[derive(Clone, Debug)]
 pub struct VmOptions {
     pub machine: Machine,
-    /// The edge's name: its VMs' cgroups are `<backend>.<edge>.<lease>`, and only those are its
-    /// own to clean up (other edges may run VMs on the same host).
-    pub edge: String,
     pub store_dir: PathBuf,
     /// Where each VM's directory lives (`<edge state>/vms`).
     pub state_dir: PathBuf,
@@ -155,6 +152,17 @@ pub struct VmOptions {
     /// PCI addresses of the host's GPUs that full VMs may have passed through (VFIO), one
     /// sandbox each (`edge.vm.gpu_devices`).
     pub gpu_devices: Vec<String>,
+}
+
+/// The name of sandbox `id`'s VM on the backend of `machine` whose state is `state_dir`:
+/// `<backend>-<tag>.<id>`, the tag a hash of the state directory, so that the VMs of edges
+/// sharing a host (their cgroups side by side) never take each other's for leftovers.
+pub fn name_of(machine: Machine, state_dir: &Path, id: &str) -> String {
+    use sha2::Digest;
+    let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let hash = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    let tag: String = hash.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("{}-{tag}.{id}", machine.backend())
 }
 
 /// Smallest guest memory: the kernel and the agent need this much.
@@ -227,6 +235,8 @@ pub struct VmBackend {
     initramfs: PathBuf,
     tsc_khz: Option<u64>,
     version: String,
+    /// What the names of this backend's VMs start with ([`name_of`]).
+    prefix: String,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
     /// Held while GPUs are claimed (the claims are the VMs' `gpus` files).
     gpu_lock: Arc<Mutex<()>>,
@@ -305,6 +315,7 @@ impl VmBackend {
             store,
             initramfs,
             version,
+            prefix: name_of(opts.machine, &opts.state_dir, ""),
             vms: Mutex::new(HashMap::new()),
             gpu_lock: Arc::new(Mutex::new(())),
             logs: Mutex::new(HashMap::new()),
@@ -333,9 +344,10 @@ impl VmBackend {
         self.opts.state_dir.join(snapshot::CACHE)
     }
 
-    /// The directory of sandbox `id`'s VM.
+    /// The name of sandbox `id`'s VM: its directory, cgroup, uid claim and layer holder
+    /// ([`name_of`]).
     pub fn name(&self, id: &str) -> String {
-        format!("{}.{}", self.opts.machine.backend(), id)
+        format!("{}{id}", self.prefix)
     }
 
     fn dir_of(&self, id: &str) -> PathBuf {
@@ -353,6 +365,14 @@ impl VmBackend {
     /// QEMU's command line for the VM in `dir`.
     fn argv(&self, dir: &Path, image: &Path, shape: Shape, uid: u32) -> Vmm {
         let (memory_mb, cpus) = (shape.memory_mb, shape.cpus);
+        // q35: the image disk is virtio-pmem (below), device memory beyond the guest's own.
+        let pmem = self.opts.machine == Machine::Q35;
+        let image_mb = std::fs::metadata(image).map(|m| m.len().div_ceil(1 << 20)).unwrap_or(0);
+        let memory_arg = if pmem {
+            format!("{memory_mb}M,slots=1,maxmem={}M", memory_mb + image_mb.next_multiple_of(2) + 2)
+        } else {
+            format!("{memory_mb}M")
+        };
         let d = |f: &str| dir.join(f).display().to_string();
         let (machine, bus, suffix) = match self.opts.machine {
             // microvm: ACPI stays on (Debian's kernel finds virtio-mmio devices only through it),
@@ -396,7 +416,7 @@ impl VmBackend {
             "-smp",
             &cpus.to_string(),
             "-m",
-            &format!("{memory_mb}M"),
+            &memory_arg,
             "-M",
             machine,
             "-object",
@@ -431,14 +451,24 @@ impl VmBackend {
         // A writable disk's set holds it read-write and read-only, for QEMU's reopen when a
         // migration inactivates the disk and when it runs again.
         let mut drives = Vec::new();
-        for (set, (id, file, writable)) in [
-            ("config", dir.join("config.img"), false),
-            ("image", image.to_path_buf(), false),
-            ("disk", dir.join("disk.img"), true),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        let mut files = vec![("config", dir.join("config.img"), false), ("disk", dir.join("disk.img"), true)];
+        if pmem {
+            // virtio-pmem, mapped private and read-only (QEMU opens the file read-only): the
+            // guest mounts it with DAX and reads the host's page cache of the one image file
+            // every VM of the image shares, instead of a copy of its own. A guest that writes
+            // to it faults its own VMM.
+            a.push("-object".into());
+            a.push(format!(
+                "memory-backend-file,id=image,mem-path={},size={}M,share=off,readonly=on",
+                image.display(),
+                image_mb
+            ));
+            a.push("-device".into());
+            a.push("virtio-pmem-pci,memdev=image,id=image".into());
+        } else {
+            files.insert(1, ("image", image.to_path_buf(), false));
+        }
+        for (set, (id, file, writable)) in files.into_iter().enumerate() {
             let set = set as u32 + 1;
             // A writable disk's two descriptors are two open files to QEMU's image locking,
             // which then refuses itself the write lock when a snapshot's migration has
@@ -557,6 +587,7 @@ impl VmBackend {
             "user": sb.spec.user,
             "workdir": sb.spec.workdir,
             "full_init": sb.spec.full_init,
+            "image_pmem": self.opts.machine == Machine::Q35,
         });
         let spec_env = sb.spec.env.clone();
         let inuse = self.inuse_path(&sb.id);
@@ -1298,8 +1329,7 @@ impl Backend for VmBackend {
     }
 
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
-        let prefix = format!("{}.", self.opts.machine.backend());
-        let own = format!("{prefix}{}.", self.opts.edge);
+        let prefix = self.prefix.clone();
         let mut gone = Vec::new();
         if let Ok(rd) = std::fs::read_dir(&self.opts.state_dir) {
             for e in rd.flatten() {
@@ -1312,7 +1342,7 @@ impl Backend for VmBackend {
             }
         }
         // A cgroup whose directory is gone (a teardown cut short) goes too, with any VMM in it.
-        for name in cgroup::list(&own).unwrap_or_default() {
+        for name in cgroup::list(&prefix).unwrap_or_default() {
             if let Some(id) = name.strip_prefix(&prefix)
                 && !keep.contains(id)
                 && !gone.iter().any(|g| g == id)
