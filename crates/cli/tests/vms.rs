@@ -43,6 +43,11 @@ async fn vm_sandboxes_run_sessions_files_and_pause() {
     assert!(text.lines().next().unwrap().ends_with("-amd64"), "{text}");
     assert_eq!(text.lines().nth(1), Some(sb.id.as_str()));
 
+    // Its metrics: CPU and memory as its VMM's cgroup counts them, its disk's size.
+    let m = admin.get_sandbox_metrics(&sb.id).await.unwrap();
+    assert!(m.memory_used_bytes > 64 << 20 && m.memory_limit_bytes >= 192 << 20, "{m:?}");
+    assert_eq!(m.disk_total_bytes, 64 << 20, "{m:?}");
+
     // Files through the API, both ways.
     let first = pb::WriteFileRequest {
         sandbox_id: sb.id.clone(),

@@ -1362,6 +1362,29 @@ impl Backend for VmBackend {
         None
     }
 
+    /// CPU and memory as the VMM's cgroup counts them (the guest's memory and QEMU's own);
+    /// the disk's size, not its use: the guest's file system is the guest's, and its file on
+    /// the host is allocated whole.
+    async fn metrics(&self, sb: &SandboxRecord) -> Result<super::Readings, BackendError> {
+        if !self.lock().contains_key(&sb.id) {
+            return Err(BackendError::not_found(format!("no VM {}", sb.id)));
+        }
+        let name = self.name(&sb.id);
+        let disk = std::fs::metadata(self.dir_of(&sb.id).join("disk.img")).map(|m| m.len()).unwrap_or(0);
+        blocking(move || {
+            let st = SandboxCgroup::open(&name).and_then(|c| c.stats()).map_err(cgroup_err)?;
+            Ok(super::Readings {
+                cpu_ns: st.cpu_usage_ns,
+                memory_used_bytes: st.memory_usage_bytes,
+                memory_limit_bytes: st.memory_limit_bytes,
+                memory_cache_bytes: st.memory_cache_bytes,
+                disk_used_bytes: 0,
+                disk_total_bytes: disk,
+            })
+        })
+        .await
+    }
+
     fn networked(&self) -> bool {
         self.opts.network.is_some()
     }
