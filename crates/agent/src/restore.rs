@@ -3,8 +3,12 @@
 //! machine, with the same hostname, machine-id and, worst of all, the same state of the
 //! kernel's random generator, so two copies would draw the same "random" numbers (keys,
 //! UUIDs, TLS nonces). This gives it a hostname and machine-id of its own, mixes bytes from the
-//! host's random source into the entropy pool and has the kernel reseed its generator from it
-//! before anything else runs. The clock is set by the serial port's handshake.
+//! host's random source into the entropy pool and has the kernel reseed its generator from it.
+//! It runs as soon as the copy's agent answers: the copy's processes have run on for that long
+//! (under a second when it answers at once), and what they drew before, or keep in generators of
+//! their own (a process's seeded PRNG, a TLS library's pool), is the source's. QEMU 7.2's
+//! microvm has no generation-id device (its ACPI tables carry none) to reseed the kernel at
+//! the restore itself. The clock is set by the serial port's handshake.
 
 use std::path::Path;
 

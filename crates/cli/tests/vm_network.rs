@@ -76,6 +76,26 @@ fn a_microvm_reaches_what_its_rules_allow_and_its_copies_too() {
         assert!(field("Uid").split_whitespace().all(|u| u.parse::<u32>().unwrap() >= 65536), "{}", field("Uid"));
         assert_eq!(u64::from_str_radix(&field("CapEff"), 16).unwrap(), 0);
         assert_eq!(u64::from_str_radix(&field("CapPrm"), 16).unwrap(), 0);
+        assert_eq!(field("NoNewPrivs"), "1");
+        // Not the VMM's uid (which could otherwise ptrace it).
+        let vmm_uids: Vec<String> = std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|p| {
+                String::from_utf8_lossy(&std::fs::read(p.path().join("cmdline")).unwrap_or_default())
+                    .starts_with("qemu-system")
+            })
+            .filter_map(|p| std::fs::read_to_string(p.path().join("status")).ok())
+            .filter_map(|st| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .map(|u| u.split_whitespace().next().unwrap_or("").to_string())
+            })
+            .collect();
+        assert!(
+            !vmm_uids.is_empty() && !vmm_uids.contains(&field("Uid").split_whitespace().next().unwrap().to_string()),
+            "{vmm_uids:?}"
+        );
         // The guest's side: the fixed address behind the gateway, the gateway as name server.
         let guest =
             sh(sb.id.clone(), "ip -4 -o addr show | grep -v ' lo '; ip route; cat /etc/resolv.conf".into()).await;

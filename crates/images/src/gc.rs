@@ -36,7 +36,9 @@
 //! `inuse/` and its removal, loses them (hence "write, then check").
 //!
 //! A VM snapshot (`snapshots/<id>/`, [`crate::vmsnap`]) is kept while a manifest names it
-//! (again read conservatively: every `vm-<32 hex>` token in a manifest file counts), and
+//! (its `vm_snapshot` field; in a file that does not parse as a manifest, every `vm-<32 hex>`
+//! token counts: conservative, as for layers; a token elsewhere in a manifest, an env value
+//! say, keeps nothing), and
 //! otherwise removed once its record is older than `grace` (an edge writes the snapshot, then
 //! the apiserver publishes its image, well within `grace`), renamed away first so it vanishes
 //! whole. Interrupted snapshot writes (`snapshots/.tmp-*`, `.gone-*`) go after `grace` too.
@@ -284,8 +286,15 @@ fn referenced_snapshots(store: &Store) -> Result<BTreeSet<String>, StoreError> {
             if ft.is_dir() {
                 stack.push(path);
             } else if ft.is_file() {
+                // The manifest's own field; a file that does not parse is read by token.
                 match fs::read(&path) {
-                    Ok(b) => refs.extend(scan_snapshot_ids(&b)),
+                    Ok(b) => match serde_json::from_slice::<Manifest>(&b) {
+                        Ok(m) if m.vm_snapshot.is_empty() => {}
+                        Ok(m) => {
+                            refs.insert(m.vm_snapshot);
+                        }
+                        Err(_) => refs.extend(scan_snapshot_ids(&b)),
+                    },
                     Err(err) if err.kind() == io::ErrorKind::NotFound => {}
                     Err(err) => return Err(StoreError::Io { path, source: err }),
                 }
@@ -652,6 +661,15 @@ mod tests {
             vm_snapshot: named.clone(),
         };
         store.write_manifest(&m).unwrap();
+        // A snapshot's id written elsewhere in a manifest (a tenant who learned it) keeps
+        // nothing.
+        let squatter = Manifest {
+            repo: "squatter".into(),
+            vm_snapshot: String::new(),
+            config: ImageConfig { env: vec![format!("X={unnamed}")], ..Default::default() },
+            ..m.clone()
+        };
+        store.write_manifest(&squatter).unwrap();
         // An interrupted write, and a name that is no snapshot's (left alone).
         let tmp = store.begin_vm_snapshot(&crate::vmsnap::new_id()).unwrap();
         fs::create_dir_all(store.root().join("snapshots/not-a-snapshot")).unwrap();

@@ -441,7 +441,10 @@ pub(super) async fn watch_agent_within(
             Ok(Ok((s, Some(_)))) => s,
             Ok(Ok((_, None))) => return Err(BackendError::internal(format!("agent of {id} ended its Watch stream"))),
             Ok(Err(st)) => {
-                return Err(BackendError::internal(format!("agent of {id} did not answer: {}", st.message())));
+                return Err(BackendError::internal(format!(
+                    "agent of {id} did not answer: {}",
+                    super::untrusted_text(st.message(), 300)
+                )));
             }
             Err(_) => {
                 return Err(BackendError::unavailable(format!(
@@ -1177,9 +1180,11 @@ pub(super) async fn identify(
     };
     match tokio::time::timeout(AGENT_READY_TIMEOUT, c.set_identity(req)).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(st)) => {
-            Err(BackendError::internal(format!("agent of {} refused its identity: {}", sb.id, st.message())))
-        }
+        Ok(Err(st)) => Err(BackendError::internal(format!(
+            "agent of {} refused its identity: {}",
+            sb.id,
+            super::untrusted_text(st.message(), 300)
+        ))),
         Err(_) => Err(BackendError::unavailable(format!("agent of {} did not take its identity in time", sb.id))),
     }
 }

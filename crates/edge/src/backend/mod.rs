@@ -169,6 +169,13 @@ pub trait Snapshotter: Send + Sync {
     async fn save_session(&self, sb: &SandboxRecord) -> Result<u64, BackendError>;
 }
 
+/// Text that came from inside a sandbox (its agent, its guest, its VMM), made fit for
+/// messages that reach logs and operators' terminals: at most `max` characters, anything but
+/// printable ASCII replaced (no control sequence, no bidirectional override survives).
+pub fn untrusted_text(s: &str, max: usize) -> String {
+    s.chars().take(max).map(|c| if c == ' ' || c.is_ascii_graphic() { c } else { '?' }).collect()
+}
+
 /// A `Runtime` client of the agent in a sandbox: gRPC over a channel that reconnects by itself.
 pub type AgentClient = opendsec_proto::v1::runtime_client::RuntimeClient<tonic::transport::Channel>;
 

@@ -138,13 +138,19 @@ pub fn initramfs(cache: &Path, agent: &Path, kernel_dir: &Path) -> Result<PathBu
 }
 
 /// The image disk of `layers`: `<store>/vmdisks/<key>.erofs`, built by the first VM that needs
-/// it (under `<key>.lock`, so concurrent creations on any node build it once) and shared.
-pub fn image_disk(store: &Store, layers: &[LayerId]) -> Result<PathBuf, BackendError> {
+/// it (under `<key>.lock`, so concurrent creations on any node build it once) and shared by
+/// the VMs of `scope`: every VM when `None` (a block device: each guest reads its own copy),
+/// one project's when `Some` (a full VM maps it with DAX, and VMs mapping one file run on the
+/// same physical pages: a cache side channel between them, kept within a tenant).
+pub fn image_disk(store: &Store, layers: &[LayerId], scope: Option<&str>) -> Result<PathBuf, BackendError> {
     if layers.is_empty() {
         return Err(BackendError::invalid_argument("an image without layers has nothing to boot"));
     }
     let mut h = Sha256::new();
     h.update(b"erofs-v2\n");
+    if let Some(project) = scope {
+        h.update(format!("project {project}\n").as_bytes());
+    }
     for l in layers {
         h.update(l.as_str().as_bytes());
         h.update(b"\n");
@@ -222,18 +228,22 @@ pub fn reserve_existing(path: &Path, mb: u64) -> Result<(), BackendError> {
     allocate(&f, path, mb)
 }
 
-/// Copies `src` into a new file `dst` of the same length, data only: holes stay holes and
-/// pages of zeros become holes (a VM's disk or memory is mostly either). Returns the bytes of
-/// data written. Not synced: a caller that needs the copy durable syncs it (a snapshot is,
-/// once its VM runs again).
-pub fn copy_sparse(src: &Path, dst: &Path) -> Result<u64, BackendError> {
+/// Copies the first `len` bytes of `src` into a new file `dst` of exactly `len` bytes, data
+/// only: holes stay holes and pages of zeros become holes (a VM's disk or memory is mostly
+/// either); what `src` holds beyond `len` is left out, and a shorter `src` reads as zeros
+/// beyond its end. The length is the caller's (a VM's shape), never the file's: a VMM holds
+/// its files open for writing and could make them any size. Returns the bytes of data
+/// written. Not synced: a caller that needs the copy durable syncs it (a snapshot is, once
+/// its VM runs again).
+pub fn copy_sparse(src: &Path, dst: &Path, len: u64) -> Result<u64, BackendError> {
     use std::os::unix::fs::FileExt;
     const PAGE: usize = 4096;
     const CHUNK: usize = 1 << 20;
     let from = std::fs::File::open(src).map_err(io_err(format!("opening {}", src.display())))?;
-    let len = from.metadata().map_err(io_err(format!("reading {}", src.display())))?.len();
+    let have = from.metadata().map_err(io_err(format!("reading {}", src.display())))?.len();
     let to = std::fs::File::create(dst).map_err(io_err(format!("creating {}", dst.display())))?;
     to.set_len(len).map_err(io_err(format!("sizing {}", dst.display())))?;
+    let len = len.min(have);
     let mut buf = vec![0u8; CHUNK];
     let (mut at, mut written) = (0u64, 0u64);
     while at < len {
@@ -322,17 +332,20 @@ mod tests {
         f.write_all_at(&[0u8; 8192], 30 << 20).unwrap();
         f.write_all_at(b"tail", (64 << 20) - 4).unwrap();
         f.sync_all().unwrap();
-        let written = copy_sparse(&src, &dst).unwrap();
+        let written = copy_sparse(&src, &dst, 64 << 20).unwrap();
         assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
         // The non-zero pages only: "head", three pages of 7s, "tail".
         assert_eq!(written, 5 * 4096);
         let m = std::fs::metadata(&dst).unwrap();
         assert_eq!(m.len(), 64 << 20);
         assert!(m.blocks() * 512 <= 64 << 10, "{} bytes allocated", m.blocks() * 512);
-        // An empty file copies to an empty file.
+        // The length is the caller's: what lies beyond is left out, a short file reads as zeros.
+        assert_eq!(copy_sparse(&src, &dst, 4096).unwrap(), 4096);
+        assert_eq!(std::fs::read(&dst).unwrap()[..4], *b"head");
+        assert_eq!(std::fs::metadata(&dst).unwrap().len(), 4096);
         std::fs::File::create(&src).unwrap();
-        assert_eq!(copy_sparse(&src, &dst).unwrap(), 0);
-        assert_eq!(std::fs::metadata(&dst).unwrap().len(), 0);
+        assert_eq!(copy_sparse(&src, &dst, 8192).unwrap(), 0);
+        assert_eq!(std::fs::read(&dst).unwrap(), vec![0u8; 8192]);
     }
 
     #[test]

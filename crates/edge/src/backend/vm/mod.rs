@@ -521,7 +521,7 @@ impl VmBackend {
             let console = self.read_console(dir).await;
             if let Some(at) = console.rfind(marker) {
                 let line = console[at + marker.len()..].lines().next().unwrap_or("").trim();
-                return line.chars().take(300).map(|c| if c.is_control() { '?' } else { c }).collect();
+                return super::untrusted_text(line, 300);
             }
         }
     }
@@ -601,7 +601,9 @@ impl VmBackend {
             pids: VMM_PIDS,
         };
         let (vmm_key, snapshots) = (self.vmm_key(), self.snapshot_cache());
-        let gpu_pool = (self.opts.gpu_devices.clone(), self.opts.state_dir.clone(), self.gpu_lock.clone());
+        // A full VM's image disk is mapped with DAX: shared within the project only.
+        let dax_scope = (self.opts.machine == Machine::Q35).then(|| sb.spec.project.clone());
+        let gpu_pool = (self.opts.gpu_devices.clone(), PathBuf::from(GPU_CLAIMS_DIR), self.gpu_lock.clone());
         let prepared = blocking(move || {
             let (_, manifest) = store
                 .resolve(&project, &image)
@@ -619,7 +621,7 @@ impl VmBackend {
                 ..wanted
             };
             write_inuse(&inuse, &shape.layers)?;
-            let disk = disks::image_disk(&store, &shape.layers)?;
+            let disk = disks::image_disk(&store, &shape.layers, dax_scope.as_deref())?;
             // Root's alone: its sockets control the VM.
             std::fs::create_dir_all(&d).map_err(internal("creating the VM's directory"))?;
             std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o700))
@@ -643,11 +645,13 @@ impl VmBackend {
                     .map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()))
                     .collect::<Result<_, _>>()
                     .map_err(|e| BackendError::internal(format!("a cgroup path: {e}")))?;
-                net::start_holder(&holder_exe, &d, &procs, ids.host_first)?;
+                // The next id of the VM's block, not the VMM's own: a VMM taken over by its
+                // guest cannot ptrace a process of another uid.
+                net::start_holder(&holder_exe, &d, &procs, ids.host_first + 1)?;
                 let ns = net::netns_of(&d)?;
                 let out = match &network {
                     Some(n) => {
-                        n.attach(&sid, slot, &rules, &ns).map_err(super::container::net_err)?;
+                        n.attach(&sid, slot, &rules, &net::path_of(&ns)).map_err(super::container::net_err)?;
                         Some((n.addrs(slot).1, n.dns_addr()))
                     }
                     None => None,
@@ -672,9 +676,9 @@ impl VmBackend {
                     // The snapshot's files on this node (fetched once, shared by every copy
                     // here); the copy's disk is its own, reserved like any VM's.
                     let cached = snapshot::cached(&snapshots, &store, rec)?;
-                    disks::copy_sparse(&cached.join(vmsnap::DISK), &d.join("disk.img"))?;
+                    disks::copy_sparse(&cached.join(vmsnap::DISK), &d.join("disk.img"), shape.disk_mb << 20)?;
                     disks::reserve_existing(&d.join("disk.img"), shape.disk_mb)?;
-                    disks::copy_sparse(&cached.join(vmsnap::MEM), &d.join("mem"))?;
+                    disks::copy_sparse(&cached.join(vmsnap::MEM), &d.join("mem"), shape.memory_mb << 20)?;
                     Some(cached.join(vmsnap::STATE))
                 }
             };
@@ -941,7 +945,7 @@ impl VmBackend {
                     }
                     Err(e) => {
                         return Err(BackendError::internal(format!(
-                            "the restoring VMM ended: {e} ({})",
+                            "the restoring VMM ended: {e} ({:?})",
                             self.vmm_log(dir)
                         )));
                     }
@@ -1016,16 +1020,22 @@ impl VmBackend {
         if let Some(vm) = &vm {
             vm.agent.watch.abort();
         }
-        let dir = self.dir_of(id);
+        self.remove_named(self.name(id)).await
+    }
+
+    /// Ends the VM named `name` (its directory, cgroup, uid claim and holder file bear the
+    /// name) and removes all it holds.
+    async fn remove_named(&self, name: String) -> Result<(), BackendError> {
+        let dir = self.opts.state_dir.join(&name);
         self.logs.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
         self.consoles.lock().unwrap_or_else(|p| p.into_inner()).remove(&dir);
-        let inuse = self.inuse_path(id);
-        let name = self.name(id);
+        let inuse = self.opts.store_dir.join("inuse").join(&name);
         let pool = self.opts.ids.clone();
         blocking(move || {
             kill_vmm(&dir);
             // Its network namespace with it (the tap and the veth go with the namespace).
             net::stop_holder(&dir);
+            release_gpus(Path::new(GPU_CLAIMS_DIR), &dir);
             // Whatever is left in its cgroup goes with it (a VMM whose pid was never kept).
             if cgroup::exists_at(&cgroup::parent_rel().map_err(cgroup_err)?.1.join(&name)) {
                 SandboxCgroup::open(&name).and_then(SandboxCgroup::remove).map_err(cgroup_err)?;
@@ -1093,57 +1103,139 @@ const GUEST_HEADER_BYTES: u32 = 64 << 10;
 const MIGRATION_BYTES_PER_S: u64 = 1 << 40;
 
 fn qmp_fail(what: &'static str) -> impl FnOnce(qmp::QmpError) -> BackendError {
-    move |e| BackendError::internal(format!("{what}: {e}"))
+    // QEMU's words: a VMM taken over by its guest says what it likes.
+    move |e| BackendError::internal(format!("{what}: {}", super::untrusted_text(&e.to_string(), 300)))
 }
 
+/// Most bytes a saved device state may take (the memory is never in it: it is the VM's own
+/// file): what the VMM sends beyond is refused.
+const MAX_STATE_BYTES: u64 = 256 << 20;
+/// How long the VMM may keep the stream open once it says the save is complete.
+const STATE_CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 /// Saves the stopped VM of `q` as a migration stream into a new file at `path`, synced; with
-/// `ignore_shared` its memory (the VM's own file) is left out.
+/// `ignore_shared` its memory (the VM's own file) is left out. The VMM gets the write end of a
+/// pipe, never the file: the edge writes the file, at most [`MAX_STATE_BYTES`], and once the
+/// save is complete no descriptor the VMM may have kept reaches it.
 async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Result<(), BackendError> {
-    // The edge opens the file and hands it over: the VMM can open none itself.
-    let file = std::fs::File::create(path).map_err(internal("creating the state file"))?;
-    q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(qmp_fail("handing over the state file"))?;
-    q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
-    // The vCPUs are stopped: nothing to spare them from (QEMU throttles a migration to
-    // 128 MiB/s by default).
-    q.execute("migrate-set-parameters", Some(serde_json::json!({ "max-bandwidth": MIGRATION_BYTES_PER_S })))
-        .await
-        .map_err(qmp_fail("lifting the migration's throttle"))?;
-    q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
-        .await
-        .map_err(qmp_fail("saving the device state"))?;
-    wait_migration(q).await?;
-    file.sync_all().map_err(internal("syncing the saved state"))
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+        .map_err(|e| BackendError::internal(format!("a pipe for the saved state: {e}")))?;
+    let mut rx = tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(internal("reading the saved state"))?;
+    let mut file = tokio::fs::File::create(path).await.map_err(internal("creating the state file"))?;
+    let copier = tokio::spawn(async move {
+        let mut buf = vec![0u8; 1 << 16];
+        let mut total = 0u64;
+        loop {
+            let n = rx.read(&mut buf).await.map_err(internal("reading the saved state"))?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+            if total > MAX_STATE_BYTES {
+                return Err(BackendError::internal(format!(
+                    "the VMM's saved state is larger than {MAX_STATE_BYTES} bytes"
+                )));
+            }
+            file.write_all(&buf[..n]).await.map_err(internal("writing the saved state"))?;
+        }
+        file.sync_all().await.map_err(internal("syncing the saved state"))
+    });
+    let saved = async {
+        q.getfd("state", std::os::fd::AsFd::as_fd(&w)).await.map_err(qmp_fail("handing over the state pipe"))?;
+        drop(w);
+        q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
+        // The vCPUs are stopped: nothing to spare them from (QEMU throttles a migration to
+        // 128 MiB/s by default).
+        q.execute("migrate-set-parameters", Some(serde_json::json!({ "max-bandwidth": MIGRATION_BYTES_PER_S })))
+            .await
+            .map_err(qmp_fail("lifting the migration's throttle"))?;
+        q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
+            .await
+            .map_err(qmp_fail("saving the device state"))?;
+        wait_migration(q).await
+    };
+    let abort = copier.abort_handle();
+    if let Err(e) = saved.await {
+        abort.abort();
+        return Err(e);
+    }
+    // QEMU closes its end once done: a VMM that holds it open still is not the VMM we started.
+    match tokio::time::timeout(STATE_CLOSE_WAIT, copier).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => Err(BackendError::internal(format!("copying the saved state: {e}"))),
+        Err(_) => {
+            abort.abort();
+            Err(BackendError::internal("the VMM kept the saved state's stream open after the save"))
+        }
+    }
 }
 
 /// The file in a VM's directory naming the GPUs passed through to it, one PCI address a line.
 const GPUS_FILE: &str = "gpus";
 
-/// Claims `n` of `devices` for the VM in `dir` (written to its `gpus` file): the ones no other
-/// VM directory under `state_dir` names. Too few free: `no_capacity`.
+/// Where GPU claims are kept, host-wide: one file per claimed device (its PCI address), naming
+/// the VM directory that holds it, so that two edges on one host never pass one GPU to two
+/// VMs.
+pub const GPU_CLAIMS_DIR: &str = "/run/opendsec/gpus";
+
+/// Claims `n` of `devices` for the VM in `dir` (claim files in `claims`, and the VM's `gpus`
+/// file): devices whose claim names no existing VM directory. Too few free: `no_capacity`.
 fn claim_gpus(
     devices: &[String],
-    state_dir: &Path,
+    claims: &Path,
     dir: &Path,
     n: usize,
     lock: &Mutex<()>,
 ) -> Result<Vec<String>, BackendError> {
     let _held = lock.lock().unwrap_or_else(|p| p.into_inner());
-    let mut used = HashSet::new();
-    for e in std::fs::read_dir(state_dir).into_iter().flatten().flatten() {
-        for l in std::fs::read_to_string(e.path().join(GPUS_FILE)).unwrap_or_default().lines() {
-            used.insert(l.trim().to_string());
+    std::fs::create_dir_all(claims).map_err(internal("creating the GPU claims"))?;
+    let owner = dir.display().to_string();
+    let mut got = Vec::new();
+    for d in devices {
+        if got.len() == n {
+            break;
+        }
+        let path = claims.join(d);
+        // A claim whose VM directory is gone is stale (a VM ended without its teardown).
+        if let Ok(holder) = std::fs::read_to_string(&path)
+            && !Path::new(holder.trim()).is_dir()
+        {
+            let _ = std::fs::remove_file(&path);
+        }
+        let created = std::fs::OpenOptions::new().write(true).create_new(true).open(&path);
+        match created {
+            Ok(mut f) => {
+                std::io::Write::write_all(&mut f, owner.as_bytes()).map_err(internal("writing a GPU claim"))?;
+                got.push(d.clone());
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(BackendError::internal(format!("claiming GPU {d}: {e}"))),
         }
     }
-    let free: Vec<String> = devices.iter().filter(|d| !used.contains(*d)).take(n).cloned().collect();
-    if free.len() < n {
+    let recorded = std::fs::write(dir.join(GPUS_FILE), got.join("\n")).map_err(internal("recording the VM's GPUs"));
+    if got.len() < n || recorded.is_err() {
+        release_gpus(claims, dir);
+        recorded?;
         return Err(BackendError::no_capacity(format!(
             "{n} GPUs asked for, {} of this edge's {} free for passthrough",
-            free.len(),
+            got.len(),
             devices.len()
         )));
     }
-    std::fs::write(dir.join(GPUS_FILE), free.join("\n")).map_err(internal("recording the VM's GPUs"))?;
-    Ok(free)
+    Ok(got)
+}
+
+/// Releases the GPU claims the VM in `dir` holds.
+fn release_gpus(claims: &Path, dir: &Path) {
+    let owner = dir.display().to_string();
+    for d in std::fs::read_to_string(dir.join(GPUS_FILE)).unwrap_or_default().lines() {
+        let path = claims.join(d.trim());
+        if std::fs::read_to_string(&path).is_ok_and(|h| h.trim() == owner) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    let _ = std::fs::remove_file(dir.join(GPUS_FILE));
 }
 
 fn cgroup_err(e: cgroup::CgroupError) -> BackendError {
@@ -1165,7 +1257,7 @@ async fn wait_migration(q: &mut qmp::Qmp) -> Result<(), BackendError> {
             "failed" | "cancelled" => {
                 return Err(BackendError::internal(format!(
                     "the migration failed: {}",
-                    m["error-desc"].as_str().unwrap_or("no reason given")
+                    super::untrusted_text(m["error-desc"].as_str().unwrap_or("no reason given"), 300)
                 )));
             }
             // An incoming side reports nothing until it starts, and `completed` only briefly:
@@ -1353,6 +1445,20 @@ impl Backend for VmBackend {
         for id in &gone {
             self.teardown(id).await?;
         }
+        // VMs an edge started before names carried its tag (`<backend>.<id>`): none is adopted
+        // across that change; each goes with what it holds.
+        let old = format!("{}.", self.opts.machine.backend());
+        let named_before: Vec<String> = std::fs::read_dir(&self.opts.state_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(&old))
+            .collect();
+        for name in named_before {
+            tracing::warn!(vm = %name, "removing a VM named before names carried the edge's tag");
+            self.remove_named(name).await?;
+        }
         let (cache, store) = (self.snapshot_cache(), self.store.clone());
         blocking(move || Ok(snapshot::prune(&cache, &store, true))).await?;
         Ok(gone.len())
@@ -1423,8 +1529,8 @@ impl AgentAccess for VmBackend {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn gpus_go_to_one_vm_each() {
-        let state = tempfile::tempdir().unwrap();
+    fn gpus_go_to_one_vm_each_across_edges() {
+        let (state, claims) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let devices = vec!["0000:01:00.0".to_string(), "0000:02:00.0".to_string()];
         let lock = std::sync::Mutex::new(());
         let dir = |n: &str| {
@@ -1432,15 +1538,20 @@ mod tests {
             std::fs::create_dir_all(&d).unwrap();
             d
         };
-        let a = super::claim_gpus(&devices, state.path(), &dir("a"), 1, &lock).unwrap();
-        let b = super::claim_gpus(&devices, state.path(), &dir("b"), 1, &lock).unwrap();
+        let claim = |n: &str, k| super::claim_gpus(&devices, claims.path(), &dir(n), k, &lock);
+        let a = claim("edge-1/a", 1).unwrap();
+        // Another edge's VM on the same host: the claims are the host's.
+        let b = claim("edge-2/b", 1).unwrap();
         assert_eq!((a.as_slice(), b.as_slice()), (&devices[..1], &devices[1..]));
-        let e = super::claim_gpus(&devices, state.path(), &dir("c"), 1, &lock).unwrap_err();
+        let e = claim("edge-1/c", 1).unwrap_err();
         assert_eq!(e.kind(), crate::backend::BackendErrorKind::NoCapacity, "{e}");
-        // A VM gone (its directory removed) gives its GPU back.
-        std::fs::remove_dir_all(state.path().join("a")).unwrap();
-        assert_eq!(super::claim_gpus(&devices, state.path(), &dir("c"), 1, &lock).unwrap(), a);
-        assert!(super::claim_gpus(&[], state.path(), &dir("d"), 1, &lock).is_err());
+        // Two asked for, one free: nothing is kept.
+        super::release_gpus(claims.path(), &state.path().join("edge-2/b"));
+        assert!(claim("edge-1/c", 2).is_err());
+        assert_eq!(claim("edge-1/d", 1).unwrap(), b);
+        // A VM gone without its teardown (its directory removed) gives its GPU back.
+        std::fs::remove_dir_all(state.path().join("edge-1/a")).unwrap();
+        assert_eq!(claim("edge-1/e", 1).unwrap(), a);
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //!
 //! - **The namespace** is held by a placeholder process (`opendsec-agent hold-netns <dir>`),
 //!   not by the VMM, which lives in an empty namespace of its own and is gone while a microvm
-//!   is paused. The placeholder runs under the VM's uid, in its cgroup, in a session of its
-//!   own (it outlives an edge restart and is adopted from `netns.pid`); killing it, or removing
+//!   is paused. The placeholder runs under an id of the VM's block other than the VMM's (a VMM
+//!   taken over by its guest cannot ptrace it), with no capability and `no_new_privs`, in the
+//!   VM's cgroup, in a session of its own (it outlives an edge restart and is adopted from `netns.pid`); killing it, or removing
 //!   the cgroup, takes the namespace with its tap and veth away.
 //! - **Inside it**: `eth0`, the sandbox's end of its veth, with the sandbox's address from the
 //!   edge's subnet (made by `netpol`, exactly as for a container, and policed on the host the
@@ -51,11 +52,22 @@ pub(super) fn holder_pid(dir: &Path) -> Option<i32> {
     (text.contains("hold-netns") && text.contains(dir.to_str()?)).then_some(pid)
 }
 
-/// The namespace the placeholder of `dir` holds.
-pub(super) fn netns_of(dir: &Path) -> Result<PathBuf, BackendError> {
-    let pid = holder_pid(dir)
-        .ok_or_else(|| BackendError::unavailable(format!("the network namespace of {} is gone", dir.display())))?;
-    Ok(PathBuf::from(format!("/proc/{pid}/ns/net")))
+/// The namespace the placeholder of `dir` holds, open.
+pub(super) fn netns_of(dir: &Path) -> Result<std::fs::File, BackendError> {
+    let gone = || BackendError::unavailable(format!("the network namespace of {} is gone", dir.display()));
+    let pid = holder_pid(dir).ok_or_else(gone)?;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).map_err(|_| gone())?;
+    // The pid could have been reused between the look and the open: looked at again, with the
+    // namespace held.
+    if holder_pid(dir) != Some(pid) {
+        return Err(gone());
+    }
+    Ok(ns)
+}
+
+/// A path that names the open namespace `ns` (for code that opens namespaces by path).
+pub(super) fn path_of(ns: &std::fs::File) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(ns)))
 }
 
 /// Starts the placeholder of `dir` (`agent hold-netns <dir>`) in a new network namespace,
@@ -91,6 +103,7 @@ pub(super) fn start_holder(
             rustix::thread::set_thread_groups(&[])?;
             rustix::thread::set_thread_gid(id)?;
             rustix::thread::set_thread_uid(rustix::process::Uid::from_raw(uid))?;
+            rustix::thread::set_no_new_privs(true)?;
             Ok(())
         });
     }
@@ -124,10 +137,9 @@ pub(super) fn stop_holder(dir: &Path) {
     tracing::warn!(dir = %dir.display(), pid, "the network placeholder did not end after SIGKILL");
 }
 
-/// Runs `f` on a thread of its own that has entered the namespace `netns` (network namespaces
+/// Runs `f` on a thread of its own that has entered the namespace `ns` (network namespaces
 /// are per thread: the edge's own threads stay where they are).
-fn in_netns<T: Send>(netns: &Path, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
-    let ns = std::fs::File::open(netns)?;
+fn in_netns<T: Send>(ns: &std::fs::File, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
     std::thread::scope(|s| {
         s.spawn(move || {
             rustix::thread::move_into_link_name_space(ns.as_fd(), Some(rustix::thread::LinkNameSpaceType::Network))?;
@@ -171,7 +183,7 @@ fn tun(create: bool) -> std::io::Result<OwnedFd> {
 /// on its veth, the edge's DNS proxy) the translation between the guest and the sandbox's
 /// address. Without `out` the VM has a NIC and nowhere to reach (a copy of a networked VM on
 /// an edge without the network).
-pub(super) fn set_up(netns: &Path, out: Option<(Ipv4Addr, Ipv4Addr)>) -> Result<(), BackendError> {
+pub(super) fn set_up(netns: &std::fs::File, out: Option<(Ipv4Addr, Ipv4Addr)>) -> Result<(), BackendError> {
     let ruleset = out.map(|(addr, dns)| ruleset(addr, dns));
     in_netns(netns, move || {
         drop(tun(true)?);
@@ -185,7 +197,7 @@ pub(super) fn set_up(netns: &Path, out: Option<(Ipv4Addr, Ipv4Addr)>) -> Result<
         }
         Ok(())
     })
-    .map_err(net_err(format!("the network namespace {}", netns.display())))
+    .map_err(net_err("the VM's network namespace"))
 }
 
 /// The translation in a VM's namespace (see the module's text).
@@ -228,8 +240,8 @@ fn nft(ruleset: &str) -> std::io::Result<()> {
 }
 
 /// The tap of the namespace `netns`, open, for a VMM.
-pub(super) fn open_tap(netns: &Path) -> Result<OwnedFd, BackendError> {
-    in_netns(netns, || tun(false)).map_err(net_err(format!("opening the tap in {}", netns.display())))
+pub(super) fn open_tap(netns: &std::fs::File) -> Result<OwnedFd, BackendError> {
+    in_netns(netns, || tun(false)).map_err(net_err("opening the VM's tap"))
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 /// Longest QMP line read.
 pub const MAX_LINE: usize = 1 << 20;
+/// Most bytes of events one connection keeps.
+const MAX_EVENT_BYTES: usize = 1 << 20;
 /// Longest a command may take to answer.
 const ANSWER_WAIT: Duration = Duration::from_secs(30);
 
@@ -34,8 +36,10 @@ pub enum QmpError {
 pub struct Qmp {
     read: BufReader<OwnedReadHalf>,
     write: OwnedWriteHalf,
-    /// Events seen while waiting for answers (`{"event": ..}` objects), oldest first.
+    /// Events seen while waiting for answers (`{"event": ..}` objects), oldest first, at most
+    /// [`MAX_EVENT_BYTES`] of them.
     pub events: Vec<Value>,
+    events_bytes: usize,
     /// QEMU's version, from the greeting: (major, minor, micro).
     pub version: (u64, u64, u64),
 }
@@ -45,7 +49,7 @@ impl Qmp {
     pub async fn connect(path: &Path) -> Result<Qmp, QmpError> {
         let s = UnixStream::connect(path).await?;
         let (r, w) = s.into_split();
-        let mut q = Qmp { read: BufReader::new(r), write: w, events: Vec::new(), version: (0, 0, 0) };
+        let mut q = Qmp { read: BufReader::new(r), write: w, events: Vec::new(), events_bytes: 0, version: (0, 0, 0) };
         let greeting = tokio::time::timeout(ANSWER_WAIT, q.line())
             .await
             .map_err(|_| QmpError::Protocol("no greeting".into()))??;
@@ -89,7 +93,11 @@ impl Qmp {
             loop {
                 let v = self.line().await?;
                 if v.get("event").is_some() {
-                    if self.events.len() < 1024 {
+                    // Kept within a byte budget: a VMM taken over by its guest may send events
+                    // without end.
+                    let size = v.to_string().len();
+                    if self.events_bytes + size <= MAX_EVENT_BYTES {
+                        self.events_bytes += size;
                         self.events.push(v);
                     }
                     continue;

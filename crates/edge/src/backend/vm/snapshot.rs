@@ -108,7 +108,9 @@ pub(super) fn cached(cache: &Path, store: &Store, rec: &VmSnapshotRecord) -> Res
         // The record last: an entry exists exactly when its record does.
         for f in [vmsnap::STATE, vmsnap::MEM, vmsnap::DISK, vmsnap::RECORD] {
             if std::fs::hard_link(from.join(f), tmp.join(f)).is_err() {
-                disks::copy_sparse(&from.join(f), &tmp.join(f))?;
+                // The store's files are the edge's, written whole: their length is theirs.
+                let len = std::fs::metadata(from.join(f)).map_err(internal("sizing a snapshot file"))?.len();
+                disks::copy_sparse(&from.join(f), &tmp.join(f), len)?;
             }
         }
         std::fs::rename(&tmp, &dir).map_err(internal("placing a snapshot cache entry"))
@@ -155,7 +157,7 @@ pub(super) async fn post_restore(channel: &tonic::transport::Channel, sb: &Sandb
         Ok(Err(st)) => Err(BackendError::internal(format!(
             "the restored agent of {} refused its new identity: {}",
             sb.id,
-            st.message()
+            crate::backend::untrusted_text(st.message(), 300)
         ))),
         Err(_) => Err(BackendError::unavailable(format!("the restored agent of {} did not answer in time", sb.id))),
     }
@@ -171,12 +173,12 @@ impl VmBackend {
     /// A running VM: its vCPUs stopped while its device state is saved (its memory left out:
     /// it is the VM's own file) and its memory and disk are copied, then run on (also when the
     /// save failed). The migration flushed and inactivated the disk, so the copy is consistent.
-    async fn snapshot_running(&self, vm: &Vm, tmp: &Path) -> Result<(), BackendError> {
+    async fn snapshot_running(&self, vm: &Vm, shape: &Shape, tmp: &Path) -> Result<(), BackendError> {
         let mut q = self.qmp(&vm.dir).await?;
         q.stop().await.map_err(qmp_fail("stopping the vCPUs"))?;
         let save = async {
             save_stream(&mut q, &tmp.join(vmsnap::STATE), true).await?;
-            copy_files(&vm.dir, tmp, false).await
+            copy_files(&vm.dir, tmp, shape, false).await
         };
         let saved = tokio::time::timeout(self.opts.boot_timeout, save)
             .await
@@ -190,18 +192,19 @@ impl VmBackend {
     }
 }
 
-/// Copies a VM's memory and disk from `dir` into the snapshot directory `tmp` (data only),
-/// and with `state` its saved device state too (a paused microvm's, which the pause wrote
-/// without the memory, as a snapshot's is).
-async fn copy_files(dir: &Path, tmp: &Path, state: bool) -> Result<(), BackendError> {
+/// Copies a VM's memory and disk from `dir` into the snapshot directory `tmp` (data only, as
+/// large as its shape says), and with `state` its saved device state too (a paused microvm's,
+/// which the pause wrote without the memory, as a snapshot's is).
+async fn copy_files(dir: &Path, tmp: &Path, shape: &Shape, state: bool) -> Result<(), BackendError> {
     let (dir, tmp) = (dir.to_path_buf(), tmp.to_path_buf());
+    let (mem, disk) = (shape.memory_mb << 20, shape.disk_mb << 20);
     blocking(move || {
-        let mut files = vec![("mem", vmsnap::MEM), ("disk.img", vmsnap::DISK)];
+        disks::copy_sparse(&dir.join("mem"), &tmp.join(vmsnap::MEM), mem)?;
+        disks::copy_sparse(&dir.join("disk.img"), &tmp.join(vmsnap::DISK), disk)?;
         if state {
-            files.push(("state", vmsnap::STATE));
-        }
-        for (from, to) in files {
-            disks::copy_sparse(&dir.join(from), &tmp.join(to))?;
+            // The edge wrote it, bounded ([`super::save_stream`]).
+            let len = std::fs::metadata(dir.join("state")).map_err(internal("sizing the saved state"))?.len();
+            disks::copy_sparse(&dir.join("state"), &tmp.join(vmsnap::STATE), len)?;
         }
         Ok(())
     })
@@ -230,8 +233,11 @@ impl VmSnapshotter for VmBackend {
         let started = Instant::now();
         // A paused microvm has no VMM (pid 0): its saved state and memory are what a snapshot
         // holds already.
-        let saved =
-            if vm.pid == 0 { copy_files(&vm.dir, &tmp, true).await } else { self.snapshot_running(&vm, &tmp).await };
+        let saved = if vm.pid == 0 {
+            copy_files(&vm.dir, &tmp, &shape, true).await
+        } else {
+            self.snapshot_running(&vm, &shape, &tmp).await
+        };
         let frozen = started.elapsed();
         let committed = match saved {
             Ok(()) => {
