@@ -68,6 +68,9 @@ fn held(root: &Path, machine: &str, id: &str) -> Vec<String> {
     if dir.exists() {
         held.push(format!("directory {}", dir.display()));
     }
+    if opendsec_edge::backend::vm::sockets_of(&dir).exists() {
+        held.push(format!("socket directory of {id}"));
+    }
     if root.join("store/inuse").join(&name).exists() {
         held.push(format!("holder file of {id}"));
     }
@@ -704,7 +707,8 @@ async fn a_hostile_guest_costs_the_edge_an_error_and_nothing_more() {
     let before = rss_mb();
     for mode in [Hostile::Silent, Hostile::Chatter, Hostile::Flood, Hostile::Oversized] {
         let guest = fake_guest(&sock, mode);
-        let channel = opendsec_edge::backend::vm::serial_channel(sock.clone(), Duration::from_secs(3));
+        let channel =
+            opendsec_edge::backend::vm::serial_channel(sock.clone(), tmp.path().join("pid"), Duration::from_secs(3));
         let mut c = opendsec_edge::backend::agent_client(channel);
         let req = pb::ExecRequest { sandbox_id: "cbtest.x".into(), command: "true".into(), ..Default::default() };
         let t = std::time::Instant::now();

@@ -365,6 +365,7 @@ impl VmBackend {
     /// QEMU's command line for the VM in `dir`.
     fn argv(&self, dir: &Path, image: &Path, shape: Shape, uid: u32) -> Vmm {
         let (memory_mb, cpus) = (shape.memory_mb, shape.cpus);
+        let socks = sockets_of(dir);
         // q35: the image disk is virtio-pmem (below), device memory beyond the guest's own.
         let pmem = self.opts.machine == Machine::Q35;
         let image_mb = std::fs::metadata(image).map(|m| m.len().div_ceil(1 << 20)).unwrap_or(0);
@@ -436,11 +437,11 @@ impl VmBackend {
             "-serial",
             "chardev:console",
             "-qmp",
-            &format!("unix:{},server=on,wait=off", d("qmp.sock")),
+            &format!("unix:{},server=on,wait=off", socks.join("qmp.sock").display()),
             "-device",
             &format!("virtio-serial-{suffix}"),
             "-chardev",
-            &format!("socket,id=agent,path={},server=on,wait=off", d("agent.sock")),
+            &format!("socket,id=agent,path={},server=on,wait=off", socks.join("agent.sock").display()),
             "-device",
             &format!("virtserialport,chardev=agent,name={}", opendsec_proto::serial::AGENT_PORT),
         ]
@@ -502,11 +503,11 @@ impl VmBackend {
 
     /// A lazily connecting channel to the agent in `dir` ([`serial_channel`]).
     fn agent_channel(&self, dir: &Path) -> tonic::transport::Channel {
-        serial_channel(dir.join("agent.sock"), self.opts.boot_timeout)
+        serial_channel(sockets_of(dir).join("agent.sock"), dir.join("pid"), self.opts.boot_timeout)
     }
 
     async fn qmp(&self, dir: &Path) -> Result<qmp::Qmp, BackendError> {
-        qmp::Qmp::connect(&dir.join("qmp.sock"))
+        qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock"))
             .await
             .map_err(|e| BackendError::unavailable(format!("the VMM of {} does not answer: {e}", dir.display())))
     }
@@ -760,9 +761,13 @@ impl VmBackend {
     /// `incoming`); returns its pid, also written to `dir/pid`.
     fn spawn_vmm(&self, dir: &Path, vmm: &Vmm, incoming: bool) -> Result<i32, BackendError> {
         // Sockets an earlier VMM of this directory left would answer "refused" until this one
-        // binds its own.
+        // binds its own. Root's alone: they control the VM.
+        let socks = sockets_of(dir);
+        std::fs::create_dir_all(&socks).map_err(internal("creating the VM's socket directory"))?;
+        std::fs::set_permissions(&socks, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(internal("closing the VM's socket directory"))?;
         for sock in ["qmp.sock", "agent.sock"] {
-            let _ = std::fs::remove_file(dir.join(sock));
+            let _ = std::fs::remove_file(socks.join(sock));
         }
         let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         let cg = SandboxCgroup::open(name).map_err(cgroup_err)?;
@@ -937,7 +942,7 @@ impl VmBackend {
         let pid = self.spawn_vmm(dir, vmm, true)?;
         let restored = async {
             let mut q = loop {
-                match qmp::Qmp::connect(&dir.join("qmp.sock")).await {
+                match qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock")).await {
                     Ok(q) => break q,
                     // Not listening yet (the sockets of the VMM before it were removed).
                     Err(_) if Path::new(&format!("/proc/{pid}")).exists() => {
@@ -1046,6 +1051,7 @@ impl VmBackend {
                 pool.release(IdRange { host_first: first, count: crate::linuxrt::idmap::RANGE }, &name)
                     .map_err(|e| BackendError::internal(format!("releasing the VMM's uid: {e}")))?;
             }
+            let _ = std::fs::remove_dir_all(sockets_of(&dir));
             if dir.exists() {
                 std::fs::remove_dir_all(&dir).map_err(internal(format!("removing {}", dir.display())))?;
             }
@@ -1055,6 +1061,19 @@ impl VmBackend {
     }
 }
 
+/// Where the sockets of the VM in `dir` are (QMP and the agent's port): a directory of its own
+/// under [`SOCKETS_DIR`], named by a hash of `dir`, so that their paths stay within what a
+/// unix socket's address holds (108 bytes) however deep the edge's state directory is.
+pub fn sockets_of(dir: &Path) -> PathBuf {
+    use sha2::Digest;
+    let hash = sha2::Sha256::digest(dir.as_os_str().as_encoded_bytes());
+    let key: String = hash.iter().take(10).map(|b| format!("{b:02x}")).collect();
+    Path::new(SOCKETS_DIR).join(key)
+}
+
+/// The VMs' socket directories ([`sockets_of`]).
+pub const SOCKETS_DIR: &str = "/run/opendsec/vm";
+
 /// A lazily connecting channel to the agent behind the VM's serial-port socket `sock`: each
 /// connection is a new connection to the socket (QEMU's), begun with the handshake of
 /// `opendsec_proto::serial` (the host reads at most 16 MiB looking for the guest's answer),
@@ -1062,13 +1081,13 @@ impl VmBackend {
 /// ([`crate::backend::agent_client`]). It waits up to `wait` for a booting guest to answer.
 /// Everything the guest sends is data: what it says cannot make the edge read or hold more
 /// than those bounds.
-pub fn serial_channel(sock: PathBuf, wait: Duration) -> tonic::transport::Channel {
+pub fn serial_channel(sock: PathBuf, pid_file: PathBuf, wait: Duration) -> tonic::transport::Channel {
     // The guest's headers are bounded well below HTTP/2's 16 MiB default: the agent sends a
     // handful of short ones.
     Endpoint::from_static("http://agent.invalid")
         .http2_max_header_list_size(GUEST_HEADER_BYTES)
         .connect_with_connector_lazy(tower::service_fn(move |_| {
-            let sock = sock.clone();
+            let (sock, pid_file) = (sock.clone(), pid_file.clone());
             async move {
                 let connect = async {
                     // QEMU makes the socket shortly after it starts.
@@ -1079,7 +1098,7 @@ pub fn serial_channel(sock: PathBuf, wait: Duration) -> tonic::transport::Channe
                                 if matches!(
                                     e.kind(),
                                     std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                                ) && sock.parent().is_some_and(|d| d.join("pid").exists()) =>
+                                ) && pid_file.exists() =>
                             {
                                 tokio::time::sleep(Duration::from_millis(10)).await
                             }
@@ -1278,7 +1297,7 @@ async fn wait_migration(q: &mut qmp::Qmp) -> Result<(), BackendError> {
 fn vmm_pid(dir: &Path) -> Option<i32> {
     let pid: i32 = std::fs::read_to_string(dir.join("pid")).ok()?.trim().parse().ok()?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let needle = dir.join("qmp.sock").display().to_string();
+    let needle = sockets_of(dir).join("qmp.sock").display().to_string();
     String::from_utf8_lossy(&cmdline).contains(&needle).then_some(pid)
 }
 

@@ -274,3 +274,62 @@ impl VmSnapshotter for VmBackend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A snapshot with files `state`, `mem` and `disk.img` in `store`.
+    fn stored(store: &Store) -> VmSnapshotRecord {
+        let id = vmsnap::new_id();
+        let w = store.begin_vm_snapshot(&id).unwrap();
+        std::fs::write(w.join(vmsnap::STATE), b"device state").unwrap();
+        let mem = std::fs::File::create(w.join(vmsnap::MEM)).unwrap();
+        mem.set_len(8 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&mem, b"a page", 4 << 20).unwrap();
+        std::fs::write(w.join(vmsnap::DISK), b"disk").unwrap();
+        let rec = VmSnapshotRecord {
+            v: vmsnap::VERSION,
+            id,
+            backend: "microvm".into(),
+            vmm: "qemu".into(),
+            layers: vec![],
+            memory_mb: 8,
+            cpus: 1,
+            disk_mb: 1,
+            net: false,
+            source: "e.l".into(),
+            created_at_ms: 1,
+            bytes: 0,
+        };
+        store.commit_vm_snapshot(&w, &rec).unwrap();
+        rec
+    }
+
+    /// Another node's copy: the store on another file system (a network one in production, a
+    /// tmpfs here) cannot be hard-linked, so its files are copied, holes kept; a second
+    /// creation finds the copy; it goes once the store's snapshot is gone.
+    #[test]
+    fn a_snapshot_from_another_file_system_is_copied_once_and_pruned() {
+        let remote = tempfile::tempdir_in("/dev/shm").unwrap();
+        let node = tempfile::tempdir().unwrap();
+        let store = Store::open(remote.path()).unwrap();
+        let rec = stored(&store);
+        let cache = node.path().join(CACHE);
+        let dir = cached(&cache, &store, &rec).unwrap();
+        let from = store.vm_snapshot_dir(&rec.id).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        for f in [vmsnap::STATE, vmsnap::MEM, vmsnap::DISK, vmsnap::RECORD] {
+            assert_eq!(std::fs::read(dir.join(f)).unwrap(), std::fs::read(from.join(f)).unwrap(), "{f}");
+            assert_ne!(std::fs::metadata(dir.join(f)).unwrap().ino(), std::fs::metadata(from.join(f)).unwrap().ino());
+        }
+        assert!(std::fs::metadata(dir.join(vmsnap::MEM)).unwrap().blocks() * 512 <= 64 << 10, "holes kept");
+        // Found, not fetched again.
+        std::fs::write(dir.join("marker"), b"").unwrap();
+        assert!(cached(&cache, &store, &rec).unwrap().join("marker").exists());
+        // The store's snapshot gone: the node's copy goes at the next prune.
+        store.delete_vm_snapshot(&rec.id).unwrap();
+        assert_eq!(prune(&cache, &store, false), 1);
+        assert!(!dir.exists());
+    }
+}
