@@ -16,14 +16,26 @@
 //! vCPUs (QMP `stop`), the memory kept. A microvm's memory snapshots and the copies restored
 //! from them are in [`snapshot`].
 //!
+//! The VMM itself is behind a small trait ([`vmm::Vmm`]: the command that starts a VM, stop
+//! and run its vCPUs, save and load its state, end it, read its console), implemented for QEMU
+//! ([`qemu`]), so that Firecracker can stand beside it where it can be installed and tested;
+//! everything around the VMM (files, cgroup, uid, network, confinement, snapshots, adoption)
+//! is this module's.
+//!
 //! Cycles on purpose: `snapshot` holds [`VmBackend`]'s snapshot and restore verbs, split out
-//! for length; it uses this module's private helpers, and this module's creation calls its
-//! restore steps.
+//! for length; `qemu` and `vmm` share this module's types of a VM (its shape, its disks).
+//! They use this module's private helpers, and this module calls them.
 
 pub mod disks;
 mod net;
+mod qemu;
 pub mod qmp;
 mod snapshot;
+mod vmm;
+
+use qemu::CONSOLE_BYTES;
+pub use qemu::probe_kvm;
+use vmm::{Launch, VmSpec, Vmm};
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -68,63 +80,6 @@ pub enum Accel {
     Tcg,
     /// KVM if a short boot under it succeeds ([`probe_kvm`]), else TCG.
     Auto,
-}
-
-/// What a probe boot prints when the guest's init runs (the agent's `PROBE_OK`).
-const PROBE_OK: &str = "OPENDSEC-PROBE-OK";
-/// How long a probe boot may take under KVM (seconds there; a host whose KVM cannot boot a
-/// guest hangs or fails).
-const PROBE_WAIT: Duration = Duration::from_secs(15);
-
-/// Whether a guest boots under KVM here: the kernel and initramfs booted with
-/// `opendsec.probe`, whose init prints [`PROBE_OK`] and powers off. The answer is kept in
-/// `cache` per host kernel, QEMU and guest kernel, so only the first edge start pays for it.
-pub fn probe_kvm(qemu: &Path, kernel_dir: &Path, initramfs: &Path, cache: &Path) -> bool {
-    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let release = std::fs::read_to_string(kernel_dir.join("release")).unwrap_or_default();
-    let key: String = {
-        use sha2::Digest;
-        let mut h = sha2::Sha256::new();
-        h.update(format!("{}|{}|{}|{}", host.trim(), qemu.display(), release.trim(), initramfs.display()));
-        h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
-    };
-    let kept = cache.join(format!("kvm-probe-{key}"));
-    if let Ok(v) = std::fs::read_to_string(&kept) {
-        return v.trim() == "kvm";
-    }
-    let ok = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok() && {
-        let child = std::process::Command::new(qemu)
-            .args(["-accel", "kvm", "-cpu", "host", "-m", "128M", "-M", "microvm", "-nodefaults", "-no-user-config"])
-            .args(["-nographic", "-no-reboot", "-serial", "stdio", "-kernel"])
-            .arg(kernel_dir.join("vmlinux"))
-            .arg("-initrd")
-            .arg(initramfs)
-            .args(["-append", "console=ttyS0 quiet panic=-1 rdinit=/init opendsec.bus=mmio opendsec.probe -- vm-init"])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn();
-        match child {
-            Ok(mut child) => {
-                let out = child.stdout.take();
-                let (tx, rx) = std::sync::mpsc::channel();
-                std::thread::spawn(move || {
-                    use std::io::BufRead;
-                    let found = out.is_some_and(|o| {
-                        std::io::BufReader::new(o).lines().map_while(Result::ok).any(|l| l.contains(PROBE_OK))
-                    });
-                    let _ = tx.send(found);
-                });
-                let found = rx.recv_timeout(PROBE_WAIT).unwrap_or(false);
-                let _ = child.kill();
-                let _ = child.wait();
-                found
-            }
-            Err(_) => false,
-        }
-    };
-    let _ = std::fs::write(&kept, if ok { "kvm" } else { "tcg" });
-    ok
 }
 
 #[derive(Clone, Debug)]
@@ -177,19 +132,10 @@ const VMM_PIDS: u64 = 256;
 const IDS_FILE: &str = "ids";
 /// Writable disk of a sandbox whose spec asks for none.
 const DEFAULT_DISK_MB: u64 = 1024;
-/// How a VM's QEMU is started, kept in its directory (`vmm.json`) for the VMM that resumes it,
-/// with the VM's shape (what a snapshot of it records).
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-struct Vmm {
-    argv: Vec<String>,
-    drives: Vec<Drive>,
-    #[serde(default)]
-    shape: Shape,
-}
 
 /// What a VM is made of: a copy restored from its snapshot must be the same.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-struct Shape {
+pub(super) struct Shape {
     memory_mb: u64,
     cpus: u64,
     disk_mb: u64,
@@ -205,10 +151,10 @@ struct Shape {
 
 /// A disk handed to QEMU open, as fd set `set`.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-struct Drive {
-    set: u32,
-    path: PathBuf,
-    writable: bool,
+pub(super) struct Drive {
+    pub set: u32,
+    pub path: PathBuf,
+    pub writable: bool,
 }
 
 /// The file of a VM's [`Vmm`].
@@ -216,8 +162,6 @@ const VMM_FILE: &str = "vmm.json";
 
 /// The empty, root-owned directory (in the VM state directory) every VMM chroots into.
 const JAIL: &str = ".jail";
-/// The guest's console, kept by QEMU in memory (the guest writes it: bounded).
-const CONSOLE_BYTES: u64 = 64 << 10;
 
 use disks::tail;
 
@@ -232,9 +176,8 @@ struct Vm {
 pub struct VmBackend {
     opts: VmOptions,
     store: Arc<Store>,
-    initramfs: PathBuf,
-    tsc_khz: Option<u64>,
-    version: String,
+    /// The VMM that runs the VMs (QEMU).
+    vmm: Box<dyn Vmm>,
     /// What the names of this backend's VMs start with ([`name_of`]).
     prefix: String,
     vms: Mutex<HashMap<String, Arc<Vm>>>,
@@ -253,32 +196,8 @@ fn internal(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> Back
     move |e| BackendError::internal(format!("{what}: {e}"))
 }
 
-/// The host TSC's frequency in kHz: a microvm guest under TCG reads the host's TSC and cannot
-/// calibrate it (no PIT), so it is told (`tsc_early_khz`).
-fn host_tsc_khz() -> Option<u64> {
-    if let Ok(s) = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/tsc_freq_khz")
-        && let Ok(k) = s.trim().parse()
-    {
-        return Some(k);
-    }
-    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let mhz: f64 = info.lines().find(|l| l.starts_with("cpu MHz"))?.split(':').nth(1)?.trim().parse().ok()?;
-    Some((mhz * 1000.0).round() as u64)
-}
-
 impl VmBackend {
     pub fn new(opts: VmOptions) -> Result<VmBackend, BackendError> {
-        let out = std::process::Command::new(&opts.qemu)
-            .arg("--version")
-            .output()
-            .map_err(internal(format!("cannot run {}", opts.qemu.display())))?;
-        let version = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .next()
-            .and_then(|l| l.split("version ").nth(1))
-            .map(|v| v.split_whitespace().next().unwrap_or("").to_string())
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| BackendError::internal(format!("{} printed no version", opts.qemu.display())))?;
         if !opts.kernel_dir.join("vmlinux").exists() {
             return Err(BackendError::invalid_argument(format!(
                 "no guest kernel in {} (run scripts/vm-kernel.sh)",
@@ -310,11 +229,10 @@ impl VmBackend {
                 "VMs run under TCG (software emulation; KVM off or unable to boot a guest here): expect seconds to boot, not milliseconds"
             );
         }
+        let vmm = qemu::Qemu::new(&opts.qemu, opts.machine, opts.accel, jail, opts.kernel_dir.clone(), initramfs)?;
         Ok(VmBackend {
-            tsc_khz: host_tsc_khz(),
             store,
-            initramfs,
-            version,
+            vmm: Box::new(vmm),
             prefix: name_of(opts.machine, &opts.state_dir, ""),
             vms: Mutex::new(HashMap::new()),
             gpu_lock: Arc::new(Mutex::new(())),
@@ -324,19 +242,9 @@ impl VmBackend {
         })
     }
 
-    /// The accelerator VMs run under (never `auto` once the backend exists).
-    pub fn accel_name(&self) -> &'static str {
-        match self.opts.accel {
-            Accel::Kvm => "kvm",
-            Accel::Tcg | Accel::Auto => "tcg",
-        }
-    }
-
-    /// What a VMM restoring a snapshot must match: QEMU's version, the accelerator, the
-    /// machine and the layout of its devices (a change to [`VmBackend::argv`]'s devices is a new
-    /// `devices-N`).
+    /// What a VMM restoring a snapshot must match ([`Vmm::restore_key`]).
     fn vmm_key(&self) -> String {
-        format!("qemu {} {} {} devices-1", self.version, self.accel_name(), self.opts.machine.backend())
+        self.vmm.restore_key()
     }
 
     /// This node's copies of VM snapshots (`<vm state>/.snapshots`).
@@ -362,154 +270,9 @@ impl VmBackend {
         self.vms.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// QEMU's command line for the VM in `dir`.
-    fn argv(&self, dir: &Path, image: &Path, shape: Shape, uid: u32) -> Vmm {
-        let (memory_mb, cpus) = (shape.memory_mb, shape.cpus);
-        let socks = sockets_of(dir);
-        // q35: the image disk is virtio-pmem (below), device memory beyond the guest's own.
-        let pmem = self.opts.machine == Machine::Q35;
-        let image_mb = std::fs::metadata(image).map(|m| m.len().div_ceil(1 << 20)).unwrap_or(0);
-        let memory_arg = if pmem {
-            format!("{memory_mb}M,slots=1,maxmem={}M", memory_mb + image_mb.next_multiple_of(2) + 2)
-        } else {
-            format!("{memory_mb}M")
-        };
-        let d = |f: &str| dir.join(f).display().to_string();
-        let (machine, bus, suffix) = match self.opts.machine {
-            // microvm: ACPI stays on (Debian's kernel finds virtio-mmio devices only through it),
-            // so does the RTC (without it the guest spends seconds probing).
-            Machine::Microvm => ("microvm,x-option-roms=off,pit=off,pic=off,memory-backend=mem", "mmio", "device"),
-            Machine::Q35 => ("q35,memory-backend=mem", "pci", "pci"),
-        };
-        // Under TCG a smaller translation cache than QEMU's 1 GiB default: host memory that
-        // no quota counts.
-        let accel = match self.opts.accel {
-            Accel::Kvm => "kvm".to_string(),
-            Accel::Tcg | Accel::Auto => "tcg,tb-size=64".to_string(),
-        };
-        let mut append =
-            format!("console=ttyS0 quiet panic=-1 cryptomgr.notests mitigations=off rdinit=/init opendsec.bus={bus}");
-        if self.opts.machine == Machine::Microvm
-            && let Some(k) = self.tsc_khz
-        {
-            append.push_str(&format!(" tsc_early_khz={k}"));
-        }
-        append.push_str(" -- vm-init");
-        let mut a: Vec<String> = [
-            "-name",
-            dir.file_name().and_then(|n| n.to_str()).unwrap_or(""),
-            "-accel",
-            &accel,
-            // QEMU's seccomp filter: no obsolete calls, no spawning, no scheduler or resource
-            // controls. Privilege changes stay allowed because QEMU makes one itself: once
-            // every file and device is open it chroots into an empty directory and becomes
-            // the VM's own uid (-runas, -chroot), with no capability left and no_new_privs
-            // set, so nothing can be raised again (`elevateprivileges=deny` would refuse
-            // that very drop).
-            "-sandbox",
-            "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny",
-            "-runas",
-            &format!("{uid}:{uid}"),
-            "-chroot",
-            &self.opts.state_dir.join(JAIL).display().to_string(),
-            "-cpu",
-            "max",
-            "-smp",
-            &cpus.to_string(),
-            "-m",
-            &memory_arg,
-            "-M",
-            machine,
-            "-object",
-            &format!("memory-backend-file,id=mem,size={memory_mb}M,mem-path={},share=on", d("mem")),
-            "-nodefaults",
-            "-no-user-config",
-            "-nographic",
-            "-no-reboot",
-            "-kernel",
-            &self.opts.kernel_dir.join("vmlinux").display().to_string(),
-            "-initrd",
-            &self.initramfs.display().to_string(),
-            "-append",
-            &append,
-            "-chardev",
-            &format!("ringbuf,id=console,size={CONSOLE_BYTES}"),
-            "-serial",
-            "chardev:console",
-            "-qmp",
-            &format!("unix:{},server=on,wait=off", socks.join("qmp.sock").display()),
-            "-device",
-            &format!("virtio-serial-{suffix}"),
-            "-chardev",
-            &format!("socket,id=agent,path={},server=on,wait=off", socks.join("agent.sock").display()),
-            "-device",
-            &format!("virtserialport,chardev=agent,name={}", opendsec_proto::serial::AGENT_PORT),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        // Disks are handed over open (fd sets), never named: the chrooted VMM opens no path.
-        // A writable disk's set holds it read-write and read-only, for QEMU's reopen when a
-        // migration inactivates the disk and when it runs again.
-        let mut drives = Vec::new();
-        let mut files = vec![("config", dir.join("config.img"), false), ("disk", dir.join("disk.img"), true)];
-        if pmem {
-            // virtio-pmem, mapped private and read-only (QEMU opens the file read-only): the
-            // guest mounts it with DAX and reads the host's page cache of the one image file
-            // every VM of the image shares, instead of a copy of its own. A guest that writes
-            // to it faults its own VMM.
-            a.push("-object".into());
-            a.push(format!(
-                "memory-backend-file,id=image,mem-path={},size={}M,share=off,readonly=on",
-                image.display(),
-                image_mb
-            ));
-            a.push("-device".into());
-            a.push("virtio-pmem-pci,memdev=image,id=image".into());
-        } else {
-            files.insert(1, ("image", image.to_path_buf(), false));
-        }
-        for (set, (id, file, writable)) in files.into_iter().enumerate() {
-            let set = set as u32 + 1;
-            // A writable disk's two descriptors are two open files to QEMU's image locking,
-            // which then refuses itself the write lock when a snapshot's migration has
-            // inactivated the disk and `cont` takes it back. Nothing else opens the file (the
-            // VM's directory is root's): the lock guards nothing here.
-            let ro = if writable { ",file.locking=off" } else { ",readonly=on" };
-            a.push("-drive".into());
-            a.push(format!("file=/dev/fdset/{set},if=none,id={id},format=raw{ro},cache=none,aio=threads"));
-            a.push("-device".into());
-            // No discard and no write-zeroes requests from the guest: they would punch holes
-            // into the space its disk holds on the host.
-            a.push(format!("virtio-blk-{suffix},drive={id},serial={id},discard=off,write-zeroes=off"));
-            drives.push(Drive { set, path: file, writable });
-        }
-        // GPUs passed through (VFIO): QEMU opens their groups before it drops privileges.
-        for g in &shape.gpus {
-            a.push("-device".into());
-            a.push(format!("vfio-pci,host={g}"));
-        }
-        // The NIC, on the tap the edge hands over at each start (`-netdev`, in spawn_vmm).
-        if shape.net {
-            a.push("-device".into());
-            let rom = if suffix == "pci" { ",romfile=" } else { "" };
-            a.push(format!(
-                "virtio-net-{suffix},netdev=net0,mac={}{rom}",
-                opendsec_proto::vmnet::mac_text(opendsec_proto::vmnet::GUEST_MAC)
-            ));
-        }
-        Vmm { argv: a, drives, shape }
-    }
-
     /// A lazily connecting channel to the agent in `dir` ([`serial_channel`]).
     fn agent_channel(&self, dir: &Path) -> tonic::transport::Channel {
         serial_channel(sockets_of(dir).join("agent.sock"), dir.join("pid"), self.opts.boot_timeout)
-    }
-
-    async fn qmp(&self, dir: &Path) -> Result<qmp::Qmp, BackendError> {
-        qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock"))
-            .await
-            .map_err(|e| BackendError::unavailable(format!("the VMM of {} does not answer: {e}", dir.display())))
     }
 
     /// Resolves when the guest's console shows its init's failure line
@@ -530,10 +293,7 @@ impl VmBackend {
     /// The console's new text added to what was read of it before (reading QEMU's ring buffer
     /// empties it); its last [`CONSOLE_BYTES`].
     async fn read_console(&self, dir: &Path) -> String {
-        let new = match self.qmp(dir).await {
-            Ok(mut q) => q.ringbuf_read("console", CONSOLE_BYTES).await.unwrap_or_default(),
-            Err(_) => String::new(),
-        };
+        let new = self.vmm.console(dir).await;
         let mut all = self.consoles.lock().unwrap_or_else(|p| p.into_inner());
         let kept = all.entry(dir.to_path_buf()).or_default();
         kept.push_str(&new);
@@ -701,7 +461,7 @@ impl VmBackend {
                 return Err(e);
             }
         };
-        let vmm = self.argv(&dir, &image_disk, shape, uid);
+        let vmm = self.vmm.command(VmSpec { dir: &dir, image: &image_disk, shape, uid });
         let kept = serde_json::to_vec(&vmm).map_err(|e| BackendError::internal(e.to_string()))?;
         let started = async {
             std::fs::write(dir.join(VMM_FILE), kept).map_err(internal("writing the VMM's command line"))?;
@@ -710,8 +470,8 @@ impl VmBackend {
                 // Its devices from the snapshot's stream over its copy of the snapshot's
                 // memory, as a resume does, then running from where the snapshot's VM stopped.
                 Some(state) => {
-                    let (pid, mut q) = self.incoming(&dir, &vmm, state, true).await?;
-                    q.cont().await.map_err(|e| BackendError::internal(format!("running the restored VM: {e}")))?;
+                    let pid = self.incoming(&dir, &vmm, state, true).await?;
+                    self.vmm.run_vcpus(&dir).await?;
                     Ok(pid)
                 }
             }
@@ -759,7 +519,7 @@ impl VmBackend {
 
     /// Starts the VMM of `dir` with `argv` (waiting for an incoming migration with
     /// `incoming`); returns its pid, also written to `dir/pid`.
-    fn spawn_vmm(&self, dir: &Path, vmm: &Vmm, incoming: bool) -> Result<i32, BackendError> {
+    fn spawn_vmm(&self, dir: &Path, vmm: &Launch, incoming: bool) -> Result<i32, BackendError> {
         // Sockets an earlier VMM of this directory left would answer "refused" until this one
         // binds its own. Root's alone: they control the VM.
         let socks = sockets_of(dir);
@@ -845,7 +605,7 @@ impl VmBackend {
             });
         }
         if incoming {
-            cmd.args(["-incoming", "defer"]);
+            cmd.args(self.vmm.incoming_args());
         }
         let mut child = cmd.spawn().map_err(internal(format!("starting {}", self.opts.qemu.display())))?;
         let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
@@ -898,15 +658,13 @@ impl VmBackend {
     }
 
     /// A microvm's pause: the vCPUs stopped, the device state saved to `dir/state` (the
-    /// memory is the VM's file already: `x-ignore-shared` leaves it out of the stream), and
-    /// the VMM ended, so the host gets its memory back (the file's pages are page cache, on
-    /// disk once written back).
+    /// memory is the VM's file already: left out of the stream), and the VMM ended, so the host
+    /// gets its memory back (the file's pages are page cache, on disk once written back).
     async fn snapshot_and_exit(&self, vm: &Vm) -> Result<(), BackendError> {
-        let mut q = self.qmp(&vm.dir).await?;
-        q.stop().await.map_err(qmp_fail("stopping the vCPUs"))?;
+        self.vmm.stop_vcpus(&vm.dir).await?;
         let tmp = vm.dir.join("state.tmp");
         let saved = async {
-            save_stream(&mut q, &tmp, true).await?;
+            self.vmm.save(&vm.dir, &tmp, true).await?;
             std::fs::rename(&tmp, vm.dir.join("state")).map_err(internal("placing the saved state"))
         };
         let saved = tokio::time::timeout(self.opts.boot_timeout, saved).await.unwrap_or_else(|_| {
@@ -914,12 +672,11 @@ impl VmBackend {
         });
         if let Err(e) = saved {
             // Running again as before: the pause did not happen.
-            let _ = q.execute("migrate_cancel", None).await;
-            let _ = q.cont().await;
+            let _ = self.vmm.run_vcpus(&vm.dir).await;
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        q.quit().await.map_err(qmp_fail("ending the VMM"))?;
+        self.vmm.quit(&vm.dir).await?;
         vm.agent.watch.abort();
         let dir = vm.dir.clone();
         blocking(move || {
@@ -929,64 +686,39 @@ impl VmBackend {
         .await
     }
 
-    /// Starts a VMM for `dir` that restores the migration stream in `state` and leaves the VM
-    /// stopped. `ignore_shared`: the stream leaves out the memory, which is the VM's own file
-    /// already (a pause's, a snapshot's); otherwise every page comes from the stream.
+    /// Starts a VMM for `dir` that loads the state saved in `state` and leaves the VM
+    /// stopped; returns its pid. `memory_in_file`: the state leaves out the memory, which is
+    /// the VM's own file already (a pause's, a snapshot's).
     async fn incoming(
         &self,
         dir: &Path,
-        vmm: &Vmm,
+        launch: &Launch,
         state: &Path,
-        ignore_shared: bool,
-    ) -> Result<(i32, qmp::Qmp), BackendError> {
-        let pid = self.spawn_vmm(dir, vmm, true)?;
-        let restored = async {
-            let mut q = loop {
-                match qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock")).await {
-                    Ok(q) => break q,
-                    // Not listening yet (the sockets of the VMM before it were removed).
-                    Err(_) if Path::new(&format!("/proc/{pid}")).exists() => {
-                        tokio::time::sleep(Duration::from_millis(5)).await
-                    }
-                    Err(e) => {
-                        return Err(BackendError::internal(format!(
-                            "the restoring VMM ended: {e} ({:?})",
-                            self.vmm_log(dir)
-                        )));
-                    }
-                }
-            };
-            q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
-            // Handed over open, read-only: the VMM opens no file itself.
-            let file = std::fs::File::open(state).map_err(internal("opening the saved state"))?;
-            q.getfd("state", std::os::fd::AsFd::as_fd(&file))
-                .await
-                .map_err(qmp_fail("handing over the saved state"))?;
-            drop(file);
-            q.execute("migrate-incoming", Some(serde_json::json!({ "uri": "fd:state" })))
-                .await
-                .map_err(qmp_fail("restoring the device state"))?;
-            wait_migration(&mut q).await?;
-            Ok(q)
-        };
-        match tokio::time::timeout(self.opts.boot_timeout, restored).await.unwrap_or_else(|_| {
-            Err(BackendError::unavailable(format!("the VM of {} was not restored in time", dir.display())))
-        }) {
-            Ok(q) => Ok((pid, q)),
+        memory_in_file: bool,
+    ) -> Result<i32, BackendError> {
+        let pid = self.spawn_vmm(dir, launch, true)?;
+        let loaded = tokio::time::timeout(self.opts.boot_timeout, self.vmm.load(dir, pid, state, memory_in_file))
+            .await
+            .unwrap_or_else(|_| {
+                Err(BackendError::unavailable(format!("the VM of {} was not restored in time", dir.display())))
+            });
+        match loaded {
+            Ok(()) => Ok(pid),
             Err(e) => {
+                let log = self.vmm_log(dir);
                 let d = dir.to_path_buf();
                 let _ = blocking(move || {
                     kill_vmm(&d);
                     Ok(())
                 })
                 .await;
-                Err(e)
+                Err(BackendError::new(e.kind(), format!("{e} (vmm: {log:?})")))
             }
         }
     }
 
     /// The kept command line of the VM in `dir`.
-    fn kept_vmm(dir: &Path) -> Result<Vmm, BackendError> {
+    fn kept_vmm(dir: &Path) -> Result<Launch, BackendError> {
         std::fs::read(dir.join(VMM_FILE))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
@@ -996,16 +728,16 @@ impl VmBackend {
     /// A paused microvm's resume: a new VMM restores the saved state over the same memory
     /// file and runs on; the agent's connection is made anew over its port.
     async fn restore(&self, sb: &SandboxRecord, dir: &Path) -> Result<Arc<Vm>, BackendError> {
-        let vmm = Self::kept_vmm(dir)?;
-        let (pid, mut q) = self.incoming(dir, &vmm, &dir.join("state"), true).await?;
-        if let Err(e) = q.cont().await {
+        let launch = Self::kept_vmm(dir)?;
+        let pid = self.incoming(dir, &launch, &dir.join("state"), true).await?;
+        if let Err(e) = self.vmm.run_vcpus(dir).await {
             let d = dir.to_path_buf();
             let _ = blocking(move || {
                 kill_vmm(&d);
                 Ok(())
             })
             .await;
-            return Err(BackendError::internal(format!("running the restored VM: {e}")));
+            return Err(e);
         }
         let agent = watch_agent_within(&sb.id, self.agent_channel(dir), true, self.opts.boot_timeout).await?;
         let _ = std::fs::remove_file(dir.join("state"));
@@ -1118,78 +850,6 @@ pub fn serial_channel(sock: PathBuf, pid_file: PathBuf, wait: Duration) -> tonic
 /// Most header bytes the edge takes from a guest in one answer.
 const GUEST_HEADER_BYTES: u32 = 64 << 10;
 
-/// The bandwidth a migration of a stopped VM to a file may use (bytes/s): no throttle.
-const MIGRATION_BYTES_PER_S: u64 = 1 << 40;
-
-fn qmp_fail(what: &'static str) -> impl FnOnce(qmp::QmpError) -> BackendError {
-    // QEMU's words: a VMM taken over by its guest says what it likes.
-    move |e| BackendError::internal(format!("{what}: {}", super::untrusted_text(&e.to_string(), 300)))
-}
-
-/// Most bytes a saved device state may take (the memory is never in it: it is the VM's own
-/// file): what the VMM sends beyond is refused.
-const MAX_STATE_BYTES: u64 = 256 << 20;
-/// How long the VMM may keep the stream open once it says the save is complete.
-const STATE_CLOSE_WAIT: Duration = Duration::from_secs(5);
-
-/// Saves the stopped VM of `q` as a migration stream into a new file at `path`, synced; with
-/// `ignore_shared` its memory (the VM's own file) is left out. The VMM gets the write end of a
-/// pipe, never the file: the edge writes the file, at most [`MAX_STATE_BYTES`], and once the
-/// save is complete no descriptor the VMM may have kept reaches it.
-async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Result<(), BackendError> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
-        .map_err(|e| BackendError::internal(format!("a pipe for the saved state: {e}")))?;
-    let mut rx = tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(internal("reading the saved state"))?;
-    let mut file = tokio::fs::File::create(path).await.map_err(internal("creating the state file"))?;
-    let copier = tokio::spawn(async move {
-        let mut buf = vec![0u8; 1 << 16];
-        let mut total = 0u64;
-        loop {
-            let n = rx.read(&mut buf).await.map_err(internal("reading the saved state"))?;
-            if n == 0 {
-                break;
-            }
-            total += n as u64;
-            if total > MAX_STATE_BYTES {
-                return Err(BackendError::internal(format!(
-                    "the VMM's saved state is larger than {MAX_STATE_BYTES} bytes"
-                )));
-            }
-            file.write_all(&buf[..n]).await.map_err(internal("writing the saved state"))?;
-        }
-        file.sync_all().await.map_err(internal("syncing the saved state"))
-    });
-    let saved = async {
-        q.getfd("state", std::os::fd::AsFd::as_fd(&w)).await.map_err(qmp_fail("handing over the state pipe"))?;
-        drop(w);
-        q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
-        // The vCPUs are stopped: nothing to spare them from (QEMU throttles a migration to
-        // 128 MiB/s by default).
-        q.execute("migrate-set-parameters", Some(serde_json::json!({ "max-bandwidth": MIGRATION_BYTES_PER_S })))
-            .await
-            .map_err(qmp_fail("lifting the migration's throttle"))?;
-        q.execute("migrate", Some(serde_json::json!({ "uri": "fd:state" })))
-            .await
-            .map_err(qmp_fail("saving the device state"))?;
-        wait_migration(q).await
-    };
-    let abort = copier.abort_handle();
-    if let Err(e) = saved.await {
-        abort.abort();
-        return Err(e);
-    }
-    // QEMU closes its end once done: a VMM that holds it open still is not the VMM we started.
-    match tokio::time::timeout(STATE_CLOSE_WAIT, copier).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => Err(BackendError::internal(format!("copying the saved state: {e}"))),
-        Err(_) => {
-            abort.abort();
-            Err(BackendError::internal("the VMM kept the saved state's stream open after the save"))
-        }
-    }
-}
-
 /// The file in a VM's directory naming the GPUs passed through to it, one PCI address a line.
 const GPUS_FILE: &str = "gpus";
 
@@ -1267,32 +927,6 @@ fn paused_conn(vm: &Vm) -> AgentConn {
     AgentConn::detached(vm.agent.channel.clone())
 }
 
-/// Waits for the migration on `q` (either side) to end.
-async fn wait_migration(q: &mut qmp::Qmp) -> Result<(), BackendError> {
-    loop {
-        let m = q.execute("query-migrate", None).await.map_err(|e| BackendError::internal(e.to_string()))?;
-        match m["status"].as_str().unwrap_or("") {
-            "completed" => return Ok(()),
-            "failed" | "cancelled" => {
-                return Err(BackendError::internal(format!(
-                    "the migration failed: {}",
-                    super::untrusted_text(m["error-desc"].as_str().unwrap_or("no reason given"), 300)
-                )));
-            }
-            // An incoming side reports nothing until it starts, and `completed` only briefly:
-            // its run state says it is done.
-            "" => {
-                let st = q.status().await.map_err(|e| BackendError::internal(e.to_string()))?;
-                if matches!(st.as_str(), "paused" | "running" | "postmigrate") {
-                    return Ok(());
-                }
-            }
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-}
-
 /// The pid in `dir/pid`, if that process is the VMM of `dir` (its command line names it).
 fn vmm_pid(dir: &Path) -> Option<i32> {
     let pid: i32 = std::fs::read_to_string(dir.join("pid")).ok()?.trim().parse().ok()?;
@@ -1353,9 +987,7 @@ impl Backend for VmBackend {
         vm.agent.paused.store(true, Ordering::SeqCst);
         let r = match self.opts.machine {
             Machine::Microvm => self.snapshot_and_exit(&vm).await,
-            Machine::Q35 => {
-                async { self.qmp(&vm.dir).await?.stop().await.map_err(|e| BackendError::internal(e.to_string())) }.await
-            }
+            Machine::Q35 => self.vmm.stop_vcpus(&vm.dir).await,
         };
         match r {
             Ok(()) if self.opts.machine == Machine::Microvm => {
@@ -1381,7 +1013,7 @@ impl Backend for VmBackend {
         if !vm.agent.paused.load(Ordering::SeqCst) {
             return Ok(());
         }
-        self.qmp(&vm.dir).await?.cont().await.map_err(|e| BackendError::internal(e.to_string()))?;
+        self.vmm.run_vcpus(&vm.dir).await?;
         vm.agent.paused.store(false, Ordering::SeqCst);
         vm.agent.beat_now();
         Ok(())
@@ -1430,9 +1062,9 @@ impl Backend for VmBackend {
             }
             return Err(BackendError::not_found(format!("the VM of {} is gone", sb.id)));
         };
-        let status = self.qmp(&dir).await?.status().await.map_err(|e| BackendError::internal(e.to_string()))?;
+        let stopped = self.vmm.stopped(&dir).await?;
         let agent = watch_agent_within(&sb.id, self.agent_channel(&dir), false, self.opts.boot_timeout).await?;
-        if status == "paused" {
+        if stopped {
             agent.paused.store(true, Ordering::SeqCst);
         }
         self.lock().insert(sb.id.clone(), Arc::new(Vm { dir, pid, agent }));
@@ -1529,9 +1161,8 @@ impl Backend for VmBackend {
 
 impl Versioned for VmBackend {
     fn runtime_versions(&self) -> Vec<String> {
-        let accel = self.accel_name();
         let release = std::fs::read_to_string(self.opts.kernel_dir.join("release")).unwrap_or_default();
-        vec![format!("qemu {} ({accel})", self.version), format!("guest linux {}", release.trim())]
+        vec![self.vmm.version(), format!("guest linux {}", release.trim())]
     }
 }
 
@@ -1573,8 +1204,4 @@ mod tests {
         assert_eq!(claim("edge-1/e", 1).unwrap(), a);
     }
 
-    #[test]
-    fn the_host_tsc_is_known() {
-        assert!(super::host_tsc_khz().is_some_and(|k| k > 100_000));
-    }
 }

@@ -38,7 +38,7 @@ use async_trait::async_trait;
 use opendsec_images::Store;
 use opendsec_images::vmsnap::{self, VmSnapshotRecord};
 
-use super::{Machine, Shape, Vm, VmBackend, blocking, disks, internal, qmp_fail, save_stream};
+use super::{Machine, Shape, Vm, VmBackend, blocking, disks, internal};
 use crate::backend::{BackendError, VmSnapshotTaken, VmSnapshotter};
 use crate::record::SandboxRecord;
 
@@ -174,19 +174,15 @@ impl VmBackend {
     /// it is the VM's own file) and its memory and disk are copied, then run on (also when the
     /// save failed). The migration flushed and inactivated the disk, so the copy is consistent.
     async fn snapshot_running(&self, vm: &Vm, shape: &Shape, tmp: &Path) -> Result<(), BackendError> {
-        let mut q = self.qmp(&vm.dir).await?;
-        q.stop().await.map_err(qmp_fail("stopping the vCPUs"))?;
+        self.vmm.stop_vcpus(&vm.dir).await?;
         let save = async {
-            save_stream(&mut q, &tmp.join(vmsnap::STATE), true).await?;
+            self.vmm.save(&vm.dir, &tmp.join(vmsnap::STATE), true).await?;
             copy_files(&vm.dir, tmp, shape, false).await
         };
         let saved = tokio::time::timeout(self.opts.boot_timeout, save)
             .await
             .unwrap_or_else(|_| Err(BackendError::unavailable(format!("{} was not saved in time", vm.dir.display()))));
-        if saved.is_err() {
-            let _ = q.execute("migrate_cancel", None).await;
-        }
-        let ran = q.cont().await.map_err(qmp_fail("running the VM again after its snapshot"));
+        let ran = self.vmm.run_vcpus(&vm.dir).await;
         vm.agent.beat_now();
         saved.and(ran)
     }
