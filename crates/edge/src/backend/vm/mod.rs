@@ -1203,5 +1203,4 @@ mod tests {
         std::fs::remove_dir_all(state.path().join("edge-1/a")).unwrap();
         assert_eq!(claim("edge-1/e", 1).unwrap(), a);
     }
-
 }
