@@ -453,6 +453,19 @@ async fn start_edge(
 ) -> Result<Running, ClusterError> {
     let mut ecfg = config.edge.clone();
     ecfg.name = name.to_string();
+    // A VM backend without its guest kernel cannot run: refused before the host's network is
+    // touched.
+    if let Some(b) = config.edge.backends.iter().find(|b| *b == "microvm" || *b == "fullvm")
+        && config.edge.vm.kernel_dir.is_none()
+    {
+        return Err(ClusterError::Backend {
+            edge: name.into(),
+            backend: b.clone(),
+            source: opendsec_edge::backend::BackendError::invalid_argument(
+                "edge.vm.kernel_dir is not set (scripts/vm-kernel.sh)",
+            ),
+        });
+    }
     let network = build_network(config, name).await?;
     let opts = opendsec_edge::EdgeOptions {
         name: name.to_string(),
