@@ -605,9 +605,18 @@ async fn runtime_calls_hold_off_idle_expiry_and_count_as_activity() {
     let call = {
         let (mut rt, id) = (rt.clone(), s.id.clone());
         tokio::spawn(async move {
-            exec_in(&mut rt, &id, "", "while [ ! -e /tmp/go ]; do sleep 0.05; done; echo survived").await
+            let cmd = "touch /tmp/started; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo survived";
+            exec_in(&mut rt, &id, "", cmd).await
         })
     };
+    // Only once the call is known to be running does the clock move (a slow machine may not
+    // have sent it yet).
+    for _ in 0..600 {
+        if out(&exec_in(&mut rt, &s.id, "probe", "test -e /tmp/started && echo yes").await) == "yes" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     clock.advance(10_000);
     tokio::time::sleep(Duration::from_millis(1000)).await; // five sweeps at 200 ms
     assert_eq!(state(&f.admin.get_sandbox(&s.id).await.unwrap()), pb::SandboxState::Running);
