@@ -198,3 +198,71 @@ async fn a_full_vm_boots_its_images_own_init() {
     })
     .await;
 }
+
+/// A snapshot fetched by another node: a fork too big for its source's edge spills its second
+/// copy onto a second edge, which copies the snapshot from the shared store into its own cache
+/// once; a further copy there restores from that cache. Every copy runs on from the source's
+/// memory. Once the snapshot image is deleted, the edge's copy goes with the next stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_edge_fetches_a_snapshot_once_for_its_copies() {
+    let f = fixture_edges(2, |c| {
+        c.edge.backends.push("microvm".to_string());
+        c.edge.vm.kernel_dir = Some(vm_kernel());
+        c.edge.vm.accel = "tcg".into();
+        // Room for two 192 MiB VMs per edge, not three.
+        c.edge.capacity.memory_mb = 400;
+    })
+    .await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    let sb = admin.create_sandbox(vm_spec("microvm")).await.unwrap();
+    exec_in(&mut rt, &sb.id, "main", "echo remembered > /tmp/m; V=held").await;
+    let req = pb::ForkSandboxRequest { id: sb.id.clone(), count: 2, ..Default::default() };
+    let mut stream = admin.fork_sandbox(req).await.unwrap();
+    let mut copies = Vec::new();
+    while let Some(r) = stream.message().await.unwrap() {
+        copies.push(r.sandbox.unwrap_or_else(|| panic!("{:?}", r.error)));
+    }
+    let other: Vec<_> = copies.iter().filter(|c| c.edge != sb.edge).collect();
+    assert_eq!(other.len(), 1, "one copy fits beside its source, the other spills: {copies:?}");
+    let there = other[0].edge.clone();
+    let image = copies[0].spec.as_ref().unwrap().image.clone();
+    // A third copy from the image can only go to the second edge, and finds the snapshot there.
+    let third = admin.create_sandbox(pb::SandboxSpec { image: image.clone(), ..vm_spec("microvm") }).await.unwrap();
+    assert_eq!(third.edge, there);
+    for c in copies.iter().chain([&third]) {
+        let r = exec_in(&mut rt, &c.id, "main", "echo $V $(cat /tmp/m)").await;
+        assert_eq!(out(&r), "held remembered", "{}: {r:?}", c.id);
+    }
+    let cache = f.cluster.config.edge_state_dir(&there).join("vms").join(".snapshots");
+    let cached = || -> Vec<String> {
+        std::fs::read_dir(&cache)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.ends_with(".lock") && !n.starts_with('.'))
+            .collect()
+    };
+    assert_eq!(cached().len(), 1, "fetched once: {:?}", cached());
+
+    // The image deleted (its snapshot with it), the node's copy goes once a VM there stops.
+    admin
+        .delete_image(pb::DeleteImageRequest { project: "root".into(), name: image.clone(), ..Default::default() })
+        .await
+        .unwrap();
+    let store = opendsec_images::Store::open(&f.store).unwrap();
+    let swept = opendsec_images::gc::gc(&store, Duration::ZERO, std::time::SystemTime::now(), false).unwrap();
+    assert_eq!(swept.snapshots_removed.len(), 1, "{swept:?}");
+    admin.stop_sandbox(&third.id).await.unwrap();
+    opendsec_testkit::eventually("the node's copy of the snapshot removed", Duration::from_secs(30), || async {
+        cached().is_empty()
+    })
+    .await;
+    // The copies restored from it run on: their memory and disks are their own.
+    let r = exec_in(&mut rt, &other[0].id, "main", "cat /tmp/m").await;
+    assert_eq!(out(&r), "remembered");
+    for c in copies.iter().chain([&sb]) {
+        admin.stop_sandbox(&c.id).await.unwrap();
+    }
+}

@@ -976,7 +976,14 @@ impl Backend for VmBackend {
 
     async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         self.teardown(&sb.id).await?;
-        self.detach(sb).await
+        self.detach(sb).await?;
+        // This node's copies of snapshots deleted from the store go with the next stop (copies
+        // restored from them hold their own memory and disks), not only with the next fetch.
+        if self.opts.machine == Machine::Microvm {
+            let (cache, store) = (self.snapshot_cache(), self.store.clone());
+            blocking(move || Ok(snapshot::prune(&cache, &store, false))).await?;
+        }
+        Ok(())
     }
 
     async fn pause(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
