@@ -86,6 +86,7 @@ as_answered!(
     pb::GetUsageResponse,
     pb::BackupResponse,
     pb::RestoreResponse,
+    pb::IamMembersResponse,
     pb::DeletePoolResponse,
 );
 
@@ -222,6 +223,10 @@ nothing_around!(
     pb::GetUsageRequest,
     pb::BackupRequest,
     pb::RestoreRequest,
+    pb::IamMembersRequest,
+    pb::AddIamMemberRequest,
+    pb::RemoveIamMemberRequest,
+    pb::TransferIamLeaderRequest,
     pb::CreatePoolRequest,
     pb::UpdatePoolRequest,
     pb::DeletePoolRequest,
@@ -249,6 +254,10 @@ admin_proxy! {
     get_usage: "GetUsage", pb::GetUsageRequest => pb::GetUsageResponse;
     backup: "Backup", pb::BackupRequest => pb::BackupResponse;
     restore: "Restore", pb::RestoreRequest => pb::RestoreResponse;
+    iam_members: "IamMembers", pb::IamMembersRequest => pb::IamMembersResponse;
+    add_iam_member: "AddIamMember", pb::AddIamMemberRequest => pb::IamMembersResponse;
+    remove_iam_member: "RemoveIamMember", pb::RemoveIamMemberRequest => pb::IamMembersResponse;
+    transfer_iam_leader: "TransferIamLeader", pb::TransferIamLeaderRequest => pb::IamMembersResponse;
     create_pool: "CreatePool", pb::CreatePoolRequest => pb::Pool;
     update_pool: "UpdatePool", pb::UpdatePoolRequest => pb::Pool;
     delete_pool: "DeletePool", pb::DeletePoolRequest => pb::DeletePoolResponse;

@@ -251,6 +251,10 @@ fake_admin! {
     get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse;
     backup(pb::BackupRequest) -> pb::BackupResponse;
     restore(pb::RestoreRequest) -> pb::RestoreResponse;
+    iam_members(pb::IamMembersRequest) -> pb::IamMembersResponse;
+    add_iam_member(pb::AddIamMemberRequest) -> pb::IamMembersResponse;
+    remove_iam_member(pb::RemoveIamMemberRequest) -> pb::IamMembersResponse;
+    transfer_iam_leader(pb::TransferIamLeaderRequest) -> pb::IamMembersResponse;
     create_pool(pb::CreatePoolRequest) -> pb::Pool;
     update_pool(pb::UpdatePoolRequest) -> pb::Pool;
     delete_pool(pb::DeletePoolRequest) -> pb::DeletePoolResponse;

@@ -247,10 +247,7 @@ async fn a_second_edge_fetches_a_snapshot_once_for_its_copies() {
     assert_eq!(cached().len(), 1, "fetched once: {:?}", cached());
 
     // The image deleted (its snapshot with it), the node's copy goes once a VM there stops.
-    admin
-        .delete_image(pb::DeleteImageRequest { project: "root".into(), name: image.clone(), ..Default::default() })
-        .await
-        .unwrap();
+    admin.delete_image(pb::DeleteImageRequest { project: "root".into(), name: image.clone() }).await.unwrap();
     let store = opendsec_images::Store::open(&f.store).unwrap();
     let swept = opendsec_images::gc::gc(&store, Duration::ZERO, std::time::SystemTime::now(), false).unwrap();
     assert_eq!(swept.snapshots_removed.len(), 1, "{swept:?}");

@@ -459,6 +459,10 @@ unary_calls! {"Admin" stub_a:
     list_grants(pb::ListGrantsRequest) -> pb::ListGrantsResponse = "ListGrants";
     get_usage(pb::GetUsageRequest) -> pb::GetUsageResponse = "GetUsage";
     backup(pb::BackupRequest) -> pb::BackupResponse = "Backup";
+    iam_members(pb::IamMembersRequest) -> pb::IamMembersResponse = "IamMembers";
+    add_iam_member(pb::AddIamMemberRequest) -> pb::IamMembersResponse = "AddIamMember";
+    remove_iam_member(pb::RemoveIamMemberRequest) -> pb::IamMembersResponse = "RemoveIamMember";
+    transfer_iam_leader(pb::TransferIamLeaderRequest) -> pb::IamMembersResponse = "TransferIamLeader";
     restore(pb::RestoreRequest) -> pb::RestoreResponse = "Restore";
     create_pool(pb::CreatePoolRequest) -> pb::Pool = "CreatePool";
     update_pool(pb::UpdatePoolRequest) -> pb::Pool = "UpdatePool";

@@ -121,7 +121,8 @@ pub struct Cluster {
     pub trust_bundle_path: Option<PathBuf>,
     /// Renews the components' certificates while the cluster runs.
     renewer: Option<JoinHandle<()>>,
-    iam: Option<Running>,
+    /// IAM's members by id (one, id 1, when standalone).
+    iam: BTreeMap<u64, IamSlot>,
     watcher: Option<Running>,
     apiserver: Option<Running>,
     e2b: Option<Running>,
@@ -134,11 +135,21 @@ impl std::fmt::Debug for Cluster {
     }
 }
 
+/// One IAM member of a `cluster up` cluster: its own config (data dir, Raft id), address and
+/// task.
+struct IamSlot {
+    config: Config,
+    addr: SocketAddr,
+    running: Option<Running>,
+}
+
 /// Overrides `cluster up` takes from the command line.
 #[derive(Clone, Debug, Default)]
 pub struct UpOptions {
     pub state_dir: Option<PathBuf>,
     pub sim_edges: Option<u32>,
+    /// IAM members to run (`--iam-replicas`; 1: standalone).
+    pub iam_replicas: Option<u32>,
     /// The edges' wall clock for TTLs and retention (the system's; tests move a manual one).
     pub clock: opendsec_common::time::Clock,
 }
@@ -165,6 +176,9 @@ impl Cluster {
         if let Some(n) = opts.sim_edges {
             config.sim_edges = n;
         }
+        if let Some(n) = opts.iam_replicas {
+            config.iam_replicas = n;
+        }
         check_backends(&config)?;
         opendsec_common::fsperm::private_dir(&config.state_dir)
             .map_err(|source| ClusterError::StateDir { path: config.state_dir.clone(), source })?;
@@ -173,7 +187,7 @@ impl Cluster {
         config.iam.admin_token = toks.admin_token.clone();
 
         // Bind every listener first so each component knows the others' addresses.
-        let iam_l = bind("iam", &config.iam.listen).await?;
+        let iam_ls = bind_iam_members(&config).await?;
         let watcher_l = bind("watcher", &config.watcher.listen).await?;
         let api_l = bind("apiserver", &config.apiserver.listen).await?;
         let metrics_l = if config.apiserver.metrics_listen.is_empty() {
@@ -183,7 +197,7 @@ impl Cluster {
         };
         let e2b_l =
             if config.e2b.listen.is_empty() { None } else { Some(bind("e2b gateway", &config.e2b.listen).await?) };
-        config.iam.addrs = vec![local(&iam_l).to_string()];
+        config.iam.addrs = iam_ls.iter().map(|l| local(l).to_string()).collect();
         config.watcher.addrs = vec![local(&watcher_l).to_string()];
         let mut edge_ls = Vec::new();
         for i in 0..config.sim_edges {
@@ -208,7 +222,7 @@ impl Cluster {
             ca_path: config.tls_ca(),
             trust_bundle_path: None,
             renewer,
-            iam: None,
+            iam: BTreeMap::new(),
             watcher: None,
             apiserver: None,
             e2b: None,
@@ -216,7 +230,13 @@ impl Cluster {
             config,
             clock: opts.clock,
         };
-        cluster.iam = Some(start_iam(&cluster.config, iam_l)?);
+        for (i, l) in iam_ls.into_iter().enumerate() {
+            let id = i as u64 + 1;
+            let member = iam_member_config(&cluster.config, id);
+            let addr = local(&l);
+            let running = start_iam(&member, l, &iam_identity(id)).await?;
+            cluster.iam.insert(id, IamSlot { config: member, addr, running: Some(running) });
+        }
         cluster.watcher = Some(start_watcher(&cluster.config, watcher_l)?);
         for (name, l) in edge_ls {
             let backend = Arc::new(SimBackend::new());
@@ -309,6 +329,33 @@ impl Cluster {
         Ok(())
     }
 
+    /// IAM's members: id → address (one, id 1, when standalone).
+    pub fn iam_members(&self) -> BTreeMap<u64, SocketAddr> {
+        self.iam.iter().map(|(id, s)| (*id, s.addr)).collect()
+    }
+
+    /// Stops IAM member `id` (its Raft too); its data directory stays.
+    pub async fn stop_iam_member(&mut self, id: u64) -> Result<(), ClusterError> {
+        let slot = self.iam.get_mut(&id).ok_or_else(|| ClusterError::NoSuchComponent(format!("iam member {id}")))?;
+        if let Some(r) = slot.running.take()
+            && let Err(e) = r.stop().await
+        {
+            tracing::warn!(member = id, error = %e, "iam member stopped with an error");
+        }
+        Ok(())
+    }
+
+    /// Starts a stopped IAM member again on its address, from its data directory.
+    pub async fn start_iam_member(&mut self, id: u64) -> Result<(), ClusterError> {
+        let slot = self.iam.get_mut(&id).ok_or_else(|| ClusterError::NoSuchComponent(format!("iam member {id}")))?;
+        if slot.running.is_some() {
+            return Err(ClusterError::AlreadyRunning(format!("iam member {id}")));
+        }
+        let l = bind(&format!("iam member {id}"), &slot.addr.to_string()).await?;
+        slot.running = Some(start_iam(&slot.config, l, &iam_identity(id)).await?);
+        Ok(())
+    }
+
     /// Starts a stopped edge again on its old address, with the same state directory.
     pub async fn start_edge(&mut self, name: &str) -> Result<(), ClusterError> {
         let slot = self.edges.get_mut(name).ok_or_else(|| ClusterError::NoSuchComponent(name.into()))?;
@@ -350,7 +397,8 @@ impl Cluster {
         for n in names {
             let _ = self.stop_edge(&n).await;
         }
-        for r in [self.watcher.take(), self.iam.take()].into_iter().flatten() {
+        let iams: Vec<Running> = self.iam.values_mut().filter_map(|s| s.running.take()).collect();
+        for r in self.watcher.take().into_iter().chain(iams) {
             if let Err(e) = r.stop().await {
                 tracing::warn!(error = %e, "component stopped with an error");
             }
@@ -370,9 +418,16 @@ fn apiserver_identity() -> Identity {
     single(pki::Role::Apiserver)
 }
 
-/// Every identity of a `cluster up` cluster: IAM, the watcher, the apiserver, each edge.
+/// IAM member `id`'s identity: `iam/0` for the first (as a standalone IAM's), `iam/<id-1>`.
+fn iam_identity(id: u64) -> Identity {
+    Identity { role: pki::Role::Iam, name: id.saturating_sub(1).to_string() }
+}
+
+/// Every identity of a `cluster up` cluster: IAM's members, the watcher, the apiserver, each
+/// edge.
 fn cluster_identities(config: &Config) -> Vec<Identity> {
-    let mut ids = vec![single(pki::Role::Iam), single(pki::Role::Watcher), apiserver_identity()];
+    let mut ids: Vec<Identity> = (1..=u64::from(config.iam_replicas.max(1))).map(iam_identity).collect();
+    ids.extend([single(pki::Role::Watcher), apiserver_identity()]);
     if !config.e2b.listen.is_empty() {
         ids.push(single(pki::Role::Gateway));
     }
@@ -414,15 +469,113 @@ async fn renew_loop(dir: PathBuf, ids: Vec<Identity>, lifetime: Duration) {
     .await
 }
 
-fn start_iam(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
-    let iam = opendsec_iam::Iam::open(opendsec_iam::IamOptions::from_config(config))?;
-    let tls = credentials(config, &single(pki::Role::Iam))?;
+/// Where `cluster up` keeps its IAM members' addresses: Raft remembers members by address, so
+/// a restart binds the same ones.
+const IAM_MEMBERS_FILE: &str = "members.json";
+
+/// Binds IAM's listeners: one for a standalone IAM; for `iam_replicas` members, the addresses
+/// of the first start again (or, the first time, `iam.listen` and the ports after it, or free
+/// ports when its port is 0, written down for the next start).
+async fn bind_iam_members(config: &Config) -> Result<Vec<TcpListener>, ClusterError> {
+    let n = config.iam_replicas.max(1);
+    let dir = config.iam_data_dir();
+    let file = dir.join(IAM_MEMBERS_FILE);
+    let standalone_store = dir.join(opendsec_iam::store::DB_FILE);
+    if n == 1 {
+        if file.exists() {
+            return Err(ClusterError::NoSuchComponent(format!(
+                "{} holds a replicated IAM: start it with --iam-replicas as at its first start",
+                dir.display()
+            )));
+        }
+        return Ok(vec![bind("iam", &config.iam.listen).await?]);
+    }
+    if standalone_store.exists() {
+        return Err(ClusterError::NoSuchComponent(format!(
+            "{} holds a standalone IAM: it cannot become replicated in place (back it up, and restore the backup \
+             into a new replicated cluster)",
+            dir.display()
+        )));
+    }
+    let state_err = |source| ClusterError::StateDir { path: file.clone(), source };
+    let known: Option<Vec<String>> = match std::fs::read(&file) {
+        Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| state_err(std::io::Error::other(e)))?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(state_err(e)),
+    };
+    let mut ls = Vec::new();
+    match known {
+        Some(addrs) if addrs.len() == n as usize => {
+            for (i, a) in addrs.iter().enumerate() {
+                ls.push(bind(&format!("iam member {}", i + 1), a).await?);
+            }
+        }
+        Some(addrs) => {
+            return Err(ClusterError::NoSuchComponent(format!(
+                "{} has {} IAM members; --iam-replicas {n} asks for another number (change members with \
+                 `opendsecctl iam add|remove`)",
+                dir.display(),
+                addrs.len()
+            )));
+        }
+        None => {
+            let first: SocketAddr = config.iam.listen.parse().map_err(|_| {
+                ClusterError::NoSuchComponent(format!("iam.listen {:?} is not ip:port", config.iam.listen))
+            })?;
+            for i in 0..n {
+                let port = if first.port() == 0 { 0 } else { first.port() + i as u16 };
+                ls.push(bind(&format!("iam member {}", i + 1), &SocketAddr::new(first.ip(), port).to_string()).await?);
+            }
+            let addrs: Vec<String> = ls.iter().map(|l| local(l).to_string()).collect();
+            opendsec_common::fsperm::private_dir(&dir)
+                .map_err(|source| ClusterError::StateDir { path: dir.clone(), source })?;
+            std::fs::write(&file, serde_json::to_vec(&addrs).unwrap_or_default()).map_err(state_err)?;
+        }
+    }
+    Ok(ls)
+}
+
+/// Member `id`'s config: with several members, its own data directory and Raft settings (the
+/// cluster's first members are all of them).
+fn iam_member_config(config: &Config, id: u64) -> Config {
+    let mut c = config.clone();
+    if config.iam_replicas > 1 {
+        c.iam.data_dir = Some(config.iam_data_dir().join(format!("member-{id}")));
+        let base = config.iam.raft.clone().unwrap_or_default();
+        let addr = config.iam.addrs.get(id as usize - 1).cloned().unwrap_or_default();
+        c.iam.raft = Some(opendsec_common::config::IamRaftConfig {
+            id,
+            advertise: addr,
+            initial_members: config.iam.addrs.iter().enumerate().map(|(i, a)| (i as u64 + 1, a.clone())).collect(),
+            ..base
+        });
+    }
+    c
+}
+
+/// Starts an IAM: standalone, or the member `config.iam.raft` describes.
+async fn start_iam(config: &Config, l: TcpListener, id: &Identity) -> Result<Running, ClusterError> {
+    let tls = credentials(config, id)?;
+    let opts = opendsec_iam::IamOptions::from_config(config);
+    let iam = match &config.iam.raft {
+        Some(r) => {
+            let mut r = r.clone();
+            if r.advertise.is_empty() {
+                r.advertise = local(&l).to_string();
+            }
+            opendsec_iam::Iam::open_replicated(opts, &r, tls.clone()).await?
+        }
+        None => opendsec_iam::Iam::open(opts)?,
+    };
     Ok(spawn(move |rx| async move {
-        opendsec_iam::serve(iam, l, &tls, async move {
+        let keep = iam.clone();
+        let r = opendsec_iam::serve(iam, l, &tls, async move {
             let _ = rx.await;
         })
         .await
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string());
+        keep.shutdown().await;
+        r
     }))
 }
 
@@ -762,7 +915,11 @@ pub async fn run_daemon(
                 )
                 .into());
             }
-            start_iam(&config, bind("iam", &config.iam.listen).await?)?
+            let id = match &config.iam.raft {
+                Some(r) => iam_identity(r.id),
+                None => single(pki::Role::Iam),
+            };
+            start_iam(&config, bind("iam", &config.iam.listen).await?, &id).await?
         }
         Role::Watcher => start_watcher(&config, bind("watcher", &config.watcher.listen).await?)?,
         Role::Apiserver => {

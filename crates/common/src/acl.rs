@@ -15,7 +15,7 @@ use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use crate::pki::{Identity, Role};
 use crate::reason::{ApiError, Reason};
 
-use Role::{Apiserver, Edge, Watcher};
+use Role::{Apiserver, Edge, Iam, Watcher};
 
 /// `(gRPC path or service prefix ending in '/', roles allowed)`. Exact paths first, then
 /// prefixes.
@@ -38,6 +38,8 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/ListAllPools", &[Edge]),
     // IAM's Admin API, which apiservers proxy with the caller's own token.
     ("/opendsec.v1.Admin/", &[Apiserver]),
+    // Between the members of a replicated IAM.
+    ("/opendsec.v1.IamRaft/", &[Iam]),
     // The watcher.
     ("/opendsec.v1.Watcher/GetSnapshot", &[Apiserver]),
     // Only as the edge of the certificate (checked by the handler with `Peer`).
@@ -99,11 +101,26 @@ pub fn require_self<T>(req: &tonic::Request<T>, role: Role, name: &str, for_othe
     }
 }
 
-/// The identity in the client certificate of an HTTP request's TLS connection.
+/// The header a member of a replicated IAM sets when it forwards a call to its leader: the
+/// identity of the caller it took the call from, so that the leader checks and answers that
+/// caller, not the member. Believed only from a caller whose certificate says `iam`; from
+/// anyone else it is ignored.
+pub const ON_BEHALF_OF: &str = "x-opendsec-on-behalf-of";
+
+/// The identity in the client certificate of an HTTP request's TLS connection, or the one an
+/// IAM member forwarded the call for ([`ON_BEHALF_OF`]).
 fn identity_of<B>(req: &http::Request<B>) -> Option<Identity> {
     let info = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>()?;
     let certs: Arc<Vec<CertificateDer<'static>>> = info.peer_certs()?;
-    Identity::of_cert(certs.first()?)
+    let id = Identity::of_cert(certs.first()?)?;
+    if id.role != Iam {
+        return Some(id);
+    }
+    match req.headers().get(ON_BEHALF_OF) {
+        // A member forwarding what it took: the original caller, or nobody if it is garbled.
+        Some(v) => v.to_str().ok().and_then(|v| Identity::parse(v).ok()),
+        None => Some(id),
+    }
 }
 
 /// The layer checking [`TABLE`] in front of an internal server.
@@ -228,6 +245,7 @@ mod tests {
     fn every_method_of_the_internal_services_has_a_row() {
         let protos = [
             (include_str!("../../../proto/opendsec/v1/iam.proto"), "Iam"),
+            (include_str!("../../../proto/opendsec/v1/iam.proto"), "IamRaft"),
             (include_str!("../../../proto/opendsec/v1/cluster.proto"), "Edge"),
             (include_str!("../../../proto/opendsec/v1/cluster.proto"), "Watcher"),
             (include_str!("../../../proto/opendsec/v1/runtime.proto"), "Runtime"),

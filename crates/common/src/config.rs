@@ -42,6 +42,10 @@ pub struct Config {
     pub edges: Vec<EdgeEndpoint>,
     /// How many sim edges `cluster up` starts (overridden by `--sim-edges`).
     pub sim_edges: u32,
+    /// How many IAM members `cluster up` runs in its process (1: standalone; 3 or 5: Raft,
+    /// each its own store and port, overridden by `--iam-replicas`). Fixed at the first start
+    /// of a state directory.
+    pub iam_replicas: u32,
     /// The image store every apiserver and edge mounts.
     pub images: ImagesConfig,
     /// Sandbox networking (docs/network.md).
@@ -61,6 +65,7 @@ impl Default for Config {
             edge: EdgeConfig::default(),
             edges: Vec::new(),
             sim_edges: 4,
+            iam_replicas: 1,
             images: ImagesConfig::default(),
             network: NetworkConfig::default(),
             e2b: E2bConfig::default(),
@@ -166,6 +171,44 @@ pub struct IamConfig {
     pub reconcile_min_age: Duration,
     /// Most commands applied in one durable store transaction (group commit).
     pub commit_batch_max: usize,
+    /// Replicated IAM (Raft, docs/iam-raft.md). Absent: standalone, a log of one.
+    pub raft: Option<IamRaftConfig>,
+}
+
+/// One member of a replicated IAM.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct IamRaftConfig {
+    /// This member's id: at least 1, unique in the cluster, never reused for another disk.
+    pub id: u64,
+    /// host:port where the other members reach this one (its listen address when empty).
+    pub advertise: String,
+    /// The cluster's first members, id → host:port, this one included. Used once, on a member
+    /// with an empty log: the one with the lowest id initializes the cluster with them. Empty
+    /// on a member that joins later (`opendsecctl iam add`), which waits to be added.
+    pub initial_members: std::collections::BTreeMap<u64, String>,
+    #[serde(with = "humantime_serde")]
+    pub heartbeat_interval: Duration,
+    /// A follower that hears no leader for this long (up to half as long again, at random)
+    /// calls an election.
+    #[serde(with = "humantime_serde")]
+    pub election_timeout: Duration,
+    /// A snapshot of the state is taken every this many log entries; the log before it is
+    /// then dropped, and a member that fell further behind installs the snapshot.
+    pub snapshot_every: u64,
+}
+
+impl Default for IamRaftConfig {
+    fn default() -> Self {
+        IamRaftConfig {
+            id: 0,
+            advertise: String::new(),
+            initial_members: Default::default(),
+            heartbeat_interval: Duration::from_millis(150),
+            election_timeout: Duration::from_millis(1000),
+            snapshot_every: 20_000,
+        }
+    }
 }
 
 impl Default for IamConfig {
@@ -178,6 +221,7 @@ impl Default for IamConfig {
             data_dir: None,
             reconcile_min_age: Duration::from_secs(60),
             commit_batch_max: 4096,
+            raft: None,
         }
     }
 }
@@ -933,6 +977,24 @@ impl Config {
         if self.iam.commit_batch_max == 0 {
             return Err(invalid("iam.commit_batch_max", "must be at least 1"));
         }
+        if let Some(r) = &self.iam.raft {
+            if r.id == 0 {
+                return Err(invalid("iam.raft.id", "must be at least 1"));
+            }
+            if !r.initial_members.is_empty() && !r.initial_members.contains_key(&r.id) {
+                return Err(invalid("iam.raft.initial_members", "must include this member's own id"));
+            }
+            if r.initial_members.contains_key(&0) {
+                return Err(invalid("iam.raft.initial_members", "ids start at 1"));
+            }
+            positive("iam.raft.heartbeat_interval", r.heartbeat_interval)?;
+            if r.election_timeout < r.heartbeat_interval * 3 {
+                return Err(invalid("iam.raft.election_timeout", "must be at least three heartbeat intervals"));
+            }
+            if r.snapshot_every == 0 {
+                return Err(invalid("iam.raft.snapshot_every", "must be at least 1"));
+            }
+        }
         let a = &self.apiserver;
         positive("apiserver.auth_cache_ttl", a.auth_cache_ttl)?;
         positive("apiserver.epoch_poll_interval", a.epoch_poll_interval)?;
@@ -1006,6 +1068,9 @@ impl Config {
             if ep.address.is_empty() {
                 return Err(invalid(&format!("edges[{i}].address"), "must not be empty"));
             }
+        }
+        if !(1..=7).contains(&self.iam_replicas) {
+            return Err(invalid("iam_replicas", "between 1 and 7"));
         }
         if self.sim_edges > 1000 {
             return Err(invalid("sim_edges", "at most 1000"));

@@ -106,6 +106,12 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Admin/GetUsage", Read),
         ("Admin/Backup", Read),
         ("Admin/Restore", Once),
+        ("Admin/IamMembers", Read),
+        // Adding an id at the same address again, removing an id that is gone (not_found),
+        // and moving the leadership to the leader are all answered as done.
+        ("Admin/AddIamMember", Repeat),
+        ("Admin/RemoveIamMember", Once),
+        ("Admin/TransferIamLeader", Repeat),
         ("Admin/CreatePool", Once),
         ("Admin/UpdatePool", Repeat),
         ("Admin/DeletePool", Once),

@@ -188,6 +188,13 @@ struct EnvelopeIn {
     command: Command,
 }
 
+/// The command's kind only (a command may carry secret hashes; logs name kinds).
+impl std::fmt::Display for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind())
+    }
+}
+
 impl Command {
     /// The versioned JSON encoding: `{"v":1,"command":{"type":...}}`.
     pub fn encode(&self) -> Result<Vec<u8>, IamError> {

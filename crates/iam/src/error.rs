@@ -56,6 +56,15 @@ pub enum IamError {
     Invariant(&'static str),
     #[error("failed to serve: {0}")]
     Serve(#[from] tonic::transport::Error),
+    /// A replicated IAM's member that is not the leader and cannot hand the call on.
+    #[error("{0}")]
+    NotLeader(String),
+    /// The log refused or failed (a membership change it will not make, a stopped member).
+    #[error("raft: {0}")]
+    Raft(String),
+    /// A membership change asked of a standalone IAM, or one openraft refuses in this state.
+    #[error("{0}")]
+    Membership(String),
 }
 
 impl IamError {
@@ -81,7 +90,8 @@ pub fn to_api(e: &IamError) -> ApiError {
         }
         IamError::NotFound { .. } => ApiError::new(Reason::NotFound, msg),
         IamError::AlreadyExists { .. } => ApiError::new(Reason::AlreadyExists, msg),
-        IamError::InvalidState(_) => ApiError::new(Reason::InvalidState, msg),
+        IamError::InvalidState(_) | IamError::Membership(_) => ApiError::new(Reason::InvalidState, msg),
+        IamError::NotLeader(_) => ApiError::new(Reason::NotLeader, msg),
         IamError::QuotaExceeded { project, key, limit, used, requested } => ApiError::new(Reason::QuotaExceeded, msg)
             .with("project", project.clone())
             .with("key", *key)
@@ -96,6 +106,7 @@ pub fn to_api(e: &IamError) -> ApiError {
         | IamError::StoreFailed
         | IamError::CommitFailed(_)
         | IamError::Stopped
+        | IamError::Raft(_)
         | IamError::Serve(_) => ApiError::new(Reason::Unavailable, msg),
         IamError::Encode { .. } | IamError::Invariant(_) => ApiError::new(Reason::Internal, msg),
     }

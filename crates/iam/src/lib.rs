@@ -10,7 +10,8 @@
 //! - this module: [`Iam`], the proposer, which reads the clock and makes ids, secrets and
 //!   hashes, puts them in a command, and hands it to the commit thread.
 //!
-//! A replicated mode commits the same commands through a log and calls the same `apply`.
+//! - [`raft`]: the replicated mode, which commits the same commands through a Raft log shared
+//!   by the members and applies them with the same `apply`.
 #![forbid(unsafe_code)]
 
 pub mod backup;
@@ -18,6 +19,7 @@ pub mod command;
 pub mod error;
 pub mod model;
 pub mod query;
+pub mod raft;
 pub mod service;
 pub mod state;
 pub mod store;
@@ -94,8 +96,11 @@ impl std::fmt::Debug for Iam {
 
 struct Inner {
     shared: Arc<Shared>,
+    /// Standalone: the group-commit thread's queue and the thread.
     tx: Option<mpsc::Sender<Pending>>,
     thread: Option<JoinHandle<()>>,
+    /// Replicated: this member's handle on the log.
+    replica: Option<raft::Replica>,
     opts: IamOptions,
 }
 
@@ -132,6 +137,31 @@ fn bootstrap_command(opts: &IamOptions) -> Result<Command, IamError> {
     })
 }
 
+/// Proposes the bootstrap once this member leads, until the state is bootstrapped (by this
+/// proposal or another member's: the state machine applies only the first).
+async fn bootstrap_when_leader(replica: raft::Replica, shared: Arc<Shared>, cmd: Command) {
+    use openraft::async_runtime::WatchReceiver;
+    loop {
+        if shared.read().bootstrapped() {
+            return;
+        }
+        let state = replica.raft.metrics().borrow_watched().state;
+        if state == openraft::ServerState::Shutdown {
+            return;
+        }
+        if state == openraft::ServerState::Leader {
+            match replica.execute(cmd.clone()).await {
+                Ok(_) => {
+                    tracing::info!(member = replica.id, "iam bootstrapped");
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "iam bootstrap not committed yet"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn unexpected(_: Output) -> IamError {
     IamError::Invariant("the state machine answered with the wrong kind of output")
 }
@@ -159,7 +189,70 @@ impl Iam {
             .name("iam-commit".into())
             .spawn(move || store::run_committer(db, thread_shared, rx, batch_max))
             .map_err(|source| IamError::DataDir { path: opts.data_dir.clone(), source })?;
-        Ok(Iam { inner: Arc::new(Inner { shared, tx: Some(tx), thread: Some(thread), opts }) })
+        Ok(Iam { inner: Arc::new(Inner { shared, tx: Some(tx), thread: Some(thread), replica: None, opts }) })
+    }
+
+    /// Opens this member of a replicated IAM: its redb file holds the log, the vote and the
+    /// state; the members talk over mTLS with `tls`. On a member whose log is empty and whose
+    /// `initial_members` name it first, the cluster is initialized with them; the first leader
+    /// then commits the bootstrap (root project, admin principal and token) through the log.
+    /// A member started without `initial_members` waits to be added.
+    pub async fn open_replicated(
+        opts: IamOptions,
+        rcfg: &config::IamRaftConfig,
+        tls: Arc<opendsec_common::tls::Credentials>,
+    ) -> Result<Iam, IamError> {
+        let db = Arc::new(store::open_db(&opts.data_dir)?);
+        let raft_io = |e: std::io::Error| IamError::Raft(e.to_string());
+        raft::log::create_tables(&db).map_err(raft_io)?;
+        let log = raft::log::LogStore::new(db.clone());
+        let blank = log.is_blank().map_err(raft_io)?;
+        let state = store::load(&db)?;
+        if blank && state.bootstrapped() {
+            return Err(IamError::InvalidState(format!(
+                "{} holds a standalone IAM's state and no Raft log: a replicated IAM starts from empty data \
+                 directories (restore a backup into the new cluster)",
+                opts.data_dir.display()
+            )));
+        }
+        let boot = if state.bootstrapped() || rcfg.initial_members.is_empty() {
+            None
+        } else {
+            Some(bootstrap_command(&opts)?)
+        };
+        let shared = Arc::new(Shared { state: RwLock::new(state), failed: AtomicBool::new(false) });
+        let sm = raft::sm::StateMachine::open(db.clone(), shared.clone()).map_err(raft_io)?;
+        let links = grpc::Links::new(tls);
+        let network = raft::net::Network { from: rcfg.id, links: links.clone() };
+        let node = raft::RaftNode::new(rcfg.id, raft::raft_config(rcfg)?, network, log, sm)
+            .await
+            .map_err(|e| IamError::Raft(e.to_string()))?;
+        if blank && rcfg.initial_members.keys().next() == Some(&rcfg.id) {
+            let members: std::collections::BTreeMap<u64, openraft::BasicNode> =
+                rcfg.initial_members.iter().map(|(id, addr)| (*id, openraft::BasicNode::new(addr))).collect();
+            match node.initialize(members).await {
+                Ok(()) => tracing::info!(member = rcfg.id, "iam cluster initialized"),
+                Err(e) => tracing::warn!(member = rcfg.id, error = %e, "iam cluster not initialized"),
+            }
+        }
+        let replica = raft::Replica { id: rcfg.id, raft: node, links };
+        if let Some(cmd) = boot {
+            tokio::spawn(bootstrap_when_leader(replica.clone(), shared.clone(), cmd));
+        }
+        Ok(Iam { inner: Arc::new(Inner { shared, tx: None, thread: None, replica: Some(replica), opts }) })
+    }
+
+    /// This member's handle on the log (replicated mode).
+    pub fn replica(&self) -> Option<&raft::Replica> {
+        self.inner.replica.as_ref()
+    }
+
+    /// Stops this member's Raft (replicated mode; the standalone store closes with the last
+    /// handle).
+    pub async fn shutdown(&self) {
+        if let Some(r) = &self.inner.replica {
+            r.shutdown().await;
+        }
     }
 
     pub fn options(&self) -> &IamOptions {
@@ -168,6 +261,9 @@ impl Iam {
 
     /// Commits one command (group commit) and returns what applying it answered.
     pub async fn execute(&self, cmd: Command) -> Result<Output, IamError> {
+        if let Some(r) = &self.inner.replica {
+            return r.execute(cmd).await;
+        }
         let (reply, rx) = oneshot::channel();
         let tx = self.inner.tx.as_ref().ok_or(IamError::Stopped)?;
         tx.send(Pending { cmd, reply }).map_err(|_| IamError::Stopped)?;
@@ -524,6 +620,46 @@ impl Iam {
         self.done(Command::Restore { actor: who.actor(), now_ms: now_ms(), snapshot }).await
     }
 
+    // ----- membership (iam.admin on root) -----
+
+    fn require_admin(&self, who: &Authenticated) -> Result<(), IamError> {
+        self.read(|s| s.require(&who.principal, "iam.admin", ids::ROOT_PROJECT, || "project root".into()))
+    }
+
+    fn replicated(&self) -> Result<&raft::Replica, IamError> {
+        self.inner
+            .replica
+            .as_ref()
+            .ok_or_else(|| IamError::Membership("this IAM runs standalone: it has no other members to change".into()))
+    }
+
+    /// The members (a standalone IAM: itself alone, not replicated).
+    pub fn members(&self, who: &Authenticated) -> Result<Option<raft::Members>, IamError> {
+        self.require_admin(who)?;
+        Ok(self.inner.replica.as_ref().map(raft::Replica::members))
+    }
+
+    pub async fn add_member(
+        &self,
+        who: &Authenticated,
+        id: u64,
+        address: &str,
+        learner_only: bool,
+    ) -> Result<raft::Members, IamError> {
+        self.require_admin(who)?;
+        self.replicated()?.add_member(id, address, learner_only).await
+    }
+
+    pub async fn remove_member(&self, who: &Authenticated, id: u64) -> Result<raft::Members, IamError> {
+        self.require_admin(who)?;
+        self.replicated()?.remove_member(id).await
+    }
+
+    pub async fn transfer_leader(&self, who: &Authenticated, to: u64) -> Result<raft::Members, IamError> {
+        self.require_admin(who)?;
+        self.replicated()?.transfer_leader(to).await
+    }
+
     // ----- serving -----
 
     /// The `Iam` gRPC service (internal: who may call which method is the role table of
@@ -545,7 +681,18 @@ pub async fn serve(
     tls: &std::sync::Arc<opendsec_common::tls::Credentials>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), IamError> {
-    let router = grpc::internal_server().add_service(iam.iam_service()).add_service(iam.admin_service());
+    let replica = iam.replica().cloned();
+    let router = grpc::internal_server()
+        .add_service(raft::forward::Forward::new(iam.iam_service(), replica.clone()))
+        .add_service(raft::forward::Forward::new(iam.admin_service(), replica.clone()));
+    let router = match replica {
+        Some(r) => router.add_service(
+            opendsec_proto::v1::iam_raft_server::IamRaftServer::new(raft::net::RaftService { raft: r.raft })
+                .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES),
+        ),
+        None => router,
+    };
     drop(iam);
     grpc::serve_internal(router, listener, tls, shutdown).await?;
     Ok(())

@@ -173,6 +173,25 @@ fn grant_from_pb(g: Option<pb::Grant>) -> Result<GrantRecord, Status> {
     Ok(GrantRecord { principal: g.principal, project: g.project, permission: g.permission })
 }
 
+fn members_to_pb(m: crate::raft::Members) -> pb::IamMembersResponse {
+    pb::IamMembersResponse {
+        members: m
+            .members
+            .into_iter()
+            .map(|m| pb::IamMember {
+                id: m.id,
+                address: m.address,
+                voter: m.voter,
+                leader: m.leader,
+                matched_index: m.matched_index,
+            })
+            .collect(),
+        term: m.term,
+        committed_index: m.committed_index,
+        replicated: true,
+    }
+}
+
 pub fn lease_to_pb(l: &LeaseRecord) -> pb::Lease {
     pb::Lease {
         id: l.id.clone(),
@@ -466,6 +485,34 @@ impl Admin for AdminService {
         let who = self.caller(&req)?;
         self.iam.restore(&who, &req.get_ref().data).await.map_err(status)?;
         ok(pb::RestoreResponse {})
+    }
+
+    async fn iam_members(&self, req: Request<pb::IamMembersRequest>) -> Rpc<pb::IamMembersResponse> {
+        let who = self.caller(&req)?;
+        match self.iam.members(&who).map_err(status)? {
+            Some(m) => ok(members_to_pb(m)),
+            None => ok(pb::IamMembersResponse {
+                members: vec![pb::IamMember { id: 1, voter: true, leader: true, ..Default::default() }],
+                replicated: false,
+                ..Default::default()
+            }),
+        }
+    }
+
+    async fn add_iam_member(&self, req: Request<pb::AddIamMemberRequest>) -> Rpc<pb::IamMembersResponse> {
+        let who = self.caller(&req)?;
+        let r = req.into_inner();
+        ok(members_to_pb(self.iam.add_member(&who, r.id, &r.address, r.learner_only).await.map_err(status)?))
+    }
+
+    async fn remove_iam_member(&self, req: Request<pb::RemoveIamMemberRequest>) -> Rpc<pb::IamMembersResponse> {
+        let who = self.caller(&req)?;
+        ok(members_to_pb(self.iam.remove_member(&who, req.get_ref().id).await.map_err(status)?))
+    }
+
+    async fn transfer_iam_leader(&self, req: Request<pb::TransferIamLeaderRequest>) -> Rpc<pb::IamMembersResponse> {
+        let who = self.caller(&req)?;
+        ok(members_to_pb(self.iam.transfer_leader(&who, req.get_ref().to).await.map_err(status)?))
     }
 
     async fn create_pool(&self, req: Request<pb::CreatePoolRequest>) -> Rpc<pb::Pool> {

@@ -33,7 +33,7 @@ pub const ROW_VERSION: u32 = 1;
 /// File name of the database inside the data dir.
 pub const DB_FILE: &str = "iam.redb";
 
-fn def(t: Table) -> TableDefinition<'static, &'static str, &'static str> {
+pub(crate) fn def(t: Table) -> TableDefinition<'static, &'static str, &'static str> {
     TableDefinition::new(t.name())
 }
 
@@ -151,12 +151,18 @@ impl WriteSet {
 
     /// Writes everything in one durable transaction.
     pub fn persist(&self, db: &Database) -> Result<(), IamError> {
+        let tx = db.begin_write().map_err(|e| IamError::Store { op: "begin write", source: e.into() })?;
+        self.write_into(&tx)?;
+        tx.commit().map_err(|e| IamError::Store { op: "commit", source: e.into() })
+    }
+
+    /// Writes everything into `tx` (committed by the caller, with whatever else it holds).
+    pub fn write_into(&self, tx: &redb::WriteTransaction) -> Result<(), IamError> {
         let encoded: Vec<(Table, &str, Option<String>)> = self
             .rows
             .iter()
             .map(|((t, k), row)| Ok((*t, k.as_str(), row.as_ref().map(encode_row).transpose()?)))
             .collect::<Result<_, IamError>>()?;
-        let tx = db.begin_write().map_err(|e| IamError::Store { op: "begin write", source: e.into() })?;
         let mut i = 0;
         while i < encoded.len() {
             let t = encoded[i].0;
@@ -177,7 +183,7 @@ impl WriteSet {
                 i += 1;
             }
         }
-        tx.commit().map_err(|e| IamError::Store { op: "commit", source: e.into() })
+        Ok(())
     }
 }
 

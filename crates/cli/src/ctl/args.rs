@@ -88,6 +88,9 @@ pub enum Command {
     Backup { file: PathBuf },
     /// Restore IAM from a backup file.
     Restore { file: PathBuf },
+    /// IAM's members when it runs replicated (Raft).
+    #[command(subcommand)]
+    Iam(IamCmd),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -164,6 +167,10 @@ pub enum ClusterCmd {
         state_dir: Option<PathBuf>,
         #[arg(long)]
         sim_edges: Option<u32>,
+        /// IAM members to run in this process: 1 (standalone) or 3 or 5 (Raft, each its own
+        /// store and port). Fixed at the first start of a state directory.
+        #[arg(long)]
+        iam_replicas: Option<u32>,
         /// Serve the public API in plain text (local development; refused unless it listens
         /// on a loopback address).
         #[arg(long)]
@@ -506,6 +513,24 @@ pub enum GrantCmd {
         #[arg(long = "on")]
         on_project: Option<String>,
     },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum IamCmd {
+    /// The members: id, address, voter or learner, leader, how far each has the log.
+    Members,
+    /// Add a member: it catches up as a learner, then becomes a voter (unless --learner).
+    Add {
+        id: u64,
+        /// host:port where the other members reach it.
+        address: String,
+        #[arg(long)]
+        learner: bool,
+    },
+    /// Remove a member.
+    Remove { id: u64 },
+    /// Hand the leadership to a voter.
+    TransferLeader { to: u64 },
 }
 
 #[derive(Subcommand, Debug)]

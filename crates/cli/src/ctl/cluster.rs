@@ -6,6 +6,7 @@ pub(crate) async fn cluster_up(
     config: Option<PathBuf>,
     state_dir: Option<PathBuf>,
     sim_edges: Option<u32>,
+    iam_replicas: Option<u32>,
     insecure_plaintext: bool,
     keep_sandboxes: bool,
 ) -> Result<(), CtlError> {
@@ -17,10 +18,12 @@ pub(crate) async fn cluster_up(
     // A one-process development cluster: "down" means down unless asked otherwise. (A node's
     // `opendsec edge` daemon keeps its sandboxes across restarts: edge.keep_sandboxes_on_exit.)
     cfg.edge.keep_sandboxes_on_exit = keep_sandboxes;
-    let cluster =
-        opendsec_cluster::Cluster::up(cfg, opendsec_cluster::UpOptions { state_dir, sim_edges, ..Default::default() })
-            .await
-            .map_err(|e| CtlError::Local(e.to_string()))?;
+    let cluster = opendsec_cluster::Cluster::up(
+        cfg,
+        opendsec_cluster::UpOptions { state_dir, sim_edges, iam_replicas, ..Default::default() },
+    )
+    .await
+    .map_err(|e| CtlError::Local(e.to_string()))?;
     if let Err(e) = cluster.wait_ready(std::time::Duration::from_secs(60)).await {
         tracing::warn!(error = %e, "cluster not fully ready yet");
     }
@@ -28,6 +31,10 @@ pub(crate) async fn cluster_up(
     println!("  apiserver:   {}", cluster.apiserver_addr);
     if let Some(m) = cluster.metrics_addr {
         println!("  metrics:     http://{m}/metrics");
+    }
+    let iam = cluster.iam_members();
+    if iam.len() > 1 {
+        println!("  iam:         {} members (Raft): {}", iam.len(), cluster.config.iam.addrs.join(", "));
     }
     println!("  edges:       {} ({})", cluster.edge_names().len(), cluster.config.edge.backends.join(", "));
     println!("  state:       {}", cluster.config.state_dir.display());

@@ -33,10 +33,17 @@ use sandbox::{network, sandbox};
 /// `run`, else 0).
 pub async fn run(cli: Cli) -> Result<i32, CtlError> {
     let out = Out { json: cli.json };
-    if let Command::Cluster(ClusterCmd::Up { config, state_dir, sim_edges, insecure_plaintext, keep_sandboxes }) =
-        &cli.command
+    if let Command::Cluster(ClusterCmd::Up {
+        config,
+        state_dir,
+        sim_edges,
+        iam_replicas,
+        insecure_plaintext,
+        keep_sandboxes,
+    }) = &cli.command
     {
-        return cluster_up(config.clone(), state_dir.clone(), *sim_edges, *insecure_plaintext, *keep_sandboxes)
+        let (config, state_dir) = (config.clone(), state_dir.clone());
+        return cluster_up(config, state_dir, *sim_edges, *iam_replicas, *insecure_plaintext, *keep_sandboxes)
             .await
             .map(|()| 0);
     }
@@ -312,6 +319,37 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                 std::fs::read(&file).map_err(|e| CtlError::Local(format!("failed to read {}: {e}", file.display())))?;
             client.restore(pb::RestoreRequest { data }).await?;
             out.print(json!({"restored": file}), || format!("restored from {}", file.display()));
+            Ok(())
+        }
+        Command::Iam(cmd) => {
+            let r = match cmd {
+                IamCmd::Members => client.iam_members(pb::IamMembersRequest {}).await?,
+                IamCmd::Add { id, address, learner } => {
+                    client.add_iam_member(pb::AddIamMemberRequest { id, address, learner_only: learner }).await?
+                }
+                IamCmd::Remove { id } => client.remove_iam_member(pb::RemoveIamMemberRequest { id }).await?,
+                IamCmd::TransferLeader { to } => {
+                    client.transfer_iam_leader(pb::TransferIamLeaderRequest { to }).await?
+                }
+            };
+            out.print(j::of(&r), || {
+                let mut t = if r.replicated {
+                    format!("term {}, committed index {}\n", r.term, r.committed_index)
+                } else {
+                    "standalone (one member, no log to replicate)\n".to_string()
+                };
+                for m in &r.members {
+                    t.push_str(&format!(
+                        "{:>3}  {:<22} {:<8} {:<7} {}\n",
+                        m.id,
+                        m.address,
+                        if m.voter { "voter" } else { "learner" },
+                        if m.leader { "leader" } else { "" },
+                        m.matched_index
+                    ));
+                }
+                t.trim_end().to_string()
+            });
             Ok(())
         }
         Command::Image(cmd) => crate::image::run(client, out, project.as_deref(), cmd).await,

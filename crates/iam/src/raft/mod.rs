@@ -1,0 +1,300 @@
+//! Replicated IAM: the same [`Command`]s, applied by the same state machine
+//! ([`crate::state::apply`]), committed through a Raft log (openraft) that the members share,
+//! in place of the standalone group-commit thread.
+//!
+//! - [`log`]: the log and the vote, in the member's redb file beside the state's tables;
+//! - [`sm`]: the state machine: applies committed commands to the state in memory and writes
+//!   their rows with the last applied log id in one transaction; snapshots are the state's
+//!   rows;
+//! - [`net`]: the Raft messages over gRPC (`IamRaft`, mTLS, members only), serde-encoded;
+//! - [`forward`]: every `Iam` and `Admin` call runs on the leader: a follower hands it on
+//!   unchanged (the caller's identity in a header only members are believed about); the
+//!   leader serves it after a lease read (it is still the leader, and has applied everything
+//!   committed before the call arrived).
+//!
+//! Reads that decide (authentication, authorization, admission) are linearizable by that
+//! lease: a leader serves them while a quorum acknowledged it within the election timeout,
+//! which holds while the members' clocks run at the same rate (their offsets do not matter).
+
+pub mod forward;
+pub mod log;
+pub mod net;
+pub mod sm;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::async_runtime::WatchReceiver;
+use openraft::errors::{ClientWriteError, RaftError};
+use openraft::{BasicNode, ChangeMembers, ReadPolicy, ServerState};
+use serde::{Deserialize, Serialize};
+
+use crate::command::{Command, Output};
+use crate::error::IamError;
+
+openraft::declare_raft_types!(
+    /// IAM's Raft types: commands in, answers out, members named by number and address.
+    pub TypeConfig:
+        D = Command,
+        R = Applied,
+        NodeId = u64,
+        Node = BasicNode,
+);
+
+pub type C = TypeConfig;
+pub type RaftNode = openraft::Raft<C, sm::StateMachine>;
+
+/// What applying a command answered, for the proposer waiting on it. It never crosses the
+/// network (a write is answered by the member that applied it for its caller): it encodes as
+/// nothing and decodes as `None`.
+#[derive(Debug, Default)]
+pub struct Applied(pub Option<Result<Output, IamError>>);
+
+impl Serialize for Applied {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_unit()
+    }
+}
+
+impl<'de> Deserialize<'de> for Applied {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Applied, D::Error> {
+        <()>::deserialize(d)?;
+        Ok(Applied(None))
+    }
+}
+
+/// One member as `IamMembers` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    pub id: u64,
+    pub address: String,
+    pub voter: bool,
+    pub leader: bool,
+    pub matched_index: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Members {
+    pub members: Vec<Member>,
+    pub term: u64,
+    pub committed_index: u64,
+}
+
+/// How long a membership change waits for its outcome.
+const WAIT: Duration = Duration::from_secs(10);
+/// How long a call waits for a leader being elected (or for its lease) before `not_leader`.
+pub const READ_WAIT: Duration = Duration::from_secs(3);
+
+/// This member's handle on the log.
+#[derive(Clone)]
+pub struct Replica {
+    pub id: u64,
+    pub raft: RaftNode,
+    /// The members' mTLS links (Raft messages, forwarded calls).
+    pub links: Arc<opendsec_common::grpc::Links>,
+}
+
+impl std::fmt::Debug for Replica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replica").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
+fn raft_err<E: std::fmt::Display>(e: E) -> IamError {
+    IamError::Raft(e.to_string())
+}
+
+fn write_err(e: RaftError<C, ClientWriteError<C>>) -> IamError {
+    match e {
+        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => {
+            IamError::NotLeader(format!("this IAM member is not the leader ({:?})", f.reason))
+        }
+        // The leader changed while the command was in flight: it may or may not be committed.
+        RaftError::APIError(ClientWriteError::LogEntryDiscarded(_)) => {
+            IamError::Raft("the leader changed before the command was known to be committed".into())
+        }
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => IamError::Membership(e.to_string()),
+        e => raft_err(e),
+    }
+}
+
+impl Replica {
+    /// Commits `cmd` through the log; answers what applying it answered here.
+    pub async fn execute(&self, cmd: Command) -> Result<Output, IamError> {
+        let r = self.raft.client_write(cmd).await.map_err(write_err)?;
+        r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?
+    }
+
+    /// Whether this member may serve a read now: it is the leader, its lease holds and it has
+    /// applied everything committed so far.
+    /// A member that was just elected (its lease not yet acknowledged) or that knows no leader
+    /// waits for that to settle, up to [`READ_WAIT`]; a member that knows another leader says so
+    /// at once.
+    pub async fn linearize(&self) -> Result<(), IamError> {
+        let deadline = tokio::time::Instant::now() + READ_WAIT;
+        loop {
+            let why = match self.raft.ensure_linearizable(ReadPolicy::LeaseRead).await {
+                Ok(_) => return Ok(()),
+                Err(RaftError::APIError(openraft::errors::LinearizableReadError::ForwardToLeader(f))) => {
+                    if f.leader_id.is_some_and(|l| l != self.id) {
+                        return Err(IamError::NotLeader(format!(
+                            "IAM member {} leads, not {}",
+                            f.leader_id.unwrap_or(0),
+                            self.id
+                        )));
+                    }
+                    format!("IAM member {} has no leader with a quorum ({:?})", self.id, f.reason)
+                }
+                Err(RaftError::APIError(e)) => format!("IAM member {}: {e}", self.id),
+                Err(e) => return Err(raft_err(e)),
+            };
+            if self.leader_elsewhere().is_some() {
+                return Err(IamError::NotLeader(why));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(IamError::NotLeader(why));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The leader's address when it is another member; `None` when this one leads or no leader
+    /// is known.
+    pub fn leader_elsewhere(&self) -> Option<String> {
+        let m = self.raft.metrics().borrow_watched().clone();
+        let leader = m.current_leader?;
+        if leader == self.id {
+            return None;
+        }
+        m.membership_config.membership().get_node(&leader).map(|n| n.addr.clone())
+    }
+
+    pub fn is_leader(&self) -> bool {
+        let m = self.raft.metrics().borrow_watched().clone();
+        m.state == ServerState::Leader
+    }
+
+    /// Waits until some member leads with a quorum's acknowledgement (or `WAIT` passes).
+    pub async fn wait_for_leader(&self, timeout: Duration) -> Result<u64, IamError> {
+        let m = self
+            .raft
+            .wait(Some(timeout))
+            .metrics(|m| m.current_leader.is_some(), "a leader")
+            .await
+            .map_err(raft_err)?;
+        m.current_leader.ok_or(IamError::Raft("no leader".into()))
+    }
+
+    pub fn members(&self) -> Members {
+        let m = self.raft.metrics().borrow_watched().clone();
+        let membership = m.membership_config.membership();
+        let voters: BTreeSet<u64> = membership.voter_ids().collect();
+        let matched: BTreeMap<u64, u64> = m
+            .replication
+            .as_ref()
+            .map(|r| r.iter().map(|(id, l)| (*id, l.as_ref().map(|l| l.index()).unwrap_or(0))).collect())
+            .unwrap_or_default();
+        let members = membership
+            .nodes()
+            .map(|(id, node)| Member {
+                id: *id,
+                address: node.addr.clone(),
+                voter: voters.contains(id),
+                leader: m.current_leader == Some(*id),
+                matched_index: matched.get(id).copied().unwrap_or(if *id == self.id {
+                    m.last_log_index.unwrap_or(0)
+                } else {
+                    0
+                }),
+            })
+            .collect();
+        Members {
+            members,
+            term: m.current_term,
+            committed_index: m.cluster_committed.as_ref().map(|l| l.index()).unwrap_or(0),
+        }
+    }
+
+    /// Adds member `id` at `address`: a learner that catches up (by snapshot if the log it
+    /// needs is gone), then, unless `learner_only`, a voter.
+    pub async fn add_member(&self, id: u64, address: &str, learner_only: bool) -> Result<Members, IamError> {
+        if id == 0 {
+            return Err(IamError::InvalidArgument("member ids start at 1".into()));
+        }
+        opendsec_common::grpc::channel(address).map_err(|e| IamError::InvalidArgument(e.message))?;
+        let known = self.members();
+        if let Some(m) = known.members.iter().find(|m| m.id == id)
+            && m.address != address
+        {
+            return Err(IamError::AlreadyExists { kind: "iam member", name: format!("{id} (at {})", m.address) });
+        }
+        self.raft.add_learner(id, BasicNode::new(address), true).await.map_err(write_err)?;
+        if !learner_only {
+            let voters = ChangeMembers::AddVoterIds(BTreeSet::from([id]));
+            self.raft.change_membership(voters, false).await.map_err(write_err)?;
+        }
+        Ok(self.members())
+    }
+
+    /// Removes member `id` (a voter or a learner).
+    pub async fn remove_member(&self, id: u64) -> Result<Members, IamError> {
+        let known = self.members();
+        let Some(m) = known.members.iter().find(|m| m.id == id) else {
+            return Err(IamError::NotFound { kind: "iam member", name: id.to_string() });
+        };
+        if m.voter {
+            if known.members.iter().filter(|m| m.voter).count() == 1 {
+                return Err(IamError::Membership("the last voter cannot be removed".into()));
+            }
+            let change = ChangeMembers::RemoveVoters(BTreeSet::from([id]));
+            self.raft.change_membership(change, false).await.map_err(write_err)?;
+        } else {
+            let change = ChangeMembers::RemoveNodes(BTreeSet::from([id]));
+            self.raft.change_membership(change, false).await.map_err(write_err)?;
+        }
+        Ok(self.members())
+    }
+
+    /// Hands the leadership to voter `to` and waits until it has taken it.
+    pub async fn transfer_leader(&self, to: u64) -> Result<Members, IamError> {
+        let known = self.members();
+        if !known.members.iter().any(|m| m.id == to && m.voter) {
+            return Err(IamError::NotFound { kind: "iam voter", name: to.to_string() });
+        }
+        if self.raft.metrics().borrow_watched().current_leader != Some(to) {
+            self.raft.trigger().transfer_leader(to).await.map_err(raft_err)?;
+            self.raft
+                .wait(Some(WAIT))
+                .metrics(|m| m.current_leader == Some(to), "the new leader")
+                .await
+                .map_err(raft_err)?;
+        }
+        Ok(self.members())
+    }
+
+    pub async fn shutdown(&self) {
+        if let Err(e) = self.raft.shutdown().await {
+            tracing::warn!(error = %e, "iam raft shutdown");
+        }
+    }
+}
+
+/// openraft's configuration from ours.
+pub fn raft_config(cfg: &opendsec_common::config::IamRaftConfig) -> Result<Arc<openraft::Config>, IamError> {
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let election = ms(cfg.election_timeout);
+    let c = openraft::Config {
+        cluster_name: "opendsec-iam".into(),
+        heartbeat_interval: ms(cfg.heartbeat_interval),
+        election_timeout_min: election,
+        election_timeout_max: election + election / 2,
+        install_snapshot_timeout: 30_000,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.snapshot_every),
+        max_in_snapshot_log_to_keep: 1000,
+        purge_batch_size: 256,
+        enable_pre_vote: Some(true),
+        ..Default::default()
+    };
+    Ok(Arc::new(c.validate().map_err(|e| IamError::InvalidArgument(format!("iam.raft: {e}")))?))
+}

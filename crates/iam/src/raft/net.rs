@@ -1,0 +1,231 @@
+//! Raft messages between members over gRPC (`IamRaft`, mTLS with `iam` certificates on both
+//! sides): each request and reply is an openraft value in JSON. A snapshot travels as a
+//! stream: its meta and the leader's vote first, then its data in chunks.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use opendsec_common::grpc::{Links, MAX_MESSAGE_BYTES};
+use opendsec_common::pki::Role;
+use opendsec_proto::v1 as pb;
+use openraft::errors::{NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Timeout, Unreachable};
+use openraft::network::v2::RaftNetworkV2;
+use openraft::network::{RPCOption, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest, TransferLeaderResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::type_config::alias::{SnapshotMetaOf, SnapshotOf, VoteOf};
+use openraft::{BasicNode, OptionalSend, RPCTypes};
+use pb::iam_raft_client::IamRaftClient;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::{C, RaftNode};
+
+/// Bytes of snapshot data per message.
+const CHUNK: usize = 1 << 20;
+/// The largest snapshot a member takes (IAM's whole state; far above what it holds).
+pub const MAX_SNAPSHOT_BYTES: usize = 4 << 30;
+
+/// Makes connections to the other members.
+#[derive(Clone)]
+pub struct Network {
+    pub from: u64,
+    pub links: Arc<Links>,
+}
+
+impl RaftNetworkFactory<C> for Network {
+    type Network = Conn;
+
+    async fn new_client(&mut self, target: u64, node: &BasicNode) -> Conn {
+        Conn { from: self.from, target, addr: node.addr.clone(), links: self.links.clone() }
+    }
+}
+
+pub struct Conn {
+    from: u64,
+    target: u64,
+    addr: String,
+    links: Arc<Links>,
+}
+
+fn unreachable<E: std::fmt::Display>(e: E) -> RPCError<C> {
+    RPCError::Unreachable(Unreachable::from_string(e.to_string()))
+}
+
+fn network<E: std::fmt::Display>(e: E) -> RPCError<C> {
+    RPCError::Network(NetworkError::from_string(e.to_string()))
+}
+
+impl Conn {
+    fn client(&self) -> Result<IamRaftClient<Channel>, RPCError<C>> {
+        let ch = self.links.channel(&self.addr, Role::Iam, None).map_err(|e| unreachable(e.message))?;
+        Ok(IamRaftClient::new(ch)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    fn timeout(&self, action: RPCTypes, option: &RPCOption) -> RPCError<C> {
+        RPCError::Timeout(Timeout { action, id: self.from, target: self.target, timeout: option.soft_ttl() })
+    }
+
+    /// One request, one reply, within the option's deadline.
+    async fn unary<Req, Resp, F, Fut>(
+        &self,
+        action: RPCTypes,
+        req: &Req,
+        option: &RPCOption,
+        call: F,
+    ) -> Result<Resp, RPCError<C>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        F: FnOnce(IamRaftClient<Channel>, pb::RaftMessage) -> Fut,
+        Fut: Future<Output = Result<Response<pb::RaftMessage>, Status>>,
+    {
+        let data = serde_json::to_vec(req).map_err(network)?;
+        let client = self.client()?;
+        let reply = match tokio::time::timeout(option.soft_ttl(), call(client, pb::RaftMessage { data })).await {
+            Err(_) => return Err(self.timeout(action, option)),
+            Ok(Err(st)) if st.code() == tonic::Code::Unavailable => return Err(unreachable(st.message())),
+            Ok(Err(st)) => return Err(network(st.message())),
+            Ok(Ok(r)) => r.into_inner(),
+        };
+        let r: Result<Resp, RaftError<C>> = serde_json::from_slice(&reply.data).map_err(network)?;
+        // Only a fatal error (the far member stopped) comes back: it cannot be reached.
+        r.map_err(unreachable)
+    }
+}
+
+impl RaftNetworkV2<C> for Conn {
+    type SnapshotData = Vec<u8>;
+
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<C>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<C>, RPCError<C>> {
+        self.unary(RPCTypes::AppendEntries, &rpc, &option, |mut c, m| async move { c.append_entries(m).await }).await
+    }
+
+    async fn vote(&mut self, rpc: VoteRequest<C>, option: RPCOption) -> Result<VoteResponse<C>, RPCError<C>> {
+        self.unary(RPCTypes::Vote, &(false, rpc), &option, |mut c, m| async move { c.vote(m).await }).await
+    }
+
+    async fn pre_vote(&mut self, rpc: VoteRequest<C>, option: RPCOption) -> Result<VoteResponse<C>, RPCError<C>> {
+        self.unary(RPCTypes::Vote, &(true, rpc), &option, |mut c, m| async move { c.vote(m).await }).await
+    }
+
+    async fn transfer_leader(
+        &mut self,
+        req: TransferLeaderRequest<C>,
+        option: RPCOption,
+    ) -> Result<TransferLeaderResponse<C>, RPCError<C>> {
+        self.unary(RPCTypes::TransferLeader, &req, &option, |mut c, m| async move { c.transfer_leader(m).await }).await
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        vote: VoteOf<C>,
+        snapshot: SnapshotOf<C, Vec<u8>>,
+        cancel: impl Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        option: RPCOption,
+    ) -> Result<SnapshotResponse<C>, StreamingError<C>> {
+        let head = serde_json::to_vec(&(vote, snapshot.meta)).map_err(network)?;
+        let mut messages = vec![pb::RaftMessage { data: head }];
+        messages.extend(snapshot.snapshot.chunks(CHUNK).map(|c| pb::RaftMessage { data: c.to_vec() }));
+        let mut client = self.client()?;
+        let send = async move {
+            let reply = client.install_snapshot(tokio_stream::iter(messages)).await;
+            match reply {
+                Err(st) => Err(unreachable(st.message())),
+                Ok(r) => {
+                    let r: Result<SnapshotResponse<C>, RaftError<C>> =
+                        serde_json::from_slice(&r.into_inner().data).map_err(network)?;
+                    r.map_err(unreachable)
+                }
+            }
+        };
+        let timeout = option.hard_ttl();
+        tokio::select! {
+            closed = cancel => Err(StreamingError::Closed(closed)),
+            r = tokio::time::timeout(timeout, send) => match r {
+                Err(_) => Err(self.timeout(RPCTypes::InstallSnapshot, &option).into()),
+                Ok(r) => Ok(r?),
+            },
+        }
+    }
+}
+
+/// The `IamRaft` service: hands each message to this member's Raft.
+pub struct RaftService {
+    pub raft: RaftNode,
+}
+
+fn decode<T: DeserializeOwned>(m: &pb::RaftMessage) -> Result<T, Status> {
+    serde_json::from_slice(&m.data).map_err(|e| Status::invalid_argument(format!("undecodable raft message: {e}")))
+}
+
+fn reply<T: Serialize>(r: &T) -> Result<Response<pb::RaftMessage>, Status> {
+    let data = serde_json::to_vec(r).map_err(|e| Status::internal(format!("raft reply: {e}")))?;
+    Ok(Response::new(pb::RaftMessage { data }))
+}
+
+#[tonic::async_trait]
+impl pb::iam_raft_server::IamRaft for RaftService {
+    async fn append_entries(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
+        let rpc: AppendEntriesRequest<C> = decode(req.get_ref())?;
+        reply(&self.raft.append_entries(rpc).await)
+    }
+
+    async fn vote(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
+        let (pre, rpc): (bool, VoteRequest<C>) = decode(req.get_ref())?;
+        if pre { reply(&self.raft.pre_vote(rpc).await) } else { reply(&self.raft.vote(rpc).await) }
+    }
+
+    async fn transfer_leader(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
+        let rpc: TransferLeaderRequest<C> = decode(req.get_ref())?;
+        let r = self.raft.handle_transfer_leader(rpc).await.map_err(RaftError::<C>::Fatal);
+        reply(&r)
+    }
+
+    async fn install_snapshot(
+        &self,
+        req: Request<Streaming<pb::RaftMessage>>,
+    ) -> Result<Response<pb::RaftMessage>, Status> {
+        let mut stream = req.into_inner();
+        let head = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty snapshot stream"))?;
+        let (vote, meta): (VoteOf<C>, SnapshotMetaOf<C>) = decode(&head)?;
+        let mut data = Vec::new();
+        while let Some(m) = stream.message().await? {
+            if data.len() + m.data.len() > MAX_SNAPSHOT_BYTES {
+                return Err(Status::resource_exhausted(format!("a snapshot above {MAX_SNAPSHOT_BYTES} bytes")));
+            }
+            data.extend_from_slice(&m.data);
+        }
+        let snap = SnapshotOf::<C, Vec<u8>> { meta, snapshot: data };
+        let r = self.raft.install_full_snapshot(vote, snap).await.map_err(RaftError::<C>::Fatal);
+        reply(&r)
+    }
+}
+
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network").finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn").finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for RaftService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftService").finish_non_exhaustive()
+    }
+}
