@@ -234,7 +234,7 @@ impl Cluster {
             let id = i as u64 + 1;
             let member = iam_member_config(&cluster.config, id);
             let addr = local(&l);
-            let running = start_iam(&member, l, &iam_identity(id)).await?;
+            let running = start_iam(&member, l, &iam_identity(&member, id)).await?;
             cluster.iam.insert(id, IamSlot { config: member, addr, running: Some(running) });
         }
         cluster.watcher = Some(start_watcher(&cluster.config, watcher_l)?);
@@ -352,7 +352,7 @@ impl Cluster {
             return Err(ClusterError::AlreadyRunning(format!("iam member {id}")));
         }
         let l = bind(&format!("iam member {id}"), &slot.addr.to_string()).await?;
-        slot.running = Some(start_iam(&slot.config, l, &iam_identity(id)).await?);
+        slot.running = Some(start_iam(&slot.config, l, &iam_identity(&slot.config, id)).await?);
         Ok(())
     }
 
@@ -418,15 +418,18 @@ fn apiserver_identity() -> Identity {
     single(pki::Role::Apiserver)
 }
 
-/// IAM member `id`'s identity: `iam/0` for the first (as a standalone IAM's), `iam/<id-1>`.
-fn iam_identity(id: u64) -> Identity {
-    Identity { role: pki::Role::Iam, name: id.saturating_sub(1).to_string() }
+/// IAM's identity: `iam/0` standalone; a member of a replicated IAM `iam/<id>` (the other
+/// members check that a Raft message comes from the member it names).
+fn iam_identity(config: &Config, id: u64) -> Identity {
+    let name = if config.iam.raft.is_some() || config.iam_replicas > 1 { id.to_string() } else { "0".into() };
+    Identity { role: pki::Role::Iam, name }
 }
 
 /// Every identity of a `cluster up` cluster: IAM's members, the watcher, the apiserver, each
 /// edge.
 fn cluster_identities(config: &Config) -> Vec<Identity> {
-    let mut ids: Vec<Identity> = (1..=u64::from(config.iam_replicas.max(1))).map(iam_identity).collect();
+    let mut ids: Vec<Identity> =
+        (1..=u64::from(config.iam_replicas.max(1))).map(|id| iam_identity(config, id)).collect();
     ids.extend([single(pki::Role::Watcher), apiserver_identity()]);
     if !config.e2b.listen.is_empty() {
         ids.push(single(pki::Role::Gateway));
@@ -542,10 +545,8 @@ fn iam_member_config(config: &Config, id: u64) -> Config {
     if config.iam_replicas > 1 {
         c.iam.data_dir = Some(config.iam_data_dir().join(format!("member-{id}")));
         let base = config.iam.raft.clone().unwrap_or_default();
-        let addr = config.iam.addrs.get(id as usize - 1).cloned().unwrap_or_default();
         c.iam.raft = Some(opendsec_common::config::IamRaftConfig {
             id,
-            advertise: addr,
             initial_members: config.iam.addrs.iter().enumerate().map(|(i, a)| (i as u64 + 1, a.clone())).collect(),
             ..base
         });
@@ -558,13 +559,7 @@ async fn start_iam(config: &Config, l: TcpListener, id: &Identity) -> Result<Run
     let tls = credentials(config, id)?;
     let opts = opendsec_iam::IamOptions::from_config(config);
     let iam = match &config.iam.raft {
-        Some(r) => {
-            let mut r = r.clone();
-            if r.advertise.is_empty() {
-                r.advertise = local(&l).to_string();
-            }
-            opendsec_iam::Iam::open_replicated(opts, &r, tls.clone()).await?
-        }
+        Some(r) => opendsec_iam::Iam::open_replicated(opts, r, tls.clone()).await?,
         None => opendsec_iam::Iam::open(opts)?,
     };
     Ok(spawn(move |rx| async move {
@@ -915,10 +910,7 @@ pub async fn run_daemon(
                 )
                 .into());
             }
-            let id = match &config.iam.raft {
-                Some(r) => iam_identity(r.id),
-                None => single(pki::Role::Iam),
-            };
+            let id = iam_identity(&config, config.iam.raft.as_ref().map_or(1, |r| r.id));
             start_iam(&config, bind("iam", &config.iam.listen).await?, &id).await?
         }
         Role::Watcher => start_watcher(&config, bind("watcher", &config.watcher.listen).await?)?,

@@ -103,41 +103,60 @@ pub fn require_self<T>(req: &tonic::Request<T>, role: Role, name: &str, for_othe
 
 /// The header a member of a replicated IAM sets when it forwards a call to its leader: the
 /// identity of the caller it took the call from, so that the leader checks and answers that
-/// caller, not the member. Believed only from a caller whose certificate says `iam`; from
-/// anyone else it is ignored.
+/// caller, not the member. Believed only by IAM's own server ([`AclLayer::iam`]), only on
+/// `Iam` and `Admin` calls, only from a caller whose certificate says `iam`, and only for
+/// the roles that call those services; ignored everywhere else.
 pub const ON_BEHALF_OF: &str = "x-opendsec-on-behalf-of";
 
-/// The identity in the client certificate of an HTTP request's TLS connection, or the one an
-/// IAM member forwarded the call for ([`ON_BEHALF_OF`]).
+/// Put into a request's extensions beside its [`Peer`] when the peer is the caller an IAM
+/// member forwarded the call for (the member itself is in `.0`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Forwarded(pub Identity);
+
+/// The identity in the client certificate of an HTTP request's TLS connection.
 fn identity_of<B>(req: &http::Request<B>) -> Option<Identity> {
     let info = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>()?;
     let certs: Arc<Vec<CertificateDer<'static>>> = info.peer_certs()?;
-    let id = Identity::of_cert(certs.first()?)?;
-    if id.role != Iam {
-        return Some(id);
+    Identity::of_cert(certs.first()?)
+}
+
+/// The caller an IAM member forwards `path` for, if this is such a call: `Some(None)` when the
+/// header is there but not believable (garbled, or naming a role that does not call IAM).
+fn forwarded_for<B>(req: &http::Request<B>, path: &str, cert: &Identity) -> Option<Option<Identity>> {
+    let v = req.headers().get(ON_BEHALF_OF)?;
+    if cert.role != Iam || !(path.starts_with("/opendsec.v1.Iam/") || path.starts_with("/opendsec.v1.Admin/")) {
+        return None;
     }
-    match req.headers().get(ON_BEHALF_OF) {
-        // A member forwarding what it took: the original caller, or nobody if it is garbled.
-        Some(v) => v.to_str().ok().and_then(|v| Identity::parse(v).ok()),
-        None => Some(id),
-    }
+    let id = v.to_str().ok().and_then(|v| Identity::parse(v).ok());
+    Some(id.filter(|id| matches!(id.role, Apiserver | Edge | Watcher)))
 }
 
 /// The layer checking [`TABLE`] in front of an internal server.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct AclLayer;
+pub struct AclLayer {
+    /// IAM's server: calls its members forward are checked as their original callers'.
+    trust_forwarded: bool,
+}
+
+impl AclLayer {
+    /// The layer of a replicated IAM's server (see [`ON_BEHALF_OF`]).
+    pub fn iam() -> AclLayer {
+        AclLayer { trust_forwarded: true }
+    }
+}
 
 impl<S> tower::Layer<S> for AclLayer {
     type Service = Acl<S>;
 
     fn layer(&self, inner: S) -> Acl<S> {
-        Acl { inner }
+        Acl { inner, trust_forwarded: self.trust_forwarded }
     }
 }
 
 #[derive(Clone, Debug)]
 pub struct Acl<S> {
     inner: S,
+    trust_forwarded: bool,
 }
 
 impl<S, B, R> tower::Service<http::Request<B>> for Acl<S>
@@ -157,10 +176,24 @@ where
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let path = req.uri().path().to_string();
-        let refused = match identity_of(&req) {
+        let mut member = None;
+        let id = match identity_of(&req) {
+            Some(cert) if self.trust_forwarded => match forwarded_for(&req, &path, &cert) {
+                None => Some(cert),
+                Some(caller) => {
+                    member = Some(cert);
+                    caller
+                }
+            },
+            id => id,
+        };
+        let refused = match id {
             None => Some(ApiError::new(Reason::Unauthenticated, "no client certificate with an opendsec identity")),
             Some(id) if allowed(&path).contains(&id.role) => {
                 req.extensions_mut().insert(Peer(id));
+                if let Some(m) = member {
+                    req.extensions_mut().insert(Forwarded(m));
+                }
                 None
             }
             Some(id) => Some(ApiError::new(Reason::PermissionDenied, format!("{id} may not call {path}"))),
@@ -231,6 +264,34 @@ mod tests {
         ] {
             assert!(!allowed(p).contains(&Edge), "{p}");
         }
+    }
+
+    /// The forwarding header is believed only from an IAM member, only on IAM's services, and
+    /// only for the roles that call them.
+    #[test]
+    fn a_forwarded_caller_is_believed_only_from_a_member_and_only_on_iam() {
+        let req = |v: &str| http::Request::builder().header(ON_BEHALF_OF, v).body(()).unwrap();
+        let member = Identity::new(Iam, "2").unwrap();
+        let edge = Identity::new(Edge, "e1").unwrap();
+        let admit = "/opendsec.v1.Iam/Admit";
+        assert_eq!(forwarded_for(&req("edge/e9"), admit, &member), Some(Some(Identity::new(Edge, "e9").unwrap())));
+        assert_eq!(
+            forwarded_for(&req("apiserver/0"), "/opendsec.v1.Admin/Grant", &member).map(|i| i.is_some()),
+            Some(true)
+        );
+        // From an edge: ignored (the edge stays itself).
+        assert_eq!(forwarded_for(&req("apiserver/0"), admit, &edge), None);
+        // On another service: ignored.
+        assert_eq!(forwarded_for(&req("apiserver/0"), "/opendsec.v1.Edge/CreateSandbox", &member), None);
+        assert_eq!(forwarded_for(&req("edge/e2"), "/opendsec.v1.Watcher/RegisterEdge", &member), None);
+        assert_eq!(forwarded_for(&req("iam/1"), "/opendsec.v1.IamRaft/AppendEntries", &member), None);
+        // Naming a member, a gateway or nothing readable: nobody.
+        for v in ["iam/1", "gateway/0", "garbage", ""] {
+            assert_eq!(forwarded_for(&req(v), admit, &member), Some(None), "{v}");
+        }
+        // No header: not forwarded.
+        let plain = http::Request::builder().body(()).unwrap();
+        assert_eq!(forwarded_for(&plain, admit, &member), None);
     }
 
     #[test]

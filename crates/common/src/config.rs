@@ -181,8 +181,6 @@ pub struct IamConfig {
 pub struct IamRaftConfig {
     /// This member's id: at least 1, unique in the cluster, never reused for another disk.
     pub id: u64,
-    /// host:port where the other members reach this one (its listen address when empty).
-    pub advertise: String,
     /// The cluster's first members, id → host:port, this one included. Used once, on a member
     /// with an empty log: the one with the lowest id initializes the cluster with them. Empty
     /// on a member that joins later (`opendsecctl iam add`), which waits to be added.
@@ -202,7 +200,6 @@ impl Default for IamRaftConfig {
     fn default() -> Self {
         IamRaftConfig {
             id: 0,
-            advertise: String::new(),
             initial_members: Default::default(),
             heartbeat_interval: Duration::from_millis(150),
             election_timeout: Duration::from_millis(1000),

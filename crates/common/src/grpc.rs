@@ -63,7 +63,13 @@ pub type InternalLayers = tower::layer::util::Stack<
 /// An internal server: [`server`] behind the role table of [`crate::acl`], holding each
 /// answer's [`crate::bounds::Meter`] until the answer has gone.
 pub fn internal_server() -> Server<InternalLayers> {
-    server().layer(AclLayer).layer(crate::bounds::HoldLayer)
+    server().layer(AclLayer::default()).layer(crate::bounds::HoldLayer)
+}
+
+/// [`internal_server`] for IAM: calls its members forward to the leader are checked as their
+/// original callers' (`acl::ON_BEHALF_OF`).
+pub fn iam_server() -> Server<InternalLayers> {
+    server().layer(AclLayer::iam()).layer(crate::bounds::HoldLayer)
 }
 
 /// The router an internal server builds.

@@ -107,8 +107,9 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Admin/Backup", Read),
         ("Admin/Restore", Once),
         ("Admin/IamMembers", Read),
-        // Adding an id at the same address again, removing an id that is gone (not_found),
-        // and moving the leadership to the leader are all answered as done.
+        // Adding an id at the same address again (it promotes a learner still catching up)
+        // and moving the leadership to the leader are answered as done; a removal repeated
+        // after it took effect would say not_found, so it is not retried.
         ("Admin/AddIamMember", Repeat),
         ("Admin/RemoveIamMember", Once),
         ("Admin/TransferIamLeader", Repeat),

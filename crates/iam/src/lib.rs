@@ -224,9 +224,10 @@ impl Iam {
         let sm = raft::sm::StateMachine::open(db.clone(), shared.clone()).map_err(raft_io)?;
         let links = grpc::Links::new(tls);
         let network = raft::net::Network { from: rcfg.id, links: links.clone() };
-        let node = raft::RaftNode::new(rcfg.id, raft::raft_config(rcfg)?, network, log, sm)
-            .await
-            .map_err(|e| IamError::Raft(e.to_string()))?;
+        let config = raft::raft_config(rcfg)?;
+        let lease = Duration::from_millis(config.election_timeout_max);
+        let node =
+            raft::RaftNode::new(rcfg.id, config, network, log, sm).await.map_err(|e| IamError::Raft(e.to_string()))?;
         if blank && rcfg.initial_members.keys().next() == Some(&rcfg.id) {
             let members: std::collections::BTreeMap<u64, openraft::BasicNode> =
                 rcfg.initial_members.iter().map(|(id, addr)| (*id, openraft::BasicNode::new(addr))).collect();
@@ -235,7 +236,7 @@ impl Iam {
                 Err(e) => tracing::warn!(member = rcfg.id, error = %e, "iam cluster not initialized"),
             }
         }
-        let replica = raft::Replica { id: rcfg.id, raft: node, links };
+        let replica = raft::Replica { id: rcfg.id, raft: node, links, lease };
         if let Some(cmd) = boot {
             tokio::spawn(bootstrap_when_leader(replica.clone(), shared.clone(), cmd));
         }
@@ -682,14 +683,17 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), IamError> {
     let replica = iam.replica().cloned();
-    let router = grpc::internal_server()
+    let router = grpc::iam_server()
         .add_service(raft::forward::Forward::new(iam.iam_service(), replica.clone()))
         .add_service(raft::forward::Forward::new(iam.admin_service(), replica.clone()));
     let router = match replica {
         Some(r) => router.add_service(
-            opendsec_proto::v1::iam_raft_server::IamRaftServer::new(raft::net::RaftService { raft: r.raft })
-                .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES),
+            opendsec_proto::v1::iam_raft_server::IamRaftServer::new(raft::net::RaftService::new(
+                r.raft.clone(),
+                r.lease,
+            ))
+            .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES),
         ),
         None => router,
     };

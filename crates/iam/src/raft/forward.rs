@@ -9,7 +9,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use opendsec_common::acl::{ON_BEHALF_OF, Peer};
+use opendsec_common::acl::{Forwarded, ON_BEHALF_OF, Peer};
 use opendsec_common::grpc::Links;
 use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason};
@@ -66,7 +66,7 @@ where
         Box::pin(async move {
             match replica.linearize().await {
                 Ok(()) => inner.oneshot(req).await,
-                Err(IamError::NotLeader(why)) if !req.headers().contains_key(ON_BEHALF_OF) => {
+                Err(IamError::NotLeader(why)) if req.extensions().get::<Forwarded>().is_none() => {
                     match replica.leader_elsewhere() {
                         Some(addr) => Ok(forward(&replica.links, &addr, req).await),
                         None => Ok(refuse(&ApiError::new(Reason::NotLeader, why))),

@@ -15,7 +15,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::C;
+use super::types::C;
 
 pub(crate) const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");

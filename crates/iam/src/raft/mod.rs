@@ -20,6 +20,7 @@ pub mod forward;
 pub mod log;
 pub mod net;
 pub mod sm;
+pub mod types;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -28,41 +29,12 @@ use std::time::Duration;
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ChangeMembers, ReadPolicy, ServerState};
-use serde::{Deserialize, Serialize};
 
 use crate::command::{Command, Output};
 use crate::error::IamError;
 
-openraft::declare_raft_types!(
-    /// IAM's Raft types: commands in, answers out, members named by number and address.
-    pub TypeConfig:
-        D = Command,
-        R = Applied,
-        NodeId = u64,
-        Node = BasicNode,
-);
-
-pub type C = TypeConfig;
+pub use types::{Applied, C, TypeConfig};
 pub type RaftNode = openraft::Raft<C, sm::StateMachine>;
-
-/// What applying a command answered, for the proposer waiting on it. It never crosses the
-/// network (a write is answered by the member that applied it for its caller): it encodes as
-/// nothing and decodes as `None`.
-#[derive(Debug, Default)]
-pub struct Applied(pub Option<Result<Output, IamError>>);
-
-impl Serialize for Applied {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_unit()
-    }
-}
-
-impl<'de> Deserialize<'de> for Applied {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Applied, D::Error> {
-        <()>::deserialize(d)?;
-        Ok(Applied(None))
-    }
-}
 
 /// One member as `IamMembers` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,8 +53,14 @@ pub struct Members {
     pub committed_index: u64,
 }
 
+/// The largest command one log entry holds (a quarter of a gRPC message).
+pub const MAX_ENTRY_BYTES: usize = opendsec_common::grpc::MAX_MESSAGE_BYTES / 4;
+/// How long a new member may take to catch up before it is promoted (below the apiserver's
+/// 10 s per call to IAM).
+const CATCH_UP: Duration = Duration::from_secs(6);
+
 /// How long a membership change waits for its outcome.
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(6);
 /// How long a call waits for a leader being elected (or for its lease) before `not_leader`.
 pub const READ_WAIT: Duration = Duration::from_secs(3);
 
@@ -93,6 +71,8 @@ pub struct Replica {
     pub raft: RaftNode,
     /// The members' mTLS links (Raft messages, forwarded calls).
     pub links: Arc<opendsec_common::grpc::Links>,
+    /// A leader's lease: the longest election timeout.
+    pub lease: Duration,
 }
 
 impl std::fmt::Debug for Replica {
@@ -122,6 +102,16 @@ fn write_err(e: RaftError<C, ClientWriteError<C>>) -> IamError {
 impl Replica {
     /// Commits `cmd` through the log; answers what applying it answered here.
     pub async fn execute(&self, cmd: Command) -> Result<Output, IamError> {
+        // An entry must fit in one append message with room to spare, or the leader would
+        // resend it forever and every later write would wait behind it.
+        let size = serde_json::to_vec(&cmd).map(|v| v.len()).unwrap_or(usize::MAX);
+        if size > MAX_ENTRY_BYTES {
+            return Err(IamError::InvalidArgument(format!(
+                "a {} command of {size} bytes is above the {MAX_ENTRY_BYTES} bytes one log entry of a replicated IAM \
+                 holds",
+                cmd.kind()
+            )));
+        }
         let r = self.raft.client_write(cmd).await.map_err(write_err)?;
         r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?
     }
@@ -229,7 +219,34 @@ impl Replica {
         {
             return Err(IamError::AlreadyExists { kind: "iam member", name: format!("{id} (at {})", m.address) });
         }
-        self.raft.add_learner(id, BasicNode::new(address), true).await.map_err(write_err)?;
+        if let Some(m) = known.members.iter().find(|m| m.id != id && m.address == address) {
+            return Err(IamError::AlreadyExists {
+                kind: "iam member at",
+                name: format!("{address} (member {})", m.id),
+            });
+        }
+        if !known.members.iter().any(|m| m.id == id) {
+            self.raft.add_learner(id, BasicNode::new(address), false).await.map_err(write_err)?;
+        }
+        // Promoted only once it holds the log up to where it was when it was added.
+        let target = self.raft.metrics().borrow_watched().last_log_index.unwrap_or(0);
+        let caught_up = self
+            .raft
+            .wait(Some(CATCH_UP))
+            .metrics(
+                |m| {
+                    m.replication.as_ref().and_then(|r| r.get(&id)).and_then(|l| l.as_ref()).map(|l| l.index())
+                        >= Some(target)
+                },
+                "the new member caught up",
+            )
+            .await;
+        if caught_up.is_err() {
+            return Err(IamError::Membership(format!(
+                "member {id} was added as a learner and is still catching up (the log to index {target}); run the \
+                 same add again to promote it"
+            )));
+        }
         if !learner_only {
             let voters = ChangeMembers::AddVoterIds(BTreeSet::from([id]));
             self.raft.change_membership(voters, false).await.map_err(write_err)?;
@@ -291,6 +308,9 @@ pub fn raft_config(cfg: &opendsec_common::config::IamRaftConfig) -> Result<Arc<o
         election_timeout_max: election + election / 2,
         install_snapshot_timeout: 30_000,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.snapshot_every),
+        // A batch of appends stays well inside one gRPC message (entries are at most a quarter
+        // of one, most are far smaller).
+        max_payload_entries: 64,
         max_in_snapshot_log_to_keep: 1000,
         purge_batch_size: 256,
         enable_pre_vote: Some(true),

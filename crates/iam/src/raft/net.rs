@@ -8,6 +8,7 @@ use std::sync::Arc;
 use opendsec_common::grpc::{Links, MAX_MESSAGE_BYTES};
 use opendsec_common::pki::Role;
 use opendsec_proto::v1 as pb;
+use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{NetworkError, RPCError, RaftError, ReplicationClosed, StreamingError, Timeout, Unreachable};
 use openraft::network::v2::RaftNetworkV2;
 use openraft::network::{RPCOption, RaftNetworkFactory};
@@ -23,12 +24,13 @@ use serde::de::DeserializeOwned;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{C, RaftNode};
+use super::RaftNode;
+use super::types::C;
 
 /// Bytes of snapshot data per message.
 const CHUNK: usize = 1 << 20;
-/// The largest snapshot a member takes (IAM's whole state; far above what it holds).
-pub const MAX_SNAPSHOT_BYTES: usize = 4 << 30;
+/// The largest snapshot a member takes (IAM's whole state; twice the largest backup).
+pub const MAX_SNAPSHOT_BYTES: usize = 2 << 30;
 
 /// Makes connections to the other members.
 #[derive(Clone)]
@@ -160,9 +162,54 @@ impl RaftNetworkV2<C> for Conn {
     }
 }
 
-/// The `IamRaft` service: hands each message to this member's Raft.
+/// The `IamRaft` service: hands each message to this member's Raft, once it is sure the
+/// message comes from the member it says it does. A member's certificate names its id
+/// (`iam/<id>`): a leader's append, snapshot and hand-over must carry its own id in their vote,
+/// a candidate's vote request its own, and the sender must be in this member's membership
+/// (once it has one). So a removed member, or one posing as another, moves nothing.
 pub struct RaftService {
-    pub raft: RaftNode,
+    raft: RaftNode,
+    /// A member that just started has forgotten how recently it heard a leader: it grants no
+    /// vote until a leader's lease would have run out, so that no leader is elected while the
+    /// last one may still serve lease reads.
+    no_votes_until: tokio::time::Instant,
+    /// One snapshot install at a time (each is held whole in memory).
+    installing: tokio::sync::Semaphore,
+}
+
+impl RaftService {
+    pub fn new(raft: RaftNode, lease: std::time::Duration) -> RaftService {
+        RaftService {
+            raft,
+            no_votes_until: tokio::time::Instant::now() + lease,
+            installing: tokio::sync::Semaphore::new(1),
+        }
+    }
+
+    /// The sending member's id, from its certificate; refused unless it is in this member's
+    /// membership (when it knows one: a member being added knows none until the leader's
+    /// first message).
+    fn sender<T>(&self, req: &Request<T>) -> Result<u64, Status> {
+        let peer = opendsec_common::acl::peer(req).ok_or_else(|| Status::unauthenticated("no member certificate"))?;
+        let id: u64 = peer
+            .name
+            .parse()
+            .map_err(|_| Status::permission_denied(format!("{peer} is no IAM member (members are iam/<id>)")))?;
+        let m = self.raft.metrics().borrow_watched().clone();
+        let membership = m.membership_config.membership();
+        if membership.nodes().next().is_some() && membership.get_node(&id).is_none() {
+            return Err(Status::permission_denied(format!("IAM member {id} is not in this member's membership")));
+        }
+        Ok(id)
+    }
+}
+
+fn must_be(from: u64, claimed: u64, what: &str) -> Result<(), Status> {
+    if from == claimed {
+        Ok(())
+    } else {
+        Err(Status::permission_denied(format!("member {from} sent a {what} in the name of member {claimed}")))
+    }
 }
 
 fn decode<T: DeserializeOwned>(m: &pb::RaftMessage) -> Result<T, Status> {
@@ -177,17 +224,26 @@ fn reply<T: Serialize>(r: &T) -> Result<Response<pb::RaftMessage>, Status> {
 #[tonic::async_trait]
 impl pb::iam_raft_server::IamRaft for RaftService {
     async fn append_entries(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
+        let from = self.sender(&req)?;
         let rpc: AppendEntriesRequest<C> = decode(req.get_ref())?;
+        must_be(from, rpc.vote.leader_id().node_id, "log append")?;
         reply(&self.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
+        let from = self.sender(&req)?;
         let (pre, rpc): (bool, VoteRequest<C>) = decode(req.get_ref())?;
+        must_be(from, rpc.vote.leader_id().node_id, "vote request")?;
+        if tokio::time::Instant::now() < self.no_votes_until {
+            return Err(Status::unavailable("this IAM member just started: it grants no vote for one leader lease"));
+        }
         if pre { reply(&self.raft.pre_vote(rpc).await) } else { reply(&self.raft.vote(rpc).await) }
     }
 
     async fn transfer_leader(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
+        let from = self.sender(&req)?;
         let rpc: TransferLeaderRequest<C> = decode(req.get_ref())?;
+        must_be(from, rpc.from_leader().leader_id().node_id, "leadership hand-over")?;
         let r = self.raft.handle_transfer_leader(rpc).await.map_err(RaftError::<C>::Fatal);
         reply(&r)
     }
@@ -196,9 +252,16 @@ impl pb::iam_raft_server::IamRaft for RaftService {
         &self,
         req: Request<Streaming<pb::RaftMessage>>,
     ) -> Result<Response<pb::RaftMessage>, Status> {
+        let from = self.sender(&req)?;
         let mut stream = req.into_inner();
         let head = stream.message().await?.ok_or_else(|| Status::invalid_argument("an empty snapshot stream"))?;
         let (vote, meta): (VoteOf<C>, SnapshotMetaOf<C>) = decode(&head)?;
+        must_be(from, vote.leader_id().node_id, "snapshot")?;
+        // A leader this member has already seen superseded gets no memory for its snapshot.
+        if vote < self.raft.metrics().borrow_watched().vote {
+            return Err(Status::failed_precondition("a snapshot from a superseded leader"));
+        }
+        let _one = self.installing.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
         let mut data = Vec::new();
         while let Some(m) = stream.message().await? {
             if data.len() + m.data.len() > MAX_SNAPSHOT_BYTES {

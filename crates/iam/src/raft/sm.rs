@@ -13,7 +13,7 @@ use redb::{Database, ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
 
 use super::log::{io, put_meta, read_meta, write};
-use super::{Applied, C};
+use super::types::{Applied, C};
 use crate::command::{Row, Table, Write};
 use crate::state::{State, apply};
 use crate::store::{Shared, WriteSet, decode_row, def, encode_row};
@@ -190,8 +190,11 @@ impl RaftStateMachine<C> for StateMachine {
             Ok(())
         })
         .await?;
-        *self.shared.write() = state;
+        // Both under the state's lock, as the snapshot builder reads them.
+        let mut st = self.shared.write();
+        *st = state;
         *self.meta() = SmMeta { applied: meta.last_log_id, membership: meta.last_membership.clone() };
+        drop(st);
         tracing::info!(last = ?meta.last_log_id, "iam snapshot installed");
         Ok(())
     }
