@@ -400,12 +400,7 @@ impl VmBackend {
                 shape.gpus = claim_gpus(&gpu_pool.0, &gpu_pool.1, &d, gpus, &gpu_pool.2)?;
             }
             if shape.net {
-                let procs: Vec<std::ffi::CString> = cg
-                    .procs_files()
-                    .into_iter()
-                    .map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()))
-                    .collect::<Result<_, _>>()
-                    .map_err(|e| BackendError::internal(format!("a cgroup path: {e}")))?;
+                let procs = procs_paths(&cg)?;
                 // The next id of the VM's block, not the VMM's own: a VMM taken over by its
                 // guest cannot ptrace a process of another uid.
                 net::start_holder(&holder_exe, &d, &procs, ids.host_first + 1)?;
@@ -531,12 +526,7 @@ impl VmBackend {
         }
         let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         let cg = SandboxCgroup::open(name).map_err(cgroup_err)?;
-        let procs: Vec<std::ffi::CString> = cg
-            .procs_files()
-            .into_iter()
-            .map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()))
-            .collect::<Result<_, _>>()
-            .map_err(|e| BackendError::internal(format!("a cgroup path: {e}")))?;
+        let procs = procs_paths(&cg)?;
         // The disks, open here (close-on-exec in the edge, so no other child gets them; the
         // VMM's copies are made inheritable between fork and exec).
         let mut files = Vec::new();
@@ -937,17 +927,32 @@ fn vmm_pid(dir: &Path) -> Option<i32> {
 
 /// Kills the VMM of `dir` and waits for it to be gone.
 fn kill_vmm(dir: &Path) {
-    let Some(pid) = vmm_pid(dir) else { return };
+    kill_and_wait(dir, "the VMM", || vmm_pid(dir));
+}
+
+/// SIGKILLs the process `find` names (if any) and waits up to 5 s until `find` names none;
+/// `what` and `dir` name it in the warning when it does not end.
+pub(super) fn kill_and_wait(dir: &Path, what: &str, find: impl Fn() -> Option<i32>) {
+    let Some(pid) = find() else { return };
     if let Some(p) = rustix::process::Pid::from_raw(pid) {
         let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
     }
     for _ in 0..500 {
-        if vmm_pid(dir).is_none() {
+        if find().is_none() {
             return;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    tracing::warn!(dir = %dir.display(), pid, "the VMM did not end after SIGKILL");
+    tracing::warn!(dir = %dir.display(), pid, "{what} did not end after SIGKILL");
+}
+
+/// The paths of a cgroup's `cgroup.procs` files, as the VMM's spawner writes its pid into them.
+fn procs_paths(cg: &SandboxCgroup) -> Result<Vec<std::ffi::CString>, BackendError> {
+    cg.procs_files()
+        .into_iter()
+        .map(|p| std::ffi::CString::new(p.into_os_string().into_encoded_bytes()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| BackendError::internal(format!("a cgroup path: {e}")))
 }
 
 #[async_trait]

@@ -124,17 +124,7 @@ pub(super) fn start_holder(
 
 /// Kills the placeholder of `dir` (its namespace goes with it) and waits for it to be gone.
 pub(super) fn stop_holder(dir: &Path) {
-    let Some(pid) = holder_pid(dir) else { return };
-    if let Some(p) = rustix::process::Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-    }
-    for _ in 0..500 {
-        if holder_pid(dir).is_none() {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    tracing::warn!(dir = %dir.display(), pid, "the network placeholder did not end after SIGKILL");
+    super::kill_and_wait(dir, "the network placeholder", || holder_pid(dir));
 }
 
 /// Runs `f` on a thread of its own that has entered the namespace `ns` (network namespaces
