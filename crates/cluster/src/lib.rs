@@ -532,7 +532,10 @@ async fn bind_iam_members(config: &Config) -> Result<Vec<TcpListener>, ClusterEr
             let addrs: Vec<String> = ls.iter().map(|l| local(l).to_string()).collect();
             opendsec_common::fsperm::private_dir(&dir)
                 .map_err(|source| ClusterError::StateDir { path: dir.clone(), source })?;
-            std::fs::write(&file, serde_json::to_vec(&addrs).unwrap_or_default()).map_err(state_err)?;
+            // Whole or not at all: a torn file would lose the members' addresses.
+            let tmp = dir.join(format!(".{IAM_MEMBERS_FILE}.tmp"));
+            std::fs::write(&tmp, serde_json::to_vec(&addrs).unwrap_or_default()).map_err(state_err)?;
+            std::fs::rename(&tmp, &file).map_err(state_err)?;
         }
     }
     Ok(ls)

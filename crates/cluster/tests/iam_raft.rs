@@ -20,8 +20,8 @@ async fn start3(tweak: impl FnOnce(&mut opendsec_common::config::Config)) -> Tes
     cfg.iam.raft = Some(opendsec_common::config::IamRaftConfig {
         heartbeat_interval: Duration::from_millis(100),
         election_timeout: Duration::from_millis(600),
-        // Small, so that the test's few hundred commands cross several snapshots.
-        snapshot_every: 50,
+        // Small: a snapshot every 20 entries, and at most 20 entries of log kept behind it.
+        snapshot_every: 20,
         ..Default::default()
     });
     tweak(&mut cfg);
@@ -86,7 +86,7 @@ async fn three_members_replicate_fail_over_and_catch_up() {
     let stopped_at = Instant::now();
     let mut back_after = None;
     let mut created = 10u64;
-    while created < 60 {
+    while created < 110 {
         match admin.create_sandbox(spec("root/rl", 100, 64)).await {
             Ok(sb) => {
                 back_after.get_or_insert(stopped_at.elapsed());
@@ -104,9 +104,10 @@ async fn three_members_replicate_fail_over_and_catch_up() {
     assert_ne!(now, old);
     assert_eq!(live(&admin, "root/rl").await, created);
 
-    // The stopped member comes back with its disk. The log it missed was compacted into
-    // snapshots meanwhile (one every 50 entries), so it installs one; led by it, the cluster
-    // answers with everything.
+    // The stopped member comes back with its disk. It missed 100 admissions (100 entries and
+    // more), while the leader keeps fewer than 60 entries of log (20 behind its last snapshot,
+    // purged 20 at a time, fewer than 20 since): it can only catch up by installing the
+    // leader's snapshot. Led by it, the cluster answers with everything.
     t.cluster.start_iam_member(old).await.expect("restart");
     eventually("the restarted member catches up", Duration::from_secs(20), || async {
         let m = members(&admin).await;

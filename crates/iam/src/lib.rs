@@ -682,20 +682,20 @@ pub async fn serve(
     tls: &std::sync::Arc<opendsec_common::tls::Credentials>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), IamError> {
-    let replica = iam.replica().cloned();
-    let router = grpc::iam_server()
-        .add_service(raft::forward::Forward::new(iam.iam_service(), replica.clone()))
-        .add_service(raft::forward::Forward::new(iam.admin_service(), replica.clone()));
-    let router = match replica {
-        Some(r) => router.add_service(
-            opendsec_proto::v1::iam_raft_server::IamRaftServer::new(raft::net::RaftService::new(
-                r.raft.clone(),
-                r.lease,
-            ))
-            .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES),
-        ),
-        None => router,
+    // Standalone, every call is served here as it comes; replicated, by the leader.
+    let router = match iam.replica().cloned() {
+        None => grpc::iam_server().add_service(iam.iam_service()).add_service(iam.admin_service()),
+        Some(r) => grpc::iam_server()
+            .add_service(raft::forward::Forward::new(iam.iam_service(), r.clone()))
+            .add_service(raft::forward::Forward::new(iam.admin_service(), r.clone()))
+            .add_service(
+                opendsec_proto::v1::iam_raft_server::IamRaftServer::new(raft::net::RaftService::new(
+                    r.raft.clone(),
+                    r.lease,
+                ))
+                .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(grpc::MAX_MESSAGE_BYTES),
+            ),
     };
     drop(iam);
     grpc::serve_internal(router, listener, tls, shutdown).await?;

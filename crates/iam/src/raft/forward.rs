@@ -23,12 +23,11 @@ use crate::error::{IamError, to_api};
 #[derive(Clone)]
 pub struct Forward<S> {
     inner: S,
-    replica: Option<Replica>,
+    replica: Replica,
 }
 
 impl<S> Forward<S> {
-    /// `replica`: `None` for a standalone IAM (every call served here).
-    pub fn new(inner: S, replica: Option<Replica>) -> Forward<S> {
+    pub fn new(inner: S, replica: Replica) -> Forward<S> {
         Forward { inner, replica }
     }
 }
@@ -59,10 +58,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let inner = self.inner.clone();
-        let Some(replica) = self.replica.clone() else {
-            return Box::pin(inner.oneshot(req));
-        };
+        let (inner, replica) = (self.inner.clone(), self.replica.clone());
         Box::pin(async move {
             match replica.linearize().await {
                 Ok(()) => inner.oneshot(req).await,

@@ -43,16 +43,19 @@ pub(crate) fn put_meta<T: Serialize>(tx: &redb::WriteTransaction, key: &str, val
     Ok(())
 }
 
-/// Runs a write transaction off the async threads and commits it durably.
-pub(crate) async fn write<F>(db: &Arc<Database>, f: F) -> Result<(), io::Error>
+/// Runs a write transaction off the async threads and commits it durably; answers what `f`
+/// did.
+pub(crate) async fn write<F, R>(db: &Arc<Database>, f: F) -> Result<R, io::Error>
 where
-    F: FnOnce(&redb::WriteTransaction) -> Result<(), io::Error> + Send + 'static,
+    F: FnOnce(&redb::WriteTransaction) -> Result<R, io::Error> + Send + 'static,
+    R: Send + 'static,
 {
     let db = db.clone();
     tokio::task::spawn_blocking(move || {
         let tx = db.begin_write().map_err(io("begin write"))?;
-        f(&tx)?;
-        tx.commit().map_err(io("commit"))
+        let r = f(&tx)?;
+        tx.commit().map_err(io("commit"))?;
+        Ok(r)
     })
     .await
     .map_err(io("join"))?

@@ -311,8 +311,11 @@ pub fn raft_config(cfg: &opendsec_common::config::IamRaftConfig) -> Result<Arc<o
         // A batch of appends stays well inside one gRPC message (entries are at most a quarter
         // of one, most are far smaller).
         max_payload_entries: 64,
-        max_in_snapshot_log_to_keep: 1000,
-        purge_batch_size: 256,
+        // The log kept behind a snapshot: one interval, at most 1,000 entries. A member
+        // further behind installs the snapshot.
+        max_in_snapshot_log_to_keep: cfg.snapshot_every.min(1000),
+        // Purged once this many entries can go (openraft's minimum batch).
+        purge_batch_size: cfg.snapshot_every.min(256),
         enable_pre_vote: Some(true),
         ..Default::default()
     };

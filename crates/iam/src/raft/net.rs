@@ -21,6 +21,7 @@ use openraft::{BasicNode, OptionalSend, RPCTypes};
 use pb::iam_raft_client::IamRaftClient;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -137,11 +138,15 @@ impl RaftNetworkV2<C> for Conn {
         option: RPCOption,
     ) -> Result<SnapshotResponse<C>, StreamingError<C>> {
         let head = serde_json::to_vec(&(vote, snapshot.meta)).map_err(network)?;
-        let mut messages = vec![pb::RaftMessage { data: head }];
-        messages.extend(snapshot.snapshot.chunks(CHUNK).map(|c| pb::RaftMessage { data: c.to_vec() }));
+        // Each chunk is copied out as the stream sends it: the snapshot is held once.
+        let data = Arc::new(snapshot.snapshot);
+        let chunks = data.len().div_ceil(CHUNK);
+        let body = tokio_stream::iter(0..chunks)
+            .map(move |i| pb::RaftMessage { data: data[i * CHUNK..((i + 1) * CHUNK).min(data.len())].to_vec() });
+        let messages = tokio_stream::iter([pb::RaftMessage { data: head }]).chain(body);
         let mut client = self.client()?;
         let send = async move {
-            let reply = client.install_snapshot(tokio_stream::iter(messages)).await;
+            let reply = client.install_snapshot(messages).await;
             match reply {
                 Err(st) => Err(unreachable(st.message())),
                 Ok(r) => {

@@ -84,12 +84,14 @@ impl RaftSnapshotBuilder<C> for Builder {
         };
         let data = serde_json::to_vec(&Rows { v: 1, rows: encode_rows(&rows)? }).map_err(io("encode snapshot"))?;
         let meta = SnapshotMetaOf::<C> { last_log_id: meta.applied, last_membership: meta.membership };
-        let (m, d) = (serde_json::to_vec(&meta).map_err(io("encode snapshot meta"))?, data.clone());
-        write(&self.sm.db, move |tx| {
+        let m = serde_json::to_vec(&meta).map_err(io("encode snapshot meta"))?;
+        // Stored, then handed back (one copy of the data, not two).
+        let data = write(&self.sm.db, move |tx| {
             let mut t = tx.open_table(SNAPSHOT).map_err(io("open raft_snapshot"))?;
             t.insert("meta", m.as_slice()).map_err(io("write snapshot"))?;
-            t.insert("data", d.as_slice()).map_err(io("write snapshot"))?;
-            Ok(())
+            t.insert("data", data.as_slice()).map_err(io("write snapshot"))?;
+            drop(t);
+            Ok(data)
         })
         .await?;
         tracing::info!(last = ?meta.last_log_id, bytes = data.len(), "iam snapshot built");
