@@ -131,6 +131,19 @@ async fn three_members_replicate_fail_over_and_catch_up() {
     assert_eq!(e.reason, opendsec_common::Reason::NotFound, "{e}");
     // Still serving with two.
     admin.create_sandbox(spec("root/rl", 100, 64)).await.expect("create with two members");
+    // Bad additions are refused before anything is proposed: id 0, an address that is none,
+    // another member's address under a new id.
+    let taken = members(&admin).await.members[0].address.clone();
+    for (id, address, want) in [
+        (0, "127.0.0.1:7", opendsec_common::Reason::InvalidArgument),
+        (5, "not an address", opendsec_common::Reason::InvalidArgument),
+        (5, taken.as_str(), opendsec_common::Reason::AlreadyExists),
+    ] {
+        let req = pb::AddIamMemberRequest { id, address: address.into(), learner_only: false };
+        let e = admin.add_iam_member(req).await.unwrap_err();
+        assert_eq!(e.reason, want, "{id} {address}: {e}");
+    }
+    assert_eq!(members(&admin).await.members.len(), 2);
     t.cluster.shutdown().await;
 }
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use openraft::async_runtime::WatchReceiver;
 use openraft::errors::{ClientWriteError, RaftError};
-use openraft::{BasicNode, ChangeMembers, ReadPolicy, ServerState};
+use openraft::{BasicNode, ChangeMembers, ReadPolicy};
 
 use crate::command::{Command, Output};
 use crate::error::IamError;
@@ -158,22 +158,6 @@ impl Replica {
             return None;
         }
         m.membership_config.membership().get_node(&leader).map(|n| n.addr.clone())
-    }
-
-    pub fn is_leader(&self) -> bool {
-        let m = self.raft.metrics().borrow_watched().clone();
-        m.state == ServerState::Leader
-    }
-
-    /// Waits until some member leads with a quorum's acknowledgement (or `WAIT` passes).
-    pub async fn wait_for_leader(&self, timeout: Duration) -> Result<u64, IamError> {
-        let m = self
-            .raft
-            .wait(Some(timeout))
-            .metrics(|m| m.current_leader.is_some(), "a leader")
-            .await
-            .map_err(raft_err)?;
-        m.current_leader.ok_or(IamError::Raft("no leader".into()))
     }
 
     pub fn members(&self) -> Members {
