@@ -50,15 +50,6 @@ fn p50_p99(v: &mut [Duration]) -> (f64, f64) {
     (ms(rank(0.5)), ms(rank(0.99)))
 }
 
-fn tsc_khz() -> Option<u64> {
-    if let Ok(s) = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/tsc_freq_khz") {
-        return s.trim().parse().ok();
-    }
-    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let mhz: f64 = info.lines().find(|l| l.starts_with("cpu MHz"))?.split(':').nth(1)?.trim().parse().ok()?;
-    Some((mhz * 1000.0).round() as u64)
-}
-
 /// The peer: an initramfs whose /init is a busybox shell that says it runs and powers off.
 fn peer_initramfs(dir: &Path) -> PathBuf {
     let root = dir.join("peer-root");
@@ -82,7 +73,8 @@ fn peer_initramfs(dir: &Path) -> PathBuf {
 }
 
 /// QEMU by hand: the same kernel, machine and memory, to the peer's shell.
-fn peer_boot(kernel: &Path, initramfs: &Path, machine: &str) -> Duration {
+/// `accel`: the accelerator the edge's probe chose (`kvm` or `tcg`), so both sides run alike.
+fn peer_boot(kernel: &Path, initramfs: &Path, machine: &str, accel: &str) -> Duration {
     use std::io::BufRead;
     let m = match machine {
         "microvm" => "microvm,x-option-roms=off,pit=off,pic=off",
@@ -90,13 +82,14 @@ fn peer_boot(kernel: &Path, initramfs: &Path, machine: &str) -> Duration {
     };
     let mut append = "console=ttyS0 quiet panic=-1 cryptomgr.notests mitigations=off rdinit=/init".to_string();
     if machine == "microvm"
-        && let Some(k) = tsc_khz()
+        && let Some(k) = opendsec_edge::backend::vm::host_tsc_khz()
     {
         append.push_str(&format!(" tsc_early_khz={k}"));
     }
     let t = Instant::now();
     let mut child = std::process::Command::new("qemu-system-x86_64")
-        .args(["-accel", "tcg,tb-size=64", "-cpu", "max", "-smp", "1", "-m", "1024M", "-M", m])
+        .args(["-accel", if accel == "kvm" { "kvm" } else { "tcg,tb-size=64" }])
+        .args(["-cpu", if accel == "kvm" { "host" } else { "max" }, "-smp", "1", "-m", "1024M", "-M", m])
         .args(["-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-serial", "stdio", "-kernel"])
         .arg(kernel.join("vmlinux"))
         .arg("-initrd")
@@ -170,6 +163,15 @@ async fn bench() {
     let tmp = tempfile::tempdir().unwrap();
     let peer = peer_initramfs(tmp.path());
     let kernel = vm_kernel();
+    // What the edge's probe chose when it started (its answer is kept in its state).
+    let accel = std::fs::read_dir(f.cluster.config.edge_state_dir(EDGE).join("vms/.boot"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().starts_with("kvm-probe-"))
+        .and_then(|e| std::fs::read_to_string(e.path()).ok())
+        .map(|a| a.trim().to_string())
+        .unwrap_or_else(|| "tcg".into());
 
     for backend in ["microvm", "fullvm"] {
         let mut ours = Vec::new();
@@ -186,7 +188,7 @@ async fn bench() {
             } else {
                 admin.stop_sandbox(&sb.id).await.unwrap();
             }
-            theirs.push(peer_boot(&kernel, &peer, backend));
+            theirs.push(peer_boot(&kernel, &peer, backend, &accel));
         }
         let (p50, p99) = p50_p99(&mut ours);
         let (q50, q99) = p50_p99(&mut theirs);
@@ -232,7 +234,7 @@ async fn bench() {
         let t = Instant::now();
         let snap = admin.create_snapshot(&sb.id, "bench:vm", false).await.unwrap();
         println!(
-            "microvm: memory snapshot {:.0} ms (vCPUs stopped {} ms), {:.1} MiB in the store (state and disk, zero pages left out)",
+            "microvm: memory snapshot {:.0} ms (vCPUs stopped {} ms), {:.1} MiB in the store (state, memory and disk, zero pages left out)",
             ms(t.elapsed()),
             snap.frozen_ms,
             snap.vm_snapshot_bytes as f64 / (1 << 20) as f64
@@ -276,13 +278,7 @@ async fn bench() {
     println!(
         "accelerator: {}; published anchors, not measured here: Firecracker boots in ~125 ms with <= 5 MiB per VM on KVM; \
          the reference resumes from a snapshot in ~50 ms",
-        std::fs::read_dir(f.cluster.config.edge_state_dir(EDGE).join("vms/.boot"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .find(|e| e.file_name().to_string_lossy().starts_with("kvm-probe-"))
-            .and_then(|e| std::fs::read_to_string(e.path()).ok())
-            .unwrap_or_else(|| "tcg (asked for)".into())
+        accel
     );
 }
 

@@ -23,8 +23,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::store::{LayerId, Store, StoreError, sync_dir, write_synced};
 
-/// Encoding version of [`VmSnapshotRecord`].
-pub const VERSION: u32 = 1;
+/// Encoding version of [`VmSnapshotRecord`]. 2: the memory is a file of its own (`mem`); a
+/// version 1 snapshot carried it in the stream and is not restored (not found).
+pub const VERSION: u32 = 2;
 /// The file a snapshot exists by.
 pub const RECORD: &str = "record.json";
 /// The migration stream of the device state.
@@ -42,7 +43,7 @@ pub struct VmSnapshotRecord {
     /// The backend that restores it (`microvm`).
     pub backend: String,
     /// What a VMM must be to restore its state: QEMU's version, the accelerator, the machine
-    /// and the device layout (`qemu 7.2.22 tcg microvm devices-1`).
+    /// and the device layout (`qemu 7.2.22 tcg microvm devices-2`).
     pub vmm: String,
     /// The image's layers under its disk (its image disk is built from them), bottom first.
     pub layers: Vec<LayerId>,
@@ -178,7 +179,7 @@ mod tests {
             v: VERSION,
             id: id.clone(),
             backend: "microvm".into(),
-            vmm: "qemu 7.2.22 tcg microvm devices-1".into(),
+            vmm: "qemu 7.2.22 tcg microvm devices-2".into(),
             layers: vec![LayerId::parse(&"a".repeat(64)).unwrap()],
             memory_mb: 192,
             cpus: 1,
@@ -191,6 +192,13 @@ mod tests {
         store.commit_vm_snapshot(&w, &rec).unwrap();
         assert!(!w.exists());
         assert_eq!(store.vm_snapshot(&id).unwrap(), rec);
+        // A record of the first version (its memory in the stream) is not restored: not found.
+        let path = store.vm_snapshot_dir(&id).unwrap().join(RECORD);
+        let old = serde_json::to_vec(&VmSnapshotRecord { v: 1, ..rec.clone() }).unwrap();
+        let current = fs::read(&path).unwrap();
+        fs::write(&path, &old).unwrap();
+        assert!(matches!(store.vm_snapshot(&id), Err(StoreError::SnapshotNotFound(_))));
+        fs::write(&path, &current).unwrap();
         assert_eq!(fs::read(store.vm_snapshot_dir(&id).unwrap().join(STATE)).unwrap(), b"state");
         store.delete_vm_snapshot(&id).unwrap();
         assert!(!store.has_vm_snapshot(&id));

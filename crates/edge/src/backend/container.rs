@@ -185,11 +185,7 @@ pub fn sandbox_name(state_dir: &Path, id: &str) -> String {
 
 /// `sbx-<tag>-`: what every sandbox name of the backend at `state_dir` starts with.
 pub fn name_tag(state_dir: &Path) -> String {
-    use sha2::Digest;
-    let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
-    let hash = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
-    let tag: String = hash.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    format!("sbx-{tag}-")
+    format!("sbx-{}-", super::state_tag(state_dir))
 }
 
 /// Layer limits with a file and the whole no larger than a disk of `disk_mb`.

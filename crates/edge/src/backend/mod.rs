@@ -198,6 +198,16 @@ pub trait Versioned: Send + Sync {
     fn runtime_versions(&self) -> Vec<String>;
 }
 
+/// 8 hex digits of the hash of a backend's state directory (canonical): what the names of its
+/// sandboxes carry, so that backends side by side on one host (two edges, two clusters, tests)
+/// never take each other's sandboxes for leftovers.
+pub fn state_tag(state_dir: &std::path::Path) -> String {
+    use sha2::Digest;
+    let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    let hash = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
+    hash.iter().take(4).map(|b| format!("{b:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,7 @@ mod snapshot;
 mod vmm;
 
 use qemu::CONSOLE_BYTES;
-pub use qemu::probe_kvm;
+pub use qemu::{host_tsc_khz, probe_kvm};
 use vmm::{Launch, VmSpec, Vmm};
 
 use std::collections::{HashMap, HashSet};
@@ -113,11 +113,7 @@ pub struct VmOptions {
 /// `<backend>-<tag>.<id>`, the tag a hash of the state directory, so that the VMs of edges
 /// sharing a host (their cgroups side by side) never take each other's for leftovers.
 pub fn name_of(machine: Machine, state_dir: &Path, id: &str) -> String {
-    use sha2::Digest;
-    let canonical = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
-    let hash = sha2::Sha256::digest(canonical.as_os_str().as_encoded_bytes());
-    let tag: String = hash.iter().take(4).map(|b| format!("{b:02x}")).collect();
-    format!("{}-{tag}.{id}", machine.backend())
+    format!("{}-{}.{id}", machine.backend(), super::state_tag(state_dir))
 }
 
 /// Smallest guest memory: the kernel and the agent need this much.
@@ -465,7 +461,7 @@ impl VmBackend {
                 // Its devices from the snapshot's stream over its copy of the snapshot's
                 // memory, as a resume does, then running from where the snapshot's VM stopped.
                 Some(state) => {
-                    let pid = self.incoming(&dir, &vmm, state, true).await?;
+                    let pid = self.incoming(&dir, &vmm, state).await?;
                     self.vmm.run_vcpus(&dir).await?;
                     Ok(pid)
                 }
@@ -654,7 +650,7 @@ impl VmBackend {
         self.vmm.stop_vcpus(&vm.dir).await?;
         let tmp = vm.dir.join("state.tmp");
         let saved = async {
-            self.vmm.save(&vm.dir, &tmp, true).await?;
+            self.vmm.save(&vm.dir, &tmp).await?;
             std::fs::rename(&tmp, vm.dir.join("state")).map_err(internal("placing the saved state"))
         };
         let saved = tokio::time::timeout(self.opts.boot_timeout, saved).await.unwrap_or_else(|_| {
@@ -666,7 +662,8 @@ impl VmBackend {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        self.vmm.quit(&vm.dir).await?;
+        // Saved: the pause has happened whatever the VMM says to its end (it is killed next).
+        let _ = self.vmm.quit(&vm.dir).await;
         vm.agent.watch.abort();
         let dir = vm.dir.clone();
         blocking(move || {
@@ -677,19 +674,12 @@ impl VmBackend {
     }
 
     /// Starts a VMM for `dir` that loads the state saved in `state` and leaves the VM
-    /// stopped; returns its pid. `memory_in_file`: the state leaves out the memory, which is
-    /// the VM's own file already (a pause's, a snapshot's).
-    async fn incoming(
-        &self,
-        dir: &Path,
-        launch: &Launch,
-        state: &Path,
-        memory_in_file: bool,
-    ) -> Result<i32, BackendError> {
+    /// stopped; returns its pid. The state leaves out the memory, which is the VM's own file
+    /// already (a pause's, a snapshot's).
+    async fn incoming(&self, dir: &Path, launch: &Launch, state: &Path) -> Result<i32, BackendError> {
         let pid = self.spawn_vmm(dir, launch, true)?;
-        let loaded = tokio::time::timeout(self.opts.boot_timeout, self.vmm.load(dir, pid, state, memory_in_file))
-            .await
-            .unwrap_or_else(|_| {
+        let loaded =
+            tokio::time::timeout(self.opts.boot_timeout, self.vmm.load(dir, pid, state)).await.unwrap_or_else(|_| {
                 Err(BackendError::unavailable(format!("the VM of {} was not restored in time", dir.display())))
             });
         match loaded {
@@ -719,19 +709,35 @@ impl VmBackend {
     /// file and runs on; the agent's connection is made anew over its port.
     async fn restore(&self, sb: &SandboxRecord, dir: &Path) -> Result<Arc<Vm>, BackendError> {
         let launch = Self::kept_vmm(dir)?;
-        let pid = self.incoming(dir, &launch, &dir.join("state"), true).await?;
-        if let Err(e) = self.vmm.run_vcpus(dir).await {
-            let d = dir.to_path_buf();
-            let _ = blocking(move || {
-                kill_vmm(&d);
-                Ok(())
-            })
-            .await;
-            return Err(e);
+        let pid = self.incoming(dir, &launch, &dir.join("state")).await?;
+        let run = self.vmm.run_vcpus(dir).await;
+        let ran = run.is_ok();
+        let agent = match run {
+            Ok(()) => watch_agent_within(&sb.id, self.agent_channel(dir), true, self.opts.boot_timeout).await,
+            Err(e) => Err(e),
+        };
+        match agent {
+            Ok(agent) => {
+                let _ = std::fs::remove_file(dir.join("state"));
+                Ok(Arc::new(Vm { dir: dir.to_path_buf(), pid, agent }))
+            }
+            Err(e) => {
+                // No VMM is left behind (the VM stays recorded as paused: a second restore must
+                // not run beside this one on the same memory file). Once its vCPUs ran, the
+                // memory is ahead of the saved state: the state goes too, so that nothing
+                // restores it over that memory.
+                let d = dir.to_path_buf();
+                let _ = blocking(move || {
+                    kill_vmm(&d);
+                    if ran {
+                        let _ = std::fs::remove_file(d.join("state"));
+                    }
+                    Ok(())
+                })
+                .await;
+                Err(e)
+            }
         }
-        let agent = watch_agent_within(&sb.id, self.agent_channel(dir), true, self.opts.boot_timeout).await?;
-        let _ = std::fs::remove_file(dir.join("state"));
-        Ok(Arc::new(Vm { dir: dir.to_path_buf(), pid, agent }))
     }
 
     /// Takes the sandbox's rules and addresses out of the edge's network (idempotent).
@@ -917,12 +923,20 @@ fn paused_conn(vm: &Vm) -> AgentConn {
     AgentConn::detached(vm.agent.channel.clone())
 }
 
-/// The pid in `dir/pid`, if that process is the VMM of `dir` (its command line names it).
-fn vmm_pid(dir: &Path) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(dir.join("pid")).ok()?.trim().parse().ok()?;
+/// The pid written in `dir/<file>`, if that process is alive and `is_it` says its arguments
+/// are the expected ones (a pid file outlives its process, whose pid may be reused).
+pub(super) fn pid_in(dir: &Path, file: &str, is_it: impl Fn(&[&[u8]]) -> bool) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(dir.join(file)).ok()?.trim().parse().ok()?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    is_it(&args).then_some(pid)
+}
+
+/// The pid in `dir/pid`, if that process is the VMM of `dir` (an argument names its QMP
+/// socket, in a directory named by a fixed-length hash of `dir`).
+fn vmm_pid(dir: &Path) -> Option<i32> {
     let needle = sockets_of(dir).join("qmp.sock").display().to_string();
-    String::from_utf8_lossy(&cmdline).contains(&needle).then_some(pid)
+    pid_in(dir, "pid", |args| args.iter().any(|a| a.windows(needle.len()).any(|w| w == needle.as_bytes())))
 }
 
 /// Kills the VMM of `dir` and waits for it to be gone.

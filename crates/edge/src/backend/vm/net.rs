@@ -40,16 +40,11 @@ const IFF_TAP: i16 = 0x0002;
 const IFF_NO_PI: i16 = 0x1000;
 const IFF_VNET_HDR: i16 = 0x4000;
 
-fn net_err(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> BackendError {
-    move |e| BackendError::internal(format!("{what}: {e}"))
-}
-
-/// The placeholder's pid, if that process is alive and is the placeholder of `dir`.
+/// The placeholder's pid, if that process is alive and is the placeholder of `dir` (exactly:
+/// one VM's directory is a prefix of another's, `….e1.a` of `….e1.ab`).
 pub(super) fn holder_pid(dir: &Path) -> Option<i32> {
-    let pid: i32 = std::fs::read_to_string(dir.join(HOLDER_PID)).ok()?.trim().parse().ok()?;
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let text = String::from_utf8_lossy(&cmdline);
-    (text.contains("hold-netns") && text.contains(dir.to_str()?)).then_some(pid)
+    let me = dir.as_os_str().as_encoded_bytes();
+    super::pid_in(dir, HOLDER_PID, |args| args.contains(&b"hold-netns".as_slice()) && args.contains(&me))
 }
 
 /// The namespace the placeholder of `dir` holds, open.
@@ -107,7 +102,7 @@ pub(super) fn start_holder(
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(net_err(format!("starting {}", agent.display())))?;
+    let mut child = cmd.spawn().map_err(super::internal(format!("starting {}", agent.display())))?;
     let pid = i32::try_from(child.id()).unwrap_or(0);
     let tmp = dir.join(format!("{HOLDER_PID}.tmp"));
     if let Err(e) = std::fs::write(&tmp, pid.to_string()).and_then(|()| std::fs::rename(&tmp, dir.join(HOLDER_PID))) {
@@ -187,7 +182,7 @@ pub(super) fn set_up(netns: &std::fs::File, out: Option<(Ipv4Addr, Ipv4Addr)>) -
         }
         Ok(())
     })
-    .map_err(net_err("the VM's network namespace"))
+    .map_err(super::internal("the VM's network namespace"))
 }
 
 /// The translation in a VM's namespace (see the module's text).
@@ -231,7 +226,7 @@ fn nft(ruleset: &str) -> std::io::Result<()> {
 
 /// The tap of the namespace `netns`, open, for a VMM.
 pub(super) fn open_tap(netns: &std::fs::File) -> Result<OwnedFd, BackendError> {
-    in_netns(netns, || tun(false)).map_err(net_err("opening the VM's tap"))
+    in_netns(netns, || tun(false)).map_err(super::internal("opening the VM's tap"))
 }
 
 #[cfg(test)]

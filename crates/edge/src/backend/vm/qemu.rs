@@ -76,7 +76,7 @@ pub fn probe_kvm(qemu: &Path, kernel_dir: &Path, initramfs: &Path, cache: &Path)
 
 /// The host TSC's frequency in kHz: a microvm guest under TCG reads the host's TSC and cannot
 /// calibrate it (no PIT), so it is told (`tsc_early_khz`).
-fn host_tsc_khz() -> Option<u64> {
+pub fn host_tsc_khz() -> Option<u64> {
     if let Ok(s) = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/tsc_freq_khz")
         && let Ok(k) = s.trim().parse()
     {
@@ -134,9 +134,10 @@ impl Qemu {
     }
 
     async fn qmp(&self, dir: &Path) -> Result<qmp::Qmp, BackendError> {
-        qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock"))
-            .await
-            .map_err(|e| BackendError::unavailable(format!("the VMM of {} does not answer: {e}", dir.display())))
+        qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock")).await.map_err(|e| {
+            let e = crate::backend::untrusted_text(&e.to_string(), 300);
+            BackendError::unavailable(format!("the VMM of {} does not answer: {e}", dir.display()))
+        })
     }
 }
 
@@ -149,7 +150,7 @@ impl Vmm for Qemu {
     /// QEMU's version, the accelerator, the machine and the layout of its devices (a change
     /// to [`Qemu::command`]'s devices is a new `devices-N`).
     fn restore_key(&self) -> String {
-        format!("qemu {} {} {} devices-1", self.version, self.accel_name(), self.machine.backend())
+        format!("qemu {} {} {} devices-2", self.version, self.accel_name(), self.machine.backend())
     }
 
     fn command(&self, spec: VmSpec<'_>) -> Launch {
@@ -308,9 +309,9 @@ impl Vmm for Qemu {
         Ok(st == "paused")
     }
 
-    async fn save(&self, dir: &Path, state: &Path, memory_in_file: bool) -> Result<(), BackendError> {
+    async fn save(&self, dir: &Path, state: &Path) -> Result<(), BackendError> {
         let mut q = self.qmp(dir).await?;
-        let saved = save_stream(&mut q, state, memory_in_file).await;
+        let saved = save_stream(&mut q, state).await;
         if saved.is_err() {
             // Abandoned: the VM is as it was (stopped).
             let _ = q.execute("migrate_cancel", None).await;
@@ -319,7 +320,7 @@ impl Vmm for Qemu {
         saved
     }
 
-    async fn load(&self, dir: &Path, pid: i32, state: &Path, memory_in_file: bool) -> Result<(), BackendError> {
+    async fn load(&self, dir: &Path, pid: i32, state: &Path) -> Result<(), BackendError> {
         let mut q = loop {
             match qmp::Qmp::connect(&sockets_of(dir).join("qmp.sock")).await {
                 Ok(q) => break q,
@@ -330,7 +331,7 @@ impl Vmm for Qemu {
                 Err(e) => return Err(BackendError::internal(format!("the restoring VMM ended: {e}"))),
             }
         };
-        q.ignore_shared(memory_in_file).await.map_err(qmp_fail("setting x-ignore-shared"))?;
+        q.ignore_shared().await.map_err(qmp_fail("setting x-ignore-shared"))?;
         // Handed over open, read-only: the VMM opens no file itself.
         let file = std::fs::File::open(state).map_err(internal("opening the saved state"))?;
         q.getfd("state", std::os::fd::AsFd::as_fd(&file)).await.map_err(qmp_fail("handing over the saved state"))?;
@@ -367,11 +368,11 @@ const MAX_STATE_BYTES: u64 = 256 << 20;
 /// How long the VMM may keep the stream open once it says the save is complete.
 const STATE_CLOSE_WAIT: Duration = Duration::from_secs(5);
 
-/// Saves the stopped VM of `q` as a migration stream into a new file at `path`, synced; with
-/// `ignore_shared` its memory (the VM's own file) is left out. The VMM gets the write end of a
+/// Saves the stopped VM of `q` as a migration stream into a new file at `path`, synced; its
+/// memory (the VM's own file) is left out. The VMM gets the write end of a
 /// pipe, never the file: the edge writes the file, at most [`MAX_STATE_BYTES`], and once the
 /// save is complete no descriptor the VMM may have kept reaches it.
-async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Result<(), BackendError> {
+async fn save_stream(q: &mut qmp::Qmp, path: &Path) -> Result<(), BackendError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (r, w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
         .map_err(|e| BackendError::internal(format!("a pipe for the saved state: {e}")))?;
@@ -398,7 +399,7 @@ async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Resu
     let saved = async {
         q.getfd("state", std::os::fd::AsFd::as_fd(&w)).await.map_err(qmp_fail("handing over the state pipe"))?;
         drop(w);
-        q.ignore_shared(ignore_shared).await.map_err(qmp_fail("setting x-ignore-shared"))?;
+        q.ignore_shared().await.map_err(qmp_fail("setting x-ignore-shared"))?;
         // The vCPUs are stopped: nothing to spare them from (QEMU throttles a migration to
         // 128 MiB/s by default).
         q.execute("migrate-set-parameters", Some(serde_json::json!({ "max-bandwidth": MIGRATION_BYTES_PER_S })))
@@ -428,7 +429,7 @@ async fn save_stream(q: &mut qmp::Qmp, path: &Path, ignore_shared: bool) -> Resu
 /// Waits for the migration on `q` (either side) to end.
 async fn wait_migration(q: &mut qmp::Qmp) -> Result<(), BackendError> {
     loop {
-        let m = q.execute("query-migrate", None).await.map_err(|e| BackendError::internal(e.to_string()))?;
+        let m = q.execute("query-migrate", None).await.map_err(qmp_fail("the migration's progress"))?;
         match m["status"].as_str().unwrap_or("") {
             "completed" => return Ok(()),
             "failed" | "cancelled" => {
@@ -440,7 +441,7 @@ async fn wait_migration(q: &mut qmp::Qmp) -> Result<(), BackendError> {
             // An incoming side reports nothing until it starts, and `completed` only briefly:
             // its run state says it is done.
             "" => {
-                let st = q.status().await.map_err(|e| BackendError::internal(e.to_string()))?;
+                let st = q.status().await.map_err(qmp_fail("the VM's run state"))?;
                 if matches!(st.as_str(), "paused" | "running" | "postmigrate") {
                     return Ok(());
                 }

@@ -176,7 +176,7 @@ impl VmBackend {
     async fn snapshot_running(&self, vm: &Vm, shape: &Shape, tmp: &Path) -> Result<(), BackendError> {
         self.vmm.stop_vcpus(&vm.dir).await?;
         let save = async {
-            self.vmm.save(&vm.dir, &tmp.join(vmsnap::STATE), true).await?;
+            self.vmm.save(&vm.dir, &tmp.join(vmsnap::STATE)).await?;
             copy_files(&vm.dir, tmp, shape, false).await
         };
         let saved = tokio::time::timeout(self.opts.boot_timeout, save)

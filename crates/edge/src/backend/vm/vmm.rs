@@ -54,13 +54,13 @@ pub(super) trait Vmm: Send + Sync + std::fmt::Debug {
     async fn run_vcpus(&self, dir: &Path) -> Result<(), BackendError>;
     /// Whether the vCPUs are stopped (an adopted VM may have been paused).
     async fn stopped(&self, dir: &Path) -> Result<bool, BackendError>;
-    /// Saves the stopped VM's device state into a new file at `state`; with `memory_in_file`
-    /// its memory is left out (the VM's own memory file holds it). On an error the save is
-    /// abandoned, `state` removed, the VM as it was.
-    async fn save(&self, dir: &Path, state: &Path, memory_in_file: bool) -> Result<(), BackendError>;
+    /// Saves the stopped VM's device state into a new file at `state`, its memory left out
+    /// (the VM's own memory file holds it). On an error the save is abandoned, `state`
+    /// removed, the VM as it was.
+    async fn save(&self, dir: &Path, state: &Path) -> Result<(), BackendError>;
     /// Loads the state at `state` into the VMM `pid`, started to receive one, leaving the VM
     /// stopped.
-    async fn load(&self, dir: &Path, pid: i32, state: &Path, memory_in_file: bool) -> Result<(), BackendError>;
+    async fn load(&self, dir: &Path, pid: i32, state: &Path) -> Result<(), BackendError>;
     /// Ends the VMM (the caller makes sure it is gone).
     async fn quit(&self, dir: &Path) -> Result<(), BackendError>;
     /// What the guest wrote on its console since the last read.
