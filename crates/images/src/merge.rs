@@ -35,7 +35,7 @@ use sha2::{Digest, Sha256};
 use crate::layer::LayerError;
 use crate::overlay::{DirView, Found, Kind, LayerStack};
 use crate::store::{LayerId, LayerMeta, Store};
-use crate::unpack::open_dir;
+use crate::unpack::{make_whiteout, open_dir};
 
 /// The id of the layer merged from `run` (bottom first) on top of `lowers`.
 pub fn merged_layer_id(run: &[LayerId], lowers: &[LayerId]) -> LayerId {
@@ -113,10 +113,6 @@ fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
     p
 }
 
-fn whiteout(dir: BorrowedFd<'_>, name: &[u8]) -> rustix::io::Result<()> {
-    rfs::mknodat(dir, name, FileType::CharacterDevice, Mode::empty(), rfs::makedev(0, 0))
-}
-
 fn times(st: &rfs::Stat) -> Timestamps {
     Timestamps {
         last_access: Timespec { tv_sec: st.st_atime, tv_nsec: st.st_atime_nsec as _ },
@@ -179,7 +175,7 @@ impl Merger<'_> {
             match found.kind {
                 Kind::Whiteout => {
                     if below_names.contains_key(name) {
-                        whiteout(out, name).map_err(|e| self.out_io(&path, e))?;
+                        make_whiteout(out, name).map_err(|e| self.out_io(&path, e))?;
                         self.entries += 1;
                     }
                 }
@@ -204,7 +200,7 @@ impl Merger<'_> {
         }
         if cut {
             for name in below_names.keys().filter(|n| !entries.contains_key(*n)) {
-                whiteout(out, name).map_err(|e| self.out_io(&join(run.path(), name), e))?;
+                make_whiteout(out, name).map_err(|e| self.out_io(&join(run.path(), name), e))?;
                 self.entries += 1;
             }
         }

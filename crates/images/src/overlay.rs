@@ -23,7 +23,7 @@ use rustix::io::Errno;
 
 use crate::limits::LayerError;
 use crate::store::{LayerId, Store, StoreError};
-use crate::unpack::{is_whiteout, open_dir};
+use crate::unpack::{is_whiteout, make_whiteout, open_dir};
 
 /// What a name is in the layer that decides it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -277,8 +277,7 @@ pub(crate) fn hide_below(
     for (name, found) in below.visible()? {
         match rfs::statat(fd, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
             Err(Errno::NOENT) => {
-                rfs::mknodat(fd, name.as_slice(), FileType::CharacterDevice, Mode::empty(), rfs::makedev(0, 0))
-                    .map_err(|e| io(&join(below.path(), &name), e))?;
+                make_whiteout(fd, name.as_slice()).map_err(|e| io(&join(below.path(), &name), e))?;
                 added += 1;
             }
             Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory && found.kind == Kind::Dir => {

@@ -989,7 +989,7 @@ impl Writer {
         }
         path.extend_from_slice(hidden);
         let dir = self.parent(parent, parent_key, raw)?.try_clone_to_owned().map_err(|e| self.io(key, e))?;
-        match rfs::mknodat(&dir, hidden, FileType::CharacterDevice, Mode::empty(), rfs::makedev(0, 0)) {
+        match make_whiteout(dir.as_fd(), hidden) {
             Ok(()) => {}
             Err(Errno::EXIST) => {
                 // The same layer has this name: it stays (a whiteout hides lower layers only);
@@ -1000,6 +1000,14 @@ impl Writer {
         }
         Ok(())
     }
+}
+
+/// Makes `name` in `dir` a whiteout. Its times are the epoch, not the moment of unpacking, so
+/// that a layer unpacked twice is the same tree to the byte.
+pub(crate) fn make_whiteout(dir: BorrowedFd<'_>, name: &[u8]) -> rustix::io::Result<()> {
+    rfs::mknodat(dir, name, FileType::CharacterDevice, Mode::empty(), rfs::makedev(0, 0))?;
+    let epoch = Timespec { tv_sec: 0, tv_nsec: 0 };
+    rfs::utimensat(dir, name, &Timestamps { last_access: epoch, last_modification: epoch }, AtFlags::SYMLINK_NOFOLLOW)
 }
 
 /// A 0:0 character device: overlay's whiteout.

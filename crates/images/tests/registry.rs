@@ -133,6 +133,8 @@ async fn layers_with_deletions_stack_like_the_originals() {
     let l2 = snapshot(&store.layer_rootfs(&got.layers[1]));
     for hidden in ["etc/a", "d/x", "d/sub"] {
         assert!(l2.get(hidden).is_some_and(Node::is_whiteout), "{hidden} in layer 2: {l2:?}");
+        // Whiteouts carry no time of unpacking: a layer unpacked twice is the same tree.
+        assert_eq!(l2[hidden].mtime, 0, "{hidden}");
     }
     // Stacked, the image shows what the layers say.
     let view = merged(&store, &got.layers);
