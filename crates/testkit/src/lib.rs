@@ -1,12 +1,14 @@
 //! What the tests of several crates share (a dev-dependency only, never linked into a
 //! binary): waits bounded by a deadline instead of fixed sleeps, the root check, free
 //! loopback ports, busybox root file systems, certificates of a test PKI, layers put in an
-//! image store as an import leaves them, and a fake watcher.
+//! image store as an import leaves them, a fake watcher, and a linearizability checker.
 //!
 //! A wait that runs out fails the test with what it was waiting for; none asserts on how
 //! long anything took.
 #![forbid(unsafe_code)]
 
+pub mod lan;
+pub mod linear;
 pub mod netns;
 pub mod s3;
 

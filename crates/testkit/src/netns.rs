@@ -189,7 +189,7 @@ impl Drop for World {
     }
 }
 
-fn rand_u32() -> u32 {
+pub(crate) fn rand_u32() -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     (t as u32) ^ std::process::id().rotate_left(16)
 }
