@@ -202,7 +202,7 @@ impl Default for IamRaftConfig {
             id: 0,
             initial_members: Default::default(),
             heartbeat_interval: Duration::from_millis(150),
-            election_timeout: Duration::from_millis(1000),
+            election_timeout: Duration::from_millis(600),
             snapshot_every: 20_000,
         }
     }
