@@ -241,7 +241,8 @@ impl Cluster {
         for (name, l) in edge_ls {
             let backend = Arc::new(SimBackend::new());
             let addr = local(&l);
-            let running = start_edge(&cluster.config, &name, addr, backend.clone(), l, &cluster.clock).await?;
+            let running =
+                start_edge(&cluster.config, &name, addr.to_string(), backend.clone(), l, &cluster.clock).await?;
             cluster.edges.insert(name, EdgeSlot { addr, backend, running: Some(running) });
         }
         cluster.apiserver = Some(start_apiserver(&cluster.config, api_l, metrics_l)?);
@@ -363,7 +364,8 @@ impl Cluster {
             return Err(ClusterError::AlreadyRunning(name.into()));
         }
         let l = bind(&format!("edge {name}"), &slot.addr.to_string()).await?;
-        let running = start_edge(&self.config, name, slot.addr, slot.backend.clone(), l, &self.clock).await?;
+        let running =
+            start_edge(&self.config, name, slot.addr.to_string(), slot.backend.clone(), l, &self.clock).await?;
         slot.running = Some(running);
         Ok(())
     }
@@ -597,7 +599,7 @@ fn start_watcher(config: &Config, l: TcpListener) -> Result<Running, ClusterErro
 async fn start_edge(
     config: &Config,
     name: &str,
-    addr: SocketAddr,
+    advertise: String,
     backend: Arc<SimBackend>,
     l: TcpListener,
     clock: &opendsec_common::time::Clock,
@@ -625,7 +627,7 @@ async fn start_edge(
         iam_addrs: config.iam.addrs.clone(),
         watcher_addrs: config.watcher.addrs.clone(),
         tls: credentials(config, &Identity { role: pki::Role::Edge, name: name.to_string() })?,
-        advertise: addr.to_string(),
+        advertise,
         clock: clock.clone(),
         network: network.clone(),
     };
@@ -956,12 +958,20 @@ pub async fn run_daemon(
             }
             let l = bind("edge", &config.edge.listen).await?;
             let addr = local(&l);
+            if addr.ip().is_unspecified() && config.edge.advertise.is_empty() {
+                return Err(ClusterError::NoSuchComponent(format!(
+                    "edge.listen is {addr}, which nobody can dial: set edge.advertise to the address others reach this edge at"
+                )));
+            }
             let mut cfg = config.clone();
             if !cfg.edge.advertise.is_empty() {
                 // The advertised address is what others dial; the bound one is only ours.
                 cfg.edges.push(EdgeEndpoint { name: name.clone(), address: cfg.edge.advertise.clone() });
             }
-            start_edge(&cfg, &name, addr, Arc::new(SimBackend::new()), l, &Default::default()).await?
+            // What the watchers and apiservers dial: `edge.advertise` when set, else the bound
+            // address.
+            let advertise = if cfg.edge.advertise.is_empty() { addr.to_string() } else { cfg.edge.advertise.clone() };
+            start_edge(&cfg, &name, advertise, Arc::new(SimBackend::new()), l, &Default::default()).await?
         }
     };
     tokio::spawn(async move {
