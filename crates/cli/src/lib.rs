@@ -8,6 +8,7 @@ pub mod image;
 pub mod json;
 pub mod output;
 pub mod pki;
+pub mod release;
 pub mod runtime;
 pub mod support;
 pub mod table;

@@ -97,6 +97,9 @@ pub enum Command {
     /// The cluster's certificates: a CA, and one certificate per component (mTLS).
     #[command(subcommand)]
     Pki(crate::pki::PkiCmd),
+    /// The release tarball: binaries, static agent, systemd units, example configs, checksums.
+    #[command(subcommand)]
+    Release(crate::release::ReleaseCmd),
     /// Images: the Images API, and local tools on the store (import, gc, store-check, merge).
     #[command(subcommand)]
     Image(crate::image::ImageCmd),

@@ -50,6 +50,9 @@ pub async fn run(cli: Cli) -> Result<i32, CtlError> {
     if let Command::Pki(cmd) = cli.command {
         return crate::pki::run(&out, cmd).map(|()| 0);
     }
+    if let Command::Release(cmd) = cli.command {
+        return crate::release::run(&out, cmd).map(|()| 0);
+    }
     let addrs: Vec<String> = cli.addr.split(',').map(str::to_string).collect();
     let tls =
         opendsec_common::grpc::PublicTls::choose(cli.ca.as_deref(), cli.insecure_plaintext, cli.tls_name.as_deref())?;
@@ -70,6 +73,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
     match command {
         Command::Cluster(_)
         | Command::Pki(_)
+        | Command::Release(_)
         | Command::Exec(_)
         | Command::Run(_)
         | Command::Cp(_)
