@@ -322,7 +322,9 @@ impl Network {
             None => link::default_route_interface(&mut rt)?,
         };
         if uplink.is_none() {
-            tracing::warn!("no default route: sandbox egress has no way out until one exists");
+            tracing::warn!(
+                "no default route: sandbox egress is masqueraded through whatever interface routes it, once one does"
+            );
         }
         let mut local: Vec<Ipv4Net> = link::addresses(&mut rt)?.into_iter().map(|a| Ipv4Net::of(a.addr, 32)).collect();
         local.push(subnet);

@@ -64,7 +64,9 @@ pub struct TableSpec {
     pub subnet: Ipv4Net,
     /// Where the DNS proxy listens (UDP and TCP 53).
     pub dns: Ipv4Addr,
-    /// The uplink egress is masqueraded through.
+    /// The uplink egress is masqueraded through; empty (the host had no default route when
+    /// the edge started): every interface but the sandboxes' own, so that a route added later
+    /// works.
     pub uplink: String,
     /// Closed whatever the rules: the host's own addresses and the edge's subnet.
     pub local: Vec<Ipv4Net>,
@@ -167,12 +169,13 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
-    ip saddr {subnet} oifname "{uplink}" masquerade
+    ip saddr {subnet} {masquerade_out} masquerade
   }}
 }}"#,
         dns = t.dns,
         subnet = t.subnet,
-        uplink = t.uplink,
+        masquerade_out =
+            if t.uplink.is_empty() { format!(r#"oifname != "{p}*""#) } else { format!(r#"oifname "{}""#, t.uplink) },
         max_conns = MAX_CONNS,
         new_rate = NEW_CONN_RATE,
         new_burst = NEW_CONN_RATE * 2,
