@@ -958,11 +958,6 @@ pub async fn run_daemon(
             }
             let l = bind("edge", &config.edge.listen).await?;
             let addr = local(&l);
-            if addr.ip().is_unspecified() && config.edge.advertise.is_empty() {
-                return Err(ClusterError::NoSuchComponent(format!(
-                    "edge.listen is {addr}, which nobody can dial: set edge.advertise to the address others reach this edge at"
-                )));
-            }
             let mut cfg = config.clone();
             if !cfg.edge.advertise.is_empty() {
                 // The advertised address is what others dial; the bound one is only ours.

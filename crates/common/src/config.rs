@@ -614,6 +614,17 @@ impl EdgeConfig {
         if e.backends.is_empty() {
             return Err(invalid("edge.backends", "must name at least one backend"));
         }
+        // What watchers and apiservers dial must be an address they can dial.
+        let unspecified = |a: &str| a.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().is_unspecified());
+        if unspecified(&e.advertise) {
+            return Err(invalid("edge.advertise", "must be an address others can dial, not every address"));
+        }
+        if e.advertise.is_empty() && unspecified(&e.listen) {
+            return Err(invalid(
+                "edge.advertise",
+                "must be set when edge.listen is every address (the address others reach this edge at)",
+            ));
+        }
         if e.userns_first_id == 0 || !e.userns_first_id.is_multiple_of(65536) {
             return Err(invalid("edge.userns_first_id", "must be a positive multiple of 65536"));
         }
