@@ -76,10 +76,11 @@ pub fn run(out: &Out, cmd: ReleaseCmd) -> Result<(), CtlError> {
         files.iter().map(|(name, data, _)| format!("{}  {name}\n", hex(&Sha256::digest(data)))).collect();
     files.push(("SHA256SUMS".into(), sums.into_bytes(), 0o644));
 
-    // Written beside the target and renamed: a failed pack leaves no half tarball.
+    // Written beside the target under a new name (never through a file or link already
+    // there) and renamed: a failed pack leaves no half tarball.
     let tmp = path.with_extension("partial");
     let write = || -> std::io::Result<()> {
-        let f = std::fs::File::create(&tmp)?;
+        let f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
         let gz = flate2::write::GzEncoder::new(std::io::BufWriter::new(f), flate2::Compression::default());
         let mut tar = tar::Builder::new(gz);
         let mut dirs: Vec<String> = vec![String::new()];
@@ -105,10 +106,18 @@ pub fn run(out: &Out, cmd: ReleaseCmd) -> Result<(), CtlError> {
         w.into_inner().map_err(|e| e.into_error())?.sync_all()
     };
     if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
+        if e.kind() != std::io::ErrorKind::AlreadyExists {
+            let _ = std::fs::remove_file(&tmp);
+        }
         return Err(local(format!("{}: {e}", tmp.display())));
     }
-    std::fs::rename(&tmp, &path).map_err(|e| local(format!("{}: {e}", path.display())))?;
+    if let Err(e) = std::fs::rename(&tmp, &path) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(local(format!("{}: {e}", path.display())));
+    }
+    // The rename itself made durable.
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).map_err(|e| local(format!("{}: {e}", parent.display())))?;
     let listed: Vec<&str> = files.iter().map(|(n, _, _)| n.as_str()).collect();
     out.print(serde_json::json!({"tarball": path.display().to_string(), "files": listed}), || {
         format!("wrote {} ({} files)", path.display(), files.len())

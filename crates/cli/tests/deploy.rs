@@ -35,6 +35,12 @@ fn example_configs_load_and_name_what_their_role_needs() {
     assert!(edge.edge.agent_path.is_some());
     assert!(!load("e2b").e2b.apiserver_addrs.is_empty());
     assert!(!load("watcher").watcher.listen.is_empty());
+    // No two roles share a state directory (the edge's is root's; the others' are their users').
+    let mut dirs: Vec<PathBuf> =
+        ["iam", "apiserver", "watcher", "edge", "e2b"].iter().map(|r| load(r).state_dir).collect();
+    dirs.sort();
+    dirs.dedup();
+    assert_eq!(dirs.len(), 5, "{dirs:?}");
 }
 
 #[test]
@@ -53,8 +59,21 @@ fn systemd_units_verify_and_harden_what_they_can() {
             "{name}"
         );
         assert!(text.contains("LimitNOFILE="), "{name}: a file limit");
-        if role != "edge" {
-            for opt in ["NoNewPrivileges=yes", "ProtectSystem=strict", "User=opendsec", "CapabilityBoundingSet=\n"] {
+        if role == "edge" {
+            // Its sandboxes outlive a restart; nothing it forbids is inherited by them.
+            for opt in ["KillMode=process", "Delegate=yes"] {
+                assert!(text.contains(opt), "{name}: {opt}");
+            }
+            for opt in ["NoNewPrivileges", "SystemCallFilter", "ProtectClock", "PrivateDevices", "LockPersonality"] {
+                assert!(!text.contains(&format!("{opt}=")), "{name}: {opt}");
+            }
+        } else {
+            for opt in [
+                "NoNewPrivileges=yes",
+                "ProtectSystem=strict",
+                &format!("User=opendsec-{role}\n"),
+                "CapabilityBoundingSet=\n",
+            ] {
                 assert!(text.contains(opt), "{name}: {opt}");
             }
         }
@@ -164,5 +183,13 @@ fn an_edge_listening_on_every_address_must_say_where_it_is_dialed() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(said.contains("which nobody can dial: set edge.advertise"), "{said}");
+    assert!(said.contains("edge.advertise: must be set when edge.listen is every address"), "{said}");
+    write("0.0.0.0:7300");
+    let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+        .args(["edge", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("edge.advertise: must be an address others can dial"), "{said}");
 }
