@@ -212,8 +212,10 @@ struct Load {
     started: AtomicU64,
     next_slot_ns: AtomicU64,
     history: Mutex<Vec<Record>>,
-    /// Errors by gRPC code (all of them are recorded as unanswered calls).
+    /// Errors by gRPC code. Those that may hide an outcome (the call may or may not have
+    /// happened) are recorded as unanswered calls; any other fails the test.
     errors: Mutex<BTreeMap<String, u64>>,
+    definite: Mutex<Vec<String>>,
     iam: Vec<IamClient<Channel>>,
 }
 
@@ -235,13 +237,16 @@ impl Load {
                 tokio::time::sleep(Duration::from_nanos(slot - now)).await;
             }
             let seq = self.started.fetch_add(1, Ordering::Relaxed);
-            // Eight leases in play at a time, each for about 128 calls.
+            // Eight leases in play at a time, each while 128 calls are made (about 16 of them
+            // its own). Only even leases are released: on odd ones an admission once answered
+            // must be seen to the end, with no unanswered release to explain it away.
             let key = seq / 16 + rng.below(8);
             let input = match rng.below(100) {
                 0..50 => In::Admit(rng.below(3) as u8, true),
                 50..70 => In::Admit(rng.below(3) as u8, false),
                 70..95 => In::Get,
-                _ => In::Release,
+                _ if key.is_multiple_of(2) => In::Release,
+                _ => In::Get,
             };
             let call = self.now();
             let mut iam = self.iam[member].clone();
@@ -257,6 +262,17 @@ impl Load {
                     }
                     *n += 1;
                     drop(errors);
+                    // What a lost connection, a leader change or a forward that failed looks
+                    // like; anything else is an answer, and a wrong one here.
+                    if !matches!(
+                        s.code(),
+                        tonic::Code::Unavailable
+                            | tonic::Code::Unknown
+                            | tonic::Code::Cancelled
+                            | tonic::Code::DeadlineExceeded
+                    ) {
+                        self.definite.lock().unwrap().push(format!("{input:?} on {}: {s:?}", lease_id(key)));
+                    }
                     member = (member + 1) % self.iam.len();
                     None
                 }
@@ -413,6 +429,7 @@ async fn scenario(lan: Lan, dir: &Path) {
         next_slot_ns: AtomicU64::new(0),
         history: Mutex::new(Vec::new()),
         errors: Mutex::new(BTreeMap::new()),
+        definite: Mutex::new(Vec::new()),
         iam: channels.iter().cloned().map(IamClient::new).collect(),
     });
     let clients: Vec<_> = (0..CLIENTS).map(|n| tokio::spawn(load.clone().client(n))).collect();
@@ -539,6 +556,24 @@ async fn scenario(lan: Lan, dir: &Path) {
         }
     }
     assert!(answered > 1000, "too few calls answered to say anything: {answered}\n{}", m.logs());
+    let definite = load.definite.lock().unwrap();
+    assert!(definite.is_empty(), "calls refused outright: {:?}", &definite[..definite.len().min(20)]);
+    // Every kind of call was answered, each of its answers too.
+    let all: Vec<&Op<In, Out>> = by_key.values().flatten().collect();
+    let seen = |f: &dyn Fn(&Op<In, Out>) -> bool| all.iter().filter(|o| f(o)).count();
+    for (what, n) in [
+        (
+            "admissions of new leases",
+            seen(&|o| matches!(o.output, Some(Out::Admitted { rebound: false, existing: false, .. }))),
+        ),
+        ("admissions kept where they were", seen(&|o| matches!(o.output, Some(Out::Admitted { existing: true, .. })))),
+        ("rebindings", seen(&|o| matches!(o.output, Some(Out::Admitted { rebound: true, .. })))),
+        ("reads that found a lease", seen(&|o| matches!(o.output, Some(Out::Found(Some(_)))))),
+        ("reads that found none", seen(&|o| matches!(o.output, Some(Out::Found(None))))),
+        ("releases of a lease", seen(&|o| matches!(o.output, Some(Out::Released(1))))),
+    ] {
+        assert!(n > 10, "too few {what} answered: {n}");
+    }
     for (what, back) in [("leader", back_leader), ("follower", back_follower), ("all", back_all)] {
         assert!(back.is_some(), "no admission succeeded after the {what} kill\n{}", m.logs());
     }

@@ -24,16 +24,20 @@ pub struct Host {
 }
 
 impl Host {
-    /// `program` to be run inside this host's namespace.
+    /// `program` to be run inside this host's network namespace. Only the network namespace
+    /// changes (`nsenter --net`, which then execs the program: the child's pid is the
+    /// program's): `ip netns exec` would also give it a fresh `/sys`, without the cgroup file
+    /// systems a container edge needs.
     pub fn command(&self, program: &str) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns, program]);
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.ns)).arg("--").arg(program);
         c
     }
 
     /// Runs `args` in this host; panics with its output if it fails.
     pub fn sh(&self, args: &[&str]) -> String {
-        let mut v = vec!["ip", "netns", "exec", self.ns.as_str()];
+        let net = format!("--net=/run/netns/{}", self.ns);
+        let mut v = vec!["nsenter", net.as_str(), "--"];
         v.extend_from_slice(args);
         sh(&v)
     }
