@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b agent images vm-kernel s3-server sdk-test e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 systemd docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod
@@ -15,7 +15,8 @@ build:
 
 # Container tests run the static agent as PID 1 of their sandboxes and use the Debian test
 # image (built once with debootstrap, cached under /var/cache/opendsec): make both first.
-test: agent images s3-server vm-kernel
+# The multi-host test drives its cluster with the SDK, from the SDK's venv.
+test: agent images s3-server vm-kernel sdk-venv
 	$(CARGO) nextest run --workspace --no-fail-fast
 	$(MAKE) sdk-test
 	$(MAKE) e2b-test
@@ -23,11 +24,13 @@ test: agent images s3-server vm-kernel
 # The Python SDK (sdk/python), installed from the repo into a venv, tested against a real
 # local cluster started from the built opendsecctl.
 SDK_VENV ?= target/sdk-venv
-sdk-test: agent images s3-server vm-kernel
-	$(CARGO) build -p opendsec-cli
+sdk-venv:
 	python3 -m venv $(SDK_VENV)
 	$(SDK_VENV)/bin/pip install -q --upgrade pip
 	$(SDK_VENV)/bin/pip install -q './sdk/python[test]'
+
+sdk-test: agent images s3-server vm-kernel sdk-venv
+	$(CARGO) build -p opendsec-cli
 	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl $(SDK_VENV)/bin/pytest -q sdk/python/tests
 
 images:
