@@ -6,6 +6,8 @@
 //! - kills the leader with SIGKILL, and restarts it with its disk;
 //! - kills a follower, and restarts it;
 //! - cuts the leader off from the other members (the clients still reach it), and heals it;
+//! - adds a fourth member, a fresh process started without initial members (a learner that
+//!   catches up, then a voter), and removes a follower;
 //! - kills all three at once, and restarts them.
 //!
 //! Every call is recorded (call time, answer time and answer, or no answer). At the end each
@@ -137,7 +139,9 @@ impl Members {
     }
 
     fn config(&self, id: u64) -> PathBuf {
-        let initial: BTreeMap<String, String> = (1..=3).map(|i| (i.to_string(), self.addr(i))).collect();
+        // The first three make the cluster; a later one starts empty and waits to be added.
+        let initial: BTreeMap<String, String> =
+            if id <= 3 { (1..=3).map(|i| (i.to_string(), self.addr(i))).collect() } else { BTreeMap::new() };
         let cfg = serde_json::json!({
             "state_dir": self.dir.join(format!("member-{id}")),
             "tls": { "dir": self.dir.join("pki") },
@@ -179,7 +183,7 @@ impl Members {
     }
 
     fn logs(&self) -> String {
-        (1..=3)
+        (1..=4)
             .map(|id| {
                 let text = std::fs::read_to_string(self.log(id)).unwrap_or_default();
                 let tail: Vec<&str> = text.lines().rev().take(40).collect();
@@ -392,7 +396,7 @@ async fn caught_up(admins: &[AdminClient<Channel>], what: &str) {
 fn raft_x3_processes_survive_kills_and_partitions_under_load_and_stay_linearizable() {
     assert!(opendsec_testkit::is_root(), "this test needs root (network namespaces); CI runs as root");
     opendsec_testkit::netns::enter_private_namespace();
-    let lan = Lan::start(3);
+    let lan = Lan::start(4);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let dir = tempfile::tempdir().unwrap();
     rt.block_on(scenario(lan, dir.path()));
@@ -400,7 +404,7 @@ fn raft_x3_processes_survive_kills_and_partitions_under_load_and_stay_linearizab
 
 async fn scenario(lan: Lan, dir: &Path) {
     let pki = dir.join("pki");
-    for id in 1..=3 {
+    for id in 1..=4 {
         opendsec_testkit::creds(&pki, Role::Iam, &id.to_string());
     }
     let links = Links::new(opendsec_testkit::creds(&pki, Role::Apiserver, "0"));
@@ -408,8 +412,9 @@ async fn scenario(lan: Lan, dir: &Path) {
     for id in 1..=3 {
         m.start(id);
     }
+    // Clients and the test call every member, the fourth too (which answers once it runs).
     let channels: Vec<Channel> =
-        (1..=3).map(|id| links.channel(&m.addr(id), Role::Iam, None).expect("a channel")).collect();
+        (1..=4).map(|id| links.channel(&m.addr(id), Role::Iam, None).expect("a channel")).collect();
     let admins: Vec<AdminClient<Channel>> = channels.iter().cloned().map(AdminClient::new).collect();
     let first = leader(&admins).await;
     eprintln!("member {first} leads");
@@ -466,13 +471,46 @@ async fn scenario(lan: Lan, dir: &Path) {
     m.lan.heal((l - 1) as usize);
     caught_up(&admins, "after the partition healed").await;
 
-    // 4. All three killed at once, restarted.
-    for id in 1..=3 {
-        m.kill(id);
+    // 4. Membership under load: a fourth member, a fresh process with no initial members,
+    // is added (a learner that catches up, then a voter); then a follower is removed.
+    m.start(4);
+    let mut a = admins[0].clone();
+    let add = pb::AddIamMemberRequest { id: 4, address: m.addr(4), learner_only: false };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut any = admins.clone();
+    loop {
+        let r = tokio::time::timeout(Duration::from_secs(10), any[0].add_iam_member(admin_request(add.clone()))).await;
+        match r {
+            Ok(Ok(r)) if r.get_ref().members.iter().any(|x| x.id == 4 && x.voter) => break,
+            other => {
+                assert!(Instant::now() < deadline, "adding member 4: {other:?}\n{}", m.logs());
+                any.rotate_left(1);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    let l = leader(&admins).await;
+    let gone = (1..=3).find(|i| *i != l).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Err(e) = a.remove_iam_member(admin_request(pb::RemoveIamMemberRequest { id: gone })).await {
+        assert!(Instant::now() < deadline, "removing member {gone}: {e}\n{}", m.logs());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    m.kill(gone);
+    let current: Vec<u64> = (1..=4).filter(|i| *i != gone).collect();
+    caught_up(&admins, "after the membership change").await;
+    let changed = members(&admins).await;
+    let ids: Vec<u64> = changed.members.iter().map(|x| x.id).collect();
+    assert_eq!(ids, current, "{changed:?}");
+    eprintln!("member 4 added, member {gone} removed, under load");
+
+    // 5. All three killed at once, restarted.
+    for id in &current {
+        m.kill(*id);
     }
     let t = load.now();
-    for id in 1..=3 {
-        m.start(id);
+    for id in &current {
+        m.start(*id);
     }
     pause(4).await;
     let back_all = load.back_after(t);
@@ -486,7 +524,7 @@ async fn scenario(lan: Lan, dir: &Path) {
 
     // Every lease read once more, after everything.
     let keys = load.started.load(Ordering::Relaxed) / 16 + 8;
-    let mut iam = IamClient::new(channels[0].clone());
+    let mut iam = IamClient::new(channels[(current[0] - 1) as usize].clone());
     let mut finals: Vec<Record> = Vec::new();
     for chunk in (0..keys).collect::<Vec<_>>().chunks(500) {
         let call = load.now();
@@ -510,7 +548,7 @@ async fn scenario(lan: Lan, dir: &Path) {
     let present = finals.iter().filter(|r| matches!(r.op.output, Some(Out::Found(Some(_))))).count() as u64;
 
     // Nothing counted twice: the project's usage is the leases that exist.
-    let mut a = admins[0].clone();
+    let mut a = admins[(current[0] - 1) as usize].clone();
     let usage = a.get_usage(admin_request(pb::GetUsageRequest { project: PROJECT.into() })).await.expect("usage");
     let used = usage
         .into_inner()
