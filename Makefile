@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b bench-iam agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 systemd docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod
@@ -130,6 +130,11 @@ bench-vm: agent vm-kernel
 # Warm pool claims beside cold creations (issue 13), as root, release.
 bench-pool: agent
 	$(CARGO) bench -p opendsec-cli --bench pool
+
+# The issue-15 benchmarks (IAM standalone, on Raft ×3 and etcd 3.4 ×3; failover), release.
+bench-iam:
+	@command -v etcd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null && { systemctl disable --now etcd 2>/dev/null || true; }; }
+	$(CARGO) bench -p opendsec-cli --bench iam
 
 # The issue-11 benchmarks (sandbox networking, in a namespace of their own), as root, release.
 bench-network: agent images
