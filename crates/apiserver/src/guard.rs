@@ -71,6 +71,7 @@ const METHODS: &[&str] = &[
     "CreateSnapshot",
     "ForkSandbox",
     "MoveSandbox",
+    "DrainEdge",
     "SaveSession",
     "ListSandboxes",
     "StopSandbox",

@@ -218,6 +218,28 @@ async fn move_sandbox(
     moves::move_sandbox(s, &token, &edge, &sb, &req.to_edge).await
 }
 
+/// Drains an edge or ends its drain: the operator's (`edge.manage` on root). The edge keeps
+/// the mark; placements skip it from the next snapshot on, and it refuses creations meanwhile.
+async fn drain_edge(
+    s: &Shared,
+    call: &mut Call,
+    md: MetadataMap,
+    req: pb::DrainEdgeRequest,
+) -> Result<pb::DrainEdgeResponse, ApiError> {
+    ids::validate_edge(&req.edge)
+        .map_err(|e| ApiError::invalid(format!("edge: {}", e.message)).with("field", "edge"))?;
+    let (_, ident) = caller(s, call, &md).await?;
+    s.authorize(&ident.principal, moves::PERM_EDGE_MANAGE, ids::ROOT_PROJECT).await?;
+    let addr = match s.snapshot().addrs.get(&req.edge) {
+        Some((addr, _)) => addr.clone(),
+        None => return Err(ApiError::not_found(format!("edge {} is not known", req.edge)).with("edge", &req.edge)),
+    };
+    let mut c = s.up.edge(&req.edge, &addr)?;
+    let st =
+        forward::edge_call(s, &req.edge, c.set_draining(pb::SetDrainingRequest { draining: !req.undrain })).await?;
+    Ok(pb::DrainEdgeResponse { edge: req.edge, draining: st.draining, sandboxes: st.sandboxes })
+}
+
 async fn list_sandboxes(
     s: &Shared,
     call: &mut Call,
@@ -352,6 +374,14 @@ impl Sandboxes for SandboxesService {
                 Err(e.to_status())
             }
         }
+    }
+
+    async fn drain_edge(
+        &self,
+        request: Request<pb::DrainEdgeRequest>,
+    ) -> Result<Response<pb::DrainEdgeResponse>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "DrainEdge", move |s, call| Box::pin(drain_edge(s, call, md, req))).await
     }
 
     async fn move_sandbox(&self, request: Request<pb::MoveSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {

@@ -342,6 +342,10 @@ impl Edge for FakeEdge {
         Err(Status::unimplemented("fake"))
     }
 
+    async fn set_draining(&self, _: Request<pb::SetDrainingRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
     async fn create_sandbox(&self, r: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::Sandbox>, Status> {
         let r = r.into_inner();
         let delay = self.st.lock().unwrap().create_delay;

@@ -3,7 +3,8 @@
 //! keep running commands in it (every call answered, every call's write found in the copy,
 //! never two running copies), moved back, moved by the CLI; a move the target cannot take
 //! leaves the original running where it was with its lease; and the refusals (unknown edge,
-//! a backend that cannot move, a tenant without edge.manage, another tenant's sandbox).
+//! a backend that cannot move, a tenant without edge.manage, another tenant's sandbox); an edge
+//! drained under load (`opendsecctl edge drain --move-to`) loses no sandbox.
 
 mod common;
 
@@ -447,4 +448,122 @@ async fn a_move_its_apiserver_abandoned_is_settled_by_the_source_after_a_restart
     })
     .await;
     assert!(held_by(&containers_of(&f, &from)).is_empty() && held_by(&containers_of(&f, &to)).is_empty());
+}
+
+/// `opendsecctl edge drain` under load: while callers keep creating and stopping sandboxes,
+/// edge A is drained with its sandboxes moved to B. Every sandbox it held runs on B under the
+/// same id with its files, nothing runs on A any more, no creation failed and none made after
+/// the drain landed on A; the mark survives A's restart; undrained, A takes sandboxes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_edge_drained_under_load_loses_no_sandbox() {
+    let mut f = fixture_edges(2, |_| {}).await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    // A: where placement puts the first sandbox.
+    let first = admin.create_sandbox(container_spec("busybox", 64, 256)).await.unwrap();
+    let a = first.edge.clone();
+    let b = other(&a);
+    admin.stop_sandbox(&first.id).await.unwrap();
+
+    // Sandboxes, each with a file of its own, three of them on A.
+    let mut on_a = Vec::new();
+    for _ in 0..40 {
+        let sb = admin.create_sandbox(container_spec("busybox", 64, 256)).await.unwrap();
+        assert_eq!(
+            exec_in(&mut rt, &sb.id, "main", &format!("mkdir -p /data && echo {} > /data/me", sb.id)).await.exit_code,
+            0
+        );
+        if sb.edge == a {
+            on_a.push(sb.id);
+        }
+        if on_a.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(on_a.len(), 3, "placement never chose {a}");
+
+    // The load: creations (and stops) go on throughout; every one must succeed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let drained_at = Arc::new(AtomicU64::new(0));
+    let t0 = std::time::Instant::now();
+    let load = {
+        let (admin, stop, drained_at) = (admin.clone(), stop.clone(), drained_at.clone());
+        let a = a.clone();
+        tokio::spawn(async move {
+            let mut after_drain_on_a = Vec::new();
+            let mut made = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let started = t0.elapsed().as_millis() as u64;
+                let sb = admin
+                    .create_sandbox(container_spec("busybox", 64, 256))
+                    .await
+                    .expect("a creation during the drain");
+                let d = drained_at.load(Ordering::Relaxed);
+                if d != 0 && started > d + 1000 && sb.edge == a {
+                    after_drain_on_a.push(sb.id.clone());
+                }
+                admin.stop_sandbox(&sb.id).await.expect("a stop during the drain");
+                made += 1;
+            }
+            (made, after_drain_on_a)
+        })
+    };
+
+    ctl_admin(&f.cluster, &["edge", "drain", &a, "--move-to", &b, "--timeout", "5m"]).await.expect("the drain");
+    drained_at.store(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
+    // Creations placed after the drain finished (the snapshot has long said so by then).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (made, after_drain_on_a) = load.await.unwrap();
+    assert!(made > 0);
+    assert!(after_drain_on_a.is_empty(), "placed on the drained edge: {after_drain_on_a:?}");
+
+    // Nothing runs on A; everything it held runs on B, the same ids, the same files.
+    assert!(held_by(&containers_of(&f, &a)).is_empty(), "{:?}", held_by(&containers_of(&f, &a)));
+    for id in &on_a {
+        let sb = admin.get_sandbox(id).await.unwrap();
+        assert_eq!(sb.edge, b, "{id}");
+        assert_eq!(state(&sb), pb::SandboxState::Running, "{id}");
+        assert_eq!(out(&exec_in(&mut rt, id, "check", "cat /data/me").await), *id);
+    }
+    let st = admin.drain_edge(&a, false).await.unwrap();
+    assert!(st.draining && st.sandboxes == 0, "{st:?}");
+
+    // The mark is the edge's own, kept across its restart: it still refuses creations.
+    f.cluster.stop_edge(&a).await.unwrap();
+    f.cluster.start_edge(&a).await.unwrap();
+    opendsec_testkit::eventually("the restarted edge is probed", Duration::from_secs(30), || {
+        let admin = admin.clone();
+        let a = a.clone();
+        async move { admin.drain_edge(&a, false).await.is_ok_and(|s| s.draining) }
+    })
+    .await;
+
+    // A tenant without edge.manage may not drain.
+    admin.create_project(pb::CreateProjectRequest { path: "root/t".into(), quota: None }).await.unwrap();
+    let tok = principal(&admin, "tess", "root/t", &["sandbox.create", "sandbox.operate", "sandbox.view"]).await;
+    let tenant =
+        opendsec_client::Client::new(std::slice::from_ref(&f.addr), Some(&tok), &f.cluster.client_tls()).unwrap();
+    let e = tenant.drain_edge(&b, false).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e:?}");
+    // An unknown edge is not found.
+    assert_eq!(admin.drain_edge("no-such-edge", false).await.unwrap_err().reason, Reason::NotFound);
+
+    // Undrained, A takes sandboxes again.
+    ctl_admin(&f.cluster, &["edge", "drain", &a, "--undrain"]).await.unwrap();
+    let mut back = None;
+    for _ in 0..100 {
+        let sb = admin.create_sandbox(container_spec("busybox", 64, 256)).await.unwrap();
+        let on = sb.edge.clone();
+        admin.stop_sandbox(&sb.id).await.unwrap();
+        if on == a {
+            back = Some(sb.id);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(back.is_some(), "no creation reached {a} after the undrain");
+    for id in &on_a {
+        admin.stop_sandbox(id).await.unwrap();
+    }
 }

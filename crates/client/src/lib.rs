@@ -284,6 +284,16 @@ impl Client {
         .await
     }
 
+    /// Drains edge `edge` (or, with `undrain`, ends its drain); answers where it stands.
+    pub async fn drain_edge(&self, edge: &str, undrain: bool) -> Result<pb::DrainEdgeResponse, ApiError> {
+        let req = pb::DrainEdgeRequest { edge: edge.to_string(), undrain };
+        self.call(const { retry::class("Sandboxes/DrainEdge") }, |ch| {
+            let req = req.clone();
+            async move { stub_s(ch).drain_edge(req).await }
+        })
+        .await
+    }
+
     /// Saves the sandbox's session now (`spec.session`), as its stop would.
     pub async fn save_session(&self, id: &str) -> Result<pb::SessionSaved, ApiError> {
         let req = pb::SaveSessionRequest { id: id.to_string() };

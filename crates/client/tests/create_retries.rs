@@ -51,6 +51,9 @@ impl Sandboxes for Full {
     async fn move_sandbox(&self, _: Request<pb::MoveSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }
+    async fn drain_edge(&self, _: Request<pb::DrainEdgeRequest>) -> Result<Response<pb::DrainEdgeResponse>, Status> {
+        no()
+    }
     async fn save_session(&self, _: Request<pb::SaveSessionRequest>) -> Result<Response<pb::SessionSaved>, Status> {
         no()
     }

@@ -46,6 +46,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Watcher/RegisterEdge", &[Edge]),
     // An edge.
     ("/opendsec.v1.Edge/Status", &[Watcher]),
+    ("/opendsec.v1.Edge/SetDraining", &[Apiserver]),
     ("/opendsec.v1.Edge/CreateSandbox", &[Apiserver]),
     ("/opendsec.v1.Edge/GetSandbox", &[Apiserver]),
     ("/opendsec.v1.Edge/GetSandboxMetrics", &[Apiserver]),

@@ -86,6 +86,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/CreateSnapshot", Once),
         ("Sandboxes/ForkSandbox", Once),
         ("Sandboxes/MoveSandbox", Repeat),
+        ("Sandboxes/DrainEdge", Repeat),
         ("Sandboxes/SaveSession", Repeat),
         ("Admin/WhoAmI", Read),
         ("Admin/CreateProject", Once),

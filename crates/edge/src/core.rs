@@ -127,6 +127,8 @@ pub(crate) struct Inner {
     pub member_store: Arc<RecordStore>,
     /// Wakes the pool loop (a claim, a finished start or stop).
     pub pool_wake: Notify,
+    /// Drained for maintenance: no new sandbox, no idle pool member (`<state>/draining`).
+    draining: AtomicBool,
 }
 
 /// Everything `Inner::new` needs.
@@ -182,7 +184,53 @@ impl Inner {
             pools: Default::default(),
             member_store: Arc::new(p.member_store),
             pool_wake: Notify::new(),
+            draining: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the edge is drained for maintenance.
+    pub(crate) fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    fn draining_path(&self) -> PathBuf {
+        self.state_dir.join("draining")
+    }
+
+    /// Reads the drain mark an earlier run left (at start).
+    pub(crate) fn load_draining(&self) {
+        let on = self.draining_path().exists();
+        if on {
+            tracing::info!(edge = %self.name, "the edge is draining (marked by an earlier run)");
+        }
+        self.draining.store(on, Ordering::Relaxed);
+    }
+
+    /// Drains the edge (or ends the drain), durably first: a restart keeps it. A drain lets
+    /// the idle pool members go at once; an undrain lets the pools fill again at their next
+    /// refresh from IAM (`edge.pool_refresh`).
+    pub(crate) fn set_draining(&self, on: bool) -> Result<(), EdgeError> {
+        let path = self.draining_path();
+        let io = |e: std::io::Error| EdgeError::Options(format!("{}: {e}", path.display()));
+        if on {
+            let f = std::fs::OpenOptions::new().create(true).truncate(true).write(true).open(&path).map_err(io)?;
+            f.sync_all().map_err(io)?;
+        } else {
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+                _ => {}
+            }
+        }
+        std::fs::File::open(&self.state_dir).and_then(|d| d.sync_all()).map_err(io)?;
+        let was = self.draining.swap(on, Ordering::Relaxed);
+        if on && !was {
+            tracing::info!(edge = %self.name, "draining: no new sandboxes, idle pool members stop");
+            self.apply_pools(&[]);
+        } else if !on && was {
+            tracing::info!(edge = %self.name, "drain ended");
+        }
+        self.pool_wake.notify_one();
+        Ok(())
     }
 
     pub(crate) fn table(&self) -> std::sync::MutexGuard<'_, Table> {

@@ -8,8 +8,8 @@ use tonic::{Request, Response, Status};
 use opendsec_proto::v1::edge_server::Edge as EdgeRpc;
 use opendsec_proto::v1::{
     EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, GetSandboxMetricsRequest, GetSandboxRequest,
-    PauseSandboxRequest, ResumeSandboxRequest, Sandbox, SandboxMetrics, SetSandboxTimeoutRequest, StatusRequest,
-    StopSandboxRequest, UpdateNetworkRequest,
+    PauseSandboxRequest, ResumeSandboxRequest, Sandbox, SandboxMetrics, SetDrainingRequest, SetSandboxTimeoutRequest,
+    StatusRequest, StopSandboxRequest, UpdateNetworkRequest,
 };
 
 use crate::core::Inner;
@@ -58,6 +58,11 @@ fn status(method: &'static str, e: EdgeError) -> Status {
 impl EdgeRpc for EdgeService {
     async fn status(&self, req: Request<StatusRequest>) -> Result<Response<EdgeStatus>, Status> {
         Ok(Response::new(self.inner.status(req.get_ref().include_leases)))
+    }
+
+    async fn set_draining(&self, req: Request<SetDrainingRequest>) -> Result<Response<EdgeStatus>, Status> {
+        self.inner.set_draining(req.get_ref().draining).map_err(|e| status("SetDraining", e))?;
+        Ok(Response::new(self.inner.status(false)))
     }
 
     async fn create_sandbox(&self, req: Request<EdgeCreateRequest>) -> Result<Response<Sandbox>, Status> {

@@ -30,6 +30,9 @@ impl pb::edge_server::Edge for FakeEdge {
     async fn create_sandbox(&self, _r: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }
+    async fn set_draining(&self, _r: Request<pb::SetDrainingRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
     async fn get_sandbox(&self, _r: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }

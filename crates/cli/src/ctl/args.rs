@@ -153,6 +153,9 @@ pub enum Command {
         #[arg(long)]
         to: String,
     },
+    /// Edges, for operators (edge.manage on root).
+    #[command(subcommand)]
+    Edge(EdgeCmd),
     /// Save a sandbox's session (created with --session/--sync) now, as its stop would; it
     /// runs on.
     SaveSession { id: String },
@@ -515,6 +518,33 @@ pub enum GrantCmd {
         principal: Option<String>,
         #[arg(long = "on")]
         on_project: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum EdgeCmd {
+    /// Drain an edge for maintenance: it takes no new sandbox and lets its idle warm pool
+    /// members go. With --move-to, the sandboxes that can move (container, fncall) are moved
+    /// there; then it waits until nothing runs on the edge (the rest end by themselves or are
+    /// stopped). The edge keeps the mark across restarts; --undrain ends it.
+    #[command(after_help = "Examples:\n  \
+    opendsecctl edge drain node-1 --move-to node-2\n  \
+    opendsecctl edge drain node-1 --no-wait\n  \
+    opendsecctl edge drain node-1 --undrain")]
+    Drain {
+        name: String,
+        /// The edge the movable sandboxes go to.
+        #[arg(long)]
+        move_to: Option<String>,
+        /// Set the mark and return.
+        #[arg(long)]
+        no_wait: bool,
+        /// End the drain: the edge takes sandboxes again.
+        #[arg(long, conflicts_with_all = ["move_to", "no_wait"])]
+        undrain: bool,
+        /// How long to wait for the edge to empty.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
     },
 }
 

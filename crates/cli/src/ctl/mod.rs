@@ -300,6 +300,9 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             out.print(j::of(&saved), || format!("session {} saved ({} bytes)", saved.name, saved.bytes));
             Ok(())
         }
+        Command::Edge(EdgeCmd::Drain { name, move_to, no_wait, undrain, timeout }) => {
+            drain(client, out, &name, move_to.as_deref(), no_wait, undrain, timeout).await
+        }
         Command::Move { id, to } => {
             let sb = client.move_sandbox(&id, &to).await?;
             out.print(j::of(&sb), || format!("{} runs on {} now", sb.id, sb.edge));
@@ -375,6 +378,70 @@ fn write_file_atomic(path: &std::path::Path, data: &[u8]) -> Result<(), CtlError
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, data).map_err(err)?;
     std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// `edge drain`: the mark, then (unless told not to) the moves and the wait for the edge to
+/// empty.
+async fn drain(
+    client: &Client,
+    out: &Out,
+    name: &str,
+    move_to: Option<&str>,
+    no_wait: bool,
+    undrain: bool,
+    timeout: std::time::Duration,
+) -> Result<(), CtlError> {
+    let r = client.drain_edge(name, undrain).await?;
+    if undrain || no_wait {
+        out.print(j::of(&r), || {
+            let what = if r.draining { "draining" } else { "taking sandboxes" };
+            format!("edge {} is {what} ({} sandboxes on it)", r.edge, r.sandboxes)
+        });
+        return Ok(());
+    }
+    let deadline = std::time::Instant::now() + timeout;
+    let mut moved: Vec<String> = Vec::new();
+    let mut tried = std::collections::HashSet::new();
+    loop {
+        let all = client
+            .list_all_sandboxes(pb::ListSandboxesRequest { project: "root".into(), ..Default::default() })
+            .await?;
+        let here: Vec<pb::Sandbox> = all.into_iter().filter(|sb| sb.edge == name).collect();
+        if let Some(to) = move_to {
+            for sb in &here {
+                let backend = sb.spec.as_ref().map(|s| s.backend.as_str()).unwrap_or_default();
+                if !matches!(backend, "container" | "fncall") || !tried.insert(sb.id.clone()) {
+                    continue;
+                }
+                match client.move_sandbox(&sb.id, to).await {
+                    Ok(m) => moved.push(m.id),
+                    // Left to end by itself (the wait below reports it if it does not).
+                    Err(e) => eprintln!("warning: {} stays on {name}: {}: {}", sb.id, e.reason, e.message),
+                }
+            }
+        }
+        let st = client.drain_edge(name, false).await?;
+        if here.is_empty() && st.sandboxes == 0 {
+            out.print(serde_json::json!({"edge": name, "draining": true, "moved": moved}), || {
+                format!(
+                    "edge {name} is drained: nothing runs on it ({} moved to {})",
+                    moved.len(),
+                    move_to.unwrap_or("-")
+                )
+            });
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            let ids: Vec<&str> = here.iter().map(|s| s.id.as_str()).take(20).collect();
+            return Err(CtlError::Local(format!(
+                "edge {name} still has {} sandboxes after {}: {}",
+                st.sandboxes.max(here.len() as u32),
+                humantime::format_duration(timeout),
+                ids.join(", ")
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
 }
 
 #[cfg(test)]

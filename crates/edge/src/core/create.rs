@@ -25,6 +25,10 @@ impl Inner {
         if let Some(op) = self.op_lock(lease) {
             return self.existing(op, lease).await;
         }
+        if self.draining() {
+            // Not an error of the caller's: the apiserver places it elsewhere.
+            return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: "the edge is draining".into() });
+        }
 
         let backend = self.backend(&spec.backend).ok_or_else(|| EdgeError::NoCapacity {
             edge: self.name.clone(),

@@ -81,7 +81,7 @@ impl Inner {
             cpu_use,
             memory_use,
             pressure: Some(self.pressure()),
-            draining: false,
+            draining: self.draining(),
             leases,
             pools: self.pool_status(),
             moved_in,

@@ -46,6 +46,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/CreateSnapshot": "once",
     "Sandboxes/ForkSandbox": "once",
     "Sandboxes/MoveSandbox": "repeat",
+    "Sandboxes/DrainEdge": "repeat",
     "Sandboxes/SaveSession": "repeat",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
