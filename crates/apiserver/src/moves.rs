@@ -92,6 +92,10 @@ pub(crate) async fn move_sandbox(
     to: &str,
 ) -> Result<pb::Sandbox, ApiError> {
     let project = sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default();
+    // A draining edge takes nothing: refused before the sandbox is frozen and copied.
+    if s.snapshot().edges.iter().any(|e| e.name == to && e.draining) {
+        return Err(ApiError::new(Reason::NoCapacity, format!("edge {to} is draining")).with("edge", to));
+    }
     let to_addr = match s.snapshot().addrs.get(to) {
         Some((addr, true)) => addr.clone(),
         Some((_, false)) => {

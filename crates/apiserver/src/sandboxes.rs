@@ -235,8 +235,12 @@ async fn drain_edge(
         None => return Err(ApiError::not_found(format!("edge {} is not known", req.edge)).with("edge", &req.edge)),
     };
     let mut c = s.up.edge(&req.edge, &addr)?;
-    let st =
-        forward::edge_call(s, &req.edge, c.set_draining(pb::SetDrainingRequest { draining: !req.undrain })).await?;
+    let st = forward::edge_call(
+        s,
+        &req.edge,
+        c.set_draining(pb::SetDrainingRequest { draining: !req.undrain, query: req.query }),
+    )
+    .await?;
     Ok(pb::DrainEdgeResponse { edge: req.edge, draining: st.draining, sandboxes: st.sandboxes })
 }
 

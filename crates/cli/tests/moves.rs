@@ -526,18 +526,27 @@ async fn an_edge_drained_under_load_loses_no_sandbox() {
         assert_eq!(state(&sb), pb::SandboxState::Running, "{id}");
         assert_eq!(out(&exec_in(&mut rt, id, "check", "cat /data/me").await), *id);
     }
-    let st = admin.drain_edge(&a, false).await.unwrap();
+    let st = admin.edge_drain_status(&a).await.unwrap();
     assert!(st.draining && st.sandboxes == 0, "{st:?}");
 
-    // The mark is the edge's own, kept across its restart: it still refuses creations.
+    // The mark is the edge's own, kept across its restart (asked without setting it).
     f.cluster.stop_edge(&a).await.unwrap();
     f.cluster.start_edge(&a).await.unwrap();
-    opendsec_testkit::eventually("the restarted edge is probed", Duration::from_secs(30), || {
+    opendsec_testkit::eventually("the restarted edge answers", Duration::from_secs(30), || {
         let admin = admin.clone();
         let a = a.clone();
-        async move { admin.drain_edge(&a, false).await.is_ok_and(|s| s.draining) }
+        async move { admin.edge_drain_status(&a).await.is_ok() }
     })
     .await;
+    let st = admin.edge_drain_status(&a).await.unwrap();
+    assert!(st.draining, "the drain was forgotten across the restart: {st:?}");
+    // A move onto it is refused before anything is frozen; the sandbox runs on where it was.
+    let e = admin.move_sandbox(&on_a[0], &a).await.unwrap_err();
+    assert_eq!(e.reason, Reason::NoCapacity, "{e:?}");
+    assert_eq!(out(&exec_in(&mut rt, &on_a[0], "check", "cat /data/me").await), on_a[0]);
+    assert_eq!(admin.get_sandbox(&on_a[0]).await.unwrap().edge, b);
+    // Draining the target itself is refused by the CLI.
+    assert!(ctl_admin(&f.cluster, &["edge", "drain", &b, "--move-to", &b]).await.is_err());
 
     // A tenant without edge.manage may not drain.
     admin.create_project(pb::CreateProjectRequest { path: "root/t".into(), quota: None }).await.unwrap();

@@ -286,7 +286,15 @@ impl Client {
 
     /// Drains edge `edge` (or, with `undrain`, ends its drain); answers where it stands.
     pub async fn drain_edge(&self, edge: &str, undrain: bool) -> Result<pb::DrainEdgeResponse, ApiError> {
-        let req = pb::DrainEdgeRequest { edge: edge.to_string(), undrain };
+        self.drain_call(pb::DrainEdgeRequest { edge: edge.to_string(), undrain, query: false }).await
+    }
+
+    /// Where edge `edge` stands (draining, sandboxes on it), changing nothing.
+    pub async fn edge_drain_status(&self, edge: &str) -> Result<pb::DrainEdgeResponse, ApiError> {
+        self.drain_call(pb::DrainEdgeRequest { edge: edge.to_string(), undrain: false, query: true }).await
+    }
+
+    async fn drain_call(&self, req: pb::DrainEdgeRequest) -> Result<pb::DrainEdgeResponse, ApiError> {
         self.call(const { retry::class("Sandboxes/DrainEdge") }, |ch| {
             let req = req.clone();
             async move { stub_s(ch).drain_edge(req).await }

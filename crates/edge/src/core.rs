@@ -129,6 +129,8 @@ pub(crate) struct Inner {
     pub pool_wake: Notify,
     /// Drained for maintenance: no new sandbox, no idle pool member (`<state>/draining`).
     draining: AtomicBool,
+    /// Held while the mark's file and flag change together.
+    drain_change: std::sync::Mutex<()>,
 }
 
 /// Everything `Inner::new` needs.
@@ -185,6 +187,7 @@ impl Inner {
             member_store: Arc::new(p.member_store),
             pool_wake: Notify::new(),
             draining: AtomicBool::new(false),
+            drain_change: std::sync::Mutex::new(()),
         }
     }
 
@@ -197,19 +200,24 @@ impl Inner {
         self.state_dir.join("draining")
     }
 
-    /// Reads the drain mark an earlier run left (at start).
-    pub(crate) fn load_draining(&self) {
-        let on = self.draining_path().exists();
+    /// Reads the drain mark an earlier run left (at start); a mark that cannot be read stops
+    /// the start rather than forget a drain.
+    pub(crate) fn load_draining(&self) -> Result<(), EdgeError> {
+        let path = self.draining_path();
+        let on = path.try_exists().map_err(|e| EdgeError::Options(format!("{}: {e}", path.display())))?;
         if on {
             tracing::info!(edge = %self.name, "the edge is draining (marked by an earlier run)");
         }
         self.draining.store(on, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Drains the edge (or ends the drain), durably first: a restart keeps it. A drain lets
     /// the idle pool members go at once; an undrain lets the pools fill again at their next
     /// refresh from IAM (`edge.pool_refresh`).
     pub(crate) fn set_draining(&self, on: bool) -> Result<(), EdgeError> {
+        // One change at a time: the file and the flag always agree.
+        let _one = self.drain_change.lock().unwrap_or_else(|p| p.into_inner());
         let path = self.draining_path();
         let io = |e: std::io::Error| EdgeError::Options(format!("{}: {e}", path.display()));
         if on {
@@ -222,7 +230,12 @@ impl Inner {
             }
         }
         std::fs::File::open(&self.state_dir).and_then(|d| d.sync_all()).map_err(io)?;
-        let was = self.draining.swap(on, Ordering::Relaxed);
+        // Swapped under the pools' lock, which `apply_pools` reads the flag under: a refresh
+        // from IAM racing this either sees the drain or is undone by the `apply_pools` below.
+        let was = {
+            let _pools = self.pools();
+            self.draining.swap(on, Ordering::Relaxed)
+        };
         if on && !was {
             tracing::info!(edge = %self.name, "draining: no new sandboxes, idle pool members stop");
             self.apply_pools(&[]);

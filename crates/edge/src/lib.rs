@@ -153,7 +153,7 @@ impl Edge {
             clock: opts.clock.clone(),
             network: opts.network.clone(),
         }));
-        inner.load_draining();
+        inner.load_draining()?;
         inner.recover().await?;
         if let Some(net) = &inner.network {
             let mut rx = inner.shutdown_tx.subscribe();

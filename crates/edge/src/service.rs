@@ -61,7 +61,9 @@ impl EdgeRpc for EdgeService {
     }
 
     async fn set_draining(&self, req: Request<SetDrainingRequest>) -> Result<Response<EdgeStatus>, Status> {
-        self.inner.set_draining(req.get_ref().draining).map_err(|e| status("SetDraining", e))?;
+        if !req.get_ref().query {
+            self.inner.set_draining(req.get_ref().draining).map_err(|e| status("SetDraining", e))?;
+        }
         Ok(Response::new(self.inner.status(false)))
     }
 

@@ -526,7 +526,8 @@ pub enum EdgeCmd {
     /// Drain an edge for maintenance: it takes no new sandbox and lets its idle warm pool
     /// members go. With --move-to, the sandboxes that can move (container, fncall) are moved
     /// there; then it waits until nothing runs on the edge (the rest end by themselves or are
-    /// stopped). The edge keeps the mark across restarts; --undrain ends it.
+    /// stopped). The edge keeps the mark across restarts; --undrain ends it. Needs edge.manage
+    /// and (to wait) sandbox.view on root.
     #[command(after_help = "Examples:\n  \
     opendsecctl edge drain node-1 --move-to node-2\n  \
     opendsecctl edge drain node-1 --no-wait\n  \

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use opendsec_client::Client;
-use opendsec_common::ApiError;
 use opendsec_common::config::Config;
+use opendsec_common::{ApiError, Reason};
 use opendsec_proto::v1 as pb;
 use serde_json::{Value, json};
 
@@ -391,6 +391,9 @@ async fn drain(
     undrain: bool,
     timeout: std::time::Duration,
 ) -> Result<(), CtlError> {
+    if move_to == Some(name) {
+        return Err(CtlError::Local(format!("--move-to {name}: the edge being drained takes nothing")));
+    }
     let r = client.drain_edge(name, undrain).await?;
     if undrain || no_wait {
         out.print(j::of(&r), || {
@@ -401,28 +404,47 @@ async fn drain(
     }
     let deadline = std::time::Instant::now() + timeout;
     let mut moved: Vec<String> = Vec::new();
-    let mut tried = std::collections::HashSet::new();
+    // Sandboxes a move refused for good (a backend that cannot move): left to end.
+    let mut staying = std::collections::HashSet::new();
     loop {
+        // Every sandbox in the cluster (needs sandbox.view on root), those on this edge kept.
         let all = client
             .list_all_sandboxes(pb::ListSandboxesRequest { project: "root".into(), ..Default::default() })
             .await?;
         let here: Vec<pb::Sandbox> = all.into_iter().filter(|sb| sb.edge == name).collect();
         if let Some(to) = move_to {
             for sb in &here {
-                let backend = sb.spec.as_ref().map(|s| s.backend.as_str()).unwrap_or_default();
-                if !matches!(backend, "container" | "fncall") || !tried.insert(sb.id.clone()) {
+                if std::time::Instant::now() >= deadline {
+                    break;
+                }
+                let settled = matches!(
+                    pb::SandboxState::try_from(sb.state),
+                    Ok(pb::SandboxState::Running | pb::SandboxState::Paused)
+                );
+                // One still being created (or stopping) is looked at again next round.
+                if !settled || staying.contains(&sb.id) {
                     continue;
                 }
                 match client.move_sandbox(&sb.id, to).await {
-                    Ok(m) => moved.push(m.id),
-                    // Left to end by itself (the wait below reports it if it does not).
-                    Err(e) => eprintln!("warning: {} stays on {name}: {}: {}", sb.id, e.reason, e.message),
+                    Ok(m) if m.edge != name => moved.push(m.id),
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.reason,
+                            Reason::InvalidArgument | Reason::PermissionDenied | Reason::NotFound
+                        ) =>
+                    {
+                        eprintln!("{} stays on {name} until it ends: {}: {}", sb.id, e.reason, e.message);
+                        staying.insert(sb.id.clone());
+                    }
+                    // Passing (the target is busy, the sandbox is mid-call): tried again.
+                    Err(e) => eprintln!("{}: not moved yet: {}: {}", sb.id, e.reason, e.message),
                 }
             }
         }
-        let st = client.drain_edge(name, false).await?;
+        let st = client.edge_drain_status(name).await?;
         if here.is_empty() && st.sandboxes == 0 {
-            out.print(serde_json::json!({"edge": name, "draining": true, "moved": moved}), || {
+            out.print(serde_json::json!({"edge": name, "draining": st.draining, "moved": moved}), || {
                 format!(
                     "edge {name} is drained: nothing runs on it ({} moved to {})",
                     moved.len(),
@@ -434,7 +456,7 @@ async fn drain(
         if std::time::Instant::now() >= deadline {
             let ids: Vec<&str> = here.iter().map(|s| s.id.as_str()).take(20).collect();
             return Err(CtlError::Local(format!(
-                "edge {name} still has {} sandboxes after {}: {}",
+                "edge {name} still has {} sandboxes after {} (it stays draining): {}",
                 st.sandboxes.max(here.len() as u32),
                 humantime::format_duration(timeout),
                 ids.join(", ")

@@ -18,6 +18,10 @@ impl Inner {
         let lease = req.lease_id.as_str();
         if let Some(mv) = &req.moved_in {
             self.check_moved_in(mv, lease)?;
+            if self.draining() {
+                // Before the tombstone of an earlier move away is forgotten.
+                return Err(EdgeError::NoCapacity { edge: self.name.clone(), detail: "the edge is draining".into() });
+            }
             self.forget_tombstone(lease).await?;
         }
 

@@ -240,9 +240,10 @@ impl Inner {
     /// IAM's pools now: the ones of a backend with members here are kept, at their template
     /// and size; the others (deleted) shrink to nothing.
     pub(crate) fn apply_pools(&self, pools: &[Pool]) {
-        // A draining edge keeps no pool: as if IAM had none (idle members stop).
-        let pools = if self.draining() { &[] } else { pools };
         let mut g = self.pools();
+        // A draining edge keeps no pool: as if IAM had none (idle members stop). Read under
+        // the lock `set_draining` swaps the flag under.
+        let pools = if self.draining() { &[] } else { pools };
         g.refreshed = true;
         let mut seen = HashSet::new();
         for p in pools {
