@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use clap::Subcommand;
 use sha2::{Digest, Sha256};
 
+use opendsec_images::registry::manifest::hex;
+
 use crate::error::CtlError;
 use crate::output::Out;
 
@@ -134,10 +136,6 @@ fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
     h.set_gid(0);
     h.set_mtime(0);
     h
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn local(message: String) -> CtlError {

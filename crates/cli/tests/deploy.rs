@@ -169,27 +169,22 @@ fn a_release_tarball_holds_everything_checks_out_and_is_reproducible() {
 fn an_edge_listening_on_every_address_must_say_where_it_is_dialed() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("edge.json");
-    let write = |advertise: &str| {
+    // What `opendsec edge` says, refusing to start with this `edge.advertise`.
+    let refusal = |advertise: &str| {
         let c = serde_json::json!({
             "state_dir": dir.path().join("state"),
             "edge": {"name": "node-1", "listen": "0.0.0.0:0", "advertise": advertise, "backends": ["sim"]},
         });
         std::fs::write(&cfg, c.to_string()).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
+            .args(["edge", "--config", cfg.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    write("");
-    let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
-        .args(["edge", "--config", cfg.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let said = String::from_utf8_lossy(&out.stderr);
+    let said = refusal("");
     assert!(said.contains("edge.advertise: must be set when edge.listen is every address"), "{said}");
-    write("0.0.0.0:7300");
-    let out = Command::new(env!("CARGO_BIN_EXE_opendsec"))
-        .args(["edge", "--config", cfg.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let said = String::from_utf8_lossy(&out.stderr);
+    let said = refusal("0.0.0.0:7300");
     assert!(said.contains("edge.advertise: must be an address others can dial"), "{said}");
 }

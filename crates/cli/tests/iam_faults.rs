@@ -441,24 +441,30 @@ async fn scenario(lan: Lan, dir: &Path) {
     let pause = |s| tokio::time::sleep(Duration::from_secs(s));
     pause(3).await;
 
-    // 1. The leader killed, restarted with its disk.
+    // Member `id` killed for 3 s, restarted with its disk: when admissions came back.
+    async fn kill_and_restart(
+        m: &mut Members,
+        load: &Load,
+        admins: &[AdminClient<Channel>],
+        id: u64,
+    ) -> Option<Duration> {
+        let t = load.now();
+        m.kill(id);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let back = load.back_after(t);
+        m.start(id);
+        caught_up(admins, &format!("after member {id}'s restart")).await;
+        back
+    }
+
+    // 1. The leader killed, restarted.
     let l = leader(&admins).await;
-    let t = load.now();
-    m.kill(l);
-    pause(3).await;
-    let back_leader = load.back_after(t);
-    m.start(l);
-    caught_up(&admins, "after the leader's restart").await;
+    let back_leader = kill_and_restart(&mut m, &load, &admins, l).await;
 
     // 2. A follower killed, restarted.
     let l = leader(&admins).await;
     let f = (1..=3).find(|i| *i != l).unwrap();
-    let t = load.now();
-    m.kill(f);
-    pause(3).await;
-    let back_follower = load.back_after(t);
-    m.start(f);
-    caught_up(&admins, "after the follower's restart").await;
+    let back_follower = kill_and_restart(&mut m, &load, &admins, f).await;
 
     // 3. The leader cut off from the other members (clients still reach it), then healed.
     let l = leader(&admins).await;

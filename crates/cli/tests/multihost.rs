@@ -85,16 +85,9 @@ impl Daemons {
 
     /// SIGTERM, then the exit (the edges stop their sandboxes).
     fn stop(&mut self, name: &str) {
-        let mut c = self.running.remove(name).unwrap();
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while c.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                panic!("{name} did not stop on SIGTERM\n{}", self.logs());
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let c = self.running.remove(name).unwrap();
+        if !terminate(c) {
+            panic!("{name} did not stop on SIGTERM within a minute\n{}", self.logs());
         }
     }
 
@@ -116,20 +109,30 @@ impl Daemons {
     }
 }
 
+/// SIGTERM to `c`, and its exit awaited for up to a minute (then SIGKILL); whether it exited
+/// by itself.
+fn terminate(mut c: Child) -> bool {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while matches!(c.try_wait(), Ok(None)) {
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
 impl Drop for Daemons {
     fn drop(&mut self) {
         // Edges first, gently: their sandboxes go with them.
         let edges: Vec<String> = self.running.keys().filter(|k| k.starts_with("edge")).cloned().collect();
         for e in edges {
-            if let Some(mut c) = self.running.remove(&e) {
-                // SAFETY: kill(2) on our own child's pid.
-                unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                let _ = c.kill();
-                let _ = c.wait();
+            if let Some(c) = self.running.remove(&e) {
+                terminate(c);
             }
         }
         for c in self.running.values_mut() {

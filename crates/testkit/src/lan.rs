@@ -105,10 +105,15 @@ impl Lan {
              chain out {{ type filter hook output priority -100; ip daddr {{ {set} }} drop; }}\n\
              }}\n"
         );
-        let file = std::env::temp_dir().join(format!("odt-cut-{}.nft", self.hosts[i].ns));
-        std::fs::write(&file, rules).expect("write the nftables rules");
-        self.hosts[i].sh(&["nft", "-f", file.to_str().expect("a UTF-8 temp path")]);
-        let _ = std::fs::remove_file(file);
+        // Through a pipe: no file anyone else could have put a link at.
+        let mut nft = self.hosts[i]
+            .command("nft")
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("run nft");
+        std::io::Write::write_all(&mut nft.stdin.take().expect("nft's stdin"), rules.as_bytes()).expect("feed nft");
+        assert!(nft.wait().expect("nft's exit").success(), "nft -f refused: {rules}");
     }
 
     /// Undoes [`Self::isolate`] on host `i`.
