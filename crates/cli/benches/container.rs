@@ -10,7 +10,7 @@
 //!   shell) with `BENCH_IDLE` (default 1,000) idle sandboxes at once;
 //! - streaming throughput of a command printing 1 GiB through `ExecStream`.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 
 use std::path::Path;

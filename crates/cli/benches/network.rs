@@ -15,7 +15,7 @@
 //! 4. DNS lookups per second of an allowed name through the edge's proxy (from a sandbox)
 //!    beside the world's server asked directly (from the edge's namespace), same client.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};

@@ -11,7 +11,7 @@
 //!   (OpenSandbox publishes "100 sandboxes in 0.92 s");
 //! - how long a pool takes to refill a member.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};

@@ -8,7 +8,7 @@
 //! - fork ×8 and ×64 of a sandbox that wrote 10 MB: from the call until every copy answered
 //!   a command (and the first), beside one cold creation from the image on the same cluster.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};

@@ -14,7 +14,7 @@
 //! - host memory of a running VM (its VMM's proportional set size, and what its cgroup is
 //!   charged) and of a paused microvm (no VMM: what its cgroup is still charged).
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -1,4 +1,4 @@
-"""The SDK's side of crates/cli/tests/multihost.rs: run by that test (in its private network
+"""The SDK's side of crates/cli/tests/it/multihost.rs: run by that test (in its private network
 namespace, where the hosts are), with the SDK from the repository's venv. Talks to the
 cluster only through the SDK, over both apiservers (OPENDSEC_ADDR lists them).
 

@@ -5,7 +5,7 @@
 //! `cargo bench -p opendsec-images --bench registry`
 //! (`BENCH_LAYERS`, `BENCH_LAYER_MB` change the image size).
 
-#[path = "../tests/support/mod.rs"]
+#[path = "../tests/it/support/mod.rs"]
 mod support;
 
 use std::process::Command;

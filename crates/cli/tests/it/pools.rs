@@ -6,11 +6,9 @@
 //! pool without idle members falls back to a cold creation, counted; and the refusals (another tenant, a contradicting spec, a
 //! pool over its project's quota, an unknown pool).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 

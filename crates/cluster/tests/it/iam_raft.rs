@@ -4,11 +4,9 @@
 //! leader from any member (the apiserver and the edges talk to member 1, which leads only at
 //! the start); membership changes and leader transfers are made through the Admin API.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use opendsec_client::Client;
 use opendsec_cluster::{Cluster, UpOptions};
 use opendsec_common::time::Clock;

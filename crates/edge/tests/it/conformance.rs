@@ -19,7 +19,7 @@ use opendsec_edge::backend::{Backend, BackendErrorKind};
 use opendsec_edge::record::SandboxRecord;
 use opendsec_edge::state::SandboxStatus;
 
-mod support;
+use crate::support;
 
 /// What a backend holds on the node for a sandbox id.
 type Held = dyn Fn(&str) -> Vec<String>;

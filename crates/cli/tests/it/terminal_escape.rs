@@ -18,8 +18,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use opendsec_edge::linuxrt::cgroup::SandboxCgroup;
 

@@ -6,11 +6,11 @@
 //! past `edge.snapshot_max_layers` is merged and still stacks the same; a snapshot of a busy
 //! sandbox is consistent (it was frozen); bad requests and other tenants are refused.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 

@@ -2,15 +2,13 @@
 //! overlayfs mount of the same layers, and every hostile input refused with a clear error and
 //! nothing left in the store. Runs as root (whiteouts are devices; overlay mounts), as CI does.
 
-mod support;
-
 use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 
+use crate::support::*;
 use opendsec_images::layer::{Compression, LayerError, Limits, existing_layer, import_layer, opaque_layer_id};
 use opendsec_images::overlay::LayerStack;
 use opendsec_images::{LayerId, Store};
-use support::*;
 use tar::EntryType;
 
 const T1: u64 = 1_600_000_000;

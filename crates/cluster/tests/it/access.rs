@@ -1,11 +1,9 @@
 //! End-to-end: tokens, nested projects, quotas, delegation and bad input, through the public
 //! API of a real cluster.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 use proptest::prelude::*;

@@ -1,16 +1,14 @@
 //! Offline imports: OCI layouts (ours and umoci's), `docker save` archives (plain and
 //! compressed, legacy and blobs/ layouts), and plain root file systems (directory, tarball).
 
-mod support;
-
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::Command;
 
+use crate::support::*;
 use opendsec_images::import::{ImportError, ImportOptions, RegistryError};
 use opendsec_images::layer::{LayerError, Limits};
 use opendsec_images::offline::{import_docker_archive, import_oci_layout, import_rootfs};
 use opendsec_images::{LayerId, Store};
-use support::*;
 
 fn new_store() -> (tempfile::TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();

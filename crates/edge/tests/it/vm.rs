@@ -15,7 +15,7 @@ use opendsec_edge::record::SandboxRecord;
 use opendsec_edge::state::SandboxStatus;
 use opendsec_proto::v1 as pb;
 
-mod support;
+use crate::support;
 
 /// scripts/vm-kernel.sh's output (`OPENDSEC_VM_KERNEL` overrides).
 fn kernel_dir() -> PathBuf {

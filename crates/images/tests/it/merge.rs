@@ -2,14 +2,12 @@
 //! through real overlayfs mounts), keeps only the whiteouts that still hide something, and
 //! keeps hard links. Runs as root, as CI does.
 
-mod support;
-
 use std::os::unix::fs::MetadataExt;
 
+use crate::support::*;
 use opendsec_images::layer::LayerError;
 use opendsec_images::merge::{merge_layers, merged_layer_id};
 use opendsec_images::{LayerId, Store, StoreError};
-use support::*;
 
 fn stack() -> Vec<(Vec<E>, u64)> {
     use E::*;

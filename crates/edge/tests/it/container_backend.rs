@@ -7,8 +7,7 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-mod support;
-use support::*;
+use crate::support::*;
 
 use opendsec_edge::backend::container::{ContainerBackend, sandbox_name};
 use opendsec_edge::backend::{Backend, BackendErrorKind};

@@ -3,11 +3,9 @@
 //! its stop releasing the lease, and a fork of it carrying its memory; a fullvm likewise, more
 //! briefly (its snapshots are refused: a full VM has none).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 

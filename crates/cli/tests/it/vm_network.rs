@@ -7,11 +7,9 @@
 //! Hermetic: the whole cluster runs in a network namespace of the test's own whose only way
 //! out is the test world (`opendsec_testkit::netns`), whose DNS server logs every query.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_proto::v1 as pb;
 use opendsec_testkit::netns::{self, DNS, METADATA, PRIVATE, World};
 

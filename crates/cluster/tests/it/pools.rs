@@ -2,7 +2,7 @@
 //! apiserver to IAM with the caller's token, kept across an IAM restart, and refused without
 //! `pool.manage`.
 
-mod common;
+use crate::common;
 
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;

@@ -5,11 +5,9 @@
 //! are carried on top of the first's; another project's sandbox does not see the session;
 //! the CLI names one; a garbage object in the store and bad specs are refused clearly.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_common::config::SessionStoreConfig;
 use opendsec_proto::v1 as pb;

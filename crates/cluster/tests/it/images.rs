@@ -1,11 +1,9 @@
 //! End-to-end: the Images API and the image check of creations, through a real cluster (real
 //! IAM permissions, a real store under the cluster's state directory).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_cluster::{EMPTY_LAYER_ID, SCRATCH_IMAGE};
 use opendsec_common::Reason;
 use opendsec_images::{LayerId, Store};

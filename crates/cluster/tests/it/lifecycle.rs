@@ -1,12 +1,12 @@
 //! End-to-end: sandbox lifecycles, TTLs, restarts of edges and apiservers, lost edges and
 //! reconciliation, placement spread and penalties, all through real gRPC between real servers.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_common::time::Clock;
 use opendsec_proto::v1 as pb;

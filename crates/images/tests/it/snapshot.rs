@@ -5,17 +5,15 @@
 //! snapshot of that upper, stacked read-only on the same lowers, must show exactly what the
 //! writable mount showed. Runs as root (overlay mounts, whiteouts), as CI does.
 
-mod support;
-
 use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 
+use crate::support::*;
 use opendsec_images::layer::{LayerError, Limits};
 use opendsec_images::snapshot::{SnapshotOptions, snapshot_layer};
 use opendsec_images::{LayerId, Store};
-use support::*;
 
 fn base() -> Vec<(Vec<E>, u64)> {
     use E::*;

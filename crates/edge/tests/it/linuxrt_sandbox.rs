@@ -1,7 +1,7 @@
 //! Root tests of whole container sandboxes: a busybox image from the store, a shell script as
 //! PID 1 that probes its confinement and writes its findings to a bound host directory.
 //! Skipped when not root. Every test removes what it made, also on failure (a guard).
-mod support;
+use crate::support;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

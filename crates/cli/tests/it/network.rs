@@ -7,11 +7,9 @@
 //! out is the test world (`opendsec_testkit::netns`); the edge's upstream resolver is the
 //! world's DNS server, which logs every query it gets.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_proto::v1 as pb;
 use opendsec_testkit::netns::{self, DNS, METADATA, World};
 

@@ -9,13 +9,11 @@
 //! (`edge.container_setup_exe`), which branches off into the setup process first thing in main.
 //! A guard removes the sandbox's cgroup, processes and loop device if the test fails midway.
 
-mod common;
-
 use std::path::Path;
 use std::time::Duration;
 
+use crate::common::*;
 use clap::Parser;
-use common::*;
 use opendsec_cli::ctl::{Cli, run};
 use opendsec_edge::linuxrt::sandbox::Sandbox;
 use opendsec_edge::linuxrt::{cgroup, rootfs};

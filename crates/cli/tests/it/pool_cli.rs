@@ -1,13 +1,11 @@
 //! `opendsecctl pool ...` end to end, in process, against a cluster: create, get, list,
 //! update (a new revision), delete, and the refusals a user meets.
 
-mod common;
-
 use opendsec_cli::ctl::reason_of;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 
-use common::{ctl_admin as ctl, sim_cluster};
+use crate::common::{ctl_admin as ctl, sim_cluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_from_the_command_line() {

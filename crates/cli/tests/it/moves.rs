@@ -6,13 +6,13 @@
 //! a backend that cannot move, a tenant without edge.manage, another tenant's sandbox); an edge
 //! drained under load (`opendsecctl edge drain --move-to`) loses no sandbox.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use opendsec_common::Reason;
 use opendsec_proto::v1 as pb;
 

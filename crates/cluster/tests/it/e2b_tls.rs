@@ -3,7 +3,7 @@
 //! nothing inside the cluster), nothing answered in plain text there, a handshaken but silent
 //! connection cut; plain HTTP only on a cluster without TLS. (The E2B SDKs over this listener: tests/e2b.)
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -8,8 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use opendsec_edge::linuxrt::cgroup::SandboxCgroup;
 

@@ -2,7 +2,7 @@
 //! its store and registered through the API, then list, get, compose, a sandbox from it, gc,
 //! store-check, merge and delete, each as the command line would run it.
 
-mod common;
+use crate::common;
 
 use opendsec_cli::ctl::CtlError;
 use opendsec_cluster::Cluster;

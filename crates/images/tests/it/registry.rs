@@ -2,16 +2,14 @@
 //! pushed by skopeo from layouts the tests write) and against fake registries for what a real
 //! one will not do (token services, redirects to another host, corrupt blobs, hangs).
 
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::support::*;
 use opendsec_images::import::{Credentials, ImportError, ImportOptions, RegistryError, import_from_registry};
 use opendsec_images::layer::{Compression, Limits, import_layer};
 use opendsec_images::{LayerId, Store};
-use support::*;
 
 fn new_store() -> (tempfile::TempDir, Store) {
     let dir = tempfile::tempdir().unwrap();

@@ -1,0 +1,9 @@
+//! The crate's integration tests, one module per file, linked into one test binary:
+//! one link of the whole dependency tree instead of one per file (CI's disk and time).
+
+mod merge;
+mod registry;
+mod registry_offline;
+mod snapshot;
+mod support;
+mod unpack;
