@@ -456,7 +456,13 @@ async fn a_move_its_apiserver_abandoned_is_settled_by_the_source_after_a_restart
 /// the drain landed on A; the mark survives A's restart; undrained, A takes sandboxes again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_edge_drained_under_load_loses_no_sandbox() {
-    let mut f = fixture_edges(2, |_| {}).await;
+    // The watchers give up an edge that stays away 2 s (reconciled as empty: its leases go).
+    let mut f = fixture_edges(2, |c| {
+        c.watcher.lost_edge_grace = Duration::from_secs(2);
+        c.watcher.reconcile_interval = Duration::from_millis(500);
+        c.iam.reconcile_min_age = Duration::from_millis(500);
+    })
+    .await;
     let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
     let admin = f.admin.clone();
     // A: where placement puts the first sandbox.
@@ -572,6 +578,32 @@ async fn an_edge_drained_under_load_loses_no_sandbox() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(back.is_some(), "no creation reached {a} after the undrain");
+
+    // Taken out for good: drained again (nothing left to move), stopped and never started.
+    // Once the watchers have given it up and reconciled it as empty, nothing it held is lost:
+    // the sandboxes that moved off it still run on B with their files and their quota.
+    ctl_admin(&f.cluster, &["edge", "drain", &a, "--move-to", &b, "--timeout", "1m"]).await.expect("the second drain");
+    assert_eq!(live_usage(&admin).await, on_a.len() as u64);
+    f.cluster.stop_edge(&a).await.unwrap();
+    opendsec_testkit::eventually("the stopped edge is gone", Duration::from_secs(30), || {
+        let admin = admin.clone();
+        let a = a.clone();
+        async move { admin.edge_drain_status(&a).await.is_err() }
+    })
+    .await;
+    // Past the grace and a few reconciliation rounds.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(live_usage(&admin).await, on_a.len() as u64, "leases lost with the removed edge");
+    for id in &on_a {
+        let sb = admin.get_sandbox(id).await.unwrap();
+        assert_eq!((sb.edge.as_str(), state(&sb)), (b.as_str(), pb::SandboxState::Running), "{id}");
+        assert_eq!(out(&exec_in(&mut rt, id, "check", "cat /data/me").await), *id);
+    }
+    for _ in 0..5 {
+        let sb = admin.create_sandbox(container_spec("busybox", 64, 256)).await.expect("a creation after the removal");
+        assert_eq!(sb.edge, b);
+        admin.stop_sandbox(&sb.id).await.unwrap();
+    }
     for id in &on_a {
         admin.stop_sandbox(id).await.unwrap();
     }
