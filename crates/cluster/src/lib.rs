@@ -141,6 +141,8 @@ struct IamSlot {
     config: Config,
     addr: SocketAddr,
     running: Option<Running>,
+    /// A replicated member's handle on its log, while it runs.
+    replica: Option<opendsec_iam::raft::Replica>,
 }
 
 /// Overrides `cluster up` takes from the command line.
@@ -234,8 +236,8 @@ impl Cluster {
             let id = i as u64 + 1;
             let member = iam_member_config(&cluster.config, id);
             let addr = local(&l);
-            let running = start_iam(&member, l, &iam_identity(&member, id)).await?;
-            cluster.iam.insert(id, IamSlot { config: member, addr, running: Some(running) });
+            let (running, replica) = start_iam(&member, l, &iam_identity(&member, id)).await?;
+            cluster.iam.insert(id, IamSlot { config: member, addr, running: Some(running), replica });
         }
         cluster.watcher = Some(start_watcher(&cluster.config, watcher_l)?);
         for (name, l) in edge_ls {
@@ -338,6 +340,7 @@ impl Cluster {
     /// Stops IAM member `id` (its Raft too); its data directory stays.
     pub async fn stop_iam_member(&mut self, id: u64) -> Result<(), ClusterError> {
         let slot = self.iam.get_mut(&id).ok_or_else(|| ClusterError::NoSuchComponent(format!("iam member {id}")))?;
+        slot.replica = None;
         if let Some(r) = slot.running.take()
             && let Err(e) = r.stop().await
         {
@@ -353,8 +356,15 @@ impl Cluster {
             return Err(ClusterError::AlreadyRunning(format!("iam member {id}")));
         }
         let l = bind(&format!("iam member {id}"), &slot.addr.to_string()).await?;
-        slot.running = Some(start_iam(&slot.config, l, &iam_identity(&slot.config, id)).await?);
+        let (running, replica) = start_iam(&slot.config, l, &iam_identity(&slot.config, id)).await?;
+        (slot.running, slot.replica) = (Some(running), replica);
         Ok(())
+    }
+
+    /// A running replicated IAM member's handle on its log (its Raft's state, for tests and
+    /// diagnostics).
+    pub fn iam_replica(&self, id: u64) -> Option<opendsec_iam::raft::Replica> {
+        self.iam.get(&id).and_then(|s| s.replica.clone())
     }
 
     /// Starts a stopped edge again on its old address, with the same state directory.
@@ -560,14 +570,19 @@ fn iam_member_config(config: &Config, id: u64) -> Config {
 }
 
 /// Starts an IAM: standalone, or the member `config.iam.raft` describes.
-async fn start_iam(config: &Config, l: TcpListener, id: &Identity) -> Result<Running, ClusterError> {
+async fn start_iam(
+    config: &Config,
+    l: TcpListener,
+    id: &Identity,
+) -> Result<(Running, Option<opendsec_iam::raft::Replica>), ClusterError> {
     let tls = credentials(config, id)?;
     let opts = opendsec_iam::IamOptions::from_config(config);
     let iam = match &config.iam.raft {
         Some(r) => opendsec_iam::Iam::open_replicated(opts, r, tls.clone()).await?,
         None => opendsec_iam::Iam::open(opts)?,
     };
-    Ok(spawn(move |rx| async move {
+    let replica = iam.replica().cloned();
+    let running = spawn(move |rx| async move {
         let keep = iam.clone();
         let r = opendsec_iam::serve(iam, l, &tls, async move {
             let _ = rx.await;
@@ -576,7 +591,8 @@ async fn start_iam(config: &Config, l: TcpListener, id: &Identity) -> Result<Run
         .map_err(|e| e.to_string());
         keep.shutdown().await;
         r
-    }))
+    });
+    Ok((running, replica))
 }
 
 fn start_watcher(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
@@ -909,14 +925,20 @@ pub async fn run_daemon(
     let (tx, rx) = oneshot::channel::<()>();
     let running = match role {
         Role::Iam => {
-            if config.iam.admin_token.is_empty() && !config.iam_data_dir().exists() {
+            // Needed by a first start that may bootstrap IAM (a member being added takes the
+            // state from the others).
+            let may_bootstrap = config.iam.raft.as_ref().is_none_or(|r| !r.initial_members.is_empty());
+            if config.iam.admin_token.is_empty()
+                && may_bootstrap
+                && !opendsec_iam::store::holds_state(&config.iam_data_dir())
+            {
                 return Err(tokens::TokenError::Missing(
                     "iam.admin_token: the first start of IAM needs the administrator's token".into(),
                 )
                 .into());
             }
             let id = iam_identity(&config, config.iam.raft.as_ref().map_or(1, |r| r.id));
-            start_iam(&config, bind("iam", &config.iam.listen).await?, &id).await?
+            start_iam(&config, bind("iam", &config.iam.listen).await?, &id).await?.0
         }
         Role::Watcher => start_watcher(&config, bind("watcher", &config.watcher.listen).await?)?,
         Role::Apiserver => {

@@ -37,7 +37,7 @@ pub fn resolve(config: &Config) -> Result<Tokens, TokenError> {
     let dir = &config.state_dir;
     let admin_token_path = crate::admin_token_path(dir);
     let admin_token = if config.iam.admin_token.is_empty() {
-        if !admin_token_path.exists() && config.iam_data_dir().exists() {
+        if !admin_token_path.exists() && opendsec_iam::store::holds_state(&config.iam_data_dir()) {
             return Err(TokenError::Missing(format!(
                 "IAM already has state in {} but {} is gone and iam.admin_token is empty: restore the token file or set iam.admin_token",
                 config.iam_data_dir().display(),
@@ -94,5 +94,24 @@ mod tests {
         assert!(parse_token_shape(&a.admin_token).is_some());
         let mode = std::fs::metadata(&a.admin_token_path).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+    }
+
+    /// A lost token file is an error only where IAM has a store: an empty IAM directory (a
+    /// mount point made ahead, a systemd state directory) is a first start.
+    #[test]
+    fn a_lost_token_is_refused_only_beside_a_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config { state_dir: dir.path().to_path_buf(), ..Config::default() };
+        std::fs::create_dir_all(cfg.iam_data_dir().join("member-3")).unwrap();
+        let first = resolve(&cfg).expect("an empty IAM directory is a first start");
+        std::fs::remove_file(&first.admin_token_path).unwrap();
+        std::fs::write(cfg.iam_data_dir().join("member-3").join("iam.redb"), b"").unwrap();
+        match resolve(&cfg) {
+            Err(TokenError::Missing(m)) => assert!(m.contains("is gone"), "{m}"),
+            other => panic!("a lost token beside a member's store: {other:?}"),
+        }
+        std::fs::remove_dir_all(cfg.iam_data_dir().join("member-3")).unwrap();
+        std::fs::write(cfg.iam_data_dir().join("iam.redb"), b"").unwrap();
+        assert!(matches!(resolve(&cfg), Err(TokenError::Missing(_))), "beside a standalone store");
     }
 }

@@ -145,7 +145,7 @@ async fn bootstrap_when_leader(replica: raft::Replica, shared: Arc<Shared>, cmd:
         if shared.read().bootstrapped() {
             return;
         }
-        let state = replica.raft.metrics().borrow_watched().state;
+        let state = replica.raft.get().metrics().borrow_watched().state;
         if state == openraft::ServerState::Shutdown {
             return;
         }
@@ -159,6 +159,110 @@ async fn bootstrap_when_leader(replica: raft::Replica, shared: Arc<Shared>, cmd:
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What a member needs to start its Raft again.
+struct Start {
+    id: u64,
+    data_dir: std::path::PathBuf,
+    config: Arc<openraft::Config>,
+    network: raft::net::Network,
+    shared: Arc<Shared>,
+}
+
+impl Start {
+    async fn node(&self, db: Arc<redb::Database>, log: raft::log::LogStore) -> Result<raft::RaftNode, IamError> {
+        let sm = raft::sm::StateMachine::open(db, self.shared.clone()).map_err(|e| IamError::Raft(e.to_string()))?;
+        raft::RaftNode::new(self.id, self.config.clone(), self.network.clone(), log, sm)
+            .await
+            .map_err(|e| IamError::Raft(e.to_string()))
+    }
+
+    /// Reopens the store and starts a new Raft on it. The state in memory is reloaded from the
+    /// store first: a failed write may have left memory ahead of what was committed.
+    async fn reopen(&self) -> Result<raft::RaftNode, IamError> {
+        let dir = self.data_dir.clone();
+        let (db, state) = tokio::task::spawn_blocking(move || -> Result<_, IamError> {
+            let db = Arc::new(store::open_db(&dir)?);
+            let state = store::load(&db)?;
+            Ok((db, state))
+        })
+        .await
+        .map_err(|e| IamError::Raft(e.to_string()))??;
+        *self.shared.write() = state;
+        let log = raft::log::LogStore::new(db.clone());
+        self.node(db, log).await
+    }
+}
+
+/// Whether `dir` takes a write: 1 MiB written and synced, then removed.
+fn takes_writes(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::io::Write;
+    let probe = dir.join(".space-probe");
+    let r = (|| {
+        let mut f = std::fs::File::create(&probe)?;
+        f.write_all(&vec![0u8; 1 << 20])?;
+        f.sync_all()
+    })();
+    let _ = std::fs::remove_file(&probe);
+    r
+}
+
+/// Keeps this member's Raft running across storage failures. A failed write of the log, the
+/// vote or the state (a full disk, an I/O error) stops openraft for good: the member then
+/// answers no Raft message and grants no vote, and the others go on without it. Here it waits
+/// until its data directory takes a write again, reopens the store and starts a new Raft: the
+/// member rejoins as a follower and catches up from the leader (by its log or a snapshot).
+async fn keep_running(replica: raft::Replica, start: Start) {
+    use openraft::async_runtime::WatchReceiver;
+    loop {
+        let node = replica.raft.get();
+        let mut metrics = node.metrics();
+        let fatal = loop {
+            if let Err(f) = &metrics.borrow_watched().running_state {
+                break f.clone();
+            }
+            if metrics.changed().await.is_err() {
+                return;
+            }
+        };
+        if matches!(fatal, openraft::errors::Fatal::Stopped) || replica.raft.closed() {
+            return;
+        }
+        tracing::error!(member = replica.id, error = %fatal,
+            "iam member stopped: its store failed; it rejoins once its data directory takes writes again");
+        drop(metrics);
+        let _ = node.shutdown().await;
+        drop(node);
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if replica.raft.closed() {
+                return;
+            }
+            let dir = start.data_dir.clone();
+            match tokio::task::spawn_blocking(move || takes_writes(&dir)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(member = replica.id, error = %e, "iam data directory still takes no writes");
+                    continue;
+                }
+                Err(_) => continue,
+            }
+            match start.reopen().await {
+                Ok(node) => {
+                    if let Err(node) = replica.raft.replace(node) {
+                        let _ = node.shutdown().await;
+                        return;
+                    }
+                    tracing::info!(member = replica.id, "iam member started again after a storage failure");
+                    break;
+                }
+                // The stopped Raft may still hold the store for a moment; or the disk is
+                // still short of what the store needs.
+                Err(e) => tracing::warn!(member = replica.id, error = %e, "iam member not started again yet"),
+            }
+        }
     }
 }
 
@@ -221,13 +325,17 @@ impl Iam {
             Some(bootstrap_command(&opts)?)
         };
         let shared = Arc::new(Shared { state: RwLock::new(state), failed: AtomicBool::new(false) });
-        let sm = raft::sm::StateMachine::open(db.clone(), shared.clone()).map_err(raft_io)?;
         let links = grpc::Links::new(tls);
-        let network = raft::net::Network { from: rcfg.id, links: links.clone() };
         let config = raft::raft_config(rcfg)?;
         let lease = Duration::from_millis(config.election_timeout_max);
-        let node =
-            raft::RaftNode::new(rcfg.id, config, network, log, sm).await.map_err(|e| IamError::Raft(e.to_string()))?;
+        let start = Start {
+            id: rcfg.id,
+            data_dir: opts.data_dir.clone(),
+            config,
+            network: raft::net::Network { from: rcfg.id, links: links.clone() },
+            shared: shared.clone(),
+        };
+        let node = start.node(db, log).await?;
         if blank && rcfg.initial_members.keys().next() == Some(&rcfg.id) {
             let members: std::collections::BTreeMap<u64, openraft::BasicNode> =
                 rcfg.initial_members.iter().map(|(id, addr)| (*id, openraft::BasicNode::new(addr))).collect();
@@ -236,7 +344,8 @@ impl Iam {
                 Err(e) => tracing::warn!(member = rcfg.id, error = %e, "iam cluster not initialized"),
             }
         }
-        let replica = raft::Replica { id: rcfg.id, raft: node, links, lease };
+        let replica = raft::Replica { id: rcfg.id, raft: raft::Current::new(node), links, lease };
+        tokio::spawn(keep_running(replica.clone(), start));
         if let Some(cmd) = boot {
             tokio::spawn(bootstrap_when_leader(replica.clone(), shared.clone(), cmd));
         }

@@ -13,7 +13,10 @@ use opendsec_common::time::Clock;
 use opendsec_proto::v1 as pb;
 
 async fn start3(tweak: impl FnOnce(&mut opendsec_common::config::Config)) -> TestCluster {
-    let dir = tempfile::tempdir().expect("tempdir");
+    start3_in(tempfile::tempdir().expect("tempdir"), tweak).await
+}
+
+async fn start3_in(dir: tempfile::TempDir, tweak: impl FnOnce(&mut opendsec_common::config::Config)) -> TestCluster {
     let mut cfg = fast_config(dir.path());
     cfg.iam.raft = Some(opendsec_common::config::IamRaftConfig {
         heartbeat_interval: Duration::from_millis(100),
@@ -27,6 +30,12 @@ async fn start3(tweak: impl FnOnce(&mut opendsec_common::config::Config)) -> Tes
     let cluster = Cluster::up(cfg, opts).await.expect("cluster up");
     cluster.wait_ready(Duration::from_secs(30)).await.expect("cluster ready");
     let admin = client(&cluster, &cluster.admin_token);
+    // The first leader commits the bootstrap (the administrator and their token) after its
+    // election.
+    eventually("IAM bootstrapped", Duration::from_secs(30), || async {
+        admin.iam_members(pb::IamMembersRequest {}).await.is_ok()
+    })
+    .await;
     TestCluster { cluster, admin, dir }
 }
 
@@ -160,4 +169,148 @@ async fn a_standalone_iam_has_no_members_to_change() {
     let e = them.iam_members(pb::IamMembersRequest {}).await.unwrap_err();
     assert_eq!(e.reason, opendsec_common::Reason::PermissionDenied, "{e}");
     t.cluster.shutdown().await;
+}
+
+/// A small ext4 file system on a loop device, mounted at `at` (root only), unmounted when
+/// dropped.
+struct SmallDisk {
+    at: std::path::PathBuf,
+    _image: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn mount(at: &std::path::Path, mib: u64) -> SmallDisk {
+        let image = tempfile::tempdir().expect("tempdir");
+        let file = image.path().join("disk.img");
+        std::fs::File::create(&file).and_then(|f| f.set_len(mib << 20)).expect("disk image");
+        let run = |cmd: &mut std::process::Command| {
+            let out = cmd.output().expect("run");
+            assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        // No blocks reserved for root: IAM runs as root here, and full must mean full.
+        run(std::process::Command::new("mkfs.ext4").args(["-q", "-F", "-m", "0"]).arg(&file));
+        std::fs::create_dir_all(at).expect("mount point");
+        run(std::process::Command::new("mount").args(["-o", "loop"]).arg(&file).arg(at));
+        SmallDisk { at: at.to_path_buf(), _image: image }
+    }
+
+    /// Writes a file until the file system has no room left; answers its path.
+    fn fill(&self) -> std::path::PathBuf {
+        use std::io::Write;
+        let path = self.at.join("filler");
+        let mut f = std::fs::File::create(&path).expect("filler");
+        let chunk = vec![0x5a_u8; 64 << 10];
+        loop {
+            match f.write(&chunk) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+                Err(e) => panic!("filling {}: {e}", self.at.display()),
+            }
+        }
+        // What delayed allocation still held back fails here or is written.
+        let _ = f.sync_all();
+        path
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.at).status();
+    }
+}
+
+/// Creates sandboxes in `project` until `done` holds, retrying through IAM's elections;
+/// answers how many were created.
+async fn create_until<F: std::future::Future<Output = bool>>(
+    admin: &Client,
+    project: &str,
+    what: &str,
+    mut done: impl FnMut() -> F,
+) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut created = 0;
+    while !done().await {
+        match admin.create_sandbox(spec(project, 10, 16)).await {
+            Ok(_) => created += 1,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "{what}: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert!(Instant::now() < deadline, "{what}: not within 90 s");
+    }
+    created
+}
+
+/// Member 3 keeps its store on a small file system of its own. When that fills (as a follower,
+/// then as the leader), its Raft stops on the failed write: it answers nothing and grants no
+/// vote, and the two others go on admitting. Once space returns it reopens its store, rejoins
+/// and catches up; led by it, the cluster answers with every admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_disk_fills_stops_and_rejoins_when_space_returns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk = SmallDisk::mount(&dir.path().join("iam").join("member-3"), 48);
+    let t = start3_in(dir, |_| {}).await;
+    let admin = t.admin.clone();
+    admin
+        .create_project(pb::CreateProjectRequest { path: "root/full".into(), ..Default::default() })
+        .await
+        .expect("project");
+    let three = t.cluster.iam_replica(3).expect("member 3");
+    let mut created = 0;
+
+    for (round, leader_first) in [(1, 1), (2, 3)] {
+        admin.transfer_iam_leader(pb::TransferIamLeaderRequest { to: leader_first }).await.expect("transfer");
+        let filler = disk.fill();
+        created += create_until(&admin, "root/full", "member 3 stopped on its full disk", || {
+            let stopped = three.stopped_on();
+            async move { stopped.is_some() }
+        })
+        .await;
+        let why = three.stopped_on().unwrap();
+        assert!(why.to_lowercase().contains("space") || why.contains("28"), "round {round}: stopped on {why}");
+        eprintln!("round {round} (member {leader_first} led): member 3 stopped on: {why}");
+
+        // The others go on without it (a new leader first, when it led); it takes nothing.
+        let stopped_at = members(&admin).await;
+        let behind = stopped_at.members.iter().find(|m| m.id == 3).map(|m| m.matched_index);
+        let more = create_until(&admin, "root/full", "admissions without member 3", {
+            let n = std::sync::atomic::AtomicU64::new(0);
+            move || {
+                let n = n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                async move { n >= 30 }
+            }
+        })
+        .await;
+        created += more;
+        assert_eq!(more, 30);
+        assert_ne!(leader(&admin).await, 3, "round {round}");
+        let m = members(&admin).await;
+        let now = m.members.iter().find(|m| m.id == 3).map(|m| m.matched_index);
+        assert!(now <= behind.max(Some(stopped_at.committed_index)), "round {round}: member 3 took entries: {m:?}");
+        assert!(m.committed_index > stopped_at.committed_index, "{m:?}");
+        assert!(three.stopped_on().is_some(), "round {round}: member 3 started again on a full disk");
+
+        // Space returns: member 3 starts again by itself and catches up.
+        std::fs::remove_file(&filler).expect("free the disk");
+        eventually("member 3 started again and caught up", Duration::from_secs(30), || async {
+            let m = members(&admin).await;
+            let top = m.members.iter().map(|m| m.matched_index).max().unwrap_or(0);
+            three.stopped_on().is_none()
+                && three.raft.restarts() == round
+                && m.members.iter().find(|x| x.id == 3).is_some_and(|x| x.matched_index >= top && top > 0)
+        })
+        .await;
+    }
+
+    // Led by member 3, whose state was reloaded from its store twice, the cluster answers
+    // with every admission.
+    admin.transfer_iam_leader(pb::TransferIamLeaderRequest { to: 3 }).await.expect("transfer to 3");
+    assert_eq!(leader(&admin).await, 3);
+    assert_eq!(live(&admin, "root/full").await, created);
+    let TestCluster { cluster, dir, .. } = t;
+    cluster.shutdown().await;
+    drop(disk);
+    drop(dir);
 }

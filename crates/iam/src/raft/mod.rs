@@ -64,15 +64,89 @@ const WAIT: Duration = Duration::from_secs(6);
 /// How long a call waits for a leader being elected (or for its lease) before `not_leader`.
 pub const READ_WAIT: Duration = Duration::from_secs(3);
 
+/// This member's running Raft. A failed write of the log, the vote or the state (a full disk,
+/// an I/O error) stops openraft for good; the member then reopens its store and starts a new
+/// one in its place (`crate::keep_running`), so every holder asks here for the current one.
+#[derive(Clone)]
+pub struct Current(Arc<std::sync::RwLock<Running>>);
+
+struct Running {
+    node: RaftNode,
+    /// When `node` started: a member grants no vote for one leader lease after that.
+    started: tokio::time::Instant,
+    /// Set by a deliberate shutdown: nothing starts again after it.
+    closed: bool,
+    /// How many times this member's Raft stopped on a storage failure and started again.
+    restarts: u64,
+}
+
+impl Current {
+    pub fn new(node: RaftNode) -> Current {
+        let started = tokio::time::Instant::now();
+        Current(Arc::new(std::sync::RwLock::new(Running { node, started, closed: false, restarts: 0 })))
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Running> {
+        self.0.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Running> {
+        self.0.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The Raft running now (or the stopped one, until its replacement starts).
+    pub fn get(&self) -> RaftNode {
+        self.read().node.clone()
+    }
+
+    /// When the running Raft started.
+    pub fn started(&self) -> tokio::time::Instant {
+        self.read().started
+    }
+
+    /// How many times this member's Raft stopped on a storage failure and started again.
+    pub fn restarts(&self) -> u64 {
+        self.read().restarts
+    }
+
+    pub fn closed(&self) -> bool {
+        self.read().closed
+    }
+
+    /// Puts `node` in place of the stopped Raft; hands it back when the member was shut down
+    /// meanwhile (the caller stops it).
+    pub(crate) fn replace(&self, node: RaftNode) -> Result<(), RaftNode> {
+        let mut r = self.write();
+        if r.closed {
+            return Err(node);
+        }
+        *r = Running { node, started: tokio::time::Instant::now(), closed: false, restarts: r.restarts + 1 };
+        Ok(())
+    }
+
+    /// Marks the member shut down and answers the Raft to stop.
+    fn close(&self) -> RaftNode {
+        let mut r = self.write();
+        r.closed = true;
+        r.node.clone()
+    }
+}
+
 /// This member's handle on the log.
 #[derive(Clone)]
 pub struct Replica {
     pub id: u64,
-    pub raft: RaftNode,
+    pub raft: Current,
     /// The members' mTLS links (Raft messages, forwarded calls).
     pub links: Arc<opendsec_common::grpc::Links>,
     /// A leader's lease: the longest election timeout.
     pub lease: Duration,
+}
+
+impl std::fmt::Debug for Current {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Current").field("restarts", &self.restarts()).finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for Replica {
@@ -112,7 +186,7 @@ impl Replica {
                 cmd.kind()
             )));
         }
-        let r = self.raft.client_write(cmd).await.map_err(write_err)?;
+        let r = self.raft.get().client_write(cmd).await.map_err(write_err)?;
         r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?
     }
 
@@ -124,7 +198,7 @@ impl Replica {
     pub async fn linearize(&self) -> Result<(), IamError> {
         let deadline = tokio::time::Instant::now() + READ_WAIT;
         loop {
-            let why = match self.raft.ensure_linearizable(ReadPolicy::LeaseRead).await {
+            let why = match self.raft.get().ensure_linearizable(ReadPolicy::LeaseRead).await {
                 Ok(_) => return Ok(()),
                 Err(RaftError::APIError(openraft::errors::LinearizableReadError::ForwardToLeader(f))) => {
                     if f.leader_id.is_some_and(|l| l != self.id) {
@@ -152,7 +226,7 @@ impl Replica {
     /// The leader's address when it is another member; `None` when this one leads or no leader
     /// is known.
     pub fn leader_elsewhere(&self) -> Option<String> {
-        let m = self.raft.metrics().borrow_watched().clone();
+        let m = self.raft.get().metrics().borrow_watched().clone();
         let leader = m.current_leader?;
         if leader == self.id {
             return None;
@@ -161,7 +235,7 @@ impl Replica {
     }
 
     pub fn members(&self) -> Members {
-        let m = self.raft.metrics().borrow_watched().clone();
+        let m = self.raft.get().metrics().borrow_watched().clone();
         let membership = m.membership_config.membership();
         let voters: BTreeSet<u64> = membership.voter_ids().collect();
         let matched: BTreeMap<u64, u64> = m
@@ -210,12 +284,13 @@ impl Replica {
             });
         }
         if !known.members.iter().any(|m| m.id == id) {
-            self.raft.add_learner(id, BasicNode::new(address), false).await.map_err(write_err)?;
+            self.raft.get().add_learner(id, BasicNode::new(address), false).await.map_err(write_err)?;
         }
         // Promoted only once it holds the log up to where it was when it was added.
-        let target = self.raft.metrics().borrow_watched().last_log_index.unwrap_or(0);
+        let target = self.raft.get().metrics().borrow_watched().last_log_index.unwrap_or(0);
         let caught_up = self
             .raft
+            .get()
             .wait(Some(CATCH_UP))
             .metrics(
                 |m| {
@@ -233,7 +308,7 @@ impl Replica {
         }
         if !learner_only {
             let voters = ChangeMembers::AddVoterIds(BTreeSet::from([id]));
-            self.raft.change_membership(voters, false).await.map_err(write_err)?;
+            self.raft.get().change_membership(voters, false).await.map_err(write_err)?;
         }
         Ok(self.members())
     }
@@ -249,10 +324,10 @@ impl Replica {
                 return Err(IamError::Membership("the last voter cannot be removed".into()));
             }
             let change = ChangeMembers::RemoveVoters(BTreeSet::from([id]));
-            self.raft.change_membership(change, false).await.map_err(write_err)?;
+            self.raft.get().change_membership(change, false).await.map_err(write_err)?;
         } else {
             let change = ChangeMembers::RemoveNodes(BTreeSet::from([id]));
-            self.raft.change_membership(change, false).await.map_err(write_err)?;
+            self.raft.get().change_membership(change, false).await.map_err(write_err)?;
         }
         Ok(self.members())
     }
@@ -263,9 +338,10 @@ impl Replica {
         if !known.members.iter().any(|m| m.id == to && m.voter) {
             return Err(IamError::NotFound { kind: "iam voter", name: to.to_string() });
         }
-        if self.raft.metrics().borrow_watched().current_leader != Some(to) {
-            self.raft.trigger().transfer_leader(to).await.map_err(raft_err)?;
+        if self.raft.get().metrics().borrow_watched().current_leader != Some(to) {
+            self.raft.get().trigger().transfer_leader(to).await.map_err(raft_err)?;
             self.raft
+                .get()
                 .wait(Some(WAIT))
                 .metrics(|m| m.current_leader == Some(to), "the new leader")
                 .await
@@ -274,8 +350,16 @@ impl Replica {
         Ok(self.members())
     }
 
+    /// The storage failure that stopped this member's Raft, while it waits to start again.
+    pub fn stopped_on(&self) -> Option<String> {
+        match &self.raft.get().metrics().borrow_watched().running_state {
+            Err(openraft::errors::Fatal::Stopped) | Ok(()) => None,
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
     pub async fn shutdown(&self) {
-        if let Err(e) = self.raft.shutdown().await {
+        if let Err(e) = self.raft.close().shutdown().await {
             tracing::warn!(error = %e, "iam raft shutdown");
         }
     }

@@ -25,7 +25,6 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::RaftNode;
 use super::types::C;
 
 /// Bytes of snapshot data per message.
@@ -173,22 +172,19 @@ impl RaftNetworkV2<C> for Conn {
 /// a candidate's vote request its own, and the sender must be in this member's membership
 /// (once it has one). So a removed member, or one posing as another, moves nothing.
 pub struct RaftService {
-    raft: RaftNode,
-    /// A member that just started has forgotten how recently it heard a leader: it grants no
-    /// vote until a leader's lease would have run out, so that no leader is elected while the
-    /// last one may still serve lease reads.
-    no_votes_until: tokio::time::Instant,
+    raft: super::Current,
+    /// A member whose Raft just started (the process, or a restart after a storage failure)
+    /// has forgotten how recently it heard a leader: it grants no vote until a leader's lease
+    /// would have run out, so that no leader is elected while the last one may still serve
+    /// lease reads.
+    lease: std::time::Duration,
     /// One snapshot install at a time (each is held whole in memory).
     installing: tokio::sync::Semaphore,
 }
 
 impl RaftService {
-    pub fn new(raft: RaftNode, lease: std::time::Duration) -> RaftService {
-        RaftService {
-            raft,
-            no_votes_until: tokio::time::Instant::now() + lease,
-            installing: tokio::sync::Semaphore::new(1),
-        }
+    pub fn new(raft: super::Current, lease: std::time::Duration) -> RaftService {
+        RaftService { raft, lease, installing: tokio::sync::Semaphore::new(1) }
     }
 
     /// The sending member's id, from its certificate; refused unless it is in this member's
@@ -200,7 +196,7 @@ impl RaftService {
             .name
             .parse()
             .map_err(|_| Status::permission_denied(format!("{peer} is no IAM member (members are iam/<id>)")))?;
-        let m = self.raft.metrics().borrow_watched().clone();
+        let m = self.raft.get().metrics().borrow_watched().clone();
         let membership = m.membership_config.membership();
         if membership.nodes().next().is_some() && membership.get_node(&id).is_none() {
             return Err(Status::permission_denied(format!("IAM member {id} is not in this member's membership")));
@@ -232,24 +228,25 @@ impl pb::iam_raft_server::IamRaft for RaftService {
         let from = self.sender(&req)?;
         let rpc: AppendEntriesRequest<C> = decode(req.get_ref())?;
         must_be(from, rpc.vote.leader_id().node_id, "log append")?;
-        reply(&self.raft.append_entries(rpc).await)
+        reply(&self.raft.get().append_entries(rpc).await)
     }
 
     async fn vote(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
         let from = self.sender(&req)?;
         let (pre, rpc): (bool, VoteRequest<C>) = decode(req.get_ref())?;
         must_be(from, rpc.vote.leader_id().node_id, "vote request")?;
-        if tokio::time::Instant::now() < self.no_votes_until {
+        if tokio::time::Instant::now() < self.raft.started() + self.lease {
             return Err(Status::unavailable("this IAM member just started: it grants no vote for one leader lease"));
         }
-        if pre { reply(&self.raft.pre_vote(rpc).await) } else { reply(&self.raft.vote(rpc).await) }
+        let raft = self.raft.get();
+        if pre { reply(&raft.pre_vote(rpc).await) } else { reply(&raft.vote(rpc).await) }
     }
 
     async fn transfer_leader(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
         let from = self.sender(&req)?;
         let rpc: TransferLeaderRequest<C> = decode(req.get_ref())?;
         must_be(from, rpc.from_leader().leader_id().node_id, "leadership hand-over")?;
-        let r = self.raft.handle_transfer_leader(rpc).await.map_err(RaftError::<C>::Fatal);
+        let r = self.raft.get().handle_transfer_leader(rpc).await.map_err(RaftError::<C>::Fatal);
         reply(&r)
     }
 
@@ -263,7 +260,7 @@ impl pb::iam_raft_server::IamRaft for RaftService {
         let (vote, meta): (VoteOf<C>, SnapshotMetaOf<C>) = decode(&head)?;
         must_be(from, vote.leader_id().node_id, "snapshot")?;
         // A leader this member has already seen superseded gets no memory for its snapshot.
-        if vote < self.raft.metrics().borrow_watched().vote {
+        if vote < self.raft.get().metrics().borrow_watched().vote {
             return Err(Status::failed_precondition("a snapshot from a superseded leader"));
         }
         let _one = self.installing.acquire().await.map_err(|_| Status::unavailable("shutting down"))?;
@@ -275,7 +272,7 @@ impl pb::iam_raft_server::IamRaft for RaftService {
             data.extend_from_slice(&m.data);
         }
         let snap = SnapshotOf::<C, Vec<u8>> { meta, snapshot: data };
-        let r = self.raft.install_full_snapshot(vote, snap).await.map_err(RaftError::<C>::Fatal);
+        let r = self.raft.get().install_full_snapshot(vote, snap).await.map_err(RaftError::<C>::Fatal);
         reply(&r)
     }
 }

@@ -45,11 +45,12 @@ async fn raft_messages_are_believed_only_from_the_member_they_name() {
     let service = opendsec_iam::raft::net::RaftService::new(replica.raft.clone(), Duration::from_secs(60));
     replica
         .raft
+        .get()
         .wait(Some(Duration::from_secs(10)))
         .metrics(|m| m.membership_config.membership().nodes().count() == 2, "the membership")
         .await
         .unwrap();
-    let vote = replica.raft.metrics().borrow_watched().vote;
+    let vote = replica.raft.get().metrics().borrow_watched().vote;
     assert_eq!(vote.leader_id().node_id, 1);
 
     // A log append in member 1's name: from member 2 it is refused, from outside the
