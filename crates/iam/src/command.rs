@@ -48,6 +48,15 @@ pub enum Command {
         admin_principal: String,
         admin_token_id: String,
         admin_token_hash: String,
+        /// The cluster's id (hex of 16 random bytes, made by the proposer).
+        #[serde(default)]
+        cluster: String,
+    },
+    /// Replicated: the leader records the data directory id member `id` answered with, the
+    /// first time it sees one (a later, different one is never recorded over it).
+    MemberSeen {
+        id: u64,
+        data_dir: String,
     },
     CreateProject {
         actor: Actor,
@@ -218,6 +227,7 @@ impl Command {
     pub fn kind(&self) -> &'static str {
         match self {
             Command::Bootstrap { .. } => "bootstrap",
+            Command::MemberSeen { .. } => "member_seen",
             Command::CreateProject { .. } => "create_project",
             Command::SetQuota { .. } => "set_quota",
             Command::DeleteProject { .. } => "delete_project",

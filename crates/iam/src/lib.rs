@@ -129,6 +129,7 @@ fn bootstrap_command(opts: &IamOptions) -> Result<Command, IamError> {
     let hash_key = token::new_hash_key();
     let key = token::from_hex(&hash_key).ok_or(IamError::Invariant("generated hash key is not hex"))?;
     Ok(Command::Bootstrap {
+        cluster: token::to_hex(&rand::random::<[u8; 16]>()),
         now_ms: now_ms(),
         admin_token_hash: token::hash_secret_hex(&key, secret),
         hash_key,
@@ -169,6 +170,36 @@ struct Start {
     config: Arc<openraft::Config>,
     network: raft::net::Network,
     shared: Arc<Shared>,
+}
+
+/// The leader records each member's data directory id the first time it hears one (its own
+/// included): from then on, the cluster refuses that member on any other directory.
+async fn record_data_dirs(replica: raft::Replica, mut seen: tokio::sync::mpsc::UnboundedReceiver<(u64, String)>) {
+    use openraft::async_runtime::WatchReceiver;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let (id, dir) = tokio::select! {
+            s = seen.recv() => match s {
+                Some(s) => s,
+                None => return,
+            },
+            _ = tick.tick() => (replica.id, replica.who.data_dir.clone()),
+        };
+        if replica.raft.closed() {
+            return;
+        }
+        let leads = replica.raft.get().metrics().borrow_watched().state == openraft::ServerState::Leader;
+        let wanted = {
+            let st = replica.who.shared.read();
+            st.bootstrapped() && !st.meta.members.contains_key(&id)
+        };
+        if leads
+            && wanted
+            && let Err(e) = replica.execute(Command::MemberSeen { id, data_dir: dir }).await
+        {
+            tracing::debug!(member = id, error = %e, "iam member's data directory not recorded yet");
+        }
+    }
 }
 
 impl Start {
@@ -309,6 +340,7 @@ impl Iam {
         let db = Arc::new(store::open_db(&opts.data_dir)?);
         let raft_io = |e: std::io::Error| IamError::Raft(e.to_string());
         raft::log::create_tables(&db).map_err(raft_io)?;
+        let data_dir_id = raft::log::data_dir_id(&db).map_err(raft_io)?;
         let log = raft::log::LogStore::new(db.clone());
         let blank = log.is_blank().map_err(raft_io)?;
         let state = store::load(&db)?;
@@ -328,11 +360,13 @@ impl Iam {
         let links = grpc::Links::new(tls);
         let config = raft::raft_config(rcfg)?;
         let lease = Duration::from_millis(config.election_timeout_max);
+        let (seen_tx, seen) = tokio::sync::mpsc::unbounded_channel();
+        let who = raft::net::Who { data_dir: data_dir_id, shared: shared.clone(), seen: seen_tx };
         let start = Start {
             id: rcfg.id,
             data_dir: opts.data_dir.clone(),
             config,
-            network: raft::net::Network { from: rcfg.id, links: links.clone() },
+            network: raft::net::Network { from: rcfg.id, links: links.clone(), who: who.clone() },
             shared: shared.clone(),
         };
         let node = start.node(db, log).await?;
@@ -344,8 +378,9 @@ impl Iam {
                 Err(e) => tracing::warn!(member = rcfg.id, error = %e, "iam cluster not initialized"),
             }
         }
-        let replica = raft::Replica { id: rcfg.id, raft: raft::Current::new(node), links, lease };
+        let replica = raft::Replica { id: rcfg.id, raft: raft::Current::new(node), who, links, lease };
         tokio::spawn(keep_running(replica.clone(), start));
+        tokio::spawn(record_data_dirs(replica.clone(), seen));
         if let Some(cmd) = boot {
             tokio::spawn(bootstrap_when_leader(replica.clone(), shared.clone(), cmd));
         }
@@ -800,6 +835,7 @@ pub async fn serve(
             .add_service(
                 opendsec_proto::v1::iam_raft_server::IamRaftServer::new(raft::net::RaftService::new(
                     r.raft.clone(),
+                    r.who.clone(),
                     r.lease,
                 ))
                 .max_decoding_message_size(grpc::MAX_MESSAGE_BYTES)

@@ -332,6 +332,30 @@ pub struct Meta {
     /// Commands applied so far (standalone: persisted with every batch that changed state).
     #[serde(default)]
     pub applied_index: u64,
+    /// The IAM cluster's id, made at its bootstrap: members of two clusters refuse each
+    /// other's Raft messages. Kept by a restore.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub cluster: String,
+    /// Replicated: each member's data directory id, as the leader first saw it (member id →
+    /// id). A member whose directory is not the one recorded (wiped, replaced) is refused.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty", with = "id_pairs")]
+    pub members: std::collections::BTreeMap<u64, String>,
+}
+
+/// A map by member id as a list of `[id, value]` pairs: rows are read through a flattened
+/// envelope, where a JSON object's keys could only be strings.
+mod id_pairs {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(m: &BTreeMap<u64, String>, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(m.iter())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<u64, String>, D::Error> {
+        Ok(Vec::<(u64, String)>::deserialize(d)?.into_iter().collect())
+    }
 }
 
 /// A project as the Admin API shows it.

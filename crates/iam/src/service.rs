@@ -184,6 +184,7 @@ fn members_to_pb(m: crate::raft::Members) -> pb::IamMembersResponse {
                 voter: m.voter,
                 leader: m.leader,
                 matched_index: m.matched_index,
+                data_dir: m.data_dir,
             })
             .collect(),
         term: m.term,

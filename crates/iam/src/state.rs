@@ -348,9 +348,10 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         return Err(IamError::NotBootstrapped);
     }
     match cmd {
-        Command::Bootstrap { now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash } => {
-            bootstrap(st, w, *now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash)
+        Command::Bootstrap { now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash, cluster } => {
+            bootstrap(st, w, *now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash, cluster)
         }
+        Command::MemberSeen { id, data_dir } => member_seen(st, w, *id, data_dir),
         Command::CreateProject { actor, now_ms, path, quota } => create_project(st, w, actor, *now_ms, path, quota),
         Command::SetQuota { actor, now_ms, path, quota } => set_quota(st, w, actor, *now_ms, path, quota),
         Command::DeleteProject { actor, now_ms, path } => delete_project(st, w, actor, *now_ms, path),
@@ -382,6 +383,20 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
     }
 }
 
+/// The first data directory id member `id` answered with is its own for good.
+fn member_seen(st: &mut State, w: &mut Vec<Write>, id: u64, data_dir: &str) -> Result<Output, IamError> {
+    if id == 0 || data_dir.is_empty() || data_dir.len() > 64 || !data_dir.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(IamError::InvalidArgument(format!("member {id}: a data directory id is 1..64 hex digits")));
+    }
+    if st.meta.members.contains_key(&id) {
+        return Ok(Output::Done);
+    }
+    st.meta.members.insert(id, data_dir.to_string());
+    w.push(Write::Put(Row::Meta(st.meta.clone())));
+    Ok(Output::Done)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn bootstrap(
     st: &mut State,
     w: &mut Vec<Write>,
@@ -390,6 +405,7 @@ fn bootstrap(
     admin: &str,
     token_id: &str,
     token_hash: &str,
+    cluster: &str,
 ) -> Result<Output, IamError> {
     if st.meta.bootstrapped {
         return Err(IamError::InvalidState("iam is already bootstrapped".into()));
@@ -401,8 +417,17 @@ fn bootstrap(
     if !token::is_hex32(hash_key) || !token::is_hex32(token_hash) {
         return Err(IamError::InvalidArgument("bootstrap needs 32-byte hex hash key and token hash".into()));
     }
-    st.meta =
-        Meta { bootstrapped: true, epoch: 1, hash_key: hash_key.to_string(), applied_index: st.meta.applied_index };
+    if cluster.len() > 64 || !cluster.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(IamError::InvalidArgument("a cluster id is up to 64 hex digits".into()));
+    }
+    st.meta = Meta {
+        bootstrapped: true,
+        epoch: 1,
+        hash_key: hash_key.to_string(),
+        applied_index: st.meta.applied_index,
+        cluster: cluster.to_string(),
+        members: std::mem::take(&mut st.meta.members),
+    };
     st.hash_key = token::from_hex(hash_key).unwrap_or_default();
     let root = ProjectRecord {
         path: ROOT_PROJECT.into(),

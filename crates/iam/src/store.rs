@@ -97,7 +97,6 @@ pub fn decode_row(table: Table, key: &str, value: &str) -> Result<Row, IamError>
     })
 }
 
-/// Opens (creates) the database in `data_dir` with every table present.
 /// Whether `iam_dir` holds an IAM's store: its own (standalone, or one member's directory) or
 /// that of members in `member-<id>` beneath it (`cluster up --iam-replicas`). An empty
 /// directory (a fresh mount point, a systemd state directory) holds none.
@@ -110,6 +109,7 @@ pub fn holds_state(iam_dir: &Path) -> bool {
         })
 }
 
+/// Opens (creates) the database in `data_dir` with every table present.
 pub fn open_db(data_dir: &Path) -> Result<Database, IamError> {
     opendsec_common::fsperm::private_dir(data_dir)
         .map_err(|source| IamError::DataDir { path: data_dir.to_path_buf(), source })?;

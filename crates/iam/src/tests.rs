@@ -54,6 +54,7 @@ impl Harness {
             admin_principal: "admin".into(),
             admin_token_id: "admintoken".into(),
             admin_token_hash: hash_of("admintoken"),
+            cluster: "c1a55e".into(),
         })
         .unwrap();
         h
@@ -220,8 +221,34 @@ fn bootstrap_makes_root_admin_and_epoch() {
         admin_principal: "x".into(),
         admin_token_id: "x".into(),
         admin_token_hash: hash_of("x"),
+        cluster: String::new(),
     });
     assert_eq!(reason(&again), Reason::InvalidState);
+}
+
+/// The first data directory id a member answered with is its own for good; a later one is
+/// not recorded over it; ids that are not hex are refused; a restore keeps the records and
+/// the cluster's id.
+#[test]
+fn member_records_are_written_once_and_kept_by_a_restore() {
+    let mut h = Harness::new();
+    assert_eq!(h.st.meta.cluster, "c1a55e");
+    h.run(Command::MemberSeen { id: 2, data_dir: "ab01".into() }).unwrap();
+    h.run(Command::MemberSeen { id: 2, data_dir: "cd02".into() }).unwrap();
+    assert_eq!(h.st.meta.members.get(&2).map(String::as_str), Some("ab01"));
+    for (id, dir) in [(0, "ab".to_string()), (3, String::new()), (3, "not hex".into()), (3, "a".repeat(65))] {
+        let r = h.run(Command::MemberSeen { id, data_dir: dir.clone() });
+        assert_eq!(reason(&r), Reason::InvalidArgument, "{id} {dir}");
+    }
+    let admin_who = h.st.authenticate(&token::format("admintoken", &secret_of("admintoken")), h.now).unwrap();
+    let snap = h.st.backup(&admin_who).unwrap();
+    h.run(Command::Restore { actor: Harness::admin(), now_ms: h.now, snapshot: snap }).unwrap();
+    assert_eq!(h.st.meta.members.get(&2).map(String::as_str), Some("ab01"));
+    assert_eq!(h.st.meta.cluster, "c1a55e");
+    // As the store keeps it, and reads it back.
+    let row = Row::Meta(h.st.meta.clone());
+    let stored = crate::store::encode_row(&row).unwrap();
+    assert_eq!(crate::store::decode_row(Table::Meta, "meta", &stored).unwrap(), row, "{stored}");
 }
 
 #[test]

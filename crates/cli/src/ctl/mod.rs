@@ -347,12 +347,13 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                 };
                 for m in &r.members {
                     t.push_str(&format!(
-                        "{:>3}  {:<22} {:<8} {:<7} {}\n",
+                        "{:>3}  {:<22} {:<8} {:<7} {:<10} {}\n",
                         m.id,
                         m.address,
                         if m.voter { "voter" } else { "learner" },
                         if m.leader { "leader" } else { "" },
-                        m.matched_index
+                        m.matched_index,
+                        if m.data_dir.is_empty() { "-" } else { &m.data_dir }
                     ));
                 }
                 t.trim_end().to_string()

@@ -314,3 +314,55 @@ async fn a_member_whose_disk_fills_stops_and_rejoins_when_space_returns() {
     drop(disk);
     drop(dir);
 }
+
+/// A member whose data directory was wiped comes back blank: its cluster has recorded its old
+/// directory, so it refuses every message that names that one as its own (and the others
+/// refuse it). It takes nothing, the others go on, and the id it ran under cannot be added
+/// again: a replacement takes a new id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_member_is_refused_and_its_id_is_not_reused() {
+    let mut t = start3(|_| {}).await;
+    let admin = t.admin.clone();
+    eventually("every member's data directory recorded", Duration::from_secs(20), || async {
+        members(&admin).await.members.iter().all(|m| !m.data_dir.is_empty())
+    })
+    .await;
+    let before = members(&admin).await;
+    let recorded = before.members.iter().find(|m| m.id == 3).map(|m| m.data_dir.clone()).unwrap();
+    let address = before.members.iter().find(|m| m.id == 3).map(|m| m.address.clone()).unwrap();
+    admin.transfer_iam_leader(pb::TransferIamLeaderRequest { to: 1 }).await.expect("transfer");
+    admin
+        .create_project(pb::CreateProjectRequest { path: "root/w".into(), ..Default::default() })
+        .await
+        .expect("project");
+    for _ in 0..10 {
+        admin.create_sandbox(spec("root/w", 10, 16)).await.expect("create");
+    }
+
+    t.cluster.stop_iam_member(3).await.expect("stop member 3");
+    std::fs::remove_dir_all(t.dir.path().join("iam").join("member-3")).expect("wipe member 3");
+    t.cluster.start_iam_member(3).await.expect("start member 3 on an empty directory");
+    let three = t.cluster.iam_replica(3).expect("member 3");
+    eventually("member 3 refuses its cluster's messages", Duration::from_secs(20), || {
+        let refused = three.raft.refused();
+        async move { refused.is_some_and(|r| r.contains("wiped or replaced")) }
+    })
+    .await;
+    eprintln!("member 3 refused: {}", three.raft.refused().unwrap());
+
+    // The others go on; member 3 holds no log; its old directory stays recorded.
+    for _ in 0..10 {
+        admin.create_sandbox(spec("root/w", 10, 16)).await.expect("create without member 3");
+    }
+    assert_eq!(three.last_log_index(), None, "the wiped member took entries");
+    let m = members(&admin).await;
+    assert_eq!(m.members.iter().find(|m| m.id == 3).map(|m| m.data_dir.as_str()), Some(recorded.as_str()));
+
+    // Replaced under the same id: refused before anything is proposed.
+    admin.remove_iam_member(pb::RemoveIamMemberRequest { id: 3 }).await.expect("remove member 3");
+    let e = admin.add_iam_member(pb::AddIamMemberRequest { id: 3, address, learner_only: false }).await.unwrap_err();
+    assert_eq!(e.reason, opendsec_common::Reason::AlreadyExists, "{e}");
+    assert!(e.to_string().contains("never used"), "{e}");
+    assert_eq!(live(&admin, "root/w").await, 20);
+    t.cluster.shutdown().await;
+}

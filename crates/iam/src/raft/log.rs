@@ -22,6 +22,7 @@ pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft
 
 const VOTE: &str = "vote";
 const PURGED: &str = "purged";
+const DATA_DIR_ID: &str = "data_dir_id";
 
 pub(crate) fn io<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> io::Error {
     move |e| io::Error::other(format!("iam raft store: {what}: {e}"))
@@ -59,6 +60,19 @@ where
     })
     .await
     .map_err(io("join"))?
+}
+
+/// This data directory's id (hex of 16 random bytes), made at its first open as a member's:
+/// a wiped or replaced directory gets a new one, which its cluster has not recorded.
+pub(crate) fn data_dir_id(db: &Database) -> Result<String, io::Error> {
+    if let Some(id) = read_meta::<String>(db, DATA_DIR_ID)? {
+        return Ok(id);
+    }
+    let id = crate::token::to_hex(&rand::random::<[u8; 16]>());
+    let tx = db.begin_write().map_err(io("begin write"))?;
+    put_meta(&tx, DATA_DIR_ID, &id)?;
+    tx.commit().map_err(io("commit"))?;
+    Ok(id)
 }
 
 /// Creates the Raft tables (once).

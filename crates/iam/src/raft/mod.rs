@@ -44,6 +44,8 @@ pub struct Member {
     pub voter: bool,
     pub leader: bool,
     pub matched_index: u64,
+    /// The data directory id the cluster recorded for this member (empty: none yet).
+    pub data_dir: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,12 +80,14 @@ struct Running {
     closed: bool,
     /// How many times this member's Raft stopped on a storage failure and started again.
     restarts: u64,
+    /// The last Raft message this member refused for its claims, and when it was logged.
+    refused: Option<(String, tokio::time::Instant)>,
 }
 
 impl Current {
     pub fn new(node: RaftNode) -> Current {
         let started = tokio::time::Instant::now();
-        Current(Arc::new(std::sync::RwLock::new(Running { node, started, closed: false, restarts: 0 })))
+        Current(Arc::new(std::sync::RwLock::new(Running { node, started, closed: false, restarts: 0, refused: None })))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Running> {
@@ -120,8 +124,29 @@ impl Current {
         if r.closed {
             return Err(node);
         }
-        *r = Running { node, started: tokio::time::Instant::now(), closed: false, restarts: r.restarts + 1 };
+        let refused = r.refused.take();
+        *r = Running { node, started: tokio::time::Instant::now(), closed: false, restarts: r.restarts + 1, refused };
         Ok(())
+    }
+
+    /// Notes a refused message; answers whether to log it (a new reason, or a minute on).
+    pub(crate) fn refuse(&self, why: &str) -> bool {
+        let mut r = self.write();
+        let now = tokio::time::Instant::now();
+        let log = match &r.refused {
+            Some((last, at)) => last != why || now.duration_since(*at) >= Duration::from_secs(60),
+            None => true,
+        };
+        if log {
+            r.refused = Some((why.to_string(), now));
+        }
+        log
+    }
+
+    /// The last Raft message this member refused for what it claimed (another cluster, a
+    /// wiped or replaced data directory on either side).
+    pub fn refused(&self) -> Option<String> {
+        self.read().refused.as_ref().map(|(why, _)| why.clone())
     }
 
     /// Marks the member shut down and answers the Raft to stop.
@@ -137,6 +162,8 @@ impl Current {
 pub struct Replica {
     pub id: u64,
     pub raft: Current,
+    /// What this member says and checks about itself in Raft messages.
+    pub who: net::Who,
     /// The members' mTLS links (Raft messages, forwarded calls).
     pub links: Arc<opendsec_common::grpc::Links>,
     /// A leader's lease: the longest election timeout.
@@ -255,6 +282,7 @@ impl Replica {
                 } else {
                     0
                 }),
+                data_dir: self.who.shared.read().meta.members.get(id).cloned().unwrap_or_default(),
             })
             .collect();
         Members {
@@ -272,6 +300,14 @@ impl Replica {
         }
         opendsec_common::grpc::channel(address).map_err(|e| IamError::InvalidArgument(e.message))?;
         let known = self.members();
+        // An id a data directory was recorded under, and no longer a member: the cluster would
+        // refuse any other directory under it.
+        if !known.members.iter().any(|m| m.id == id) && self.who.shared.read().meta.members.contains_key(&id) {
+            return Err(IamError::AlreadyExists {
+                kind: "iam member id (used before)",
+                name: format!("{id}: give the new member an id never used"),
+            });
+        }
         if let Some(m) = known.members.iter().find(|m| m.id == id)
             && m.address != address
         {
@@ -348,6 +384,11 @@ impl Replica {
                 .map_err(raft_err)?;
         }
         Ok(self.members())
+    }
+
+    /// The last log index this member holds (None: none).
+    pub fn last_log_index(&self) -> Option<u64> {
+        self.raft.get().metrics().borrow_watched().last_log_index
     }
 
     /// The storage failure that stopped this member's Raft, while it waits to start again.

@@ -1,6 +1,13 @@
 //! Raft messages between members over gRPC (`IamRaft`, mTLS with `iam` certificates on both
 //! sides): each request and reply is an openraft value in JSON. A snapshot travels as a
 //! stream: its meta and the leader's vote first, then its data in chunks.
+//!
+//! Every message also says, in its headers, which cluster the sender belongs to, which data
+//! directory it runs on, and which data directory its cluster has recorded for the receiver;
+//! every reply says the receiver's. A member refuses a message from another cluster, from a
+//! member whose directory is not the recorded one, and any message that says its own
+//! directory is another: a member whose directory was wiped or replaced takes no part until
+//! it is added again under a new id ([`check_claims`]).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -26,6 +33,110 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::types::C;
+use crate::store::Shared;
+
+/// The sender's cluster id.
+const CLUSTER: &str = "x-opendsec-iam-cluster";
+/// The sender's data directory id.
+const FROM_DIR: &str = "x-opendsec-iam-from-dir";
+/// The data directory id the sender's cluster recorded for the receiver.
+const TO_DIR: &str = "x-opendsec-iam-to-dir";
+/// In replies: the receiver's data directory id.
+const DIR: &str = "x-opendsec-iam-dir";
+
+/// What a member says and checks about itself in Raft messages.
+#[derive(Clone)]
+pub struct Who {
+    /// This member's data directory id.
+    pub data_dir: String,
+    /// The state: the cluster's id and the recorded data directories.
+    pub shared: Arc<Shared>,
+    /// Members' data directory ids seen in replies and not recorded yet (the leader records
+    /// them).
+    pub seen: tokio::sync::mpsc::UnboundedSender<(u64, String)>,
+}
+
+impl Who {
+    fn set(&self, md: &mut tonic::metadata::MetadataMap, key: &'static str, value: &str) {
+        if !value.is_empty()
+            && let Ok(v) = value.parse()
+        {
+            md.insert(key, v);
+        }
+    }
+
+    /// Headers of a message to member `target`.
+    fn stamp(&self, target: u64, md: &mut tonic::metadata::MetadataMap) {
+        let (cluster, theirs) = {
+            let st = self.shared.read();
+            (st.meta.cluster.clone(), st.meta.members.get(&target).cloned().unwrap_or_default())
+        };
+        self.set(md, CLUSTER, &cluster);
+        self.set(md, FROM_DIR, &self.data_dir);
+        self.set(md, TO_DIR, &theirs);
+    }
+
+    /// Notes the data directory member `target` answered with, unless it is recorded.
+    fn heard(&self, target: u64, md: &tonic::metadata::MetadataMap) {
+        let Some(dir) = md.get(DIR).and_then(|v| v.to_str().ok()) else { return };
+        if !self.shared.read().meta.members.contains_key(&target) {
+            let _ = self.seen.send((target, dir.to_string()));
+        }
+    }
+}
+
+/// What a Raft message claims about its cluster and the two members' data directories.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Claims {
+    pub cluster: Option<String>,
+    pub from_dir: Option<String>,
+    pub to_dir: Option<String>,
+}
+
+impl Claims {
+    fn of(md: &tonic::metadata::MetadataMap) -> Claims {
+        let get = |k: &str| md.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
+        Claims { cluster: get(CLUSTER), from_dir: get(FROM_DIR), to_dir: get(TO_DIR) }
+    }
+}
+
+/// Whether a message from member `from` may be believed by a member on data directory
+/// `own_dir` of cluster `own_cluster` (empty: not known yet) that has `records`. What a side
+/// does not know yet is not checked.
+pub fn check_claims(
+    from: u64,
+    own_dir: &str,
+    own_cluster: &str,
+    records: &std::collections::BTreeMap<u64, String>,
+    c: &Claims,
+) -> Result<(), Status> {
+    if let Some(theirs) = &c.cluster
+        && !own_cluster.is_empty()
+        && theirs != own_cluster
+    {
+        return Err(Status::permission_denied(format!(
+            "member {from} belongs to IAM cluster {theirs}, this member to cluster {own_cluster}"
+        )));
+    }
+    if let Some(mine) = &c.to_dir
+        && mine != own_dir
+    {
+        return Err(Status::failed_precondition(format!(
+            "this member runs on data directory {own_dir}, but its cluster knows this member's as {mine}: the \
+             directory was wiped or replaced. Remove this member (opendsecctl iam remove) and add it again under an id \
+             never used"
+        )));
+    }
+    if let (Some(rec), Some(theirs)) = (records.get(&from), &c.from_dir)
+        && rec != theirs
+    {
+        return Err(Status::permission_denied(format!(
+            "member {from} runs on data directory {theirs}, not on the one recorded for it ({rec}): it was wiped or \
+             replaced"
+        )));
+    }
+    Ok(())
+}
 
 /// Bytes of snapshot data per message.
 const CHUNK: usize = 1 << 20;
@@ -37,13 +148,14 @@ pub const MAX_SNAPSHOT_BYTES: usize = 2 << 30;
 pub struct Network {
     pub from: u64,
     pub links: Arc<Links>,
+    pub who: Who,
 }
 
 impl RaftNetworkFactory<C> for Network {
     type Network = Conn;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> Conn {
-        Conn { from: self.from, target, addr: node.addr.clone(), links: self.links.clone() }
+        Conn { from: self.from, target, addr: node.addr.clone(), links: self.links.clone(), who: self.who.clone() }
     }
 }
 
@@ -52,6 +164,7 @@ pub struct Conn {
     target: u64,
     addr: String,
     links: Arc<Links>,
+    who: Who,
 }
 
 fn unreachable<E: std::fmt::Display>(e: E) -> RPCError<C> {
@@ -85,16 +198,21 @@ impl Conn {
     where
         Req: Serialize,
         Resp: DeserializeOwned,
-        F: FnOnce(IamRaftClient<Channel>, pb::RaftMessage) -> Fut,
+        F: FnOnce(IamRaftClient<Channel>, Request<pb::RaftMessage>) -> Fut,
         Fut: Future<Output = Result<Response<pb::RaftMessage>, Status>>,
     {
         let data = serde_json::to_vec(req).map_err(network)?;
         let client = self.client()?;
-        let reply = match tokio::time::timeout(option.soft_ttl(), call(client, pb::RaftMessage { data })).await {
+        let mut msg = Request::new(pb::RaftMessage { data });
+        self.who.stamp(self.target, msg.metadata_mut());
+        let reply = match tokio::time::timeout(option.soft_ttl(), call(client, msg)).await {
             Err(_) => return Err(self.timeout(action, option)),
             Ok(Err(st)) if st.code() == tonic::Code::Unavailable => return Err(unreachable(st.message())),
             Ok(Err(st)) => return Err(network(st.message())),
-            Ok(Ok(r)) => r.into_inner(),
+            Ok(Ok(r)) => {
+                self.who.heard(self.target, r.metadata());
+                r.into_inner()
+            }
         };
         let r: Result<Resp, RaftError<C>> = serde_json::from_slice(&reply.data).map_err(network)?;
         // Only a fatal error (the far member stopped) comes back: it cannot be reached.
@@ -144,11 +262,15 @@ impl RaftNetworkV2<C> for Conn {
             .map(move |i| pb::RaftMessage { data: data[i * CHUNK..((i + 1) * CHUNK).min(data.len())].to_vec() });
         let messages = tokio_stream::iter([pb::RaftMessage { data: head }]).chain(body);
         let mut client = self.client()?;
+        let mut msg = Request::new(messages);
+        self.who.stamp(self.target, msg.metadata_mut());
+        let (who, target) = (self.who.clone(), self.target);
         let send = async move {
-            let reply = client.install_snapshot(messages).await;
+            let reply = client.install_snapshot(msg).await;
             match reply {
                 Err(st) => Err(unreachable(st.message())),
                 Ok(r) => {
+                    who.heard(target, r.metadata());
                     let r: Result<SnapshotResponse<C>, RaftError<C>> =
                         serde_json::from_slice(&r.into_inner().data).map_err(network)?;
                     r.map_err(unreachable)
@@ -173,6 +295,7 @@ impl RaftNetworkV2<C> for Conn {
 /// (once it has one). So a removed member, or one posing as another, moves nothing.
 pub struct RaftService {
     raft: super::Current,
+    who: Who,
     /// A member whose Raft just started (the process, or a restart after a storage failure)
     /// has forgotten how recently it heard a leader: it grants no vote until a leader's lease
     /// would have run out, so that no leader is elected while the last one may still serve
@@ -183,8 +306,29 @@ pub struct RaftService {
 }
 
 impl RaftService {
-    pub fn new(raft: super::Current, lease: std::time::Duration) -> RaftService {
-        RaftService { raft, lease, installing: tokio::sync::Semaphore::new(1) }
+    pub fn new(raft: super::Current, who: Who, lease: std::time::Duration) -> RaftService {
+        RaftService { raft, who, lease, installing: tokio::sync::Semaphore::new(1) }
+    }
+
+    /// A reply, with this member's data directory id.
+    fn reply<T: Serialize>(&self, r: &T) -> Result<Response<pb::RaftMessage>, Status> {
+        let mut resp = reply(r)?;
+        self.who.set(resp.metadata_mut(), DIR, &self.who.data_dir);
+        Ok(resp)
+    }
+
+    /// Refuses a message whose claims do not hold (another cluster, a wiped or replaced
+    /// member's directory on either side); the refusal is kept for `Replica::refused`.
+    fn believe(&self, from: u64, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let st = self.who.shared.read();
+        let r = check_claims(from, &self.who.data_dir, &st.meta.cluster, &st.meta.members, &Claims::of(md));
+        drop(st);
+        if let Err(e) = &r
+            && self.raft.refuse(e.message())
+        {
+            tracing::error!(from, error = %e.message(), "iam raft message refused");
+        }
+        r
     }
 
     /// The sending member's id, from its certificate; refused unless it is in this member's
@@ -201,6 +345,7 @@ impl RaftService {
         if membership.nodes().next().is_some() && membership.get_node(&id).is_none() {
             return Err(Status::permission_denied(format!("IAM member {id} is not in this member's membership")));
         }
+        self.believe(id, req.metadata())?;
         Ok(id)
     }
 }
@@ -228,7 +373,7 @@ impl pb::iam_raft_server::IamRaft for RaftService {
         let from = self.sender(&req)?;
         let rpc: AppendEntriesRequest<C> = decode(req.get_ref())?;
         must_be(from, rpc.vote.leader_id().node_id, "log append")?;
-        reply(&self.raft.get().append_entries(rpc).await)
+        self.reply(&self.raft.get().append_entries(rpc).await)
     }
 
     async fn vote(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
@@ -239,7 +384,7 @@ impl pb::iam_raft_server::IamRaft for RaftService {
             return Err(Status::unavailable("this IAM member just started: it grants no vote for one leader lease"));
         }
         let raft = self.raft.get();
-        if pre { reply(&raft.pre_vote(rpc).await) } else { reply(&raft.vote(rpc).await) }
+        if pre { self.reply(&raft.pre_vote(rpc).await) } else { self.reply(&raft.vote(rpc).await) }
     }
 
     async fn transfer_leader(&self, req: Request<pb::RaftMessage>) -> Result<Response<pb::RaftMessage>, Status> {
@@ -247,7 +392,7 @@ impl pb::iam_raft_server::IamRaft for RaftService {
         let rpc: TransferLeaderRequest<C> = decode(req.get_ref())?;
         must_be(from, rpc.from_leader().leader_id().node_id, "leadership hand-over")?;
         let r = self.raft.get().handle_transfer_leader(rpc).await.map_err(RaftError::<C>::Fatal);
-        reply(&r)
+        self.reply(&r)
     }
 
     async fn install_snapshot(
@@ -273,7 +418,13 @@ impl pb::iam_raft_server::IamRaft for RaftService {
         }
         let snap = SnapshotOf::<C, Vec<u8>> { meta, snapshot: data };
         let r = self.raft.get().install_full_snapshot(vote, snap).await.map_err(RaftError::<C>::Fatal);
-        reply(&r)
+        self.reply(&r)
+    }
+}
+
+impl std::fmt::Debug for Who {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Who").field("data_dir", &self.data_dir).finish_non_exhaustive()
     }
 }
 
@@ -292,5 +443,41 @@ impl std::fmt::Debug for Conn {
 impl std::fmt::Debug for RaftService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RaftService").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::{Claims, check_claims};
+
+    fn claims(cluster: Option<&str>, from_dir: Option<&str>, to_dir: Option<&str>) -> Claims {
+        let s = |v: Option<&str>| v.map(str::to_string);
+        Claims { cluster: s(cluster), from_dir: s(from_dir), to_dir: s(to_dir) }
+    }
+
+    /// Another cluster's member, a sender on another directory than its recorded one, and a
+    /// message that names another directory as this member's are refused; what either side
+    /// does not know yet is not held against it.
+    #[test]
+    fn claims_about_clusters_and_data_directories_are_checked() {
+        let records = BTreeMap::from([(2, "d2".to_string())]);
+        let ok = |from, cluster: &str, c: &Claims| check_claims(from, "d1", cluster, &records, c);
+        assert!(ok(2, "c1", &claims(None, None, None)).is_ok());
+        assert!(ok(2, "c1", &claims(Some("c1"), Some("d2"), Some("d1"))).is_ok());
+        // Unrecorded sender, a receiver that knows no cluster yet (blank, being added).
+        assert!(ok(3, "c1", &claims(Some("c1"), Some("d3"), None)).is_ok());
+        assert!(ok(2, "", &claims(Some("c9"), Some("d2"), None)).is_ok());
+
+        let e = ok(2, "c1", &claims(Some("c9"), Some("d2"), Some("d1"))).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("cluster c9"), "{e:?}");
+        let e = ok(2, "c1", &claims(Some("c1"), Some("d2"), Some("d0"))).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("wiped or replaced"), "{e:?}");
+        let e = ok(2, "c1", &claims(Some("c1"), Some("dX"), Some("d1"))).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("member 2 runs on data directory dX"), "{e:?}");
     }
 }

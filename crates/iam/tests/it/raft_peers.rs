@@ -42,7 +42,8 @@ async fn raft_messages_are_believed_only_from_the_member_they_name() {
     };
     let iam = Iam::open_replicated(opts, &rcfg, tls).await.unwrap();
     let replica = iam.replica().unwrap().clone();
-    let service = opendsec_iam::raft::net::RaftService::new(replica.raft.clone(), Duration::from_secs(60));
+    let service =
+        opendsec_iam::raft::net::RaftService::new(replica.raft.clone(), replica.who.clone(), Duration::from_secs(60));
     replica
         .raft
         .get()
