@@ -583,7 +583,23 @@ async fn an_edge_drained_under_load_loses_no_sandbox() {
     // Once the watchers have given it up and reconciled it as empty, nothing it held is lost:
     // the sandboxes that moved off it still run on B with their files and their quota.
     ctl_admin(&f.cluster, &["edge", "drain", &a, "--move-to", &b, "--timeout", "1m"]).await.expect("the second drain");
-    assert_eq!(live_usage(&admin).await, on_a.len() as u64);
+    // What runs now: the sandboxes moved off A and those placed on B at the start, all on B;
+    // the stops above release their leases as the edges report them.
+    let running = |admin: opendsec_client::Client| async move {
+        let mut ids: Vec<(String, String)> =
+            admin.list_all_sandboxes(Default::default()).await.unwrap().into_iter().map(|s| (s.id, s.edge)).collect();
+        ids.sort();
+        ids
+    };
+    let before = running(admin.clone()).await;
+    assert!(before.iter().all(|(_, edge)| *edge == b), "{before:?}");
+    assert!(on_a.iter().all(|id| before.iter().any(|(x, _)| x == id)), "{before:?}");
+    opendsec_testkit::eventually("usage is what runs", Duration::from_secs(30), || {
+        let admin = admin.clone();
+        let want = before.len() as u64;
+        async move { live_usage(&admin).await == want }
+    })
+    .await;
     f.cluster.stop_edge(&a).await.unwrap();
     opendsec_testkit::eventually("the stopped edge is gone", Duration::from_secs(30), || {
         let admin = admin.clone();
@@ -593,7 +609,8 @@ async fn an_edge_drained_under_load_loses_no_sandbox() {
     .await;
     // Past the grace and a few reconciliation rounds.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    assert_eq!(live_usage(&admin).await, on_a.len() as u64, "leases lost with the removed edge");
+    assert_eq!(running(admin.clone()).await, before, "sandboxes lost with the removed edge");
+    assert_eq!(live_usage(&admin).await, before.len() as u64, "leases lost with the removed edge");
     for id in &on_a {
         let sb = admin.get_sandbox(id).await.unwrap();
         assert_eq!((sb.edge.as_str(), state(&sb)), (b.as_str(), pb::SandboxState::Running), "{id}");

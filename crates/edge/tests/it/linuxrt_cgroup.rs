@@ -102,8 +102,12 @@ fn memory_hog_is_oom_killed_in_its_cgroup() {
         &Limits { cpu_millis: 0, best_effort: false, memory_bytes: 32 << 20, pids: 16 },
     )
     .unwrap();
-    // tail keeps the whole newline-free line in memory.
-    let mut child = gated("head -c 1000000000 /dev/zero | tail -n 1 >/dev/null; sleep 30");
+    // tail keeps the whole newline-free line in memory. As in a sandbox, what the shell
+    // standing for the agent starts has its oom_score_adj raised (500, as the agent's
+    // workloads): otherwise the kernel may pick the shell. (Lowering the shell's own, as for
+    // PID 1, needs CAP_SYS_RESOURCE, which root lacks on some hosts, this one included.)
+    let mut child =
+        gated("(echo 500 >/proc/self/oom_score_adj; head -c 1000000000 /dev/zero | tail -n 1 >/dev/null); sleep 30");
     cg.add_pid(child.id() as i32).unwrap();
     release(&mut child);
     wait_for("oom kill", WAIT, || cg.stats().map(|s| s.oom_kills > 0).unwrap_or(false));
