@@ -58,6 +58,10 @@ pub enum Command {
         id: u64,
         data_dir: String,
     },
+    /// Gives a cluster bootstrapped before cluster ids one (ignored once it has one).
+    SetCluster {
+        cluster: String,
+    },
     CreateProject {
         actor: Actor,
         now_ms: i64,
@@ -228,6 +232,7 @@ impl Command {
         match self {
             Command::Bootstrap { .. } => "bootstrap",
             Command::MemberSeen { .. } => "member_seen",
+            Command::SetCluster { .. } => "set_cluster",
             Command::CreateProject { .. } => "create_project",
             Command::SetQuota { .. } => "set_quota",
             Command::DeleteProject { .. } => "delete_project",

@@ -65,6 +65,9 @@ pub enum IamError {
     /// A membership change asked of a standalone IAM, or one openraft refuses in this state.
     #[error("{0}")]
     Membership(String),
+    /// A member id a data directory was recorded under: the cluster would refuse any other.
+    #[error("iam member id {0} was used before (its data directory is recorded): give the new member an id never used")]
+    MemberIdUsed(u64),
 }
 
 impl IamError {
@@ -90,6 +93,7 @@ pub fn to_api(e: &IamError) -> ApiError {
         }
         IamError::NotFound { .. } => ApiError::new(Reason::NotFound, msg),
         IamError::AlreadyExists { .. } => ApiError::new(Reason::AlreadyExists, msg),
+        IamError::MemberIdUsed(id) => ApiError::new(Reason::AlreadyExists, msg).with("id", id.to_string()),
         IamError::InvalidState(_) | IamError::Membership(_) => ApiError::new(Reason::InvalidState, msg),
         IamError::NotLeader(_) => ApiError::new(Reason::NotLeader, msg),
         IamError::QuotaExceeded { project, key, limit, used, requested } => ApiError::new(Reason::QuotaExceeded, msg)

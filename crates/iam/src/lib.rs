@@ -146,10 +146,12 @@ async fn bootstrap_when_leader(replica: raft::Replica, shared: Arc<Shared>, cmd:
         if shared.read().bootstrapped() {
             return;
         }
-        let state = replica.raft.get().metrics().borrow_watched().state;
-        if state == openraft::ServerState::Shutdown {
+        // A Raft stopped by a storage failure is started again (`keep_running`): only a
+        // shutdown ends this.
+        if replica.raft.closed() {
             return;
         }
+        let state = replica.raft.get().metrics().borrow_watched().state;
         if state == openraft::ServerState::Leader {
             match replica.execute(cmd.clone()).await {
                 Ok(_) => {
@@ -173,8 +175,10 @@ struct Start {
 }
 
 /// The leader records each member's data directory id the first time it hears one (its own
-/// included): from then on, the cluster refuses that member on any other directory.
-async fn record_data_dirs(replica: raft::Replica, mut seen: tokio::sync::mpsc::UnboundedReceiver<(u64, String)>) {
+/// included): from then on, the cluster refuses that member on any other directory. A
+/// cluster bootstrapped before cluster ids gets one. Both only once every member has
+/// answered with its data directory id, so runs a release that knows these commands.
+async fn record_data_dirs(replica: raft::Replica, mut seen: tokio::sync::mpsc::Receiver<(u64, String)>) {
     use openraft::async_runtime::WatchReceiver;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -188,15 +192,28 @@ async fn record_data_dirs(replica: raft::Replica, mut seen: tokio::sync::mpsc::U
         if replica.raft.closed() {
             return;
         }
-        let leads = replica.raft.get().metrics().borrow_watched().state == openraft::ServerState::Leader;
-        let wanted = {
+        let m = replica.raft.get().metrics().borrow_watched().clone();
+        if m.state != openraft::ServerState::Leader {
+            continue;
+        }
+        let answered = replica.who.answered();
+        if m.membership_config.membership().nodes().any(|(n, _)| *n != replica.id && !answered.contains(n)) {
+            continue;
+        }
+        let (bootstrapped, recorded, cluster) = {
             let st = replica.who.shared.read();
-            st.bootstrapped() && !st.meta.members.contains_key(&id)
+            (st.bootstrapped(), st.meta.members.contains_key(&id), st.meta.cluster.is_empty())
         };
-        if leads
-            && wanted
-            && let Err(e) = replica.execute(Command::MemberSeen { id, data_dir: dir }).await
+        if !bootstrapped {
+            continue;
+        }
+        if cluster
+            && let Err(e) =
+                replica.execute(Command::SetCluster { cluster: token::to_hex(&rand::random::<[u8; 16]>()) }).await
         {
+            tracing::debug!(error = %e, "iam cluster id not set yet");
+        }
+        if !recorded && let Err(e) = replica.execute(Command::MemberSeen { id, data_dir: dir }).await {
             tracing::debug!(member = id, error = %e, "iam member's data directory not recorded yet");
         }
     }
@@ -240,11 +257,21 @@ fn takes_writes(dir: &std::path::Path) -> std::io::Result<()> {
     r
 }
 
-/// Keeps this member's Raft running across storage failures. A failed write of the log, the
-/// vote or the state (a full disk, an I/O error) stops openraft for good: the member then
-/// answers no Raft message and grants no vote, and the others go on without it. Here it waits
-/// until its data directory takes a write again, reopens the store and starts a new Raft: the
-/// member rejoins as a follower and catches up from the leader (by its log or a snapshot).
+/// Whether a fatal error is a full file system (or quota): the one failure this member waits
+/// out by itself. The errors reach here as text (openraft's storage error wraps ours).
+fn out_of_space(fatal: &openraft::errors::Fatal<raft::C>) -> bool {
+    let text = fatal.to_string();
+    text.contains("(os error 28)") || text.contains("(os error 122)")
+}
+
+/// Keeps this member's Raft running across a full disk. A failed write of the log, the vote
+/// or the state stops openraft for good: the member then answers no Raft message and grants
+/// no vote, and the others go on without it. When the write failed for want of space, it
+/// waits until its data directory takes a write again (probing with backoff: 1 s, doubling to
+/// a minute), reopens the store and starts a new Raft: the member rejoins as a follower and
+/// catches up from the leader. Any other failure (an I/O error, a corrupt store, a panic)
+/// leaves it out until the operator restarts it: after a failed sync, what the page cache
+/// shows may not be on the disk.
 async fn keep_running(replica: raft::Replica, start: Start) {
     use openraft::async_runtime::WatchReceiver;
     loop {
@@ -261,13 +288,20 @@ async fn keep_running(replica: raft::Replica, start: Start) {
         if matches!(fatal, openraft::errors::Fatal::Stopped) || replica.raft.closed() {
             return;
         }
+        if !out_of_space(&fatal) {
+            tracing::error!(member = replica.id, error = %fatal,
+                "iam member stopped: its store failed; it stays out of the cluster until it is restarted");
+            return;
+        }
         tracing::error!(member = replica.id, error = %fatal,
-            "iam member stopped: its store failed; it rejoins once its data directory takes writes again");
+            "iam member stopped: its data directory is full; it rejoins once that takes writes again");
         drop(metrics);
         let _ = node.shutdown().await;
         drop(node);
+        let mut wait = Duration::from_secs(1);
         loop {
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(60));
             if replica.raft.closed() {
                 return;
             }
@@ -360,8 +394,8 @@ impl Iam {
         let links = grpc::Links::new(tls);
         let config = raft::raft_config(rcfg)?;
         let lease = Duration::from_millis(config.election_timeout_max);
-        let (seen_tx, seen) = tokio::sync::mpsc::unbounded_channel();
-        let who = raft::net::Who { data_dir: data_dir_id, shared: shared.clone(), seen: seen_tx };
+        let (seen_tx, seen) = tokio::sync::mpsc::channel(64);
+        let who = raft::net::Who::new(rcfg.id, data_dir_id, shared.clone(), seen_tx);
         let start = Start {
             id: rcfg.id,
             data_dir: opts.data_dir.clone(),

@@ -352,6 +352,7 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
             bootstrap(st, w, *now_ms, hash_key, admin_principal, admin_token_id, admin_token_hash, cluster)
         }
         Command::MemberSeen { id, data_dir } => member_seen(st, w, *id, data_dir),
+        Command::SetCluster { cluster } => set_cluster(st, w, cluster),
         Command::CreateProject { actor, now_ms, path, quota } => create_project(st, w, actor, *now_ms, path, quota),
         Command::SetQuota { actor, now_ms, path, quota } => set_quota(st, w, actor, *now_ms, path, quota),
         Command::DeleteProject { actor, now_ms, path } => delete_project(st, w, actor, *now_ms, path),
@@ -383,10 +384,22 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
     }
 }
 
+/// A cluster bootstrapped before cluster ids gets one; one that has one keeps it.
+fn set_cluster(st: &mut State, w: &mut Vec<Write>, cluster: &str) -> Result<Output, IamError> {
+    if !crate::raft::net::well_formed_id(cluster) {
+        return Err(IamError::InvalidArgument("a cluster id is 32 hex digits".into()));
+    }
+    if st.meta.cluster.is_empty() {
+        st.meta.cluster = cluster.to_string();
+        w.push(Write::Put(Row::Meta(st.meta.clone())));
+    }
+    Ok(Output::Done)
+}
+
 /// The first data directory id member `id` answered with is its own for good.
 fn member_seen(st: &mut State, w: &mut Vec<Write>, id: u64, data_dir: &str) -> Result<Output, IamError> {
-    if id == 0 || data_dir.is_empty() || data_dir.len() > 64 || !data_dir.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(IamError::InvalidArgument(format!("member {id}: a data directory id is 1..64 hex digits")));
+    if id == 0 || !crate::raft::net::well_formed_id(data_dir) {
+        return Err(IamError::InvalidArgument(format!("member {id}: a data directory id is 32 hex digits")));
     }
     if st.meta.members.contains_key(&id) {
         return Ok(Output::Done);
@@ -417,8 +430,8 @@ fn bootstrap(
     if !token::is_hex32(hash_key) || !token::is_hex32(token_hash) {
         return Err(IamError::InvalidArgument("bootstrap needs 32-byte hex hash key and token hash".into()));
     }
-    if cluster.len() > 64 || !cluster.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(IamError::InvalidArgument("a cluster id is up to 64 hex digits".into()));
+    if !cluster.is_empty() && !crate::raft::net::well_formed_id(cluster) {
+        return Err(IamError::InvalidArgument("a cluster id is 32 hex digits".into()));
     }
     st.meta = Meta {
         bootstrapped: true,

@@ -54,7 +54,7 @@ impl Harness {
             admin_principal: "admin".into(),
             admin_token_id: "admintoken".into(),
             admin_token_hash: hash_of("admintoken"),
-            cluster: "c1a55e".into(),
+            cluster: "c1a55e".repeat(5) + "c1",
         })
         .unwrap();
         h
@@ -232,23 +232,44 @@ fn bootstrap_makes_root_admin_and_epoch() {
 #[test]
 fn member_records_are_written_once_and_kept_by_a_restore() {
     let mut h = Harness::new();
-    assert_eq!(h.st.meta.cluster, "c1a55e");
-    h.run(Command::MemberSeen { id: 2, data_dir: "ab01".into() }).unwrap();
-    h.run(Command::MemberSeen { id: 2, data_dir: "cd02".into() }).unwrap();
-    assert_eq!(h.st.meta.members.get(&2).map(String::as_str), Some("ab01"));
-    for (id, dir) in [(0, "ab".to_string()), (3, String::new()), (3, "not hex".into()), (3, "a".repeat(65))] {
+    let cluster = "c1a55e".repeat(5) + "c1";
+    assert_eq!(h.st.meta.cluster, cluster);
+    let (a, b) = ("ab".repeat(16), "cd".repeat(16));
+    h.run(Command::MemberSeen { id: 2, data_dir: a.clone() }).unwrap();
+    h.run(Command::MemberSeen { id: 2, data_dir: b.clone() }).unwrap();
+    assert_eq!(h.st.meta.members.get(&2), Some(&a));
+    for (id, dir) in
+        [(0, a.clone()), (3, String::new()), (3, "not hex".into()), (3, "a".repeat(31)), (3, "a".repeat(33))]
+    {
         let r = h.run(Command::MemberSeen { id, data_dir: dir.clone() });
         assert_eq!(reason(&r), Reason::InvalidArgument, "{id} {dir}");
     }
+    // A cluster that has an id keeps it.
+    h.run(Command::SetCluster { cluster: b.clone() }).unwrap();
+    assert_eq!(h.st.meta.cluster, cluster);
     let admin_who = h.st.authenticate(&token::format("admintoken", &secret_of("admintoken")), h.now).unwrap();
     let snap = h.st.backup(&admin_who).unwrap();
     h.run(Command::Restore { actor: Harness::admin(), now_ms: h.now, snapshot: snap }).unwrap();
-    assert_eq!(h.st.meta.members.get(&2).map(String::as_str), Some("ab01"));
-    assert_eq!(h.st.meta.cluster, "c1a55e");
+    assert_eq!(h.st.meta.members.get(&2), Some(&a));
+    assert_eq!(h.st.meta.cluster, cluster);
     // As the store keeps it, and reads it back.
     let row = Row::Meta(h.st.meta.clone());
     let stored = crate::store::encode_row(&row).unwrap();
     assert_eq!(crate::store::decode_row(Table::Meta, "meta", &stored).unwrap(), row, "{stored}");
+}
+
+/// A cluster bootstrapped before cluster ids (none in its meta) gets one, once.
+#[test]
+fn a_cluster_without_an_id_gets_one() {
+    let mut h = Harness::new();
+    h.st.meta.cluster.clear();
+    let row = Row::Meta(h.st.meta.clone());
+    h.store.insert((row.table(), row.key()), row);
+    let r = h.run(Command::SetCluster { cluster: "xyz".into() });
+    assert_eq!(reason(&r), Reason::InvalidArgument);
+    h.run(Command::SetCluster { cluster: "0a".repeat(16) }).unwrap();
+    h.run(Command::SetCluster { cluster: "0b".repeat(16) }).unwrap();
+    assert_eq!(h.st.meta.cluster, "0a".repeat(16));
 }
 
 #[test]

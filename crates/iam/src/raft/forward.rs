@@ -64,7 +64,7 @@ where
                 Ok(()) => inner.oneshot(req).await,
                 Err(IamError::NotLeader(why)) if req.extensions().get::<Forwarded>().is_none() => {
                     match replica.leader_elsewhere() {
-                        Some(addr) => Ok(forward(&replica.links, &addr, req).await),
+                        Some((leader, addr)) => Ok(forward(&replica.links, leader, &addr, req).await),
                         None => Ok(refuse(&ApiError::new(Reason::NotLeader, why))),
                     }
                 }
@@ -74,15 +74,16 @@ where
     }
 }
 
-/// Sends the call to the leader at `addr` and its answer back, as they are.
-async fn forward(links: &Arc<Links>, addr: &str, req: http::Request<Body>) -> http::Response<Body> {
+/// Sends the call to the leader (member `leader`, at `addr`: its certificate must say so)
+/// and its answer back, as they are.
+async fn forward(links: &Arc<Links>, leader: u64, addr: &str, req: http::Request<Body>) -> http::Response<Body> {
     let Some(who) = req.extensions().get::<Peer>().map(|p| p.0.to_string()) else {
         return refuse(&ApiError::new(Reason::Unauthenticated, "no caller identity to forward"));
     };
     let Ok(who) = http::HeaderValue::from_str(&who) else {
         return refuse(&ApiError::new(Reason::Internal, "a caller identity that is no header value"));
     };
-    let ch = match links.channel(addr, Role::Iam, None) {
+    let ch = match links.channel(addr, Role::Iam, Some(&leader.to_string())) {
         Ok(ch) => ch,
         Err(e) => return refuse(&e),
     };

@@ -80,14 +80,23 @@ struct Running {
     closed: bool,
     /// How many times this member's Raft stopped on a storage failure and started again.
     restarts: u64,
-    /// The last Raft message this member refused for its claims, and when it was logged.
-    refused: Option<(String, tokio::time::Instant)>,
+    /// The last Raft message this member refused for its claims.
+    refused: Option<String>,
+    /// Who was refused for what, and when that was last logged.
+    logged: Option<(u64, tonic::Code, tokio::time::Instant)>,
 }
 
 impl Current {
     pub fn new(node: RaftNode) -> Current {
         let started = tokio::time::Instant::now();
-        Current(Arc::new(std::sync::RwLock::new(Running { node, started, closed: false, restarts: 0, refused: None })))
+        Current(Arc::new(std::sync::RwLock::new(Running {
+            node,
+            started,
+            closed: false,
+            restarts: 0,
+            refused: None,
+            logged: None,
+        })))
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Running> {
@@ -124,21 +133,30 @@ impl Current {
         if r.closed {
             return Err(node);
         }
-        let refused = r.refused.take();
-        *r = Running { node, started: tokio::time::Instant::now(), closed: false, restarts: r.restarts + 1, refused };
+        let (refused, logged) = (r.refused.take(), r.logged.take());
+        *r = Running {
+            node,
+            started: tokio::time::Instant::now(),
+            closed: false,
+            restarts: r.restarts + 1,
+            refused,
+            logged,
+        };
         Ok(())
     }
 
-    /// Notes a refused message; answers whether to log it (a new reason, or a minute on).
-    pub(crate) fn refuse(&self, why: &str) -> bool {
+    /// Notes a message refused from member `from`; answers whether to log it: once a minute
+    /// per sender and kind of refusal.
+    pub(crate) fn refuse(&self, from: u64, code: tonic::Code, why: &str) -> bool {
         let mut r = self.write();
         let now = tokio::time::Instant::now();
-        let log = match &r.refused {
-            Some((last, at)) => last != why || now.duration_since(*at) >= Duration::from_secs(60),
+        r.refused = Some(why.to_string());
+        let log = match r.logged {
+            Some((f, c, at)) => (f, c) != (from, code) || now.duration_since(at) >= Duration::from_secs(60),
             None => true,
         };
         if log {
-            r.refused = Some((why.to_string(), now));
+            r.logged = Some((from, code, now));
         }
         log
     }
@@ -146,7 +164,7 @@ impl Current {
     /// The last Raft message this member refused for what it claimed (another cluster, a
     /// wiped or replaced data directory on either side).
     pub fn refused(&self) -> Option<String> {
-        self.read().refused.as_ref().map(|(why, _)| why.clone())
+        self.read().refused.clone()
     }
 
     /// Marks the member shut down and answers the Raft to stop.
@@ -250,15 +268,15 @@ impl Replica {
         }
     }
 
-    /// The leader's address when it is another member; `None` when this one leads or no leader
-    /// is known.
-    pub fn leader_elsewhere(&self) -> Option<String> {
+    /// The leader's id and address when it is another member; `None` when this one leads or
+    /// no leader is known.
+    pub fn leader_elsewhere(&self) -> Option<(u64, String)> {
         let m = self.raft.get().metrics().borrow_watched().clone();
         let leader = m.current_leader?;
         if leader == self.id {
             return None;
         }
-        m.membership_config.membership().get_node(&leader).map(|n| n.addr.clone())
+        m.membership_config.membership().get_node(&leader).map(|n| (leader, n.addr.clone()))
     }
 
     pub fn members(&self) -> Members {
@@ -303,10 +321,7 @@ impl Replica {
         // An id a data directory was recorded under, and no longer a member: the cluster would
         // refuse any other directory under it.
         if !known.members.iter().any(|m| m.id == id) && self.who.shared.read().meta.members.contains_key(&id) {
-            return Err(IamError::AlreadyExists {
-                kind: "iam member id (used before)",
-                name: format!("{id}: give the new member an id never used"),
-            });
+            return Err(IamError::MemberIdUsed(id));
         }
         if let Some(m) = known.members.iter().find(|m| m.id == id)
             && m.address != address

@@ -47,16 +47,35 @@ const DIR: &str = "x-opendsec-iam-dir";
 /// What a member says and checks about itself in Raft messages.
 #[derive(Clone)]
 pub struct Who {
+    /// This member's id.
+    pub id: u64,
     /// This member's data directory id.
     pub data_dir: String,
     /// The state: the cluster's id and the recorded data directories.
     pub shared: Arc<Shared>,
     /// Members' data directory ids seen in replies and not recorded yet (the leader records
-    /// them).
-    pub seen: tokio::sync::mpsc::UnboundedSender<(u64, String)>,
+    /// them; a full queue drops what it cannot take, the next reply brings it again).
+    pub seen: tokio::sync::mpsc::Sender<(u64, String)>,
+    /// The members that have answered with their data directory id since this start.
+    answered: Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>,
+}
+
+/// A cluster or data directory id as members make them: 32 hex digits (16 random bytes).
+/// Nothing else is believed, recorded or repeated in a message.
+pub fn well_formed_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 impl Who {
+    pub fn new(id: u64, data_dir: String, shared: Arc<Shared>, seen: tokio::sync::mpsc::Sender<(u64, String)>) -> Who {
+        Who { id, data_dir, shared, seen, answered: Arc::default() }
+    }
+
+    /// The members that have answered with their data directory id since this start.
+    pub fn answered(&self) -> std::collections::BTreeSet<u64> {
+        self.answered.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     fn set(&self, md: &mut tonic::metadata::MetadataMap, key: &'static str, value: &str) {
         if !value.is_empty()
             && let Ok(v) = value.parse()
@@ -78,9 +97,10 @@ impl Who {
 
     /// Notes the data directory member `target` answered with, unless it is recorded.
     fn heard(&self, target: u64, md: &tonic::metadata::MetadataMap) {
-        let Some(dir) = md.get(DIR).and_then(|v| v.to_str().ok()) else { return };
+        let Some(dir) = md.get(DIR).and_then(|v| v.to_str().ok()).filter(|d| well_formed_id(d)) else { return };
+        self.answered.lock().unwrap_or_else(|p| p.into_inner()).insert(target);
         if !self.shared.read().meta.members.contains_key(&target) {
-            let _ = self.seen.send((target, dir.to_string()));
+            let _ = self.seen.try_send((target, dir.to_string()));
         }
     }
 }
@@ -105,11 +125,17 @@ impl Claims {
 /// does not know yet is not checked.
 pub fn check_claims(
     from: u64,
+    me: u64,
     own_dir: &str,
     own_cluster: &str,
     records: &std::collections::BTreeMap<u64, String>,
     c: &Claims,
 ) -> Result<(), Status> {
+    if [&c.cluster, &c.from_dir, &c.to_dir].into_iter().flatten().any(|v| !well_formed_id(v)) {
+        return Err(Status::invalid_argument(format!(
+            "member {from} sent a cluster or data directory id that is not 32 hex digits"
+        )));
+    }
     if let Some(theirs) = &c.cluster
         && !own_cluster.is_empty()
         && theirs != own_cluster
@@ -122,17 +148,17 @@ pub fn check_claims(
         && mine != own_dir
     {
         return Err(Status::failed_precondition(format!(
-            "this member runs on data directory {own_dir}, but its cluster knows this member's as {mine}: the \
-             directory was wiped or replaced. Remove this member (opendsecctl iam remove) and add it again under an id \
-             never used"
+            "IAM member {me} refuses member {from}: the cluster recorded data directory {mine} for member {me}, and \
+             member {me} runs on {own_dir}: its directory was wiped or replaced. Remove member {me} (opendsecctl iam \
+             remove {me}) and add its replacement under an id never used"
         )));
     }
     if let (Some(rec), Some(theirs)) = (records.get(&from), &c.from_dir)
         && rec != theirs
     {
         return Err(Status::permission_denied(format!(
-            "member {from} runs on data directory {theirs}, not on the one recorded for it ({rec}): it was wiped or \
-             replaced"
+            "IAM member {me} refuses member {from}: member {from} runs on data directory {theirs}, not on the one \
+             recorded for it ({rec}): its directory was wiped or replaced"
         )));
     }
     Ok(())
@@ -177,7 +203,10 @@ fn network<E: std::fmt::Display>(e: E) -> RPCError<C> {
 
 impl Conn {
     fn client(&self) -> Result<IamRaftClient<Channel>, RPCError<C>> {
-        let ch = self.links.channel(&self.addr, Role::Iam, None).map_err(|e| unreachable(e.message))?;
+        // The member at that address must be the one named: a reply's data directory id is
+        // recorded as the target's.
+        let name = self.target.to_string();
+        let ch = self.links.channel(&self.addr, Role::Iam, Some(&name)).map_err(|e| unreachable(e.message))?;
         Ok(IamRaftClient::new(ch)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES))
@@ -321,10 +350,11 @@ impl RaftService {
     /// member's directory on either side); the refusal is kept for `Replica::refused`.
     fn believe(&self, from: u64, md: &tonic::metadata::MetadataMap) -> Result<(), Status> {
         let st = self.who.shared.read();
-        let r = check_claims(from, &self.who.data_dir, &st.meta.cluster, &st.meta.members, &Claims::of(md));
+        let r =
+            check_claims(from, self.who.id, &self.who.data_dir, &st.meta.cluster, &st.meta.members, &Claims::of(md));
         drop(st);
         if let Err(e) = &r
-            && self.raft.refuse(e.message())
+            && self.raft.refuse(from, e.code(), e.message())
         {
             tracing::error!(from, error = %e.message(), "iam raft message refused");
         }
@@ -384,6 +414,17 @@ impl pb::iam_raft_server::IamRaft for RaftService {
             return Err(Status::unavailable("this IAM member just started: it grants no vote for one leader lease"));
         }
         let raft = self.raft.get();
+        // A member that holds no log has never applied its cluster's bootstrap. A candidate that
+        // names a cluster speaks for one with history: this member may be a wiped one whose
+        // record the candidate lacks, and its vote could elect a leader without committed
+        // entries. It votes once a leader has given it the log.
+        if Claims::of(req.metadata()).cluster.is_some() && raft.metrics().borrow_watched().last_log_index.is_none() {
+            return Err(Status::failed_precondition(format!(
+                "IAM member {} holds no log yet: it grants no vote in a bootstrapped cluster until a leader has sent it \
+                 the log",
+                self.who.id
+            )));
+        }
         if pre { self.reply(&raft.pre_vote(rpc).await) } else { self.reply(&raft.vote(rpc).await) }
     }
 
@@ -452,32 +493,42 @@ mod tests {
 
     use super::{Claims, check_claims};
 
-    fn claims(cluster: Option<&str>, from_dir: Option<&str>, to_dir: Option<&str>) -> Claims {
-        let s = |v: Option<&str>| v.map(str::to_string);
-        Claims { cluster: s(cluster), from_dir: s(from_dir), to_dir: s(to_dir) }
-    }
-
     /// Another cluster's member, a sender on another directory than its recorded one, and a
     /// message that names another directory as this member's are refused; what either side
     /// does not know yet is not held against it.
     #[test]
     fn claims_about_clusters_and_data_directories_are_checked() {
-        let records = BTreeMap::from([(2, "d2".to_string())]);
-        let ok = |from, cluster: &str, c: &Claims| check_claims(from, "d1", cluster, &records, c);
-        assert!(ok(2, "c1", &claims(None, None, None)).is_ok());
-        assert!(ok(2, "c1", &claims(Some("c1"), Some("d2"), Some("d1"))).is_ok());
+        // Ids as members make them: 32 hex digits.
+        let id = |c: char| c.to_string().repeat(32);
+        let (c1, c9, d0, d1, d2, d3, dx) = (id('c'), id('9'), id('0'), id('1'), id('2'), id('3'), id('e'));
+        let records = BTreeMap::from([(2, d2.clone())]);
+        let ok = |from, cluster: &str, c: &Claims| check_claims(from, 1, &d1, cluster, &records, c);
+        let s = |v: &String| Some(v.clone());
+        let claims = |cluster: Option<String>, from_dir: Option<String>, to_dir: Option<String>| Claims {
+            cluster,
+            from_dir,
+            to_dir,
+        };
+        assert!(ok(2, &c1, &claims(None, None, None)).is_ok());
+        assert!(ok(2, &c1, &claims(s(&c1), s(&d2), s(&d1))).is_ok());
         // Unrecorded sender, a receiver that knows no cluster yet (blank, being added).
-        assert!(ok(3, "c1", &claims(Some("c1"), Some("d3"), None)).is_ok());
-        assert!(ok(2, "", &claims(Some("c9"), Some("d2"), None)).is_ok());
+        assert!(ok(3, &c1, &claims(s(&c1), s(&d3), None)).is_ok());
+        assert!(ok(2, "", &claims(s(&c9), s(&d2), None)).is_ok());
 
-        let e = ok(2, "c1", &claims(Some("c9"), Some("d2"), Some("d1"))).unwrap_err();
+        let e = ok(2, &c1, &claims(s(&c9), s(&d2), s(&d1))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
-        assert!(e.message().contains("cluster c9"), "{e:?}");
-        let e = ok(2, "c1", &claims(Some("c1"), Some("d2"), Some("d0"))).unwrap_err();
+        assert!(e.message().contains(&format!("cluster {c9}")), "{e:?}");
+        let e = ok(2, &c1, &claims(s(&c1), s(&d2), s(&d0))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
-        assert!(e.message().contains("wiped or replaced"), "{e:?}");
-        let e = ok(2, "c1", &claims(Some("c1"), Some("dX"), Some("d1"))).unwrap_err();
+        assert!(e.message().contains("IAM member 1 refuses member 2") && e.message().contains("wiped"), "{e:?}");
+        let e = ok(2, &c1, &claims(s(&c1), s(&dx), s(&d1))).unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
-        assert!(e.message().contains("member 2 runs on data directory dX"), "{e:?}");
+        assert!(e.message().contains(&format!("member 2 runs on data directory {dx}")), "{e:?}");
+        // Anything but 32 hex digits is refused, and not repeated back.
+        for bad in ["c1", "zz", &"a".repeat(33), &format!("{c1}\n")] {
+            let e = ok(2, &c1, &claims(Some(bad.to_string()), None, None)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad:?}: {e:?}");
+            assert!(!e.message().contains(bad), "{e:?}");
+        }
     }
 }
