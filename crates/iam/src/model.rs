@@ -342,6 +342,12 @@ pub struct Meta {
     pub members: std::collections::BTreeMap<u64, String>,
 }
 
+/// A cluster or data directory id as members make them: 32 hex digits (16 random bytes).
+/// Nothing else is believed, recorded or repeated in a Raft message.
+pub fn well_formed_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
 /// A map by member id as a list of `[id, value]` pairs: rows are read through a flattened
 /// envelope, where a JSON object's keys could only be strings.
 mod id_pairs {

@@ -386,7 +386,7 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
 
 /// A cluster bootstrapped before cluster ids gets one; one that has one keeps it.
 fn set_cluster(st: &mut State, w: &mut Vec<Write>, cluster: &str) -> Result<Output, IamError> {
-    if !crate::raft::net::well_formed_id(cluster) {
+    if !crate::model::well_formed_id(cluster) {
         return Err(IamError::InvalidArgument("a cluster id is 32 hex digits".into()));
     }
     if st.meta.cluster.is_empty() {
@@ -398,7 +398,7 @@ fn set_cluster(st: &mut State, w: &mut Vec<Write>, cluster: &str) -> Result<Outp
 
 /// The first data directory id member `id` answered with is its own for good.
 fn member_seen(st: &mut State, w: &mut Vec<Write>, id: u64, data_dir: &str) -> Result<Output, IamError> {
-    if id == 0 || !crate::raft::net::well_formed_id(data_dir) {
+    if id == 0 || !crate::model::well_formed_id(data_dir) {
         return Err(IamError::InvalidArgument(format!("member {id}: a data directory id is 32 hex digits")));
     }
     if st.meta.members.contains_key(&id) {
@@ -430,7 +430,7 @@ fn bootstrap(
     if !token::is_hex32(hash_key) || !token::is_hex32(token_hash) {
         return Err(IamError::InvalidArgument("bootstrap needs 32-byte hex hash key and token hash".into()));
     }
-    if !cluster.is_empty() && !crate::raft::net::well_formed_id(cluster) {
+    if !cluster.is_empty() && !crate::model::well_formed_id(cluster) {
         return Err(IamError::InvalidArgument("a cluster id is 32 hex digits".into()));
     }
     st.meta = Meta {

@@ -60,11 +60,7 @@ pub struct Who {
     answered: Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>,
 }
 
-/// A cluster or data directory id as members make them: 32 hex digits (16 random bytes).
-/// Nothing else is believed, recorded or repeated in a message.
-pub fn well_formed_id(id: &str) -> bool {
-    id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())
-}
+pub use crate::model::well_formed_id;
 
 impl Who {
     pub fn new(id: u64, data_dir: String, shared: Arc<Shared>, seen: tokio::sync::mpsc::Sender<(u64, String)>) -> Who {

@@ -96,3 +96,50 @@ async fn raft_messages_are_believed_only_from_the_member_they_name() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     iam.shutdown().await;
 }
+
+/// A member that holds no log (started to be added, or wiped) grants no vote to a candidate
+/// that names a cluster: one with history, whose record of this member it may lack. Asked by
+/// a candidate of a cluster not bootstrapped yet, it answers as Raft would. Every reply names
+/// its data directory; a claim that is no 32-hex-digit id is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_without_a_log_grants_no_vote_in_a_bootstrapped_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = opendsec_testkit::creds(&dir.path().join("pki"), Role::Iam, "3");
+    let opts = IamOptions {
+        data_dir: dir.path().join("iam"),
+        admin_principal: "admin".into(),
+        admin_token: String::new(),
+        reconcile_min_age: Duration::from_secs(60),
+        commit_batch_max: 256,
+    };
+    // No initial members: it waits to be added, with an empty log.
+    let rcfg = IamRaftConfig { id: 3, ..Default::default() };
+    let iam = Iam::open_replicated(opts, &rcfg, tls).await.unwrap();
+    let replica = iam.replica().unwrap().clone();
+    assert_eq!(replica.last_log_index(), None);
+    let service = opendsec_iam::raft::net::RaftService::new(replica.raft.clone(), replica.who.clone(), Duration::ZERO);
+    let mut vote = replica.raft.get().metrics().borrow_watched().vote;
+    (vote.leader_id.term, vote.leader_id.node_id) = (5, 2);
+    let candidate = |cluster: Option<&str>| {
+        let body = serde_json::to_vec(&(
+            false,
+            VoteRequest::<opendsec_iam::raft::C> { vote, last_log_id: None, leadership_transfer: false },
+        ))
+        .unwrap();
+        let mut r = from("2", body);
+        if let Some(c) = cluster {
+            r.metadata_mut().insert("x-opendsec-iam-cluster", c.parse().unwrap());
+        }
+        r
+    };
+    let e = service.vote(candidate(Some(&"ab".repeat(16)))).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("holds no log"), "{e:?}");
+    let e = service.vote(candidate(Some("not-an-id"))).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let ok = service.vote(candidate(None)).await.expect("a vote answered by Raft");
+    let dir_id = ok.metadata().get("x-opendsec-iam-dir").and_then(|v| v.to_str().ok()).unwrap_or_default();
+    assert!(opendsec_iam::raft::net::well_formed_id(dir_id), "{dir_id:?}");
+    assert_eq!(dir_id, replica.who.data_dir);
+    iam.shutdown().await;
+}
