@@ -95,7 +95,7 @@ async fn bench_creations() {
         n as f64 / wall.as_secs_f64(),
         cpu / n as u32
     );
-    println!("record store: {} directory fsyncs for {} durable writes", edge.record_dir_syncs(), 2 * (n + 500));
+    println!("record log: {} syncs for {} durable writes", edge.record_syncs(), 2 * (n + 500));
     // One TTL sweep round over every sandbox.
     let (cpu0, t0) = (cpu_time(), Instant::now());
     for _ in 0..10 {

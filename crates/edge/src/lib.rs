@@ -264,9 +264,9 @@ impl Edge {
         self.inner.ttl_round().await
     }
 
-    /// Directory fsyncs the record store made so far (its writes are batched per directory).
-    pub fn record_dir_syncs(&self) -> u64 {
-        self.inner.store.dir_syncs()
+    /// Syncs the record log made so far (concurrent durable writes share them).
+    pub fn record_syncs(&self) -> u64 {
+        self.inner.store.syncs()
     }
 
     pub fn pending_releases(&self) -> (usize, usize) {

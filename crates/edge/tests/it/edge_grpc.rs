@@ -383,9 +383,11 @@ fn sim() -> Arc<SimBackend> {
     Arc::new(SimBackend::new())
 }
 
+/// The record of `lease` in the edge's record log, read beside the running edge.
 fn record_file(dir: &Path, lease: &str) -> SandboxRecord {
-    let path = dir.join("sandboxes").join(format!("{lease}.json"));
-    SandboxRecord::decode(&std::fs::read(&path).unwrap(), &path).unwrap()
+    let records = opendsec_edge::record::peek(dir, opendsec_edge::record::RECORDS_DIR).unwrap();
+    let bytes = records.get(lease).unwrap_or_else(|| panic!("no record of {lease}: {:?}", records.keys()));
+    SandboxRecord::decode(bytes, Path::new(lease)).unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -552,7 +554,7 @@ async fn bad_input_is_refused_and_changes_nothing() {
 
     assert_eq!(h.status(true).await.sandboxes, 0);
     assert!(sim.is_empty());
-    assert_eq!(std::fs::read_dir(dir.path().join("sandboxes")).unwrap().count(), 0);
+    assert!(opendsec_edge::record::peek(dir.path(), opendsec_edge::record::RECORDS_DIR).unwrap().is_empty());
     h.shutdown().await;
 }
 
@@ -718,24 +720,28 @@ async fn restart_keeps_running_and_paused_sandboxes() {
     let first_boot = h.status(false).await.boot_id;
     h.shutdown().await;
 
-    // A creation cut short by a crash: its record says CREATING.
+    // A creation cut short by a crash: its record says CREATING (written into the edge's
+    // record log while it is down).
+    let records = opendsec_edge::record::RecordStore::open(dir.path()).unwrap();
+    let durable = opendsec_edge::record::WriteMode::Durable;
     let mut creating = record_file(dir.path(), "run");
     creating.lease_id = "crashed".into();
     creating.id = format!("{EDGE}.crashed");
     creating.state = opendsec_edge::SandboxStatus::Creating;
-    std::fs::write(dir.path().join("sandboxes/crashed.json"), creating.encode().unwrap()).unwrap();
+    records.write("crashed", &creating.encode().unwrap(), durable).unwrap();
     // A pause and a stop cut short the same way.
     let mut pausing = creating.clone();
     pausing.lease_id = "mid-pause".into();
     pausing.id = format!("{EDGE}.mid-pause");
     pausing.state = opendsec_edge::SandboxStatus::Pausing;
-    std::fs::write(dir.path().join("sandboxes/mid-pause.json"), pausing.encode().unwrap()).unwrap();
+    records.write("mid-pause", &pausing.encode().unwrap(), durable).unwrap();
     let mut stopping = creating.clone();
     stopping.lease_id = "mid-stop".into();
     stopping.id = format!("{EDGE}.mid-stop");
     stopping.state = opendsec_edge::SandboxStatus::Stopping;
     stopping.end_reason = "ttl_max".into();
-    std::fs::write(dir.path().join("sandboxes/mid-stop.json"), stopping.encode().unwrap()).unwrap();
+    records.write("mid-stop", &stopping.encode().unwrap(), durable).unwrap();
+    drop(records);
 
     // A fresh sim backend: sim sandboxes "survive" the restart through adoption.
     let sim2 = sim();
@@ -1018,7 +1024,7 @@ async fn ended_records_are_deleted_after_retention_once_released() {
     eventually("the record deleted", WAIT, || async { h.get("old").await.is_err() }).await;
     assert_eq!(h.get("old").await.unwrap_err().reason, Reason::NotFound);
     assert_eq!(iam.released(), ["old"]);
-    assert!(!dir.path().join("sandboxes/old.json").exists());
+    assert!(!opendsec_edge::record::peek(dir.path(), opendsec_edge::record::RECORDS_DIR).unwrap().contains_key("old"));
     assert_eq!(h.edge.sandbox_count(), 0);
     h.shutdown().await;
 }

@@ -10,5 +10,6 @@ mod linuxrt_sandbox;
 mod linuxrt_seccomp;
 mod netpol;
 mod reclaim;
+mod record_crash;
 mod support;
 mod vm;
