@@ -374,6 +374,8 @@ pub enum WriteMode {
 pub const LOG_FILE: &str = "records.log";
 /// Held locked (`flock`) while a store is open: one writer per log.
 const LOCK_FILE: &str = "records.lock";
+/// What the last open cut off the log's end (kept for inspection, replaced by the next cut).
+const CUT_FILE: &str = "records.log.cut";
 /// A compaction's new log, renamed over [`LOG_FILE`] once complete and synced.
 const COMPACTING: &str = "records.log.new";
 /// The log is rewritten with its live records only once it is this big and more than twice
@@ -418,15 +420,22 @@ pub struct RecordStore {
 
 #[derive(Debug)]
 struct Log {
-    file: File,
+    /// Shared with the syncs (no new descriptor per sync).
+    file: std::sync::Arc<File>,
     /// Bytes of whole frames in the file.
     len: u64,
     /// Each live record's last frame: offset and length.
     live: HashMap<String, (u64, u32)>,
     /// The sum of the live frames' lengths.
     live_bytes: u64,
-    /// Set when a failed append could not be cut back off: nothing more is written.
-    broken: bool,
+    /// Why nothing more is written, once something failed that leaves the file's state
+    /// uncertain: an append that could not be cut back off, a failed sync (the kernel
+    /// reports a writeback error once: a later sync would succeed over lost pages), a
+    /// compaction that renamed its log but could not sync the directory. The edge must be
+    /// restarted; it then reads what is really on disk.
+    broken: Option<String>,
+    /// No compaction is tried again before the log reaches this size (after a failed one).
+    compact_after: u64,
 }
 
 /// One frame read back.
@@ -514,9 +523,12 @@ impl RecordStore {
         let bytes = fs::read(&path).map_err(|source| RecordError::Read { path: path.clone(), source })?;
         let (live, len, live_bytes) = scan(&bytes);
         if len < bytes.len() as u64 {
-            // What follows the last whole frame was appended after the last sync.
-            tracing::warn!(log = %path.display(), kept = len, dropped = bytes.len() as u64 - len,
-                "record log ends in an incomplete frame; cut there");
+            // What follows the last whole frame was appended after the last sync (or is
+            // damage): cut, and kept aside for whoever wants to look.
+            let cut = dir.join(CUT_FILE);
+            let _ = fs::write(&cut, &bytes[len as usize..]);
+            tracing::error!(log = %path.display(), kept = len, cut = bytes.len() as u64 - len, saved = %cut.display(),
+                "record log ends in a frame that does not check out; cut there");
             file.set_len(len).and_then(|()| file.sync_all()).map_err(write_err)?;
         }
         // The log's own name is durable before any record in it is relied on.
@@ -526,7 +538,14 @@ impl RecordStore {
         let store = RecordStore {
             dir,
             path,
-            log: Mutex::new(Log { file, len, live, live_bytes, broken: false }),
+            log: Mutex::new(Log {
+                file: std::sync::Arc::new(file),
+                len,
+                live,
+                live_bytes,
+                broken: None,
+                compact_after: 0,
+            }),
             appended: AtomicU64::new(0),
             synced: AtomicU64::new(0),
             sync_lock: Mutex::new(()),
@@ -593,16 +612,14 @@ impl RecordStore {
         let bytes = frame(kind, lease_id, value).map_err(write_err)?;
         let compact = {
             let mut log = self.lock();
-            if log.broken {
-                return Err(write_err(std::io::Error::other(
-                    "an earlier append failed and could not be cut off the record log",
-                )));
+            if let Some(why) = &log.broken {
+                return Err(write_err(std::io::Error::other(format!("{why}; restart the edge"))));
             }
-            if let Err(e) = log.file.write_all(&bytes) {
+            if let Err(e) = (&*log.file).write_all(&bytes) {
                 // A partial frame would hide every later one from the next open.
                 let len = log.len;
                 if log.file.set_len(len).is_err() {
-                    log.broken = true;
+                    log.broken = Some(format!("an append failed ({e}) and could not be cut off the record log"));
                 }
                 return Err(write_err(e));
             }
@@ -619,7 +636,7 @@ impl RecordStore {
             if let Some((_, old)) = replaced {
                 log.live_bytes -= u64::from(old);
             }
-            log.len >= COMPACT_MIN && log.len > 2 * log.live_bytes
+            log.len >= COMPACT_MIN.max(log.compact_after) && log.len > 2 * log.live_bytes
         };
         let ticket = self.appended.fetch_add(1, Ordering::AcqRel) + 1;
         if compact && let Err(e) = self.compact() {
@@ -669,9 +686,17 @@ impl RecordStore {
         // Every frame numbered up to `upto` is in the file this handle writes.
         let (upto, file) = {
             let log = self.lock();
-            (self.appended.load(Ordering::Acquire), log.file.try_clone()?)
+            if let Some(why) = &log.broken {
+                return Err(std::io::Error::other(format!("{why}; restart the edge")));
+            }
+            (self.appended.load(Ordering::Acquire), log.file.clone())
         };
-        file.sync_data()?;
+        if let Err(e) = file.sync_data() {
+            // The kernel reports a writeback error once: a later sync would succeed over
+            // pages that never reached the disk. Nothing is acknowledged from here on.
+            self.lock().broken = Some(format!("a sync of the record log failed ({e})"));
+            return Err(e);
+        }
         self.syncs.fetch_add(1, Ordering::Relaxed);
         self.synced.fetch_max(upto, Ordering::AcqRel);
         Ok(())
@@ -682,45 +707,54 @@ impl RecordStore {
         self.syncs.load(Ordering::Relaxed)
     }
 
-    /// Rewrites the log with its live records only.
+    /// Rewrites the log with its live records only. A failure before the rename leaves the
+    /// log as it was (and no new try before it has doubled); after the rename the new log is
+    /// the log, and a directory that could not be synced stops further writes.
     fn compact(&self) -> std::io::Result<()> {
         let _g = self.sync_lock.lock().unwrap_or_else(|p| p.into_inner());
         let mut log = self.lock();
-        if !(log.len >= COMPACT_MIN && log.len > 2 * log.live_bytes) {
+        if log.broken.is_some() || !(log.len >= COMPACT_MIN.max(log.compact_after) && log.len > 2 * log.live_bytes) {
             return Ok(());
         }
         let tmp = self.dir.join(COMPACTING);
-        let mut out = std::io::BufWriter::new(
-            opendsec_common::fsperm::private_file().write(true).create(true).truncate(true).open(&tmp)?,
-        );
         let mut entries: Vec<(String, (u64, u32))> = log.live.iter().map(|(k, v)| (k.clone(), *v)).collect();
         entries.sort_by_key(|(_, (at, _))| *at);
         let mut live = HashMap::with_capacity(entries.len());
         let mut at = 0u64;
-        let mut buf = Vec::new();
+        // The new log is written through the handle that then serves as the log.
         let written = (|| {
+            let _ = fs::remove_file(&tmp);
+            let new = opendsec_common::fsperm::private_file().read(true).append(true).create_new(true).open(&tmp)?;
+            let mut out = std::io::BufWriter::new(&new);
+            let mut buf = Vec::new();
             for (key, (from, len)) in entries {
                 buf.resize(len as usize, 0);
-                std::os::unix::fs::FileExt::read_exact_at(&log.file, &mut buf, from)?;
+                std::os::unix::fs::FileExt::read_exact_at(&*log.file, &mut buf, from)?;
                 out.write_all(&buf)?;
                 live.insert(key, (at, len));
                 at += u64::from(len);
             }
-            let f = out.into_inner().map_err(|e| e.into_error())?;
-            f.sync_all()?;
-            fs::rename(&tmp, &self.path)?;
-            File::open(&self.dir)?.sync_all()?;
-            opendsec_common::fsperm::private_file().read(true).append(true).open(&self.path)
+            out.flush()?;
+            drop(out);
+            new.sync_all()?;
+            Ok(new)
         })();
-        let file = match written {
-            Ok(f) => f,
+        let new = match written.and_then(|new| fs::rename(&tmp, &self.path).map(|()| new)) {
+            Ok(new) => new,
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
+                log.compact_after = log.len * 2;
                 return Err(e);
             }
         };
         let before = log.len;
-        *log = Log { file, len: at, live, live_bytes: at, broken: false };
+        let dir_synced = File::open(&self.dir).and_then(|d| d.sync_all());
+        *log = Log { file: std::sync::Arc::new(new), len: at, live, live_bytes: at, broken: None, compact_after: 0 };
+        if let Err(e) = dir_synced {
+            // Which log a crash would show is not known: acknowledge nothing more.
+            log.broken = Some(format!("the record log was compacted but its directory could not be synced ({e})"));
+            return Err(e);
+        }
         // Everything appended so far is in the new log, synced.
         self.synced.fetch_max(self.appended.load(Ordering::Acquire), Ordering::AcqRel);
         tracing::debug!(log = %self.path.display(), before, after = at, "record log compacted");
@@ -736,7 +770,7 @@ impl RecordStore {
         let mut buf = Vec::new();
         for (lease, (at, len)) in &log.live {
             buf.resize(*len as usize, 0);
-            std::os::unix::fs::FileExt::read_exact_at(&log.file, &mut buf, *at).map_err(read_err)?;
+            std::os::unix::fs::FileExt::read_exact_at(&*log.file, &mut buf, *at).map_err(read_err)?;
             let Some(f) = parse(&buf) else {
                 return Err(read_err(std::io::Error::other(format!(
                     "the frame of {lease} at {at} no longer checks out"
@@ -759,7 +793,7 @@ impl RecordStore {
         let mut out = BTreeMap::new();
         for (lease, (at, len)) in &log.live {
             let mut buf = vec![0; *len as usize];
-            std::os::unix::fs::FileExt::read_exact_at(&log.file, &mut buf, *at)
+            std::os::unix::fs::FileExt::read_exact_at(&*log.file, &mut buf, *at)
                 .map_err(|source| RecordError::Read { path: self.path.clone(), source })?;
             out.insert(lease.clone(), parse(&buf).map(|f| f.value).unwrap_or_default());
         }
@@ -996,6 +1030,8 @@ mod tests {
         let raw = store.raw().unwrap();
         assert_eq!((raw["a"].as_slice(), raw["b"].as_slice()), (&b"a1"[..], &b"b1"[..]));
         assert_eq!(fs::metadata(&path).unwrap().len(), whole);
+        // What was cut is kept aside, not destroyed.
+        assert_eq!(fs::read(store.dir().join(CUT_FILE)).unwrap(), &bytes[whole as usize..bytes.len() - 3]);
         store.write("c", b"c1", WriteMode::Durable).unwrap();
         drop(store);
         // A frame whose body is wrong (one byte flipped), and whatever follows it.
@@ -1015,6 +1051,31 @@ mod tests {
         fs::write(&path, &bytes).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
         assert_eq!(store.raw().unwrap().keys().collect::<Vec<_>>(), ["a", "b", "e"]);
+    }
+
+    /// A compaction that cannot write its new log leaves the log as it was, and is not tried
+    /// again on every write (only once the log has doubled).
+    #[test]
+    fn a_failed_compaction_changes_nothing_and_backs_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RecordStore::open(dir.path()).unwrap();
+        // A directory where the new log would go: it cannot be created.
+        fs::create_dir(store.dir().join(COMPACTING)).unwrap();
+        let big = vec![b'y'; 64 << 10];
+        for _ in 0..80 {
+            store.write("hot", &big, WriteMode::Lazy).unwrap();
+        }
+        let len = fs::metadata(store.log_path()).unwrap().len();
+        assert!(len > COMPACT_MIN, "{len}");
+        let after = store.lock().compact_after;
+        assert!(after > COMPACT_MIN && after <= 2 * len, "no back-off: {after}");
+        assert_eq!(store.raw().unwrap()["hot"], big);
+        // Once it can, it does (when the log has grown past the back-off).
+        fs::remove_dir(store.dir().join(COMPACTING)).unwrap();
+        while fs::metadata(store.log_path()).unwrap().len() >= COMPACT_MIN {
+            store.write("hot", &big, WriteMode::Lazy).unwrap();
+        }
+        assert_eq!(store.raw().unwrap()["hot"], big);
     }
 
     #[test]
