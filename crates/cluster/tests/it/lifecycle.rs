@@ -281,3 +281,59 @@ async fn a_backend_this_build_cannot_run_is_refused_at_start() {
     let err = opendsec_cluster::Cluster::up(cfg, Default::default()).await.expect_err("refused");
     assert!(err.to_string().contains("microvm"), "{err}");
 }
+
+/// Paging through `ListSandboxes` while other sandboxes are created and stopped on every edge:
+/// each sandbox that exists throughout is listed exactly once, and no id twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listing_pages_stay_stable_under_concurrent_creations() {
+    let t = start(3, |_| {}).await;
+    let mut steady = Vec::new();
+    for _ in 0..120 {
+        steady.push(t.admin.create_sandbox(spec("", 10, 16)).await.unwrap().id);
+    }
+    steady.sort();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = {
+        let (admin, stop) = (t.admin.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut made = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let id = admin.create_sandbox(spec("", 10, 16)).await.unwrap().id;
+                if made.is_multiple_of(2) {
+                    admin.stop_sandbox(&id).await.unwrap();
+                }
+                made += 1;
+            }
+            made
+        })
+    };
+    for round in 0..5 {
+        let mut seen: Vec<String> = Vec::new();
+        let mut token = String::new();
+        loop {
+            let page = t
+                .admin
+                .list_sandboxes(pb::ListSandboxesRequest {
+                    page_size: 9,
+                    page_token: token.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            seen.extend(page.sandboxes.into_iter().map(|s| s.id));
+            if page.next_page_token.is_empty() {
+                break;
+            }
+            token = page.next_page_token;
+        }
+        let mut unique = seen.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), seen.len(), "round {round}: an id listed twice");
+        let missing: Vec<&String> = steady.iter().filter(|id| unique.binary_search(id).is_err()).collect();
+        assert!(missing.is_empty(), "round {round}: steady sandboxes skipped: {missing:?}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(churn.await.unwrap() > 0, "nothing was created while listing");
+    t.cluster.shutdown().await;
+}
