@@ -774,7 +774,7 @@ async fn a_hundred_creations_and_stops_leave_nothing() {
             r.spec.image = if i % 10 == 0 { "busybox".into() } else { "snap".into() };
             let (b, root) = (b.clone(), root.clone());
             async move {
-                b.create(&r).await.unwrap_or_else(|e| panic!("creation {i}: {e}"));
+                b.create(&r).await.unwrap_or_else(|e| panic!("creation {i}: {e}; {e:?}"));
                 assert_eq!(exec(&b, &r.id, "echo up").await.exit_code, 0);
                 b.stop(&r).await.unwrap();
                 assert_eq!(held(&root, "microvm", &r.id), Vec::<String>::new(), "cycle {i}");
