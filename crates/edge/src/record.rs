@@ -454,15 +454,16 @@ fn frame(kind: u8, key: &str, value: &[u8]) -> std::io::Result<Vec<u8>> {
             format!("a record of {} bytes is above the {MAX_BODY} bytes one holds", value.len()),
         ));
     }
-    let mut body = Vec::with_capacity(body_len);
-    body.push(kind);
-    body.extend_from_slice(&(key.len() as u16).to_le_bytes());
-    body.extend_from_slice(key.as_bytes());
-    body.extend_from_slice(value);
-    let mut out = Vec::with_capacity(HEADER + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-    out.extend_from_slice(&body);
+    // One buffer: the header's checksum is filled in once the body follows it.
+    let mut out = Vec::with_capacity(HEADER + body_len);
+    out.extend_from_slice(&(body_len as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.push(kind);
+    out.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    out.extend_from_slice(key.as_bytes());
+    out.extend_from_slice(value);
+    let crc = crc32fast::hash(&out[HEADER..]);
+    out[4..HEADER].copy_from_slice(&crc.to_le_bytes());
     Ok(out)
 }
 
@@ -526,7 +527,13 @@ impl RecordStore {
             // What follows the last whole frame was appended after the last sync (or is
             // damage): cut, and kept aside for whoever wants to look.
             let cut = dir.join(CUT_FILE);
-            let _ = fs::write(&cut, &bytes[len as usize..]);
+            // Records hold specs' env: the owner's alone, like the log.
+            let _ = opendsec_common::fsperm::private_file()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&cut)
+                .and_then(|mut f| f.write_all(&bytes[len as usize..]));
             tracing::error!(log = %path.display(), kept = len, cut = bytes.len() as u64 - len, saved = %cut.display(),
                 "record log ends in a frame that does not check out; cut there");
             file.set_len(len).and_then(|()| file.sync_all()).map_err(write_err)?;
@@ -1030,8 +1037,10 @@ mod tests {
         let raw = store.raw().unwrap();
         assert_eq!((raw["a"].as_slice(), raw["b"].as_slice()), (&b"a1"[..], &b"b1"[..]));
         assert_eq!(fs::metadata(&path).unwrap().len(), whole);
-        // What was cut is kept aside, not destroyed.
+        // What was cut is kept aside, not destroyed, and readable by the edge's user alone.
         assert_eq!(fs::read(store.dir().join(CUT_FILE)).unwrap(), &bytes[whole as usize..bytes.len() - 3]);
+        let mode = fs::metadata(store.dir().join(CUT_FILE)).unwrap().permissions();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o077, 0, "{mode:?}");
         store.write("c", b"c1", WriteMode::Durable).unwrap();
         drop(store);
         // A frame whose body is wrong (one byte flipped), and whatever follows it.
