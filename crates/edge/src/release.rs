@@ -6,7 +6,10 @@
 //!   frees only leases still bound here: a lease the apiserver rebound to another edge (a
 //!   creation retried elsewhere) is left alone without the edge having to ask first;
 //! - post-creation checks: the leases of finished creations are queued and looked up with one
-//!   GetLeases call per batch, on the same schedule. A lease IAM binds elsewhere or no longer
+//!   GetLeases call per batch, on the same schedule, once they are [`CHECK_DELAY`] old (or a
+//!   whole batch is queued): a check is for a caller that gave up on the edge and placed the
+//!   lease elsewhere, which takes longer than that, and checks made at once would cost one
+//!   call per creation on an edge creating a few hundred a second. A lease IAM binds elsewhere or no longer
 //!   knows means the caller moved on: the sandbox is stopped (`lease_moved`) without a release.
 //!
 //! Invariants:
@@ -29,6 +32,8 @@ use tokio::sync::Notify;
 
 /// Longest wait between two attempts after IAM failures.
 pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// A post-creation check waits this long after the creation (unless a whole batch is queued).
+pub const CHECK_DELAY: Duration = Duration::from_secs(1);
 /// A post-creation check not made within this long (IAM unreachable) is given up.
 pub const CHECK_MAX_AGE: Duration = Duration::from_secs(60);
 
@@ -93,8 +98,9 @@ impl ReleaseQueue {
     }
 
     /// Drops checks queued before `now - CHECK_MAX_AGE` (returning how many), then takes a
-    /// batch of the rest. Checks are queued in time order and put back in front, so the
-    /// oldest are always at the front.
+    /// batch of the rest: a whole one, else those queued [`CHECK_DELAY`] before `now`.
+    /// Checks are queued in time order and put back in front, so the oldest are always at the
+    /// front.
     pub(crate) fn take_checks(&self, now: Instant) -> (Vec<(Instant, String)>, usize) {
         let mut q = self.lock();
         let before = q.checks.len();
@@ -102,7 +108,11 @@ impl ReleaseQueue {
             q.checks.pop_front();
         }
         let dropped = before - q.checks.len();
-        let n = q.checks.len().min(self.batch);
+        let n = if q.checks.len() >= self.batch {
+            self.batch
+        } else {
+            q.checks.iter().take_while(|(at, _)| now.saturating_duration_since(*at) >= CHECK_DELAY).count()
+        };
         (q.checks.drain(..n).collect(), dropped)
     }
 
@@ -146,8 +156,14 @@ mod tests {
         }
         assert_eq!(q.len(), (0, 3));
         let now = Instant::now();
+        // Not yet: two of them (a whole batch) are taken, the one left waits for CHECK_DELAY.
         let (first, dropped) = q.take_checks(now);
         assert_eq!((first.iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>(), dropped), (vec!["a", "b"], 0));
+        let (none, _) = q.take_checks(now);
+        assert!(none.is_empty(), "{none:?}");
+        let (last, _) = q.take_checks(now + CHECK_DELAY);
+        assert_eq!(last.iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>(), vec!["c"]);
+        q.put_back_checks(last);
         // A failed call puts them back in front, with their times.
         q.put_back_checks(first);
         assert_eq!(q.len(), (0, 3));
