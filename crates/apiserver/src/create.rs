@@ -1,12 +1,15 @@
 //! The path of one creation (DESIGN.md section 3) and of a batch of them.
 //!
 //! One creation: (idempotent retry: a lease already bound to an edge that has the sandbox
-//! returns it), place, IAM `Admit` (authenticate, authorize `sandbox.create`, reserve quota,
+//! returns it), place, IAM `Admit` (gathered with concurrent ones: `crate::admits`; authenticate, authorize `sandbox.create`, reserve quota,
 //! bind to the edge), then the edge's `CreateSandbox`. An edge answering `no_capacity` or
 //! `unavailable` is penalized and the creation placed again elsewhere under the SAME lease (IAM
 //! only rebinds it), up to `placement.max_attempts` edges; when all refuse the lease is
-//! released. An edge that does not answer in time may still create the sandbox, so its lease is
-//! left bound (reconciliation settles it) and the caller gets `deadline_exceeded`.
+//! released, unless the last edge did not answer at all (`NO_ANSWER`: it died mid-call, it may
+//! have made the sandbox): then the lease stays bound there and the caller gets `unavailable`,
+//! its retry under the same lease finding what that edge made. An edge that does not answer in
+//! time may still create the sandbox, so its lease is left bound (reconciliation settles it)
+//! and the caller gets `deadline_exceeded`.
 //!
 //! Creations run in their own tasks: a client that goes away does not cut one in half between
 //! `Admit` and the edge. Batches admit items `batch_concurrency` at a time; rate limits and the
@@ -56,8 +59,18 @@ fn timeout_ms(d: Duration) -> i64 {
 /// What to do with a lease the client chose and IAM already holds: answer with the sandbox
 /// the earlier attempt created, or `None` when the creation must (still) be made.
 async fn existing(shared: &Shared, lease: &str, edge: &str, bound_at_ms: i64) -> Result<Option<pb::Sandbox>, ApiError> {
-    if edge.is_empty() || shared.edge_addr(edge).is_err() {
+    if edge.is_empty() {
         return Ok(None);
+    }
+    // An edge out of the snapshot (down, restarting) may hold the sandbox: creating it
+    // elsewhere could run it twice, unseen. Once the edge is back the retry finds it; an edge
+    // gone for good has its leases released by reconciliation, and the retry creates anew.
+    if shared.edge_addr(edge).is_err() {
+        return Err(ApiError::unavailable(format!(
+            "edge {edge}, where lease id {lease} is bound, cannot be reached now; it may hold the sandbox"
+        ))
+        .with("edge", edge)
+        .with("lease_id", lease));
     }
     match forward::edge_get(shared, edge, &ids::sandbox_id(edge, lease)).await {
         Ok(sb) => Ok(Some(sb)),
@@ -109,9 +122,12 @@ pub async fn create_one(
             Ok(p) => p,
             Err(e) => match last_refusal {
                 // Out of edges to try: the lease was admitted, give it back.
-                Some(refusal) => {
-                    release(shared, &lease).await;
-                    return Err(refusal);
+                Some(refusal) => return Err(give_up(shared, &lease, refusal).await),
+                // A retry under the caller's lease: an earlier attempt may have made the
+                // sandbox on an edge that cannot be placed on now (restarting). `no_capacity`
+                // would tell the caller nothing was made; it must retry, and find it.
+                None if keep_existing => {
+                    return Err(bound_elsewhere(shared, &lease).await?.unwrap_or(ApiError::from(&e)));
                 }
                 None => return Err(ApiError::from(&e)),
             },
@@ -128,13 +144,7 @@ pub async fn create_one(
             keep_existing,
             egress: spec.network.as_ref().map(|n| n.egress.clone()).unwrap_or_default(),
         };
-        let admitted = shared
-            .up
-            .iam(|mut c| {
-                let r = admit.clone();
-                async move { c.admit(r).await }
-            })
-            .await;
+        let admitted = shared.admits.admit(admit).await;
         // Only the first Admit may find an earlier attempt; later ones rebind what it reserved.
         keep_existing = false;
         let principal = match admitted {
@@ -191,8 +201,50 @@ pub async fn create_one(
             }
         }
     }
-    release(shared, &lease).await;
-    Err(last_refusal.unwrap_or_else(|| ApiError::internal("creation ended without an attempt")))
+    match last_refusal {
+        Some(refusal) => Err(give_up(shared, &lease, refusal).await),
+        None => {
+            release(shared, &lease).await;
+            Err(ApiError::internal("creation ended without an attempt"))
+        }
+    }
+}
+
+/// `unavailable` when IAM binds `lease` to an edge (an earlier attempt's creation may be
+/// there), else `None`.
+async fn bound_elsewhere(shared: &Shared, lease: &str) -> Result<Option<ApiError>, ApiError> {
+    let req = pb::GetLeaseRequest { lease_id: lease.to_string() };
+    let found = shared
+        .up
+        .iam(|mut c| {
+            let r = req.clone();
+            async move { c.get_lease(r).await }
+        })
+        .await?;
+    Ok(found.lease.filter(|l| found.found && !l.edge.is_empty()).map(|l| {
+        ApiError::unavailable(format!(
+            "lease id {lease} is bound to edge {}, which takes no creations now; it may hold the sandbox",
+            l.edge
+        ))
+        .with("edge", l.edge)
+        .with("lease_id", lease)
+    }))
+}
+
+/// Every edge tried refused: the lease is given back and the last refusal answered, unless the
+/// last edge did not answer at all (it died or dropped the connection with the request out:
+/// it may have made the sandbox, and adopts it on restart). Then the lease stays bound there
+/// and the caller gets `unavailable`: its retry under the same lease finds what that edge
+/// has, instead of a creation elsewhere that would leave this one running unseen.
+async fn give_up(shared: &Shared, lease: &str, refusal: ApiError) -> ApiError {
+    if refusal.metadata.contains_key(opendsec_common::reason::NO_ANSWER) {
+        return ApiError::unavailable(format!(
+            "no edge answered the creation with lease id {lease}; it may have been made: retry with the same lease id"
+        ))
+        .with("lease_id", lease);
+    }
+    release(shared, lease).await;
+    refusal
 }
 
 /// A single creation: refused at once (`rate_limited`) over the principal's rate or the

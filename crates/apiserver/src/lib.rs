@@ -15,6 +15,7 @@
 
 mod admin;
 pub mod admission;
+mod admits;
 pub mod audit;
 mod auth;
 mod call;

@@ -130,7 +130,9 @@ impl Call {
 #[derive(Debug)]
 pub struct Shared {
     pub cfg: ApiserverConfig,
-    pub up: Upstreams,
+    pub up: Arc<Upstreams>,
+    /// Creations' IAM admissions, gathered into AdmitMany calls.
+    pub admits: crate::admits::Admits,
     pub auth: AuthCache,
     snapshot: RwLock<Arc<Snapshot>>,
     placer: Mutex<Placer>,
@@ -156,7 +158,9 @@ pub struct Shared {
 
 impl Shared {
     pub fn new(cfg: ApiserverConfig, up: Upstreams, audit: AuditLog, images: ImageStore) -> Shared {
+        let up = Arc::new(up);
         Shared {
+            admits: crate::admits::Admits::new(up.clone()),
             auth: AuthCache::new(cfg.auth_cache_ttl, cfg.auth_failures.negative_ttl),
             limiter: Mutex::new(RateLimiter::new(cfg.rate_per_principal, cfg.burst_per_principal)),
             inflight: FairGate::new(cfg.max_inflight_creations),

@@ -147,6 +147,17 @@ impl Iam for FakeIam {
         Ok(Response::new(pb::AdmitResponse { principal, rebound, existing: false, edge, bound_at_ms: 0 }))
     }
 
+    async fn admit_many(&self, r: Request<pb::AdmitManyRequest>) -> Result<Response<pb::AdmitManyResponse>, Status> {
+        let mut results = Vec::new();
+        for item in r.into_inner().items {
+            results.push(match self.admit(Request::new(item)).await {
+                Ok(a) => pb::AdmitResult { admitted: Some(a.into_inner()), error: None },
+                Err(st) => pb::AdmitResult { admitted: None, error: Some(ApiError::from_status(&st).to_detail()) },
+            });
+        }
+        Ok(Response::new(pb::AdmitManyResponse { results }))
+    }
+
     async fn release_leases(
         &self,
         r: Request<pb::ReleaseLeasesRequest>,

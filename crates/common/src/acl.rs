@@ -24,6 +24,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/Authenticate", &[Apiserver]),
     ("/opendsec.v1.Iam/Authorize", &[Apiserver]),
     ("/opendsec.v1.Iam/Admit", &[Apiserver]),
+    ("/opendsec.v1.Iam/AdmitMany", &[Apiserver]),
     ("/opendsec.v1.Iam/CheckEgress", &[Apiserver]),
     ("/opendsec.v1.Iam/GetEpoch", &[Apiserver]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
@@ -258,6 +259,7 @@ mod tests {
         // Edges never reach IAM's decisions, the admin API, or another edge.
         for p in [
             "/opendsec.v1.Iam/Admit",
+            "/opendsec.v1.Iam/AdmitMany",
             "/opendsec.v1.Iam/Authenticate",
             "/opendsec.v1.Admin/Grant",
             "/opendsec.v1.Edge/CreateSandbox",

@@ -138,6 +138,12 @@ impl fmt::Display for Reason {
     }
 }
 
+/// Metadata of an error the peer did not answer with (a status without our `ErrorInfo`: the
+/// connection failed or was refused, a proxy or the gRPC layer answered): whether the call
+/// took effect is unknown. A creation whose last edge call went unanswered keeps its lease
+/// where it was sent.
+pub const NO_ANSWER: &str = "no_answer";
+
 /// An error as it crosses a process boundary.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiError {
@@ -181,7 +187,16 @@ impl ApiError {
         {
             return ApiError { reason, message: status.message().to_string(), metadata: info.metadata.clone() };
         }
-        ApiError::new(Reason::from_code(status.code()), status.message().to_string())
+        // The connection failed under the call (the peer died, or reset it): no answer came,
+        // as when the peer cannot be reached at all.
+        let reason = if status.code() == tonic::Code::Unknown
+            && std::error::Error::source(status).is_some_and(|s| s.is::<tonic::transport::Error>())
+        {
+            Reason::Unavailable
+        } else {
+            Reason::from_code(status.code())
+        };
+        ApiError::new(reason, status.message().to_string()).with(NO_ANSWER, "true")
     }
 
     pub fn to_status(&self) -> tonic::Status {
@@ -191,11 +206,17 @@ impl ApiError {
 
     /// The form used inside streamed and batched answers.
     pub fn to_detail(&self) -> opendsec_proto::v1::ErrorDetail {
-        opendsec_proto::v1::ErrorDetail { reason: self.reason.as_str().to_string(), message: self.message.clone() }
+        opendsec_proto::v1::ErrorDetail {
+            reason: self.reason.as_str().to_string(),
+            message: self.message.clone(),
+            metadata: self.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }
     }
 
     pub fn from_detail(d: &opendsec_proto::v1::ErrorDetail) -> ApiError {
-        ApiError::new(Reason::parse(&d.reason).unwrap_or(Reason::Internal), d.message.clone())
+        let mut e = ApiError::new(Reason::parse(&d.reason).unwrap_or(Reason::Internal), d.message.clone());
+        e.metadata = d.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        e
     }
 }
 
@@ -246,8 +267,40 @@ mod tests {
             let e = ApiError::new(r, "boom").with("edge", "e1");
             let back = ApiError::from_status(&e.to_status());
             assert_eq!(back, e, "{r}");
+            assert_eq!(ApiError::from_detail(&e.to_detail()), e, "{r}: inside a batched answer");
             assert_eq!(Reason::parse(r.as_str()), Some(r));
         }
+    }
+
+    /// A call whose connection fails under it (here: the peer reads the call's first bytes
+    /// and closes the connection, as a peer killed mid-call does) has no answer from the
+    /// peer: `unavailable`, which callers retry or take elsewhere, not `internal`; marked as
+    /// unanswered, as is every status without our `ErrorInfo`. A bare `internal` or `unknown`
+    /// stays `internal`; an answer of ours is not marked.
+    #[tokio::test]
+    async fn a_connection_that_fails_under_a_call_is_unavailable() {
+        use tokio::io::AsyncReadExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let mut buf = [0u8; 64];
+                let _ = s.read(&mut buf).await;
+            }
+        });
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
+        let st = opendsec_proto::v1::iam_client::IamClient::new(ch)
+            .get_epoch(opendsec_proto::v1::GetEpochRequest {})
+            .await
+            .unwrap_err();
+        assert_eq!((st.code(), st.message()), (tonic::Code::Unknown, "transport error"), "{st:?}");
+        let e = ApiError::from_status(&st);
+        assert_eq!((e.reason, e.metadata.get(NO_ANSWER).map(String::as_str)), (Reason::Unavailable, Some("true")));
+        assert_eq!(ApiError::from_status(&tonic::Status::internal("transport error")).reason, Reason::Internal);
+        assert_eq!(ApiError::from_status(&tonic::Status::unknown("boom")).reason, Reason::Internal);
+        assert!(ApiError::from_status(&tonic::Status::unavailable("refused")).metadata.contains_key(NO_ANSWER));
+        let ours = ApiError::unavailable("the edge is restarting").to_status();
+        assert!(!ApiError::from_status(&ours).metadata.contains_key(NO_ANSWER));
     }
 
     #[test]

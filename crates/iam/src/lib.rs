@@ -55,6 +55,8 @@ use store::{Pending, Shared};
 /// Most lease ids one GetLeases call may ask for (the answer stays far below the message
 /// limit, and the read lock is held briefly).
 pub const MAX_GET_LEASES: usize = 50_000;
+/// Admissions in one AdmitMany call.
+pub const MAX_ADMIT_MANY: usize = 1000;
 
 /// Longest token lifetime a caller may ask for: ten years.
 pub const MAX_TOKEN_TTL_S: u64 = 10 * 365 * 24 * 3600;

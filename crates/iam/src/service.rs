@@ -44,6 +44,22 @@ fn ok<T>(v: T) -> Rpc<T> {
     Ok(Response::new(v))
 }
 
+async fn admit(iam: &Iam, r: pb::AdmitRequest) -> Result<pb::AdmitResponse, IamError> {
+    let res = r
+        .resources
+        .as_ref()
+        .map(resources_from_pb)
+        .ok_or_else(|| IamError::InvalidArgument("resources are required".into()))?;
+    let a = iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing, rule_texts(&r.egress)).await?;
+    Ok(pb::AdmitResponse {
+        principal: a.principal,
+        rebound: a.rebound,
+        existing: a.existing,
+        edge: a.edge,
+        bound_at_ms: a.bound_at_ms,
+    })
+}
+
 // ----- conversions -----
 
 pub fn quota_from_pb(q: Option<pb::Quota>) -> Quota {
@@ -244,24 +260,28 @@ impl IamRpc for IamService {
     }
 
     async fn admit(&self, req: Request<pb::AdmitRequest>) -> Rpc<pb::AdmitResponse> {
-        let r = req.into_inner();
-        let res = r
-            .resources
-            .as_ref()
-            .map(resources_from_pb)
-            .ok_or_else(|| status(IamError::InvalidArgument("resources are required".into())))?;
-        let a = self
-            .iam
-            .admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing, rule_texts(&r.egress))
-            .await
-            .map_err(status)?;
-        ok(pb::AdmitResponse {
-            principal: a.principal,
-            rebound: a.rebound,
-            existing: a.existing,
-            edge: a.edge,
-            bound_at_ms: a.bound_at_ms,
-        })
+        ok(admit(&self.iam, req.into_inner()).await.map_err(status)?)
+    }
+
+    async fn admit_many(&self, req: Request<pb::AdmitManyRequest>) -> Rpc<pb::AdmitManyResponse> {
+        let items = req.into_inner().items;
+        if items.len() > crate::MAX_ADMIT_MANY {
+            return Err(status(IamError::InvalidArgument(format!(
+                "{} admissions in one call; at most {}",
+                items.len(),
+                crate::MAX_ADMIT_MANY
+            ))));
+        }
+        // Each on its own, all at once: the commands they make are committed together.
+        let results = futures::future::join_all(items.into_iter().map(|r| admit(&self.iam, r))).await;
+        let results = results
+            .into_iter()
+            .map(|r| match r {
+                Ok(a) => pb::AdmitResult { admitted: Some(a), error: None },
+                Err(e) => pb::AdmitResult { admitted: None, error: Some(to_api(&e).to_detail()) },
+            })
+            .collect();
+        ok(pb::AdmitManyResponse { results })
     }
 
     async fn check_egress(&self, req: Request<pb::CheckEgressRequest>) -> Rpc<pb::CheckEgressResponse> {

@@ -5,6 +5,7 @@ mod cluster_down;
 mod common;
 mod container_cluster;
 mod deploy;
+mod edge_crash;
 mod iam_faults;
 mod image_cli;
 mod moves;

@@ -105,6 +105,12 @@ impl Iam for FakeIam {
     async fn admit(&self, _: Request<AdmitRequest>) -> Result<Response<AdmitResponse>, Status> {
         unimplemented()
     }
+    async fn admit_many(
+        &self,
+        _: Request<opendsec_proto::v1::AdmitManyRequest>,
+    ) -> Result<Response<opendsec_proto::v1::AdmitManyResponse>, Status> {
+        unimplemented()
+    }
     async fn check_egress(
         &self,
         _: Request<opendsec_proto::v1::CheckEgressRequest>,

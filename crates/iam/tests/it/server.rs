@@ -257,6 +257,64 @@ fn api(s: tonic::Status) -> ApiError {
     ApiError::from_status(&s)
 }
 
+/// AdmitMany answers every item as Admit would, in item order, each on its own: a refusal
+/// (over quota, with its metadata; a bad token; a malformed lease id) touches no other item.
+/// Too many items, or a caller that may not admit, are refused as a whole.
+#[tokio::test]
+async fn grpc_admit_many_answers_each_item_on_its_own() {
+    let server = start().await;
+    let mut iam = iam_client(&server, Role::Apiserver, "0");
+    let mut admin = admin_client(&server);
+    let quota = pb::Quota { sandboxes: Some(2), ..Default::default() };
+    let create = pb::CreateProjectRequest { path: "root/many".into(), quota: Some(quota) };
+    admin.create_project(as_caller(ADMIN_TOKEN, create)).await.unwrap();
+    let item = |token: &str, lease: &str| pb::AdmitRequest {
+        token: token.into(),
+        lease_id: lease.into(),
+        project: "root/many".into(),
+        resources: Some(pb::Resources { cpu_millis: 100, memory_mb: 64, disk_mb: 64, gpus: 0 }),
+        edge: "e1".into(),
+        keep_existing: false,
+        egress: Vec::new(),
+    };
+    let items = vec![
+        item(ADMIN_TOKEN, "many-1"),
+        item("dsk.admin.NotTheAdminSecret0123456789abcdefgh", "many-2"),
+        item(ADMIN_TOKEN, "Not A Lease!"),
+        item(ADMIN_TOKEN, "many-3"),
+        item(ADMIN_TOKEN, "many-4"),
+    ];
+    let results = iam.admit_many(pb::AdmitManyRequest { items }).await.unwrap().into_inner().results;
+    let outcome: Vec<String> = results
+        .iter()
+        .map(|r| match (&r.admitted, &r.error) {
+            (Some(a), None) => format!("admitted on {}", a.edge),
+            (None, Some(e)) => e.reason.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        outcome,
+        ["admitted on e1", "unauthenticated", "invalid_argument", "admitted on e1", "quota_exceeded"],
+        "{results:?}"
+    );
+    let over = ApiError::from_detail(results[4].error.as_ref().unwrap());
+    assert_eq!(over.metadata.get("project").map(String::as_str), Some("root/many"), "{over:?}");
+    let usage = admin
+        .get_usage(as_caller(ADMIN_TOKEN, pb::GetUsageRequest { project: "root/many".into() }))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(usage.projects[0].usage.unwrap().sandboxes, 2);
+
+    let too_many = (0..=opendsec_iam::MAX_ADMIT_MANY).map(|i| item(ADMIN_TOKEN, &format!("x-{i}"))).collect();
+    let e = api(iam.admit_many(pb::AdmitManyRequest { items: too_many }).await.unwrap_err());
+    assert_eq!(e.reason, Reason::InvalidArgument, "{e:?}");
+    let mut edge = iam_client(&server, Role::Edge, "e1");
+    let e = api(edge.admit_many(pb::AdmitManyRequest { items: vec![item(ADMIN_TOKEN, "many-9")] }).await.unwrap_err());
+    assert_eq!(e.reason, Reason::PermissionDenied);
+}
+
 #[tokio::test]
 async fn grpc_admit_authenticate_and_revoke() {
     let server = start().await;
