@@ -26,6 +26,7 @@ type Reply = oneshot::Sender<Result<pb::AdmitResponse, ApiError>>;
 pub struct Admits {
     up: Arc<Upstreams>,
     /// The queue, and the task that drains it (started on first use, inside the runtime).
+    /// Unbounded: what waits in it is bounded by the creations in flight (`inflight`).
     queue: OnceLock<mpsc::UnboundedSender<(pb::AdmitRequest, Reply)>>,
 }
 

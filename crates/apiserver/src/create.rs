@@ -1,8 +1,9 @@
 //! The path of one creation (DESIGN.md section 3) and of a batch of them.
 //!
 //! One creation: (idempotent retry: a lease already bound to an edge that has the sandbox
-//! returns it), place, IAM `Admit` (gathered with concurrent ones: `crate::admits`; authenticate, authorize `sandbox.create`, reserve quota,
-//! bind to the edge), then the edge's `CreateSandbox`. An edge answering `no_capacity` or
+//! returns it), place, IAM `Admit` (authenticate, authorize `sandbox.create`, reserve quota,
+//! bind to the edge; gathered with concurrent ones by `crate::admits`), then the edge's
+//! `CreateSandbox`. An edge answering `no_capacity` or
 //! `unavailable` is penalized and the creation placed again elsewhere under the SAME lease (IAM
 //! only rebinds it), up to `placement.max_attempts` edges; when all refuse the lease is
 //! released, unless the last edge did not answer at all (`NO_ANSWER`: it died mid-call, it may

@@ -55,6 +55,10 @@ struct IamState {
     authentications: usize,
     /// Admin calls that reached the fake (any method).
     admin_calls: usize,
+    /// How long each admission takes (none: at once).
+    admit_delay: Option<std::time::Duration>,
+    /// The number of admissions in each AdmitMany call.
+    admit_many_sizes: Vec<usize>,
 }
 
 #[derive(Clone, Default)]
@@ -111,6 +115,10 @@ impl Iam for FakeIam {
     }
 
     async fn admit(&self, r: Request<pb::AdmitRequest>) -> Result<Response<pb::AdmitResponse>, Status> {
+        let delay = self.st().admit_delay;
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
         let r = r.into_inner();
         let (principal, project) = self.auth(&r.token)?;
         if !allowed(&project, &r.project) {
@@ -148,9 +156,12 @@ impl Iam for FakeIam {
     }
 
     async fn admit_many(&self, r: Request<pb::AdmitManyRequest>) -> Result<Response<pb::AdmitManyResponse>, Status> {
+        let items = r.into_inner().items;
+        self.st().admit_many_sizes.push(items.len());
+        let answers = futures::future::join_all(items.into_iter().map(|i| self.admit(Request::new(i)))).await;
         let mut results = Vec::new();
-        for item in r.into_inner().items {
-            results.push(match self.admit(Request::new(item)).await {
+        for answer in answers {
+            results.push(match answer {
                 Ok(a) => pb::AdmitResult { admitted: Some(a.into_inner()), error: None },
                 Err(st) => pb::AdmitResult { admitted: None, error: Some(ApiError::from_status(&st).to_detail()) },
             });
@@ -1054,6 +1065,39 @@ async fn batches_stream_every_item_and_wait_for_rate_limits() {
     let line =
         audit.lines().find(|l| l.contains("\"method\":\"CreateSandboxes\"") && l.contains("\"count\":6")).unwrap();
     assert!(line.contains("\"failed\":0"), "{line}");
+}
+
+/// The admissions of a batch's concurrent items go to IAM gathered: while the first calls are
+/// out (IAM slow here), the rest queue and go together in AdmitMany calls; every item is
+/// admitted once and created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batchs_admissions_are_gathered_into_admit_many_calls() {
+    let mut cfg = test_config();
+    cfg.rate_per_principal = 10_000.0;
+    cfg.burst_per_principal = 10_000.0;
+    cfg.batch_concurrency = 64;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0), ("e2", Mode::Accept, 0)], cfg).await;
+    c.iam.st().admit_delay = Some(std::time::Duration::from_millis(200));
+    let mut api = c.client();
+    let req = pb::CreateSandboxesRequest { spec: Some(spec()), count: 64, patches: vec![] };
+    let mut stream = api.create_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner();
+    let mut ok = 0;
+    while let Some(item) = stream.message().await.unwrap() {
+        assert!(item.error.is_none(), "item {} failed: {:?}", item.index, item.error);
+        ok += 1;
+    }
+    assert_eq!(ok, 64);
+    let st = c.iam.st();
+    let mut leases: Vec<&String> = st.admits.iter().map(|(l, _)| l).collect();
+    leases.sort_unstable();
+    leases.dedup();
+    assert_eq!((st.admits.len(), leases.len()), (64, 64), "each admitted once");
+    let gathered: usize = st.admit_many_sizes.iter().sum();
+    assert!(
+        st.admit_many_sizes.iter().any(|&n| n > 1) && gathered > 32,
+        "admissions were not gathered: AdmitMany sizes {:?}",
+        st.admit_many_sizes
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

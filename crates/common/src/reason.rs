@@ -141,7 +141,8 @@ impl fmt::Display for Reason {
 /// Metadata of an error the peer did not answer with (a status without our `ErrorInfo`: the
 /// connection failed or was refused, a proxy or the gRPC layer answered): whether the call
 /// took effect is unknown. A creation whose last edge call went unanswered keeps its lease
-/// where it was sent.
+/// where it was sent. It says so of one hop only: an error served on to a caller (as a status
+/// or a batch item's detail) was answered, and goes without it.
 pub const NO_ANSWER: &str = "no_answer";
 
 /// An error as it crosses a process boundary.
@@ -200,7 +201,7 @@ impl ApiError {
     }
 
     pub fn to_status(&self) -> tonic::Status {
-        let details = ErrorDetails::with_error_info(self.reason.as_str(), DOMAIN, self.metadata.clone());
+        let details = ErrorDetails::with_error_info(self.reason.as_str(), DOMAIN, self.served_metadata());
         tonic::Status::with_error_details(self.reason.code(), self.message.clone(), details)
     }
 
@@ -209,8 +210,13 @@ impl ApiError {
         opendsec_proto::v1::ErrorDetail {
             reason: self.reason.as_str().to_string(),
             message: self.message.clone(),
-            metadata: self.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            metadata: self.served_metadata(),
         }
+    }
+
+    /// The metadata a caller is answered with: all but [`NO_ANSWER`], which is this hop's.
+    fn served_metadata(&self) -> HashMap<String, String> {
+        self.metadata.iter().filter(|(k, _)| k.as_str() != NO_ANSWER).map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
     pub fn from_detail(d: &opendsec_proto::v1::ErrorDetail) -> ApiError {
@@ -301,6 +307,12 @@ mod tests {
         assert!(ApiError::from_status(&tonic::Status::unavailable("refused")).metadata.contains_key(NO_ANSWER));
         let ours = ApiError::unavailable("the edge is restarting").to_status();
         assert!(!ApiError::from_status(&ours).metadata.contains_key(NO_ANSWER));
+        // Served on (the apiserver answering with an edge's silence), it was answered.
+        let relayed = e.clone().with("edge", "e1");
+        let served = ApiError::from_status(&relayed.to_status());
+        assert_eq!((served.reason, served.metadata.get("edge").map(String::as_str)), (Reason::Unavailable, Some("e1")));
+        assert!(!served.metadata.contains_key(NO_ANSWER), "{served:?}");
+        assert!(!ApiError::from_detail(&relayed.to_detail()).metadata.contains_key(NO_ANSWER));
     }
 
     #[test]

@@ -9,8 +9,9 @@
 //!   GetLeases call per batch, on the same schedule, once they are [`CHECK_DELAY`] old (or a
 //!   whole batch is queued): a check is for a caller that gave up on the edge and placed the
 //!   lease elsewhere, which takes longer than that, and checks made at once would cost one
-//!   call per creation on an edge creating a few hundred a second. A lease IAM binds elsewhere or no longer
-//!   knows means the caller moved on: the sandbox is stopped (`lease_moved`) without a release.
+//!   call per creation on an edge creating a few hundred a second. A lease IAM binds
+//!   elsewhere or no longer knows means the caller moved on: the sandbox is stopped
+//!   (`lease_moved`) without a release.
 //!
 //! Invariants:
 //! - a lease leaves the release queue only when IAM confirmed the call; failures keep it queued

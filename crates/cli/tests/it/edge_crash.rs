@@ -240,20 +240,23 @@ async fn an_edge_killed_during_a_thousand_creations_leaves_no_orphan_and_no_leak
             tokio::spawn(async move {
                 while next.fetch_add(1, Ordering::SeqCst) < CREATIONS {
                     // Our own lease ids: what became of each is known by its sandbox id (the
-                    // apiserver scopes a caller's key to its project).
-                    let lease_id = opendsec_common::ids::new_lease_id();
-                    let id = format!("{EDGE}.{}", opendsec_apiserver::admission::scoped_lease_id("root", &lease_id));
-                    let req =
-                        pb::CreateSandboxRequest { spec: Some(container_spec("busybox", MEMORY_MB, 32)), lease_id };
-                    let sb = match admin.create_sandbox_with(req).await {
-                        Ok(sb) => sb,
-                        // No edge in the snapshot (it is down): nothing was made; again, anew.
-                        Err(e) if e.reason == opendsec_common::Reason::NoCapacity => {
-                            outcomes.lock().unwrap().answered.insert(id, e.reason.to_string());
-                            next.fetch_sub(1, Ordering::SeqCst);
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            continue;
+                    // apiserver scopes a caller's key to its project). A `no_capacity` (no edge
+                    // in the snapshot: it is down) made nothing: the same creation, anew.
+                    let (id, answer) = loop {
+                        let lease_id = opendsec_common::ids::new_lease_id();
+                        let scoped = opendsec_apiserver::admission::scoped_lease_id("root", &lease_id);
+                        let id = format!("{EDGE}.{scoped}");
+                        let spec = Some(container_spec("busybox", MEMORY_MB, 32));
+                        match admin.create_sandbox_with(pb::CreateSandboxRequest { spec, lease_id }).await {
+                            Err(e) if e.reason == opendsec_common::Reason::NoCapacity => {
+                                outcomes.lock().unwrap().answered.insert(id, e.reason.to_string());
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                            }
+                            answer => break (id, answer),
                         }
+                    };
+                    let sb = match answer {
+                        Ok(sb) => sb,
                         Err(e) => {
                             println!("creation of {id}: {e}");
                             let mut o = outcomes.lock().unwrap();
