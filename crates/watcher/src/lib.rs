@@ -9,6 +9,8 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashSet};
+
+use futures::StreamExt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,6 +30,9 @@ use tonic::{Request, Response, Status};
 
 /// Name of the IAM lock that elects the reconciling watcher.
 pub const RECONCILE_LOCK: &str = "watcher-reconcile";
+
+/// Edges reconciled at once (each: one Status with leases from the edge, one Reconcile to IAM).
+const RECONCILE_CONCURRENCY: usize = 16;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WatcherError {
@@ -88,6 +93,8 @@ struct Inner {
     snapshot: Mutex<Arc<pb::ClusterSnapshot>>,
     links: Arc<Links>,
     iam: Vec<String>,
+    /// The last edge a reconcile round reached (the next round starts after it).
+    reconcile_cursor: Mutex<String>,
 }
 
 impl Watcher {
@@ -110,6 +117,7 @@ impl Watcher {
                 snapshot: Mutex::new(Arc::new(pb::ClusterSnapshot::default())),
                 links,
                 iam,
+                reconcile_cursor: Mutex::new(String::new()),
             }),
         })
     }
@@ -230,82 +238,119 @@ impl Watcher {
         });
     }
 
-    /// One reconciliation round, if this watcher holds (or wins) the reconcile lock.
-    pub async fn reconcile_round(&self) -> ReconcileReport {
-        let mut report = ReconcileReport::default();
-        let cfg = &self.inner.opts.config;
-        let started = Instant::now();
-        let lock = match self.iam_client() {
-            Ok(mut iam) => {
-                iam.acquire_lock(pb::AcquireLockRequest {
-                    name: RECONCILE_LOCK.into(),
-                    holder: self.inner.opts.id.clone(),
-                    ttl_ms: cfg.lock_ttl.as_millis() as u64,
-                })
-                .await
+    /// Takes or renews the reconcile lock; the instant this watcher counts itself leader until
+    /// (by its own clock: request time + TTL - 2 s), or `None` when another holds it.
+    async fn take_lock(&self) -> Result<Option<Instant>, Status> {
+        let ttl = self.inner.opts.config.lock_ttl;
+        let asked = Instant::now();
+        let mut iam = self.iam_client().map_err(|e| e.to_status())?;
+        let r = iam
+            .acquire_lock(pb::AcquireLockRequest {
+                name: RECONCILE_LOCK.into(),
+                holder: self.inner.opts.id.clone(),
+                ttl_ms: ttl.as_millis() as u64,
+            })
+            .await?;
+        Ok(r.get_ref().acquired.then(|| asked + ttl.saturating_sub(Duration::from_secs(2))))
+    }
+
+    /// One edge's reconciliation: its live leases (asked of it while healthy; none once it has
+    /// been lost past the grace), told to IAM; skipped this round when neither is known.
+    async fn reconcile_edge(&self, name: &str, e: &EdgeEntry, now: i64, report: &Mutex<ReconcileReport>) {
+        let grace_ms = self.inner.opts.config.lost_edge_grace.as_millis() as i64;
+        let live = if e.healthy {
+            match self.status_of(name, &e.address, true).await {
+                Ok(s) => s.leases,
+                Err(err) => {
+                    tracing::debug!(edge = %name, error = %err, "reconcile: status failed, skipping edge");
+                    report.lock().unwrap_or_else(|p| p.into_inner()).errors += 1;
+                    return;
+                }
             }
+        } else if e.unhealthy_since_ms > 0 && now - e.unhealthy_since_ms > grace_ms {
+            report.lock().unwrap_or_else(|p| p.into_inner()).edges_emptied += 1;
+            Vec::new()
+        } else {
+            return;
+        };
+        let result = match self.iam_client() {
+            Ok(mut iam) => iam.reconcile(pb::ReconcileRequest { edge: name.to_string(), live }).await,
             Err(e) => Err(e.to_status()),
         };
-        match lock {
-            Ok(r) if r.get_ref().acquired => {}
-            Ok(_) => return report,
+        let mut report = report.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            Ok(r) => {
+                let r = r.into_inner();
+                report.edges_reconciled += 1;
+                report.adopted += r.adopted;
+                report.released += r.released;
+                if r.adopted > 0 || r.released > 0 {
+                    tracing::info!(edge = %name, adopted = r.adopted, released = r.released, "reconciled");
+                }
+            }
+            Err(s) => {
+                tracing::warn!(edge = %name, error = %s.message(), "reconcile failed");
+                report.errors += 1;
+            }
+        }
+    }
+
+    /// One reconciliation round, if this watcher holds (or wins) the reconcile lock: every
+    /// edge, `RECONCILE_CONCURRENCY` at a time, the lock renewed as the round goes on. A round
+    /// that loses the lock (or cannot renew it) stops; the next one starts with the edges this
+    /// one did not reach, so no edge waits on the others forever.
+    pub async fn reconcile_round(&self) -> ReconcileReport {
+        let mut leader_until = match self.take_lock().await {
+            Ok(Some(until)) => until,
+            Ok(None) => return ReconcileReport::default(),
             Err(s) => {
                 tracing::warn!(error = %s.message(), "reconcile: cannot take the lock");
-                report.errors += 1;
-                return report;
+                return ReconcileReport { errors: 1, ..ReconcileReport::default() };
             }
-        }
-        report.leader = true;
-        let leader_until = started + cfg.lock_ttl.saturating_sub(Duration::from_secs(2));
+        };
+        let ttl = self.inner.opts.config.lock_ttl;
+        let report = Mutex::new(ReconcileReport { leader: true, ..ReconcileReport::default() });
         let now = now_ms();
-        let grace_ms = cfg.lost_edge_grace.as_millis() as i64;
-        let edges: Vec<(String, EdgeEntry)> = self.edges().iter().map(|(n, e)| (n.clone(), e.clone())).collect();
-        for (name, e) in &edges {
+        let mut edges: Vec<(String, EdgeEntry)> = self.edges().iter().map(|(n, e)| (n.clone(), e.clone())).collect();
+        // The edges after the one the last round reached first, then the rest.
+        let cursor = self.inner.reconcile_cursor.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let first = edges.iter().position(|(n, _)| *n > cursor).unwrap_or(0);
+        edges.rotate_left(first);
+        let mut pending = edges.iter();
+        let mut running = futures::stream::FuturesUnordered::new();
+        let mut complete = true;
+        loop {
+            // Renewed once half the leadership window has gone (a round longer than the TTL
+            // keeps the lock; one that cannot renew it stops).
+            let left = leader_until.saturating_duration_since(Instant::now());
+            if left < ttl.saturating_sub(Duration::from_secs(2)) / 2
+                && let Ok(Some(until)) = self.take_lock().await
+            {
+                leader_until = until;
+            }
             if Instant::now() >= leader_until {
                 tracing::warn!("reconcile: leadership window over, stopping the round");
+                complete = false;
                 break;
             }
-            let live = if e.healthy {
-                match self.status_of(name, &e.address, true).await {
-                    Ok(s) => Some(s.leases),
-                    Err(err) => {
-                        tracing::debug!(edge = %name, error = %err, "reconcile: status failed, skipping edge");
-                        report.errors += 1;
-                        None
-                    }
-                }
-            } else if e.unhealthy_since_ms > 0 && now - e.unhealthy_since_ms > grace_ms {
-                report.edges_emptied += 1;
-                Some(Vec::new())
-            } else {
-                None
-            };
-            let Some(live) = live else { continue };
-            let result = match self.iam_client() {
-                Ok(mut iam) => iam.reconcile(pb::ReconcileRequest { edge: name.clone(), live }).await,
-                Err(e) => Err(e.to_status()),
-            };
-            match result {
-                Ok(r) => {
-                    let r = r.into_inner();
-                    report.edges_reconciled += 1;
-                    report.adopted += r.adopted;
-                    report.released += r.released;
-                    if r.adopted > 0 || r.released > 0 {
-                        tracing::info!(edge = %name, adopted = r.adopted, released = r.released, "reconciled");
-                    }
-                }
-                Err(s) => {
-                    tracing::warn!(edge = %name, error = %s.message(), "reconcile failed");
-                    report.errors += 1;
-                }
+            while running.len() < RECONCILE_CONCURRENCY {
+                let Some((name, e)) = pending.next() else { break };
+                *self.inner.reconcile_cursor.lock().unwrap_or_else(|p| p.into_inner()) = name.clone();
+                running.push(self.reconcile_edge(name, e, now, &report));
+            }
+            if running.next().await.is_none() {
+                break;
             }
         }
-        if Instant::now() < leader_until {
+        // Calls already made finish (each is one edge's whole answer, applied by IAM at once).
+        while running.next().await.is_some() {}
+        drop(running);
+        let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
+        if complete && Instant::now() < leader_until {
             let known: HashSet<&String> = edges.iter().map(|(n, _)| n).collect();
             let req = pb::SweepUnboundRequest {
                 known_edges: known.into_iter().cloned().collect(),
-                older_than_s: cfg.sweep_unbound_after.as_secs(),
+                older_than_s: self.inner.opts.config.sweep_unbound_after.as_secs(),
             };
             match self.iam_client() {
                 Ok(mut iam) => match iam.sweep_unbound(req).await {

@@ -1,9 +1,9 @@
 //! The watcher against fake edges over real gRPC and mTLS: health after consecutive failures,
 //! an edge answering under another name or holding another edge's certificate, registration
-//! (only as the edge of the caller's certificate).
+//! (only as the edge of the caller's certificate); reconciliation rounds against a real IAM.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use opendsec_common::config::{EdgeEndpoint, WatcherConfig};
@@ -17,13 +17,20 @@ use tonic::{Request, Response, Status};
 struct FakeEdge {
     name: String,
     up: Arc<AtomicBool>,
+    /// How long a Status with leases (a reconciliation's) takes, and who asked, in order.
+    slow: Duration,
+    asked: Arc<Mutex<Vec<String>>>,
 }
 
 #[tonic::async_trait]
 impl pb::edge_server::Edge for FakeEdge {
-    async fn status(&self, _r: Request<pb::StatusRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
+    async fn status(&self, r: Request<pb::StatusRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
         if !self.up.load(Ordering::SeqCst) {
             return Err(Status::unavailable("down"));
+        }
+        if r.get_ref().include_leases {
+            self.asked.lock().unwrap().push(self.name.clone());
+            tokio::time::sleep(self.slow).await;
         }
         Ok(Response::new(pb::EdgeStatus { edge: self.name.clone(), ..Default::default() }))
     }
@@ -86,10 +93,20 @@ impl pb::edge_server::Edge for FakeEdge {
 /// A fake edge serving with the certificate of edge `cert` and answering Status as
 /// `answers_as`.
 async fn fake_edge(pki: &std::path::Path, cert: &str, answers_as: &str) -> (String, Arc<AtomicBool>) {
+    slow_edge(pki, cert, answers_as, Duration::ZERO, Default::default()).await
+}
+
+async fn slow_edge(
+    pki: &std::path::Path,
+    cert: &str,
+    answers_as: &str,
+    slow: Duration,
+    asked: Arc<Mutex<Vec<String>>>,
+) -> (String, Arc<AtomicBool>) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let up = Arc::new(AtomicBool::new(true));
-    let svc = pb::edge_server::EdgeServer::new(FakeEdge { name: answers_as.into(), up: up.clone() });
+    let svc = pb::edge_server::EdgeServer::new(FakeEdge { name: answers_as.into(), up: up.clone(), slow, asked });
     let tls = creds(pki, Role::Edge, cert);
     tokio::spawn(async move {
         grpc::serve_internal(grpc::internal_server().add_service(svc), l, &tls, std::future::pending()).await
@@ -217,4 +234,89 @@ async fn registration_is_by_certificate_and_methods_by_role() {
     let foreign = grpc::Links::new(creds(other.path(), Role::Apiserver, "0"));
     let mut c = pb::watcher_client::WatcherClient::new(foreign.channel(&addr, Role::Watcher, None).unwrap());
     assert!(c.get_snapshot(pb::GetSnapshotRequest {}).await.is_err());
+}
+
+/// A real IAM served at `addr` (its data in `dir`) until the returned sender is dropped or
+/// fired; the handle ends once it has shut down.
+async fn iam_at(
+    dir: &std::path::Path,
+    pki: &std::path::Path,
+    addr: &str,
+) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let mut cfg = opendsec_common::config::Config { state_dir: dir.to_path_buf(), ..Default::default() };
+    cfg.iam.admin_token = format!("dsk.admin.{}", "s".repeat(32));
+    let iam = opendsec_iam::Iam::open(opendsec_iam::IamOptions::from_config(&cfg)).unwrap();
+    let l = tokio::net::TcpListener::bind(addr).await.unwrap();
+    let tls = creds(pki, Role::Iam, "0");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let done = tokio::spawn(async move {
+        let keep = iam.clone();
+        let _ = opendsec_iam::serve(iam, l, &tls, async move {
+            let _ = rx.await;
+        })
+        .await;
+        keep.shutdown().await;
+    });
+    (tx, done)
+}
+
+/// A round longer than the lock's TTL keeps the lock and reaches every edge; a round cut short
+/// (IAM gone: the lock cannot be renewed) stops at the end of its window, and the next round
+/// begins with the edges it did not reach, so that no edge waits forever behind the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_rounds_renew_the_lock_and_resume_where_they_stopped() {
+    let pki = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let iam_addr = format!("127.0.0.1:{}", opendsec_testkit::free_port());
+    let (iam, iam_done) = iam_at(data.path(), pki.path(), &iam_addr).await;
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let mut edges = Vec::new();
+    for i in 0..48 {
+        let name = format!("e{i:02}");
+        let (addr, _) = slow_edge(pki.path(), &name, &name, Duration::from_millis(300), asked.clone()).await;
+        edges.push(EdgeEndpoint { name, address: addr });
+    }
+    // Leader for 0.5 s after each (re)acquisition; one round takes 48 / 16 x 300 ms at least.
+    let config = WatcherConfig { lock_ttl: Duration::from_millis(2500), ..WatcherConfig::default() };
+    let w = Watcher::new(WatcherOptions {
+        id: "w1".into(),
+        config,
+        edges: edges.clone(),
+        iam_addrs: vec![iam_addr.clone()],
+        tls: creds(pki.path(), Role::Watcher, "0"),
+    })
+    .unwrap();
+    w.probe_round().await;
+    let r = w.reconcile_round().await;
+    assert!(r.leader, "{r:?}");
+    assert_eq!((r.edges_reconciled, r.errors), (48, 0), "the whole round, under a renewed lock: {r:?}");
+    let first: Vec<String> = std::mem::take(&mut *asked.lock().unwrap());
+    assert_eq!(first.len(), 48);
+
+    // IAM goes away a moment into the next round: what was asked fails, the lock cannot be
+    // renewed, and the round stops without reaching every edge.
+    let round = {
+        let w = w.clone();
+        tokio::spawn(async move { w.reconcile_round().await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    drop(iam);
+    let r = round.await.unwrap();
+    let reached: Vec<String> = std::mem::take(&mut *asked.lock().unwrap());
+    assert!(r.leader && r.errors > 0, "{r:?}");
+    assert!(reached.len() < 48, "the round went on without a lock: {reached:?}");
+    // The next round, IAM back, starts after the last edge the cut-short one reached.
+    iam_done.await.unwrap();
+    let _iam = iam_at(data.path(), pki.path(), &iam_addr).await;
+    let r = w.reconcile_round().await;
+    assert_eq!((r.edges_reconciled, r.errors), (48, 0), "{r:?}");
+    let next: Vec<String> = std::mem::take(&mut *asked.lock().unwrap());
+    let last = reached.iter().max().unwrap();
+    let unreached: Vec<&String> = first.iter().filter(|n| !reached.contains(n)).collect();
+    let begun: Vec<&String> = next.iter().take(unreached.len()).collect();
+    let mut want = unreached.clone();
+    want.sort();
+    let mut got = begun.clone();
+    got.sort();
+    assert_eq!(got, want, "the edges the last round did not reach come first (after {last})");
 }
