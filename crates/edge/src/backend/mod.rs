@@ -43,6 +43,9 @@ pub struct Readings {
     pub disk_total_bytes: u64,
 }
 
+/// Probes in flight at once in [`Backend::gone`]'s default.
+const PROBE_CONCURRENCY: usize = 64;
+
 /// One isolation backend (`sim`, `container`, `fncall`, `microvm`, `fullvm`).
 #[async_trait]
 pub trait Backend: Send + Sync {
@@ -63,6 +66,19 @@ pub trait Backend: Send + Sync {
 
     /// Whether the sandbox `id` is still alive (RUNNING or PAUSED in the backend's view).
     async fn probe(&self, id: &str) -> Result<bool, BackendError>;
+
+    /// Of these sandbox ids, the positions of those the backend answers are gone (a probe that
+    /// fails says nothing). The edge's liveness sweep asks this of every live sandbox each round:
+    /// a backend that can answer for many at once (`sim`: one lookup each under one lock) says so.
+    async fn gone(&self, ids: &[&str]) -> Vec<usize> {
+        let mut gone = Vec::new();
+        for (c, chunk) in ids.chunks(PROBE_CONCURRENCY).enumerate() {
+            let answers = futures::future::join_all(chunk.iter().map(|id| self.probe(id))).await;
+            let base = c * PROBE_CONCURRENCY;
+            gone.extend(answers.iter().enumerate().filter(|(_, a)| matches!(a, Ok(false))).map(|(i, _)| base + i));
+        }
+        gone
+    }
 
     /// Takes back a RUNNING or PAUSED sandbox after an edge restart (reconnects to it).
     async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError>;

@@ -26,10 +26,54 @@ struct SimSandbox {
     resources: ResourcesRecord,
 }
 
+/// What the sim backend holds, with the sum of their resources kept as they come and go (the
+/// edge's Status asks for it every probe: a sum over hundreds of sandboxes per probe per edge
+/// is what made a thousand sim edges cost a core).
+#[derive(Debug, Default)]
+struct Held {
+    map: HashMap<String, SimSandbox>,
+    cpu_millis: u64,
+    memory_mb: u64,
+}
+
+impl Held {
+    fn insert(&mut self, id: String, sb: SimSandbox) {
+        self.add(&sb);
+        if let Some(old) = self.map.insert(id, sb) {
+            self.sub(&old);
+        }
+    }
+
+    fn remove(&mut self, id: &str) -> Option<SimSandbox> {
+        let old = self.map.remove(id)?;
+        self.sub(&old);
+        Some(old)
+    }
+
+    fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.map.retain(|id, _| keep(id));
+        let (cpu, mem) = self
+            .map
+            .values()
+            .fold((0u64, 0u64), |(c, m), s| (c + u64::from(s.resources.cpu_millis), m + s.resources.memory_mb));
+        (self.cpu_millis, self.memory_mb) = (cpu, mem);
+    }
+
+    fn add(&mut self, sb: &SimSandbox) {
+        self.cpu_millis += u64::from(sb.resources.cpu_millis);
+        self.memory_mb += sb.resources.memory_mb;
+    }
+
+    fn sub(&mut self, sb: &SimSandbox) {
+        self.cpu_millis -= u64::from(sb.resources.cpu_millis);
+        self.memory_mb -= sb.resources.memory_mb;
+    }
+}
+
 /// The simulated backend. Cheap to share: `Arc<SimBackend>` is what the edge holds.
 #[derive(Debug, Default)]
 pub struct SimBackend {
-    sandboxes: Mutex<HashMap<String, SimSandbox>>,
+    sandboxes: Mutex<Held>,
     /// Delay of every lifecycle call in microseconds; 0 = none.
     delay_us: AtomicU64,
     fail_creates: Mutex<Option<Reason>>,
@@ -59,23 +103,23 @@ impl SimBackend {
 
     /// Sandboxes the backend holds.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
+        self.lock().map.is_empty()
     }
 
     pub fn contains(&self, id: &str) -> bool {
-        self.lock().contains_key(id)
+        self.lock().map.contains_key(id)
     }
 
     /// `Some(true)` when the sandbox is held and paused.
     pub fn is_paused(&self, id: &str) -> Option<bool> {
-        self.lock().get(id).map(|s| s.paused)
+        self.lock().map.get(id).map(|s| s.paused)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, SimSandbox>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
         // The map stays consistent even if a holder panicked: every update is one insert/remove.
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -93,7 +137,8 @@ impl SimBackend {
 
     fn set_paused(&self, id: &str, paused: bool) -> Result<(), BackendError> {
         let mut map = self.lock();
-        let sb = map.get_mut(id).ok_or_else(|| BackendError::not_found(format!("sim sandbox {id} does not exist")))?;
+        let sb =
+            map.map.get_mut(id).ok_or_else(|| BackendError::not_found(format!("sim sandbox {id} does not exist")))?;
         // Pausing a paused sandbox (or resuming a running one) is a no-op, as on every backend
         // (the conformance suite): a recovery may repeat an interrupted operation.
         if sb.paused == paused {
@@ -140,6 +185,11 @@ impl Backend for SimBackend {
         Ok(self.contains(id))
     }
 
+    async fn gone(&self, ids: &[&str]) -> Vec<usize> {
+        let held = self.lock();
+        ids.iter().enumerate().filter(|(_, id)| !held.map.contains_key(**id)).map(|(i, _)| i).collect()
+    }
+
     async fn adopt(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         self.delay().await;
         let entry = SimSandbox { paused: sb.state == SandboxStatus::Paused, resources: sb.resources() };
@@ -149,18 +199,15 @@ impl Backend for SimBackend {
 
     async fn cleanup(&self, keep: &HashSet<String>) -> Result<usize, BackendError> {
         let mut map = self.lock();
-        let before = map.len();
-        map.retain(|id, _| keep.contains(id));
-        Ok(before - map.len())
+        let before = map.map.len();
+        map.retain(|id| keep.contains(id));
+        Ok(before - map.map.len())
     }
 
     /// Simulated: half of what the sandboxes were given.
     fn usage(&self) -> Option<Usage> {
-        let map = self.lock();
-        let (cpu, mem) = map
-            .values()
-            .fold((0u64, 0u64), |(c, m), s| (c + u64::from(s.resources.cpu_millis), m + s.resources.memory_mb));
-        Some(Usage { cpu_millis: cpu / 2, memory_mb: mem / 2 })
+        let held = self.lock();
+        Some(Usage { cpu_millis: held.cpu_millis / 2, memory_mb: held.memory_mb / 2 })
     }
 
     fn versioned(&self) -> Option<&dyn Versioned> {
@@ -252,5 +299,19 @@ mod tests {
         assert_eq!(b.len(), 1);
         assert_eq!(b.is_paused("e.a"), Some(true));
         assert_eq!(b.versioned().unwrap().runtime_versions(), ["sim 1"]);
+        // The totals follow what is held, through adoption, cleanup, kills and repeats.
+        assert_eq!(
+            b.usage(),
+            Some(Usage {
+                cpu_millis: rec("e.a", 1).resources().cpu_millis as u64 / 2,
+                memory_mb: rec("e.a", 1).resources().memory_mb / 2
+            })
+        );
+        b.adopt(&r).await.unwrap();
+        b.create(&rec("e.d", 1)).await.unwrap();
+        assert_eq!(b.gone(&["e.a", "e.x", "e.d", "e.b"]).await, [1, 3]);
+        assert!(b.kill("e.d") && !b.kill("e.d"));
+        b.stop(&r).await.unwrap();
+        assert_eq!(b.usage(), Some(Usage { cpu_millis: 0, memory_mb: 0 }));
     }
 }

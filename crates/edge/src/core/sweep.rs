@@ -20,35 +20,50 @@ impl Inner {
         let now = self.clock.now_ms();
         let retention = i64::try_from(self.cfg.ended_retention.as_millis()).unwrap_or(i64::MAX);
         let mut expired = Vec::new();
-        let mut probe = Vec::new();
         let mut delete = Vec::new();
         let mut moves = Vec::new();
         let stale = i64::try_from(self.cfg.move_stale.as_millis()).unwrap_or(i64::MAX);
-        for rec in self.table().records() {
-            if rec.moved.is_moving() || (!rec.moved.moved_to.is_empty() && rec.state.is_live()) {
-                // A move holds the sandbox (no expiry, no probes of a frozen sandbox) until it
-                // is finished, by its caller or, past its time, here.
-                if !rec.moved.is_moving() || rec.moved.moving_since_ms.saturating_add(stale) <= now {
-                    moves.push(rec.lease_id.clone());
+        let mut probe: HashMap<String, Vec<Arc<SandboxRecord>>> = HashMap::new();
+        // One look at the table and the activity map for the whole round (in that order, as
+        // every caller that holds both takes them).
+        {
+            let table = self.table();
+            let activity = self.activity.lock();
+            let active_ms = |lease: &str| match activity.get(lease) {
+                Some((0, last)) => *last,
+                Some(_) => now,
+                None => 0,
+            };
+            for rec in table.records() {
+                if rec.moved.is_moving() || (!rec.moved.moved_to.is_empty() && rec.state.is_live()) {
+                    // A move holds the sandbox (no expiry, no probes of a frozen sandbox) until it
+                    // is finished, by its caller or, past its time, here.
+                    if !rec.moved.is_moving() || rec.moved.moving_since_ms.saturating_add(stale) <= now {
+                        moves.push(rec.lease_id.clone());
+                    }
+                } else if ttl::expired_active(rec, now, active_ms(&rec.lease_id)).is_some() {
+                    expired.push(rec.lease_id.clone());
+                } else if rec.state.is_adoptable() {
+                    probe.entry(rec.spec.backend.clone()).or_default().push(rec.clone());
+                } else if rec.state.is_ended() && rec.lease_released && rec.ended_at_ms.saturating_add(retention) <= now
+                {
+                    delete.push(rec.lease_id.clone());
                 }
-            } else if ttl::expired_active(rec, now, self.active_ms(&rec.lease_id, now)).is_some() {
-                expired.push(rec.lease_id.clone());
-            } else if rec.state.is_adoptable() {
-                probe.push(rec.clone());
-            } else if rec.state.is_ended() && rec.lease_released && rec.ended_at_ms.saturating_add(retention) <= now {
-                delete.push(rec.lease_id.clone());
             }
         }
         futures::stream::iter(expired)
             .for_each_concurrent(LOOP_CONCURRENCY, |lease| async move { self.expire(&lease).await })
             .await;
-        futures::stream::iter(probe)
-            .for_each_concurrent(LOOP_CONCURRENCY, |rec| async move {
-                let Some(b) = self.backend(&rec.spec.backend) else { return };
-                if let Ok(false) = b.probe(&rec.id).await {
-                    self.check_lost(&rec.lease_id).await;
-                }
-            })
+        // Liveness: each backend asked for all of its sandboxes at once; what it answers gone
+        // is looked at again, one by one, under the sandbox's lock.
+        let mut lost = Vec::new();
+        for (backend, recs) in probe {
+            let Some(b) = self.backend(&backend) else { continue };
+            let ids: Vec<&str> = recs.iter().map(|r| r.id.as_str()).collect();
+            lost.extend(b.gone(&ids).await.into_iter().filter_map(|i| recs.get(i)).map(|r| r.lease_id.clone()));
+        }
+        futures::stream::iter(lost)
+            .for_each_concurrent(LOOP_CONCURRENCY, |lease| async move { self.check_lost(&lease).await })
             .await;
         if !delete.is_empty() {
             self.delete_ended(delete).await;
