@@ -7,7 +7,7 @@
 //! exists. Each call runs in its own task and ends with exactly one audit line, even when the
 //! client goes away mid-call.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use opendsec_common::{ApiError, ids};
@@ -25,7 +25,7 @@ use crate::forward;
 use crate::images;
 use crate::moves;
 use crate::pools;
-use crate::state::{Call, Shared};
+use crate::state::{Call, Shared, Snapshot};
 
 pub struct SandboxesService {
     shared: Arc<Shared>,
@@ -265,39 +265,96 @@ async fn list_sandboxes(
         after: req.page_token.clone(),
         limit: page_size + 1,
     };
-    let calls = snap.addrs.iter().filter(|(_, (_, healthy))| *healthy).map(|(name, _)| {
-        let r = edge_req.clone();
-        async move { forward::edge_forward(s, name, |mut c| async move { c.list_sandboxes(r).await }).await }
-    });
+    let plan = ListPlan::new(&snap, &req.page_token);
     let limit = page_size as usize + 1;
+    let size = page_size as usize;
     let mut merged = BTreeMap::new();
     // The smallest last id among edges that hold more than they sent: beyond it the merged
     // order has holes, so the page ends there at the latest.
     let mut cutoff: Option<String> = None;
-    for res in futures::future::join_all(calls).await {
-        // A partial list could make a caller act on sandboxes it believes gone: fail instead.
-        let page = res?;
-        if (page.more || page.sandboxes.len() >= limit)
-            && let Some(last) = page.sandboxes.last()
-            && cutoff.as_ref().is_none_or(|c| last.id < *c)
-        {
-            cutoff = Some(last.id.clone());
+    let (mut next, mut wave) = (0, FIRST_WAVE);
+    let mut ask: Vec<&str> = plan.movers.iter().map(String::as_str).collect();
+    loop {
+        let upto = (next + wave).min(plan.runs.len());
+        ask.extend(plan.runs[next..upto].iter().map(|(_, n)| *n));
+        ask.sort_unstable();
+        ask.dedup();
+        next = upto;
+        wave = (wave * 2).min(MAX_WAVE);
+        let calls = ask.drain(..).map(|name| {
+            let r = edge_req.clone();
+            async move { forward::edge_forward(s, name, |mut c| async move { c.list_sandboxes(r).await }).await }
+        });
+        for res in futures::future::join_all(calls).await {
+            // A partial list could make a caller act on sandboxes it believes gone: fail instead.
+            let page = res?;
+            if (page.more || page.sandboxes.len() >= limit)
+                && let Some(last) = page.sandboxes.last()
+                && cutoff.as_ref().is_none_or(|c| last.id < *c)
+            {
+                cutoff = Some(last.id.clone());
+            }
+            for sb in page.sandboxes {
+                merged.insert(sb.id.clone(), sb);
+            }
         }
-        for sb in page.sandboxes {
-            merged.insert(sb.id.clone(), sb);
+        // Ids from the first run not asked yet on may miss that run's sandboxes.
+        if let Some((bound, _)) = plan.runs.get(next) {
+            merged.retain(|id, _| id.as_str() < bound.as_str());
+        }
+        if let Some(c) = &cutoff {
+            merged.retain(|id, _| id <= c);
+        }
+        if merged.len() >= size || cutoff.is_some() || next >= plan.runs.len() {
+            break;
         }
     }
-    let mut more = false;
-    if let Some(c) = &cutoff {
-        more = true;
-        merged.retain(|id, _| id <= c);
-    }
-    let size = page_size as usize;
-    more |= merged.len() > size;
+    // More may follow where the page was cut: at an edge that had more, or at runs not asked.
+    let more = merged.len() > size || cutoff.is_some() || next < plan.runs.len();
     let sandboxes: Vec<pb::Sandbox> = merged.into_values().take(size).collect();
     let next_page_token =
         if more { sandboxes.last().map(|sb| sb.id.clone()).unwrap_or_default() } else { String::new() };
     Ok(pb::ListSandboxesResponse { sandboxes, next_page_token })
+}
+
+/// Edges asked at once for a page at first; each further round asks twice as many, up to
+/// `MAX_WAVE`.
+const FIRST_WAVE: usize = 8;
+const MAX_WAVE: usize = 256;
+
+/// Which edges a page of ids after `after` needs, in the order it needs them. Edge names hold
+/// no dot and an edge gives out ids `<edge>.<lease>`, so each edge's own ids are one run of the
+/// id order, the runs ordered by `<edge>.`: a page walks the runs from the one `after` falls in
+/// and stops once it is full, instead of asking every edge for a page of its own. Sandboxes
+/// that moved keep their ids and live on another edge: the edges holding any with an id after
+/// `after` (the snapshot says which, as it does for routing) are asked in the first round too
+/// (and again when their own run comes).
+struct ListPlan<'a> {
+    /// (`<edge>.`, edge) of the healthy edges whose runs may hold ids after `after`, in order.
+    runs: Vec<(String, &'a str)>,
+    movers: BTreeSet<String>,
+}
+
+impl<'a> ListPlan<'a> {
+    fn new(snap: &'a Snapshot, after: &str) -> ListPlan<'a> {
+        let mut runs: Vec<(String, &str)> = snap
+            .addrs
+            .iter()
+            .filter(|(_, (_, healthy))| *healthy)
+            .map(|(name, _)| (format!("{name}."), name.as_str()))
+            // A run wholly before `after` holds nothing after it: its key sorts below `after`
+            // and is not the start of it.
+            .filter(|(key, _)| key.as_str() > after || after.starts_with(key.as_str()))
+            .collect();
+        runs.sort_unstable();
+        let movers = snap
+            .moved
+            .iter()
+            .filter(|(id, edge)| id.as_str() > after && snap.addrs.get(*edge).is_some_and(|(_, healthy)| *healthy))
+            .map(|(_, edge)| edge.clone())
+            .collect();
+        ListPlan { runs, movers }
+    }
 }
 
 #[tonic::async_trait]

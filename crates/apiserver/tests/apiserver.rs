@@ -3,7 +3,7 @@
 //! certificates of a CA made per test). The public port runs in plain text here (loopback,
 //! `insecure_plaintext`); the cluster tests exercise it over TLS.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -298,6 +298,8 @@ struct EdgeState {
     mode: Mode,
     sandboxes: BTreeMap<String, pb::Sandbox>,
     creates: usize,
+    /// ListSandboxes calls.
+    lists: usize,
     /// GetSandbox calls (the apiserver caches a sandbox's project for runtime calls).
     gets: usize,
     /// Runtime calls as (method, sandbox id).
@@ -330,6 +332,7 @@ impl FakeEdge {
                 mode,
                 sandboxes: BTreeMap::new(),
                 creates: 0,
+                lists: 0,
                 gets: 0,
                 runtime_calls: Vec::new(),
                 files: Vec::new(),
@@ -401,7 +404,8 @@ impl Edge for FakeEdge {
 
     async fn list_sandboxes(&self, r: Request<pb::EdgeListRequest>) -> Result<Response<pb::EdgeListResponse>, Status> {
         let r = r.into_inner();
-        let st = self.st.lock().unwrap();
+        let mut st = self.st.lock().unwrap();
+        st.lists += 1;
         let mut all: Vec<pb::Sandbox> = st
             .sandboxes
             .values()
@@ -652,6 +656,8 @@ struct Cluster {
     iam: FakeIam,
     image_store: std::path::PathBuf,
     edges: Vec<FakeEdge>,
+    /// What the watcher's snapshot says of each edge.
+    snapshot_edges: Arc<Mutex<Vec<pb::EdgeInfo>>>,
     api: SocketAddr,
     audit_path: std::path::PathBuf,
     _dir: tempfile::TempDir,
@@ -742,6 +748,7 @@ impl Cluster {
         tokio::spawn(async move { grpc::serve_internal(router, l, &tls, stop).await });
 
         let watcher = FakeWatcher::default();
+        let snapshot_edges = watcher.edges.clone();
         let mut fakes = Vec::new();
         for (name, mode, cpu) in edges {
             let fake = FakeEdge::new(name, *mode);
@@ -786,7 +793,17 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert!(http_get(metrics, "/metrics").await.contains("opendsec_apiserver"));
-        Cluster { iam, image_store, edges: fakes, api, audit_path, _dir: dir, stops, apiserver: Some(apiserver) }
+        Cluster {
+            iam,
+            image_store,
+            edges: fakes,
+            snapshot_edges,
+            api,
+            audit_path,
+            _dir: dir,
+            stops,
+            apiserver: Some(apiserver),
+        }
     }
 
     fn images(&self) -> ImagesClient<Channel> {
@@ -1782,4 +1799,93 @@ async fn a_tenants_batch_does_not_starve_another_tenants_single_creation() {
     drain.await.unwrap();
     assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 40);
     c.stop().await;
+}
+
+/// A sandbox of project `project` held by edge `holder` under id `id`, as edges list them.
+fn held(id: &str, project: &str) -> pb::Sandbox {
+    pb::Sandbox {
+        id: id.into(),
+        state: pb::SandboxState::Running as i32,
+        spec: Some(pb::SandboxSpec { project: project.into(), ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// Pages through 24 edges: every sandbox once and in id order, while others are created
+/// between pages (those after the page token show up, none is repeated or skipped), a
+/// sandbox that moved (its id names edge e03, edge e23 holds it) listed once, and a page asks
+/// only the edges it needs, not every edge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_walk_the_edges_in_id_order_and_skip_or_repeat_nothing() {
+    let names: Vec<String> = (0..24).map(|i| format!("e{i:02}")).collect();
+    let edges: Vec<(&str, Mode, u32)> = names.iter().map(|n| (n.as_str(), Mode::Accept, 0)).collect();
+    let c = Cluster::start(&edges, test_config()).await;
+    let mut want = BTreeSet::new();
+    for (i, e) in c.edges.iter().enumerate() {
+        let mut st = e.st.lock().unwrap();
+        for k in 0..(i % 4) * 3 {
+            let id = format!("{}.l{k:03}", names[i]);
+            st.sandboxes.insert(id.clone(), held(&id, "root/a"));
+            want.insert(id);
+        }
+        // Another tenant's sandboxes are not listed.
+        st.sandboxes.insert(format!("{}.zz", names[i]), held(&format!("{}.zz", names[i]), "root/b"));
+    }
+    c.edges[23].st.lock().unwrap().sandboxes.insert("e03.moved".into(), held("e03.moved", "root/a"));
+    want.insert("e03.moved".to_string());
+    {
+        let mut snap = c.snapshot_edges.lock().unwrap();
+        snap[23].status.as_mut().unwrap().moved_in = vec!["e03.moved".into()];
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await; // the apiserver's next snapshot
+
+    let api = c.client();
+    let list = |token: String| {
+        let mut api = api.clone();
+        async move {
+            let req = pb::ListSandboxesRequest { page_size: 4, page_token: token, ..Default::default() };
+            api.list_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner()
+        }
+    };
+    let lists = |c: &Cluster| c.edges.iter().map(|e| e.st.lock().unwrap().lists).sum::<usize>();
+    // The first page needs the first runs and the edge holding the moved sandbox only.
+    let before = lists(&c);
+    let first = list(String::new()).await;
+    let asked = lists(&c) - before;
+    assert!(asked <= 9, "a page of 4 asked {asked} of 24 edges");
+    assert_eq!(first.sandboxes.len(), 4);
+
+    let (mut got, mut token, mut added) = (Vec::new(), String::new(), 0);
+    loop {
+        let page = list(token.clone()).await;
+        got.extend(page.sandboxes.iter().map(|sb| sb.id.clone()));
+        // Between pages, sandboxes come: one behind the token (not listed now: it sorts before
+        // where the listing is), one ahead of it on another edge (listed when reached).
+        if let Some(last) = page.sandboxes.last() {
+            let (edge, _) = last.id.split_once('.').unwrap();
+            let i: usize = edge[1..].parse().unwrap();
+            let behind = format!("{edge}.a{added:03}");
+            c.edges[i].st.lock().unwrap().sandboxes.insert(behind.clone(), held(&behind, "root/a"));
+            if i + 2 < 24 {
+                let ahead = format!("{}.n{added:03}", names[i + 2]);
+                c.edges[i + 2].st.lock().unwrap().sandboxes.insert(ahead.clone(), held(&ahead, "root/a"));
+                want.insert(ahead);
+            }
+            added += 1;
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    let mut sorted = got.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(got, sorted, "pages in id order, nothing twice");
+    let got: BTreeSet<String> = got.into_iter().collect();
+    let missing: Vec<&String> = want.difference(&got).collect();
+    assert!(missing.is_empty(), "skipped: {missing:?}");
+    let extra: Vec<&String> = got.difference(&want).collect();
+    assert!(extra.is_empty(), "listed though behind the page token when made: {extra:?}");
+    assert!(added > 10, "{added}");
 }
