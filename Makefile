@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b bench-iam agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo bench bench-scale bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b bench-iam agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images).
 APT_PACKAGES = make nftables iproute2 systemd docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod
@@ -113,6 +113,11 @@ down:
 # The issue-2 benchmark (release build, 100 sim edges).
 bench:
 	./scripts/bench.sh
+
+# The issue-16 benchmark: 1,000 sim edges, 400,000 live sandboxes, IAM, watcher and apiserver
+# in processes of their own; prints a table. Stops itself past 40 minutes or 16 GiB.
+bench-scale:
+	$(CARGO) bench -p opendsec-cli --bench scale
 
 # The issue-4 benchmarks (container sandboxes through the API, beside runc), as root, release.
 bench-container: agent

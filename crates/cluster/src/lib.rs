@@ -999,6 +999,42 @@ pub async fn run_daemon(
     running.stop().await.map_err(|e| ClusterError::NoSuchComponent(format!("{role:?} stopped with an error: {e}")))
 }
 
+/// Sim edges in this process, beside an IAM, watcher and apiserver that run elsewhere (the
+/// scale benchmark measures each component's memory in a process of its own). Each listens on
+/// its own port of `edge.listen`'s host, advertises it, and registers with `watcher.addrs`.
+pub struct SimEdges {
+    running: Vec<Running>,
+}
+
+impl std::fmt::Debug for SimEdges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimEdges").field("edges", &self.running.len()).finish()
+    }
+}
+
+impl SimEdges {
+    pub async fn start(config: &Config, names: &[String]) -> Result<SimEdges, ClusterError> {
+        check_backends(config)?;
+        let mut running = Vec::with_capacity(names.len());
+        for name in names {
+            let l = bind(&format!("edge {name}"), &config.edge.listen).await?;
+            let advertise = local(&l).to_string();
+            running
+                .push(start_edge(config, name, advertise, Arc::new(SimBackend::new()), l, &Default::default()).await?);
+        }
+        Ok(SimEdges { running })
+    }
+
+    /// Stops them all (their sandboxes stay recorded, as with `keep_sandboxes_on_exit`).
+    pub async fn stop(self) {
+        for r in self.running {
+            if let Err(e) = r.stop().await {
+                tracing::warn!(error = %e, "a sim edge stopped with an error");
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
     Iam,

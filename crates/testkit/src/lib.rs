@@ -93,6 +93,18 @@ pub fn creds(pki: &Path, role: Role, name: &str) -> Arc<Credentials> {
         .expect("issue a test certificate")
 }
 
+/// The resident memory of process `pid` in bytes (`VmRSS`); 0 when it cannot be read (gone).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).map(|v| v.trim().trim_end_matches("kB").trim());
+    kb.and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024
+}
+
+/// This process's resident memory, in MiB.
+pub fn rss_mib() -> u64 {
+    rss_bytes(std::process::id()) >> 20
+}
+
 /// Puts a one-file layer (id: the byte `n` repeated) in `store` as an import for `project`
 /// leaves it; returns its id. What is in it does not matter to the API.
 pub fn put_layer(store: &opendsec_images::Store, n: u8, project: &str) -> String {

@@ -16,6 +16,7 @@ mod pool_cli;
 mod pools;
 mod sessions;
 mod snapshots;
+mod soak;
 mod terminal_escape;
 mod vm_network;
 mod vms;

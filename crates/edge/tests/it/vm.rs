@@ -602,21 +602,6 @@ async fn microvm_snapshots_carry_memory_into_independent_copies() {
     assert!(left.is_empty(), "{left:?}");
 }
 
-/// This process's resident memory, in MiB.
-fn rss_mb() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kb / 1024
-}
-
 /// How a fake guest behaves on the socket QEMU would listen on.
 #[derive(Clone, Copy, Debug)]
 enum Hostile {
@@ -704,7 +689,7 @@ fn fake_guest(sock: &Path, mode: Hostile) -> tokio::task::JoinHandle<()> {
 async fn a_hostile_guest_costs_the_edge_an_error_and_nothing_more() {
     let tmp = tempfile::tempdir().unwrap();
     let sock = tmp.path().join("agent.sock");
-    let before = rss_mb();
+    let before = opendsec_testkit::rss_mib();
     for mode in [Hostile::Silent, Hostile::Chatter, Hostile::Flood, Hostile::Oversized] {
         let guest = fake_guest(&sock, mode);
         let channel =
@@ -717,7 +702,7 @@ async fn a_hostile_guest_costs_the_edge_an_error_and_nothing_more() {
             r.unwrap_or_else(|_| panic!("{mode:?}: the call hung")).expect_err("a hostile guest's answer is no answer");
         eprintln!("{mode:?}: {:?} after {} ms: {}", e.code(), t.elapsed().as_millis(), e.message());
         guest.abort();
-        let grown = rss_mb().saturating_sub(before);
+        let grown = opendsec_testkit::rss_mib().saturating_sub(before);
         assert!(grown < 48, "{mode:?}: the edge's side grew by {grown} MiB");
     }
 }
@@ -764,7 +749,7 @@ async fn a_hundred_creations_and_stops_leave_nothing() {
         b.stop(&r).await.unwrap();
     }
     let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
-    let (fds_before, rss_before) = (fds(), rss_mb());
+    let (fds_before, rss_before) = (fds(), opendsec_testkit::rss_mib());
 
     let t = std::time::Instant::now();
     for round in 0..50 {
@@ -784,7 +769,7 @@ async fn a_hundred_creations_and_stops_leave_nothing() {
     }
     eprintln!("100 creations and stops (90 restores, 10 boots, two at a time): {} s", t.elapsed().as_secs());
 
-    let (fds_after, rss_after) = (fds(), rss_mb());
+    let (fds_after, rss_after) = (fds(), opendsec_testkit::rss_mib());
     assert!(fds_after <= fds_before + 4, "descriptors: {fds_before} before, {fds_after} after");
     assert!(rss_after < rss_before + 64, "resident memory: {rss_before} MiB before, {rss_after} MiB after");
     let mut left: Vec<String> = std::fs::read_dir(root.join("vms"))
