@@ -25,7 +25,7 @@ use crate::forward;
 use crate::images;
 use crate::moves;
 use crate::pools;
-use crate::state::{Call, Shared, Snapshot};
+use crate::state::{Call, Routes, Shared, Snapshot};
 
 pub struct SandboxesService {
     shared: Arc<Shared>,
@@ -265,7 +265,8 @@ async fn list_sandboxes(
         after: req.page_token.clone(),
         limit: page_size + 1,
     };
-    let plan = ListPlan::new(&snap, &req.page_token);
+    let after = req.page_token.as_str();
+    let plan = ListPlan::new(&snap, &s.routes, after);
     let limit = page_size as usize + 1;
     let size = page_size as usize;
     let mut merged = BTreeMap::new();
@@ -274,6 +275,11 @@ async fn list_sandboxes(
     let mut cutoff: Option<String> = None;
     let (mut next, mut wave) = (0, FIRST_WAVE);
     let mut ask: Vec<&str> = plan.movers.iter().map(String::as_str).collect();
+    // Ids below this are complete: at or past the first run not asked yet, that run's own
+    // sandboxes may be missing (ids moved elsewhere, there, are kept for when it is asked).
+    let complete = |next: usize, cutoff: &Option<String>, id: &str| {
+        plan.runs.get(next).is_none_or(|(bound, _)| id < bound.as_str()) && cutoff.as_deref().is_none_or(|c| id <= c)
+    };
     loop {
         let upto = (next + wave).min(plan.runs.len());
         ask.extend(plan.runs[next..upto].iter().map(|(_, n)| *n));
@@ -287,7 +293,10 @@ async fn list_sandboxes(
         });
         for res in futures::future::join_all(calls).await {
             // A partial list could make a caller act on sandboxes it believes gone: fail instead.
-            let page = res?;
+            let mut page = res?;
+            // What is not after the token was not asked for (an edge answering wrong must not
+            // move the listing backwards).
+            page.sandboxes.retain(|sb| sb.id.as_str() > after);
             if (page.more || page.sandboxes.len() >= limit)
                 && let Some(last) = page.sandboxes.last()
                 && cutoff.as_ref().is_none_or(|c| last.id < *c)
@@ -298,18 +307,18 @@ async fn list_sandboxes(
                 merged.insert(sb.id.clone(), sb);
             }
         }
-        // Ids from the first run not asked yet on may miss that run's sandboxes.
-        if let Some((bound, _)) = plan.runs.get(next) {
-            merged.retain(|id, _| id.as_str() < bound.as_str());
-        }
-        if let Some(c) = &cutoff {
-            merged.retain(|id, _| id <= c);
-        }
-        if merged.len() >= size || cutoff.is_some() || next >= plan.runs.len() {
+        let Some((bound, _)) = plan.runs.get(next) else { break };
+        // Full, or cut before the runs not asked yet (asking them cannot add below the cut).
+        if merged.keys().filter(|id| complete(next, &cutoff, id)).take(size).count() >= size
+            || cutoff.as_deref().is_some_and(|c| c < bound.as_str())
+        {
             break;
         }
     }
+    merged.retain(|id, _| complete(next, &cutoff, id));
     // More may follow where the page was cut: at an edge that had more, or at runs not asked.
+    // (A cut page is never empty: the edge that set the cut sent its last id, and a cut past
+    // the runs not asked kept the loop asking until it was not.)
     let more = merged.len() > size || cutoff.is_some() || next < plan.runs.len();
     let sandboxes: Vec<pb::Sandbox> = merged.into_values().take(size).collect();
     let next_page_token =
@@ -327,8 +336,8 @@ const MAX_WAVE: usize = 256;
 /// id order, the runs ordered by `<edge>.`: a page walks the runs from the one `after` falls in
 /// and stops once it is full, instead of asking every edge for a page of its own. Sandboxes
 /// that moved keep their ids and live on another edge: the edges holding any with an id after
-/// `after` (the snapshot says which, as it does for routing) are asked in the first round too
-/// (and again when their own run comes).
+/// `after` (the snapshot says which, and the routes this apiserver learned, as routing uses)
+/// are asked in the first round too (and again when their own run comes).
 struct ListPlan<'a> {
     /// (`<edge>.`, edge) of the healthy edges whose runs may hold ids after `after`, in order.
     runs: Vec<(String, &'a str)>,
@@ -336,7 +345,7 @@ struct ListPlan<'a> {
 }
 
 impl<'a> ListPlan<'a> {
-    fn new(snap: &'a Snapshot, after: &str) -> ListPlan<'a> {
+    fn new(snap: &'a Snapshot, routes: &Routes, after: &str) -> ListPlan<'a> {
         let mut runs: Vec<(String, &str)> = snap
             .addrs
             .iter()
@@ -347,12 +356,14 @@ impl<'a> ListPlan<'a> {
             .filter(|(key, _)| key.as_str() > after || after.starts_with(key.as_str()))
             .collect();
         runs.sort_unstable();
-        let movers = snap
+        let healthy = |edge: &String| snap.addrs.get(edge).is_some_and(|(_, healthy)| *healthy);
+        let mut movers: BTreeSet<String> = snap
             .moved
             .iter()
-            .filter(|(id, edge)| id.as_str() > after && snap.addrs.get(*edge).is_some_and(|(_, healthy)| *healthy))
+            .filter(|(id, edge)| id.as_str() > after && healthy(edge))
             .map(|(_, edge)| edge.clone())
             .collect();
+        movers.extend(routes.holders_after(after).into_iter().filter(healthy));
         ListPlan { runs, movers }
     }
 }

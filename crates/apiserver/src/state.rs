@@ -8,7 +8,7 @@
 //! one lock, so two placements on this apiserver always see each other.
 
 use opendsec_common::periodic::{self, Cancel, Start};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -75,6 +75,13 @@ impl Routes {
 
     pub(crate) fn forget(&self, id: &str) {
         self.learned.write().unwrap_or_else(|p| p.into_inner()).remove(id);
+    }
+
+    /// The edges this apiserver learned hold sandboxes with ids after `after` (a listing asks
+    /// them: the snapshot may not say so yet).
+    pub(crate) fn holders_after(&self, after: &str) -> BTreeSet<String> {
+        let learned = self.learned.read().unwrap_or_else(|p| p.into_inner());
+        learned.iter().filter(|(id, _)| id.as_str() > after).map(|(_, edge)| edge.clone()).collect()
     }
 
     pub(crate) fn learn(&self, id: &str, edge: &str) {

@@ -1831,33 +1831,46 @@ async fn pages_walk_the_edges_in_id_order_and_skip_or_repeat_nothing() {
         // Another tenant's sandboxes are not listed.
         st.sandboxes.insert(format!("{}.zz", names[i]), held(&format!("{}.zz", names[i]), "root/b"));
     }
-    c.edges[23].st.lock().unwrap().sandboxes.insert("e03.moved".into(), held("e03.moved", "root/a"));
-    want.insert("e03.moved".to_string());
-    {
-        let mut snap = c.snapshot_edges.lock().unwrap();
-        snap[23].status.as_mut().unwrap().moved_in = vec!["e03.moved".into()];
+    // Moved sandboxes: one whose id falls in the first round's runs, one far past them (both
+    // held by the last edge), and all of e09's, held by e00.
+    let mut moved_in: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for (id, to) in [("e03.moved", 23), ("e17.moved", 23)] {
+        moved_in.entry(to).or_default().push(id.to_string());
+    }
+    let e09: Vec<String> = std::mem::take(&mut c.edges[9].st.lock().unwrap().sandboxes)
+        .into_keys()
+        .filter(|id| !id.ends_with(".zz"))
+        .collect();
+    assert!(!e09.is_empty());
+    moved_in.entry(0).or_default().extend(e09);
+    for (to, ids) in &moved_in {
+        for id in ids {
+            c.edges[*to].st.lock().unwrap().sandboxes.insert(id.clone(), held(id, "root/a"));
+            want.insert(id.clone());
+        }
+        c.snapshot_edges.lock().unwrap()[*to].status.as_mut().unwrap().moved_in = ids.clone();
     }
     tokio::time::sleep(Duration::from_millis(400)).await; // the apiserver's next snapshot
 
     let api = c.client();
-    let list = |token: String| {
+    let list = |token: String, page_size: u32| {
         let mut api = api.clone();
         async move {
-            let req = pb::ListSandboxesRequest { page_size: 4, page_token: token, ..Default::default() };
+            let req = pb::ListSandboxesRequest { page_size, page_token: token, ..Default::default() };
             api.list_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner()
         }
     };
     let lists = |c: &Cluster| c.edges.iter().map(|e| e.st.lock().unwrap().lists).sum::<usize>();
-    // The first page needs the first runs and the edge holding the moved sandbox only.
+    // The first page needs the first runs and the edges holding moved sandboxes only.
     let before = lists(&c);
-    let first = list(String::new()).await;
+    let first = list(String::new(), 4).await;
     let asked = lists(&c) - before;
     assert!(asked <= 9, "a page of 4 asked {asked} of 24 edges");
     assert_eq!(first.sandboxes.len(), 4);
 
     let (mut got, mut token, mut added) = (Vec::new(), String::new(), 0);
     loop {
-        let page = list(token.clone()).await;
+        let page = list(token.clone(), 4).await;
         got.extend(page.sandboxes.iter().map(|sb| sb.id.clone()));
         // Between pages, sandboxes come: one behind the token (not listed now: it sorts before
         // where the listing is), one ahead of it on another edge (listed when reached).
@@ -1888,4 +1901,26 @@ async fn pages_walk_the_edges_in_id_order_and_skip_or_repeat_nothing() {
     let extra: Vec<&String> = got.difference(&want).collect();
     assert!(extra.is_empty(), "listed though behind the page token when made: {extra:?}");
     assert!(added > 10, "{added}");
+
+    // Again, a sandbox a page, nothing changing: exactly what the edges hold, in order.
+    let held_now: Vec<String> = c
+        .edges
+        .iter()
+        .flat_map(|e| {
+            e.st.lock().unwrap().sandboxes.keys().filter(|id| !id.ends_with(".zz")).cloned().collect::<Vec<_>>()
+        })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let (mut again, mut token) = (Vec::new(), String::new());
+    loop {
+        let page = list(token, 1).await;
+        assert!(page.sandboxes.len() == 1 || page.next_page_token.is_empty(), "a short page mid-listing: {page:?}");
+        again.extend(page.sandboxes.into_iter().map(|sb| sb.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(again, held_now);
 }

@@ -354,6 +354,9 @@ async fn run() {
     }
     let list_time = t.elapsed();
     let listed = ids.len();
+    // The listing is exact: every sandbox once, in id order.
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "the listing repeated or reordered sandboxes");
+    assert_eq!(listed as u64, created, "the listing missed sandboxes");
 
     // And stopping them all, 64 calls at a time.
     let t = Instant::now();

@@ -255,8 +255,11 @@ impl Watcher {
     }
 
     /// One edge's reconciliation: its live leases (asked of it while healthy; none once it has
-    /// been lost past the grace), told to IAM; skipped this round when neither is known.
-    async fn reconcile_edge(&self, name: &str, e: &EdgeEntry, now: i64, report: &Mutex<ReconcileReport>) {
+    /// been lost past the grace), told to IAM while this watcher still leads (`leader`: until
+    /// when), the call bounded by what is left of that; skipped this round when neither is known.
+    async fn reconcile_edge(&self, name: &str, leader: &Mutex<Instant>, report: &Mutex<ReconcileReport>) {
+        // As the edge is now, not as it was when the round began (a round can take minutes).
+        let Some(e) = self.edges().get(name).cloned() else { return };
         let grace_ms = self.inner.opts.config.lost_edge_grace.as_millis() as i64;
         let live = if e.healthy {
             match self.status_of(name, &e.address, true).await {
@@ -267,14 +270,22 @@ impl Watcher {
                     return;
                 }
             }
-        } else if e.unhealthy_since_ms > 0 && now - e.unhealthy_since_ms > grace_ms {
+        } else if e.unhealthy_since_ms > 0 && now_ms() - e.unhealthy_since_ms > grace_ms {
             report.lock().unwrap_or_else(|p| p.into_inner()).edges_emptied += 1;
             Vec::new()
         } else {
             return;
         };
+        let left = leader.lock().unwrap_or_else(|p| p.into_inner()).saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return; // no longer the leader: another watcher may be reconciling this edge
+        }
         let result = match self.iam_client() {
-            Ok(mut iam) => iam.reconcile(pb::ReconcileRequest { edge: name.to_string(), live }).await,
+            Ok(mut iam) => {
+                let mut req = Request::new(pb::ReconcileRequest { edge: name.to_string(), live });
+                req.set_timeout(left);
+                iam.reconcile(req).await
+            }
             Err(e) => Err(e.to_status()),
         };
         let mut report = report.lock().unwrap_or_else(|p| p.into_inner());
@@ -296,58 +307,70 @@ impl Watcher {
     }
 
     /// One reconciliation round, if this watcher holds (or wins) the reconcile lock: every
-    /// edge, `RECONCILE_CONCURRENCY` at a time, the lock renewed as the round goes on. A round
-    /// that loses the lock (or cannot renew it) stops; the next one starts with the edges this
-    /// one did not reach, so no edge waits on the others forever.
+    /// edge, `RECONCILE_CONCURRENCY` at a time, the lock renewed once half the leadership window
+    /// (TTL - 2 s) has gone, on a timer. A round that loses the lock (or cannot renew it in
+    /// time) stops; the next one starts with the edges this one did not reach, so no edge waits
+    /// on the others forever.
     pub async fn reconcile_round(&self) -> ReconcileReport {
-        let mut leader_until = match self.take_lock().await {
-            Ok(Some(until)) => until,
+        let leader = match self.take_lock().await {
+            Ok(Some(until)) => Mutex::new(until),
             Ok(None) => return ReconcileReport::default(),
             Err(s) => {
                 tracing::warn!(error = %s.message(), "reconcile: cannot take the lock");
                 return ReconcileReport { errors: 1, ..ReconcileReport::default() };
             }
         };
-        let ttl = self.inner.opts.config.lock_ttl;
+        let until = || *leader.lock().unwrap_or_else(|p| p.into_inner());
+        let half_window = self.inner.opts.config.lock_ttl.saturating_sub(Duration::from_secs(2)) / 2;
         let report = Mutex::new(ReconcileReport { leader: true, ..ReconcileReport::default() });
-        let now = now_ms();
-        let mut edges: Vec<(String, EdgeEntry)> = self.edges().iter().map(|(n, e)| (n.clone(), e.clone())).collect();
+        let mut edges: Vec<String> = self.edges().keys().cloned().collect();
         // The edges after the one the last round reached first, then the rest.
         let cursor = self.inner.reconcile_cursor.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let first = edges.iter().position(|(n, _)| *n > cursor).unwrap_or(0);
+        let first = edges.iter().position(|n| *n > cursor).unwrap_or(0);
         edges.rotate_left(first);
         let mut pending = edges.iter();
         let mut running = futures::stream::FuturesUnordered::new();
         let mut complete = true;
+        let mut next_try = Instant::now();
         loop {
-            // Renewed once half the leadership window has gone (a round longer than the TTL
-            // keeps the lock; one that cannot renew it stops).
-            let left = leader_until.saturating_duration_since(Instant::now());
-            if left < ttl.saturating_sub(Duration::from_secs(2)) / 2
-                && let Ok(Some(until)) = self.take_lock().await
-            {
-                leader_until = until;
+            let now = Instant::now();
+            if now + half_window >= until() && now >= next_try {
+                match self.take_lock().await {
+                    Ok(Some(u)) => *leader.lock().unwrap_or_else(|p| p.into_inner()) = u,
+                    Ok(None) => {
+                        tracing::warn!("reconcile: another watcher holds the lock, stopping the round");
+                        *leader.lock().unwrap_or_else(|p| p.into_inner()) = now;
+                    }
+                    // Tried again shortly, while the window lasts.
+                    Err(_) => next_try = now + Duration::from_millis(100),
+                }
             }
-            if Instant::now() >= leader_until {
+            if Instant::now() >= until() {
                 tracing::warn!("reconcile: leadership window over, stopping the round");
                 complete = false;
                 break;
             }
             while running.len() < RECONCILE_CONCURRENCY {
-                let Some((name, e)) = pending.next() else { break };
+                let Some(name) = pending.next() else { break };
                 *self.inner.reconcile_cursor.lock().unwrap_or_else(|p| p.into_inner()) = name.clone();
-                running.push(self.reconcile_edge(name, e, now, &report));
+                running.push(self.reconcile_edge(name, &leader, &report));
             }
-            if running.next().await.is_none() {
+            if running.is_empty() {
                 break;
+            }
+            // An edge done, or the time to renew the lock.
+            let wake = until().checked_sub(half_window).unwrap_or_else(Instant::now).max(next_try);
+            tokio::select! {
+                _ = running.next() => {}
+                _ = tokio::time::sleep_until(wake.max(Instant::now()).into()) => {}
             }
         }
         // Calls already made finish (each is one edge's whole answer, applied by IAM at once).
         while running.next().await.is_some() {}
         drop(running);
         let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
-        if complete && Instant::now() < leader_until {
-            let known: HashSet<&String> = edges.iter().map(|(n, _)| n).collect();
+        if complete && Instant::now() < until() {
+            let known: HashSet<&String> = edges.iter().collect();
             let req = pb::SweepUnboundRequest {
                 known_edges: known.into_iter().cloned().collect(),
                 older_than_s: self.inner.opts.config.sweep_unbound_after.as_secs(),

@@ -273,11 +273,12 @@ async fn reconcile_rounds_renew_the_lock_and_resume_where_they_stopped() {
     let mut edges = Vec::new();
     for i in 0..48 {
         let name = format!("e{i:02}");
-        let (addr, _) = slow_edge(pki.path(), &name, &name, Duration::from_millis(300), asked.clone()).await;
+        let (addr, _) = slow_edge(pki.path(), &name, &name, Duration::from_millis(600), asked.clone()).await;
         edges.push(EdgeEndpoint { name, address: addr });
     }
-    // Leader for 0.5 s after each (re)acquisition; one round takes 48 / 16 x 300 ms at least.
-    let config = WatcherConfig { lock_ttl: Duration::from_millis(2500), ..WatcherConfig::default() };
+    // Leader for 1 s after each (re)acquisition, renewed at half of it; one round takes
+    // 48 / 16 x 600 ms at least.
+    let config = WatcherConfig { lock_ttl: Duration::from_millis(3000), ..WatcherConfig::default() };
     let w = Watcher::new(WatcherOptions {
         id: "w1".into(),
         config,

@@ -131,6 +131,12 @@ async fn a_ten_minute_soak_of_creations_expiries_pauses_and_stops_leaks_nothing(
         }
     }
     let end_rss = opendsec_testkit::rss_mib();
+    // Those the caller meant to stop and had not yet: stopped now (they have no short TTL).
+    for (_, id) in to_stop.drain(..) {
+        let st = admin.stop_sandbox(&id).await.unwrap_or_else(|e| panic!("stop {id}: {e}"));
+        assert_eq!(state(&st), pb::SandboxState::Stopped);
+        stopped += 1;
+    }
     let (warm, made_at_warm) = warm_rss.unwrap();
     println!(
         "soak: {secs} s, {} sandboxes made ({made_at_warm} at a third), {paused} paused, {resumed} resumed, \
