@@ -368,8 +368,17 @@ async fn run() {
     }
     drop(stops);
     let stop_time = t.elapsed();
-    let after = admin.get_usage(pb::GetUsageRequest { project: "root".into() }).await.unwrap();
-    let left = after.projects.iter().find(|p| p.path == "root").and_then(|p| p.usage).map_or(0, |u| u.sandboxes);
+    // Edges release leases in batches after the stops are answered: until when usage shows it.
+    let mut left = u64::MAX;
+    for _ in 0..600 {
+        let after = admin.get_usage(pb::GetUsageRequest { project: "root".into() }).await.unwrap();
+        left = after.projects.iter().find(|p| p.path == "root").and_then(|p| p.usage).map_or(0, |u| u.sandboxes);
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let released = t.elapsed();
 
     let per = |i: usize| (full[i].saturating_sub(empty[i])) as f64 / created.max(1) as f64;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
@@ -434,9 +443,10 @@ async fn run() {
         pct(&mut pages.clone(), 99.0)
     );
     println!(
-        "| stop all, 64 in flight | {:.1} s, {:.0}/s ({stop_failed} failed); usage after: {left} |",
+        "| stop all, 64 in flight | {:.1} s, {:.0}/s ({stop_failed} failed); usage {left} after {:.1} s |",
         stop_time.as_secs_f64(),
-        rate(stopped, stop_time)
+        rate(stopped, stop_time),
+        released.as_secs_f64()
     );
     println!("| whole run | {:.0} s |", started.elapsed().as_secs_f64());
     let figures = json!({
