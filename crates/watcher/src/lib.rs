@@ -244,13 +244,14 @@ impl Watcher {
         let ttl = self.inner.opts.config.lock_ttl;
         let asked = Instant::now();
         let mut iam = self.iam_client().map_err(|e| e.to_status())?;
-        let r = iam
-            .acquire_lock(pb::AcquireLockRequest {
-                name: RECONCILE_LOCK.into(),
-                holder: self.inner.opts.id.clone(),
-                ttl_ms: ttl.as_millis() as u64,
-            })
-            .await?;
+        let mut req = Request::new(pb::AcquireLockRequest {
+            name: RECONCILE_LOCK.into(),
+            holder: self.inner.opts.id.clone(),
+            ttl_ms: ttl.as_millis() as u64,
+        });
+        // A hung IAM must not hold the round (renewals are retried while the window lasts).
+        req.set_timeout(self.inner.opts.config.probe_timeout);
+        let r = iam.acquire_lock(req).await?;
         Ok(r.get_ref().acquired.then(|| asked + ttl.saturating_sub(Duration::from_secs(2))))
     }
 
