@@ -23,7 +23,7 @@ impl Inner {
         let mut delete = Vec::new();
         let mut moves = Vec::new();
         let stale = i64::try_from(self.cfg.move_stale.as_millis()).unwrap_or(i64::MAX);
-        let mut probe: HashMap<String, Vec<Arc<SandboxRecord>>> = HashMap::new();
+        let mut probe: Vec<Arc<SandboxRecord>> = Vec::new();
         // One look at the table and the activity map for the whole round (in that order, as
         // every caller that holds both takes them).
         {
@@ -44,7 +44,7 @@ impl Inner {
                 } else if ttl::expired_active(rec, now, active_ms(&rec.lease_id)).is_some() {
                     expired.push(rec.lease_id.clone());
                 } else if rec.state.is_adoptable() {
-                    probe.entry(rec.spec.backend.clone()).or_default().push(rec.clone());
+                    probe.push(rec.clone());
                 } else if rec.state.is_ended() && rec.lease_released && rec.ended_at_ms.saturating_add(retention) <= now
                 {
                     delete.push(rec.lease_id.clone());
@@ -57,8 +57,11 @@ impl Inner {
         // Liveness: each backend asked for all of its sandboxes at once; what it answers gone
         // is looked at again, one by one, under the sandbox's lock.
         let mut lost = Vec::new();
-        for (backend, recs) in probe {
-            let Some(b) = self.backend(&backend) else { continue };
+        for b in &self.backends {
+            let recs: Vec<&Arc<SandboxRecord>> = probe.iter().filter(|r| r.spec.backend == b.name()).collect();
+            if recs.is_empty() {
+                continue;
+            }
             let ids: Vec<&str> = recs.iter().map(|r| r.id.as_str()).collect();
             lost.extend(b.gone(&ids).await.into_iter().filter_map(|i| recs.get(i)).map(|r| r.lease_id.clone()));
         }
