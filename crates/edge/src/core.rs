@@ -355,14 +355,11 @@ impl Inner {
         (rec.net_slot != 0 && rec.state.is_live()).then(|| net.addrs(crate::netpol::Slot(rec.net_slot)).1)
     }
 
-    /// Writes a record (blocking I/O on the blocking pool).
+    /// Writes a record (queued for the store's writer: one append and one sync for what
+    /// concurrent writes queue meanwhile).
     pub(crate) async fn persist(&self, rec: &SandboxRecord, mode: WriteMode) -> Result<(), RecordError> {
         let bytes = rec.encode()?;
-        let store = self.store.clone();
-        let lease = rec.lease_id.clone();
-        tokio::task::spawn_blocking(move || store.write(&lease, &bytes, mode))
-            .await
-            .map_err(|e| RecordError::Join { lease: rec.lease_id.clone(), message: e.to_string() })?
+        self.store.write_queued(&rec.lease_id, &bytes, mode).await
     }
 
     /// An intent: on disk first, then visible. Nothing changes if the write fails.

@@ -414,6 +414,8 @@ pub struct RecordStore {
     sync_lock: Mutex<()>,
     /// Syncs made (for benchmarks: fewer than durable writes under concurrency).
     syncs: AtomicU64,
+    /// Writes waiting for the writer of [`RecordStore::write_queued`].
+    queue: Mutex<Queue>,
     /// The lock file, locked for as long as the store is open.
     _lock: File,
 }
@@ -436,6 +438,21 @@ struct Log {
     broken: Option<String>,
     /// No compaction is tried again before the log reaches this size (after a failed one).
     compact_after: u64,
+}
+
+/// Writes queued for one append and one sync.
+#[derive(Debug, Default)]
+struct Queue {
+    /// Their frames, back to back.
+    bytes: Vec<u8>,
+    /// Each frame's key and length, in order.
+    frames: Vec<(String, u32)>,
+    /// Whether any of them must be synced.
+    sync: bool,
+    /// Who waits for each.
+    waiters: Vec<tokio::sync::oneshot::Sender<Result<(), String>>>,
+    /// Whether a writer is at work.
+    running: bool,
 }
 
 /// One frame read back.
@@ -557,6 +574,7 @@ impl RecordStore {
             synced: AtomicU64::new(0),
             sync_lock: Mutex::new(()),
             syncs: AtomicU64::new(0),
+            queue: Mutex::new(Queue::default()),
             _lock: lock,
         };
         store.migrate()?;
@@ -615,14 +633,21 @@ impl RecordStore {
 
     /// Appends one frame; answers its number.
     fn append(&self, kind: u8, lease_id: &str, value: &[u8]) -> Result<u64, RecordError> {
+        let bytes =
+            frame(kind, lease_id, value).map_err(|source| RecordError::Write { path: self.path.clone(), source })?;
+        self.append_frames(&bytes, &[(kind, lease_id, bytes.len() as u32)])
+    }
+
+    /// Appends frames made by [`frame`], `bytes` in the order of `frames` (kind, key, length),
+    /// in one write; answers the number of the last. All or none are appended.
+    fn append_frames(&self, bytes: &[u8], frames: &[(u8, &str, u32)]) -> Result<u64, RecordError> {
         let write_err = |source| RecordError::Write { path: self.path.clone(), source };
-        let bytes = frame(kind, lease_id, value).map_err(write_err)?;
         let compact = {
             let mut log = self.lock();
             if let Some(why) = &log.broken {
                 return Err(write_err(std::io::Error::other(format!("{why}; restart the edge"))));
             }
-            if let Err(e) = (&*log.file).write_all(&bytes) {
+            if let Err(e) = (&*log.file).write_all(bytes) {
                 // A partial frame would hide every later one from the next open.
                 let len = log.len;
                 if log.file.set_len(len).is_err() {
@@ -630,26 +655,105 @@ impl RecordStore {
                 }
                 return Err(write_err(e));
             }
-            let at = log.len;
-            log.len += bytes.len() as u64;
-            let len = bytes.len() as u32;
-            let replaced = match kind {
-                PUT => log.live.insert(lease_id.to_string(), (at, len)),
-                _ => log.live.remove(lease_id),
-            };
-            if kind == PUT {
-                log.live_bytes += u64::from(len);
-            }
-            if let Some((_, old)) = replaced {
-                log.live_bytes -= u64::from(old);
+            for &(kind, key, len) in frames {
+                let at = log.len;
+                log.len += u64::from(len);
+                let replaced = match kind {
+                    PUT => log.live.insert(key.to_string(), (at, len)),
+                    _ => log.live.remove(key),
+                };
+                if kind == PUT {
+                    log.live_bytes += u64::from(len);
+                }
+                if let Some((_, old)) = replaced {
+                    log.live_bytes -= u64::from(old);
+                }
             }
             log.len >= COMPACT_MIN.max(log.compact_after) && log.len > 2 * log.live_bytes
         };
-        let ticket = self.appended.fetch_add(1, Ordering::AcqRel) + 1;
+        let n = frames.len() as u64;
+        let ticket = self.appended.fetch_add(n, Ordering::AcqRel) + n;
         if compact && let Err(e) = self.compact() {
             tracing::warn!(log = %self.path.display(), error = %e, "record log compaction failed; the log goes on");
         }
         Ok(ticket)
+    }
+
+    /// [`RecordStore::write`] from async code, without a thread per write: writes queue up
+    /// while one blocking thread appends everything queued in one write and syncs once for
+    /// all of it, then takes what queued meanwhile, until the queue is empty. A write is
+    /// answered once its frame is appended (and synced, unless `Lazy`).
+    pub async fn write_queued(
+        self: &std::sync::Arc<Self>,
+        lease_id: &str,
+        bytes: &[u8],
+        mode: WriteMode,
+    ) -> Result<(), RecordError> {
+        let framed =
+            frame(PUT, lease_id, bytes).map_err(|source| RecordError::Write { path: self.path.clone(), source })?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let start = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.frames.push((lease_id.to_string(), framed.len() as u32));
+            q.bytes.extend_from_slice(&framed);
+            q.sync |= mode != WriteMode::Lazy;
+            q.waiters.push(tx);
+            !std::mem::replace(&mut q.running, true)
+        };
+        if start {
+            let store = self.clone();
+            tokio::task::spawn_blocking(move || store.drain_queue());
+        }
+        match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(message)) => {
+                Err(RecordError::Write { path: self.path.clone(), source: std::io::Error::other(message) })
+            }
+            Err(_) => {
+                Err(RecordError::Join { lease: lease_id.to_string(), message: "the record writer stopped".into() })
+            }
+        }
+    }
+
+    /// The writer of [`RecordStore::write_queued`]: runs until the queue is empty.
+    fn drain_queue(&self) {
+        /// Lets the next write start a writer should this one end early (a panic).
+        struct Running<'a>(&'a Mutex<Queue>);
+        impl Drop for Running<'_> {
+            fn drop(&mut self) {
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).running = false;
+            }
+        }
+        let _running = Running(&self.queue);
+        loop {
+            let batch = {
+                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                if q.waiters.is_empty() {
+                    // Under the lock: a write queued after this starts a writer of its own.
+                    q.running = false;
+                    return;
+                }
+                Queue {
+                    bytes: std::mem::take(&mut q.bytes),
+                    frames: std::mem::take(&mut q.frames),
+                    sync: std::mem::take(&mut q.sync),
+                    waiters: std::mem::take(&mut q.waiters),
+                    running: true,
+                }
+            };
+            let frames: Vec<(u8, &str, u32)> = batch.frames.iter().map(|(k, len)| (PUT, k.as_str(), *len)).collect();
+            let written = self.append_frames(&batch.bytes, &frames).and_then(|ticket| {
+                if batch.sync {
+                    self.sync_through(ticket).map_err(|source| RecordError::Write { path: self.path.clone(), source })
+                } else {
+                    Ok(())
+                }
+            });
+            let answer = written.map_err(|e| e.to_string());
+            for w in batch.waiters {
+                let _ = w.send(answer.clone());
+            }
+        }
     }
 
     /// Replaces (or creates) the record of `lease_id` with `bytes`, as `mode` says.
@@ -1171,6 +1275,45 @@ mod tests {
         assert!(raw.values().all(|v| v == b"second"));
         // At most one sync per write; how many fewer depends on timing, so only bounded.
         assert!(store.syncs() <= 400, "{}", store.syncs());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_writes_go_out_together_in_order_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(RecordStore::open(dir.path()).unwrap());
+        // 400 writers at once, each writing its record twice: the second version must win
+        // (a writer's two writes are queued in order), and the queue shares syncs.
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..400 {
+            let store = store.clone();
+            tasks.spawn(async move {
+                let lease = format!("l{i}");
+                store.write_queued(&lease, b"first", WriteMode::DurableNew).await.unwrap();
+                store.write_queued(&lease, lease.as_bytes(), WriteMode::Durable).await.unwrap();
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r.unwrap();
+        }
+        let syncs = store.syncs();
+        // Each write waited for a sync; with 400 writers queued at once, far fewer syncs
+        // than writes are made (at most one per write, whatever the timing).
+        assert!((1..=800).contains(&syncs), "{syncs}");
+        // Lazy writes alone are appended without a sync.
+        store.write_queued("lazy", b"x", WriteMode::Lazy).await.unwrap();
+        assert_eq!(store.syncs(), syncs);
+        // An oversized record is refused before it is queued; the queue goes on.
+        let big = vec![0u8; MAX_BODY + 1];
+        assert!(matches!(store.write_queued("big", &big, WriteMode::Durable).await, Err(RecordError::Write { .. })));
+        store.write_queued("after", b"y", WriteMode::Durable).await.unwrap();
+        drop(store);
+        let store = RecordStore::open(dir.path()).unwrap();
+        let raw = store.raw().unwrap();
+        assert_eq!(raw.len(), 402);
+        for i in 0..400 {
+            assert_eq!(raw[&format!("l{i}")], format!("l{i}").as_bytes());
+        }
+        assert_eq!(raw["after"], b"y");
     }
 
     #[test]
