@@ -3,7 +3,7 @@
 //! One creation: (idempotent retry: a lease already bound to an edge that has the sandbox
 //! returns it), place, IAM `Admit` (authenticate, authorize `sandbox.create`, reserve quota,
 //! bind to the edge; gathered with concurrent ones by `crate::admits`), then the edge's
-//! `CreateSandbox`. An edge answering `no_capacity` or
+//! `CreateSandbox` (gathered with concurrent ones for that edge by `crate::edge_creates`). An edge answering `no_capacity` or
 //! `unavailable` is penalized and the creation placed again elsewhere under the SAME lease (IAM
 //! only rebinds it), up to `placement.max_attempts` edges; when all refuse the lease is
 //! released, unless the last edge did not answer at all (`NO_ANSWER`: it died mid-call, it may
@@ -172,10 +172,7 @@ pub async fn create_one(
             pool_revision: pool_revision.to_string(),
             moved_in: None,
         };
-        let result = match shared.up.edge(&placed.edge, &placed.addr) {
-            Ok(mut c) => forward::edge_call(shared, &placed.edge, c.create_sandbox(req)).await,
-            Err(e) => Err(e),
-        };
+        let result = shared.edge_creates.create(&placed.edge, &placed.addr, req).await;
         match result {
             Ok(sb) => {
                 shared.placement_done(placed.overlay_id, true);
@@ -336,6 +333,15 @@ async fn run_batch(
     let patched: Vec<Arc<pb::SandboxSpec>> = batch.patched.into_iter().map(Arc::new).collect();
     let prefer: Option<Arc<str>> = batch.prefer.map(Arc::from);
     let revision: Arc<str> = Arc::from(batch.pool_revision);
+    // Without an edge of its own to prefer (a fork's source, a pool's members), a batch goes
+    // out in runs placed together: each run's items prefer its edge, which makes them in one
+    // call (`crate::edge_creates`) and one record write.
+    let run_len = match (&prefer, spec.pool.is_empty()) {
+        (None, true) => shared.cfg.placement.batch_run.max(1),
+        _ => 1,
+    };
+    let resources = Res::from_proto(spec.resources.as_ref());
+    let mut run: Option<Arc<str>> = None;
     let slots = Arc::new(Semaphore::new(shared.cfg.batch_concurrency.max(1)));
     let failed = Arc::new(AtomicU32::new(0));
     let mut tasks = tokio::task::JoinSet::new();
@@ -348,6 +354,10 @@ async fn run_batch(
         while tasks.try_join_next().is_some() {}
         started += 1;
         let spec = patched.get(index as usize).unwrap_or(&spec).clone();
+        if run_len > 1 && index % run_len == 0 {
+            run = shared.run_edge(&spec.backend, resources, run_len.min(count - index)).map(Arc::from);
+        }
+        let prefer = prefer.clone().or_else(|| run.clone());
         let (shared, token, ident, failed, tx, prefer, revision) = (
             shared.clone(),
             token.clone(),

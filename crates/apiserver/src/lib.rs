@@ -20,6 +20,7 @@ pub mod audit;
 mod auth;
 mod call;
 mod create;
+mod edge_creates;
 mod forward;
 mod guard;
 mod image_store;

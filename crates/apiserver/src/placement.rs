@@ -57,6 +57,16 @@ impl Res {
         }
     }
 
+    /// `n` of these.
+    pub fn times(self, n: u64) -> Res {
+        Res {
+            cpu_millis: self.cpu_millis.saturating_mul(n),
+            memory_mb: self.memory_mb.saturating_mul(n),
+            disk_mb: self.disk_mb.saturating_mul(n),
+            gpus: self.gpus.saturating_mul(n),
+        }
+    }
+
     pub fn saturating_sub(self, o: Res) -> Res {
         Res {
             cpu_millis: self.cpu_millis.saturating_sub(o.cpu_millis),
@@ -343,9 +353,19 @@ pub fn place<R: Rng + ?Sized>(
     {
         return Ok(i);
     }
-    if demand.prefer.is_none()
-        && let Some(i) = sampled(edges, overlay, penalized, tried, demand, params, rng)
+    // A preferred edge (a batch's run, a fork's source) is taken when it fits, as the full
+    // pass below would take it, without the pass.
+    if let Some(p) = demand.prefer
+        && !demand.warm
+        && !tried.contains(p)
+        && !penalized.contains(p)
+        && let Some(i) = edges.iter().position(|e| e.name == p)
+        && edges[i].offers(demand.backend)
+        && skip_reason(&edges[i], overlay.get(p).copied().unwrap_or_default(), demand).is_none()
     {
+        return Ok(i);
+    }
+    if let Some(i) = sampled(edges, overlay, penalized, tried, demand, params, rng) {
         return Ok(i);
     }
     let mut offering = 0u32;

@@ -140,6 +140,8 @@ pub struct Shared {
     pub up: Arc<Upstreams>,
     /// Creations' IAM admissions, gathered into AdmitMany calls.
     pub admits: crate::admits::Admits,
+    /// Creations bound for one edge, gathered into CreateMany calls.
+    pub edge_creates: Arc<crate::edge_creates::EdgeCreates>,
     pub auth: AuthCache,
     snapshot: RwLock<Arc<Snapshot>>,
     placer: Mutex<Placer>,
@@ -168,6 +170,7 @@ impl Shared {
         let up = Arc::new(up);
         Shared {
             admits: crate::admits::Admits::new(up.clone()),
+            edge_creates: crate::edge_creates::EdgeCreates::new(up.clone(), cfg.edge_call_timeout),
             auth: AuthCache::new(cfg.auth_cache_ttl, cfg.auth_failures.negative_ttl),
             limiter: Mutex::new(RateLimiter::new(cfg.rate_per_principal, cfg.burst_per_principal)),
             inflight: FairGate::new(cfg.max_inflight_creations),
@@ -311,6 +314,29 @@ impl Shared {
         let addr = snap.addrs.get(&edge).map(|(a, _)| a.clone()).unwrap_or_default();
         let overlay_id = p.inflight.add(&edge, resources);
         Ok(Placed { edge, addr, overlay_id })
+    }
+
+    /// The edge for a run of `n` creations of `resources` each (a batch's items placed
+    /// together): placed as one creation of all of them would be, counted nowhere (each item
+    /// counts itself when it is placed, preferring this edge). `None` when no edge fits the
+    /// whole run.
+    pub fn run_edge(&self, backend: &str, resources: Res, n: u32) -> Option<String> {
+        let snap = self.snapshot();
+        let params = Params { k: self.cfg.placement.k, usage_floor: self.cfg.placement.usage_floor };
+        let mut p = self.placer.lock().unwrap_or_else(|p| p.into_inner());
+        let penalized = p.penalties.active(Instant::now());
+        let demand = Demand { backend, resources: resources.times(u64::from(n)), prefer: None, warm: false };
+        let i = placement::place(
+            &snap.edges,
+            p.inflight.totals(),
+            &penalized,
+            &HashSet::new(),
+            &demand,
+            &params,
+            &mut rand::rng(),
+        )
+        .ok()?;
+        Some(snap.edges[i].name.clone())
     }
 
     pub fn placement_done(&self, overlay_id: u64, ok: bool) {

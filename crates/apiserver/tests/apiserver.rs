@@ -3,7 +3,7 @@
 //! certificates of a CA made per test). The public port runs in plain text here (loopback,
 //! `insecure_plaintext`); the cluster tests exercise it over TLS.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -298,6 +298,8 @@ struct EdgeState {
     mode: Mode,
     sandboxes: BTreeMap<String, pb::Sandbox>,
     creates: usize,
+    /// CreateMany calls, and the creations they carried.
+    many: Vec<usize>,
     /// ListSandboxes calls.
     lists: usize,
     /// GetSandbox calls (the apiserver caches a sandbox's project for runtime calls).
@@ -332,6 +334,7 @@ impl FakeEdge {
                 mode,
                 sandboxes: BTreeMap::new(),
                 creates: 0,
+                many: Vec::new(),
                 lists: 0,
                 gets: 0,
                 runtime_calls: Vec::new(),
@@ -395,6 +398,33 @@ impl Edge for FakeEdge {
         };
         st.sandboxes.insert(id, sb.clone());
         Ok(Response::new(sb))
+    }
+
+    type CreateManyStream = futures::stream::Iter<std::vec::IntoIter<Result<pb::EdgeCreateResult, Status>>>;
+
+    async fn create_many(
+        &self,
+        r: Request<pb::EdgeCreateManyRequest>,
+    ) -> Result<Response<Self::CreateManyStream>, Status> {
+        let items = r.into_inner().items;
+        self.st.lock().unwrap().many.push(items.len());
+        let answers = futures::future::join_all(items.into_iter().map(|i| self.create_sandbox(Request::new(i)))).await;
+        // Answered in reverse: the apiserver matches answers by index, not by order.
+        let mut results: Vec<_> = (0u32..)
+            .zip(answers)
+            .map(|(index, a)| {
+                Ok(match a {
+                    Ok(sb) => pb::EdgeCreateResult { index, sandbox: Some(sb.into_inner()), error: None },
+                    Err(st) => pb::EdgeCreateResult {
+                        index,
+                        sandbox: None,
+                        error: Some(ApiError::from_status(&st).to_detail()),
+                    },
+                })
+            })
+            .collect();
+        results.reverse();
+        Ok(Response::new(futures::stream::iter(results)))
     }
 
     async fn get_sandbox(&self, r: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
@@ -1115,6 +1145,66 @@ async fn a_batchs_admissions_are_gathered_into_admit_many_calls() {
         "admissions were not gathered: AdmitMany sizes {:?}",
         st.admit_many_sizes
     );
+}
+
+/// A batch goes out in runs placed together, and the creations bound for one edge go to it
+/// together in CreateMany calls. A run placed on an edge that refuses is placed again item
+/// by item; an edge that does not answer in time leaves every item of its call
+/// `deadline_exceeded`, its lease still bound there (the edge may make them yet).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_goes_to_edges_in_runs_each_made_in_one_call() {
+    let mut cfg = test_config();
+    cfg.rate_per_principal = 10_000.0;
+    cfg.burst_per_principal = 10_000.0;
+    cfg.batch_concurrency = 64;
+    cfg.placement.batch_run = 16;
+    // e3 is the least loaded (placement's first choice when drawn) and refuses everything.
+    let c =
+        Cluster::start(&[("e1", Mode::Accept, 32_000), ("e2", Mode::Accept, 32_000), ("e3", Mode::NoCapacity, 0)], cfg)
+            .await;
+    for e in ["e1", "e2", "e3"] {
+        c.edge(e).st.lock().unwrap().create_delay = Duration::from_millis(50);
+    }
+    let mut api = c.client();
+    let req = pb::CreateSandboxesRequest { spec: Some(spec()), count: 64, patches: vec![] };
+    let mut stream = api.create_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner();
+    let mut ids = HashSet::new();
+    while let Some(item) = stream.message().await.unwrap() {
+        assert!(item.error.is_none(), "item {} failed: {:?}", item.index, item.error);
+        let sb = item.sandbox.unwrap();
+        assert!(sb.id.starts_with("e1.") || sb.id.starts_with("e2."), "{}", sb.id);
+        ids.insert(sb.id);
+    }
+    assert_eq!(ids.len(), 64);
+    let many: Vec<usize> = ["e1", "e2", "e3"].iter().flat_map(|e| c.edge(e).st.lock().unwrap().many.clone()).collect();
+    assert!(
+        many.iter().sum::<usize>() >= 48 && many.iter().any(|&n| n >= 8),
+        "creations were not gathered per edge: CreateMany sizes {many:?}"
+    );
+    // Each lease was released only where an edge refused it (e3), never for a created one.
+    {
+        let st = c.iam.st();
+        assert!(st.released.iter().all(|l| !ids.iter().any(|id| id.ends_with(l.as_str()))), "{:?}", st.released);
+    }
+
+    // An edge slower than edge_call_timeout: every item of its call runs out of time.
+    let mut cfg = test_config();
+    cfg.edge_call_timeout = Duration::from_millis(300);
+    cfg.placement.batch_run = 8;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0)], cfg).await;
+    c.edge("e1").st.lock().unwrap().create_delay = Duration::from_secs(2);
+    let mut api = c.client();
+    let req = pb::CreateSandboxesRequest { spec: Some(spec()), count: 8, patches: vec![] };
+    let mut stream = api.create_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner();
+    let mut late = 0;
+    while let Some(item) = stream.message().await.unwrap() {
+        let e = item.error.expect("the edge did not answer in time");
+        assert_eq!(e.reason, Reason::DeadlineExceeded.as_str(), "{e:?}");
+        late += 1;
+    }
+    assert_eq!(late, 8);
+    assert!(c.iam.st().released.is_empty(), "a lease of a creation that may still happen was released");
+    assert!(c.edge("e1").st.lock().unwrap().many.iter().any(|&n| n > 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

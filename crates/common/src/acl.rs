@@ -49,6 +49,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Edge/Status", &[Watcher]),
     ("/opendsec.v1.Edge/SetDraining", &[Apiserver]),
     ("/opendsec.v1.Edge/CreateSandbox", &[Apiserver]),
+    ("/opendsec.v1.Edge/CreateMany", &[Apiserver]),
     ("/opendsec.v1.Edge/GetSandbox", &[Apiserver]),
     ("/opendsec.v1.Edge/GetSandboxMetrics", &[Apiserver]),
     ("/opendsec.v1.Edge/ListSandboxes", &[Apiserver]),
@@ -263,6 +264,7 @@ mod tests {
             "/opendsec.v1.Iam/Authenticate",
             "/opendsec.v1.Admin/Grant",
             "/opendsec.v1.Edge/CreateSandbox",
+            "/opendsec.v1.Edge/CreateMany",
             "/opendsec.v1.Runtime/Exec",
         ] {
             assert!(!allowed(p).contains(&Edge), "{p}");

@@ -373,11 +373,16 @@ pub struct PlacementConfig {
     /// How long an edge that refused stays a last choice.
     #[serde(with = "humantime_serde")]
     pub penalty: Duration,
+    /// A `CreateSandboxes` call places its items in runs of this many on one edge (each
+    /// run's edge chosen as one creation's is; an item that does not fit is placed alone),
+    /// so that the edge makes them in one call and one record write; 1 places every item
+    /// on its own.
+    pub batch_run: u32,
 }
 
 impl Default for PlacementConfig {
     fn default() -> Self {
-        PlacementConfig { k: 2, usage_floor: 0.2, max_attempts: 3, penalty: Duration::from_secs(10) }
+        PlacementConfig { k: 2, usage_floor: 0.2, max_attempts: 3, penalty: Duration::from_secs(10), batch_run: 16 }
     }
 }
 
@@ -1048,6 +1053,9 @@ impl Config {
         }
         if a.placement.max_attempts == 0 {
             return Err(invalid("apiserver.placement.max_attempts", "must be at least 1"));
+        }
+        if !(1..=1024).contains(&a.placement.batch_run) {
+            return Err(invalid("apiserver.placement.batch_run", "must be in 1..=1024"));
         }
         if a.audit.enabled && a.audit.max_bytes < 4096 {
             return Err(invalid("apiserver.audit.max_bytes", "must be at least 4096"));

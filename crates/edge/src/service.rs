@@ -7,9 +7,9 @@ use tonic::{Request, Response, Status};
 
 use opendsec_proto::v1::edge_server::Edge as EdgeRpc;
 use opendsec_proto::v1::{
-    EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, GetSandboxMetricsRequest, GetSandboxRequest,
-    PauseSandboxRequest, ResumeSandboxRequest, Sandbox, SandboxMetrics, SetDrainingRequest, SetSandboxTimeoutRequest,
-    StatusRequest, StopSandboxRequest, UpdateNetworkRequest,
+    EdgeCreateManyRequest, EdgeCreateRequest, EdgeCreateResult, EdgeListRequest, EdgeListResponse, EdgeStatus,
+    GetSandboxMetricsRequest, GetSandboxRequest, PauseSandboxRequest, ResumeSandboxRequest, Sandbox, SandboxMetrics,
+    SetDrainingRequest, SetSandboxTimeoutRequest, StatusRequest, StopSandboxRequest, UpdateNetworkRequest,
 };
 
 use crate::core::Inner;
@@ -48,6 +48,9 @@ fn check_project<T>(inner: &Inner, req: &Request<T>, id: &str) -> Result<(), Sta
     }
 }
 
+/// Most creations one `CreateMany` call may carry.
+pub const MAX_CREATE_MANY: usize = 1024;
+
 fn status(method: &'static str, e: EdgeError) -> Status {
     let api = e.to_api();
     tracing::debug!(method, reason = %api.reason, error = %api.message, "edge call failed");
@@ -73,6 +76,35 @@ impl EdgeRpc for EdgeService {
             .await
             .map(Response::new)
             .map_err(|e| status("CreateSandbox", e))
+    }
+
+    type CreateManyStream = tokio_stream::wrappers::ReceiverStream<Result<EdgeCreateResult, Status>>;
+
+    async fn create_many(
+        &self,
+        req: Request<EdgeCreateManyRequest>,
+    ) -> Result<Response<Self::CreateManyStream>, Status> {
+        let items = req.into_inner().items;
+        if items.len() > MAX_CREATE_MANY {
+            return Err(status(
+                "CreateMany",
+                EdgeError::InvalidArgument(format!("{} creations in one call, at most {MAX_CREATE_MANY}", items.len())),
+            ));
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(items.len().max(1));
+        Inner::create_many(&self.inner, items, move |index, r| {
+            let result = match r {
+                Ok(sb) => EdgeCreateResult { index, sandbox: Some(sb), error: None },
+                Err(e) => {
+                    let api = e.to_api();
+                    tracing::debug!(method = "CreateMany", reason = %api.reason, error = %api.message, "edge call failed");
+                    EdgeCreateResult { index, sandbox: None, error: Some(api.to_detail()) }
+                }
+            };
+            // Room for every item: never waits. A caller gone is fine: the creation stands.
+            let _ = tx.try_send(Ok(result));
+        });
+        Ok(Response::new(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
     async fn get_sandbox(&self, req: Request<GetSandboxRequest>) -> Result<Response<Sandbox>, Status> {

@@ -37,6 +37,13 @@ impl pb::edge_server::Edge for FakeEdge {
     async fn create_sandbox(&self, _r: Request<pb::EdgeCreateRequest>) -> Result<Response<pb::Sandbox>, Status> {
         Err(Status::unimplemented("fake"))
     }
+    type CreateManyStream = futures::stream::Empty<Result<pb::EdgeCreateResult, Status>>;
+    async fn create_many(
+        &self,
+        _r: Request<pb::EdgeCreateManyRequest>,
+    ) -> Result<Response<Self::CreateManyStream>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
     async fn set_draining(&self, _r: Request<pb::SetDrainingRequest>) -> Result<Response<pb::EdgeStatus>, Status> {
         Err(Status::unimplemented("fake"))
     }

@@ -7,6 +7,21 @@ use super::*;
 pub(crate) const MOVED_IN_PREFIX: &str = "mv-";
 
 impl Inner {
+    /// Several creations, each made as [`Inner::create`] makes it, in a task of its own as
+    /// its own call would be: they run (and their records are written) together, and a
+    /// caller that goes away cuts none of them in half. `done` gets each item's index and
+    /// answer as it finishes.
+    pub(crate) fn create_many<F>(self: &Arc<Self>, items: Vec<EdgeCreateRequest>, done: F)
+    where
+        F: Fn(u32, Result<Sandbox, EdgeError>) + Send + Sync + 'static,
+    {
+        let done = Arc::new(done);
+        for (index, item) in (0u32..).zip(items) {
+            let (me, done) = (self.clone(), done.clone());
+            tokio::spawn(async move { done(index, me.create(item).await) });
+        }
+    }
+
     pub(crate) async fn create(&self, req: EdgeCreateRequest) -> Result<Sandbox, EdgeError> {
         if self.closing.load(Ordering::Relaxed) {
             return Err(EdgeError::ShuttingDown { edge: self.name.clone() });

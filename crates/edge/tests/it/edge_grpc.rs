@@ -499,6 +499,60 @@ async fn create_is_idempotent_per_lease() {
     h.shutdown().await;
 }
 
+/// CreateMany makes each item as its own CreateSandbox would and answers each once, by index:
+/// a bad item, a backend not offered and a repeated lease are each answered on their own,
+/// the rest made; a call over the bound, or from a caller other than an apiserver, makes
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_many_answers_each_item_as_its_own_call_would() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let sim = sim();
+    sim.set_delay(Some(Duration::from_millis(20)));
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+    let item = |lease: &str, spec: SandboxSpec| EdgeCreateRequest {
+        lease_id: lease.into(),
+        spec: Some(spec),
+        principal: "alice".into(),
+        ..Default::default()
+    };
+    let mut items: Vec<_> = (0..30).map(|i| item(&format!("m{i}"), spec(10, 10))).collect();
+    items.push(item("m0", spec(10, 10)));
+    items.push(item("Bad_Lease!", spec(10, 10)));
+    items.push(item("vm", SandboxSpec { backend: "microvm".into(), ..spec(10, 10) }));
+    let mut stream = h.client.clone().create_many(EdgeCreateManyRequest { items }).await.unwrap().into_inner();
+    let mut answers: HashMap<u32, EdgeCreateResult> = HashMap::new();
+    while let Some(r) = stream.message().await.unwrap() {
+        assert!(answers.insert(r.index, r.clone()).is_none(), "index {} answered twice", r.index);
+    }
+    assert_eq!(answers.len(), 33);
+    let ok = |i: u32| answers[&i].sandbox.clone().unwrap_or_else(|| panic!("item {i}: {:?}", answers[&i].error));
+    for i in 0..30 {
+        assert_eq!(ok(i).id, format!("{EDGE}.m{i}"));
+        assert_eq!(state(&ok(i)), SandboxState::Running);
+    }
+    assert_eq!(
+        (ok(30).id, ok(30).created_at_ms),
+        (ok(0).id, ok(0).created_at_ms),
+        "a repeated lease gets the same sandbox"
+    );
+    assert_eq!(answers[&31].error.as_ref().unwrap().reason, Reason::InvalidArgument.as_str());
+    assert_eq!(answers[&32].error.as_ref().unwrap().reason, Reason::NoCapacity.as_str());
+    assert_eq!(sim.len(), 30);
+    assert_eq!(record_file(dir.path(), "m17").state, opendsec_edge::SandboxStatus::Running);
+
+    // Over the bound: refused whole, nothing made.
+    let items: Vec<_> = (0..=opendsec_edge::MAX_CREATE_MANY).map(|i| item(&format!("x{i}"), spec(0, 0))).collect();
+    let err = h.client.clone().create_many(EdgeCreateManyRequest { items }).await.unwrap_err();
+    assert_eq!(ApiError::from(err).reason, Reason::InvalidArgument);
+    // Only an apiserver may create.
+    let items = vec![item("w", spec(0, 0))];
+    let err = h.watcher.clone().create_many(EdgeCreateManyRequest { items }).await.unwrap_err();
+    assert_eq!(ApiError::from(err).reason, Reason::PermissionDenied);
+    assert_eq!(sim.len(), 30);
+    assert_eq!(h.status(false).await.sandboxes, 30);
+    h.shutdown().await;
+}
+
 #[tokio::test]
 async fn capacity_and_offered_backends_are_checked() {
     let (dir, _iam, _w, fakes) = setup().await;
