@@ -701,6 +701,9 @@ impl RecordStore {
             !std::mem::replace(&mut q.running, true)
         };
         if start {
+            // Writes made ready together (a CreateMany's items) queue before the writer
+            // takes the queue: one sync for all of them.
+            tokio::task::yield_now().await;
             let store = self.clone();
             tokio::task::spawn_blocking(move || store.drain_queue());
         }
