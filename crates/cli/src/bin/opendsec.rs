@@ -65,3 +65,9 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+/// The control plane allocates per call (protobuf messages, HTTP/2 frames, records): with
+/// glibc's allocator, malloc and free were a quarter of a batched creation's CPU. With
+/// mimalloc `make bench` creates 11,600-12,100/s batched instead of 8,200-9,400/s.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
