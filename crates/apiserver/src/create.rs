@@ -270,7 +270,13 @@ pub async fn create_single(
             .with("retry_after_ms", INFLIGHT_RETRY_AFTER_MS.to_string()));
     };
     let _g = InflightGauge::new(shared, permit);
-    create_one(shared, token, spec, pool_revision, lease, None).await
+    // A run's edge, unless a pool's members decide (a retry under its lease finds its first
+    // attempt wherever it went).
+    let run = match spec.pool.is_empty() {
+        true => shared.single_run_edge(&spec.backend, Res::from_proto(spec.resources.as_ref())),
+        false => None,
+    };
+    create_one(shared, token, spec, pool_revision, lease, run.as_deref()).await
 }
 
 /// Holds an in-flight permit and mirrors it in the gauge.

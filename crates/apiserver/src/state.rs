@@ -163,7 +163,22 @@ pub struct Shared {
     pub default_egress: Vec<pb::EgressRule>,
     /// Where moved sandboxes went, as edges answered (`moves`).
     pub routes: Routes,
+    /// Single creations' current runs (see [`Shared::single_run_edge`]).
+    runs: Mutex<Vec<SingleRun>>,
 }
+
+/// The edge consecutive single creations of one backend and size go to, and how many more
+/// may.
+#[derive(Debug)]
+struct SingleRun {
+    backend: String,
+    resources: Res,
+    edge: Arc<str>,
+    left: u32,
+}
+
+/// Kinds of single creations with a run at once (the oldest run is dropped past it).
+const SINGLE_RUNS: usize = 64;
 
 impl Shared {
     pub fn new(cfg: ApiserverConfig, up: Upstreams, audit: AuditLog, images: ImageStore) -> Shared {
@@ -190,6 +205,7 @@ impl Shared {
             images,
             default_egress: Vec::new(),
             routes: Routes::default(),
+            runs: Mutex::new(Vec::new()),
         }
     }
 
@@ -337,6 +353,37 @@ impl Shared {
         )
         .ok()?;
         Some(snap.edges[i].name.clone())
+    }
+
+    /// The edge a single creation prefers: consecutive single creations of one backend and
+    /// size go to one edge in runs of `placement.batch_run`, as a batch's items do, so that
+    /// concurrent ones reach it together (one call, one record write). Each still goes
+    /// elsewhere when the edge no longer fits it. `None` with runs of 1.
+    pub fn single_run_edge(&self, backend: &str, resources: Res) -> Option<Arc<str>> {
+        let n = self.cfg.placement.batch_run;
+        if n <= 1 {
+            return None;
+        }
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let at = runs.iter().position(|r| r.backend == backend && r.resources == resources);
+        if let Some(r) = at.map(|i| &mut runs[i])
+            && r.left > 0
+        {
+            r.left -= 1;
+            return Some(r.edge.clone());
+        }
+        let edge: Arc<str> = Arc::from(self.run_edge(backend, resources, n)?);
+        let run = SingleRun { backend: backend.to_string(), resources, edge: edge.clone(), left: n - 1 };
+        match at {
+            Some(i) => runs[i] = run,
+            None => {
+                if runs.len() >= SINGLE_RUNS {
+                    runs.remove(0);
+                }
+                runs.push(run);
+            }
+        }
+        Some(edge)
     }
 
     pub fn placement_done(&self, overlay_id: u64, ok: bool) {

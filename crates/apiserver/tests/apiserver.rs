@@ -292,6 +292,8 @@ enum Mode {
     Accept,
     NoCapacity,
     Unavailable,
+    /// Accepts, but a CreateMany call breaks off after its first answer.
+    BreakMany,
 }
 
 struct EdgeState {
@@ -383,7 +385,7 @@ impl Edge for FakeEdge {
         match st.mode {
             Mode::NoCapacity => return Err(ApiError::new(Reason::NoCapacity, "fake edge is full").to_status()),
             Mode::Unavailable => return Err(ApiError::unavailable("fake edge is restarting").to_status()),
-            Mode::Accept => {}
+            Mode::Accept | Mode::BreakMany => {}
         }
         let id = ids::sandbox_id(&self.name, &r.lease_id);
         let sb = pb::Sandbox {
@@ -424,6 +426,10 @@ impl Edge for FakeEdge {
             })
             .collect();
         results.reverse();
+        if self.st.lock().unwrap().mode == Mode::BreakMany {
+            results.truncate(1);
+            results.push(Err(Status::unknown("h2 protocol error: connection reset")));
+        }
         Ok(Response::new(futures::stream::iter(results)))
     }
 
@@ -1205,6 +1211,66 @@ async fn a_batch_goes_to_edges_in_runs_each_made_in_one_call() {
     assert_eq!(late, 8);
     assert!(c.iam.st().released.is_empty(), "a lease of a creation that may still happen was released");
     assert!(c.edge("e1").st.lock().unwrap().many.iter().any(|&n| n > 1));
+}
+
+/// Consecutive single creations of one kind go to one edge in runs (the next run's edge
+/// chosen anew), and concurrent ones bound for it reach it together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_creations_go_in_runs_and_concurrent_ones_in_one_call() {
+    let mut cfg = test_config();
+    cfg.rate_per_principal = 10_000.0;
+    cfg.burst_per_principal = 10_000.0;
+    cfg.placement.batch_run = 4;
+    let c = Cluster::start(&[("e1", Mode::Accept, 0), ("e2", Mode::Accept, 0), ("e3", Mode::Accept, 0)], cfg).await;
+    let mut api = c.client();
+    let mut edges = Vec::new();
+    for _ in 0..12 {
+        edges.push(api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner().edge);
+    }
+    for (i, e) in edges.iter().enumerate() {
+        assert_eq!(e, &edges[i - i % 4], "creation {i} left its run: {edges:?}");
+    }
+
+    for e in ["e1", "e2", "e3"] {
+        c.edge(e).st.lock().unwrap().create_delay = Duration::from_millis(100);
+    }
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let mut api = c.client();
+            tokio::spawn(async move { api.create_sandbox(with_token(create_req(""), ALICE)).await })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let many: Vec<usize> = ["e1", "e2", "e3"].iter().flat_map(|e| c.edge(e).st.lock().unwrap().many.clone()).collect();
+    assert!(many.iter().any(|&n| n > 1), "no creations were gathered: {many:?}");
+    c.stop().await;
+}
+
+/// A CreateMany call that breaks off after the edge took it: the creations it did not answer
+/// may have been made there, so none of their leases is released; each is placed again
+/// under its lease (IAM rebinds it) and made elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_broken_midway_keeps_the_leases_and_places_the_rest_again() {
+    let mut cfg = test_config();
+    cfg.placement.batch_run = 8;
+    // e1 is the first choice and breaks off its calls; e2 takes what is placed again.
+    let c = Cluster::start(&[("e1", Mode::BreakMany, 0), ("e2", Mode::Accept, 32_000)], cfg).await;
+    c.edge("e1").st.lock().unwrap().create_delay = Duration::from_millis(50);
+    let mut api = c.client();
+    let req = pb::CreateSandboxesRequest { spec: Some(spec()), count: 8, patches: vec![] };
+    let mut stream = api.create_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner();
+    let mut on = BTreeMap::<String, usize>::new();
+    while let Some(item) = stream.message().await.unwrap() {
+        let sb = item.sandbox.unwrap_or_else(|| panic!("item {} failed: {:?}", item.index, item.error));
+        *on.entry(sb.edge).or_default() += 1;
+    }
+    assert_eq!(on.values().sum::<usize>(), 8, "{on:?}");
+    assert!(c.edge("e1").st.lock().unwrap().many.iter().any(|&n| n > 1), "no CreateMany call to break");
+    assert!(on.get("e2").is_some_and(|&n| n >= 1), "nothing was placed again: {on:?}");
+    assert!(c.iam.st().released.is_empty(), "a lease the edge may hold was released: {:?}", c.iam.st().released);
+    c.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

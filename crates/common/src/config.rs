@@ -373,10 +373,11 @@ pub struct PlacementConfig {
     /// How long an edge that refused stays a last choice.
     #[serde(with = "humantime_serde")]
     pub penalty: Duration,
-    /// A `CreateSandboxes` call places its items in runs of this many on one edge (each
-    /// run's edge chosen as one creation's is; an item that does not fit is placed alone),
-    /// so that the edge makes them in one call and one record write; 1 places every item
-    /// on its own.
+    /// Creations are placed in runs of this many on one edge: a `CreateSandboxes` call's
+    /// items, and consecutive single creations of one backend and size (each run's edge
+    /// chosen as one creation of the whole run would be; one that does not fit there is
+    /// placed alone), so that the edge makes concurrent ones in one call and one record
+    /// write; 1 places every creation on its own.
     pub batch_run: u32,
 }
 

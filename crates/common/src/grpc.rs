@@ -29,6 +29,10 @@ pub const MAX_CONNECTIONS: usize = 16_384;
 /// Largest message either way (reference section 13).
 pub use opendsec_proto::upload::MAX_MESSAGE_BYTES;
 
+/// Most creations one `Edge/CreateMany` call carries (the apiserver sends at most this many;
+/// an edge refuses more).
+pub const MAX_CREATE_MANY: usize = 64;
+
 /// Streams per connection.
 pub const MAX_STREAMS: u32 = 1024;
 /// HTTP/2 flow-control window of each stream.

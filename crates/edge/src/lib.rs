@@ -57,7 +57,7 @@ pub use error::EdgeError;
 pub use host::{FixedHost, HostProbe, HostSize, ProcHost};
 pub use record::SandboxRecord;
 pub use remote::LeaseBinding;
-pub use service::{EdgeService, MAX_CREATE_MANY};
+pub use service::EdgeService;
 pub use state::{SandboxStatus, end_reason};
 
 use crate::admission::Capacity;

@@ -447,10 +447,8 @@ struct Queue {
     bytes: Vec<u8>,
     /// Each frame's key and length, in order.
     frames: Vec<(String, u32)>,
-    /// Whether any of them must be synced.
-    sync: bool,
-    /// Who waits for each.
-    waiters: Vec<tokio::sync::oneshot::Sender<Result<(), String>>>,
+    /// Who waits for each, and whether it waits for a sync.
+    waiters: Vec<(tokio::sync::oneshot::Sender<Result<(), String>>, bool)>,
     /// Whether a writer is at work.
     running: bool,
 }
@@ -696,16 +694,18 @@ impl RecordStore {
             let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
             q.frames.push((lease_id.to_string(), framed.len() as u32));
             q.bytes.extend_from_slice(&framed);
-            q.sync |= mode != WriteMode::Lazy;
-            q.waiters.push(tx);
+            q.waiters.push((tx, mode != WriteMode::Lazy));
             !std::mem::replace(&mut q.running, true)
         };
         if start {
-            // Writes made ready together (a CreateMany's items) queue before the writer
-            // takes the queue: one sync for all of them.
-            tokio::task::yield_now().await;
+            // In a task of its own: the writer starts even if this write's caller goes away.
             let store = self.clone();
-            tokio::task::spawn_blocking(move || store.drain_queue());
+            tokio::spawn(async move {
+                // Writes made ready together (a CreateMany's items) queue before the writer
+                // takes the queue: one sync for all of them.
+                tokio::task::yield_now().await;
+                tokio::task::spawn_blocking(move || RecordStore::drain_queue(store));
+            });
         }
         match rx.await {
             Ok(Ok(())) => Ok(()),
@@ -718,19 +718,27 @@ impl RecordStore {
         }
     }
 
-    /// The writer of [`RecordStore::write_queued`]: runs until the queue is empty.
-    fn drain_queue(&self) {
-        /// Lets the next write start a writer should this one end early (a panic).
-        struct Running<'a>(&'a Mutex<Queue>);
-        impl Drop for Running<'_> {
+    /// The writer of [`RecordStore::write_queued`]: runs until the queue is empty. Its hold on
+    /// the store ends before the last writes are answered, so that a store closed after its
+    /// last write (an edge restarted in the same process) is closed, its lock free.
+    fn drain_queue(self: std::sync::Arc<Self>) {
+        /// Should the writer end early (a panic), the writes still queued are answered (their
+        /// callers hear that the writer stopped) and the next write starts a writer.
+        struct Running(Option<std::sync::Arc<RecordStore>>);
+        impl Drop for Running {
             fn drop(&mut self) {
-                self.0.lock().unwrap_or_else(|p| p.into_inner()).running = false;
+                if let Some(store) = &self.0
+                    && std::thread::panicking()
+                {
+                    *store.queue.lock().unwrap_or_else(|p| p.into_inner()) = Queue::default();
+                }
             }
         }
-        let _running = Running(&self.queue);
+        let mut running = Running(Some(self));
         loop {
+            let Some(store) = running.0.as_ref() else { return };
             let batch = {
-                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                let mut q = store.queue.lock().unwrap_or_else(|p| p.into_inner());
                 if q.waiters.is_empty() {
                     // Under the lock: a write queued after this starts a writer of its own.
                     q.running = false;
@@ -739,22 +747,40 @@ impl RecordStore {
                 Queue {
                     bytes: std::mem::take(&mut q.bytes),
                     frames: std::mem::take(&mut q.frames),
-                    sync: std::mem::take(&mut q.sync),
                     waiters: std::mem::take(&mut q.waiters),
                     running: true,
                 }
             };
             let frames: Vec<(u8, &str, u32)> = batch.frames.iter().map(|(k, len)| (PUT, k.as_str(), *len)).collect();
-            let written = self.append_frames(&batch.bytes, &frames).and_then(|ticket| {
-                if batch.sync {
-                    self.sync_through(ticket).map_err(|source| RecordError::Write { path: self.path.clone(), source })
-                } else {
-                    Ok(())
+            let (durable, lazy): (Vec<_>, Vec<_>) = batch.waiters.into_iter().partition(|(_, sync)| *sync);
+            let appended = store.append_frames(&batch.bytes, &frames);
+            let mut answers = Vec::with_capacity(lazy.len() + durable.len());
+            // Lazy writes are answered once appended; the rest once synced too.
+            let answer = appended.as_ref().map(|_| ()).map_err(|e| e.to_string());
+            if durable.is_empty() {
+                answers.extend(lazy.into_iter().map(|(w, _)| (w, answer.clone())));
+            } else {
+                for (w, _) in lazy {
+                    let _ = w.send(answer.clone());
                 }
-            });
-            let answer = written.map_err(|e| e.to_string());
-            for w in batch.waiters {
-                let _ = w.send(answer.clone());
+                let synced = appended.and_then(|ticket| {
+                    store.sync_through(ticket).map_err(|source| RecordError::Write { path: store.path.clone(), source })
+                });
+                let answer = synced.map_err(|e| e.to_string());
+                answers.extend(durable.into_iter().map(|(w, _)| (w, answer.clone())));
+            }
+            let last = {
+                let mut q = store.queue.lock().unwrap_or_else(|p| p.into_inner());
+                q.waiters.is_empty() && {
+                    q.running = false;
+                    true
+                }
+            };
+            if last {
+                running.0 = None;
+            }
+            for (w, a) in answers {
+                let _ = w.send(a);
             }
         }
     }
@@ -1309,10 +1335,18 @@ mod tests {
         let big = vec![0u8; MAX_BODY + 1];
         assert!(matches!(store.write_queued("big", &big, WriteMode::Durable).await, Err(RecordError::Write { .. })));
         store.write_queued("after", b"y", WriteMode::Durable).await.unwrap();
+        // A write whose caller goes away as soon as it is queued (it started the writer):
+        // the writer still runs, and the next write is not left waiting behind it.
+        let _ =
+            tokio::time::timeout(std::time::Duration::ZERO, store.write_queued("gone", b"z", WriteMode::Durable)).await;
+        tokio::time::timeout(std::time::Duration::from_secs(10), store.write_queued("next", b"n", WriteMode::Durable))
+            .await
+            .expect("the next write was left waiting")
+            .unwrap();
         drop(store);
         let store = RecordStore::open(dir.path()).unwrap();
         let raw = store.raw().unwrap();
-        assert_eq!(raw.len(), 402);
+        assert_eq!(raw.len(), 404);
         for i in 0..400 {
             assert_eq!(raw[&format!("l{i}")], format!("l{i}").as_bytes());
         }

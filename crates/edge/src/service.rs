@@ -14,6 +14,7 @@ use opendsec_proto::v1::{
 
 use crate::core::Inner;
 use crate::error::EdgeError;
+use opendsec_common::grpc::MAX_CREATE_MANY;
 
 /// The service implementation (wrapped in `EdgeServer` by [`crate::Edge::service`]; served
 /// behind the role table of `opendsec_common::acl`).
@@ -47,9 +48,6 @@ fn check_project<T>(inner: &Inner, req: &Request<T>, id: &str) -> Result<(), Sta
         _ => Err(status("lifecycle", inner.not_found(id))),
     }
 }
-
-/// Most creations one `CreateMany` call may carry.
-pub const MAX_CREATE_MANY: usize = 1024;
 
 fn status(method: &'static str, e: EdgeError) -> Status {
     let api = e.to_api();

@@ -15,10 +15,22 @@ impl Inner {
     where
         F: Fn(u32, Result<Sandbox, EdgeError>) + Send + Sync + 'static,
     {
+        use futures::FutureExt;
         let done = Arc::new(done);
         for (index, item) in (0u32..).zip(items) {
             let (me, done) = (self.clone(), done.clone());
-            tokio::spawn(async move { done(index, me.create(item).await) });
+            tokio::spawn(async move {
+                // A creation that panics is answered as its own call's task would be.
+                let r = std::panic::AssertUnwindSafe(me.create(item)).catch_unwind().await.unwrap_or_else(|p| {
+                    let message = p
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| p.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "panicked".into());
+                    Err(EdgeError::TaskFailed { op: "create", message })
+                });
+                done(index, r)
+            });
         }
     }
 

@@ -541,7 +541,7 @@ async fn create_many_answers_each_item_as_its_own_call_would() {
     assert_eq!(record_file(dir.path(), "m17").state, opendsec_edge::SandboxStatus::Running);
 
     // Over the bound: refused whole, nothing made.
-    let items: Vec<_> = (0..=opendsec_edge::MAX_CREATE_MANY).map(|i| item(&format!("x{i}"), spec(0, 0))).collect();
+    let items: Vec<_> = (0..=grpc::MAX_CREATE_MANY).map(|i| item(&format!("x{i}"), spec(0, 0))).collect();
     let err = h.client.clone().create_many(EdgeCreateManyRequest { items }).await.unwrap_err();
     assert_eq!(ApiError::from(err).reason, Reason::InvalidArgument);
     // Only an apiserver may create.
