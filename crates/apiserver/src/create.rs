@@ -276,7 +276,7 @@ pub async fn create_single(
         true => shared.single_run_edge(&spec.backend, Res::from_proto(spec.resources.as_ref())),
         false => None,
     };
-    create_one(shared, token, spec, pool_revision, lease, run.as_deref()).await
+    create_one(shared, token, spec, pool_revision, lease, run.as_ref().map(|(edge, _part)| &**edge)).await
 }
 
 /// Holds an in-flight permit and mirrors it in the gauge.

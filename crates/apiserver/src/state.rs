@@ -9,6 +9,7 @@
 
 use opendsec_common::periodic::{self, Cancel, Start};
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -167,14 +168,25 @@ pub struct Shared {
     runs: Mutex<Vec<SingleRun>>,
 }
 
-/// The edge consecutive single creations of one backend and size go to, and how many more
-/// may.
+/// The edge concurrent single creations of one backend and size go to, how many more may,
+/// and how many of those that took it are still under way.
 #[derive(Debug)]
 struct SingleRun {
     backend: String,
     resources: Res,
     edge: Arc<str>,
     left: u32,
+    under_way: Arc<AtomicU32>,
+}
+
+/// A single creation's part in a run: counted as under way until dropped.
+#[derive(Debug)]
+pub struct RunPart(Arc<AtomicU32>);
+
+impl Drop for RunPart {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Kinds of single creations with a run at once (the oldest run is dropped past it).
@@ -355,11 +367,14 @@ impl Shared {
         Some(snap.edges[i].name.clone())
     }
 
-    /// The edge a single creation prefers: consecutive single creations of one backend and
-    /// size go to one edge in runs of `placement.batch_run`, as a batch's items do, so that
-    /// concurrent ones reach it together (one call, one record write). Each still goes
-    /// elsewhere when the edge no longer fits it. `None` with runs of 1.
-    pub fn single_run_edge(&self, backend: &str, resources: Res) -> Option<Arc<str>> {
+    /// The edge a single creation prefers: single creations of one backend and size made
+    /// while others of the run are under way go to one edge, in runs of
+    /// `placement.batch_run`, as a batch's items do, so that concurrent ones reach it together
+    /// (one call, one record write). One made when none of its run is under way starts a new
+    /// run (placed as one creation of the whole run would be): creations one at a time
+    /// spread as they would without runs. Each still goes elsewhere when the edge no longer
+    /// fits it. `None` with runs of 1.
+    pub fn single_run_edge(&self, backend: &str, resources: Res) -> Option<(Arc<str>, RunPart)> {
         let n = self.cfg.placement.batch_run;
         if n <= 1 {
             return None;
@@ -368,12 +383,16 @@ impl Shared {
         let at = runs.iter().position(|r| r.backend == backend && r.resources == resources);
         if let Some(r) = at.map(|i| &mut runs[i])
             && r.left > 0
+            && r.under_way.load(Ordering::Acquire) > 0
         {
             r.left -= 1;
-            return Some(r.edge.clone());
+            r.under_way.fetch_add(1, Ordering::AcqRel);
+            return Some((r.edge.clone(), RunPart(r.under_way.clone())));
         }
         let edge: Arc<str> = Arc::from(self.run_edge(backend, resources, n)?);
-        let run = SingleRun { backend: backend.to_string(), resources, edge: edge.clone(), left: n - 1 };
+        let under_way = Arc::new(AtomicU32::new(1));
+        let part = RunPart(under_way.clone());
+        let run = SingleRun { backend: backend.to_string(), resources, edge: edge.clone(), left: n - 1, under_way };
         match at {
             Some(i) => runs[i] = run,
             None => {
@@ -383,7 +402,7 @@ impl Shared {
                 runs.push(run);
             }
         }
-        Some(edge)
+        Some((edge, part))
     }
 
     pub fn placement_done(&self, overlay_id: u64, ok: bool) {

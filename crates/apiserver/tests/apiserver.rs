@@ -1213,23 +1213,21 @@ async fn a_batch_goes_to_edges_in_runs_each_made_in_one_call() {
     assert!(c.edge("e1").st.lock().unwrap().many.iter().any(|&n| n > 1));
 }
 
-/// Consecutive single creations of one kind go to one edge in runs (the next run's edge
-/// chosen anew), and concurrent ones bound for it reach it together.
+/// Single creations made one at a time spread as placement spreads them; concurrent ones of
+/// one kind go to one edge in runs, and reach it together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn single_creations_go_in_runs_and_concurrent_ones_in_one_call() {
+async fn single_creations_go_in_runs_only_while_others_are_under_way() {
     let mut cfg = test_config();
     cfg.rate_per_principal = 10_000.0;
     cfg.burst_per_principal = 10_000.0;
     cfg.placement.batch_run = 4;
     let c = Cluster::start(&[("e1", Mode::Accept, 0), ("e2", Mode::Accept, 0), ("e3", Mode::Accept, 0)], cfg).await;
     let mut api = c.client();
-    let mut edges = Vec::new();
-    for _ in 0..12 {
-        edges.push(api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner().edge);
+    let mut edges = BTreeSet::new();
+    for _ in 0..10 {
+        edges.insert(api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner().edge);
     }
-    for (i, e) in edges.iter().enumerate() {
-        assert_eq!(e, &edges[i - i % 4], "creation {i} left its run: {edges:?}");
-    }
+    assert!(edges.len() >= 2, "creations one at a time all went to {edges:?}");
 
     for e in ["e1", "e2", "e3"] {
         c.edge(e).st.lock().unwrap().create_delay = Duration::from_millis(100);
