@@ -371,8 +371,7 @@ impl Shared {
     /// while others of the run are under way go to one edge, in runs of
     /// `placement.batch_run`, as a batch's items do, so that concurrent ones reach it together
     /// (one call, one record write). One made when none of its run is under way starts a new
-    /// run (placed as one creation of the whole run would be): creations one at a time
-    /// spread as they would without runs. Each still goes elsewhere when the edge no longer
+    /// run, placed as it would be without runs: creations one at a time spread as before. Each still goes elsewhere when the edge no longer
     /// fits it. `None` with runs of 1.
     pub fn single_run_edge(&self, backend: &str, resources: Res) -> Option<(Arc<str>, RunPart)> {
         let n = self.cfg.placement.batch_run;
@@ -389,7 +388,9 @@ impl Shared {
             r.under_way.fetch_add(1, Ordering::AcqRel);
             return Some((r.edge.clone(), RunPart(r.under_way.clone())));
         }
-        let edge: Arc<str> = Arc::from(self.run_edge(backend, resources, n)?);
+        // Placed as one creation is (not as the whole run): a creation made alone goes where
+        // it would without runs.
+        let edge: Arc<str> = Arc::from(self.run_edge(backend, resources, 1)?);
         let under_way = Arc::new(AtomicU32::new(1));
         let part = RunPart(under_way.clone());
         let run = SingleRun { backend: backend.to_string(), resources, edge: edge.clone(), left: n - 1, under_way };

@@ -374,10 +374,11 @@ pub struct PlacementConfig {
     #[serde(with = "humantime_serde")]
     pub penalty: Duration,
     /// Creations are placed in runs of this many on one edge: a `CreateSandboxes` call's
-    /// items, and consecutive single creations of one backend and size (each run's edge
-    /// chosen as one creation of the whole run would be; one that does not fit there is
-    /// placed alone), so that the edge makes concurrent ones in one call and one record
-    /// write; 1 places every creation on its own.
+    /// items (each run's edge chosen as one creation of the whole run would be), and single
+    /// creations of one backend and size made while another of their run is under way (the
+    /// run's edge is where its first went). One that does not fit there is placed alone.
+    /// The edge makes concurrent ones in one call and one record write; 1 places every
+    /// creation on its own.
     pub batch_run: u32,
 }
 
