@@ -371,8 +371,8 @@ impl Shared {
     /// while others of the run are under way go to one edge, in runs of
     /// `placement.batch_run`, as a batch's items do, so that concurrent ones reach it together
     /// (one call, one record write). One made when none of its run is under way starts a new
-    /// run, placed as it would be without runs: creations one at a time spread as before. Each still goes elsewhere when the edge no longer
-    /// fits it. `None` with runs of 1.
+    /// run, placed as it would be without runs: creations one at a time spread as before.
+    /// Each still goes elsewhere when the edge no longer fits it. `None` with runs of 1.
     pub fn single_run_edge(&self, backend: &str, resources: Res) -> Option<(Arc<str>, RunPart)> {
         let n = self.cfg.placement.batch_run;
         if n <= 1 {
