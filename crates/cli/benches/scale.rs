@@ -246,6 +246,7 @@ async fn run() {
     let batches: Vec<(String, u32)> = (0..fill.div_ceil(BATCH))
         .map(|b| (leaves[b as usize % leaves.len()].clone(), BATCH.min(fill - b * BATCH)))
         .collect();
+    eprintln!("bench-scale: {edges} edges healthy; filling {fill} sandboxes");
     let t = Instant::now();
     let mut filled = 0u64;
     let mut fill_errors = std::collections::BTreeMap::new();
@@ -261,10 +262,12 @@ async fn run() {
     let fill_time = t.elapsed();
 
     // The burst: one call.
+    eprintln!("bench-scale: burst of {BURST} at {filled} live");
     let t = Instant::now();
     let (burst_ok, burst_errors) = create_batch(&admin, &leaves[0], BURST).await;
     let burst_time = t.elapsed();
     let created = filled + burst_ok;
+    eprintln!("bench-scale: burst done; measuring");
     tokio::time::sleep(Duration::from_secs(3)).await; // the edges' lease checks, a probe
     let full = daemons.rss();
 

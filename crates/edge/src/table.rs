@@ -3,11 +3,13 @@
 //! sandboxes hold.
 //!
 //! Invariants: `used` always equals the sum over live records (every change of a record goes
-//! through `insert`/`publish`/`remove`, which adjust it); the table sits behind a std mutex held
-//! only for short, non-async sections; records are `Arc`s so readers clone pointers under the
-//! lock and build messages outside it.
+//! through `insert`/`publish`/`remove`, which adjust it); `due` holds each entry at its `due`
+//! time, which is never later than the first moment the TTL sweep has something to do with the
+//! record (so a round visits what is due, not every sandbox); the table sits behind a std mutex
+//! held only for short, non-async sections; records are `Arc`s so readers clone pointers under
+//! the lock and build messages outside it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Bound;
 use std::sync::Arc;
 
@@ -23,6 +25,8 @@ pub(crate) type OpLock = Arc<tokio::sync::Mutex<()>>;
 pub(crate) struct Entry {
     pub rec: Arc<SandboxRecord>,
     pub op: OpLock,
+    /// When the sweep looks at the record next (its key in `Table::due`), if ever.
+    due: Option<i64>,
 }
 
 #[derive(Default)]
@@ -32,6 +36,27 @@ pub(crate) struct Table {
     /// Listing merges them into id order.
     foreign: BTreeMap<String, String>,
     used: Totals,
+    /// (due ms, lease) of every entry that has a `due` time.
+    due: BTreeSet<(i64, String)>,
+}
+
+/// The earliest moment the TTL sweep may have something to do with the record, from the record
+/// alone: a move to settle (`moving_since_ms`, or at once for a live sandbox that moved away),
+/// the first TTL deadline of a live sandbox, or the end of an ended, released record (deleted
+/// past retention). Activity only pushes the idle deadline later, and the retention and move
+/// timeouts only add to these, so the sweep, when it looks, may put the record off further.
+fn first_look(rec: &SandboxRecord) -> Option<i64> {
+    if rec.moved.is_moving() {
+        Some(rec.moved.moving_since_ms)
+    } else if !rec.moved.moved_to.is_empty() && rec.state.is_live() {
+        Some(0)
+    } else if rec.state.is_live() {
+        crate::ttl::next_deadline(rec).map(|d| d.at_ms)
+    } else if rec.lease_released {
+        Some(rec.ended_at_ms)
+    } else {
+        None
+    }
 }
 
 /// Whether the record's id names another edge than the one holding it (it moved in).
@@ -80,8 +105,12 @@ impl Table {
             self.foreign.insert(rec.id.clone(), rec.lease_id.clone());
         }
         let lease = rec.lease_id.clone();
-        if let Some(old) = self.entries.insert(lease, Entry { rec, op }) {
-            self.forget(&old.rec);
+        let due = first_look(&rec);
+        if let Some(old) = self.entries.insert(lease.clone(), Entry { rec, op, due }) {
+            self.forget(&old.rec, old.due);
+        }
+        if let Some(at) = due {
+            self.due.insert((at, lease));
         }
     }
 
@@ -94,31 +123,70 @@ impl Table {
         if is_foreign(&rec) {
             self.foreign.insert(rec.id.clone(), rec.lease_id.clone());
         }
+        let due = first_look(&rec);
         match self.entries.get_mut(&rec.lease_id) {
             Some(e) => {
-                let old = std::mem::replace(&mut e.rec, rec);
-                self.forget(&old);
+                let (old, old_due) = (std::mem::replace(&mut e.rec, rec), std::mem::replace(&mut e.due, due));
+                self.forget(&old, old_due);
+                if let Some(at) = due {
+                    self.due.insert((at, old.lease_id.clone()));
+                }
             }
             None => {
                 let lease = rec.lease_id.clone();
-                self.entries.insert(lease, Entry { rec, op: OpLock::default() });
+                if let Some(at) = due {
+                    self.due.insert((at, lease.clone()));
+                }
+                self.entries.insert(lease, Entry { rec, op: OpLock::default(), due });
             }
         }
     }
 
     pub fn remove(&mut self, lease: &str) -> Option<Entry> {
         let e = self.entries.remove(lease)?;
-        self.forget(&e.rec);
+        self.forget(&e.rec, e.due);
         if is_foreign(&e.rec) {
             self.foreign.remove(&e.rec.id);
         }
         Some(e)
     }
 
-    fn forget(&mut self, old: &SandboxRecord) {
+    /// Takes an entry that is being replaced or removed out of the totals and the due index.
+    fn forget(&mut self, old: &SandboxRecord, due: Option<i64>) {
         if old.state.is_live() {
             self.used.sub(old.resources());
         }
+        if let Some(at) = due {
+            self.due.remove(&(at, old.lease_id.clone()));
+        }
+    }
+
+    /// The records due at `now_ms` (in due order), for the sweep to look at; each stays due
+    /// until it changes or the sweep puts it off ([`Table::put_off`]).
+    pub fn due(&self, now_ms: i64) -> Vec<Arc<SandboxRecord>> {
+        self.due
+            .range(..(now_ms.saturating_add(1), String::new()))
+            .filter_map(|(_, lease)| self.entries.get(lease))
+            .map(|e| e.rec.clone())
+            .collect()
+    }
+
+    /// Sets when the sweep looks at the sandbox next (`None`: only once its record changes).
+    pub fn put_off(&mut self, lease: &str, until: Option<i64>) {
+        let Some(e) = self.entries.get_mut(lease) else { return };
+        if let Some(at) = e.due {
+            self.due.remove(&(at, lease.to_string()));
+        }
+        e.due = until;
+        if let Some(at) = until {
+            self.due.insert((at, lease.to_string()));
+        }
+    }
+
+    /// How many entries the sweep has a time for (tests).
+    #[cfg(test)]
+    pub fn due_len(&self) -> usize {
+        self.due.len()
     }
 
     /// Up to `limit` records matching `filter` with ids after `after`, in id order, and whether
@@ -320,5 +388,49 @@ mod tests {
         t.remove("c");
         assert_eq!(t.moved_in(), ["f.a"]);
         assert_eq!(t.used().sandboxes, 4);
+    }
+
+    #[test]
+    fn the_sweep_is_shown_only_what_is_due_and_each_entry_once() {
+        let mut t = Table::default();
+        let with_ttl = |lease: &str, state, idle: u64| {
+            let mut r = (*rec(lease, "root", state, 1)).clone();
+            r.spec.ttl_running_stop_s = idle;
+            r
+        };
+        let leases = |v: Vec<Arc<SandboxRecord>>| v.iter().map(|r| r.lease_id.clone()).collect::<Vec<_>>();
+        // Idle deadlines at 1 + 10 s and 1 + 5 s; no TTL at all: never due while it runs.
+        t.insert(Arc::new(with_ttl("a", SandboxStatus::Running, 10)), OpLock::default());
+        t.insert(Arc::new(with_ttl("b", SandboxStatus::Running, 5)), OpLock::default());
+        t.insert(rec("c", "root", SandboxStatus::Running, 1), OpLock::default());
+        assert!(t.due(5_000).is_empty());
+        assert_eq!(leases(t.due(5_001)), ["b"]);
+        assert_eq!(leases(t.due(10_001)), ["b", "a"]);
+        // Put off (activity), then changed (a new deadline): one entry each, never two.
+        t.put_off("b", Some(20_000));
+        assert_eq!(leases(t.due(10_001)), ["a"]);
+        t.publish(Arc::new(with_ttl("b", SandboxStatus::Running, 1)));
+        assert_eq!(leases(t.due(10_001)), ["b", "a"]);
+        assert_eq!(t.due_len(), 2);
+        // Ended: not due until its lease is released, then from its end on.
+        let mut ended = with_ttl("a", SandboxStatus::Stopped, 10);
+        ended.ended_at_ms = 7_000;
+        t.publish(Arc::new(ended.clone()));
+        assert_eq!(leases(t.due(i64::MAX)), ["b"]);
+        ended.lease_released = true;
+        t.publish(Arc::new(ended));
+        assert_eq!(leases(t.due(7_000)), ["b", "a"]);
+        // A sandbox moving is due from the move's start; one that moved away, at once.
+        let mut moving = with_ttl("c", SandboxStatus::Running, 0);
+        moving.moved.moving_since_ms = 3_000;
+        moving.moved.moving_to = "f".into();
+        t.publish(Arc::new(moving));
+        assert_eq!(leases(t.due(3_000)), ["b", "c"]);
+        t.put_off("b", None);
+        t.remove("c");
+        assert_eq!(leases(t.due(i64::MAX)), ["a"]);
+        assert_eq!(t.due_len(), 1);
+        t.remove("a");
+        assert_eq!(t.due_len(), 0);
     }
 }

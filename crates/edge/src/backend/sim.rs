@@ -32,12 +32,15 @@ struct SimSandbox {
 #[derive(Debug, Default)]
 struct Held {
     map: HashMap<String, SimSandbox>,
+    /// Killed, and not yet stopped by the edge: what `losses` names.
+    lost: HashSet<String>,
     cpu_millis: u64,
     memory_mb: u64,
 }
 
 impl Held {
     fn insert(&mut self, id: String, sb: SimSandbox) {
+        self.lost.remove(&id);
         self.add(&sb);
         if let Some(old) = self.map.insert(id, sb) {
             self.sub(&old);
@@ -52,6 +55,7 @@ impl Held {
 
     fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.map.retain(|id, _| keep(id));
+        self.lost.retain(|id| keep(id));
         let (cpu, mem) = self
             .map
             .values()
@@ -95,10 +99,15 @@ impl SimBackend {
         *self.lock_fail() = reason;
     }
 
-    /// Test hook: the sandbox dies (the edge notices at its next liveness probe). Returns
-    /// whether it existed.
+    /// Test hook: the sandbox dies (the edge notices at its next liveness sweep, as the backend
+    /// names it among its losses). Returns whether it existed.
     pub fn kill(&self, id: &str) -> bool {
-        self.lock().remove(id).is_some()
+        let mut held = self.lock();
+        let existed = held.remove(id).is_some();
+        if existed {
+            held.lost.insert(id.to_string());
+        }
+        existed
     }
 
     /// Sandboxes the backend holds.
@@ -167,7 +176,9 @@ impl Backend for SimBackend {
 
     async fn stop(&self, sb: &SandboxRecord) -> Result<(), BackendError> {
         self.delay().await;
-        self.lock().remove(&sb.id);
+        let mut held = self.lock();
+        held.remove(&sb.id);
+        held.lost.remove(&sb.id);
         Ok(())
     }
 
@@ -183,6 +194,16 @@ impl Backend for SimBackend {
 
     async fn probe(&self, id: &str) -> Result<bool, BackendError> {
         Ok(self.contains(id))
+    }
+
+    /// Its sandboxes die only by `kill`, which it remembers: a thousand sim edges need not
+    /// look up every sandbox every round.
+    fn hears_losses(&self) -> bool {
+        true
+    }
+
+    fn losses(&self) -> Vec<String> {
+        self.lock().lost.iter().cloned().collect()
     }
 
     async fn gone(&self, ids: &[&str]) -> Vec<usize> {

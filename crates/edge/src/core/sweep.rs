@@ -16,6 +16,8 @@ impl Inner {
     }
 
     /// One round of the TTL loop: expire, probe liveness, delete ended records past retention.
+    /// It looks only at the records due (the table keeps them in due order), and asks about
+    /// every live sandbox only the backends that do not hear of their losses by themselves.
     pub(crate) async fn ttl_round(&self) {
         let now = self.clock.now_ms();
         let retention = i64::try_from(self.cfg.ended_retention.as_millis()).unwrap_or(i64::MAX);
@@ -24,40 +26,68 @@ impl Inner {
         let mut moves = Vec::new();
         let stale = i64::try_from(self.cfg.move_stale.as_millis()).unwrap_or(i64::MAX);
         let mut probe: Vec<Arc<SandboxRecord>> = Vec::new();
+        let probed: Vec<&Arc<dyn Backend>> = self.backends.iter().filter(|b| !b.hears_losses()).collect();
         // One look at the table and the activity map for the whole round (in that order, as
         // every caller that holds both takes them).
         {
-            let table = self.table();
+            let mut table = self.table();
             let activity = self.activity.lock();
             let active_ms = |lease: &str| match activity.get(lease) {
                 Some((0, last)) => *last,
                 Some(_) => now,
                 None => 0,
             };
-            for rec in table.records() {
+            for rec in table.due(now) {
+                let lease = &rec.lease_id;
                 if rec.moved.is_moving() || (!rec.moved.moved_to.is_empty() && rec.state.is_live()) {
                     // A move holds the sandbox (no expiry, no probes of a frozen sandbox) until it
                     // is finished, by its caller or, past its time, here.
-                    if !rec.moved.is_moving() || rec.moved.moving_since_ms.saturating_add(stale) <= now {
-                        moves.push(rec.lease_id.clone());
+                    let past = rec.moved.moving_since_ms.saturating_add(stale);
+                    if !rec.moved.is_moving() || past <= now {
+                        moves.push(lease.clone());
+                    } else {
+                        table.put_off(lease, Some(past));
                     }
-                } else if ttl::expired_active(rec, now, active_ms(&rec.lease_id)).is_some() {
-                    expired.push(rec.lease_id.clone());
-                } else if rec.state.is_adoptable() {
-                    probe.push(rec.clone());
-                } else if rec.state.is_ended() && rec.lease_released && rec.ended_at_ms.saturating_add(retention) <= now
-                {
-                    delete.push(rec.lease_id.clone());
+                } else if rec.state.is_live() {
+                    let active = active_ms(lease);
+                    if ttl::expired_active(&rec, now, active).is_some() {
+                        expired.push(lease.clone());
+                    } else if rec.state.is_adoptable() {
+                        // Not expired: activity put the idle deadline off (an unsettled
+                        // sandbox stays due, and is looked at again next round).
+                        table.put_off(lease, Some(ttl::expires_at_ms_active(&rec, active)).filter(|&at| at > 0));
+                    }
+                } else if rec.lease_released {
+                    let past = rec.ended_at_ms.saturating_add(retention);
+                    if past <= now {
+                        delete.push(lease.clone());
+                    } else {
+                        table.put_off(lease, Some(past));
+                    }
+                } else {
+                    table.put_off(lease, None);
                 }
+            }
+            if !probed.is_empty() {
+                let held = |r: &SandboxRecord| probed.iter().any(|b| b.name() == r.spec.backend);
+                let moving = |r: &SandboxRecord| r.moved.is_moving() || !r.moved.moved_to.is_empty();
+                probe.extend(table.records().filter(|r| r.state.is_adoptable() && !moving(r) && held(r)).cloned());
             }
         }
         futures::stream::iter(expired)
             .for_each_concurrent(LOOP_CONCURRENCY, |lease| async move { self.expire(&lease).await })
             .await;
-        // Liveness: each backend asked for all of its sandboxes at once; what it answers gone
-        // is looked at again, one by one, under the sandbox's lock.
+        // Liveness: a backend that hears of its losses names them; each other one is asked
+        // about all of its sandboxes at once. What is answered gone is looked at again, one by
+        // one, under the sandbox's lock.
         let mut lost = Vec::new();
         for b in &self.backends {
+            if b.hears_losses() {
+                let ids = b.losses();
+                let table = self.table();
+                lost.extend(ids.iter().filter_map(|id| self.lease_in(&table, id)));
+                continue;
+            }
             let recs: Vec<&Arc<SandboxRecord>> = probe.iter().filter(|r| r.spec.backend == b.name()).collect();
             if recs.is_empty() {
                 continue;
