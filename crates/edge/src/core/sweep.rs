@@ -85,7 +85,10 @@ impl Inner {
             if b.hears_losses() {
                 let ids = b.losses();
                 let table = self.table();
-                lost.extend(ids.iter().filter_map(|id| self.lease_in(&table, id)));
+                // Only settled sandboxes are looked at (one in an operation is named again
+                // next round), so that a round never waits for an operation's lock.
+                let settled = |lease: &String| table.get(lease).is_some_and(|e| e.rec.state.is_adoptable());
+                lost.extend(ids.iter().filter_map(|id| self.lease_in(&table, id)).filter(settled));
                 continue;
             }
             let recs: Vec<&Arc<SandboxRecord>> = probe.iter().filter(|r| r.spec.backend == b.name()).collect();

@@ -144,3 +144,48 @@ fn records_survive_kill_9_at_any_moment() {
     // The kills also fell on logs that had been compacted (rewritten with their live records).
     assert!(compacted > 0, "the log was never compacted ({last_len} bytes at the end)");
 }
+
+/// A small filesystem of its own, unmounted however the test ends.
+struct Tmpfs(std::path::PathBuf, #[allow(dead_code)] tempfile::TempDir);
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        let ok = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "none"]).arg(&path).status();
+        assert!(ok.unwrap().success(), "mount a tmpfs (run as root)");
+        Tmpfs(path, dir)
+    }
+}
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A disk that fills: the zeros the log keeps ahead of its frames stop fitting first, and
+/// the log then takes frames as long as they fit; then a write fails with the disk's own
+/// error, and everything acknowledged before it is there after a reopen.
+#[test]
+fn a_full_disk_fails_writes_clearly_and_loses_none_acknowledged() {
+    let fs = Tmpfs::mount("192k");
+    let store = RecordStore::open(&fs.0).unwrap();
+    let value = |i: u32| format!("{i:08}").repeat(512).into_bytes();
+    let mut acked = 0;
+    let err = loop {
+        match store.write(&format!("l{acked}"), &value(acked), WriteMode::Durable) {
+            Ok(()) => acked += 1,
+            Err(e) => break e,
+        }
+        assert!(acked < 1000, "the disk never filled");
+    };
+    assert!(err.to_string().contains("No space left on device"), "{err}");
+    // Past where the zeros ahead stopped fitting (128 KiB of them, or more, were in place).
+    assert!(store.whole_len() > 160 << 10, "{} bytes of frames", store.whole_len());
+    drop(store);
+    let store = RecordStore::open(&fs.0).unwrap();
+    let raw = store.raw().unwrap();
+    assert_eq!(raw.len(), acked as usize);
+    for i in 0..acked {
+        assert_eq!(raw[&format!("l{i}")], value(i), "l{i}");
+    }
+}
