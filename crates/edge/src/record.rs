@@ -381,9 +381,6 @@ const COMPACTING: &str = "records.log.new";
 /// The log is rewritten with its live records only once it is this big and more than twice
 /// their size.
 const COMPACT_MIN: u64 = 4 << 20;
-/// The file is extended by a quarter of the log at a time, within these bounds.
-const GROW_MIN: u64 = 64 << 10;
-const GROW_MAX: u64 = 1 << 20;
 /// The largest record body (a spec's env and labels are bounded far below it); a frame that
 /// says more is damage.
 pub const MAX_BODY: usize = 16 << 20;
@@ -398,17 +395,11 @@ const DEL: u8 = 2;
 /// A write appends a frame (checksummed) under a lock. A durable write then waits for a
 /// sync that began after its append: one `fdatasync` makes every frame appended before it
 /// durable, so concurrent writers share syncs (group commit) and no write creates a file.
-/// The file is extended with zeros ahead of the frames (by a quarter of the log, 64 KiB to
-/// 1 MiB at a time: the sync after an extension writes it all), so that an append only
-/// overwrites blocks the file already has: its sync then writes data alone, without a
-/// journal commit for a new size (a 4 KiB write and sync on the test machine: 0.09 ms,
-/// against 0.18 ms for one that grows the file). A crash can only leave frames appended
-/// after the last sync incomplete or missing; on open, the log ends at the first frame that
-/// does not check out (zeros end it too), and whatever follows is set aside and zeroed, so
-/// every record is its last durable version or a later one, never a torn mix, and no stale
-/// frame past the end can come back once new ones are written over it. When the log is
-/// much larger than its live records it is rewritten with them (a new file, synced, renamed
-/// over the log, directory synced). Records of the earlier layout (a file per record) are moved into the
+/// A crash can only leave frames appended after the last sync incomplete or missing; on
+/// open, the log is cut at the first frame that does not check out, so every record is its
+/// last durable version or a later one, never a torn mix. When the log is much larger than
+/// its live records it is rewritten with them (a new file, synced, renamed over the log,
+/// directory synced). Records of the earlier layout (a file per record) are moved into the
 /// log on the first open.
 #[derive(Debug)]
 pub struct RecordStore {
@@ -433,10 +424,8 @@ pub struct RecordStore {
 struct Log {
     /// Shared with the syncs (no new descriptor per sync).
     file: std::sync::Arc<File>,
-    /// Bytes of whole frames in the file (where the next frame goes).
+    /// Bytes of whole frames in the file.
     len: u64,
-    /// The file's size: zeros from `len` on.
-    alloc: u64,
     /// Each live record's last frame: offset and length.
     live: HashMap<String, (u64, u32)>,
     /// The sum of the live frames' lengths.
@@ -541,22 +530,17 @@ impl RecordStore {
         // A compaction that did not finish: the log it would have replaced is whole.
         let _ = fs::remove_file(dir.join(COMPACTING));
         let write_err = |source| RecordError::Write { path: path.clone(), source };
-        // Not append mode: frames are written at the end of the whole ones, into zeros.
         let file = opendsec_common::fsperm::private_file()
             .read(true)
-            .write(true)
+            .append(true)
             .create(true)
-            .truncate(false)
             .open(&path)
             .map_err(write_err)?;
         let bytes = fs::read(&path).map_err(|source| RecordError::Read { path: path.clone(), source })?;
         let (live, len, live_bytes) = scan(&bytes);
-        let tail = &bytes[len as usize..];
-        let damage = tail.len() - tail.iter().rev().take_while(|b| **b == 0).count();
-        if damage > 0 {
+        if len < bytes.len() as u64 {
             // What follows the last whole frame was appended after the last sync (or is
-            // damage): kept aside for whoever wants to look, and zeroed (frames written over
-            // it later must not be followed by stale ones that check out).
+            // damage): cut, and kept aside for whoever wants to look.
             let cut = dir.join(CUT_FILE);
             // Records hold specs' env: the owner's alone, like the log.
             let _ = opendsec_common::fsperm::private_file()
@@ -564,12 +548,11 @@ impl RecordStore {
                 .create(true)
                 .truncate(true)
                 .open(&cut)
-                .and_then(|mut f| f.write_all(&tail[..damage]).and_then(|()| f.sync_all()));
-            tracing::error!(log = %path.display(), kept = len, cut = damage, saved = %cut.display(),
-                "record log ends in a frame that does not check out; what follows it is set aside and zeroed");
-            zero(&file, len, damage as u64).and_then(|()| file.sync_all()).map_err(write_err)?;
+                .and_then(|mut f| f.write_all(&bytes[len as usize..]));
+            tracing::error!(log = %path.display(), kept = len, cut = bytes.len() as u64 - len, saved = %cut.display(),
+                "record log ends in a frame that does not check out; cut there");
+            file.set_len(len).and_then(|()| file.sync_all()).map_err(write_err)?;
         }
-        let alloc = bytes.len() as u64;
         // The log's own name is durable before any record in it is relied on.
         File::open(&dir)
             .and_then(|d| d.sync_all())
@@ -580,7 +563,6 @@ impl RecordStore {
             log: Mutex::new(Log {
                 file: std::sync::Arc::new(file),
                 len,
-                alloc,
                 live,
                 live_bytes,
                 broken: None,
@@ -663,23 +645,11 @@ impl RecordStore {
             if let Some(why) = &log.broken {
                 return Err(write_err(std::io::Error::other(format!("{why}; restart the edge"))));
             }
-            let end = log.len + bytes.len() as u64;
-            if end > log.alloc {
-                // Zeros ahead, so that the next appends overwrite blocks the file has.
-                // A disk too full for the zeros ahead still takes the frames themselves.
-                let grow = (log.len / 4).clamp(GROW_MIN, GROW_MAX);
-                let to = end.next_multiple_of(4096) + grow;
-                let from = log.alloc;
-                log.alloc = match zero(&log.file, from, to - from) {
-                    Ok(()) => to,
-                    Err(_) => zero(&log.file, from, end - from).map(|()| end).map_err(write_err)?,
-                };
-            }
-            if let Err(e) = std::os::unix::fs::FileExt::write_all_at(&*log.file, bytes, log.len) {
-                // Frames written in part must not be read back as written (some of them may
-                // be whole): zeroed again.
-                if zero(&log.file, log.len, bytes.len() as u64).is_err() {
-                    log.broken = Some(format!("an append failed ({e}) and could not be undone in the record log"));
+            if let Err(e) = (&*log.file).write_all(bytes) {
+                // A partial frame would hide every later one from the next open.
+                let len = log.len;
+                if log.file.set_len(len).is_err() {
+                    log.broken = Some(format!("an append failed ({e}) and could not be cut off the record log"));
                 }
                 return Err(write_err(e));
             }
@@ -872,11 +842,6 @@ impl RecordStore {
         Ok(())
     }
 
-    /// Bytes of whole frames in the log (the file itself runs on, zeroed).
-    pub fn whole_len(&self) -> u64 {
-        self.lock().len
-    }
-
     /// Syncs made so far.
     pub fn syncs(&self) -> u64 {
         self.syncs.load(Ordering::Relaxed)
@@ -899,7 +864,7 @@ impl RecordStore {
         // The new log is written through the handle that then serves as the log.
         let written = (|| {
             let _ = fs::remove_file(&tmp);
-            let new = opendsec_common::fsperm::private_file().read(true).write(true).create_new(true).open(&tmp)?;
+            let new = opendsec_common::fsperm::private_file().read(true).append(true).create_new(true).open(&tmp)?;
             let mut out = std::io::BufWriter::new(&new);
             let mut buf = Vec::new();
             for (key, (from, len)) in entries {
@@ -924,15 +889,7 @@ impl RecordStore {
         };
         let before = log.len;
         let dir_synced = File::open(&self.dir).and_then(|d| d.sync_all());
-        *log = Log {
-            file: std::sync::Arc::new(new),
-            len: at,
-            alloc: at,
-            live,
-            live_bytes: at,
-            broken: None,
-            compact_after: 0,
-        };
+        *log = Log { file: std::sync::Arc::new(new), len: at, live, live_bytes: at, broken: None, compact_after: 0 };
         if let Err(e) = dir_synced {
             // Which log a crash would show is not known: acknowledge nothing more.
             log.broken = Some(format!("the record log was compacted but its directory could not be synced ({e})"));
@@ -998,18 +955,6 @@ pub fn peek(state_dir: &Path, name: &str) -> Result<BTreeMap<String, Vec<u8>>, R
         .into_iter()
         .filter_map(|(k, (at, len))| parse(&bytes[at as usize..(at + u64::from(len)) as usize]).map(|f| (k, f.value)))
         .collect())
-}
-
-/// Writes `n` zero bytes at `at`.
-fn zero(file: &File, at: u64, n: u64) -> std::io::Result<()> {
-    let buf = vec![0u8; n.min(1 << 20) as usize];
-    let mut done = 0;
-    while done < n {
-        let k = (n - done).min(buf.len() as u64);
-        std::os::unix::fs::FileExt::write_all_at(file, &buf[..k as usize], at + done)?;
-        done += k;
-    }
-    Ok(())
 }
 
 /// Reads a log: the live records (their last frames), where its whole frames end, and the
@@ -1214,45 +1159,32 @@ mod tests {
         let store = RecordStore::open(dir.path()).unwrap();
         store.write("a", b"a1", WriteMode::Durable).unwrap();
         store.write("b", b"b1", WriteMode::Durable).unwrap();
-        let whole = store.whole_len();
+        let whole = fs::metadata(store.log_path()).unwrap().len();
         store.write("a", b"a2-lost", WriteMode::Durable).unwrap();
-        let end = store.whole_len() as usize;
         let path = store.log_path().to_path_buf();
-        // Zeros run on past the frames.
-        assert!(fs::metadata(&path).unwrap().len() >= end as u64 + GROW_MIN);
         drop(store);
-        // The last frame cut short (its last bytes zeros, as a write that did not all land).
-        let mut bytes = fs::read(&path).unwrap();
-        bytes[end - 3..end].fill(0);
-        fs::write(&path, &bytes).unwrap();
+        // The last frame cut short.
+        let bytes = fs::read(&path).unwrap();
+        fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
         let raw = store.raw().unwrap();
         assert_eq!((raw["a"].as_slice(), raw["b"].as_slice()), (&b"a1"[..], &b"b1"[..]));
-        assert_eq!(store.whole_len(), whole);
-        // What was cut is kept aside, not destroyed, and readable by the edge's user alone;
-        // in the log it is zeros now.
-        assert_eq!(fs::read(store.dir().join(CUT_FILE)).unwrap(), &bytes[whole as usize..end - 3]);
-        assert!(fs::read(&path).unwrap()[whole as usize..].iter().all(|b| *b == 0));
+        assert_eq!(fs::metadata(&path).unwrap().len(), whole);
+        // What was cut is kept aside, not destroyed, and readable by the edge's user alone.
+        assert_eq!(fs::read(store.dir().join(CUT_FILE)).unwrap(), &bytes[whole as usize..bytes.len() - 3]);
         let mode = fs::metadata(store.dir().join(CUT_FILE)).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o077, 0, "{mode:?}");
         store.write("c", b"c1", WriteMode::Durable).unwrap();
-        let n = store.whole_len() as usize;
         drop(store);
         // A frame whose body is wrong (one byte flipped), and whatever follows it.
         let mut bytes = fs::read(&path).unwrap();
+        let n = bytes.len();
         bytes[n - 1] ^= 0xff;
-        let after = frame(PUT, "d", b"after").unwrap();
-        bytes[n..n + after.len()].copy_from_slice(&after);
+        bytes.extend_from_slice(&frame(PUT, "d", b"after").unwrap());
         fs::write(&path, &bytes).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
         let raw = store.raw().unwrap();
         assert_eq!(raw.keys().collect::<Vec<_>>(), ["a", "b"]);
-        // What followed the bad frame was zeroed: a frame of the same length written where the
-        // bad one was does not bring back the one after it ("d", whole but never acknowledged).
-        store.write("c", b"c2", WriteMode::Durable).unwrap();
-        drop(store);
-        let store = RecordStore::open(dir.path()).unwrap();
-        assert_eq!(store.raw().unwrap().keys().collect::<Vec<_>>(), ["a", "b", "c"]);
         // Zeros (a size extended, its data never written).
         store.write("e", b"e1", WriteMode::Durable).unwrap();
         drop(store);
@@ -1260,7 +1192,7 @@ mod tests {
         bytes.extend_from_slice(&[0u8; 4096]);
         fs::write(&path, &bytes).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
-        assert_eq!(store.raw().unwrap().keys().collect::<Vec<_>>(), ["a", "b", "c", "e"]);
+        assert_eq!(store.raw().unwrap().keys().collect::<Vec<_>>(), ["a", "b", "e"]);
     }
 
     /// A compaction that cannot write its new log leaves the log as it was, and is not tried
@@ -1275,14 +1207,14 @@ mod tests {
         for _ in 0..80 {
             store.write("hot", &big, WriteMode::Lazy).unwrap();
         }
-        let len = store.whole_len();
+        let len = fs::metadata(store.log_path()).unwrap().len();
         assert!(len > COMPACT_MIN, "{len}");
         let after = store.lock().compact_after;
         assert!(after > COMPACT_MIN && after <= 2 * len, "no back-off: {after}");
         assert_eq!(store.raw().unwrap()["hot"], big);
         // Once it can, it does (when the log has grown past the back-off).
         fs::remove_dir(store.dir().join(COMPACTING)).unwrap();
-        while store.whole_len() >= COMPACT_MIN {
+        while fs::metadata(store.log_path()).unwrap().len() >= COMPACT_MIN {
             store.write("hot", &big, WriteMode::Lazy).unwrap();
         }
         assert_eq!(store.raw().unwrap()["hot"], big);
@@ -1301,7 +1233,7 @@ mod tests {
             store.remove(&format!("gone{i}")).unwrap();
         }
         store.write("cold", b"kept", WriteMode::Durable).unwrap();
-        let len = store.whole_len();
+        let len = fs::metadata(store.log_path()).unwrap().len();
         assert!(len < COMPACT_MIN + (1 << 20), "never compacted: {len} bytes");
         let raw = store.raw().unwrap();
         assert_eq!(raw.keys().collect::<Vec<_>>(), ["cold", "hot"]);
