@@ -285,12 +285,6 @@ impl Inner {
         Ok(lease)
     }
 
-    /// The lease of the record holding sandbox `id` in `table`, if one does.
-    pub(crate) fn lease_in(&self, table: &Table, id: &str) -> Option<String> {
-        let (_, lease) = ids::split_sandbox_id(id).ok()?;
-        table.get(lease).filter(|e| e.rec.id == id).map(|_| lease.to_string())
-    }
-
     /// The id of the sandbox holding `lease` here (`<this edge>.<lease>` unless it moved in).
     pub(crate) fn id_of(&self, lease: &str) -> String {
         match self.table().get(lease) {

@@ -117,29 +117,8 @@ impl Table {
     /// Replaces the record of an existing sandbox (keeping its lock); inserts it if the entry
     /// went away meanwhile.
     pub fn publish(&mut self, rec: Arc<SandboxRecord>) {
-        if rec.state.is_live() {
-            self.used.add(rec.resources());
-        }
-        if is_foreign(&rec) {
-            self.foreign.insert(rec.id.clone(), rec.lease_id.clone());
-        }
-        let due = first_look(&rec);
-        match self.entries.get_mut(&rec.lease_id) {
-            Some(e) => {
-                let (old, old_due) = (std::mem::replace(&mut e.rec, rec), std::mem::replace(&mut e.due, due));
-                self.forget(&old, old_due);
-                if let Some(at) = due {
-                    self.due.insert((at, old.lease_id.clone()));
-                }
-            }
-            None => {
-                let lease = rec.lease_id.clone();
-                if let Some(at) = due {
-                    self.due.insert((at, lease.clone()));
-                }
-                self.entries.insert(lease, Entry { rec, op: OpLock::default(), due });
-            }
-        }
+        let op = self.entries.get(&rec.lease_id).map_or_else(OpLock::default, |e| e.op.clone());
+        self.insert(rec, op);
     }
 
     pub fn remove(&mut self, lease: &str) -> Option<Entry> {

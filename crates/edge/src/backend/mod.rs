@@ -80,17 +80,12 @@ pub trait Backend: Send + Sync {
         gone
     }
 
-    /// Whether the backend hears of its sandboxes' deaths by itself (and names them in
-    /// [`Backend::losses`]); the liveness sweep then does not ask it about every sandbox.
-    fn hears_losses(&self) -> bool {
-        false
-    }
-
-    /// The ids of sandboxes the backend has lost and not yet been told to stop (only when it
-    /// [`Backend::hears_losses`]); a loss is named every round until `stop` (or a new `create`
-    /// or `adopt` of the id, or `cleanup`) clears it.
-    fn losses(&self) -> Vec<String> {
-        Vec::new()
+    /// For a backend that hears of its sandboxes' deaths by itself: the ids of those it has
+    /// lost and not yet been told to stop (each named every round until `stop`, or a new
+    /// `create` or `adopt` of the id, or `cleanup`, clears it); the liveness sweep then does
+    /// not ask it about every sandbox. `None`: ask (the default).
+    fn losses(&self) -> Option<Vec<String>> {
+        None
     }
 
     /// Takes back a RUNNING or PAUSED sandbox after an edge restart (reconnects to it).

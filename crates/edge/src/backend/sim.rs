@@ -198,12 +198,8 @@ impl Backend for SimBackend {
 
     /// Its sandboxes die only by `kill`, which it remembers: a thousand sim edges need not
     /// look up every sandbox every round.
-    fn hears_losses(&self) -> bool {
-        true
-    }
-
-    fn losses(&self) -> Vec<String> {
-        self.lock().lost.iter().cloned().collect()
+    fn losses(&self) -> Option<Vec<String>> {
+        Some(self.lock().lost.iter().cloned().collect())
     }
 
     async fn gone(&self, ids: &[&str]) -> Vec<usize> {

@@ -26,7 +26,10 @@ impl Inner {
         let mut moves = Vec::new();
         let stale = i64::try_from(self.cfg.move_stale.as_millis()).unwrap_or(i64::MAX);
         let mut probe: Vec<Arc<SandboxRecord>> = Vec::new();
-        let probed: Vec<&Arc<dyn Backend>> = self.backends.iter().filter(|b| !b.hears_losses()).collect();
+        // What the backends that hear of their losses lost; the others are asked below.
+        let heard: Vec<Option<Vec<String>>> = self.backends.iter().map(|b| b.losses()).collect();
+        let probed: Vec<&str> =
+            self.backends.iter().zip(&heard).filter(|(_, h)| h.is_none()).map(|(b, _)| b.name()).collect();
         // One look at the table and the activity map for the whole round (in that order, as
         // every caller that holds both takes them).
         {
@@ -69,7 +72,7 @@ impl Inner {
                 }
             }
             if !probed.is_empty() {
-                let held = |r: &SandboxRecord| probed.iter().any(|b| b.name() == r.spec.backend);
+                let held = |r: &SandboxRecord| probed.contains(&r.spec.backend.as_str());
                 let moving = |r: &SandboxRecord| r.moved.is_moving() || !r.moved.moved_to.is_empty();
                 probe.extend(table.records().filter(|r| r.state.is_adoptable() && !moving(r) && held(r)).cloned());
             }
@@ -81,14 +84,16 @@ impl Inner {
         // about all of its sandboxes at once. What is answered gone is looked at again, one by
         // one, under the sandbox's lock.
         let mut lost = Vec::new();
-        for b in &self.backends {
-            if b.hears_losses() {
-                let ids = b.losses();
-                let table = self.table();
+        for (b, heard) in self.backends.iter().zip(heard) {
+            if let Some(gone) = heard {
                 // Only settled sandboxes are looked at (one in an operation is named again
                 // next round), so that a round never waits for an operation's lock.
-                let settled = |lease: &String| table.get(lease).is_some_and(|e| e.rec.state.is_adoptable());
-                lost.extend(ids.iter().filter_map(|id| self.lease_in(&table, id)).filter(settled));
+                let table = self.table();
+                lost.extend(gone.iter().filter_map(|id| {
+                    let (_, lease) = ids::split_sandbox_id(id).ok()?;
+                    let e = table.get(lease).filter(|e| e.rec.id == *id && e.rec.state.is_adoptable())?;
+                    Some(e.rec.lease_id.clone())
+                }));
                 continue;
             }
             let recs: Vec<&Arc<SandboxRecord>> = probe.iter().filter(|r| r.spec.backend == b.name()).collect();
