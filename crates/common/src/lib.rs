@@ -24,6 +24,10 @@ pub mod tls;
 
 pub use reason::{ApiError, Reason};
 
+/// The IAM lock a watcher holds while it reconciles; IAM applies a Reconcile or SweepUnbound
+/// only for its holder.
+pub const RECONCILE_LOCK: &str = "watcher-reconcile";
+
 /// Sets up `tracing` for a command-line tool: warnings only unless `RUST_LOG` says otherwise.
 pub fn init_tracing_quiet() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

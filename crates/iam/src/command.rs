@@ -153,16 +153,26 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "String::is_empty")]
         edge: String,
     },
+    /// Applied only while `holder` holds [`opendsec_common::RECONCILE_LOCK`]; ages are
+    /// measured at `read_at_ms` (when the edge was asked), not at `now_ms`. Commands logged
+    /// before these fields (empty holder, no read time) apply as they did.
     Reconcile {
         now_ms: i64,
         edge: String,
         live: Vec<LiveLease>,
         min_age_ms: i64,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        holder: String,
+        #[serde(default, skip_serializing_if = "is_zero")]
+        read_at_ms: i64,
     },
+    /// Applied only while `holder` holds the reconcile lock (as [`Command::Reconcile`]).
     SweepUnbound {
         now_ms: i64,
         known_edges: Vec<String>,
         older_than_ms: i64,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        holder: String,
     },
     AcquireLock {
         now_ms: i64,
@@ -187,6 +197,10 @@ pub enum Command {
 
 fn is_false(b: &bool) -> bool {
     !*b
+}
+
+fn is_zero(n: &i64) -> bool {
+    *n == 0
 }
 
 #[derive(Serialize)]

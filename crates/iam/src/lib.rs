@@ -333,6 +333,11 @@ async fn keep_running(replica: raft::Replica, start: Start) {
     }
 }
 
+/// A reconciliation names the lock holder it is made for (commands logged before that did not).
+fn require_holder(holder: &str) -> Result<(), IamError> {
+    state::validate_lock_part("holder", holder)
+}
+
 fn unexpected(_: Output) -> IamError {
     IamError::Invariant("the state machine answered with the wrong kind of output")
 }
@@ -553,19 +558,47 @@ impl Iam {
         Ok(self.read(|s| lease_ids.iter().filter_map(|id| s.lease(id).cloned()).collect()))
     }
 
-    /// Returns (adopted, released).
-    pub async fn reconcile(&self, edge: &str, live: Vec<LiveLease>) -> Result<(u32, u32), IamError> {
+    /// Edge `edge`'s leases made to match `live`, its list read at `read_at_ms` (IAM's clock;
+    /// 0: now), for `holder` of the reconcile lock. Returns (adopted, released).
+    pub async fn reconcile(
+        &self,
+        edge: &str,
+        holder: &str,
+        read_at_ms: i64,
+        live: Vec<LiveLease>,
+    ) -> Result<(u32, u32), IamError> {
         ids::validate_edge(edge).map_err(IamError::invalid)?;
+        require_holder(holder)?;
+        if read_at_ms < 0 {
+            return Err(IamError::InvalidArgument("read_at_ms is negative".into()));
+        }
         let min_age_ms = i64::try_from(self.inner.opts.reconcile_min_age.as_millis()).unwrap_or(i64::MAX);
-        match self.execute(Command::Reconcile { now_ms: now_ms(), edge: edge.into(), live, min_age_ms }).await? {
+        let cmd = Command::Reconcile {
+            now_ms: now_ms(),
+            edge: edge.into(),
+            live,
+            min_age_ms,
+            holder: holder.into(),
+            read_at_ms,
+        };
+        match self.execute(cmd).await? {
             Output::Reconciled { adopted, released } => Ok((adopted, released)),
             o => Err(unexpected(o)),
         }
     }
 
-    pub async fn sweep_unbound(&self, known_edges: Vec<String>, older_than_s: u64) -> Result<u32, IamError> {
+    /// Leases bound to edges outside `known_edges`, older than `older_than_s`, released, for
+    /// `holder` of the reconcile lock.
+    pub async fn sweep_unbound(
+        &self,
+        known_edges: Vec<String>,
+        older_than_s: u64,
+        holder: &str,
+    ) -> Result<u32, IamError> {
+        require_holder(holder)?;
         let older_than_ms = i64::try_from(older_than_s.saturating_mul(1000)).unwrap_or(i64::MAX);
-        match self.execute(Command::SweepUnbound { now_ms: now_ms(), known_edges, older_than_ms }).await? {
+        let cmd = Command::SweepUnbound { now_ms: now_ms(), known_edges, older_than_ms, holder: holder.into() };
+        match self.execute(cmd).await? {
             Output::Released { released } => Ok(released),
             o => Err(unexpected(o)),
         }

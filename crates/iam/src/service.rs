@@ -330,13 +330,13 @@ impl IamRpc for IamService {
                 principal: l.principal,
             })
             .collect();
-        let (adopted, released) = self.iam.reconcile(&r.edge, live).await.map_err(status)?;
+        let (adopted, released) = self.iam.reconcile(&r.edge, &r.holder, r.read_at_ms, live).await.map_err(status)?;
         ok(pb::ReconcileResponse { adopted, released })
     }
 
     async fn sweep_unbound(&self, req: Request<pb::SweepUnboundRequest>) -> Rpc<pb::SweepUnboundResponse> {
         let r = req.into_inner();
-        let released = self.iam.sweep_unbound(r.known_edges, r.older_than_s).await.map_err(status)?;
+        let released = self.iam.sweep_unbound(r.known_edges, r.older_than_s, &r.holder).await.map_err(status)?;
         ok(pb::SweepUnboundResponse { released })
     }
 

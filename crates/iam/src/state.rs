@@ -374,10 +374,16 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
             set_egress_ceiling(st, w, actor, *now_ms, path, ceiling.as_deref())
         }
         Command::ReleaseLeases { now_ms: _, lease_ids, edge } => release_leases(st, w, lease_ids, edge),
-        Command::Reconcile { now_ms, edge, live, min_age_ms } => reconcile(st, w, *now_ms, edge, live, *min_age_ms),
+        Command::Reconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms } => {
+            reconcile_lock_held(st, holder, *now_ms)?;
+            // A list is never read later than it is applied.
+            let read_at = if *read_at_ms == 0 { *now_ms } else { (*read_at_ms).min(*now_ms) };
+            reconcile(st, w, read_at, edge, live, *min_age_ms)
+        }
         Command::PutPool { actor, now_ms, pool, create } => put_pool(st, w, actor, *now_ms, pool, *create),
         Command::DeletePool { actor, now_ms, project, name } => delete_pool(st, w, actor, *now_ms, project, name),
-        Command::SweepUnbound { now_ms, known_edges, older_than_ms } => {
+        Command::SweepUnbound { now_ms, known_edges, older_than_ms, holder } => {
+            reconcile_lock_held(st, holder, *now_ms)?;
             sweep_unbound(st, w, *now_ms, known_edges, *older_than_ms)
         }
         Command::AcquireLock { now_ms, name, holder, ttl_ms } => acquire_lock(st, w, *now_ms, name, holder, *ttl_ms),
@@ -993,13 +999,30 @@ fn restore(
     Ok(Output::Done)
 }
 
-fn validate_lock_part(what: &str, v: &str) -> Result<(), IamError> {
+pub(crate) fn validate_lock_part(what: &str, v: &str) -> Result<(), IamError> {
     if v.is_empty() || v.len() > MAX_LOCK_NAME_LEN || v.chars().any(|c| c.is_control() || c.is_whitespace()) {
         return Err(IamError::InvalidArgument(format!(
             "lock {what} must be 1..={MAX_LOCK_NAME_LEN} bytes without spaces or control characters"
         )));
     }
     Ok(())
+}
+
+/// Refuses a reconciliation unless `holder` holds the reconcile lock at `now_ms`: a watcher
+/// that lost it (another took it over while this one's call was on its way) changes nothing.
+/// An empty holder is a command logged before the check, applied as it was then (the server
+/// refuses calls without one).
+fn reconcile_lock_held(st: &State, holder: &str, now_ms: i64) -> Result<(), IamError> {
+    if holder.is_empty() {
+        return Ok(());
+    }
+    match st.locks.get(opendsec_common::RECONCILE_LOCK) {
+        Some(l) if l.holder == holder && l.expires_at_ms > now_ms => Ok(()),
+        _ => Err(IamError::InvalidState(format!(
+            "{holder} does not hold the {} lock: reconciliation refused",
+            opendsec_common::RECONCILE_LOCK
+        ))),
+    }
 }
 
 fn acquire_lock(

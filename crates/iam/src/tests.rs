@@ -91,6 +91,17 @@ impl Harness {
         self.now += ms;
     }
 
+    /// `holder` takes (or renews) the reconcile lock for `ttl_ms` from now.
+    fn lock_for(&mut self, holder: &str, ttl_ms: i64) {
+        let cmd = Command::AcquireLock {
+            now_ms: self.now,
+            name: opendsec_common::RECONCILE_LOCK.into(),
+            holder: holder.into(),
+            ttl_ms,
+        };
+        assert!(matches!(self.run(cmd).unwrap(), Output::Lock { acquired: true, .. }), "{holder} did not get the lock");
+    }
+
     fn project(&mut self, path: &str, quota: Quota) {
         self.run(Command::CreateProject { actor: Harness::admin(), now_ms: self.now, path: path.into(), quota })
             .unwrap();
@@ -756,6 +767,7 @@ fn reconcile_adopts_releases_and_respects_min_age() {
     h.tick(60_000);
     h.admit(&u, "young", "root/a", res(100, 1), "e1").unwrap();
     h.tick(1_000);
+    h.lock_for("w", 10_000_000);
     let live = |id: &str, project: &str, cpu: u64| LiveLease {
         lease_id: id.into(),
         project: project.into(),
@@ -774,6 +786,8 @@ fn reconcile_adopts_releases_and_respects_min_age() {
                 live("huge", "root/a", 2_000_000),
             ],
             min_age_ms: 30_000,
+            holder: "w".into(),
+            read_at_ms: 0,
         })
         .unwrap();
     // "old" is missing and old enough: released; "young" is missing but too young: kept.
@@ -791,15 +805,61 @@ fn reconcile_adopts_releases_and_respects_min_age() {
             edge: "e1".into(),
             live: vec![live("adopted", "root/a", 900), live("young", "root/a", 100)],
             min_age_ms: 30_000,
+            holder: "w".into(),
+            read_at_ms: h.now,
         })
         .unwrap();
     assert_eq!(r, Output::Reconciled { adopted: 0, released: 0 });
     // An edge reported empty long enough later loses everything.
     h.tick(3_600_000);
-    let r = h.run(Command::Reconcile { now_ms: h.now, edge: "e1".into(), live: vec![], min_age_ms: 30_000 }).unwrap();
+    h.lock_for("w", 10_000);
+    let r = h.run(reconcile_empty(h.now, "e1", 30_000, "w", 0)).unwrap();
     assert_eq!(r, Output::Reconciled { adopted: 0, released: 2 });
-    let bad = h.run(Command::Reconcile { now_ms: h.now, edge: "E!".into(), live: vec![], min_age_ms: 0 });
+    let bad = h.run(reconcile_empty(h.now, "E!", 0, "w", 0));
     assert_eq!(reason(&bad), Reason::InvalidArgument);
+}
+
+fn reconcile_empty(now_ms: i64, edge: &str, min_age_ms: i64, holder: &str, read_at_ms: i64) -> Command {
+    Command::Reconcile { now_ms, edge: edge.into(), live: vec![], min_age_ms, holder: holder.into(), read_at_ms }
+}
+
+/// A reconciliation is applied only for the reconcile lock's holder, while it holds it, and
+/// ages leases at the moment its list was read: a watcher that lost the lock, or whose call
+/// comes late, releases nothing it should not.
+#[test]
+fn reconcile_is_fenced_by_the_lock_and_ages_leases_when_the_list_was_read() {
+    let mut h = Harness::new();
+    let a = Harness::admin();
+    h.admit(&a, "old", "root", res(1, 1), "e1").unwrap();
+    h.tick(120_000);
+    // No lock at all, then another's lock: refused, nothing released.
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w1", 0));
+    assert_eq!(reason(&r), Reason::InvalidState, "{r:?}");
+    h.lock_for("w2", 15_000);
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w1", 0));
+    assert_eq!(reason(&r), Reason::InvalidState, "{r:?}");
+    assert!(h.st.lease("old").is_some());
+    // The holder's own lock, once expired: refused too.
+    h.tick(15_000);
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w2", 0));
+    assert_eq!(reason(&r), Reason::InvalidState, "{r:?}");
+    assert!(h.st.lease("old").is_some());
+
+    // A list read before "late" was bound, applied long after: "late" is not in it, yet it
+    // was bound after the read, so it stays; "old" was old enough at the read and goes.
+    h.lock_for("w2", 15_000);
+    let read_at = h.now;
+    h.tick(10);
+    h.admit(&a, "late", "root", res(1, 1), "e1").unwrap();
+    h.tick(300_000);
+    h.lock_for("w2", 15_000);
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w2", read_at)).unwrap();
+    assert_eq!(r, Output::Reconciled { adopted: 0, released: 1 });
+    assert!(h.st.lease("old").is_none() && h.st.lease("late").is_some());
+    // A read time after the apply time counts as the apply time.
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w2", h.now + 10_000_000)).unwrap();
+    assert_eq!(r, Output::Reconciled { adopted: 0, released: 1 });
+    assert!(h.usage("root").is_zero());
 }
 
 #[test]
@@ -811,13 +871,22 @@ fn sweep_releases_old_leases_on_unknown_edges() {
     h.tick(10_000);
     h.admit(&a, "on-lost-new", "root", res(1, 1), "lost").unwrap();
     h.tick(1_000);
-    let r = h
-        .run(Command::SweepUnbound { now_ms: h.now, known_edges: vec!["known".into()], older_than_ms: 5_000 })
-        .unwrap();
+    h.lock_for("w", 10_000);
+    let sweep = |now_ms: i64, known_edges: Vec<String>, older_than_ms: i64, holder: &str| Command::SweepUnbound {
+        now_ms,
+        known_edges,
+        older_than_ms,
+        holder: holder.into(),
+    };
+    // Not for the lock's holder: refused, nothing released.
+    let r = h.run(sweep(h.now, vec!["known".into()], 5_000, "other"));
+    assert_eq!(reason(&r), Reason::InvalidState);
+    assert!(h.st.lease("on-lost-old").is_some());
+    let r = h.run(sweep(h.now, vec!["known".into()], 5_000, "w")).unwrap();
     assert_eq!(r, Output::Released { released: 1 });
     assert!(h.st.lease("on-lost-old").is_none());
     assert!(h.st.lease("on-lost-new").is_some() && h.st.lease("on-known").is_some());
-    let r = h.run(Command::SweepUnbound { now_ms: h.now, known_edges: vec![], older_than_ms: 0 }).unwrap();
+    let r = h.run(sweep(h.now, vec![], 0, "w")).unwrap();
     assert_eq!(r, Output::Released { released: 2 });
     assert!(h.usage("root").is_zero());
 }
@@ -936,6 +1005,8 @@ fn commands_round_trip_through_their_encoding() {
             resources: res(1, 2),
         }],
         min_age_ms: 60_000,
+        holder: "watcher-1".into(),
+        read_at_ms: 4,
     };
     assert_eq!(Command::decode(&cmd.encode().unwrap()).unwrap(), cmd);
     assert!(Command::decode(br#"{"v":2,"command":{"type":"release_leases","now_ms":1,"lease_ids":[]}}"#).is_err());
@@ -992,6 +1063,15 @@ fn golden_encodings_still_decode() {
         Command::ReleaseLeases { now_ms: 1_767_225_600_000, lease_ids: vec!["a".into()], edge: "sim-001".into() }
     );
     assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), RELEASE_EDGE_V1);
+
+    // A Reconcile logged before the lock fence (no holder, no read time): applied as it was.
+    const RECONCILE_V1: &str = r#"{"v":1,"command":{"type":"reconcile","now_ms":1767225600000,"edge":"sim-001","live":[],"min_age_ms":60000}}"#;
+    let cmd = Command::decode(RECONCILE_V1.as_bytes()).unwrap();
+    let Command::Reconcile { holder, read_at_ms, .. } = &cmd else { panic!("{cmd:?}") };
+    assert_eq!((holder.as_str(), *read_at_ms), ("", 0));
+    assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), RECONCILE_V1);
+    let mut h = Harness::new();
+    assert_eq!(h.run(cmd).unwrap(), Output::Reconciled { adopted: 0, released: 0 });
 
     const LEASE_ROW_V1: &str = r#"{"v":1,"id":"0190a1b2c3d4e5f6a7b8c9d0","project":"root/team-a/rl","principal":"alice","edge":"sim-001","resources":{"cpu_millis":2000,"memory_mb":4096,"disk_mb":10240,"gpus":0},"created_at_ms":1767225600000,"bound_at_ms":1767225601000}"#;
     let row = crate::store::decode_row(Table::Leases, "0190a1b2c3d4e5f6a7b8c9d0", LEASE_ROW_V1).unwrap();

@@ -5,7 +5,10 @@
 //! the edges' periodic registrations and its own probes. Several watchers may run; all probe
 //! and serve snapshots, but only the one holding IAM's `watcher-reconcile` lock reconciles, and
 //! it counts itself leader only until `request time + lock TTL - 2 s` by its own clock, so
-//! clock skew never lets two reconcile at once.
+//! clock skew never lets two reconcile at once. IAM fences it too: it applies a reconciliation
+//! only for the lock's holder, and measures lease ages at the moment the edge's list was read
+//! (in IAM's clock, as reckoned from the lock's answers), so a call that arrives late releases
+//! nothing bound after its list was read.
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashSet};
@@ -29,7 +32,26 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 /// Name of the IAM lock that elects the reconciling watcher.
-pub const RECONCILE_LOCK: &str = "watcher-reconcile";
+pub use opendsec_common::RECONCILE_LOCK;
+
+/// This watcher's hold of the reconcile lock, as of IAM's last answer to it.
+#[derive(Clone, Copy, Debug)]
+struct Lead {
+    /// Until when it counts itself leader (its own clock: request time + TTL - 2 s).
+    until: Instant,
+    /// IAM's clock when it granted the lock (the lock's expiry less its TTL), taken as IAM's
+    /// clock at `answered`: so a later instant maps to IAM's time no later than IAM's own.
+    iam_ms: i64,
+    answered: Instant,
+}
+
+impl Lead {
+    /// IAM's time at `t` (not before `answered`), never ahead of IAM's own clock.
+    fn iam_ms_at(&self, t: Instant) -> i64 {
+        let since = t.saturating_duration_since(self.answered).as_millis();
+        self.iam_ms.saturating_add(i64::try_from(since).unwrap_or(i64::MAX))
+    }
+}
 
 /// Edges reconciled at once (each: one Status with leases from the edge, one Reconcile to IAM).
 const RECONCILE_CONCURRENCY: usize = 16;
@@ -238,9 +260,9 @@ impl Watcher {
         });
     }
 
-    /// Takes or renews the reconcile lock; the instant this watcher counts itself leader until
-    /// (by its own clock: request time + TTL - 2 s), or `None` when another holds it.
-    async fn take_lock(&self) -> Result<Option<Instant>, Status> {
+    /// Takes or renews the reconcile lock: this watcher's hold of it, or `None` when another
+    /// holds it.
+    async fn take_lock(&self) -> Result<Option<Lead>, Status> {
         let ttl = self.inner.opts.config.lock_ttl;
         let asked = Instant::now();
         let mut iam = self.iam_client().map_err(|e| e.to_status())?;
@@ -251,16 +273,24 @@ impl Watcher {
         });
         // A hung IAM must not hold the round (renewals are retried while the window lasts).
         req.set_timeout(self.inner.opts.config.probe_timeout);
-        let r = iam.acquire_lock(req).await?;
-        Ok(r.get_ref().acquired.then(|| asked + ttl.saturating_sub(Duration::from_secs(2))))
+        let r = iam.acquire_lock(req).await?.into_inner();
+        let answered = Instant::now();
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        Ok(r.acquired.then(|| Lead {
+            until: asked + ttl.saturating_sub(Duration::from_secs(2)),
+            iam_ms: r.expires_at_ms.saturating_sub(ttl_ms),
+            answered,
+        }))
     }
 
     /// One edge's reconciliation: its live leases (asked of it while healthy; none once it has
-    /// been lost past the grace), told to IAM while this watcher still leads (`leader`: until
-    /// when), the call bounded by what is left of that; skipped this round when neither is known.
-    async fn reconcile_edge(&self, name: &str, leader: &Mutex<Instant>, report: &Mutex<ReconcileReport>) {
+    /// been lost past the grace), told to IAM while this watcher still leads (`leader`), the
+    /// call bounded by what is left of that; skipped this round when neither is known.
+    async fn reconcile_edge(&self, name: &str, leader: &Mutex<Lead>, report: &Mutex<ReconcileReport>) {
         // As the edge is now, not as it was when the round began (a round can take minutes).
         let Some(e) = self.edges().get(name).cloned() else { return };
+        // Before the edge is asked: the list is no older than this.
+        let read_at_ms = leader.lock().unwrap_or_else(|p| p.into_inner()).iam_ms_at(Instant::now());
         let grace_ms = self.inner.opts.config.lost_edge_grace.as_millis() as i64;
         let live = if e.healthy {
             match self.status_of(name, &e.address, true).await {
@@ -277,13 +307,18 @@ impl Watcher {
         } else {
             return;
         };
-        let left = leader.lock().unwrap_or_else(|p| p.into_inner()).saturating_duration_since(Instant::now());
+        let left = leader.lock().unwrap_or_else(|p| p.into_inner()).until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return; // no longer the leader: another watcher may be reconciling this edge
         }
         let result = match self.iam_client() {
             Ok(mut iam) => {
-                let mut req = Request::new(pb::ReconcileRequest { edge: name.to_string(), live });
+                let mut req = Request::new(pb::ReconcileRequest {
+                    edge: name.to_string(),
+                    live,
+                    holder: self.inner.opts.id.clone(),
+                    read_at_ms,
+                });
                 req.set_timeout(left);
                 iam.reconcile(req).await
             }
@@ -314,14 +349,14 @@ impl Watcher {
     /// on the others forever.
     pub async fn reconcile_round(&self) -> ReconcileReport {
         let leader = match self.take_lock().await {
-            Ok(Some(until)) => Mutex::new(until),
+            Ok(Some(lead)) => Mutex::new(lead),
             Ok(None) => return ReconcileReport::default(),
             Err(s) => {
                 tracing::warn!(error = %s.message(), "reconcile: cannot take the lock");
                 return ReconcileReport { errors: 1, ..ReconcileReport::default() };
             }
         };
-        let until = || *leader.lock().unwrap_or_else(|p| p.into_inner());
+        let until = || leader.lock().unwrap_or_else(|p| p.into_inner()).until;
         let half_window = self.inner.opts.config.lock_ttl.saturating_sub(Duration::from_secs(2)) / 2;
         let report = Mutex::new(ReconcileReport { leader: true, ..ReconcileReport::default() });
         let mut edges: Vec<String> = self.edges().keys().cloned().collect();
@@ -340,7 +375,7 @@ impl Watcher {
                     Ok(Some(u)) => *leader.lock().unwrap_or_else(|p| p.into_inner()) = u,
                     Ok(None) => {
                         tracing::warn!("reconcile: another watcher holds the lock, stopping the round");
-                        *leader.lock().unwrap_or_else(|p| p.into_inner()) = now;
+                        leader.lock().unwrap_or_else(|p| p.into_inner()).until = now;
                     }
                     // Tried again shortly, while the window lasts.
                     Err(_) => next_try = now + Duration::from_millis(100),
@@ -375,6 +410,7 @@ impl Watcher {
             let req = pb::SweepUnboundRequest {
                 known_edges: known.into_iter().cloned().collect(),
                 older_than_s: self.inner.opts.config.sweep_unbound_after.as_secs(),
+                holder: self.inner.opts.id.clone(),
             };
             match self.iam_client() {
                 Ok(mut iam) => match iam.sweep_unbound(req).await {

@@ -209,10 +209,13 @@ pub(super) fn adoptable(st: &State, l: &LiveLease) -> bool {
         && l.resources.validate_bounds().is_ok()
 }
 
+/// Ages are measured at `read_at_ms`, when the edge's list was read (adopted leases are
+/// stamped with it too): a lease bound after that is not in the list and is never released
+/// by it, however late the call is applied.
 pub(super) fn reconcile(
     st: &mut State,
     w: &mut Vec<Write>,
-    now_ms: i64,
+    read_at_ms: i64,
     edge: &str,
     live: &[LiveLease],
     min_age_ms: i64,
@@ -236,8 +239,8 @@ pub(super) fn reconcile(
                 principal: l.principal.clone(),
                 edge: edge.into(),
                 resources: l.resources,
-                created_at_ms: now_ms,
-                bound_at_ms: now_ms,
+                created_at_ms: read_at_ms,
+                bound_at_ms: read_at_ms,
             },
             w,
         );
@@ -250,7 +253,7 @@ pub(super) fn reconcile(
         .map(|ids| {
             ids.iter()
                 .filter(|id| !reported.contains(id.as_str()))
-                .filter(|id| st.leases.get(*id).is_some_and(|l| now_ms.saturating_sub(l.bound_at_ms) >= min_age_ms))
+                .filter(|id| st.leases.get(*id).is_some_and(|l| read_at_ms.saturating_sub(l.bound_at_ms) >= min_age_ms))
                 .cloned()
                 .collect()
         })

@@ -162,11 +162,19 @@ async fn reconcile_and_sweep_go_through_the_store() {
         principal: String::new(),
         resources: res(5),
     }];
-    assert_eq!(iam.reconcile("e9", live).await.unwrap(), (1, 0));
-    assert_eq!(iam.reconcile("e9", vec![]).await.unwrap(), (0, 1));
+    // Only for the reconcile lock's holder; without a holder, not at all.
+    let e = iam.reconcile("e9", "w1", 0, live.clone()).await.unwrap_err();
+    assert_eq!(reason(&e), Reason::InvalidState, "{e}");
+    assert_eq!(reason(&iam.reconcile("e9", "", 0, live.clone()).await.unwrap_err()), Reason::InvalidArgument);
+    assert_eq!(reason(&iam.reconcile("e9", "w1", -1, live.clone()).await.unwrap_err()), Reason::InvalidArgument);
+    assert!(iam.acquire_lock(opendsec_common::RECONCILE_LOCK, "w1", 60_000).await.unwrap().0);
+    assert_eq!(iam.reconcile("e9", "w1", 0, live).await.unwrap(), (1, 0));
+    assert_eq!(iam.reconcile("e9", "w1", 0, vec![]).await.unwrap(), (0, 1));
     let a = iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone", false, Vec::new()).await.unwrap();
     assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("admin", false, false, "gone"));
-    assert_eq!(iam.sweep_unbound(vec!["e9".into()], 0).await.unwrap(), 1);
+    assert_eq!(reason(&iam.sweep_unbound(vec!["e9".into()], 0, "w2").await.unwrap_err()), Reason::InvalidState);
+    assert_eq!(reason(&iam.sweep_unbound(vec!["e9".into()], 0, "").await.unwrap_err()), Reason::InvalidArgument);
+    assert_eq!(iam.sweep_unbound(vec!["e9".into()], 0, "w1").await.unwrap(), 1);
     assert_eq!(snapshot(&iam).leases().count(), 0);
 }
 
