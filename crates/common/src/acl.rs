@@ -135,8 +135,11 @@ static PEERS: std::sync::LazyLock<Peers> = std::sync::LazyLock::new(Peers::defau
 
 type Chain = Vec<CertificateDer<'static>>;
 
+/// A chain's identity (`None`: it names none), and the chain's allocation held.
+type Known = (std::sync::Weak<Chain>, Option<Identity>);
+
 #[derive(Default)]
-struct Peers(std::sync::Mutex<std::collections::HashMap<usize, (std::sync::Weak<Chain>, Option<Identity>)>>);
+struct Peers(std::sync::Mutex<std::collections::HashMap<usize, Known>>);
 
 impl Peers {
     fn identity(&self, certs: &Arc<Chain>) -> Option<Identity> {
