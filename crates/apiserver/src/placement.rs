@@ -955,7 +955,12 @@ mod tests {
             }
             let max = *counts.iter().max().unwrap() as f64;
             let min = *counts.iter().min().unwrap() as f64;
-            prop_assert!(min > 0.0 && max / min <= 1.5, "uneven: {counts:?}");
+            // Two choices leave the emptiest edge well behind now and then: filling 11 edges
+            // with 22 each, a minimum of 15 beside a maximum of 23 or 24 (a ratio above 1.5)
+            // came up 5 times in 100,000 fills of an exact simulation, so a bound of 1.5 failed
+            // about one run in a hundred. The worst of another 100,000 fills of 11 edges with
+            // 20 each was 1.69.
+            prop_assert!(min > 0.0 && max / min <= 2.0, "uneven: {counts:?}");
         }
     }
 }
