@@ -93,6 +93,15 @@ async fn bind(what: &str, addr: &str) -> Result<TcpListener, ClusterError> {
     TcpListener::bind(addr).await.map_err(|source| ClusterError::Bind { what: what.into(), addr: addr.into(), source })
 }
 
+/// This host's name as the kernel has it (`host` when unreadable), cut to 64 bytes of
+/// `[A-Za-z0-9.-]`.
+fn host_name() -> String {
+    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String =
+        raw.trim().chars().filter(|c| c.is_ascii_alphanumeric() || *c == '.' || *c == '-').take(64).collect();
+    if name.is_empty() { "host".into() } else { name }
+}
+
 fn local(l: &TcpListener) -> SocketAddr {
     l.local_addr().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
 }
@@ -597,7 +606,9 @@ async fn start_iam(
 
 fn start_watcher(config: &Config, l: TcpListener) -> Result<Running, ClusterError> {
     let opts = opendsec_watcher::WatcherOptions {
-        id: format!("watcher-{}", local(&l)),
+        // The reconcile lock's holder: unique across hosts (two watchers on different hosts
+        // both listening on 0.0.0.0:7002 must not both hold it), stable across restarts.
+        id: format!("watcher-{}-{}", host_name(), local(&l)),
         config: config.watcher.clone(),
         edges: config.edges.clone(),
         iam_addrs: config.iam.addrs.clone(),

@@ -378,7 +378,7 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
             reconcile_lock_held(st, holder, *now_ms)?;
             // A list is never read later than it is applied.
             let read_at = if *read_at_ms == 0 { *now_ms } else { (*read_at_ms).min(*now_ms) };
-            reconcile(st, w, read_at, edge, live, *min_age_ms)
+            reconcile(st, w, (*now_ms, read_at), edge, live, *min_age_ms)
         }
         Command::PutPool { actor, now_ms, pool, create } => put_pool(st, w, actor, *now_ms, pool, *create),
         Command::DeletePool { actor, now_ms, project, name } => delete_pool(st, w, actor, *now_ms, project, name),

@@ -860,6 +860,28 @@ fn reconcile_is_fenced_by_the_lock_and_ages_leases_when_the_list_was_read() {
     let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w2", h.now + 10_000_000)).unwrap();
     assert_eq!(r, Output::Reconciled { adopted: 0, released: 1 });
     assert!(h.usage("root").is_zero());
+    // A read time far back releases nothing bound since, and does not backdate an adoption:
+    // the adopted lease is stamped when IAM applies the call, so it is not released at once.
+    h.admit(&a, "kept", "root", res(1, 1), "e1").unwrap();
+    h.tick(120_000);
+    h.lock_for("w2", 15_000);
+    let found =
+        LiveLease { lease_id: "found".into(), project: "root".into(), principal: "".into(), resources: res(1, 1) };
+    let cmd = Command::Reconcile {
+        now_ms: h.now,
+        edge: "e1".into(),
+        live: vec![found],
+        min_age_ms: 60_000,
+        holder: "w2".into(),
+        read_at_ms: 1,
+    };
+    assert_eq!(h.run(cmd).unwrap(), Output::Reconciled { adopted: 1, released: 0 });
+    assert_eq!(h.st.lease("found").unwrap().bound_at_ms, h.now);
+    assert!(h.st.lease("kept").is_some());
+    h.tick(1_000);
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w2", 0)).unwrap();
+    assert_eq!(r, Output::Reconciled { adopted: 0, released: 1 }, "only the old one, not the one just adopted");
+    assert!(h.st.lease("found").is_some() && h.st.lease("kept").is_none());
 }
 
 #[test]

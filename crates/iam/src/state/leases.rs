@@ -209,13 +209,14 @@ pub(super) fn adoptable(st: &State, l: &LiveLease) -> bool {
         && l.resources.validate_bounds().is_ok()
 }
 
-/// Ages are measured at `read_at_ms`, when the edge's list was read (adopted leases are
-/// stamped with it too): a lease bound after that is not in the list and is never released
-/// by it, however late the call is applied.
+/// `at` is (the apply time, when the edge's list was read). Ages are measured at the read: a
+/// lease bound after it is not in the list and is never released by it, however late the
+/// call is applied. Adopted leases are stamped with the apply time (a read time is the
+/// caller's word; it must not make a lease look older than it is).
 pub(super) fn reconcile(
     st: &mut State,
     w: &mut Vec<Write>,
-    read_at_ms: i64,
+    (now_ms, read_at_ms): (i64, i64),
     edge: &str,
     live: &[LiveLease],
     min_age_ms: i64,
@@ -239,8 +240,8 @@ pub(super) fn reconcile(
                 principal: l.principal.clone(),
                 edge: edge.into(),
                 resources: l.resources,
-                created_at_ms: read_at_ms,
-                bound_at_ms: read_at_ms,
+                created_at_ms: now_ms,
+                bound_at_ms: now_ms,
             },
             w,
         );
