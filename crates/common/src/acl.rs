@@ -123,8 +123,10 @@ fn identity_of<B>(req: &http::Request<B>) -> Option<Identity> {
     PEERS.identity(&certs)
 }
 
-/// Peer chains cached at most (dead ones are dropped first; all of them past that).
-const PEERS_CACHED: usize = 4096;
+/// Peer chains cached at most (dead ones are dropped first; all of them past that): above
+/// the live connections one process holds (a server takes up to 16,384, and every server of
+/// the process shares the cache), so that it does not empty itself over and over.
+const PEERS_CACHED: usize = 65_536;
 
 /// The identities of connections' peer certificates, parsed once per connection rather than
 /// once per call (the parse was over 1 % of a creation's CPU). A connection's chain is one
@@ -144,11 +146,12 @@ struct Peers(std::sync::Mutex<std::collections::HashMap<usize, Known>>);
 impl Peers {
     fn identity(&self, certs: &Arc<Chain>) -> Option<Identity> {
         let at = Arc::as_ptr(certs) as usize;
-        let mut cached = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, id)) = cached.get(&at) {
+        if let Some((_, id)) = self.0.lock().unwrap_or_else(|p| p.into_inner()).get(&at) {
             return id.clone();
         }
+        // Parsed without the lock: other connections' calls do not wait on it.
         let id = Identity::of_cert(certs.first()?);
+        let mut cached = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if cached.len() >= PEERS_CACHED {
             cached.retain(|_, (w, _)| w.strong_count() > 0);
             if cached.len() >= PEERS_CACHED {
