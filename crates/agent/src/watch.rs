@@ -76,7 +76,7 @@ impl Watch {
         let mut w = Watch { fd, recursive, dirs: HashMap::new(), root: root.to_path_buf() };
         w.add(PathBuf::new()).map_err(|e| AgentError::fs("watch", root, e))?;
         if recursive {
-            w.add_tree(Path::new(""));
+            w.add_tree(Path::new(""), None);
         }
         Ok(w)
     }
@@ -91,14 +91,20 @@ impl Watch {
     }
 
     /// Every directory below `rel` (not following symlinks), as far as the bound allows;
-    /// unreadable ones are left out.
-    fn add_tree(&mut self, rel: &Path) {
+    /// unreadable ones are left out. With `found`, every entry met is told there as created:
+    /// in a directory that just appeared, what was made before its watch was added has no
+    /// event of its own (`mkdir -p a && touch a/f` races the watch on `a`).
+    fn add_tree(&mut self, rel: &Path, mut found: Option<&mut Vec<FileEvent>>) {
         let mut stack = vec![rel.to_path_buf()];
         while let Some(d) = stack.pop() {
             let Ok(rd) = std::fs::read_dir(self.root.join(&d)) else { continue };
             for e in rd.flatten() {
                 if self.dirs.len() >= MAX_DIRS {
                     return;
+                }
+                if let Some(found) = found.as_deref_mut() {
+                    let name = d.join(e.file_name()).to_string_lossy().into_owned();
+                    found.push(FileEvent { name, r#type: FileEventType::Create as i32 });
                 }
                 if e.file_type().is_ok_and(|t| t.is_dir()) {
                     let child = d.join(e.file_name());
@@ -162,7 +168,7 @@ impl Watch {
             }
             for d in new_dirs {
                 if self.add(d.clone()).is_ok() {
-                    self.add_tree(&d);
+                    self.add_tree(&d, Some(&mut batch.events));
                 }
             }
             match res {
@@ -310,6 +316,30 @@ mod tests {
         until(&mut w, |e| e.name == "sub/b.txt" && e.r#type == FileEventType::Create as i32).await;
         std::fs::remove_file(d.path().join("a.txt")).unwrap();
         until(&mut w, |e| e.name == "a.txt" && e.r#type == FileEventType::Remove as i32).await;
+    }
+
+    /// What a new directory held before its own watch was added is told too: a directory
+    /// moved in whole, with a file and a subdirectory already in it, never gets events of
+    /// its own for them.
+    #[tokio::test]
+    async fn a_directory_that_appears_full_is_told_whole() {
+        let d = tempfile::tempdir().unwrap();
+        let watched = d.path().join("w");
+        std::fs::create_dir(&watched).unwrap();
+        let mut w = Watch::new(&watched, true).unwrap();
+        let made = d.path().join("made");
+        std::fs::create_dir_all(made.join("deep")).unwrap();
+        std::fs::write(made.join("f.txt"), "x").unwrap();
+        std::fs::write(made.join("deep/g.txt"), "y").unwrap();
+        std::fs::rename(&made, watched.join("sub")).unwrap();
+        let mut created = std::collections::HashSet::new();
+        while !["sub", "sub/f.txt", "sub/deep", "sub/deep/g.txt"].iter().all(|n| created.contains(*n)) {
+            let b = tokio::time::timeout(Duration::from_secs(5), w.next()).await.expect("events in time").unwrap();
+            created.extend(b.events.into_iter().filter(|e| e.r#type == FileEventType::Create as i32).map(|e| e.name));
+        }
+        // And the subdirectory found is watched from then on.
+        std::fs::write(watched.join("sub/deep/h.txt"), "z").unwrap();
+        until(&mut w, |e| e.name == "sub/deep/h.txt").await;
     }
 
     #[tokio::test]
