@@ -93,8 +93,10 @@ impl Watch {
     /// Every directory below `rel` (not following symlinks), as far as the bound allows;
     /// unreadable ones are left out. With `found`, every entry met is told there as created:
     /// in a directory that just appeared, what was made before its watch was added has no
-    /// event of its own (`mkdir -p a && touch a/f` races the watch on `a`).
-    fn add_tree(&mut self, rel: &Path, mut found: Option<&mut Vec<FileEvent>>) {
+    /// event of its own (`mkdir -p a && touch a/f` races the watch on `a`). A batch holds
+    /// at most [`MAX_KEPT`] events: past that a tree moved in whole is told as an overflow,
+    /// as the kernel tells a full queue.
+    fn add_tree(&mut self, rel: &Path, mut found: Option<&mut Batch>) {
         let mut stack = vec![rel.to_path_buf()];
         while let Some(d) = stack.pop() {
             let Ok(rd) = std::fs::read_dir(self.root.join(&d)) else { continue };
@@ -103,8 +105,12 @@ impl Watch {
                     return;
                 }
                 if let Some(found) = found.as_deref_mut() {
-                    let name = d.join(e.file_name()).to_string_lossy().into_owned();
-                    found.push(FileEvent { name, r#type: FileEventType::Create as i32 });
+                    if found.events.len() < MAX_KEPT {
+                        let name = d.join(e.file_name()).to_string_lossy().into_owned();
+                        found.events.push(FileEvent { name, r#type: FileEventType::Create as i32 });
+                    } else {
+                        found.overflowed = true;
+                    }
                 }
                 if e.file_type().is_ok_and(|t| t.is_dir()) {
                     let child = d.join(e.file_name());
@@ -168,7 +174,7 @@ impl Watch {
             }
             for d in new_dirs {
                 if self.add(d.clone()).is_ok() {
-                    self.add_tree(&d, Some(&mut batch.events));
+                    self.add_tree(&d, Some(&mut batch));
                 }
             }
             match res {
@@ -340,6 +346,21 @@ mod tests {
         // And the subdirectory found is watched from then on.
         std::fs::write(watched.join("sub/deep/h.txt"), "z").unwrap();
         until(&mut w, |e| e.name == "sub/deep/h.txt").await;
+
+        // A tree larger than a batch holds is told up to the bound, then as an overflow.
+        let big = d.path().join("big");
+        std::fs::create_dir(&big).unwrap();
+        for i in 0..MAX_KEPT + 10 {
+            std::fs::write(big.join(i.to_string()), "").unwrap();
+        }
+        std::fs::rename(&big, watched.join("big")).unwrap();
+        loop {
+            let b = tokio::time::timeout(Duration::from_secs(5), w.next()).await.expect("events in time").unwrap();
+            assert!(b.events.len() <= MAX_KEPT + 1, "{} events in one batch", b.events.len());
+            if b.overflowed {
+                break;
+            }
+        }
     }
 
     #[tokio::test]
