@@ -384,8 +384,13 @@ const COMPACT_MIN: u64 = 4 << 20;
 /// The largest record body (a spec's env and labels are bounded far below it); a frame that
 /// says more is damage.
 pub const MAX_BODY: usize = 16 << 20;
+/// Zeros written ahead of the frames, at least and at most (an eighth of the log between):
+/// see [`Log::alloc`].
+const AHEAD_MIN: u64 = 64 << 10;
+const AHEAD_MAX: u64 = 1 << 20;
 /// Frame: body length (u32 LE), CRC-32 of the body (u32 LE), then the body: kind (u8), key
-/// length (u16 LE), key, value.
+/// length (u16 LE), key, value. A header of zeros is no frame (a body is at least 3 bytes):
+/// that is where the zeros written ahead begin.
 const HEADER: usize = 8;
 const PUT: u8 = 1;
 const DEL: u8 = 2;
@@ -395,6 +400,8 @@ const DEL: u8 = 2;
 /// A write appends a frame (checksummed) under a lock. A durable write then waits for a
 /// sync that began after its append: one `fdatasync` makes every frame appended before it
 /// durable, so concurrent writers share syncs (group commit) and no write creates a file.
+/// Frames are written over zeros written ahead of them (see [`Log::alloc`]), so that most
+/// syncs have only data to write, no file size to commit through the file system's journal.
 /// A crash can only leave frames appended after the last sync incomplete or missing; on
 /// open, the log is cut at the first frame that does not check out, so every record is its
 /// last durable version or a later one, never a torn mix. When the log is much larger than
@@ -426,6 +433,12 @@ struct Log {
     file: std::sync::Arc<File>,
     /// Bytes of whole frames in the file.
     len: u64,
+    /// Bytes in the file: the frames, then zeros written ahead of the next ones. A sync after
+    /// an append that grew the file commits the new size through the file system's journal
+    /// (on ext4 a journal commit, about half again the cost of the sync); one over written
+    /// zeros only writes data. A crash may leave these zeros (or a frame written over them
+    /// and not yet synced) after the last frame: the open cuts them off.
+    alloc: u64,
     /// Each live record's last frame: offset and length.
     live: HashMap<String, (u64, u32)>,
     /// The sum of the live frames' lengths.
@@ -438,6 +451,37 @@ struct Log {
     broken: Option<String>,
     /// No compaction is tried again before the log reaches this size (after a failed one).
     compact_after: u64,
+}
+
+impl Log {
+    /// Writes `bytes` after the last whole frame, over zeros written ahead when there are
+    /// enough. When there are not, first more zeros: an eighth of the log, within
+    /// [`AHEAD_MIN`]..=[`AHEAD_MAX`]; should they not fit on the disk, the frame is written
+    /// without them. The caller cuts a failed write off.
+    fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+        let end = self.len + bytes.len() as u64;
+        if end > self.alloc {
+            let target = end + (self.len / 8).clamp(AHEAD_MIN, AHEAD_MAX);
+            let mut at = self.alloc;
+            while at < target {
+                let n = (target - at).min(ZEROS.len() as u64);
+                if self.file.write_all_at(&ZEROS[..n as usize], at).is_err() {
+                    // The disk is full: give back what was written ahead, then try the frame.
+                    let _ = self.file.set_len(self.alloc.max(self.len));
+                    break;
+                }
+                at += n;
+            }
+            if at >= target {
+                self.alloc = target;
+            }
+        }
+        self.file.write_all_at(bytes, self.len)?;
+        self.alloc = self.alloc.max(end);
+        Ok(())
+    }
 }
 
 /// Writes queued for one append and one sync.
@@ -530,27 +574,35 @@ impl RecordStore {
         // A compaction that did not finish: the log it would have replaced is whole.
         let _ = fs::remove_file(dir.join(COMPACTING));
         let write_err = |source| RecordError::Write { path: path.clone(), source };
+        // Written at offsets (not opened to append: a positioned write to a file opened to
+        // append lands at its end on Linux).
         let file = opendsec_common::fsperm::private_file()
             .read(true)
-            .append(true)
+            .write(true)
             .create(true)
+            .truncate(false)
             .open(&path)
             .map_err(write_err)?;
         let bytes = fs::read(&path).map_err(|source| RecordError::Read { path: path.clone(), source })?;
         let (live, len, live_bytes) = scan(&bytes);
         if len < bytes.len() as u64 {
-            // What follows the last whole frame was appended after the last sync (or is
-            // damage): cut, and kept aside for whoever wants to look.
-            let cut = dir.join(CUT_FILE);
-            // Records hold specs' env: the owner's alone, like the log.
-            let _ = opendsec_common::fsperm::private_file()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&cut)
-                .and_then(|mut f| f.write_all(&bytes[len as usize..]));
-            tracing::error!(log = %path.display(), kept = len, cut = bytes.len() as u64 - len, saved = %cut.display(),
-                "record log ends in a frame that does not check out; cut there");
+            // Zeros written ahead are cut silently. Anything else after the last whole frame
+            // was appended after the last sync (or is damage): cut, and kept aside for
+            // whoever wants to look.
+            let rest = &bytes[len as usize..];
+            let rest = &rest[..rest.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1)];
+            if !rest.is_empty() {
+                let cut = dir.join(CUT_FILE);
+                // Records hold specs' env: the owner's alone, like the log.
+                let _ = opendsec_common::fsperm::private_file()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&cut)
+                    .and_then(|mut f| f.write_all(rest));
+                tracing::error!(log = %path.display(), kept = len, cut = rest.len(), saved = %cut.display(),
+                    "record log ends in a frame that does not check out; cut there");
+            }
             file.set_len(len).and_then(|()| file.sync_all()).map_err(write_err)?;
         }
         // The log's own name is durable before any record in it is relied on.
@@ -563,6 +615,7 @@ impl RecordStore {
             log: Mutex::new(Log {
                 file: std::sync::Arc::new(file),
                 len,
+                alloc: len,
                 live,
                 live_bytes,
                 broken: None,
@@ -586,6 +639,11 @@ impl RecordStore {
     /// The log's path.
     pub fn log_path(&self) -> &Path {
         &self.path
+    }
+
+    /// Bytes of whole frames in the log (the file may hold zeros after them).
+    pub fn log_len(&self) -> u64 {
+        self.lock().len
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Log> {
@@ -645,9 +703,10 @@ impl RecordStore {
             if let Some(why) = &log.broken {
                 return Err(write_err(std::io::Error::other(format!("{why}; restart the edge"))));
             }
-            if let Err(e) = (&*log.file).write_all(bytes) {
+            if let Err(e) = log.put(bytes) {
                 // A partial frame would hide every later one from the next open.
                 let len = log.len;
+                log.alloc = len;
                 if log.file.set_len(len).is_err() {
                     log.broken = Some(format!("an append failed ({e}) and could not be cut off the record log"));
                 }
@@ -864,7 +923,7 @@ impl RecordStore {
         // The new log is written through the handle that then serves as the log.
         let written = (|| {
             let _ = fs::remove_file(&tmp);
-            let new = opendsec_common::fsperm::private_file().read(true).append(true).create_new(true).open(&tmp)?;
+            let new = opendsec_common::fsperm::private_file().read(true).write(true).create_new(true).open(&tmp)?;
             let mut out = std::io::BufWriter::new(&new);
             let mut buf = Vec::new();
             for (key, (from, len)) in entries {
@@ -889,7 +948,15 @@ impl RecordStore {
         };
         let before = log.len;
         let dir_synced = File::open(&self.dir).and_then(|d| d.sync_all());
-        *log = Log { file: std::sync::Arc::new(new), len: at, live, live_bytes: at, broken: None, compact_after: 0 };
+        *log = Log {
+            file: std::sync::Arc::new(new),
+            len: at,
+            alloc: at,
+            live,
+            live_bytes: at,
+            broken: None,
+            compact_after: 0,
+        };
         if let Err(e) = dir_synced {
             // Which log a crash would show is not known: acknowledge nothing more.
             log.broken = Some(format!("the record log was compacted but its directory could not be synced ({e})"));
@@ -1150,6 +1217,16 @@ mod tests {
         assert!(good.is_empty() && bad.is_empty());
     }
 
+    /// The log's frames, without the zeros written ahead of them.
+    fn frames_of(store: RecordStore) -> (PathBuf, Vec<u8>) {
+        let (path, len) = (store.log_path().to_path_buf(), store.log_len() as usize);
+        drop(store);
+        let mut bytes = fs::read(&path).unwrap();
+        assert!(bytes[len..].iter().all(|&b| b == 0), "only zeros follow the frames");
+        bytes.truncate(len);
+        (path, bytes)
+    }
+
     /// What a crash can leave after the last sync: a frame cut short, a frame whose bytes
     /// did not all reach the disk. The log is cut at the first such frame: every record is
     /// its last whole version, and writes go on after it.
@@ -1159,40 +1236,75 @@ mod tests {
         let store = RecordStore::open(dir.path()).unwrap();
         store.write("a", b"a1", WriteMode::Durable).unwrap();
         store.write("b", b"b1", WriteMode::Durable).unwrap();
-        let whole = fs::metadata(store.log_path()).unwrap().len();
+        let whole = store.log_len();
         store.write("a", b"a2-lost", WriteMode::Durable).unwrap();
-        let path = store.log_path().to_path_buf();
-        drop(store);
-        // The last frame cut short.
-        let bytes = fs::read(&path).unwrap();
-        fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+        let (path, bytes) = frames_of(store);
+        // The last frame cut short, then the zeros written ahead of it.
+        let mut torn = bytes[..bytes.len() - 3].to_vec();
+        torn.extend_from_slice(&[0; 1000]);
+        fs::write(&path, &torn).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
         let raw = store.raw().unwrap();
         assert_eq!((raw["a"].as_slice(), raw["b"].as_slice()), (&b"a1"[..], &b"b1"[..]));
         assert_eq!(fs::metadata(&path).unwrap().len(), whole);
-        // What was cut is kept aside, not destroyed, and readable by the edge's user alone.
+        // What was cut is kept aside (the zeros after it are not), not destroyed, and
+        // readable by the edge's user alone.
         assert_eq!(fs::read(store.dir().join(CUT_FILE)).unwrap(), &bytes[whole as usize..bytes.len() - 3]);
         let mode = fs::metadata(store.dir().join(CUT_FILE)).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o077, 0, "{mode:?}");
         store.write("c", b"c1", WriteMode::Durable).unwrap();
-        drop(store);
-        // A frame whose body is wrong (one byte flipped), and whatever follows it.
-        let mut bytes = fs::read(&path).unwrap();
+        // A frame whose body is wrong (one byte flipped), and a whole frame after it, as a
+        // crash can leave frames written over zeros (pages reach the disk in any order).
+        let (path, mut bytes) = frames_of(store);
         let n = bytes.len();
         bytes[n - 1] ^= 0xff;
         bytes.extend_from_slice(&frame(PUT, "d", b"after").unwrap());
+        bytes.extend_from_slice(&[0; 1000]);
         fs::write(&path, &bytes).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
         let raw = store.raw().unwrap();
         assert_eq!(raw.keys().collect::<Vec<_>>(), ["a", "b"]);
-        // Zeros (a size extended, its data never written).
+        // What followed the cut does not come back once frames are written where it was.
         store.write("e", b"e1", WriteMode::Durable).unwrap();
         drop(store);
-        let mut bytes = fs::read(&path).unwrap();
+        let store = RecordStore::open(dir.path()).unwrap();
+        assert_eq!(store.raw().unwrap().keys().collect::<Vec<_>>(), ["a", "b", "e"]);
+        // Zeros alone after the frames (written ahead, or a size extended and its data never
+        // written) are cut without a word.
+        fs::remove_file(store.dir().join(CUT_FILE)).unwrap();
+        let (path, mut bytes) = frames_of(store);
         bytes.extend_from_slice(&[0u8; 4096]);
         fs::write(&path, &bytes).unwrap();
         let store = RecordStore::open(dir.path()).unwrap();
         assert_eq!(store.raw().unwrap().keys().collect::<Vec<_>>(), ["a", "b", "e"]);
+        assert!(!store.dir().join(CUT_FILE).exists());
+        assert_eq!(fs::metadata(&path).unwrap().len(), store.log_len());
+    }
+
+    /// Frames are written over zeros written ahead of them, so that the file's size changes
+    /// once per run of writes, not on every one; the zeros grow with the log, within bounds.
+    #[test]
+    fn frames_go_over_zeros_written_ahead() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RecordStore::open(dir.path()).unwrap();
+        let size = |s: &RecordStore| fs::metadata(s.log_path()).unwrap().len();
+        store.write("a", b"a1", WriteMode::Durable).unwrap();
+        let first = size(&store);
+        assert_eq!(first, store.log_len() + AHEAD_MIN);
+        let mut sizes = std::collections::BTreeSet::new();
+        for i in 0..2000u32 {
+            store.write(&format!("k{i}"), &[b'v'; 600], WriteMode::Lazy).unwrap();
+            let (len, size) = (store.log_len(), size(&store));
+            assert!(size > len && size <= len + AHEAD_MAX, "{len} of frames in {size} bytes");
+            sizes.insert(size);
+        }
+        // About 1.2 MiB of frames: the file grew 6 to 20 times, not 2,000.
+        assert!((6..=20).contains(&sizes.len()), "{} sizes", sizes.len());
+        let raw = store.raw().unwrap();
+        drop(store);
+        let store = RecordStore::open(dir.path()).unwrap();
+        assert_eq!(store.raw().unwrap(), raw);
+        assert_eq!(size(&store), store.log_len());
     }
 
     /// A compaction that cannot write its new log leaves the log as it was, and is not tried
@@ -1207,14 +1319,14 @@ mod tests {
         for _ in 0..80 {
             store.write("hot", &big, WriteMode::Lazy).unwrap();
         }
-        let len = fs::metadata(store.log_path()).unwrap().len();
+        let len = store.log_len();
         assert!(len > COMPACT_MIN, "{len}");
         let after = store.lock().compact_after;
         assert!(after > COMPACT_MIN && after <= 2 * len, "no back-off: {after}");
         assert_eq!(store.raw().unwrap()["hot"], big);
         // Once it can, it does (when the log has grown past the back-off).
         fs::remove_dir(store.dir().join(COMPACTING)).unwrap();
-        while fs::metadata(store.log_path()).unwrap().len() >= COMPACT_MIN {
+        while store.log_len() >= COMPACT_MIN {
             store.write("hot", &big, WriteMode::Lazy).unwrap();
         }
         assert_eq!(store.raw().unwrap()["hot"], big);
@@ -1233,7 +1345,7 @@ mod tests {
             store.remove(&format!("gone{i}")).unwrap();
         }
         store.write("cold", b"kept", WriteMode::Durable).unwrap();
-        let len = fs::metadata(store.log_path()).unwrap().len();
+        let len = store.log_len();
         assert!(len < COMPACT_MIN + (1 << 20), "never compacted: {len} bytes");
         let raw = store.raw().unwrap();
         assert_eq!(raw.keys().collect::<Vec<_>>(), ["cold", "hot"]);
