@@ -241,6 +241,16 @@ impl Command {
         Ok(env.command)
     }
 
+    /// The log format a member must read for this entry to mean there what it means here
+    /// (see [`crate::raft::net::LOG_FORMAT`]): a member of an older format would read the
+    /// entry and ignore what it does not know.
+    pub fn log_format(&self) -> u32 {
+        match self {
+            Command::Reconcile { holder, .. } | Command::SweepUnbound { holder, .. } if !holder.is_empty() => 2,
+            _ => 1,
+        }
+    }
+
     /// A short name for logs and metrics.
     pub fn kind(&self) -> &'static str {
         match self {

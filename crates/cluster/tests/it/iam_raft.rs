@@ -382,3 +382,72 @@ async fn a_wiped_member_is_refused_and_its_id_is_not_reused() {
     assert_eq!(live(&admin, "root/w").await, 20);
     t.cluster.shutdown().await;
 }
+
+/// A leader logs a fenced reconciliation (its lock holder and read time, which a member on the
+/// release before would ignore) only once every member has answered as a release that reads
+/// one. A member that says nothing of its log format, as that release does, holds them back
+/// with INVALID_STATE; other commands go on; once it answers with the current format, they
+/// go through again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_reconciliations_wait_until_every_member_reads_them() {
+    use opendsec_iam::command::{Command, Output};
+    use opendsec_iam::raft::net::LOG_FORMAT;
+    let t = start3(|_| {}).await;
+    let lead = leader(&t.admin).await;
+    let replica = t.cluster.iam_replica(lead).expect("the leader");
+    let other = (1..=3).find(|id| *id != lead).unwrap();
+    let now = opendsec_common::time::now_ms;
+    // The reconcile lock: this test's, or the watcher's if it holds it.
+    let lock = Command::AcquireLock {
+        now_ms: now(),
+        name: opendsec_common::RECONCILE_LOCK.into(),
+        holder: "format-test".into(),
+        ttl_ms: 120_000,
+    };
+    let Ok(Output::Lock { holder, .. }) = replica.execute(lock.clone()).await else { panic!("the lock") };
+    let reconcile = || Command::Reconcile {
+        now_ms: now(),
+        edge: "edge-none".into(),
+        live: Vec::new(),
+        min_age_ms: 0,
+        holder: holder.clone(),
+        read_at_ms: now(),
+    };
+    let sweep = || Command::SweepUnbound {
+        now_ms: now(),
+        known_edges: vec!["edge-001".into()],
+        older_than_ms: 3_600_000,
+        holder: holder.clone(),
+    };
+    let heard = |format: u32| {
+        let replica = replica.clone();
+        move || {
+            let f = replica.who.format_of(other);
+            async move { f == Some(format) }
+        }
+    };
+    eventually("the member's log format", Duration::from_secs(10), heard(LOG_FORMAT)).await;
+    assert!(matches!(replica.execute(reconcile()).await, Ok(Output::Reconciled { .. })));
+
+    // Member `other` plays the release before.
+    let old = t.cluster.iam_replica(other).expect("the other member");
+    old.who.announce_format(1);
+    eventually("the older member's answers", Duration::from_secs(10), heard(1)).await;
+    for cmd in [reconcile(), sweep()] {
+        let kind = cmd.kind();
+        match replica.execute(cmd).await {
+            Err(opendsec_iam::IamError::InvalidState(m)) => assert!(m.contains(&format!("[{other}]")), "{m}"),
+            r => panic!("{kind} proposed while member {other} reads an older log: {r:?}"),
+        }
+    }
+    // A member that does not lead refuses as Raft would (its caller goes to the leader).
+    assert!(matches!(old.execute(reconcile()).await, Err(opendsec_iam::IamError::NotLeader(_))));
+    // What every release reads goes on.
+    assert!(matches!(replica.execute(lock).await, Ok(Output::Lock { .. })));
+
+    old.who.announce_format(LOG_FORMAT);
+    eventually("the upgraded member's answers", Duration::from_secs(10), heard(LOG_FORMAT)).await;
+    assert!(matches!(replica.execute(reconcile()).await, Ok(Output::Reconciled { .. })));
+    assert!(matches!(replica.execute(sweep()).await, Ok(Output::Released { .. })));
+    t.cluster.shutdown().await;
+}

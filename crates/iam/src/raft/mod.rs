@@ -231,8 +231,35 @@ impl Replica {
                 cmd.kind()
             )));
         }
+        let format = cmd.log_format();
+        if format > 1 {
+            self.every_member_reads(cmd.kind(), format)?;
+        }
         let r = self.raft.get().client_write(cmd).await.map_err(write_err)?;
         r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?
+    }
+
+    /// Refuses (`InvalidState`) an entry of log format `format` unless this member leads and
+    /// every other member, learners too, has answered since this start as a release that
+    /// reads it ([`net::LOG_FORMAT`]). A member that does not lead says so, as Raft would.
+    fn every_member_reads(&self, kind: &str, format: u32) -> Result<(), IamError> {
+        let m = self.raft.get().metrics().borrow_watched().clone();
+        if m.state != openraft::ServerState::Leader {
+            return Err(IamError::NotLeader(format!("IAM member {} is not the leader", self.id)));
+        }
+        let behind: Vec<u64> = m
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, _)| *id)
+            .filter(|id| *id != self.id && self.who.format_of(*id).is_none_or(|f| f < format))
+            .collect();
+        if behind.is_empty() {
+            return Ok(());
+        }
+        Err(IamError::InvalidState(format!(
+            "IAM members {behind:?} have not answered as a release that reads {kind} entries (log format {format}):              an upgrade in progress, or members not heard from since this leader started; refused until they do"
+        )))
     }
 
     /// Whether this member may serve a read now: it is the leader, its lease holds and it has

@@ -43,6 +43,17 @@ const FROM_DIR: &str = "x-opendsec-iam-from-dir";
 const TO_DIR: &str = "x-opendsec-iam-to-dir";
 /// In replies: the receiver's data directory id.
 const DIR: &str = "x-opendsec-iam-dir";
+/// In replies: the log format the receiver reads ([`LOG_FORMAT`]); absent, 1.
+const FORMAT: &str = "x-opendsec-iam-log-format";
+
+/// What this release reads in the log, said in every reply. 1: what the releases before this
+/// number read. 2: Reconcile and SweepUnbound entries fenced by the reconcile lock (its
+/// holder, and when the edge's list was read), which a member of format 1 would apply without
+/// the fence. A leader proposes an entry that needs a format
+/// ([`crate::command::Command::log_format`]) only once every other member has answered with it
+/// since the leader started, so that a rolling upgrade (or a member started again on an older
+/// release) never has members apply one entry two ways.
+pub const LOG_FORMAT: u32 = 2;
 
 /// What a member says and checks about itself in Raft messages.
 #[derive(Clone)]
@@ -58,13 +69,39 @@ pub struct Who {
     pub seen: tokio::sync::mpsc::Sender<(u64, String)>,
     /// The members that have answered with their data directory id since this start.
     answered: Arc<std::sync::Mutex<std::collections::BTreeSet<u64>>>,
+    /// The log format each member last answered with, since this start.
+    formats: Arc<std::sync::Mutex<std::collections::BTreeMap<u64, u32>>>,
+    /// The log format this member says it reads: [`LOG_FORMAT`] (tests play an older release
+    /// with a lower one).
+    format: Arc<std::sync::atomic::AtomicU32>,
 }
 
 pub use crate::model::well_formed_id;
 
 impl Who {
     pub fn new(id: u64, data_dir: String, shared: Arc<Shared>, seen: tokio::sync::mpsc::Sender<(u64, String)>) -> Who {
-        Who { id, data_dir, shared, seen, answered: Arc::default() }
+        Who {
+            id,
+            data_dir,
+            shared,
+            seen,
+            answered: Arc::default(),
+            formats: Arc::default(),
+            format: Arc::new(LOG_FORMAT.into()),
+        }
+    }
+
+    /// The log format member `id` last answered with since this start (none: it has not
+    /// answered yet).
+    pub fn format_of(&self, id: u64) -> Option<u32> {
+        self.formats.lock().unwrap_or_else(|p| p.into_inner()).get(&id).copied()
+    }
+
+    /// Makes this member say it reads log format `format` (1: it says nothing, as the releases
+    /// before the number). For tests that play a member on an older release.
+    #[doc(hidden)]
+    pub fn announce_format(&self, format: u32) {
+        self.format.store(format, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The members that have answered with their data directory id since this start.
@@ -93,6 +130,8 @@ impl Who {
 
     /// Notes the data directory member `target` answered with, unless it is recorded.
     fn heard(&self, target: u64, md: &tonic::metadata::MetadataMap) {
+        let format = md.get(FORMAT).and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(1);
+        self.formats.lock().unwrap_or_else(|p| p.into_inner()).insert(target, format);
         let Some(dir) = md.get(DIR).and_then(|v| v.to_str().ok()).filter(|d| well_formed_id(d)) else { return };
         self.answered.lock().unwrap_or_else(|p| p.into_inner()).insert(target);
         if !self.shared.read().meta.members.contains_key(&target) {
@@ -335,10 +374,14 @@ impl RaftService {
         RaftService { raft, who, lease, installing: tokio::sync::Semaphore::new(1) }
     }
 
-    /// A reply, with this member's data directory id.
+    /// A reply, with this member's data directory id and log format.
     fn reply<T: Serialize>(&self, r: &T) -> Result<Response<pb::RaftMessage>, Status> {
         let mut resp = reply(r)?;
         self.who.set(resp.metadata_mut(), DIR, &self.who.data_dir);
+        let format = self.who.format.load(std::sync::atomic::Ordering::Relaxed);
+        if format > 1 {
+            self.who.set(resp.metadata_mut(), FORMAT, &format.to_string());
+        }
         Ok(resp)
     }
 
