@@ -275,37 +275,71 @@ async fn list_sandboxes(
     let mut cutoff: Option<String> = None;
     let (mut next, mut wave) = (0, FIRST_WAVE);
     let mut ask: Vec<&str> = plan.movers.iter().map(String::as_str).collect();
+    // Sandboxes an edge said moved away (id, where to): the edge they went to is asked (again)
+    // in the next round, since the snapshot may not know of the move yet, and that edge may
+    // have answered before the copy there was listed.
+    let mut told: BTreeSet<(String, String)> = BTreeSet::new();
+    let (mut chases, mut chasing) = (0, false);
     // Ids below this are complete: at or past the first run not asked yet, that run's own
     // sandboxes may be missing (ids moved elsewhere, there, are kept for when it is asked).
     let complete = |next: usize, cutoff: &Option<String>, id: &str| {
         plan.runs.get(next).is_none_or(|(bound, _)| id < bound.as_str()) && cutoff.as_deref().is_none_or(|c| id <= c)
     };
     loop {
-        let upto = (next + wave).min(plan.runs.len());
-        ask.extend(plan.runs[next..upto].iter().map(|(_, n)| *n));
+        // A round that chases moved-away sandboxes asks only where they went.
+        if !chasing {
+            let upto = (next + wave).min(plan.runs.len());
+            ask.extend(plan.runs[next..upto].iter().map(|(_, n)| *n));
+            next = upto;
+            wave = (wave * 2).min(MAX_WAVE);
+        }
         ask.sort_unstable();
         ask.dedup();
-        next = upto;
-        wave = (wave * 2).min(MAX_WAVE);
         let calls = ask.drain(..).map(|name| {
             let r = edge_req.clone();
             async move { forward::edge_forward(s, name, |mut c| async move { c.list_sandboxes(r).await }).await }
         });
+        let mut moved = Vec::new();
         for res in futures::future::join_all(calls).await {
             // A partial list could make a caller act on sandboxes it believes gone: fail instead.
             let mut page = res?;
             // What is not after the token was not asked for (an edge answering wrong must not
             // move the listing backwards).
             page.sandboxes.retain(|sb| sb.id.as_str() > after);
+            let mut cut = None;
             if (page.more || page.sandboxes.len() >= limit)
                 && let Some(last) = page.sandboxes.last()
-                && cutoff.as_ref().is_none_or(|c| last.id < *c)
             {
-                cutoff = Some(last.id.clone());
+                cut = Some(last.id.clone());
+            }
+            // An edge that met more moved-away sandboxes than it tells says where it stopped.
+            if page.moved_away_upto.as_str() > after && cut.as_ref().is_none_or(|c| page.moved_away_upto < *c) {
+                cut = Some(std::mem::take(&mut page.moved_away_upto));
+            }
+            if let Some(c) = cut
+                && cutoff.as_ref().is_none_or(|old| c < *old)
+            {
+                cutoff = Some(c);
             }
             for sb in page.sandboxes {
                 merged.insert(sb.id.clone(), sb);
             }
+            moved.extend(page.moved_away.into_iter().filter(|m| m.id.as_str() > after));
+        }
+        if chases < MAX_CHASES {
+            for m in moved {
+                if cutoff.as_ref().is_none_or(|c| m.id <= *c)
+                    && let Some(to) = snap.addrs.get_key_value(&m.to).filter(|(_, (_, healthy))| *healthy)
+                    && told.insert((m.id, m.to))
+                {
+                    ask.push(to.0.as_str());
+                }
+            }
+            chases += usize::from(!ask.is_empty());
+        }
+        chasing = !ask.is_empty();
+        if chasing {
+            continue;
         }
         let Some((bound, _)) = plan.runs.get(next) else { break };
         // Full, or cut before the runs not asked yet (asking them cannot add below the cut).
@@ -317,12 +351,16 @@ async fn list_sandboxes(
     }
     merged.retain(|id, _| complete(next, &cutoff, id));
     // More may follow where the page was cut: at an edge that had more, or at runs not asked.
-    // (A cut page is never empty: the edge that set the cut sent its last id, and a cut past
-    // the runs not asked kept the loop asking until it was not.)
     let more = merged.len() > size || cutoff.is_some() || next < plan.runs.len();
     let sandboxes: Vec<pb::Sandbox> = merged.into_values().take(size).collect();
-    let next_page_token =
-        if more { sandboxes.last().map(|sb| sb.id.clone()).unwrap_or_default() } else { String::new() };
+    // A full page goes on after its last sandbox; a short one after its cut, below which
+    // everything was given (a page cut where an edge stopped telling moved-away sandboxes may
+    // hold none of its own).
+    let next_page_token = match (more, sandboxes.len() == size, &cutoff) {
+        (false, _, _) => String::new(),
+        (true, false, Some(c)) => c.clone(),
+        (true, _, _) => sandboxes.last().map(|sb| sb.id.clone()).unwrap_or_default(),
+    };
     Ok(pb::ListSandboxesResponse { sandboxes, next_page_token })
 }
 
@@ -330,6 +368,9 @@ async fn list_sandboxes(
 /// `MAX_WAVE`.
 const FIRST_WAVE: usize = 8;
 const MAX_WAVE: usize = 256;
+/// Rounds a page spends asking the edges that moved-away sandboxes went to (a sandbox moved
+/// again and again during one page is not chased further).
+const MAX_CHASES: usize = 8;
 
 /// Which edges a page of ids after `after` needs, in the order it needs them. Edge names hold
 /// no dot and an edge gives out ids `<edge>.<lease>`, so each edge's own ids are one run of the

@@ -316,6 +316,8 @@ struct EdgeState {
     aborted_uploads: usize,
     /// Messages of the upload in progress.
     upload_messages: usize,
+    /// Sandboxes that moved away: id → the edge they went to (told by ListSandboxes).
+    moved_away: BTreeMap<String, String>,
 }
 
 #[derive(Clone)]
@@ -343,6 +345,7 @@ impl FakeEdge {
                 files: Vec::new(),
                 create_delay: Duration::ZERO,
                 aborted_uploads: 0,
+                moved_away: BTreeMap::new(),
                 upload_messages: 0,
             })),
         }
@@ -451,7 +454,20 @@ impl Edge for FakeEdge {
             .collect();
         let more = all.len() > r.limit as usize;
         all.truncate(r.limit as usize);
-        Ok(Response::new(pb::EdgeListResponse { sandboxes: all, more }))
+        // As an edge does: those met before the page's end, at most `limit`.
+        let end = if more { all.last().map(|sb| sb.id.clone()) } else { None };
+        let mut moved_away: Vec<pb::MovedAway> = st
+            .moved_away
+            .iter()
+            .filter(|(id, _)| **id > r.after && end.as_ref().is_none_or(|e| *id < e))
+            .map(|(id, to)| pb::MovedAway { id: id.clone(), to: to.clone() })
+            .collect();
+        let mut moved_away_upto = String::new();
+        if moved_away.len() > r.limit as usize {
+            moved_away.truncate(r.limit as usize);
+            moved_away_upto = moved_away.last().map(|m| m.id.clone()).unwrap_or_default();
+        }
+        Ok(Response::new(pb::EdgeListResponse { sandboxes: all, more, moved_away, moved_away_upto }))
     }
 
     async fn stop_sandbox(&self, r: Request<pb::StopSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
@@ -1968,15 +1984,27 @@ fn held(id: &str, project: &str) -> pb::Sandbox {
     }
 }
 
+/// A page of alice's listing.
+async fn alice_page(c: &Cluster, token: String, page_size: u32) -> pb::ListSandboxesResponse {
+    let req = pb::ListSandboxesRequest { page_size, page_token: token, ..Default::default() };
+    c.client().list_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner()
+}
+
+/// 24 edges, e00 to e23, taking every creation.
+async fn twenty_four_edges() -> (Vec<String>, Cluster) {
+    let names: Vec<String> = (0..24).map(|i| format!("e{i:02}")).collect();
+    let edges: Vec<(&str, Mode, u32)> = names.iter().map(|n| (n.as_str(), Mode::Accept, 0)).collect();
+    let c = Cluster::start(&edges, test_config()).await;
+    (names, c)
+}
+
 /// Pages through 24 edges: every sandbox once and in id order, while others are created
 /// between pages (those after the page token show up, none is repeated or skipped), a
 /// sandbox that moved (its id names edge e03, edge e23 holds it) listed once, and a page asks
 /// only the edges it needs, not every edge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pages_walk_the_edges_in_id_order_and_skip_or_repeat_nothing() {
-    let names: Vec<String> = (0..24).map(|i| format!("e{i:02}")).collect();
-    let edges: Vec<(&str, Mode, u32)> = names.iter().map(|n| (n.as_str(), Mode::Accept, 0)).collect();
-    let c = Cluster::start(&edges, test_config()).await;
+    let (names, c) = twenty_four_edges().await;
     let mut want = BTreeSet::new();
     for (i, e) in c.edges.iter().enumerate() {
         let mut st = e.st.lock().unwrap();
@@ -2009,14 +2037,7 @@ async fn pages_walk_the_edges_in_id_order_and_skip_or_repeat_nothing() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await; // the apiserver's next snapshot
 
-    let api = c.client();
-    let list = |token: String, page_size: u32| {
-        let mut api = api.clone();
-        async move {
-            let req = pb::ListSandboxesRequest { page_size, page_token: token, ..Default::default() };
-            api.list_sandboxes(with_token(req, ALICE)).await.unwrap().into_inner()
-        }
-    };
+    let list = |token: String, page_size: u32| alice_page(&c, token, page_size);
     let lists = |c: &Cluster| c.edges.iter().map(|e| e.st.lock().unwrap().lists).sum::<usize>();
     // The first page needs the first runs and the edges holding moved sandboxes only.
     let before = lists(&c);
@@ -2080,4 +2101,67 @@ async fn pages_walk_the_edges_in_id_order_and_skip_or_repeat_nothing() {
         token = page.next_page_token;
     }
     assert_eq!(again, held_now);
+}
+
+/// A sandbox moved (its id names edge e03; edge e20 holds it) where the snapshot does not know
+/// yet (the move went through another apiserver less than a probe ago): e03 tells that it
+/// moved away and where to, and the page asks e20 too, so it is listed, once, in id order,
+/// though e20's own run is far past the page. An edge that met more moved-away sandboxes than
+/// it tells cuts the page there, and the next page goes on from the cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_finds_a_sandbox_moved_where_the_snapshot_does_not_know() {
+    let (names, c) = twenty_four_edges().await;
+    let mut want = Vec::new();
+    for i in [3usize, 4] {
+        let mut st = c.edges[i].st.lock().unwrap();
+        for k in 0..3 {
+            let id = format!("{}.l{k}", names[i]);
+            st.sandboxes.insert(id.clone(), held(&id, "root/a"));
+            want.push(id);
+        }
+    }
+    let moved = "e03.l1m".to_string();
+    c.edges[20].st.lock().unwrap().sandboxes.insert(moved.clone(), held(&moved, "root/a"));
+    c.edges[3].st.lock().unwrap().moved_away.insert(moved.clone(), "e20".into());
+    want.push(moved.clone());
+    want.sort();
+    tokio::time::sleep(Duration::from_millis(400)).await; // the apiserver's snapshot
+
+    let list = |token: String, page_size: u32| alice_page(&c, token, page_size);
+    let walk = |page_size: u32| async move {
+        let (mut got, mut token, mut pages) = (Vec::new(), String::new(), 0);
+        loop {
+            let page = list(token, page_size).await;
+            got.extend(page.sandboxes.into_iter().map(|sb| sb.id));
+            pages += 1;
+            if page.next_page_token.is_empty() {
+                return (got, pages);
+            }
+            token = page.next_page_token;
+        }
+    };
+    let first = list(String::new(), 4).await;
+    let ids: Vec<&str> = first.sandboxes.iter().map(|sb| sb.id.as_str()).collect();
+    assert_eq!(ids, ["e03.l0", "e03.l1", "e03.l1m", "e03.l2"], "e20's run was not reached, its copy was");
+    assert_eq!(walk(4).await.0, want);
+    assert_eq!(walk(1).await.0, want);
+
+    // More moved away from e04 than a page's limit: e04 stops telling at its limit, and the
+    // page is cut there; every page goes on from its cut, and nothing is skipped.
+    // The first ones told went to e21 and ended there (not listed); the rest went to e22, which
+    // the page learns of only from the next report.
+    for k in 0..12 {
+        let id = format!("e04.l0m{k:02}");
+        let to = if k < 4 { 21 } else { 22 };
+        c.edges[4].st.lock().unwrap().moved_away.insert(id.clone(), names[to].clone());
+        if to == 22 {
+            c.edges[to].st.lock().unwrap().sandboxes.insert(id.clone(), held(&id, "root/a"));
+            want.push(id);
+        }
+    }
+    want.sort();
+    let (got, pages) = walk(3).await;
+    assert_eq!(got, want);
+    assert!(pages >= want.len() / 3, "{pages} pages");
+    c.stop().await;
 }

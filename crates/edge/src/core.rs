@@ -56,8 +56,8 @@ use opendsec_common::config::EdgeConfig;
 use opendsec_common::ids;
 use opendsec_common::time::Clock;
 use opendsec_proto::v1::{
-    EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, LiveLease, Pressure, Resources, Sandbox,
-    SandboxState, SetSandboxTimeoutRequest,
+    EdgeCreateRequest, EdgeListRequest, EdgeListResponse, EdgeStatus, LiveLease, MovedAway, Pressure, Resources,
+    Sandbox, SandboxState, SetSandboxTimeoutRequest,
 };
 
 use crate::admission::{self, Capacity};

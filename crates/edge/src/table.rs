@@ -171,8 +171,9 @@ impl Table {
     /// Up to `limit` records matching `filter` with ids after `after`, in id order, and whether
     /// more match. The ids this edge gave out all start with `<edge>.`, so their order is lease
     /// order; those that moved in are merged in from their own index. A sandbox that moved
-    /// away is not listed (the edge it went to lists it).
-    pub fn list(&self, edge: &str, filter: &ListFilter, after: &str, limit: usize) -> (Vec<Arc<SandboxRecord>>, bool) {
+    /// away is not listed (the edge it went to lists it): it is told in [`Listing::away`]
+    /// instead, when of the filter's project.
+    pub fn list(&self, edge: &str, filter: &ListFilter, after: &str, limit: usize) -> Listing {
         let prefix = format!("{edge}.");
         let range: Box<dyn Iterator<Item = &Entry>> = if after.is_empty() {
             Box::new(self.entries.values())
@@ -192,17 +193,42 @@ impl Table {
             ))
             .filter_map(|(_, lease)| self.entries.get(lease));
         let merged = merge_by_id(own, foreign);
-        let mut out = Vec::new();
-        let mut more = false;
-        for e in merged.filter(|e| listed(&e.rec) && filter.matches(&e.rec)) {
-            if out.len() == limit {
-                more = true;
+        let mut out = Listing::default();
+        for e in merged {
+            if !e.rec.moved.moved_to.is_empty() {
+                // Its states and labels are the copy's to match, where it went.
+                if out.away_upto.is_none() && filter.matches_project(&e.rec) {
+                    if out.away.len() == limit {
+                        out.away_upto = out.away.last().map(|(id, _)| id.clone());
+                    } else {
+                        out.away.push((e.rec.id.clone(), e.rec.moved.moved_to.clone()));
+                    }
+                }
+                continue;
+            }
+            if !(listed(&e.rec) && filter.matches(&e.rec)) {
+                continue;
+            }
+            if out.recs.len() == limit {
+                out.more = true;
                 break;
             }
-            out.push(e.rec.clone());
+            out.recs.push(e.rec.clone());
         }
-        (out, more)
+        out
     }
+}
+
+/// What [`Table::list`] found.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub recs: Vec<Arc<SandboxRecord>>,
+    /// More records match after the last of `recs`.
+    pub more: bool,
+    /// Sandboxes that moved away, met on the way (id, the edge it went to), in id order.
+    pub away: Vec<(String, String)>,
+    /// Set when `away` was cut: the id past which it says nothing.
+    pub away_upto: Option<String>,
 }
 
 /// Whether a listing shows the record: not one that moved away (the edge it went to lists
@@ -247,9 +273,12 @@ pub(crate) struct ListFilter {
 impl ListFilter {
     pub fn matches(&self, rec: &SandboxRecord) -> bool {
         let state_ok = if self.states.is_empty() { rec.state.is_live() } else { self.states.contains(&rec.state) };
-        state_ok
-            && (self.project.is_empty() || ids::project_within(&rec.spec.project, &self.project))
-            && self.labels.iter().all(|(k, v)| rec.spec.labels.get(k) == Some(v))
+        state_ok && self.matches_project(rec) && self.labels.iter().all(|(k, v)| rec.spec.labels.get(k) == Some(v))
+    }
+
+    /// Whether the record is of the filter's project (or one below it).
+    pub fn matches_project(&self, rec: &SandboxRecord) -> bool {
+        self.project.is_empty() || ids::project_within(&rec.spec.project, &self.project)
     }
 }
 
@@ -319,17 +348,17 @@ mod tests {
         }
         let ids = |v: Vec<Arc<SandboxRecord>>| v.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
         let f = ListFilter { project: "root/a".into(), ..Default::default() };
-        let (page, more) = t.list("e", &f, "", 2);
-        assert_eq!((ids(page), more), (vec!["e.a".to_string(), "e.d".to_string()], true));
-        let (page, more) = t.list("e", &f, "e.d", 2);
-        assert_eq!((ids(page), more), (vec!["e.e".to_string()], false));
+        let page = t.list("e", &f, "", 2);
+        assert_eq!((ids(page.recs), page.more), (vec!["e.a".to_string(), "e.d".to_string()], true));
+        let page = t.list("e", &f, "e.d", 2);
+        assert_eq!((ids(page.recs), page.more), (vec!["e.e".to_string()], false));
         let f = ListFilter { states: vec![SandboxStatus::Stopped], ..Default::default() };
-        assert_eq!(ids(t.list("e", &f, "", 10).0), ["e.b"]);
+        assert_eq!(ids(t.list("e", &f, "", 10).recs), ["e.b"]);
         let f = ListFilter { labels: [("job".to_string(), "c".to_string())].into(), ..Default::default() };
-        assert_eq!(ids(t.list("e", &f, "", 10).0), ["e.c"]);
+        assert_eq!(ids(t.list("e", &f, "", 10).recs), ["e.c"]);
         // `after` outside this edge's ids: everything or nothing.
-        assert_eq!(t.list("e", &ListFilter::default(), "a", 10).0.len(), 4);
-        assert!(t.list("e", &ListFilter::default(), "f", 10).0.is_empty());
+        assert_eq!(t.list("e", &ListFilter::default(), "a", 10).recs.len(), 4);
+        assert!(t.list("e", &ListFilter::default(), "f", 10).recs.is_empty());
     }
 
     #[test]
@@ -348,20 +377,46 @@ mod tests {
         t.insert(moved("a.c", "c", SandboxStatus::Running), OpLock::default());
         t.insert(moved("f.a", "a", SandboxStatus::Running), OpLock::default());
         t.insert(moved("a.s", "s", SandboxStatus::Creating), OpLock::default());
-        // Moved away: its record stays, STOPPED, and is not listed (even asking for STOPPED).
+        // Moved away: its record stays, STOPPED, and is not listed (even asking for STOPPED):
+        // it is told apart, with where it went.
         let mut gone = (*rec("g", "root", SandboxStatus::Stopped, 1)).clone();
         gone.moved.moved_to = "f".into();
         t.insert(Arc::new(gone), OpLock::default());
         let ids = |v: Vec<Arc<SandboxRecord>>| v.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
         let all = ListFilter::default();
+        let away = || vec![("e.g".to_string(), "f".to_string())];
         // A copy still starting is not listed (its original is, on its own edge).
-        assert_eq!(ids(t.list("e", &all, "", 10).0), ["a.c", "e.b", "e.d", "f.a"]);
-        let (page, more) = t.list("e", &all, "", 2);
-        assert_eq!((ids(page), more), (vec!["a.c".to_string(), "e.b".to_string()], true));
-        assert_eq!(ids(t.list("e", &all, "a.s", 2).0), ["e.b", "e.d"]);
-        assert_eq!(ids(t.list("e", &all, "e.d", 10).0), ["f.a"]);
+        let page = t.list("e", &all, "", 10);
+        assert_eq!(ids(page.recs), ["a.c", "e.b", "e.d", "f.a"]);
+        assert_eq!((page.away, page.away_upto), (away(), None));
+        let page = t.list("e", &all, "", 2);
+        assert_eq!((ids(page.recs), page.more), (vec!["a.c".to_string(), "e.b".to_string()], true));
+        assert!(page.away.is_empty(), "not reached");
+        assert_eq!(ids(t.list("e", &all, "a.s", 2).recs), ["e.b", "e.d"]);
+        let page = t.list("e", &all, "e.d", 10);
+        assert_eq!((ids(page.recs), page.away), (vec!["f.a".to_string()], away()));
+        assert!(t.list("e", &all, "e.g", 10).away.is_empty(), "not after the token");
         let stopped = ListFilter { states: vec![SandboxStatus::Stopped], ..Default::default() };
-        assert!(t.list("e", &stopped, "", 10).0.is_empty());
+        let page = t.list("e", &stopped, "", 10);
+        assert!(page.recs.is_empty());
+        // Told whatever the states asked for (the copy's state is the one to match), not for
+        // another project.
+        assert_eq!(page.away, away());
+        let other = ListFilter { project: "root/x".into(), ..Default::default() };
+        assert!(t.list("e", &other, "", 10).away.is_empty());
+        // At most `limit` of them; past that, where the report stops.
+        for lease in ["h", "i"] {
+            let mut gone = (*rec(lease, "root", SandboxStatus::Stopped, 1)).clone();
+            gone.moved.moved_to = "f".into();
+            t.insert(Arc::new(gone), OpLock::default());
+        }
+        let page = t.list("e", &all, "e.d", 2);
+        assert_eq!(page.away.iter().map(|(id, _)| id.as_str()).collect::<Vec<_>>(), ["e.g", "e.h"]);
+        assert_eq!(page.away_upto.as_deref(), Some("e.h"));
+        assert_eq!(ids(page.recs), ["f.a"]);
+        for lease in ["h", "i"] {
+            t.remove(lease);
+        }
         // Reported for routing: those that run (a copy still starting may be abandoned).
         assert_eq!(t.moved_in(), ["a.c", "f.a"]);
         t.remove("c");

@@ -32,7 +32,12 @@ impl Inner {
             0 => LIST_DEFAULT,
             n => n.min(LIST_MAX),
         };
-        let (recs, more) = self.table().list(&self.name, &filter, &req.after, limit);
-        Ok(EdgeListResponse { sandboxes: recs.iter().map(|r| self.to_proto(r)).collect(), more })
+        let found = self.table().list(&self.name, &filter, &req.after, limit);
+        Ok(EdgeListResponse {
+            sandboxes: found.recs.iter().map(|r| self.to_proto(r)).collect(),
+            more: found.more,
+            moved_away: found.away.into_iter().map(|(id, to)| MovedAway { id, to }).collect(),
+            moved_away_upto: found.away_upto.unwrap_or_default(),
+        })
     }
 }
