@@ -275,9 +275,9 @@ async fn list_sandboxes(
     let mut cutoff: Option<String> = None;
     let (mut next, mut wave) = (0, FIRST_WAVE);
     let mut ask: Vec<&str> = plan.movers.iter().map(String::as_str).collect();
-    // Sandboxes an edge said moved away (id, where to): the edge they went to is asked (again)
-    // in the next round, since the snapshot may not know of the move yet, and that edge may
-    // have answered before the copy there was listed.
+    // Sandboxes an edge said moved away (id, where to) and the page does not hold yet: the
+    // edge they went to is asked (again) in a round of its own, since the snapshot may not
+    // know of the move yet, and that edge may have answered before the copy there was listed.
     let mut told: BTreeSet<(String, String)> = BTreeSet::new();
     let (mut chases, mut chasing) = (0, false);
     // Ids below this are complete: at or past the first run not asked yet, that run's own
@@ -288,6 +288,7 @@ async fn list_sandboxes(
     loop {
         // A round that chases moved-away sandboxes asks only where they went.
         if !chasing {
+            chases = 0;
             let upto = (next + wave).min(plan.runs.len());
             ask.extend(plan.runs[next..upto].iter().map(|(_, n)| *n));
             next = upto;
@@ -326,18 +327,28 @@ async fn list_sandboxes(
             }
             moved.extend(page.moved_away.into_iter().filter(|m| m.id.as_str() > after));
         }
-        if chases < MAX_CHASES {
-            for m in moved {
-                if cutoff.as_ref().is_none_or(|c| m.id <= *c)
-                    && let Some(to) = snap.addrs.get_key_value(&m.to).filter(|(_, (_, healthy))| *healthy)
-                    && told.insert((m.id, m.to))
-                {
-                    ask.push(to.0.as_str());
-                }
+        for m in moved {
+            if merged.contains_key(&m.id) || cutoff.as_ref().is_some_and(|c| m.id > *c) {
+                continue;
             }
-            chases += usize::from(!ask.is_empty());
+            // Gone to an edge the snapshot does not show healthy: not listed, as that edge's
+            // own sandboxes are not.
+            let Some((to, _)) = snap.addrs.get_key_value(&m.to).filter(|(_, (_, healthy))| *healthy) else {
+                continue;
+            };
+            if !told.insert((m.id.clone(), m.to)) {
+                continue;
+            }
+            if chases == MAX_CHASES {
+                return Err(ApiError::unavailable(format!(
+                    "sandbox {} moved again and again while this page was listed; ask for the page again",
+                    m.id
+                )));
+            }
+            ask.push(to.as_str());
         }
         chasing = !ask.is_empty();
+        chases += usize::from(chasing);
         if chasing {
             continue;
         }
@@ -368,9 +379,10 @@ async fn list_sandboxes(
 /// `MAX_WAVE`.
 const FIRST_WAVE: usize = 8;
 const MAX_WAVE: usize = 256;
-/// Rounds a page spends asking the edges that moved-away sandboxes went to (a sandbox moved
-/// again and again during one page is not chased further).
-const MAX_CHASES: usize = 8;
+/// Rounds a page spends, after each round of runs, asking the edges that moved-away sandboxes
+/// went to; a sandbox still moving after them fails the page (`unavailable`) rather than be
+/// skipped.
+const MAX_CHASES: usize = 4;
 
 /// Which edges a page of ids after `after` needs, in the order it needs them. Edge names hold
 /// no dot and an edge gives out ids `<edge>.<lease>`, so each edge's own ids are one run of the

@@ -2163,5 +2163,16 @@ async fn a_page_finds_a_sandbox_moved_where_the_snapshot_does_not_know() {
     let (got, pages) = walk(3).await;
     assert_eq!(got, want);
     assert!(pages >= want.len() / 3, "{pages} pages");
+
+    // A sandbox that keeps moving while a page is listed (each edge it went to says it moved
+    // on) fails the page, to be asked again, rather than be skipped.
+    let hops = [3usize, 10, 11, 12, 13, 14, 15];
+    for w in hops.windows(2) {
+        c.edges[w[0]].st.lock().unwrap().moved_away.insert("e03.l0x".into(), names[w[1]].clone());
+    }
+    let req = pb::ListSandboxesRequest { page_size: 3, ..Default::default() };
+    let e = c.client().list_sandboxes(with_token(req, ALICE)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("moved again and again"), "{e:?}");
     c.stop().await;
 }

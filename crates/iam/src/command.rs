@@ -153,9 +153,9 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "String::is_empty")]
         edge: String,
     },
-    /// Applied only while `holder` holds [`opendsec_common::RECONCILE_LOCK`]; ages are
-    /// measured at `read_at_ms` (when the edge was asked), not at `now_ms`. Commands logged
-    /// before these fields (empty holder, no read time) apply as they did.
+    /// Logged by releases before [`Command::FencedReconcile`]: applied as then. The
+    /// development release just before that wrote a holder and a read time here; such entries
+    /// apply as a fenced one does.
     Reconcile {
         now_ms: i64,
         edge: String,
@@ -166,12 +166,32 @@ pub enum Command {
         #[serde(default, skip_serializing_if = "is_zero")]
         read_at_ms: i64,
     },
-    /// Applied only while `holder` holds the reconcile lock (as [`Command::Reconcile`]).
+    /// Logged by releases before [`Command::FencedSweep`] (a holder, when given, fences it).
     SweepUnbound {
         now_ms: i64,
         known_edges: Vec<String>,
         older_than_ms: i64,
         #[serde(default, skip_serializing_if = "String::is_empty")]
+        holder: String,
+    },
+    /// An edge's leases made to match its list: applied only while `holder` holds
+    /// [`opendsec_common::RECONCILE_LOCK`] (unexpired at `now_ms`), lease ages measured at
+    /// `read_at_ms` (when the edge was asked). A kind of its own, not fields added to
+    /// [`Command::Reconcile`]: a member on a release before it cannot decode the entry, and
+    /// stops short of it until upgraded, instead of applying it without the fence.
+    FencedReconcile {
+        now_ms: i64,
+        edge: String,
+        live: Vec<LiveLease>,
+        min_age_ms: i64,
+        holder: String,
+        read_at_ms: i64,
+    },
+    /// [`Command::SweepUnbound`] fenced as [`Command::FencedReconcile`] is.
+    FencedSweep {
+        now_ms: i64,
+        known_edges: Vec<String>,
+        older_than_ms: i64,
         holder: String,
     },
     AcquireLock {
@@ -241,12 +261,11 @@ impl Command {
         Ok(env.command)
     }
 
-    /// The log format a member must read for this entry to mean there what it means here
-    /// (see [`crate::raft::net::LOG_FORMAT`]): a member of an older format would read the
-    /// entry and ignore what it does not know.
+    /// The log format a member must read to decode this entry (see
+    /// [`crate::raft::net::LOG_FORMAT`]).
     pub fn log_format(&self) -> u32 {
         match self {
-            Command::Reconcile { holder, .. } | Command::SweepUnbound { holder, .. } if !holder.is_empty() => 2,
+            Command::FencedReconcile { .. } | Command::FencedSweep { .. } => 2,
             _ => 1,
         }
     }
@@ -272,6 +291,8 @@ impl Command {
             Command::ReleaseLeases { .. } => "release_leases",
             Command::Reconcile { .. } => "reconcile",
             Command::SweepUnbound { .. } => "sweep_unbound",
+            Command::FencedReconcile { .. } => "fenced_reconcile",
+            Command::FencedSweep { .. } => "fenced_sweep",
             Command::AcquireLock { .. } => "acquire_lock",
             Command::PutPool { .. } => "put_pool",
             Command::DeletePool { .. } => "delete_pool",

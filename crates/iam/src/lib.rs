@@ -573,7 +573,7 @@ impl Iam {
             return Err(IamError::InvalidArgument("read_at_ms is negative".into()));
         }
         let min_age_ms = i64::try_from(self.inner.opts.reconcile_min_age.as_millis()).unwrap_or(i64::MAX);
-        let cmd = Command::Reconcile {
+        let cmd = Command::FencedReconcile {
             now_ms: now_ms(),
             edge: edge.into(),
             live,
@@ -597,7 +597,7 @@ impl Iam {
     ) -> Result<u32, IamError> {
         require_holder(holder)?;
         let older_than_ms = i64::try_from(older_than_s.saturating_mul(1000)).unwrap_or(i64::MAX);
-        let cmd = Command::SweepUnbound { now_ms: now_ms(), known_edges, older_than_ms, holder: holder.into() };
+        let cmd = Command::FencedSweep { now_ms: now_ms(), known_edges, older_than_ms, holder: holder.into() };
         match self.execute(cmd).await? {
             Output::Released { released } => Ok(released),
             o => Err(unexpected(o)),

@@ -374,7 +374,8 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
             set_egress_ceiling(st, w, actor, *now_ms, path, ceiling.as_deref())
         }
         Command::ReleaseLeases { now_ms: _, lease_ids, edge } => release_leases(st, w, lease_ids, edge),
-        Command::Reconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms } => {
+        Command::Reconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms }
+        | Command::FencedReconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms } => {
             reconcile_lock_held(st, holder, *now_ms)?;
             // A list is never read later than it is applied.
             let read_at = if *read_at_ms == 0 { *now_ms } else { (*read_at_ms).min(*now_ms) };
@@ -382,7 +383,8 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         }
         Command::PutPool { actor, now_ms, pool, create } => put_pool(st, w, actor, *now_ms, pool, *create),
         Command::DeletePool { actor, now_ms, project, name } => delete_pool(st, w, actor, *now_ms, project, name),
-        Command::SweepUnbound { now_ms, known_edges, older_than_ms, holder } => {
+        Command::SweepUnbound { now_ms, known_edges, older_than_ms, holder }
+        | Command::FencedSweep { now_ms, known_edges, older_than_ms, holder } => {
             reconcile_lock_held(st, holder, *now_ms)?;
             sweep_unbound(st, w, *now_ms, known_edges, *older_than_ms)
         }

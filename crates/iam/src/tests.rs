@@ -775,7 +775,7 @@ fn reconcile_adopts_releases_and_respects_min_age() {
         resources: res(cpu, 1),
     };
     let r = h
-        .run(Command::Reconcile {
+        .run(Command::FencedReconcile {
             now_ms: h.now,
             edge: "e1".into(),
             live: vec![
@@ -800,7 +800,7 @@ fn reconcile_adopts_releases_and_respects_min_age() {
     assert_eq!(h.usage("root/a").cpu_millis, 100 + 100 + 900);
     // Reconciling again with the same report changes nothing.
     let r = h
-        .run(Command::Reconcile {
+        .run(Command::FencedReconcile {
             now_ms: h.now,
             edge: "e1".into(),
             live: vec![live("adopted", "root/a", 900), live("young", "root/a", 100)],
@@ -820,7 +820,7 @@ fn reconcile_adopts_releases_and_respects_min_age() {
 }
 
 fn reconcile_empty(now_ms: i64, edge: &str, min_age_ms: i64, holder: &str, read_at_ms: i64) -> Command {
-    Command::Reconcile { now_ms, edge: edge.into(), live: vec![], min_age_ms, holder: holder.into(), read_at_ms }
+    Command::FencedReconcile { now_ms, edge: edge.into(), live: vec![], min_age_ms, holder: holder.into(), read_at_ms }
 }
 
 /// A reconciliation is applied only for the reconcile lock's holder, while it holds it, and
@@ -867,7 +867,7 @@ fn reconcile_is_fenced_by_the_lock_and_ages_leases_when_the_list_was_read() {
     h.lock_for("w2", 15_000);
     let found =
         LiveLease { lease_id: "found".into(), project: "root".into(), principal: "".into(), resources: res(1, 1) };
-    let cmd = Command::Reconcile {
+    let cmd = Command::FencedReconcile {
         now_ms: h.now,
         edge: "e1".into(),
         live: vec![found],
@@ -894,7 +894,7 @@ fn sweep_releases_old_leases_on_unknown_edges() {
     h.admit(&a, "on-lost-new", "root", res(1, 1), "lost").unwrap();
     h.tick(1_000);
     h.lock_for("w", 10_000);
-    let sweep = |now_ms: i64, known_edges: Vec<String>, older_than_ms: i64, holder: &str| Command::SweepUnbound {
+    let sweep = |now_ms: i64, known_edges: Vec<String>, older_than_ms: i64, holder: &str| Command::FencedSweep {
         now_ms,
         known_edges,
         older_than_ms,
@@ -1094,6 +1094,26 @@ fn golden_encodings_still_decode() {
     assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), RECONCILE_V1);
     let mut h = Harness::new();
     assert_eq!(h.run(cmd).unwrap(), Output::Reconciled { adopted: 0, released: 0 });
+
+    // The fenced kinds: their types are what a release before them cannot decode (it stops
+    // short of such an entry instead of applying it without the fence).
+    const FENCED_RECONCILE_V1: &str = r#"{"v":1,"command":{"type":"fenced_reconcile","now_ms":1767225600000,"edge":"sim-001","live":[],"min_age_ms":60000,"holder":"watcher-a","read_at_ms":1767225599000}}"#;
+    let cmd = Command::decode(FENCED_RECONCILE_V1.as_bytes()).unwrap();
+    assert!(
+        matches!(&cmd, Command::FencedReconcile { holder, read_at_ms: 1_767_225_599_000, .. } if holder == "watcher-a"),
+        "{cmd:?}"
+    );
+    assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), FENCED_RECONCILE_V1);
+    assert_eq!(reason(&h.run(cmd)), Reason::InvalidState, "no lock held: fenced");
+    const FENCED_SWEEP_V1: &str = r#"{"v":1,"command":{"type":"fenced_sweep","now_ms":1767225600000,"known_edges":["sim-001"],"older_than_ms":3600000,"holder":"watcher-a"}}"#;
+    let cmd = Command::decode(FENCED_SWEEP_V1.as_bytes()).unwrap();
+    assert_eq!(String::from_utf8(cmd.encode().unwrap()).unwrap(), FENCED_SWEEP_V1);
+    assert_eq!(cmd.log_format(), 2);
+    assert_eq!(reason(&h.run(cmd)), Reason::InvalidState, "no lock held: fenced");
+    // What the development release before them wrote: a holder on a Reconcile, fenced too.
+    const RECONCILE_HOLDER: &str = r#"{"v":1,"command":{"type":"reconcile","now_ms":1767225600000,"edge":"sim-001","live":[],"min_age_ms":60000,"holder":"watcher-a","read_at_ms":1767225599000}}"#;
+    let cmd = Command::decode(RECONCILE_HOLDER.as_bytes()).unwrap();
+    assert_eq!(reason(&h.run(cmd)), Reason::InvalidState, "no lock held: fenced");
 
     const LEASE_ROW_V1: &str = r#"{"v":1,"id":"0190a1b2c3d4e5f6a7b8c9d0","project":"root/team-a/rl","principal":"alice","edge":"sim-001","resources":{"cpu_millis":2000,"memory_mb":4096,"disk_mb":10240,"gpus":0},"created_at_ms":1767225600000,"bound_at_ms":1767225601000}"#;
     let row = crate::store::decode_row(Table::Leases, "0190a1b2c3d4e5f6a7b8c9d0", LEASE_ROW_V1).unwrap();

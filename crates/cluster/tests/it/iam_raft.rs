@@ -405,7 +405,7 @@ async fn fenced_reconciliations_wait_until_every_member_reads_them() {
         ttl_ms: 120_000,
     };
     let Ok(Output::Lock { holder, .. }) = replica.execute(lock.clone()).await else { panic!("the lock") };
-    let reconcile = || Command::Reconcile {
+    let reconcile = || Command::FencedReconcile {
         now_ms: now(),
         edge: "edge-none".into(),
         live: Vec::new(),
@@ -413,7 +413,7 @@ async fn fenced_reconciliations_wait_until_every_member_reads_them() {
         holder: holder.clone(),
         read_at_ms: now(),
     };
-    let sweep = || Command::SweepUnbound {
+    let sweep = || Command::FencedSweep {
         now_ms: now(),
         known_edges: vec!["edge-001".into()],
         older_than_ms: 3_600_000,

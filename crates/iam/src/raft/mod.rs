@@ -240,8 +240,11 @@ impl Replica {
     }
 
     /// Refuses (`InvalidState`) an entry of log format `format` unless this member leads and
-    /// every other member, learners too, has answered since this start as a release that
-    /// reads it ([`net::LOG_FORMAT`]). A member that does not lead says so, as Raft would.
+    /// no other member, learners too, last answered as a release that does not read it
+    /// ([`net::LOG_FORMAT`]). A member not heard from since this start (down, or about to
+    /// answer) does not hold it back: should it run an older release, it cannot decode the
+    /// entry and stops short of it until upgraded. A member that does not lead says so, as
+    /// Raft would.
     fn every_member_reads(&self, kind: &str, format: u32) -> Result<(), IamError> {
         let m = self.raft.get().metrics().borrow_watched().clone();
         if m.state != openraft::ServerState::Leader {
@@ -252,13 +255,14 @@ impl Replica {
             .membership()
             .nodes()
             .map(|(id, _)| *id)
-            .filter(|id| *id != self.id && self.who.format_of(*id).is_none_or(|f| f < format))
+            .filter(|id| *id != self.id && self.who.format_of(*id).is_some_and(|f| f < format))
             .collect();
         if behind.is_empty() {
             return Ok(());
         }
         Err(IamError::InvalidState(format!(
-            "IAM members {behind:?} have not answered as a release that reads {kind} entries (log format {format}):              an upgrade in progress, or members not heard from since this leader started; refused until they do"
+            "IAM members {behind:?} run a release that does not read {kind} entries (log format {format}): refused \
+             until they are upgraded"
         )))
     }
 

@@ -47,12 +47,11 @@ const DIR: &str = "x-opendsec-iam-dir";
 const FORMAT: &str = "x-opendsec-iam-log-format";
 
 /// What this release reads in the log, said in every reply. 1: what the releases before this
-/// number read. 2: Reconcile and SweepUnbound entries fenced by the reconcile lock (its
-/// holder, and when the edge's list was read), which a member of format 1 would apply without
-/// the fence. A leader proposes an entry that needs a format
-/// ([`crate::command::Command::log_format`]) only once every other member has answered with it
-/// since the leader started, so that a rolling upgrade (or a member started again on an older
-/// release) never has members apply one entry two ways.
+/// number read. 2: the fenced reconciliations ([`crate::command::Command::FencedReconcile`]
+/// and `FencedSweep`). A member that cannot decode an entry stops short of it until it is
+/// upgraded (it never applies an entry another way); so that a rolling upgrade does not stop
+/// members that way, a leader does not propose an entry of a format
+/// ([`crate::command::Command::log_format`]) that a member last answered it with a lower one.
 pub const LOG_FORMAT: u32 = 2;
 
 /// What a member says and checks about itself in Raft messages.
