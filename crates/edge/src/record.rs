@@ -464,18 +464,16 @@ impl Log {
         let end = self.len + bytes.len() as u64;
         if end > self.alloc {
             let target = end + (self.len / 8).clamp(AHEAD_MIN, AHEAD_MAX);
-            let mut at = self.alloc;
-            while at < target {
-                let n = (target - at).min(ZEROS.len() as u64);
-                if self.file.write_all_at(&ZEROS[..n as usize], at).is_err() {
-                    // The disk is full: give back what was written ahead, then try the frame.
-                    let _ = self.file.set_len(self.alloc.max(self.len));
-                    break;
+            let zeros = (self.alloc..target).step_by(ZEROS.len()).try_for_each(|at| {
+                let n = (target - at).min(ZEROS.len() as u64) as usize;
+                self.file.write_all_at(&ZEROS[..n], at)
+            });
+            match zeros {
+                Ok(()) => self.alloc = target,
+                // The disk is full: give back what was written ahead, then try the frame.
+                Err(_) => {
+                    let _ = self.file.set_len(self.alloc);
                 }
-                at += n;
-            }
-            if at >= target {
-                self.alloc = target;
             }
         }
         self.file.write_all_at(bytes, self.len)?;

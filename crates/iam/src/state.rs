@@ -374,6 +374,10 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
             set_egress_ceiling(st, w, actor, *now_ms, path, ceiling.as_deref())
         }
         Command::ReleaseLeases { now_ms: _, lease_ids, edge } => release_leases(st, w, lease_ids, edge),
+        // Only a legacy entry may go without a holder: a fenced one without is no fence.
+        Command::FencedReconcile { holder, .. } | Command::FencedSweep { holder, .. } if holder.is_empty() => {
+            Err(IamError::InvalidArgument("a fenced reconciliation names the reconcile lock's holder".into()))
+        }
         Command::Reconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms }
         | Command::FencedReconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms } => {
             reconcile_lock_held(st, holder, *now_ms)?;

@@ -844,6 +844,12 @@ fn reconcile_is_fenced_by_the_lock_and_ages_leases_when_the_list_was_read() {
     let r = h.run(reconcile_empty(h.now, "e1", 60_000, "w2", 0));
     assert_eq!(reason(&r), Reason::InvalidState, "{r:?}");
     assert!(h.st.lease("old").is_some());
+    // A fenced kind without a holder is no fence: refused, whoever holds the lock.
+    let r = h.run(reconcile_empty(h.now, "e1", 60_000, "", 0));
+    assert_eq!(reason(&r), Reason::InvalidArgument, "{r:?}");
+    let r = h.run(Command::FencedSweep { now_ms: h.now, known_edges: vec![], older_than_ms: 0, holder: String::new() });
+    assert_eq!(reason(&r), Reason::InvalidArgument, "{r:?}");
+    assert!(h.st.lease("old").is_some());
 
     // A list read before "late" was bound, applied long after: "late" is not in it, yet it
     // was bound after the read, so it stays; "old" was old enough at the read and goes.

@@ -233,7 +233,7 @@ impl Replica {
         }
         let format = cmd.log_format();
         if format > 1 {
-            self.every_member_reads(cmd.kind(), format)?;
+            self.refuse_while_a_member_is_behind(cmd.kind(), format)?;
         }
         let r = self.raft.get().client_write(cmd).await.map_err(write_err)?;
         r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?
@@ -245,7 +245,7 @@ impl Replica {
     /// answer) does not hold it back: should it run an older release, it cannot decode the
     /// entry and stops short of it until upgraded. A member that does not lead says so, as
     /// Raft would.
-    fn every_member_reads(&self, kind: &str, format: u32) -> Result<(), IamError> {
+    fn refuse_while_a_member_is_behind(&self, kind: &str, format: u32) -> Result<(), IamError> {
         let m = self.raft.get().metrics().borrow_watched().clone();
         if m.state != openraft::ServerState::Leader {
             return Err(IamError::NotLeader(format!("IAM member {} is not the leader", self.id)));
