@@ -8,7 +8,9 @@
 //!   left) and checks the state machine;
 //! - a record is written before the backend is called (the intent: CREATING, PAUSING, ...) and
 //!   after it answered (the outcome); intents are written before they are published in memory,
-//!   outcomes are published first (memory follows reality) and then written;
+//!   outcomes are published first (memory follows reality) and then written; intents are
+//!   synced before the backend is called, except a plain creation's and a pool claim's (their
+//!   outcome's sync covers them: see `create`);
 //! - the table's std mutex is never held across an await; only operation locks are;
 //! - an ended sandbox's lease is queued for release exactly when its final record is published,
 //!   unless the lease is not ours to release (`lease_moved`); IAM releases it only if it is

@@ -148,8 +148,14 @@ impl Inner {
             return self.existing(op, lease).await;
         }
 
-        // The lease has no record here (a table entry would have been found above).
-        if let Err(e) = self.persist(&rec, WriteMode::DurableNew).await {
+        // The lease has no record here (a table entry would have been found above). The
+        // intent of a plain creation is not synced on its own: the RUNNING record's sync below
+        // makes it durable with it, and a crash before that leaves nothing the restart misses
+        // (the backends and the network remove what no record claims, reconciliation frees the
+        // lease, and the caller, never answered, retries). A sandbox moving in keeps the synced
+        // intent: moves are rare and slow, and a restart must find one cut short.
+        let mode = if rec.moved.moved_from.is_empty() { WriteMode::Lazy } else { WriteMode::DurableNew };
+        if let Err(e) = self.persist(&rec, mode).await {
             self.table().remove(lease);
             self.activity.forget(lease);
             unreserve();

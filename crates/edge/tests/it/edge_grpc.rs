@@ -499,6 +499,32 @@ async fn create_is_idempotent_per_lease() {
     h.shutdown().await;
 }
 
+/// A creation's CREATING record is in the log before the backend is called, and the whole
+/// creation costs the record log one sync (the RUNNING record's, which covers the intent).
+#[tokio::test]
+async fn a_creation_writes_its_intent_first_and_syncs_once() {
+    let (dir, _iam, _w, fakes) = setup().await;
+    let sim = sim();
+    sim.set_delay(Some(Duration::from_millis(300)));
+    let h = Harness::start(dir.path(), config(), &fakes, vec![sim.clone()]).await;
+    let before = h.edge.record_syncs();
+    let creating = h.create("one", spec(100, 10));
+    let peek = async {
+        // While the backend is still at work, the intent is in the log and nothing started.
+        eventually("the intent", WAIT, || async {
+            opendsec_edge::record::peek(dir.path(), opendsec_edge::record::RECORDS_DIR).unwrap().contains_key("one")
+        })
+        .await;
+        assert_eq!(record_file(dir.path(), "one").state, opendsec_edge::SandboxStatus::Creating);
+        assert_eq!(sim.len(), 0);
+    };
+    let (created, ()) = tokio::join!(creating, peek);
+    assert_eq!(state(&created.unwrap()), SandboxState::Running);
+    assert_eq!(record_file(dir.path(), "one").state, opendsec_edge::SandboxStatus::Running);
+    assert_eq!(h.edge.record_syncs() - before, 1);
+    h.shutdown().await;
+}
+
 /// CreateMany makes each item as its own CreateSandbox would and answers each once, by index:
 /// a bad item, a backend not offered and a repeated lease are each answered on their own,
 /// the rest made; a call over the bound, or from a caller other than an apiserver, makes
