@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod acl;
+pub mod ahead;
 pub mod bounds;
 pub mod config;
 pub mod conn;

@@ -384,10 +384,6 @@ const COMPACT_MIN: u64 = 4 << 20;
 /// The largest record body (a spec's env and labels are bounded far below it); a frame that
 /// says more is damage.
 pub const MAX_BODY: usize = 16 << 20;
-/// Zeros written ahead of the frames, at least and at most (an eighth of the log between):
-/// see [`Log::alloc`].
-const AHEAD_MIN: u64 = 64 << 10;
-const AHEAD_MAX: u64 = 1 << 20;
 /// Frame: body length (u32 LE), CRC-32 of the body (u32 LE), then the body: kind (u8), key
 /// length (u16 LE), key, value. A header of zeros is no frame (a body is at least 3 bytes):
 /// that is where the zeros written ahead begin.
@@ -454,31 +450,10 @@ struct Log {
 }
 
 impl Log {
-    /// Writes `bytes` after the last whole frame, over zeros written ahead when there are
-    /// enough. When there are not, first more zeros: an eighth of the log, within
-    /// [`AHEAD_MIN`]..=[`AHEAD_MAX`]; should they not fit on the disk, the frame is written
-    /// without them. The caller cuts a failed write off.
+    /// Writes `bytes` after the last whole frame, over zeros written ahead (see
+    /// [`opendsec_common::ahead`]). The caller cuts a failed write off.
     fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        use std::os::unix::fs::FileExt;
-        static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
-        let end = self.len + bytes.len() as u64;
-        if end > self.alloc {
-            let target = end + (self.len / 8).clamp(AHEAD_MIN, AHEAD_MAX);
-            let zeros = (self.alloc..target).step_by(ZEROS.len()).try_for_each(|at| {
-                let n = (target - at).min(ZEROS.len() as u64) as usize;
-                self.file.write_all_at(&ZEROS[..n], at)
-            });
-            match zeros {
-                Ok(()) => self.alloc = target,
-                // The disk is full: give back what was written ahead, then try the frame.
-                Err(_) => {
-                    let _ = self.file.set_len(self.alloc);
-                }
-            }
-        }
-        self.file.write_all_at(bytes, self.len)?;
-        self.alloc = self.alloc.max(end);
-        Ok(())
+        opendsec_common::ahead::write_at_end(&self.file, self.len, &mut self.alloc, bytes)
     }
 }
 
@@ -1288,12 +1263,12 @@ mod tests {
         let size = |s: &RecordStore| fs::metadata(s.log_path()).unwrap().len();
         store.write("a", b"a1", WriteMode::Durable).unwrap();
         let first = size(&store);
-        assert_eq!(first, store.log_len() + AHEAD_MIN);
+        assert_eq!(first, store.log_len() + opendsec_common::ahead::AHEAD_MIN);
         let mut sizes = std::collections::BTreeSet::new();
         for i in 0..2000u32 {
             store.write(&format!("k{i}"), &[b'v'; 600], WriteMode::Lazy).unwrap();
             let (len, size) = (store.log_len(), size(&store));
-            assert!(size > len && size <= len + AHEAD_MAX, "{len} of frames in {size} bytes");
+            assert!(size > len && size <= len + opendsec_common::ahead::AHEAD_MAX, "{len} of frames in {size} bytes");
             sizes.insert(size);
         }
         // About 1.2 MiB of frames: the file grew 6 to 20 times, not 2,000.

@@ -325,6 +325,11 @@ impl Table {
         Table::Pools,
     ];
 
+    /// The table `name` names, if any.
+    pub fn named(name: &str) -> Option<Table> {
+        Table::ALL.into_iter().find(|t| t.name() == name)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Table::Projects => "projects",

@@ -36,6 +36,9 @@ pub enum IamError {
     BadBackup(String),
     #[error("store: {op} failed: {source}")]
     Store { op: &'static str, source: redb::Error },
+    /// The standalone store's write-ahead log (`iam.wal`).
+    #[error("store log: {op} failed: {source}")]
+    Wal { op: &'static str, source: std::io::Error },
     #[error("store: {table} row {key:?} is unreadable: {source}")]
     CorruptRow { table: &'static str, key: String, source: serde_json::Error },
     #[error("store: {table} row {key:?} has unsupported version {version}")]
@@ -104,6 +107,7 @@ pub fn to_api(e: &IamError) -> ApiError {
             .with("requested", requested.to_string()),
         IamError::NotBootstrapped
         | IamError::Store { .. }
+        | IamError::Wal { .. }
         | IamError::CorruptRow { .. }
         | IamError::RowVersion { .. }
         | IamError::DataDir { .. }

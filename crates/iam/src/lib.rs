@@ -24,6 +24,7 @@ pub mod service;
 pub mod state;
 pub mod store;
 pub mod token;
+pub mod wal;
 
 #[cfg(test)]
 mod tests;
@@ -348,13 +349,13 @@ impl Iam {
     /// from the options (an error if the token is empty or malformed then; later starts ignore
     /// it).
     pub fn open(opts: IamOptions) -> Result<Iam, IamError> {
-        let db = store::open_db(&opts.data_dir)?;
+        let (db, mut wal) = store::open_standalone(&opts.data_dir)?;
         let state = store::load(&db)?;
         let bootstrapped = state.bootstrapped();
         let shared = Arc::new(Shared { state: RwLock::new(state), failed: AtomicBool::new(false) });
         if !bootstrapped {
             let cmd = bootstrap_command(&opts)?;
-            let mut results = store::apply_and_persist(&db, &shared, std::iter::once(cmd))?;
+            let mut results = store::apply_and_persist(&db, &mut wal, &shared, std::iter::once(cmd))?;
             results.pop().ok_or(IamError::Invariant("bootstrap gave no result"))??;
             tracing::info!(principal = %opts.admin_principal, "iam bootstrapped");
         }
@@ -363,7 +364,7 @@ impl Iam {
         let batch_max = opts.commit_batch_max;
         let thread = std::thread::Builder::new()
             .name("iam-commit".into())
-            .spawn(move || store::run_committer(db, thread_shared, rx, batch_max))
+            .spawn(move || store::run_committer(db, wal, thread_shared, rx, batch_max))
             .map_err(|source| IamError::DataDir { path: opts.data_dir.clone(), source })?;
         Ok(Iam { inner: Arc::new(Inner { shared, tx: Some(tx), thread: Some(thread), replica: None, opts }) })
     }
@@ -385,7 +386,9 @@ impl Iam {
         let log = raft::log::LogStore::new(db.clone());
         let blank = log.is_blank().map_err(raft_io)?;
         let state = store::load(&db)?;
-        if blank && state.bootstrapped() {
+        // A standalone IAM's log not yet written into redb holds commits too.
+        let standalone_log = std::fs::metadata(opts.data_dir.join(wal::WAL_FILE)).is_ok_and(|m| m.len() > 0);
+        if blank && (state.bootstrapped() || standalone_log) {
             return Err(IamError::InvalidState(format!(
                 "{} holds a standalone IAM's state and no Raft log: a replicated IAM starts from empty data \
                  directories (restore a backup into the new cluster)",

@@ -1,14 +1,17 @@
-//! The standalone store: redb tables (one per entity kind, values versioned JSON rows) and the
-//! group-commit thread that is the only writer.
+//! The standalone store: redb tables (one per entity kind, values versioned JSON rows), its
+//! write-ahead log ([`crate::wal`]) and the group-commit thread that is the only writer.
 //!
 //! Invariants:
 //! - the commit thread alone applies commands (under the state write lock) and writes the
-//!   store; it replies to a caller only after the transaction holding that command's writes
-//!   is durably committed;
-//! - a batch's writes go in one transaction, so a crash leaves either all or none of them;
-//! - if a commit fails, memory is reloaded from the store (so it never runs ahead of the disk)
-//!   and the batch's callers get `unavailable`; if even the reload fails, the node refuses
-//!   every later command.
+//!   store; it replies to a caller only after the batch holding that command's writes is
+//!   durable: its frame synced in the log (redb then takes it unsynced, and is synced at
+//!   checkpoints), or, for a batch too large for a frame, its redb commit synced;
+//! - a batch's writes go in one frame and one transaction, so a crash leaves either all or
+//!   none of them;
+//! - if a commit fails before it is durable, memory is reloaded from the store (so it never
+//!   runs ahead of the disk) and the batch's callers get `unavailable`; if even the reload
+//!   fails, or redb fails to take a batch the log holds, the node refuses every later command
+//!   (a restart writes the log into redb).
 //!
 //! Readers may briefly see a batch's effect before its commit returns (the lock is released
 //! before the fsync so reads and new proposals are not stalled by it); callers never do.
@@ -27,9 +30,21 @@ use tokio::sync::oneshot;
 use crate::command::{Command, Output, Row, Table, Write};
 use crate::error::IamError;
 use crate::state::{State, apply};
+use crate::wal::{EncodedRow, Frame, RowWrite, Wal};
 
 /// Version of the stored rows.
 pub const ROW_VERSION: u32 = 1;
+/// redb's record of the last log frame whose rows it holds (key [`WAL_APPLIED`]).
+const WAL_TABLE: TableDefinition<'static, &'static str, u64> = TableDefinition::new("iam_wal");
+const WAL_APPLIED: &str = "applied";
+/// A checkpoint (redb synced, the log emptied) once the log holds this much,
+const CHECKPOINT_BYTES: u64 = 64 << 20;
+/// or this many commits,
+const CHECKPOINT_COMMITS: u32 = 4096;
+/// or, when no command waits, this many,
+const CHECKPOINT_IDLE_COMMITS: u32 = 256;
+/// or after this long without a command.
+const CHECKPOINT_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
 /// File name of the database inside the data dir.
 pub const DB_FILE: &str = "iam.redb";
 
@@ -161,42 +176,89 @@ impl WriteSet {
         self.rows.is_empty()
     }
 
-    /// Writes everything in one durable transaction.
-    pub fn persist(&self, db: &Database) -> Result<(), IamError> {
-        let tx = db.begin_write().map_err(|e| IamError::Store { op: "begin write", source: e.into() })?;
-        self.write_into(&tx)?;
-        tx.commit().map_err(|e| IamError::Store { op: "commit", source: e.into() })
+    /// The rows encoded, in table and key order.
+    pub fn encode(&self) -> Result<Vec<EncodedRow<'_>>, IamError> {
+        self.rows.iter().map(|((t, k), row)| Ok((*t, k.as_str(), row.as_ref().map(encode_row).transpose()?))).collect()
     }
 
     /// Writes everything into `tx` (committed by the caller, with whatever else it holds).
     pub fn write_into(&self, tx: &redb::WriteTransaction) -> Result<(), IamError> {
-        let encoded: Vec<(Table, &str, Option<String>)> = self
-            .rows
-            .iter()
-            .map(|((t, k), row)| Ok((*t, k.as_str(), row.as_ref().map(encode_row).transpose()?)))
-            .collect::<Result<_, IamError>>()?;
-        let mut i = 0;
-        while i < encoded.len() {
-            let t = encoded[i].0;
-            let mut table =
-                tx.open_table(def(t)).map_err(|e| IamError::Store { op: "open table", source: e.into() })?;
-            while i < encoded.len() && encoded[i].0 == t {
-                let (_, key, value) = &encoded[i];
-                match value {
-                    Some(v) => {
-                        table
-                            .insert(*key, v.as_str())
-                            .map_err(|e| IamError::Store { op: "insert", source: e.into() })?;
-                    }
-                    None => {
-                        table.remove(*key).map_err(|e| IamError::Store { op: "remove", source: e.into() })?;
-                    }
-                }
-                i += 1;
+        let encoded = self.encode()?;
+        let rows: Vec<RowWrite<'_>> = encoded.iter().map(|(t, k, v)| (*t, *k, v.as_deref())).collect();
+        write_rows(tx, &rows)
+    }
+}
+
+/// Writes `rows` into `tx`, opening each table once per run of its rows.
+fn write_rows(tx: &redb::WriteTransaction, rows: &[RowWrite<'_>]) -> Result<(), IamError> {
+    let store = |op| move |e: redb::StorageError| IamError::Store { op, source: e.into() };
+    for run in rows.chunk_by(|a, b| a.0 == b.0) {
+        let mut table =
+            tx.open_table(def(run[0].0)).map_err(|e| IamError::Store { op: "open table", source: e.into() })?;
+        for (_, key, value) in run {
+            match value {
+                Some(v) => table.insert(*key, *v).map(|_| ()).map_err(store("insert"))?,
+                None => table.remove(*key).map(|_| ()).map_err(store("remove"))?,
             }
         }
-        Ok(())
     }
+    Ok(())
+}
+
+/// Commits `rows` into redb with the number of the log frame that holds them (synced if
+/// `durable`, else with the next synced commit).
+fn commit_rows(db: &Database, rows: &[RowWrite<'_>], frame: u64, durable: bool) -> Result<(), IamError> {
+    let store = |op| move |e: redb::Error| IamError::Store { op, source: e };
+    let mut tx = db.begin_write().map_err(|e| store("begin write")(e.into()))?;
+    if !durable {
+        tx.set_durability(redb::Durability::None).map_err(|e| store("set durability")(e.into()))?;
+    }
+    write_rows(&tx, rows)?;
+    let mut t = tx.open_table(WAL_TABLE).map_err(|e| store("open table")(e.into()))?;
+    t.insert(WAL_APPLIED, frame).map_err(|e| store("record the log frame")(e.into()))?;
+    drop(t);
+    tx.commit().map_err(|e| store("commit")(e.into()))
+}
+
+/// The last log frame whose rows redb holds (0: none).
+fn wal_applied(db: &Database) -> Result<u64, IamError> {
+    let rtx = db.begin_read().map_err(|e| IamError::Store { op: "begin read", source: e.into() })?;
+    match rtx.open_table(WAL_TABLE) {
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(0),
+        Err(e) => Err(IamError::Store { op: "open table", source: e.into() }),
+        Ok(t) => Ok(t
+            .get(WAL_APPLIED)
+            .map_err(|e| IamError::Store { op: "read", source: e.into() })?
+            .map_or(0, |v| v.value())),
+    }
+}
+
+/// Opens the standalone store in `data_dir`: redb, then its log, whose frames redb may not
+/// hold yet are written into it (synced) before the log is emptied.
+pub fn open_standalone(data_dir: &Path) -> Result<(Database, Wal), IamError> {
+    let db = open_db(data_dir)?;
+    let (mut wal, frames) = Wal::open(data_dir)?;
+    let applied = wal_applied(&db)?;
+    let todo: Vec<&Frame> = frames.iter().filter(|(seq, _)| *seq > applied).collect();
+    if let Some((last, _)) = todo.last() {
+        let mut rows: Vec<RowWrite<'_>> = Vec::new();
+        for (_, frame) in &todo {
+            rows.extend(frame.iter().map(|(t, k, v)| (*t, k.as_str(), v.as_deref())));
+        }
+        // In order, table by table: the last write of each key wins, as it did.
+        let mut last_of: BTreeMap<(Table, &str), Option<&str>> = BTreeMap::new();
+        for (t, k, v) in rows {
+            last_of.insert((t, k), v);
+        }
+        let rows: Vec<RowWrite<'_>> = last_of.into_iter().map(|((t, k), v)| (t, k, v)).collect();
+        commit_rows(&db, &rows, *last, true)?;
+        tracing::info!(frames = todo.len(), "iam: commits in the log written into the store");
+    }
+    if !wal.is_empty() {
+        wal.empty()?;
+    }
+    wal.number_from(applied.max(frames.last().map_or(0, |(seq, _)| *seq)));
+    Ok((db, wal))
 }
 
 /// What the commit thread shares with readers.
@@ -227,10 +289,12 @@ pub struct Pending {
     pub reply: oneshot::Sender<Result<Output, IamError>>,
 }
 
-/// Applies `cmds` in order and persists their writes in one transaction (used by the commit
-/// thread for each batch, and at open for the bootstrap).
+/// Applies `cmds` in order and persists their writes as one commit (used by the commit
+/// thread for each batch, and at open for the bootstrap): through the log when there is one
+/// and the batch fits a frame, else straight into redb, synced.
 pub fn apply_and_persist(
     db: &Database,
+    wal: &mut Wal,
     shared: &Shared,
     cmds: impl Iterator<Item = Command>,
 ) -> Result<Vec<Result<Output, IamError>>, IamError> {
@@ -251,8 +315,28 @@ pub fn apply_and_persist(
     if set.is_empty() {
         return Ok(results);
     }
-    match set.persist(db) {
-        Ok(()) => Ok(results),
+    let durable = set.encode().and_then(|encoded| {
+        let rows: Vec<RowWrite<'_>> = encoded.iter().map(|(t, k, v)| (*t, *k, v.as_deref())).collect();
+        if crate::wal::body_size(&rows) > crate::wal::MAX_BODY {
+            // Too large for a frame: redb synced, under a number of its own that the frames
+            // before it (older) are never written again after.
+            return commit_rows(db, &rows, wal.skip(), true).map(|()| None);
+        }
+        let frame = wal.append(&rows)?;
+        Ok(Some((encoded, frame)))
+    });
+    match durable {
+        Ok(None) => Ok(results),
+        Ok(Some((encoded, frame))) => {
+            let rows: Vec<RowWrite<'_>> = encoded.iter().map(|(t, k, v)| (*t, *k, v.as_deref())).collect();
+            if let Err(e) = commit_rows(db, &rows, frame, false) {
+                // The batch is durable (in the log) and answered as done; memory holds it and
+                // redb does not: nothing more is committed until a restart writes the log in.
+                tracing::error!(error = %e, "iam: the store failed to take a commit the log holds; refusing further commands until restarted");
+                shared.failed.store(true, Ordering::SeqCst);
+            }
+            Ok(results)
+        }
         Err(e) => {
             tracing::error!(error = %e, "iam commit failed; reloading state from the store");
             match load(db) {
@@ -267,11 +351,47 @@ pub fn apply_and_persist(
     }
 }
 
+/// Makes redb durable (one synced commit, holding every commit it took unsynced) and
+/// empties the log. A failure is retried at the next checkpoint: until then the log keeps
+/// what redb may not hold.
+fn checkpoint(db: &Database, wal: &mut Wal) {
+    let synced = match db.begin_write() {
+        Ok(tx) => tx.commit().map_err(redb::Error::from),
+        Err(e) => Err(e.into()),
+    };
+    let r = match synced {
+        Ok(()) => wal.empty(),
+        Err(source) => Err(IamError::Store { op: "checkpoint", source }),
+    };
+    if let Err(e) = r {
+        tracing::warn!(error = %e, "iam checkpoint failed; the log keeps its commits");
+    }
+}
+
 /// The group-commit loop: drains up to `batch_max` pending commands, applies and persists
-/// them together, then answers each. Returns when every sender is gone.
-pub fn run_committer(db: Database, shared: Arc<Shared>, rx: mpsc::Receiver<Pending>, batch_max: usize) {
+/// them together, then answers each; checkpoints between batches (see [`CHECKPOINT_BYTES`]
+/// and below). Returns when every sender is gone, after a last checkpoint.
+pub fn run_committer(db: Database, mut wal: Wal, shared: Arc<Shared>, rx: mpsc::Receiver<Pending>, batch_max: usize) {
     let batch_max = batch_max.max(1);
-    while let Ok(first) = rx.recv() {
+    // Commits since the last checkpoint, and a command taken while looking for idleness.
+    let (mut commits, mut next) = (0u32, None);
+    loop {
+        let first = match next.take() {
+            Some(p) => p,
+            None if commits == 0 => match rx.recv() {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            None => match rx.recv_timeout(CHECKPOINT_IDLE) {
+                Ok(p) => p,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    checkpoint(&db, &mut wal);
+                    commits = 0;
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            },
+        };
         let mut batch = Vec::with_capacity(64);
         batch.push(first);
         while batch.len() < batch_max {
@@ -287,7 +407,7 @@ pub fn run_committer(db: Database, shared: Arc<Shared>, rx: mpsc::Receiver<Pendi
             continue;
         }
         let (cmds, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.cmd, p.reply)).unzip();
-        match apply_and_persist(&db, &shared, cmds.into_iter()) {
+        match apply_and_persist(&db, &mut wal, &shared, cmds.into_iter()) {
             Ok(results) => {
                 for (reply, r) in replies.into_iter().zip(results) {
                     // A caller that went away does not matter: the command is committed.
@@ -301,6 +421,20 @@ pub fn run_committer(db: Database, shared: Arc<Shared>, rx: mpsc::Receiver<Pendi
                 }
             }
         }
+        commits += 1;
+        let due = wal.len() >= CHECKPOINT_BYTES
+            || commits >= CHECKPOINT_COMMITS
+            || (commits >= CHECKPOINT_IDLE_COMMITS && {
+                next = rx.try_recv().ok();
+                next.is_none()
+            });
+        if due && !shared.failed.load(Ordering::SeqCst) {
+            checkpoint(&db, &mut wal);
+            commits = 0;
+        }
+    }
+    if commits > 0 && !shared.failed.load(Ordering::SeqCst) {
+        checkpoint(&db, &mut wal);
     }
     tracing::debug!("iam commit thread stopping");
     drop(db);

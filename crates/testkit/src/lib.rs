@@ -62,6 +62,27 @@ pub fn wait_for(what: &str, within: Duration, mut check: impl FnMut() -> bool) {
 }
 
 /// Whether the test runs as root (CI does; tests that need root say so when it does not).
+/// Runs test `name` of the current test binary (an `#[ignore]`d writer) as a child process
+/// with `env`, kills it (`SIGKILL`) after `after`, and answers the lines it printed (the last
+/// one may be cut by the kill). For the crash tests.
+pub fn run_and_kill(name: &str, env: &[(&str, String)], after: Duration) -> Vec<String> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads", "1"])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the writer");
+    let out = child.stdout.take().expect("piped");
+    let reader =
+        std::thread::spawn(move || std::io::BufReader::new(out).lines().map_while(Result::ok).collect::<Vec<_>>());
+    std::thread::sleep(after);
+    child.kill().expect("kill the writer");
+    child.wait().expect("reap the writer");
+    reader.join().expect("the reader")
+}
+
 pub fn is_root() -> bool {
     rustix::process::geteuid().is_root()
 }

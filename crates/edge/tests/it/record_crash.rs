@@ -7,8 +7,7 @@
 //! which is compacted along the way).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use opendsec_edge::record::{RecordStore, WriteMode};
@@ -65,24 +64,12 @@ fn value(lease: &str, version: u64) -> Vec<u8> {
 #[test]
 fn records_survive_kill_9_at_any_moment() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = std::env::current_exe().unwrap();
     let log = dir.path().join("sandboxes").join(opendsec_edge::record::LOG_FILE);
     let (mut last_len, mut compacted) = (0, 0);
     for run in 1..=20u64 {
-        let mut child = Command::new(&exe)
-            .args(["--exact", "record_crash::writer", "--ignored", "--nocapture", "--test-threads", "1"])
-            .env(DIR_VAR, dir.path())
-            .env("OPENDSEC_RECORD_CRASH_RUN", run.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let reader = std::thread::spawn(move || BufReader::new(out).lines().map_while(Result::ok).collect::<Vec<_>>());
-        std::thread::sleep(Duration::from_millis(5 + rand::random::<u64>() % 76));
-        child.kill().unwrap();
-        child.wait().unwrap();
-        let lines = reader.join().unwrap();
+        let env = [(DIR_VAR, dir.path().display().to_string()), ("OPENDSEC_RECORD_CRASH_RUN", run.to_string())];
+        let after = Duration::from_millis(5 + rand::random::<u64>() % 76);
+        let lines = opendsec_testkit::run_and_kill("record_crash::writer", &env, after);
 
         // Per lease, in order: the operations started (with the state each leaves) and the
         // index of the last one acknowledged.

@@ -36,10 +36,6 @@ struct Rows {
     rows: Vec<(String, String, String)>,
 }
 
-fn table_named(name: &str) -> Option<Table> {
-    Table::ALL.into_iter().find(|t| t.name() == name)
-}
-
 #[derive(Clone)]
 pub struct StateMachine {
     db: Arc<Database>,
@@ -169,7 +165,8 @@ impl RaftStateMachine<C> for StateMachine {
         }
         let mut rows = Vec::with_capacity(snap.rows.len());
         for (t, k, v) in &snap.rows {
-            let table = table_named(t).ok_or_else(|| io::Error::other(format!("iam snapshot: unknown table {t:?}")))?;
+            let table =
+                Table::named(t).ok_or_else(|| io::Error::other(format!("iam snapshot: unknown table {t:?}")))?;
             rows.push(decode_row(table, k, v).map_err(io("decode snapshot row"))?);
         }
         let state = State::from_rows(rows);

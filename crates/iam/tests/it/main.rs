@@ -3,3 +3,4 @@
 
 mod raft_peers;
 mod server;
+mod wal_crash;
