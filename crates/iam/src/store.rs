@@ -339,6 +339,11 @@ pub fn apply_and_persist(
         }
         Err(e) => {
             tracing::error!(error = %e, "iam commit failed; reloading state from the store");
+            if wal.is_broken() {
+                // A failed sync: nothing later can be made durable through the log.
+                tracing::error!("iam log failed; refusing further commands until restarted");
+                shared.failed.store(true, Ordering::SeqCst);
+            }
             match load(db) {
                 Ok(st) => *shared.write() = st,
                 Err(reload) => {
@@ -353,8 +358,12 @@ pub fn apply_and_persist(
 
 /// Makes redb durable (one synced commit, holding every commit it took unsynced) and
 /// empties the log. A failure is retried at the next checkpoint: until then the log keeps
-/// what redb may not hold.
-fn checkpoint(db: &Database, wal: &mut Wal) {
+/// what redb may not hold. Never once the store failed: redb may then lack a commit only the
+/// log holds.
+fn checkpoint(db: &Database, wal: &mut Wal, shared: &Shared) {
+    if shared.failed.load(Ordering::SeqCst) || wal.is_broken() {
+        return;
+    }
     let synced = match db.begin_write() {
         Ok(tx) => tx.commit().map_err(redb::Error::from),
         Err(e) => Err(e.into()),
@@ -385,7 +394,7 @@ pub fn run_committer(db: Database, mut wal: Wal, shared: Arc<Shared>, rx: mpsc::
             None => match rx.recv_timeout(CHECKPOINT_IDLE) {
                 Ok(p) => p,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                    checkpoint(&db, &mut wal);
+                    checkpoint(&db, &mut wal, &shared);
                     commits = 0;
                     continue;
                 }
@@ -428,13 +437,13 @@ pub fn run_committer(db: Database, mut wal: Wal, shared: Arc<Shared>, rx: mpsc::
                 next = rx.try_recv().ok();
                 next.is_none()
             });
-        if due && !shared.failed.load(Ordering::SeqCst) {
-            checkpoint(&db, &mut wal);
+        if due {
+            checkpoint(&db, &mut wal, &shared);
             commits = 0;
         }
     }
-    if commits > 0 && !shared.failed.load(Ordering::SeqCst) {
-        checkpoint(&db, &mut wal);
+    if commits > 0 {
+        checkpoint(&db, &mut wal, &shared);
     }
     tracing::debug!("iam commit thread stopping");
     drop(db);

@@ -153,11 +153,16 @@ impl Wal {
         let mut bytes = vec![0u8; size as usize];
         file.read_exact_at(&mut bytes, 0).map_err(err("read"))?;
         let (frames, len) = scan(&bytes);
-        if len < size && bytes[len as usize..].iter().any(|b| *b != 0) {
-            tracing::warn!(path = %path.display(), at = len, size, "iam log: a torn frame after the last whole one is dropped");
+        if len < size {
+            if bytes[len as usize..].iter().any(|b| *b != 0) {
+                tracing::warn!(path = %path.display(), at = len, size, "iam log: a torn frame after the last whole one is dropped");
+            }
+            // Cut: frames written later must be followed by zeros, never by what was torn.
+            file.set_len(len).map_err(err("cut"))?;
+            file.sync_all().map_err(err("sync"))?;
         }
         let next = frames.last().map_or(1, |(seq, _)| seq + 1);
-        Ok((Wal { file, path, len, alloc: size, next, broken: None }, frames))
+        Ok((Wal { file, path, len, alloc: len, next, broken: None }, frames))
     }
 
     /// Numbers frames from after `last` on, if that is further than the log's own frames.
@@ -215,10 +220,18 @@ impl Wal {
     /// Empties the log (after a synced redb commit that holds all its rows).
     pub fn empty(&mut self) -> Result<(), IamError> {
         self.file.set_len(0).map_err(err("truncate"))?;
-        self.file.sync_all().map_err(err("sync"))?;
         (self.len, self.alloc) = (0, 0);
+        if let Err(e) = self.file.sync_all() {
+            self.broken = Some(format!("a sync failed: {e}"));
+            return Err(IamError::Wal { op: "sync", source: e });
+        }
         tracing::trace!(path = %self.path.display(), "iam log emptied");
         Ok(())
+    }
+
+    /// Whether a failure stopped the log's writes (until the store is reopened).
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
     }
 }
 
@@ -303,6 +316,18 @@ mod tests {
         assert!(frames.is_empty());
         wal.number_from(11);
         assert_eq!(wal.next(), 12);
+        drop(wal);
+        // A torn frame alone is cut off on open: later frames are followed by zeros only.
+        let f = rows(20);
+        let torn = frame(f.0, &borrowed(&f));
+        std::fs::write(dir.path().join(WAL_FILE), &torn[..torn.len() - 5]).unwrap();
+        let (mut wal, frames) = Wal::open(dir.path()).unwrap();
+        assert!(frames.is_empty());
+        assert_eq!(std::fs::metadata(dir.path().join(WAL_FILE)).unwrap().len(), 0);
+        put(&mut wal, 0);
+        let written = wal.len() as usize;
+        let bytes = std::fs::read(dir.path().join(WAL_FILE)).unwrap();
+        assert!(bytes[written..].iter().all(|b| *b == 0));
     }
 
     #[test]
