@@ -241,14 +241,10 @@ pub fn open_standalone(data_dir: &Path) -> Result<(Database, Wal), IamError> {
     let applied = wal_applied(&db)?;
     let todo: Vec<&Frame> = frames.iter().filter(|(seq, _)| *seq > applied).collect();
     if let Some((last, _)) = todo.last() {
-        let mut rows: Vec<RowWrite<'_>> = Vec::new();
-        for (_, frame) in &todo {
-            rows.extend(frame.iter().map(|(t, k, v)| (*t, k.as_str(), v.as_deref())));
-        }
-        // In order, table by table: the last write of each key wins, as it did.
+        // Frame by frame, in order: the last write of each key wins, as it did.
         let mut last_of: BTreeMap<(Table, &str), Option<&str>> = BTreeMap::new();
-        for (t, k, v) in rows {
-            last_of.insert((t, k), v);
+        for (t, k, v) in todo.iter().flat_map(|(_, rows)| rows) {
+            last_of.insert((*t, k.as_str()), v.as_deref());
         }
         let rows: Vec<RowWrite<'_>> = last_of.into_iter().map(|((t, k), v)| (t, k, v)).collect();
         commit_rows(&db, &rows, *last, true)?;
@@ -257,7 +253,7 @@ pub fn open_standalone(data_dir: &Path) -> Result<(Database, Wal), IamError> {
     if !wal.is_empty() {
         wal.empty()?;
     }
-    wal.number_from(applied.max(frames.last().map_or(0, |(seq, _)| *seq)));
+    wal.number_from(applied);
     Ok((db, wal))
 }
 
@@ -315,20 +311,21 @@ pub fn apply_and_persist(
     if set.is_empty() {
         return Ok(results);
     }
-    let durable = set.encode().and_then(|encoded| {
-        let rows: Vec<RowWrite<'_>> = encoded.iter().map(|(t, k, v)| (*t, *k, v.as_deref())).collect();
-        if crate::wal::body_size(&rows) > crate::wal::MAX_BODY {
-            // Too large for a frame: redb synced, under a number of its own that the frames
-            // before it (older) are never written again after.
-            return commit_rows(db, &rows, wal.skip(), true).map(|()| None);
-        }
-        let frame = wal.append(&rows)?;
-        Ok(Some((encoded, frame)))
-    });
+    let encoded = match set.encode() {
+        Ok(e) => e,
+        Err(e) => return Err(undo(db, wal, shared, e)),
+    };
+    let rows: Vec<RowWrite<'_>> = encoded.iter().map(|(t, k, v)| (*t, *k, v.as_deref())).collect();
+    let durable = if crate::wal::body_size(&rows) > crate::wal::MAX_BODY {
+        // Too large for a frame: redb synced, under a number of its own that the frames
+        // before it (older) are never written again after.
+        commit_rows(db, &rows, wal.skip(), true).map(|()| None)
+    } else {
+        wal.append(&rows).map(Some)
+    };
     match durable {
         Ok(None) => Ok(results),
-        Ok(Some((encoded, frame))) => {
-            let rows: Vec<RowWrite<'_>> = encoded.iter().map(|(t, k, v)| (*t, *k, v.as_deref())).collect();
+        Ok(Some(frame)) => {
             if let Err(e) = commit_rows(db, &rows, frame, false) {
                 // The batch is durable (in the log) and answered as done; memory holds it and
                 // redb does not: nothing more is committed until a restart writes the log in.
@@ -337,23 +334,27 @@ pub fn apply_and_persist(
             }
             Ok(results)
         }
-        Err(e) => {
-            tracing::error!(error = %e, "iam commit failed; reloading state from the store");
-            if wal.is_broken() {
-                // A failed sync: nothing later can be made durable through the log.
-                tracing::error!("iam log failed; refusing further commands until restarted");
-                shared.failed.store(true, Ordering::SeqCst);
-            }
-            match load(db) {
-                Ok(st) => *shared.write() = st,
-                Err(reload) => {
-                    tracing::error!(error = %reload, "iam reload failed; refusing further commands");
-                    shared.failed.store(true, Ordering::SeqCst);
-                }
-            }
-            Err(e)
+        Err(e) => Err(undo(db, wal, shared, e)),
+    }
+}
+
+/// A batch that did not become durable: memory goes back to what the store holds (or, if it
+/// cannot, or the log can take no more, the store refuses every later command); answers `e`.
+fn undo(db: &Database, wal: &Wal, shared: &Shared, e: IamError) -> IamError {
+    tracing::error!(error = %e, "iam commit failed; reloading state from the store");
+    if wal.is_broken() {
+        // A failed sync: nothing later can be made durable through the log.
+        tracing::error!("iam log failed; refusing further commands until restarted");
+        shared.failed.store(true, Ordering::SeqCst);
+    }
+    match load(db) {
+        Ok(st) => *shared.write() = st,
+        Err(reload) => {
+            tracing::error!(error = %reload, "iam reload failed; refusing further commands");
+            shared.failed.store(true, Ordering::SeqCst);
         }
     }
+    e
 }
 
 /// Makes redb durable (one synced commit, holding every commit it took unsynced) and
