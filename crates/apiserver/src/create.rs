@@ -145,7 +145,11 @@ pub async fn create_one(
             keep_existing,
             egress: spec.network.as_ref().map(|n| n.egress.clone()).unwrap_or_default(),
         };
+        let asked = Instant::now();
         let admitted = shared.admits.admit(admit).await;
+        if admitted.is_ok() {
+            shared.metrics.admit_seconds.observe(asked.elapsed().as_secs_f64());
+        }
         // Only the first Admit may find an earlier attempt; later ones rebind what it reserved.
         keep_existing = false;
         let principal = match admitted {
@@ -172,9 +176,11 @@ pub async fn create_one(
             pool_revision: pool_revision.to_string(),
             moved_in: None,
         };
+        let asked = Instant::now();
         let result = shared.edge_creates.create(&placed.edge, &placed.addr, req).await;
         match result {
             Ok(sb) => {
+                shared.metrics.edge_create_seconds.observe(asked.elapsed().as_secs_f64());
                 shared.placement_done(placed.overlay_id, true);
                 shared.metrics.creation_seconds.observe(started.elapsed().as_secs_f64());
                 return Ok(sb);

@@ -711,6 +711,8 @@ struct Cluster {
     /// What the watcher's snapshot says of each edge.
     snapshot_edges: Arc<Mutex<Vec<pb::EdgeInfo>>>,
     api: SocketAddr,
+    /// The apiserver's metrics and health endpoint.
+    metrics: SocketAddr,
     audit_path: std::path::PathBuf,
     _dir: tempfile::TempDir,
     stops: Vec<oneshot::Sender<()>>,
@@ -851,6 +853,7 @@ impl Cluster {
             edges: fakes,
             snapshot_edges,
             api,
+            metrics,
             audit_path,
             _dir: dir,
             stops,
@@ -1005,6 +1008,14 @@ async fn a_refusing_edge_is_penalized_and_the_same_lease_is_rebound_elsewhere() 
     let next = api.create_sandbox(with_token(create_req(""), ALICE)).await.unwrap().into_inner();
     assert!(next.id.starts_with("e2."));
     assert_eq!(c.edge("e1").st.lock().unwrap().creates, 1);
+
+    // The stages of the creations that succeeded: three admissions (one of them for the
+    // edge that refused), two edge creations.
+    let text = http_get(c.metrics, "/metrics").await;
+    for (series, n) in [("admit_seconds", 3), ("edge_create_seconds", 2), ("creation_seconds", 2)] {
+        let line = format!("opendsec_apiserver_{series}_count {n}");
+        assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+    }
     c.stop().await;
 }
 
