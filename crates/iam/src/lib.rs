@@ -223,7 +223,7 @@ async fn record_data_dirs(replica: raft::Replica, mut seen: tokio::sync::mpsc::R
 }
 
 impl Start {
-    async fn node(&self, db: Arc<redb::Database>, log: raft::log::LogStore) -> Result<raft::RaftNode, IamError> {
+    async fn node(&self, db: Arc<raft::log::RaftDb>, log: raft::log::LogStore) -> Result<raft::RaftNode, IamError> {
         let sm = raft::sm::StateMachine::open(db, self.shared.clone()).map_err(|e| IamError::Raft(e.to_string()))?;
         raft::RaftNode::new(self.id, self.config.clone(), self.network.clone(), log, sm)
             .await
@@ -235,7 +235,7 @@ impl Start {
     async fn reopen(&self) -> Result<raft::RaftNode, IamError> {
         let dir = self.data_dir.clone();
         let (db, state) = tokio::task::spawn_blocking(move || -> Result<_, IamError> {
-            let db = Arc::new(store::open_db(&dir)?);
+            let db = Arc::new(raft::log::RaftDb::new(store::open_db(&dir)?));
             let state = store::load(&db)?;
             Ok((db, state))
         })
@@ -379,7 +379,7 @@ impl Iam {
         rcfg: &config::IamRaftConfig,
         tls: Arc<opendsec_common::tls::Credentials>,
     ) -> Result<Iam, IamError> {
-        let db = Arc::new(store::open_db(&opts.data_dir)?);
+        let db = Arc::new(raft::log::RaftDb::new(store::open_db(&opts.data_dir)?));
         let raft_io = |e: std::io::Error| IamError::Raft(e.to_string());
         raft::log::create_tables(&db).map_err(raft_io)?;
         let data_dir_id = raft::log::data_dir_id(&db).map_err(raft_io)?;

@@ -5,7 +5,7 @@
 use std::fmt::Debug;
 use std::io;
 use std::ops::{Bound, RangeBounds};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use openraft::entry::RaftEntry;
 use openraft::storage::{IOFlushed, RaftLogStorage};
@@ -44,18 +44,61 @@ pub(crate) fn put_meta<T: Serialize>(tx: &redb::WriteTransaction, key: &str, val
     Ok(())
 }
 
+/// The member's redb database, which its log and its state machine share, and the first write
+/// that failed on it. After a failed write redb refuses every other one ("previous I/O error");
+/// whichever write openraft hears of first, the member must be reported stopped on the first
+/// failure (a full disk is the one it waits out by itself, see `keep_running`).
+pub struct RaftDb {
+    db: Database,
+    first_failure: OnceLock<String>,
+}
+
+impl RaftDb {
+    pub fn new(db: Database) -> RaftDb {
+        RaftDb { db, first_failure: OnceLock::new() }
+    }
+
+    /// The error to report for a failed write: the first failure is kept, and redb's refusal
+    /// after it is reported with it.
+    fn failed(&self, e: io::Error) -> io::Error {
+        let text = e.to_string();
+        if text.contains(&redb::Error::PreviousIo.to_string()) {
+            return match self.first_failure.get() {
+                Some(first) => io::Error::other(format!("{text}; the write that failed first: {first}")),
+                None => e,
+            };
+        }
+        let _ = self.first_failure.set(text);
+        e
+    }
+}
+
+impl std::fmt::Debug for RaftDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftDb").field("first_failure", &self.first_failure.get()).finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for RaftDb {
+    type Target = Database;
+
+    fn deref(&self) -> &Database {
+        &self.db
+    }
+}
+
 /// Runs a write transaction off the async threads and commits it durably; answers what `f`
 /// did.
-pub(crate) async fn write<F, R>(db: &Arc<Database>, f: F) -> Result<R, io::Error>
+pub(crate) async fn write<F, R>(db: &Arc<RaftDb>, f: F) -> Result<R, io::Error>
 where
     F: FnOnce(&redb::WriteTransaction) -> Result<R, io::Error> + Send + 'static,
     R: Send + 'static,
 {
     let db = db.clone();
     tokio::task::spawn_blocking(move || {
-        let tx = db.begin_write().map_err(io("begin write"))?;
-        let r = f(&tx)?;
-        tx.commit().map_err(io("commit"))?;
+        let tx = db.begin_write().map_err(io("begin write")).map_err(|e| db.failed(e))?;
+        let r = f(&tx).map_err(|e| db.failed(e))?;
+        tx.commit().map_err(io("commit")).map_err(|e| db.failed(e))?;
         Ok(r)
     })
     .await
@@ -86,11 +129,11 @@ pub(crate) fn create_tables(db: &Database) -> Result<(), io::Error> {
 /// The log: a handle on the member's database (its own reader too).
 #[derive(Clone)]
 pub struct LogStore {
-    db: Arc<Database>,
+    db: Arc<RaftDb>,
 }
 
 impl LogStore {
-    pub fn new(db: Arc<Database>) -> LogStore {
+    pub fn new(db: Arc<RaftDb>) -> LogStore {
         LogStore { db }
     }
 
@@ -214,5 +257,42 @@ impl RaftLogStorage<C> for LogStore {
 impl std::fmt::Debug for LogStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LogStore").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db() -> (tempfile::TempDir, RaftDb) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = Database::create(dir.path().join("raft.redb")).expect("create");
+        (dir, RaftDb::new(db))
+    }
+
+    fn store_error(what: &'static str, e: redb::Error) -> io::Error {
+        io(what)(e)
+    }
+
+    #[test]
+    fn a_refusal_after_a_failed_write_is_reported_with_the_first_failure() {
+        let (_dir, db) = db();
+        let full = db.failed(store_error("commit", redb::Error::Io(io::Error::from_raw_os_error(28))));
+        assert!(full.to_string().contains("(os error 28)"), "{full}");
+        let echo = db.failed(store_error("begin write", redb::Error::PreviousIo)).to_string();
+        assert!(echo.starts_with("iam raft store: begin write: "), "{echo}");
+        assert!(echo.contains("; the write that failed first: iam raft store: commit: "), "{echo}");
+        assert!(echo.contains("(os error 28)"), "{echo}");
+        // The first failure stays the one reported.
+        let _ = db.failed(store_error("commit", redb::Error::Io(io::Error::from_raw_os_error(5))));
+        let echo = db.failed(store_error("write raft_log", redb::Error::PreviousIo)).to_string();
+        assert!(echo.contains("(os error 28)") && !echo.contains("(os error 5)"), "{echo}");
+    }
+
+    #[test]
+    fn a_refusal_with_no_failure_recorded_is_reported_as_it_is() {
+        let (_dir, db) = db();
+        let e = db.failed(store_error("commit", redb::Error::PreviousIo)).to_string();
+        assert_eq!(e, format!("iam raft store: commit: {}", redb::Error::PreviousIo));
     }
 }

@@ -9,10 +9,10 @@ use futures::{Stream, TryStreamExt};
 use openraft::storage::{EntryResponder, RaftStateMachine};
 use openraft::type_config::alias::{LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf};
 use openraft::{EntryPayload, OptionalSend, RaftSnapshotBuilder};
-use redb::{Database, ReadableDatabase, TableDefinition};
+use redb::{ReadableDatabase, TableDefinition};
 use serde::{Deserialize, Serialize};
 
-use super::log::{io, put_meta, read_meta, write};
+use super::log::{RaftDb, io, put_meta, read_meta, write};
 use super::types::{Applied, C};
 use crate::command::{Row, Table, Write};
 use crate::state::{State, apply};
@@ -38,13 +38,13 @@ struct Rows {
 
 #[derive(Clone)]
 pub struct StateMachine {
-    db: Arc<Database>,
+    db: Arc<RaftDb>,
     shared: Arc<Shared>,
     meta: Arc<Mutex<SmMeta>>,
 }
 
 impl StateMachine {
-    pub fn open(db: Arc<Database>, shared: Arc<Shared>) -> Result<StateMachine, io::Error> {
+    pub fn open(db: Arc<RaftDb>, shared: Arc<Shared>) -> Result<StateMachine, io::Error> {
         let tx = db.begin_write().map_err(io("begin write"))?;
         tx.open_table(SNAPSHOT).map_err(io("create raft_snapshot"))?;
         tx.commit().map_err(io("commit"))?;
