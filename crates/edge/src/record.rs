@@ -417,6 +417,8 @@ pub struct RecordStore {
     sync_lock: Mutex<()>,
     /// Syncs made (for benchmarks: fewer than durable writes under concurrency).
     syncs: AtomicU64,
+    /// Queued writes written by their caller on its own thread (see [`Leader`]).
+    in_place: AtomicU64,
     /// Writes waiting for the writer of [`RecordStore::write_queued`].
     queue: Mutex<Queue>,
     /// The lock file, locked for as long as the store is open.
@@ -468,6 +470,42 @@ struct Queue {
     waiters: Vec<(tokio::sync::oneshot::Sender<Result<(), String>>, bool)>,
     /// Whether a writer is at work.
     running: bool,
+}
+
+/// The write that found the writer idle, until the queue has a writer. Alone in the queue
+/// (writes come one at a time), it is appended and synced right here, on a thread of a
+/// multi-thread runtime, so that it waits for no thread to wake, neither for the write nor
+/// for its answer. Several writes queued together, a runtime of one thread, or a leader
+/// dropped before it wrote: a blocking thread writes, so that no batch's sync holds a
+/// runtime thread.
+struct Leader(Option<std::sync::Arc<RecordStore>>);
+
+impl Leader {
+    fn write(&mut self) {
+        let Some(store) = self.0.take() else { return };
+        let alone = store.queue.lock().unwrap_or_else(|p| p.into_inner()).waiters.len() == 1;
+        if alone && on_multi_thread_runtime() {
+            RecordStore::drain_queue(store, true);
+        } else {
+            // Dropped: a blocking thread writes.
+            self.0 = Some(store);
+        }
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        if let Some(store) = self.0.take() {
+            RecordStore::drain_elsewhere(store);
+        }
+    }
+}
+
+/// Whether this thread runs a multi-thread runtime, where a worker blocked in a sync leaves
+/// the others to run the rest.
+fn on_multi_thread_runtime() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// One frame read back.
@@ -598,6 +636,7 @@ impl RecordStore {
             synced: AtomicU64::new(0),
             sync_lock: Mutex::new(()),
             syncs: AtomicU64::new(0),
+            in_place: AtomicU64::new(0),
             queue: Mutex::new(Queue::default()),
             _lock: lock,
         };
@@ -730,14 +769,11 @@ impl RecordStore {
             !std::mem::replace(&mut q.running, true)
         };
         if start {
-            // In a task of its own: the writer starts even if this write's caller goes away.
-            let store = self.clone();
-            tokio::spawn(async move {
-                // Writes made ready together (a CreateMany's items) queue before the writer
-                // takes the queue: one sync for all of them.
-                tokio::task::yield_now().await;
-                tokio::task::spawn_blocking(move || RecordStore::drain_queue(store));
-            });
+            // This write leads, once the writes made ready with it (a CreateMany's items) have
+            // queued: see [`Leader`].
+            let mut leader = Leader(Some(self.clone()));
+            tokio::task::yield_now().await;
+            leader.write();
         }
         match rx.await {
             Ok(Ok(())) => Ok(()),
@@ -753,7 +789,10 @@ impl RecordStore {
     /// The writer of [`RecordStore::write_queued`]: runs until the queue is empty. Its hold on
     /// the store ends before the last writes are answered, so that a store closed after its
     /// last write (an edge restarted in the same process) is closed, its lock free.
-    fn drain_queue(self: std::sync::Arc<Self>) {
+    ///
+    /// `lone`: the caller's own write is alone in the queue and written on its thread; what
+    /// queued meanwhile goes to a blocking thread.
+    fn drain_queue(self: std::sync::Arc<Self>, lone: bool) {
         /// Should the writer end early (a panic), the writes still queued are answered (their
         /// callers hear that the writer stopped) and the next write starts a writer.
         struct Running(Option<std::sync::Arc<RecordStore>>);
@@ -767,6 +806,7 @@ impl RecordStore {
             }
         }
         let mut running = Running(Some(self));
+        let mut batches = 0;
         loop {
             let Some(store) = running.0.as_ref() else { return };
             let batch = {
@@ -775,6 +815,17 @@ impl RecordStore {
                     // Under the lock: a write queued after this starts a writer of its own.
                     q.running = false;
                     return;
+                }
+                if lone && batches == 1 {
+                    drop(q);
+                    if let Some(store) = running.0.take() {
+                        RecordStore::drain_elsewhere(store);
+                    }
+                    return;
+                }
+                batches += 1;
+                if lone {
+                    store.in_place.fetch_add(q.waiters.len() as u64, Ordering::Relaxed);
                 }
                 Queue {
                     bytes: std::mem::take(&mut q.bytes),
@@ -814,6 +865,16 @@ impl RecordStore {
             for (w, a) in answers {
                 let _ = w.send(a);
             }
+        }
+    }
+
+    /// The writer on a blocking thread (here, outside a runtime).
+    fn drain_elsewhere(store: std::sync::Arc<Self>) {
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn_blocking(move || RecordStore::drain_queue(store, false));
+            }
+            Err(_) => RecordStore::drain_queue(store, false),
         }
     }
 
@@ -877,6 +938,11 @@ impl RecordStore {
     /// Syncs made so far.
     pub fn syncs(&self) -> u64 {
         self.syncs.load(Ordering::Relaxed)
+    }
+
+    /// Queued writes written so far by their caller on its own thread.
+    pub fn writes_in_place(&self) -> u64 {
+        self.in_place.load(Ordering::Relaxed)
     }
 
     /// Rewrites the log with its live records only. A failure before the rename leaves the
@@ -1389,6 +1455,30 @@ mod tests {
         assert!(raw.values().all(|v| v == b"second"));
         // At most one sync per write; how many fewer depends on timing, so only bounded.
         assert!(store.syncs() <= 400, "{}", store.syncs());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lone_write_is_written_by_its_caller_and_a_crowd_by_a_blocking_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = std::sync::Arc::new(RecordStore::open(dir.path()).unwrap());
+        // One at a time: each write is alone in the queue, so its caller writes and syncs it.
+        for i in 0..50 {
+            store.write_queued(&format!("one-{i}"), b"v", WriteMode::Durable).await.unwrap();
+        }
+        assert_eq!((store.writes_in_place(), store.syncs()), (50, 50));
+        // Many made ready together (as a CreateMany's items are): not by the caller, and in
+        // far fewer syncs than writes.
+        let writes = (0..300).map(|i| {
+            let store = store.clone();
+            async move { store.write_queued(&format!("many-{i}"), b"v", WriteMode::Durable).await }
+        });
+        for r in futures::future::join_all(writes).await {
+            r.unwrap();
+        }
+        assert_eq!(store.writes_in_place(), 50);
+        assert!(store.syncs() - 50 < 300, "{}", store.syncs());
+        drop(store);
+        assert_eq!(RecordStore::open(dir.path()).unwrap().raw().unwrap().len(), 350);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,7 +40,6 @@ use opendsec_common::config::{self, Config};
 use opendsec_common::grpc;
 use opendsec_common::ids;
 use opendsec_common::time::now_ms;
-use tokio::sync::oneshot;
 
 pub use command::{Actor, Admission, Command, LiveLease, Output};
 pub use error::{IamError, to_api};
@@ -51,7 +50,7 @@ pub use service::{AdminGrpc, AdminService, IamGrpc, IamService};
 pub use state::State;
 
 use backup::Snapshot;
-use store::{Pending, Shared};
+use store::{Committer, Shared, Wake};
 
 /// Most lease ids one GetLeases call may ask for (the answer stays far below the message
 /// limit, and the read lock is held briefly).
@@ -99,8 +98,9 @@ impl std::fmt::Debug for Iam {
 
 struct Inner {
     shared: Arc<Shared>,
-    /// Standalone: the group-commit thread's queue and the thread.
-    tx: Option<mpsc::Sender<Pending>>,
+    /// Standalone: the group commit, the commit thread and the way to it.
+    committer: Option<Arc<Committer>>,
+    tx: Option<mpsc::Sender<Wake>>,
     thread: Option<JoinHandle<()>>,
     /// Replicated: this member's handle on the log.
     replica: Option<raft::Replica>,
@@ -110,7 +110,8 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         // Closing the channel ends the commit thread once it has answered what is queued;
-        // joining it closes the database, so the same data dir can be opened again.
+        // once it is joined, the committer (and with it the database) closes with this, so
+        // the same data dir can be opened again.
         self.tx.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -360,13 +361,22 @@ impl Iam {
             tracing::info!(principal = %opts.admin_principal, "iam bootstrapped");
         }
         let (tx, rx) = mpsc::channel();
-        let thread_shared = shared.clone();
-        let batch_max = opts.commit_batch_max;
+        let committer = Arc::new(Committer::new(db, wal, shared.clone(), opts.commit_batch_max));
+        let c = committer.clone();
         let thread = std::thread::Builder::new()
             .name("iam-commit".into())
-            .spawn(move || store::run_committer(db, wal, thread_shared, rx, batch_max))
+            .spawn(move || store::run_committer(c, rx))
             .map_err(|source| IamError::DataDir { path: opts.data_dir.clone(), source })?;
-        Ok(Iam { inner: Arc::new(Inner { shared, tx: Some(tx), thread: Some(thread), replica: None, opts }) })
+        Ok(Iam {
+            inner: Arc::new(Inner {
+                shared,
+                committer: Some(committer),
+                tx: Some(tx),
+                thread: Some(thread),
+                replica: None,
+                opts,
+            }),
+        })
     }
 
     /// Opens this member of a replicated IAM: its redb file holds the log, the vote and the
@@ -428,7 +438,9 @@ impl Iam {
         if let Some(cmd) = boot {
             tokio::spawn(bootstrap_when_leader(replica.clone(), shared.clone(), cmd));
         }
-        Ok(Iam { inner: Arc::new(Inner { shared, tx: None, thread: None, replica: Some(replica), opts }) })
+        Ok(Iam {
+            inner: Arc::new(Inner { shared, committer: None, tx: None, thread: None, replica: Some(replica), opts }),
+        })
     }
 
     /// This member's handle on the log (replicated mode).
@@ -453,10 +465,17 @@ impl Iam {
         if let Some(r) = &self.inner.replica {
             return r.execute(cmd).await;
         }
-        let (reply, rx) = oneshot::channel();
-        let tx = self.inner.tx.as_ref().ok_or(IamError::Stopped)?;
-        tx.send(Pending { cmd, reply }).map_err(|_| IamError::Stopped)?;
-        rx.await.map_err(|_| IamError::Stopped)?
+        let (Some(c), Some(tx)) = (&self.inner.committer, &self.inner.tx) else {
+            return Err(IamError::Stopped);
+        };
+        c.execute(cmd, tx).await
+    }
+
+    /// Standalone: the commits made so far by callers on their own threads (a command alone
+    /// in the queue, on a multi-thread runtime) and by the commit thread (for tests and
+    /// benchmarks; `(0, 0)` when replicated).
+    pub fn commits_made(&self) -> (u64, u64) {
+        self.inner.committer.as_ref().map_or((0, 0), |c| c.commits_made())
     }
 
     /// Runs `f` on the current state under the read lock (keep it short).

@@ -18,9 +18,9 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
@@ -278,11 +278,11 @@ impl Shared {
     }
 }
 
-/// A command waiting for the commit thread.
+/// A command waiting to be committed.
 #[derive(Debug)]
-pub struct Pending {
-    pub cmd: Command,
-    pub reply: oneshot::Sender<Result<Output, IamError>>,
+struct Pending {
+    cmd: Command,
+    reply: oneshot::Sender<Result<Output, IamError>>,
 }
 
 /// Applies `cmds` in order and persists their writes as one commit (used by the commit
@@ -378,74 +378,231 @@ fn checkpoint(db: &Database, wal: &mut Wal, shared: &Shared) {
     }
 }
 
-/// The group-commit loop: drains up to `batch_max` pending commands, applies and persists
-/// them together, then answers each; checkpoints between batches (see [`CHECKPOINT_BYTES`]
-/// and below). Returns when every sender is gone, after a last checkpoint.
-pub fn run_committer(db: Database, mut wal: Wal, shared: Arc<Shared>, rx: mpsc::Receiver<Pending>, batch_max: usize) {
-    let batch_max = batch_max.max(1);
-    // Commits since the last checkpoint, and a command taken while looking for idleness.
-    let (mut commits, mut next) = (0u32, None);
-    loop {
-        let first = match next.take() {
-            Some(p) => p,
-            None if commits == 0 => match rx.recv() {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            None => match rx.recv_timeout(CHECKPOINT_IDLE) {
-                Ok(p) => p,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    checkpoint(&db, &mut wal, &shared);
-                    commits = 0;
-                    continue;
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            },
-        };
-        let mut batch = Vec::with_capacity(64);
-        batch.push(first);
-        while batch.len() < batch_max {
-            match rx.try_recv() {
-                Ok(p) => batch.push(p),
-                Err(_) => break,
-            }
-        }
-        if shared.failed.load(Ordering::SeqCst) {
-            for p in batch {
-                let _ = p.reply.send(Err(IamError::StoreFailed));
-            }
-            continue;
-        }
-        let (cmds, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.cmd, p.reply)).unzip();
-        match apply_and_persist(&db, &mut wal, &shared, cmds.into_iter()) {
-            Ok(results) => {
-                for (reply, r) in replies.into_iter().zip(results) {
-                    // A caller that went away does not matter: the command is committed.
-                    let _ = reply.send(r);
-                }
-            }
-            Err(e) => {
-                let msg = e.to_string();
-                for reply in replies {
-                    let _ = reply.send(Err(IamError::CommitFailed(msg.clone())));
-                }
-            }
-        }
-        commits += 1;
-        let due = wal.len() >= CHECKPOINT_BYTES
-            || commits >= CHECKPOINT_COMMITS
-            || (commits >= CHECKPOINT_IDLE_COMMITS && {
-                next = rx.try_recv().ok();
-                next.is_none()
-            });
-        if due {
-            checkpoint(&db, &mut wal, &shared);
-            commits = 0;
+/// The standalone store's group commit. Commands queue; the caller that finds no commit
+/// under way leads, once the commands made ready with its own (an AdmitMany's items) have
+/// queued. Alone in the queue (commands come one at a time), its command is applied and made
+/// durable right there, on a thread of a multi-thread runtime, so that it waits for no thread
+/// to wake, neither for the commit nor for its answer. Otherwise the commit thread
+/// ([`run_committer`]) commits up to `batch_max` queued commands at a time, answers them, and
+/// goes on until the queue is empty, so that no batch's sync holds a runtime thread. The
+/// commit thread also checkpoints (see [`CHECKPOINT_BYTES`] and below) once commits pause.
+#[derive(Debug)]
+pub struct Committer {
+    shared: Arc<Shared>,
+    batch_max: usize,
+    queue: Mutex<Queue>,
+    store: Mutex<Store>,
+    /// Commits made by the callers themselves, and by the commit thread.
+    by_callers: AtomicU64,
+    by_thread: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    pending: Vec<Pending>,
+    /// A committer is at work (or about to be).
+    running: bool,
+}
+
+#[derive(Debug)]
+struct Store {
+    db: Database,
+    wal: Wal,
+    /// Commits since the last checkpoint.
+    commits: u32,
+    last_commit: std::time::Instant,
+}
+
+impl Store {
+    /// Whether a checkpoint is due whatever else waits.
+    fn checkpoint_due(&self) -> bool {
+        self.wal.len() >= CHECKPOINT_BYTES || self.commits >= CHECKPOINT_COMMITS
+    }
+
+    fn checkpoint(&mut self, shared: &Shared) {
+        checkpoint(&self.db, &mut self.wal, shared);
+        self.commits = 0;
+    }
+}
+
+/// What the commit thread is asked to do.
+#[derive(Debug)]
+pub enum Wake {
+    /// Commit the queue: the caller that leads does not.
+    Lead,
+    /// Checkpoint if one is due, or if commits paused after many.
+    Checkpoint,
+}
+
+impl Committer {
+    pub fn new(db: Database, wal: Wal, shared: Arc<Shared>, batch_max: usize) -> Committer {
+        let store = Store { db, wal, commits: 0, last_commit: std::time::Instant::now() };
+        Committer {
+            shared,
+            batch_max: batch_max.max(1),
+            queue: Mutex::default(),
+            store: Mutex::new(store),
+            by_callers: AtomicU64::new(0),
+            by_thread: AtomicU64::new(0),
         }
     }
-    if commits > 0 {
-        checkpoint(&db, &mut wal, &shared);
+
+    /// Commits made so far by callers on their own threads, and by the commit thread.
+    pub fn commits_made(&self) -> (u64, u64) {
+        (self.by_callers.load(Ordering::Relaxed), self.by_thread.load(Ordering::Relaxed))
+    }
+
+    /// Commits `cmd` with whatever else is queued; `thread` reaches the commit thread.
+    pub async fn execute(&self, cmd: Command, thread: &mpsc::Sender<Wake>) -> Result<Output, IamError> {
+        let (reply, rx) = oneshot::channel();
+        let lead = {
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.pending.push(Pending { cmd, reply });
+            !std::mem::replace(&mut q.running, true)
+        };
+        if lead {
+            let mut leader = Leader { committer: self, thread, armed: true };
+            tokio::task::yield_now().await;
+            leader.lead();
+        }
+        rx.await.map_err(|_| IamError::Stopped)?
+    }
+
+    /// Commits what is queued, batch by batch, until the queue is empty. `lone`: the caller's
+    /// own command is alone in the queue and committed on its thread; what queued meanwhile
+    /// goes to the commit thread, as does the checkpoint after many commits.
+    fn drain(&self, lone: Option<&mpsc::Sender<Wake>>) {
+        let (mut many, mut batches, mut hand_off) = (false, 0, lone);
+        loop {
+            let batch: Vec<Pending> = {
+                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                if q.pending.is_empty() {
+                    // Under the lock: a command queued after this leads.
+                    q.running = false;
+                    drop(q);
+                    if many && let Some(t) = lone {
+                        // Commits paused after many: a checkpoint, not on a caller's way.
+                        let _ = t.send(Wake::Checkpoint);
+                    }
+                    return;
+                }
+                if batches == 1
+                    && let Some(t) = hand_off.take()
+                    && t.send(Wake::Lead).is_ok()
+                {
+                    return;
+                }
+                // (A commit thread that is gone, the store closing: this goes on.)
+                batches += 1;
+                let n = q.pending.len().min(self.batch_max);
+                q.pending.drain(..n).collect()
+            };
+            let mut store = self.store.lock().unwrap_or_else(|p| p.into_inner());
+            if self.shared.failed.load(Ordering::SeqCst) {
+                for p in batch {
+                    let _ = p.reply.send(Err(IamError::StoreFailed));
+                }
+                continue;
+            }
+            let (cmds, replies): (Vec<Command>, Vec<_>) = batch.into_iter().map(|p| (p.cmd, p.reply)).unzip();
+            let Store { db, wal, .. } = &mut *store;
+            match apply_and_persist(db, wal, &self.shared, cmds.into_iter()) {
+                Ok(results) => {
+                    for (reply, r) in replies.into_iter().zip(results) {
+                        // A caller that went away does not matter: the command is committed.
+                        let _ = reply.send(r);
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    for reply in replies {
+                        let _ = reply.send(Err(IamError::CommitFailed(msg.clone())));
+                    }
+                }
+            }
+            store.commits += 1;
+            store.last_commit = std::time::Instant::now();
+            let by = if lone.is_some() && batches == 1 { &self.by_callers } else { &self.by_thread };
+            by.fetch_add(1, Ordering::Relaxed);
+            if store.checkpoint_due() {
+                // Not on a caller's way, when a caller commits.
+                let handed = lone.is_some_and(|t| t.send(Wake::Checkpoint).is_ok());
+                if !handed {
+                    store.checkpoint(&self.shared);
+                }
+            }
+            many = store.commits >= CHECKPOINT_IDLE_COMMITS;
+        }
+    }
+
+    /// A checkpoint if one is due, or after many commits if none is queued or under way.
+    fn checkpoint_if_paused(&self) {
+        let mut store = self.store.lock().unwrap_or_else(|p| p.into_inner());
+        if store.checkpoint_due() || (store.commits >= CHECKPOINT_IDLE_COMMITS && self.idle()) {
+            store.checkpoint(&self.shared);
+        }
+    }
+
+    /// Whether no command waits or is being committed.
+    fn idle(&self) -> bool {
+        let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        !q.running && q.pending.is_empty()
+    }
+}
+
+/// The caller that found no commit under way, until the queue has a committer (see
+/// [`Committer`]); dropped before, it hands the queue to the commit thread.
+struct Leader<'a> {
+    committer: &'a Committer,
+    thread: &'a mpsc::Sender<Wake>,
+    armed: bool,
+}
+
+impl Leader<'_> {
+    fn lead(&mut self) {
+        let alone = self.committer.queue.lock().unwrap_or_else(|p| p.into_inner()).pending.len() == 1;
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if alone && multi_thread {
+            self.armed = false;
+            self.committer.drain(Some(self.thread));
+        }
+    }
+}
+
+impl Drop for Leader<'_> {
+    fn drop(&mut self) {
+        if self.armed && self.thread.send(Wake::Lead).is_err() {
+            // The commit thread is gone (the store is closing): commit here.
+            self.committer.drain(None);
+        }
+    }
+}
+
+/// The commit thread: commits the queue when asked (see [`Committer`]), checkpoints once
+/// commits pause, and when every sender is gone commits what is still queued, checkpoints a
+/// last time and returns.
+pub fn run_committer(c: Arc<Committer>, rx: mpsc::Receiver<Wake>) {
+    loop {
+        match rx.recv_timeout(CHECKPOINT_IDLE) {
+            Ok(Wake::Lead) => {
+                c.drain(None);
+                c.checkpoint_if_paused();
+            }
+            Ok(Wake::Checkpoint) => c.checkpoint_if_paused(),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let mut store = c.store.lock().unwrap_or_else(|p| p.into_inner());
+                if store.commits > 0 && store.last_commit.elapsed() >= CHECKPOINT_IDLE {
+                    store.checkpoint(&c.shared);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    c.drain(None);
+    let mut store = c.store.lock().unwrap_or_else(|p| p.into_inner());
+    if store.commits > 0 {
+        store.checkpoint(&c.shared);
     }
     tracing::debug!("iam commit thread stopping");
-    drop(db);
 }

@@ -87,6 +87,54 @@ async fn state_survives_a_reopen() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_command_is_committed_by_its_caller_and_a_crowd_by_the_commit_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let iam = std::sync::Arc::new(Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap());
+    let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
+    iam.create_project(&admin, "root/p", Quota::default()).await.unwrap();
+    let token = user_with_token(&iam, &admin, "worker", "root/p").await;
+    // One at a time (after the setup's few): each command is alone in the queue, so its caller
+    // commits it on its own thread.
+    let (callers, thread) = iam.commits_made();
+    for i in 0..50 {
+        iam.admit(&token, &format!("one-{i}"), "root/p", res(10), "e1", false, Vec::new()).await.unwrap();
+    }
+    let (callers_after, thread_after) = iam.commits_made();
+    assert_eq!((callers_after - callers, thread_after - thread), (50, 0));
+    // Many at once: the first caller leads, the commit thread commits the crowd in batches.
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..400 {
+        let (iam, token) = (iam.clone(), token.clone());
+        tasks.spawn(async move {
+            iam.admit(&token, &format!("many-{i}"), "root/p", res(10), "e1", false, Vec::new()).await.unwrap();
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    let (callers_end, thread_end) = iam.commits_made();
+    assert!(thread_end > thread_after, "the crowd went to the commit thread");
+    assert!(callers_end - callers_after + thread_end - thread_after < 400, "and was committed in batches");
+    // A leader that goes away before it commits (its caller's future dropped right after it
+    // queued): the commit thread commits for it, and the next command is not left waiting.
+    let _ = tokio::time::timeout(Duration::ZERO, iam.admit(&token, "gone", "root/p", res(10), "e1", false, Vec::new()))
+        .await;
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        iam.admit(&token, "next", "root/p", res(10), "e1", false, Vec::new()),
+    )
+    .await
+    .expect("the next command was left waiting")
+    .unwrap();
+    assert!(iam.get_lease("gone").unwrap().is_some(), "a queued command is committed");
+    let before = snapshot(&iam);
+    assert_eq!(before.usage("root/p").unwrap().sandboxes, 452);
+    drop(iam);
+    let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
+    assert_eq!(snapshot(&iam), before);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_admits_are_group_committed() {
     let dir = tempfile::tempdir().unwrap();
     let iam = Iam::open(options(dir.path(), ADMIN_TOKEN)).unwrap();
