@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
@@ -392,6 +392,8 @@ pub struct Committer {
     batch_max: usize,
     queue: Mutex<Queue>,
     store: Mutex<Store>,
+    /// A caller asked the commit thread for a checkpoint, not yet made.
+    checkpoint_asked: AtomicBool,
     /// Commits made by the callers themselves, and by the commit thread.
     by_callers: AtomicU64,
     by_thread: AtomicU64,
@@ -442,6 +444,7 @@ impl Committer {
             batch_max: batch_max.max(1),
             queue: Mutex::default(),
             store: Mutex::new(store),
+            checkpoint_asked: AtomicBool::new(false),
             by_callers: AtomicU64::new(0),
             by_thread: AtomicU64::new(0),
         }
@@ -469,35 +472,50 @@ impl Committer {
     }
 
     /// Commits what is queued, batch by batch, until the queue is empty. `lone`: the caller's
-    /// own command is alone in the queue and committed on its thread; what queued meanwhile
-    /// goes to the commit thread, as does the checkpoint after many commits.
-    fn drain(&self, lone: Option<&mpsc::Sender<Wake>>) {
-        let (mut many, mut batches, mut hand_off) = (false, 0, lone);
+    /// own command is alone in the queue and committed on its thread, under the store it
+    /// holds; what queued meanwhile goes to the commit thread, as do checkpoints.
+    ///
+    /// Should a commit panic, nothing more is committed until IAM is restarted: the store is
+    /// marked failed, and whatever is queued is answered that IAM stopped.
+    fn drain(&self, lone: Option<(&mpsc::Sender<Wake>, MutexGuard<'_, Store>)>) {
+        struct Unwinding<'a>(&'a Committer);
+        impl Drop for Unwinding<'_> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    self.0.shared.failed.store(true, Ordering::SeqCst);
+                    *self.0.queue.lock().unwrap_or_else(|p| p.into_inner()) = Queue::default();
+                }
+            }
+        }
+        let _unwinding = Unwinding(self);
+        let (thread, mut held) = match lone {
+            Some((t, store)) => (Some(t), Some(store)),
+            None => (None, None),
+        };
+        let mut batches = 0;
         loop {
             let batch: Vec<Pending> = {
                 let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
                 if q.pending.is_empty() {
                     // Under the lock: a command queued after this leads.
                     q.running = false;
-                    drop(q);
-                    if many && let Some(t) = lone {
-                        // Commits paused after many: a checkpoint, not on a caller's way.
-                        let _ = t.send(Wake::Checkpoint);
-                    }
                     return;
                 }
                 if batches == 1
-                    && let Some(t) = hand_off.take()
+                    && let Some(t) = thread
                     && t.send(Wake::Lead).is_ok()
                 {
                     return;
                 }
-                // (A commit thread that is gone, the store closing: this goes on.)
+                // (Past a commit thread that is gone, the store closing, this goes on.)
                 batches += 1;
                 let n = q.pending.len().min(self.batch_max);
                 q.pending.drain(..n).collect()
             };
-            let mut store = self.store.lock().unwrap_or_else(|p| p.into_inner());
+            let mut store = match held.take() {
+                Some(store) => store,
+                None => self.store.lock().unwrap_or_else(|p| p.into_inner()),
+            };
             if self.shared.failed.load(Ordering::SeqCst) {
                 for p in batch {
                     let _ = p.reply.send(Err(IamError::StoreFailed));
@@ -522,23 +540,30 @@ impl Committer {
             }
             store.commits += 1;
             store.last_commit = std::time::Instant::now();
-            let by = if lone.is_some() && batches == 1 { &self.by_callers } else { &self.by_thread };
+            let by = if thread.is_some() && batches == 1 { &self.by_callers } else { &self.by_thread };
             by.fetch_add(1, Ordering::Relaxed);
-            if store.checkpoint_due() {
-                // Not on a caller's way, when a caller commits.
-                let handed = lone.is_some_and(|t| t.send(Wake::Checkpoint).is_ok());
-                if !handed {
-                    store.checkpoint(&self.shared);
+            let wanted = store.checkpoint_due() || store.commits >= CHECKPOINT_IDLE_COMMITS;
+            let here = match thread {
+                // Not on a caller's way: asked of the commit thread once (here if it is gone).
+                Some(t) => {
+                    wanted && !self.checkpoint_asked.swap(true, Ordering::AcqRel) && t.send(Wake::Checkpoint).is_err()
                 }
+                None => store.checkpoint_due(),
+            };
+            if here {
+                store.checkpoint(&self.shared);
             }
-            many = store.commits >= CHECKPOINT_IDLE_COMMITS;
         }
     }
 
-    /// A checkpoint if one is due, or after many commits if none is queued or under way.
-    fn checkpoint_if_paused(&self) {
+    /// On the commit thread: a checkpoint if one is due, or after many commits if none is
+    /// queued or under way, or if a caller asked for one (it found the queue empty then).
+    fn checkpoint_if_paused(&self, asked: bool) {
         let mut store = self.store.lock().unwrap_or_else(|p| p.into_inner());
-        if store.checkpoint_due() || (store.commits >= CHECKPOINT_IDLE_COMMITS && self.idle()) {
+        if asked {
+            self.checkpoint_asked.store(false, Ordering::Release);
+        }
+        if store.checkpoint_due() || (store.commits >= CHECKPOINT_IDLE_COMMITS && (asked || self.idle())) {
             store.checkpoint(&self.shared);
         }
     }
@@ -559,14 +584,22 @@ struct Leader<'a> {
 }
 
 impl Leader<'_> {
+    /// Commits here a command alone in the queue, on a multi-thread runtime, when the store is
+    /// free (not in a checkpoint); otherwise the commit thread is asked to, on drop.
     fn lead(&mut self) {
         let alone = self.committer.queue.lock().unwrap_or_else(|p| p.into_inner()).pending.len() == 1;
         let multi_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if alone && multi_thread {
-            self.armed = false;
-            self.committer.drain(Some(self.thread));
+        if !(alone && multi_thread) {
+            return;
         }
+        let store = match self.committer.store.try_lock() {
+            Ok(store) => store,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        };
+        self.armed = false;
+        self.committer.drain(Some((self.thread, store)));
     }
 }
 
@@ -587,9 +620,9 @@ pub fn run_committer(c: Arc<Committer>, rx: mpsc::Receiver<Wake>) {
         match rx.recv_timeout(CHECKPOINT_IDLE) {
             Ok(Wake::Lead) => {
                 c.drain(None);
-                c.checkpoint_if_paused();
+                c.checkpoint_if_paused(false);
             }
-            Ok(Wake::Checkpoint) => c.checkpoint_if_paused(),
+            Ok(Wake::Checkpoint) => c.checkpoint_if_paused(true),
             Err(mpsc::RecvTimeoutError::Timeout) => {
                 let mut store = c.store.lock().unwrap_or_else(|p| p.into_inner());
                 if store.commits > 0 && store.last_commit.elapsed() >= CHECKPOINT_IDLE {
