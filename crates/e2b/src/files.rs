@@ -240,8 +240,16 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                 futures::pin_mut!(data);
                 while let Some(c) = data.next().await {
                     let bad = c.as_ref().err().cloned();
-                    if tx.send(c).await.is_err() || bad.is_some() {
+                    let taken = tx.send(c).await.is_ok();
+                    if bad.is_some() {
                         return bad;
+                    }
+                    if !taken {
+                        // The write failed (a full disk, say): the rest of the part is read and
+                        // dropped, within bounds, so that a client still sending it gets the
+                        // answer instead of a broken pipe.
+                        let _ = tokio::time::timeout(DRAIN_TIME, drop_rest(&mut data)).await;
+                        return None;
                     }
                 }
                 None
@@ -254,7 +262,19 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
             }
             match r {
                 Ok(v) => written.push(v),
-                Err(resp) => return resp,
+                Err(resp) => {
+                    // And what follows the part (its closing boundary, any other part).
+                    let _ = tokio::time::timeout(DRAIN_TIME, async {
+                        while let Ok(Some(f)) = mp.next_field().await {
+                            in_part.store(true, Ordering::Relaxed);
+                            futures::pin_mut!(f);
+                            drop_rest(&mut f.map(|c| c.map_err(|e| e.to_string()))).await;
+                            in_part.store(false, Ordering::Relaxed);
+                        }
+                    })
+                    .await;
+                    return resp;
+                }
             }
         }
         if written.is_empty() {
@@ -297,6 +317,20 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
 /// How much of a refused upload is read (and dropped) so that its client gets the answer.
 const DRAIN_BYTES: u64 = 1 << 30;
 const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Reads what is left of `data` and drops it, up to [`DRAIN_BYTES`].
+async fn drop_rest<S>(data: &mut S)
+where
+    S: Stream<Item = Result<Bytes, String>> + Unpin,
+{
+    let mut dropped = 0u64;
+    while let Some(Ok(b)) = data.next().await {
+        dropped += b.len() as u64;
+        if dropped > DRAIN_BYTES {
+            break;
+        }
+    }
+}
 
 /// The body as a stream for `put`, read by a task of its own; once `put` stops taking it (it
 /// failed), the task reads the rest and drops it, up to [`DRAIN_BYTES`].
