@@ -508,6 +508,15 @@ fn on_multi_thread_runtime() -> bool {
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
+/// Runs `f` on a blocking thread of the current runtime, not waiting for it; outside a
+/// runtime, here.
+fn on_a_blocking_thread(f: impl FnOnce() + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) => drop(h.spawn_blocking(f)),
+        Err(_) => f(),
+    }
+}
+
 /// One frame read back.
 struct Frame {
     kind: u8,
@@ -853,10 +862,7 @@ impl RecordStore {
             let appended = store.append_frames(&batch.bytes, &frames, !lone).map(|(ticket, compact)| {
                 if compact {
                     let store = store.clone();
-                    match tokio::runtime::Handle::try_current() {
-                        Ok(h) => drop(h.spawn_blocking(move || store.compact_or_warn())),
-                        Err(_) => store.compact_or_warn(),
-                    }
+                    on_a_blocking_thread(move || store.compact_or_warn());
                 }
                 ticket
             });
@@ -893,12 +899,7 @@ impl RecordStore {
 
     /// The writer on a blocking thread (here, outside a runtime).
     fn drain_elsewhere(store: std::sync::Arc<Self>) {
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) => {
-                h.spawn_blocking(move || RecordStore::drain_queue(store, false));
-            }
-            Err(_) => RecordStore::drain_queue(store, false),
-        }
+        on_a_blocking_thread(move || RecordStore::drain_queue(store, false));
     }
 
     /// Replaces (or creates) the record of `lease_id` with `bytes`, as `mode` says.
