@@ -211,6 +211,9 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
         });
         let mut mp = multer::Multipart::new(body, boundary);
         let mut seen = std::collections::HashSet::new();
+        // One budget for what a refused upload still reads: the rest of its part, then what
+        // follows it.
+        let mut drain = Drain::default();
         loop {
             let field = match mp.next_field().await {
                 Ok(Some(f)) => f,
@@ -236,6 +239,7 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
             let data = field.map(|c| c.map_err(|e| e.to_string()));
             // Each part is written before the next is read (the parts are one stream).
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(4);
+            let part_drain = &mut drain;
             let pump = async move {
                 futures::pin_mut!(data);
                 while let Some(c) = data.next().await {
@@ -248,7 +252,7 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                         // The write failed (a full disk, say): the rest of the part is read and
                         // dropped, within bounds, so that a client still sending it gets the
                         // answer instead of a broken pipe.
-                        let _ = tokio::time::timeout(DRAIN_TIME, drop_rest(&mut data)).await;
+                        part_drain.drop_rest(&mut data).await;
                         return None;
                     }
                 }
@@ -264,11 +268,12 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                 Ok(v) => written.push(v),
                 Err(resp) => {
                     // And what follows the part (its closing boundary, any other part).
-                    let _ = tokio::time::timeout(DRAIN_TIME, async {
+                    let until = drain.start();
+                    let _ = tokio::time::timeout_at(until, async {
                         while let Ok(Some(f)) = mp.next_field().await {
                             in_part.store(true, Ordering::Relaxed);
                             futures::pin_mut!(f);
-                            drop_rest(&mut f.map(|c| c.map_err(|e| e.to_string()))).await;
+                            drain.drop_rest(&mut f.map(|c| c.map_err(|e| e.to_string()))).await;
                             in_part.store(false, Ordering::Relaxed);
                         }
                     })
@@ -318,22 +323,39 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
 const DRAIN_BYTES: u64 = 1 << 30;
 const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Reads what is left of `data` and drops it, up to [`DRAIN_BYTES`].
-async fn drop_rest<S>(data: &mut S)
-where
-    S: Stream<Item = Result<Bytes, String>> + Unpin,
-{
-    let mut dropped = 0u64;
-    while let Some(Ok(b)) = data.next().await {
-        dropped += b.len() as u64;
-        if dropped > DRAIN_BYTES {
-            break;
-        }
+/// What a refused upload may still read and drop: [`DRAIN_BYTES`] and [`DRAIN_TIME`] in all,
+/// the time counted from the first drop.
+#[derive(Default)]
+struct Drain {
+    until: Option<tokio::time::Instant>,
+    dropped: u64,
+}
+
+impl Drain {
+    /// The deadline, set by the first call.
+    fn start(&mut self) -> tokio::time::Instant {
+        *self.until.get_or_insert_with(|| tokio::time::Instant::now() + DRAIN_TIME)
+    }
+
+    /// Reads what is left of `data` and drops it, within what is left of the budget.
+    async fn drop_rest<S>(&mut self, data: &mut S)
+    where
+        S: Stream<Item = Result<Bytes, String>> + Unpin,
+    {
+        let until = self.start();
+        let _ = tokio::time::timeout_at(until, async {
+            while self.dropped <= DRAIN_BYTES
+                && let Some(Ok(b)) = data.next().await
+            {
+                self.dropped += b.len() as u64;
+            }
+        })
+        .await;
     }
 }
 
 /// The body as a stream for `put`, read by a task of its own; once `put` stops taking it (it
-/// failed), the task reads the rest and drops it, up to [`DRAIN_BYTES`].
+/// failed), the task reads the rest and drops it, within a [`Drain`].
 fn feed<S>(mut body: S) -> (tokio_stream::wrappers::ReceiverStream<Result<Bytes, String>>, tokio::task::JoinHandle<()>)
 where
     S: Stream<Item = Result<Bytes, String>> + Send + Unpin + 'static,
@@ -342,13 +364,7 @@ where
     let reader = tokio::spawn(async move {
         while let Some(c) = body.next().await {
             if let Err(tokio::sync::mpsc::error::SendError(_)) = tx.send(c).await {
-                let mut dropped = 0u64;
-                while let Some(Ok(b)) = body.next().await {
-                    dropped += b.len() as u64;
-                    if dropped > DRAIN_BYTES {
-                        break;
-                    }
-                }
+                Drain::default().drop_rest(&mut body).await;
                 return;
             }
         }
@@ -376,5 +392,41 @@ fn inflate(compressed: &[u8], tx: &tokio::sync::mpsc::Sender<Result<Bytes, Strin
                 return Some(e);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A body that goes on sending chunks of `size` bytes for as long as it is read.
+    fn endless(size: usize) -> impl Stream<Item = Result<Bytes, String>> + Unpin {
+        futures::stream::repeat_with(move || Ok(Bytes::from(vec![0u8; size])))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_upload_is_drained_within_one_budget_of_bytes_and_time() {
+        // Bytes: an endless body is read up to the budget, and not a chunk past it.
+        let mut d = Drain::default();
+        d.drop_rest(&mut endless(1 << 20)).await;
+        assert!(d.dropped > DRAIN_BYTES && d.dropped <= DRAIN_BYTES + (1 << 20), "{}", d.dropped);
+        // The budget is the upload's: a second part finds it spent and reads nothing.
+        let mut second = endless(1);
+        d.drop_rest(&mut second).await;
+        assert!(d.dropped <= DRAIN_BYTES + (1 << 20));
+
+        // Time: a body that stalls is left at the deadline, counted from the first drop, for
+        // both parts together.
+        let mut d = Drain::default();
+        let t0 = tokio::time::Instant::now();
+        d.drop_rest(&mut futures::stream::pending::<Result<Bytes, String>>()).await;
+        assert_eq!(t0.elapsed(), DRAIN_TIME);
+        d.drop_rest(&mut futures::stream::pending::<Result<Bytes, String>>()).await;
+        assert_eq!(t0.elapsed(), DRAIN_TIME, "the second drain had its own 30 s");
+
+        // A body that ends is read to its end, whatever is left.
+        let mut d = Drain::default();
+        d.drop_rest(&mut futures::stream::iter([Ok(Bytes::from_static(b"abc")), Ok(Bytes::from_static(b"de"))])).await;
+        assert_eq!(d.dropped, 5);
     }
 }
