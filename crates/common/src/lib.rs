@@ -29,6 +29,14 @@ pub use reason::{ApiError, Reason};
 /// only for its holder.
 pub const RECONCILE_LOCK: &str = "watcher-reconcile";
 
+/// Whether this thread runs a multi-thread tokio runtime, where a worker blocked for a moment
+/// (a commit's sync) leaves the others to run the rest. The group commits of IAM and of the
+/// edges' record logs commit a lone write on its caller's thread only there.
+pub fn on_multi_thread_runtime() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
 /// Sets up `tracing` for a command-line tool: warnings only unless `RUST_LOG` says otherwise.
 pub fn init_tracing_quiet() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -481,31 +481,24 @@ struct Queue {
 struct Leader(Option<std::sync::Arc<RecordStore>>);
 
 impl Leader {
-    fn write(&mut self) {
+    fn write(mut self) {
         let Some(store) = self.0.take() else { return };
         let alone = store.queue.lock().unwrap_or_else(|p| p.into_inner()).waiters.len() == 1;
-        if alone && on_multi_thread_runtime() {
+        if alone && opendsec_common::on_multi_thread_runtime() {
             RecordStore::drain_queue(store, true);
         } else {
-            // Dropped: a blocking thread writes.
-            self.0 = Some(store);
-        }
-    }
-}
-
-impl Drop for Leader {
-    fn drop(&mut self) {
-        if let Some(store) = self.0.take() {
             RecordStore::drain_elsewhere(store);
         }
     }
 }
 
-/// Whether this thread runs a multi-thread runtime, where a worker blocked in a sync leaves
-/// the others to run the rest.
-fn on_multi_thread_runtime() -> bool {
-    tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+impl Drop for Leader {
+    /// Dropped before it wrote (its caller went away): a blocking thread writes.
+    fn drop(&mut self) {
+        if let Some(store) = self.0.take() {
+            RecordStore::drain_elsewhere(store);
+        }
+    }
 }
 
 /// Runs `f` on a blocking thread of the current runtime, not waiting for it; outside a
@@ -793,7 +786,7 @@ impl RecordStore {
         if start {
             // This write leads, once the writes made ready with it (a CreateMany's items) have
             // queued: see [`Leader`].
-            let mut leader = Leader(Some(self.clone()));
+            let leader = Leader(Some(self.clone()));
             tokio::task::yield_now().await;
             leader.write();
         }

@@ -588,9 +588,7 @@ impl Leader<'_> {
     /// free (not in a checkpoint); otherwise the commit thread is asked to, on drop.
     fn lead(&mut self) {
         let alone = self.committer.queue.lock().unwrap_or_else(|p| p.into_inner()).pending.len() == 1;
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if !(alone && multi_thread) {
+        if !(alone && opendsec_common::on_multi_thread_runtime()) {
             return;
         }
         let store = match self.committer.store.try_lock() {
