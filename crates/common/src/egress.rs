@@ -107,16 +107,20 @@ impl fmt::Display for Ipv4Net {
 /// Ranges no sandbox reaches whatever its rules, unless the operator opens a network of them
 /// in the cluster config (`network.open_private`): private (RFC 1918), shared (100.64/10),
 /// "this network", loopback, link-local (cloud metadata services live there), the IETF
-/// protocol block, multicast, reserved and broadcast.
-pub const ALWAYS_CLOSED: [(&str, u8); 9] = [
+/// protocol block, benchmarking (198.18/15), multicast, reserved and broadcast, and Azure's
+/// WireServer (168.63.129.16: a public address that hands a VM's secrets to whoever asks from
+/// it).
+pub const ALWAYS_CLOSED: [(&str, u8); 11] = [
     ("0.0.0.0", 8),
     ("10.0.0.0", 8),
     ("100.64.0.0", 10),
     ("127.0.0.0", 8),
+    ("168.63.129.16", 32),
     ("169.254.0.0", 16),
     ("172.16.0.0", 12),
     ("192.0.0.0", 24),
     ("192.168.0.0", 16),
+    ("198.18.0.0", 15),
     ("224.0.0.0", 3),
 ];
 
@@ -447,6 +451,8 @@ mod tests {
         assert!(n.contains("10.88.3.4".parse().unwrap()) && !n.contains("10.89.0.0".parse().unwrap()));
         assert!(Ipv4Net::parse("0.0.0.0/0").unwrap().covers(&n));
         assert_eq!(always_closed().len(), ALWAYS_CLOSED.len());
-        assert!(always_closed().iter().any(|c| c.contains("169.254.169.254".parse().unwrap())));
+        for addr in ["169.254.169.254", "168.63.129.16", "198.18.0.1", "198.19.255.254"] {
+            assert!(always_closed().iter().any(|c| c.contains(addr.parse().unwrap())), "{addr}");
+        }
     }
 }
