@@ -1,7 +1,9 @@
 //! The sandbox setup process: the edge binary re-executed (`/proc/self/exe` with argv[1] =
-//! [`MARKER`]), reading an [`InitConfig`] as JSON on stdin and reporting on stdout.
+//! [`MARKER`]), reading an [`InitConfig`] as JSON and reporting on stdout, a unix socket (the
+//! edge writes the config and shuts its sending side), with the agent's listening socket, if
+//! any, as stdin.
 //!
-//! Protocol on stdout (the status pipe), one line each: `PID <host pid>` once the sandbox's
+//! Protocol on stdout after the config (the status socket), one line each: `PID <host pid>` once the sandbox's
 //! PID 1 exists, `ERR <stage>: <message>` when a stage fails. The status fd is close-on-exec
 //! in PID 1, so EOF after a `PID` line and no `ERR` means the init command was executed.
 //!
@@ -129,7 +131,8 @@ pub struct InitConfig {
     pub oom_score_adj: i32,
     pub argv: Vec<String>,
     pub env: Vec<String>,
-    /// An inherited fd (the agent's listening socket) handed to PID 1 as fd [`PID1_LISTEN_FD`].
+    /// An inherited fd (the agent's listening socket) handed to PID 1 as fd [`PID1_LISTEN_FD`]:
+    /// [`LISTEN_ON_STDIN`] as the edge hands it over.
     #[serde(default)]
     pub listen_fd: Option<i32>,
     /// Give PID 1 (and so every process of the sandbox) its own core scheduling cookie.
@@ -143,6 +146,9 @@ pub struct InitConfig {
 
 /// The fd number PID 1 finds its inherited listening socket at.
 pub const PID1_LISTEN_FD: i32 = 3;
+/// [`InitConfig::listen_fd`] when the listening socket is the setup process's stdin (as the
+/// edge hands it over: never as an inheritable fd of its own, see `sandbox::start`).
+pub const LISTEN_ON_STDIN: i32 = 0;
 
 /// Enters the setup process when argv says so; never returns then. Call it first in `main`.
 pub fn run_if_init() {
@@ -158,8 +164,9 @@ pub fn run_if_init() {
     if rustix::process::setsid().is_err() {
         std::process::exit(112);
     }
-    // Keep the status pipe away from stdout (which PID 1 points elsewhere) and from fd 3
-    // (PID 1's listening socket), close-on-exec.
+    // Keep the status socket (stdout: the config comes in on it, the status goes out) away
+    // from stdout (which PID 1 points elsewhere) and from fd 3 (PID 1's listening socket),
+    // close-on-exec.
     let status = match rustix::io::fcntl_dupfd_cloexec(std::io::stdout(), PID1_LISTEN_FD + 1) {
         Ok(fd) => std::fs::File::from(fd),
         Err(_) => std::process::exit(111),
@@ -178,13 +185,21 @@ type Fail = (&'static str, String, std::fs::File);
 
 fn setup(mut status: std::fs::File) -> Result<i32, Fail> {
     let mut text = String::new();
-    if let Err(e) = std::io::stdin().read_to_string(&mut text) {
+    if let Err(e) = (&status).read_to_string(&mut text) {
         return Err(("config", e.to_string(), status));
     }
-    let cfg: InitConfig = match serde_json::from_str(&text) {
+    let mut cfg: InitConfig = match serde_json::from_str(&text) {
         Ok(c) => c,
         Err(e) => return Err(("config", e.to_string(), status)),
     };
+    // A listening socket on stdin moves off it (close-on-exec) before stdin becomes /dev/null.
+    if cfg.listen_fd == Some(LISTEN_ON_STDIN) {
+        match rustix::io::fcntl_dupfd_cloexec(std::io::stdin(), PID1_LISTEN_FD + 1) {
+            // Kept open until PID 1 execs (pass_fds moves it to PID1_LISTEN_FD).
+            Ok(fd) => cfg.listen_fd = Some(std::os::fd::IntoRawFd::into_raw_fd(fd)),
+            Err(e) => return Err(("fds", format!("listening socket on stdin: {e}"), status)),
+        }
+    }
     let progs = match super::seccomp::compile() {
         Ok(p) => p,
         Err(e) => return Err(("seccomp", e.to_string(), status)),
@@ -219,9 +234,9 @@ fn setup(mut status: std::fs::File) -> Result<i32, Fail> {
     }
 }
 
-/// Writes one status line with a single write: PID 1 and the setup process share the pipe,
-/// and a line written in pieces could interleave with the other's (a pipe write of at most
-/// PIPE_BUF bytes is atomic).
+/// Writes one status line with a single write: PID 1 and the setup process share the status
+/// socket, and a line written in pieces could interleave with the other's (a unix stream
+/// socket queues a write this small whole).
 fn report(status: &mut std::fs::File, line: String) {
     let mut line = line;
     let mut cut = line.len().min(3000);

@@ -304,38 +304,39 @@ fn start_in(spec: &SandboxSpec, dir: &Path, cg: &SandboxCgroup) -> Result<(i32, 
         id_map,
     };
     let listener = if spec.agent_socket { Some(bind_agent_socket(dir)?) } else { None };
-    // The setup process inherits the listening socket through a copy that is not
-    // close-on-exec, made just for the spawn (no pre_exec hook: std then spawns with
-    // posix_spawn, which does not copy the edge's page tables as fork would). Processes the
-    // edge spawns meanwhile inherit the copy too; a sandbox's PID 1 marks every inherited fd
-    // but its own close-on-exec before it runs anything (init::pass_fds), and other children
-    // (mkfs) never accept on it.
-    let inheritable = match &listener {
-        Some(l) => Some(dup_inheritable(l).map_err(io("dup", &dir.join(AGENT_SOCKET)))?),
-        None => None,
+    // The setup process gets the listening socket as its stdin, and its config and status
+    // over one socket pair as its stdout. A spawn's dup2 clears close-on-exec in the child
+    // alone, so no fd of the edge is ever inheritable: a process the edge spawns meanwhile (a
+    // QEMU, nft, mkfs, another sandbox's setup) never holds this sandbox's socket. std still
+    // spawns with posix_spawn (no pre_exec hook), which does not copy the edge's page tables
+    // as fork would.
+    let stdin = match &listener {
+        Some(l) => Stdio::from(std::os::fd::OwnedFd::from(l.try_clone().map_err(io("dup", &dir.join(AGENT_SOCKET)))?)),
+        None => Stdio::null(),
     };
     let mut cfg = cfg;
-    cfg.listen_fd = inheritable.as_ref().map(|l| l.as_raw_fd());
+    cfg.listen_fd = listener.as_ref().map(|_| init::LISTEN_ON_STDIN);
     let json = serde_json::to_vec(&cfg).map_err(|e| SandboxError::Setup(format!("config: {e}")))?;
-    let mut cmd = Command::new(&spec.init_exe);
-    let mut child = cmd
-        .arg(init::MARKER)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .map_err(io("spawn", &spec.init_exe))?;
-    drop(inheritable);
+    let (mut ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(io("socketpair for", &spec.init_exe))?;
+    let mut child = {
+        // Dropped at the end of the block: the parent keeps no copy of the child's ends.
+        let mut cmd = Command::new(&spec.init_exe);
+        cmd.arg(init::MARKER)
+            .stdin(stdin)
+            .stdout(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .map_err(io("spawn", &spec.init_exe))?
+    };
     // Into the cgroup before it unshares its cgroup namespace (it blocks reading the config).
     let joined = cg.add_pid(child.id() as i32);
-    let wrote = match (&joined, child.stdin.take()) {
-        (Ok(()), Some(mut stdin)) => stdin.write_all(&json).map_err(io("send config to", &spec.init_exe)),
-        _ => Ok(()),
+    let wrote = match &joined {
+        Ok(()) => ours.write_all(&json).map_err(io("send config to", &spec.init_exe)),
+        Err(_) => Ok(()),
     };
-    let status = match child.stdout.take() {
-        Some(out) => init::read_status(out),
-        None => Err("no status pipe".into()),
-    };
+    // The end of the config (the setup process reads to it), sent or not.
+    let _ = ours.shutdown(std::net::Shutdown::Write);
+    let status = init::read_status(&mut ours);
     let _ = child.wait();
     joined?;
     wrote?;
@@ -363,14 +364,6 @@ fn bind_agent_socket(dir: &Path) -> Result<std::os::unix::net::UnixListener, San
     let l = std::os::unix::net::UnixListener::bind(&path).map_err(io("bind", &sock))?;
     std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600)).map_err(io("chmod", &sock))?;
     Ok(l)
-}
-
-/// A copy of `fd` without close-on-exec (fcntl F_DUPFD leaves the flag clear).
-fn dup_inheritable(fd: &impl std::os::fd::AsFd) -> std::io::Result<std::os::fd::OwnedFd> {
-    // Made close-on-exec (no other thread's exec may inherit it meanwhile), then cleared.
-    let copy = rustix::io::fcntl_dupfd_cloexec(fd, 3)?;
-    rustix::io::fcntl_setfd(&copy, rustix::io::FdFlags::empty())?;
-    Ok(copy)
 }
 
 /// Connects to the agent socket in `dir` (through a directory fd, see [`bind_agent_socket`]);

@@ -379,3 +379,72 @@ async fn hostile_image_mount_points_are_refused_without_touching_the_host() {
     assert!(rootfs::loops_under(&state).is_empty());
     assert!(cgroup::list("test-sbx-evil").unwrap().is_empty());
 }
+
+/// The edge spawns other programs while it starts sandboxes (a QEMU, `nft`, `mkfs`, other
+/// sandboxes' setup processes). None of them may inherit a sandbox's agent socket: the
+/// listening socket reaches the setup process as its stdin, never as an inheritable fd of the
+/// edge. Before, a copy without close-on-exec lived in the edge for the whole spawn, and a
+/// child spawned in that window held another tenant's agent socket.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_child_spawned_meanwhile_inherits_a_sandbox_agent_socket() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    if !is_root() {
+        panic!("this test needs root (CI runs as root)");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let _g = Guard { state: state.clone(), prefix: "test-sbx-fds" };
+    let lower = busybox_lower(tmp.path()).await;
+    let out = tmp.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let limits = Limits { cpu_millis: 0, best_effort: true, memory_bytes: 32 << 20, pids: 16 };
+
+    // Arrange: two threads spawn children that list their own fds, as fast as they can.
+    let done = Arc::new(AtomicBool::new(false));
+    let (spawned, leaked) = (Arc::new(AtomicUsize::new(0)), Arc::new(std::sync::Mutex::new(Vec::new())));
+    let spawners: Vec<_> = (0..2)
+        .map(|_| {
+            let (done, spawned, leaked) = (done.clone(), spawned.clone(), leaked.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::Relaxed) {
+                    let o = std::process::Command::new("ls").args(["-l", "/proc/self/fd/"]).output().unwrap();
+                    spawned.fetch_add(1, Ordering::Relaxed);
+                    let text = String::from_utf8_lossy(&o.stdout);
+                    if text.contains("socket:") {
+                        leaked.lock().unwrap().push(text.into_owned());
+                    }
+                }
+            })
+        })
+        .collect();
+
+    // Act: start sandboxes with agent sockets meanwhile; each PID 1 says what its fd 3 is.
+    let mut sandboxes = Vec::new();
+    for i in 0..16 {
+        let name = format!("test-sbx-fds-{i}");
+        let script = format!("readlink /proc/1/fd/3 > /out/{i}.fd3; sleep 1000");
+        let mut sp = spec(tmp.path(), &name, lower.clone(), &out, &script, limits.clone());
+        sp.agent_socket = true;
+        sandboxes.push(tokio::task::spawn_blocking(move || Sandbox::start(&sp)).await.unwrap().unwrap());
+    }
+    done.store(true, Ordering::Relaxed);
+    for s in spawners {
+        s.join().unwrap();
+    }
+
+    // Assert: every PID 1 got its socket at fd 3, and no other child ever held one.
+    for (i, s) in sandboxes.iter().enumerate() {
+        let fd3 = out.join(format!("{i}.fd3"));
+        wait_for("PID 1 reads its fd 3", Duration::from_secs(30), || fd3.exists() || s.exited().is_some());
+        let got = std::fs::read_to_string(&fd3).unwrap_or_default();
+        assert!(got.starts_with("socket:"), "sandbox {i}: fd 3 is {got:?}");
+    }
+    assert!(spawned.load(Ordering::Relaxed) > 16, "the spawners ran");
+    let leaked = std::mem::take(&mut *leaked.lock().unwrap());
+    assert!(leaked.is_empty(), "{} children held a socket, e.g.:\n{}", leaked.len(), leaked[0]);
+    for s in sandboxes {
+        tokio::task::spawn_blocking(move || s.stop()).await.unwrap().unwrap();
+    }
+    assert!(cgroup::list("test-sbx-fds").unwrap().is_empty());
+}
