@@ -2,8 +2,11 @@
 //!
 //! Token-to-identity and (principal, permission, project)-to-decision results are kept for the
 //! configured TTL, an identity never past its token's own expiry. Tokens are never stored: the
-//! key is the SHA-256 of the token. IAM's security epoch is polled by the caller; a change
-//! clears both caches, so a revocation reaches every apiserver within about one poll interval.
+//! key is the SHA-256 of the token. IAM's security epoch is polled by the caller, with what
+//! changed since the epoch last seen: a revoked token, a principal, a project; the caches drop
+//! just the entries that name it (a tenant revoking its own tokens costs nobody else a cache
+//! entry), and clear everything when IAM no longer knows what changed. A revocation reaches
+//! every apiserver within about one poll interval.
 //!
 //! A lookup that raced with a clear must not put a pre-revocation answer back: callers take the
 //! generation before asking IAM and insert with it, and inserts from an older generation are
@@ -48,6 +51,14 @@ pub struct AuthCache {
     inner: Mutex<Inner>,
 }
 
+/// What a change took away, as IAM names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Revocation {
+    Token(String),
+    Principal(String),
+    Project(String),
+}
+
 #[derive(Debug, Default)]
 struct Inner {
     generation: u64,
@@ -56,6 +67,24 @@ struct Inner {
     authz: HashMap<AuthzKey, (bool, Instant)>,
     /// Tokens IAM refused, until when they are refused without asking.
     refused: HashMap<TokenKey, Instant>,
+}
+
+impl Inner {
+    /// Drops the cached answers `r` makes stale.
+    fn drop_revoked(&mut self, r: &Revocation) {
+        use opendsec_common::ids::project_within;
+        match r {
+            Revocation::Token(id) => self.authn.retain(|_, (i, _)| i.token_id != *id),
+            Revocation::Principal(p) => {
+                self.authn.retain(|_, (i, _)| i.principal != *p);
+                self.authz.retain(|(principal, _, _), _| principal != p);
+            }
+            Revocation::Project(path) => {
+                self.authn.retain(|_, (i, _)| !project_within(&i.project, path));
+                self.authz.retain(|(_, _, project), _| !project_within(project, path));
+            }
+        }
+    }
 }
 
 impl AuthCache {
@@ -160,28 +189,38 @@ impl AuthCache {
         g.authz.insert((principal.to_string(), permission.to_string(), project.to_string()), (allowed, now + self.ttl));
     }
 
-    /// Records IAM's security epoch; returns true when it changed and the caches were cleared.
-    pub fn observe_epoch(&self, epoch: u64) -> bool {
+    /// Records IAM's security epoch and what was taken away since the last one seen
+    /// (`None`: not known, clear everything); returns true when the epoch changed. Any change
+    /// also starts a new generation, so an answer IAM gave before it is not cached after it.
+    pub fn observe_epoch(&self, epoch: u64, revoked: Option<&[Revocation]>) -> bool {
         let mut g = self.lock();
-        match g.epoch {
-            Some(e) if e == epoch => false,
-            Some(_) => {
-                g.epoch = Some(epoch);
-                g.generation += 1;
-                g.authn.clear();
-                g.authz.clear();
-                true
+        let changed = match g.epoch {
+            Some(e) if e == epoch => return false,
+            Some(_) => true,
+            // The first epoch seen: anything cached before it came from the same IAM state
+            // or older, so clear as for a change.
+            None => false,
+        };
+        let first = g.epoch.is_none();
+        g.epoch = Some(epoch);
+        g.generation += 1;
+        match revoked {
+            Some(list) if !first => {
+                for r in list {
+                    g.drop_revoked(r);
+                }
             }
-            None => {
-                // The first epoch seen: anything cached before it came from the same IAM state
-                // or older, so clear as for a change.
-                g.epoch = Some(epoch);
-                g.generation += 1;
+            _ => {
                 g.authn.clear();
                 g.authz.clear();
-                false
             }
         }
+        changed
+    }
+
+    /// The last epoch observed.
+    pub fn epoch(&self) -> Option<u64> {
+        self.lock().epoch
     }
 
     /// The principal of a cached token, if any (for audit lines of proxied calls).
@@ -195,10 +234,14 @@ mod tests {
     use super::*;
 
     fn ident(exp: i64) -> Arc<Identity> {
+        who("alice", "root/a", "t1", exp)
+    }
+
+    fn who(principal: &str, project: &str, token_id: &str, exp: i64) -> Arc<Identity> {
         Arc::new(Identity {
-            principal: "alice".into(),
-            project: "root/a".into(),
-            token_id: "t1".into(),
+            principal: principal.into(),
+            project: project.into(),
+            token_id: token_id.into(),
             expires_at_ms: exp,
         })
     }
@@ -211,7 +254,7 @@ mod tests {
         assert!(!c.refused(&k, t0));
         c.put_refused(k, t0);
         assert!(c.refused(&k, t0 + Duration::from_secs(9)));
-        assert!(!c.observe_epoch(5) && c.refused(&k, t0), "an epoch change does not make it good");
+        assert!(!c.observe_epoch(5, None) && c.refused(&k, t0), "an epoch change does not make it good");
         assert!(!c.refused(&k, t0 + Duration::from_secs(11)));
         let off = AuthCache::new(Duration::from_secs(30), Duration::ZERO);
         off.put_refused(k, t0);
@@ -236,16 +279,16 @@ mod tests {
     fn an_epoch_change_clears_and_stale_inserts_are_dropped() {
         let c = AuthCache::new(Duration::from_secs(30), Duration::from_secs(10));
         let t0 = Instant::now();
-        assert!(!c.observe_epoch(1));
+        assert!(!c.observe_epoch(1, None));
         let k = token_key("tok");
         let g = c.generation();
         c.put_identity(g, k, ident(0), t0);
         c.put_authz(g, "alice", "sandbox.view", "root/a", true, t0);
         assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), Some(true));
-        assert!(!c.observe_epoch(1));
+        assert!(!c.observe_epoch(1, None));
         assert!(c.get_identity(&k, t0, 0).is_some());
 
-        assert!(c.observe_epoch(2));
+        assert!(c.observe_epoch(2, None));
         assert!(c.get_identity(&k, t0, 0).is_none());
         assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), None);
         // An answer asked for before the change arrives after it: not cached.
@@ -261,5 +304,45 @@ mod tests {
         assert_ne!(&k[..], b"dsk.abc.0123456789abcdef".get(..32).unwrap_or_default());
         assert_eq!(k, token_key("dsk.abc.0123456789abcdef"));
         assert_ne!(k, token_key("dsk.abc.0123456789abcdeg"));
+    }
+
+    #[test]
+    fn a_revocation_drops_only_what_it_names() {
+        let c = AuthCache::new(Duration::from_secs(30), Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert!(!c.observe_epoch(1, Some(&[])));
+        let entries = [
+            ("k1", who("alice", "root/a", "t1", 0)),
+            ("k2", who("alice", "root/a", "t2", 0)),
+            ("k3", who("bob", "root/b", "t3", 0)),
+            ("k4", who("carol", "root/b/x", "t4", 0)),
+        ];
+        let g = c.generation();
+        for (k, id) in &entries {
+            c.put_identity(g, token_key(k), id.clone(), t0);
+        }
+        c.put_authz(g, "alice", "sandbox.view", "root/a", true, t0);
+        c.put_authz(g, "bob", "sandbox.view", "root/b/x", true, t0);
+        c.put_authz(g, "bob", "sandbox.view", "root/c", true, t0);
+        let cached = |k: &str| c.get_identity(&token_key(k), t0, 0).is_some();
+
+        // A revoked token: that token only.
+        assert!(c.observe_epoch(2, Some(&[Revocation::Token("t1".into())])));
+        assert!(!cached("k1") && cached("k2") && cached("k3") && cached("k4"));
+        assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), Some(true));
+        // A deleted project: the identities and decisions within it.
+        assert!(c.observe_epoch(3, Some(&[Revocation::Project("root/b/x".into())])));
+        assert!(cached("k2") && cached("k3") && !cached("k4"));
+        assert_eq!(c.get_authz("bob", "sandbox.view", "root/b/x", t0), None);
+        assert_eq!(c.get_authz("bob", "sandbox.view", "root/c", t0), Some(true));
+        // A principal (a grant revoked): its identities and decisions.
+        assert!(c.observe_epoch(4, Some(&[Revocation::Principal("bob".into())])));
+        assert!(cached("k2") && !cached("k3"));
+        assert_eq!(c.get_authz("bob", "sandbox.view", "root/c", t0), None);
+        assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), Some(true));
+        // IAM no longer knows what changed: everything goes.
+        assert!(c.observe_epoch(9, None));
+        assert!(!cached("k2"));
+        assert_eq!(c.get_authz("alice", "sandbox.view", "root/a", t0), None);
     }
 }

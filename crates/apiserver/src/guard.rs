@@ -24,6 +24,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use opendsec_common::grpc::CLIENT_ADDR_HEADER;
+use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason, time};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 
@@ -148,13 +150,28 @@ fn method_of(path: &str) -> &'static str {
     METHODS.iter().find(|x| **x == m).copied().unwrap_or("unknown")
 }
 
-/// The caller's address, from the connection (plain or TLS).
+/// The caller's address: from the connection (plain or TLS), or, on a connection whose
+/// client certificate says `gateway`, the address the E2B gateway names in
+/// [`CLIENT_ADDR_HEADER`] (its own caller's: failed authentications count against the client
+/// that made them, not against the gateway every E2B user shares). The header is ignored from
+/// anyone else.
 fn source<B>(req: &http::Request<B>) -> Option<IpAddr> {
     let e = req.extensions();
-    e.get::<TlsConnectInfo<TcpConnectInfo>>()
+    let conn = e
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
         .and_then(|i| i.get_ref().remote_addr())
         .or_else(|| e.get::<TcpConnectInfo>().and_then(|i| i.remote_addr()))
-        .map(|a| a.ip())
+        .map(|a| a.ip());
+    let forwarded = || {
+        let v = req.headers().get(CLIENT_ADDR_HEADER)?.to_str().ok()?;
+        v.trim().parse::<IpAddr>().ok()
+    };
+    if req.headers().contains_key(CLIENT_ADDR_HEADER)
+        && opendsec_common::acl::identity_of(req).is_some_and(|id| id.role == Role::Gateway)
+    {
+        return forwarded().or(conn);
+    }
+    conn
 }
 
 /// The bearer token of the request's headers (as `grpc::bearer` reads metadata).

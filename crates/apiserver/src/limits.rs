@@ -1,8 +1,9 @@
 //! Bounds that keep one caller from taking an apiserver's memory or another tenant's share
 //! (issue 9, "limits before authentication, and per-tenant bounds"):
 //!
-//! - [`FailureTracker`]: after too many failed authentications from one source address in a
-//!   window, that source is answered `unauthenticated` for a while without asking IAM;
+//! - `FailureTracker` (`opendsec_common::auth_failures`, shared with the E2B gateway): after
+//!   too many failed authentications from one source address in a window, that source is
+//!   answered `unauthenticated` for a while without asking IAM;
 //! - [`FairGate`]: the creation slots of an apiserver, handed out round-robin between the
 //!   principals waiting for one, so a 32,768-item batch of one tenant cannot starve the single
 //!   creations of another;
@@ -12,82 +13,12 @@
 //!
 //! Pure logic over a clock the caller passes in, unit-tested here; the gRPC layer only asks.
 use std::collections::{HashMap, VecDeque};
-use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
+pub use opendsec_common::auth_failures::FailureTracker;
 pub use opendsec_common::bounds::{AnswerBudget, PerKey};
-use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
-
-/// Most source addresses tracked at once (beyond, the oldest windows are dropped).
-const MAX_SOURCES: usize = 100_000;
-
-/// Failed authentications per source address.
-#[derive(Debug)]
-pub struct FailureTracker {
-    max: u32,
-    window: Duration,
-    pause: Duration,
-    sources: Mutex<HashMap<IpAddr, Source>>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Source {
-    window_start: Instant,
-    failures: u32,
-    paused_until: Option<Instant>,
-}
-
-impl FailureTracker {
-    /// `max` failures within `window` pause a source for `pause`; `max == 0` never pauses.
-    pub fn new(max: u32, window: Duration, pause: Duration) -> FailureTracker {
-        FailureTracker { max, window, pause, sources: Mutex::new(HashMap::new()) }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, Source>> {
-        self.sources.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// How much longer `ip` stays paused (None: not paused).
-    pub fn paused(&self, ip: IpAddr, now: Instant) -> Option<Duration> {
-        let until = self.lock().get(&ip)?.paused_until?;
-        (until > now).then(|| until - now)
-    }
-
-    /// Counts a failed authentication from `ip`; true when it starts a pause.
-    pub fn failed(&self, ip: IpAddr, now: Instant) -> bool {
-        if self.max == 0 {
-            return false;
-        }
-        let mut map = self.lock();
-        if map.len() >= MAX_SOURCES && !map.contains_key(&ip) {
-            let window = self.window;
-            map.retain(|_, s| {
-                now.saturating_duration_since(s.window_start) < window || s.paused_until.is_some_and(|u| u > now)
-            });
-            if map.len() >= MAX_SOURCES {
-                // Flooded from more addresses than we track: forget the oldest half.
-                let mut starts: Vec<Instant> = map.values().map(|s| s.window_start).collect();
-                starts.sort();
-                let cut = starts[starts.len() / 2];
-                map.retain(|_, s| s.window_start > cut);
-            }
-        }
-        let s = map.entry(ip).or_insert(Source { window_start: now, failures: 0, paused_until: None });
-        if now.saturating_duration_since(s.window_start) >= self.window {
-            *s = Source { window_start: now, failures: 0, paused_until: s.paused_until.filter(|u| *u > now) };
-        }
-        s.failures += 1;
-        if s.failures >= self.max && s.paused_until.is_none_or(|u| u <= now) {
-            s.paused_until = Some(now + self.pause);
-            s.failures = 0;
-            s.window_start = now;
-            return true;
-        }
-        false
-    }
-}
 
 /// Slots shared fairly: while some wait, a freed slot goes to the next waiting principal in
 /// round-robin order, not to whoever asked first.
@@ -187,25 +118,7 @@ impl FairGate {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn failures_pause_a_source_for_a_while() {
-        let t = FailureTracker::new(3, Duration::from_secs(10), Duration::from_secs(30));
-        let (a, b): (IpAddr, IpAddr) = ("192.0.2.1".parse().unwrap(), "192.0.2.2".parse().unwrap());
-        let t0 = Instant::now();
-        assert!(!t.failed(a, t0));
-        assert!(!t.failed(a, t0 + Duration::from_secs(1)));
-        assert_eq!(t.paused(a, t0), None);
-        assert!(t.failed(a, t0 + Duration::from_secs(2)), "the third failure pauses");
-        assert_eq!(t.paused(a, t0 + Duration::from_secs(2)), Some(Duration::from_secs(30)));
-        assert_eq!(t.paused(b, t0), None, "other sources are not paused");
-        assert_eq!(t.paused(a, t0 + Duration::from_secs(33)), None, "the pause ends");
-        // Failures spread over longer than the window never pause.
-        for i in 0..10 {
-            assert!(!t.failed(b, t0 + Duration::from_secs(6 * i)));
-        }
-        assert!(!FailureTracker::new(0, Duration::from_secs(1), Duration::from_secs(1)).failed(a, t0));
-    }
+    use std::time::Duration;
 
     #[tokio::test]
     async fn a_big_batch_does_not_starve_a_single_creation() {

@@ -451,11 +451,28 @@ impl Shared {
 pub async fn epoch_loop(shared: Arc<Shared>, cancel: CancellationToken) {
     let every = shared.cfg.epoch_poll_interval;
     periodic::every(every, Start::Now, Cancel::Anytime, cancel.cancelled(), || async {
-        match shared.up.iam(|mut c| async move { c.get_epoch(pb::GetEpochRequest {}).await }).await {
+        let since = shared.auth.epoch().unwrap_or(0);
+        match shared.up.iam(|mut c| async move { c.get_epoch(pb::GetEpochRequest { since }).await }).await {
             Ok(r) => {
-                if shared.auth.observe_epoch(r.epoch) {
+                use crate::auth::Revocation;
+                use pb::revocation::What;
+                let revoked: Option<Vec<Revocation>> = r.complete.then(|| {
+                    r.revoked
+                        .iter()
+                        .filter_map(|x| match x.what.as_ref()? {
+                            What::TokenId(id) => Some(Revocation::Token(id.clone())),
+                            What::Principal(p) => Some(Revocation::Principal(p.clone())),
+                            What::Project(p) => Some(Revocation::Project(p.clone())),
+                        })
+                        .collect()
+                });
+                let dropped = revoked.as_ref().map(Vec::len);
+                if shared.auth.observe_epoch(r.epoch, revoked.as_deref()) {
                     shared.metrics.epoch_changes.inc();
-                    tracing::info!(epoch = r.epoch, "security epoch changed; auth caches cleared");
+                    match dropped {
+                        Some(n) => tracing::debug!(epoch = r.epoch, revocations = n, "security epoch changed"),
+                        None => tracing::info!(epoch = r.epoch, "security epoch changed; auth caches cleared"),
+                    }
                 }
             }
             Err(e) => tracing::warn!(reason = %e.reason, error = %e.message, "polling the IAM epoch failed"),

@@ -205,7 +205,7 @@ impl Iam for FakeIam {
     }
 
     async fn get_epoch(&self, _: Request<pb::GetEpochRequest>) -> Result<Response<pb::GetEpochResponse>, Status> {
-        Ok(Response::new(pb::GetEpochResponse { epoch: self.st().epoch }))
+        Ok(Response::new(pb::GetEpochResponse { epoch: self.st().epoch, ..Default::default() }))
     }
 
     async fn acquire_lock(

@@ -14,13 +14,22 @@ use crate::output::Out;
 #[derive(Subcommand, Debug)]
 pub enum PkiCmd {
     /// Make the cluster CA in DIR (ca.pem, ca.key 0600). Keep ca.key offline once the
-    /// certificates are issued.
-    #[command(after_help = "Example:\n  opendsecctl pki init /etc/opendsec/pki")]
+    /// certificates are issued. The CA may certify only the cluster's own names
+    /// (opendsec.internal, localhost, loopback addresses) and those listed here: clients that
+    /// trust it (E2B's SDKs, through the trust bundle) trust it for nothing else.
+    #[command(after_help = "Example:\n  opendsecctl pki init /etc/opendsec/pki --dns example.com --ip 10.0.0.0/16")]
     Init {
         dir: PathBuf,
         /// Replace an existing CA (every certificate it issued stops being trusted).
         #[arg(long)]
         force: bool,
+        /// DNS domains (each with its subdomains) the CA may certify besides the cluster's
+        /// own: the names the apiservers and gateways are reached by.
+        #[arg(long)]
+        dns: Vec<String>,
+        /// Addresses or networks (ADDR[/PREFIX]) the CA may certify besides loopback.
+        #[arg(long, value_parser = parse_net)]
+        ip: Vec<(IpAddr, u8)>,
     },
     /// Issue a certificate + key bundle for one component, with its identity
     /// opendsec://<role>/<name> in the URI SAN.
@@ -38,11 +47,13 @@ pub enum PkiCmd {
         /// The bundle to write (default <ca-dir>/<role>-<name>.pem).
         #[arg(long)]
         out: Option<PathBuf>,
-        /// Extra DNS names (an apiserver or gateway always gets api.opendsec.internal and
-        /// localhost).
+        /// Extra DNS names (an apiserver always gets api.opendsec.internal; an apiserver or a
+        /// gateway, localhost). Each must lie in a domain the CA was made for.
         #[arg(long)]
         dns: Vec<String>,
-        /// Extra IP addresses (an apiserver or gateway always gets the loopback addresses).
+        /// Extra IP addresses (a gateway always gets the loopback addresses). Each must lie in
+        /// a network the CA was made for; an apiserver's certificate carries none (its clients
+        /// check its name, whatever address they dial).
         #[arg(long)]
         ip: Vec<IpAddr>,
         /// How long the certificate is valid (short: rotation is cheap).
@@ -62,6 +73,10 @@ pub enum PkiCmd {
     },
     /// Show what a bundle certifies.
     Show { bundle: PathBuf },
+}
+
+fn parse_net(s: &str) -> Result<(IpAddr, u8), String> {
+    pki::parse_net(s).ok_or_else(|| format!("{s:?} is not ADDR or ADDR/PREFIX"))
 }
 
 fn local<E: std::fmt::Display>(e: E) -> CtlError {
@@ -85,8 +100,8 @@ fn info_text(path: &std::path::Path, i: &pki::LeafInfo) -> String {
 
 pub fn run(out: &Out, cmd: PkiCmd) -> Result<(), CtlError> {
     match cmd {
-        PkiCmd::Init { dir, force } => {
-            pki::init_ca(&dir, force).map_err(local)?;
+        PkiCmd::Init { dir, force, dns, ip } => {
+            pki::init_ca(&dir, force, &pki::CaScope { dns, nets: ip }).map_err(local)?;
             let ca = dir.join(pki::CA_CERT);
             out.print(
                 json!({ "ca": ca.display().to_string(), "key": dir.join(pki::CA_KEY).display().to_string() }),
@@ -96,7 +111,7 @@ pub fn run(out: &Out, cmd: PkiCmd) -> Result<(), CtlError> {
         PkiCmd::Issue { ca_dir, id, out: path, dns, ip, lifetime } => {
             let id = Identity::parse(&id).map_err(local)?;
             let extra = Names { dns, ips: ip };
-            let names = if id.role.is_public() { pki::public_names(&extra) } else { extra };
+            let names = pki::default_names(id.role, &extra);
             let path = path.unwrap_or_else(|| pki::bundle_path(&ca_dir, &id));
             pki::issue(&ca_dir, &path, &id, &names, lifetime).map_err(local)?;
             let i = pki::inspect(&path).map_err(local)?;

@@ -43,14 +43,18 @@ pub const ENV_ADDR: &str = "OPENDSEC_ADDR";
 pub const ENV_TOKEN: &str = "OPENDSEC_TOKEN";
 pub const ENV_PROJECT: &str = "OPENDSEC_PROJECT";
 
-/// Attaches `authorization: Bearer <token>` to every call.
+/// Attaches `authorization: Bearer <token>` to every call, and the address of the client a
+/// gateway calls for ([`grpc::CLIENT_ADDR_HEADER`]), if any.
 #[derive(Debug, Clone)]
-pub struct Bearer(Option<AsciiMetadataValue>);
+pub struct Bearer(Option<AsciiMetadataValue>, Option<AsciiMetadataValue>);
 
 impl Interceptor for Bearer {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
         if let Some(v) = &self.0 {
             req.metadata_mut().insert("authorization", v.clone());
+        }
+        if let Some(v) = &self.1 {
+            req.metadata_mut().insert(grpc::CLIENT_ADDR_HEADER, v.clone());
         }
         Ok(req)
     }
@@ -100,7 +104,7 @@ impl Client {
                 addrs,
                 channels,
                 next: AtomicUsize::new(rand::random::<u32>() as usize),
-                bearer: Bearer(bearer),
+                bearer: Bearer(bearer, None),
                 policy: Policy::DEFAULT,
             }),
         })
@@ -134,14 +138,21 @@ impl Client {
     /// The same connections, calling with another token (a gateway serving many callers each
     /// with their own).
     pub fn with_token(&self, token: &str) -> Result<Client, ApiError> {
+        self.with_token_for(token, None)
+    }
+
+    /// [`Client::with_token`] for the client at `addr`, named to the apiserver in
+    /// [`grpc::CLIENT_ADDR_HEADER`] (believed only from a gateway's certificate).
+    pub fn with_token_for(&self, token: &str, addr: Option<std::net::IpAddr>) -> Result<Client, ApiError> {
         let bearer = format!("Bearer {}", token.trim())
             .parse()
             .map_err(|_| ApiError::new(Reason::Unauthenticated, "token is not ASCII"))?;
+        let addr = addr.and_then(|a| a.to_string().parse().ok());
         let inner = Inner {
             addrs: self.inner.addrs.clone(),
             channels: self.inner.channels.clone(),
             next: AtomicUsize::new(self.inner.next.fetch_add(1, Ordering::Relaxed)),
-            bearer: Bearer(Some(bearer)),
+            bearer: Bearer(Some(bearer), addr),
             policy: self.inner.policy,
         };
         Ok(Client { inner: Arc::new(inner) })

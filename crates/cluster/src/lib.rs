@@ -265,7 +265,8 @@ impl Cluster {
                 pki::write_trust_bundle(&cluster.ca_path, Path::new(pki::SYSTEM_CAS), &path)?;
                 cluster.trust_bundle_path = Some(path);
             }
-            cluster.e2b = Some(start_e2b(&cluster.config, addrs, cluster.client_tls(), serve_tls, l));
+            let tls = gateway_client_tls(&cluster.config)?;
+            cluster.e2b = Some(start_e2b(&cluster.config, addrs, tls, serve_tls, l));
         }
         Ok(cluster)
     }
@@ -862,6 +863,34 @@ fn gateway_tls(config: &Config) -> Result<Option<Arc<Credentials>>, ClusterError
     Ok(Some(Credentials::load(TlsFiles { ca: config.tls_ca(), bundle })?))
 }
 
+/// How the E2B gateway reaches the apiservers: TLS checking an apiserver's certificate, and
+/// presenting the gateway's own cluster identity (`tls.bundle`, default
+/// `<pki dir>/gateway-0.pem`), so that the apiserver believes the caller addresses it names.
+/// Without that bundle (a gateway given only a public certificate to serve) it calls without
+/// one, and the apiserver counts every E2B caller as the gateway's address.
+fn gateway_client_tls(config: &Config) -> Result<grpc::PublicTls, ClusterError> {
+    if config.apiserver.insecure_plaintext {
+        return Ok(grpc::PublicTls::Plaintext);
+    }
+    let ca = config.tls_ca();
+    let pem = std::fs::read(&ca).map_err(|source| ClusterError::StateDir { path: ca.clone(), source })?;
+    let id = single(pki::Role::Gateway);
+    let bundle = config.tls.bundle.clone().unwrap_or_else(|| config.tls_bundle_of(id.role.as_str(), &id.name));
+    let creds = match Credentials::load(TlsFiles { ca: ca.clone(), bundle: bundle.clone() }) {
+        Ok(c) if c.identity().is_some_and(|i| i.role == pki::Role::Gateway) => Some(c),
+        Ok(_) => {
+            tracing::warn!(bundle = %bundle.display(), "not a gateway's certificate: calling the apiserver without one");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(bundle = %bundle.display(), error = %e, "no gateway certificate: calling the apiserver without one");
+            None
+        }
+    };
+    grpc::PublicTls::with_ca_as(&pem, None, creds.as_ref())
+        .map_err(|e| ClusterError::NoSuchComponent(format!("the CA {}: {e}", ca.display())))
+}
+
 fn start_e2b(
     config: &Config,
     apiserver_addrs: Vec<String>,
@@ -967,14 +996,7 @@ pub async fn run_daemon(
                     "e2b.apiserver_addrs is empty: the gateway needs an apiserver".into(),
                 ));
             }
-            let tls = if config.apiserver.insecure_plaintext {
-                grpc::PublicTls::Plaintext
-            } else {
-                let ca = config.tls_ca();
-                let pem = std::fs::read(&ca).map_err(|source| ClusterError::StateDir { path: ca.clone(), source })?;
-                grpc::PublicTls::with_ca(&pem, None)
-                    .map_err(|e| ClusterError::NoSuchComponent(format!("the CA {}: {e}", ca.display())))?
-            };
+            let tls = gateway_client_tls(&config)?;
             let listen =
                 if config.e2b.listen.is_empty() { "127.0.0.1:0".to_string() } else { config.e2b.listen.clone() };
             let l = bind("e2b gateway", &listen).await?;

@@ -117,7 +117,7 @@ pub const ON_BEHALF_OF: &str = "x-opendsec-on-behalf-of";
 pub struct Forwarded(pub Identity);
 
 /// The identity in the client certificate of an HTTP request's TLS connection.
-fn identity_of<B>(req: &http::Request<B>) -> Option<Identity> {
+pub fn identity_of<B>(req: &http::Request<B>) -> Option<Identity> {
     let info = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>()?;
     let certs: Arc<Vec<CertificateDer<'static>>> = info.peer_certs()?;
     PEERS.identity(&certs)
@@ -263,7 +263,7 @@ mod tests {
     fn peer_identities_are_parsed_once_per_connection() {
         use crate::pki;
         let t = tempfile::tempdir().unwrap();
-        pki::init_ca(t.path(), false).unwrap();
+        pki::init_ca(t.path(), false, &pki::CaScope::default()).unwrap();
         let chain = |role: Role, name: &str| {
             let id = Identity::new(role, name).unwrap();
             let out = t.path().join(format!("{name}.pem"));

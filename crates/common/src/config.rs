@@ -101,6 +101,17 @@ pub struct E2bConfig {
     pub disk_mb: u64,
     /// The user commands and files use when a call names none (E2B's templates use `user`).
     pub default_user: String,
+    /// Connections one source address may hold open to the gateway (0: no cap; behind a load
+    /// balancer every client shares its address).
+    pub max_connections_per_source: u32,
+    /// A connection waiting for a request's headers (idle between requests, or sending them
+    /// slowly) is closed after this.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// Failed authentications from one of the gateway's callers (a source address) that
+    /// pause it at the gateway; the apiserver counts them per caller too, from the address the
+    /// gateway passes on.
+    pub auth_failures: AuthFailureConfig,
 }
 
 impl Default for E2bConfig {
@@ -118,6 +129,9 @@ impl Default for E2bConfig {
             memory_mb: 512,
             disk_mb: 2048,
             default_user: "user".into(),
+            max_connections_per_source: 1024,
+            idle_timeout: Duration::from_secs(60),
+            auth_failures: AuthFailureConfig::default(),
         }
     }
 }
@@ -980,6 +994,7 @@ impl Config {
             }
         }
         positive("tls.leaf_lifetime", self.tls.leaf_lifetime)?;
+        positive("e2b.idle_timeout", self.e2b.idle_timeout)?;
         check_secret("iam.admin_token", &self.iam.admin_token)?;
         if !self.iam.admin_token.is_empty() && parse_token_shape(&self.iam.admin_token).is_none() {
             return Err(invalid(

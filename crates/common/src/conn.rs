@@ -185,6 +185,76 @@ impl Sources {
     }
 }
 
+/// Accepted connections of `listener`, each made ready by `open` (a TLS handshake, or
+/// nothing) in a task of its own (a client that never finishes holds no accept slot): at most
+/// `max_conns` open at once (beyond, new ones wait in the kernel's backlog), and at most
+/// `per_source` from one source (an IPv4 address, an IPv6 /64; 0: no such cap; beyond, a new
+/// one is closed at once). A connection whose first `opening` bytes do not come within
+/// [`crate::tls::HANDSHAKE_TIMEOUT`] of its opening is closed ([`Conn::first_bytes_within`]).
+/// TCP_NODELAY is set on each. The stream ends when its receiver is dropped, and then the
+/// listener is closed too.
+pub fn incoming<S, F, Fut>(
+    listener: tokio::net::TcpListener,
+    max_conns: usize,
+    per_source: usize,
+    opening: usize,
+    open: F,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<Conn<S>>>
+where
+    S: Send + 'static,
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = std::io::Result<S>> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let limit = Arc::new(tokio::sync::Semaphore::new(max_conns.max(1)));
+    let sources = Arc::new(Sources::new(per_source));
+    tokio::spawn(async move {
+        loop {
+            let permit = tokio::select! {
+                _ = tx.closed() => return,
+                p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+            };
+            let accepted = tokio::select! {
+                _ = tx.closed() => return,
+                a = listener.accept() => a,
+            };
+            let (tcp, peer) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of fds and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let source = match per_source {
+                0 => None,
+                _ => match sources.take(peer.ip()) {
+                    Some(s) => Some(s),
+                    None => {
+                        tracing::debug!(peer = %peer, per_source, "closing a connection over its source's cap");
+                        continue;
+                    }
+                },
+            };
+            let _ = tcp.set_nodelay(true);
+            let (opened, tx) = (open(tcp), tx.clone());
+            tokio::spawn(async move {
+                match opened.await {
+                    Ok(s) => {
+                        let conn = Conn::new(s, permit)
+                            .with_source(source)
+                            .first_bytes_within(opening, crate::tls::HANDSHAKE_TIMEOUT);
+                        let _ = tx.send(Ok(conn)).await;
+                    }
+                    Err(e) => tracing::debug!(peer = %peer, error = %e, "opening a connection failed"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

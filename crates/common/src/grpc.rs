@@ -154,6 +154,11 @@ pub fn tls_channel(
     })))
 }
 
+/// The header in which the E2B gateway names the address of the client it calls for. The
+/// apiserver believes it only on a connection whose client certificate says `gateway`, and
+/// counts failed authentications against that address instead of the gateway's own.
+pub const CLIENT_ADDR_HEADER: &str = "x-opendsec-client-addr";
+
 /// How a client reaches the public API.
 #[derive(Clone)]
 pub enum PublicTls {
@@ -173,9 +178,20 @@ impl std::fmt::Debug for PublicTls {
 }
 
 impl PublicTls {
-    /// TLS trusting the CAs in `ca_pem`, checking `name` (default [`crate::pki::PUBLIC_NAME`]).
+    /// TLS trusting the CAs in `ca_pem`, checking `name` (default [`crate::pki::PUBLIC_NAME`])
+    /// and that the server is an apiserver.
     pub fn with_ca(ca_pem: &[u8], name: Option<&str>) -> Result<PublicTls, ApiError> {
-        let cfg = crate::tls::public_client_config(ca_pem).map_err(|e| ApiError::invalid(e.to_string()))?;
+        PublicTls::with_ca_as(ca_pem, name, None)
+    }
+
+    /// [`PublicTls::with_ca`], presenting `creds`' certificate to the apiserver (the E2B
+    /// gateway's: the apiserver then believes the [`CLIENT_ADDR_HEADER`] it sends).
+    pub fn with_ca_as(
+        ca_pem: &[u8],
+        name: Option<&str>,
+        creds: Option<&Arc<crate::tls::Credentials>>,
+    ) -> Result<PublicTls, ApiError> {
+        let cfg = crate::tls::public_client_config_as(ca_pem, creds).map_err(|e| ApiError::invalid(e.to_string()))?;
         let name = rustls_pki_types::ServerName::try_from(name.unwrap_or(crate::pki::PUBLIC_NAME).to_string())
             .map_err(|e| ApiError::invalid(format!("TLS server name: {e}")))?;
         Ok(PublicTls::Tls { cfg, name })

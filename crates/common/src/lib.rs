@@ -6,6 +6,7 @@
 
 pub mod acl;
 pub mod ahead;
+pub mod auth_failures;
 pub mod bounds;
 pub mod config;
 pub mod conn;

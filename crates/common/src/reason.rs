@@ -296,7 +296,7 @@ mod tests {
         });
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
         let st = opendsec_proto::v1::iam_client::IamClient::new(ch)
-            .get_epoch(opendsec_proto::v1::GetEpochRequest {})
+            .get_epoch(opendsec_proto::v1::GetEpochRequest::default())
             .await
             .unwrap_err();
         assert_eq!((st.code(), st.message()), (tonic::Code::Unknown, "transport error"), "{st:?}");

@@ -27,7 +27,6 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::conn::Sources;
 use crate::pki::{Identity, Role};
 
 /// How often a [`Credentials`] looks at its files.
@@ -188,24 +187,28 @@ impl Credentials {
 
     /// A server config for gRPC (HTTP/2): mutual TLS (the client must present a certificate
     /// the CA signed, with an opendsec identity) when `mtls`, else a server certificate only
-    /// (the public port).
+    /// with the client's certificate optional (the public port: callers authenticate with
+    /// tokens; a certificate, when one is presented, must be the CA's and name an identity,
+    /// which is how the apiserver knows the E2B gateway).
     pub fn server_config(self: &Arc<Self>, mtls: bool) -> Arc<ServerConfig> {
-        self.server_config_for(mtls, b"h2")
+        self.server_config_for(Some(mtls), b"h2")
     }
 
     /// A server config for HTTP/1.1 (the E2B gateway): a server certificate only.
     pub fn https_server_config(self: &Arc<Self>) -> Arc<ServerConfig> {
-        self.server_config_for(false, b"http/1.1")
+        self.server_config_for(None, b"http/1.1")
     }
 
-    fn server_config_for(self: &Arc<Self>, mtls: bool, alpn: &[u8]) -> Arc<ServerConfig> {
+    /// `client_certs`: None, none asked for; Some(true), required; Some(false), optional.
+    fn server_config_for(self: &Arc<Self>, client_certs: Option<bool>, alpn: &[u8]) -> Arc<ServerConfig> {
         let builder = ServerConfig::builder_with_provider(self.provider.clone())
             .with_safe_default_protocol_versions()
             .expect("the aws-lc-rs provider supports the default protocol versions");
-        let builder = if mtls {
-            builder.with_client_cert_verifier(Arc::new(ReloadingClientVerifier(self.clone())))
-        } else {
-            builder.with_no_client_auth()
+        let builder = match client_certs {
+            Some(mandatory) => {
+                builder.with_client_cert_verifier(Arc::new(ReloadingClientVerifier { creds: self.clone(), mandatory }))
+            }
+            None => builder.with_no_client_auth(),
         };
         let mut cfg = builder.with_cert_resolver(Arc::new(Resolver(self.clone())));
         cfg.alpn_protocols = vec![alpn.to_vec()];
@@ -228,9 +231,17 @@ impl Credentials {
 }
 
 /// A client config for the public API: the server's certificate must chain to the CAs in
-/// `ca_pem` and carry `server_name` ([`crate::pki::PUBLIC_NAME`] by default); no client
-/// certificate (callers authenticate with bearer tokens).
+/// `ca_pem`, carry the server name the client asks for ([`crate::pki::PUBLIC_NAME`] by
+/// default) and name an apiserver in its URI SAN (`opendsec://apiserver/<name>`): a gateway's
+/// certificate, which may carry the same addresses, never receives a client's token. No
+/// client certificate (callers authenticate with bearer tokens).
 pub fn public_client_config(ca_pem: &[u8]) -> Result<Arc<ClientConfig>, TlsError> {
+    public_client_config_as(ca_pem, None)
+}
+
+/// [`public_client_config`], presenting `creds`' certificate: the E2B gateway's, so that the
+/// apiserver believes the caller address it passes on (`crate::grpc::CLIENT_ADDR_HEADER`).
+pub fn public_client_config_as(ca_pem: &[u8], creds: Option<&Arc<Credentials>>) -> Result<Arc<ClientConfig>, TlsError> {
     let mut roots = RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca_pem) {
         roots.add(c.map_err(|e| bad(Path::new("the CA"), e))?).map_err(|e| bad(Path::new("the CA"), e))?;
@@ -238,12 +249,65 @@ pub fn public_client_config(ca_pem: &[u8]) -> Result<Arc<ClientConfig>, TlsError
     if roots.is_empty() {
         return Err(bad(Path::new("the CA"), "no certificate in it"));
     }
-    let mut cfg = ClientConfig::builder_with_provider(provider())
+    let provider = provider();
+    let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| bad(Path::new("the CA"), e))?;
+    let builder = ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(ApiserverVerifier(webpki)));
+    let mut cfg = match creds {
+        Some(c) => builder.with_client_cert_resolver(Arc::new(Resolver(c.clone()))),
+        None => builder.with_no_client_auth(),
+    };
     cfg.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(cfg))
+}
+
+/// The usual web PKI checks (chain, validity, the server name asked for), and then the role:
+/// the certificate's identity must be an apiserver's.
+#[derive(Debug)]
+struct ApiserverVerifier(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ApiserverVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let ok = self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp, now)?;
+        match Identity::of_cert(end_entity) {
+            Some(id) if id.role == Role::Apiserver => Ok(ok),
+            Some(id) => Err(rustls::Error::General(format!("the server is {id}, not an apiserver"))),
+            None => Err(rustls::Error::General("the server certificate names no opendsec apiserver".into())),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
 }
 
 /// The server name under which a client asks for identity `role` (any name) or `role/name`.
@@ -286,11 +350,19 @@ impl rustls::client::ResolvesClientCert for Resolver {
     }
 }
 
-/// The CA's client verifier as last loaded, and an opendsec identity in the certificate.
+/// The CA's client verifier as last loaded, and an opendsec identity in the certificate;
+/// a client may present none unless `mandatory`.
 #[derive(Debug)]
-struct ReloadingClientVerifier(Arc<Credentials>);
+struct ReloadingClientVerifier {
+    creds: Arc<Credentials>,
+    mandatory: bool,
+}
 
 impl ClientCertVerifier for ReloadingClientVerifier {
+    fn client_auth_mandatory(&self) -> bool {
+        self.mandatory
+    }
+
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
         // The hints are only advice to the client; ours present their one certificate anyway.
         &[]
@@ -302,7 +374,7 @@ impl ClientCertVerifier for ReloadingClientVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let v = self.0.current().client_verifier.clone();
+        let v = self.creds.current().client_verifier.clone();
         let ok = v.verify_client_cert(end_entity, intermediates, now)?;
         if Identity::of_cert(end_entity).is_none() {
             return Err(rustls::Error::General("the client certificate names no opendsec identity".into()));
@@ -316,7 +388,7 @@ impl ClientCertVerifier for ReloadingClientVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.current().client_verifier.verify_tls12_signature(message, cert, dss)
+        self.creds.current().client_verifier.verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -325,11 +397,11 @@ impl ClientCertVerifier for ReloadingClientVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.current().client_verifier.verify_tls13_signature(message, cert, dss)
+        self.creds.current().client_verifier.verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.current().client_verifier.supported_verify_schemes()
+        self.creds.current().client_verifier.supported_verify_schemes()
     }
 }
 
@@ -412,13 +484,10 @@ pub async fn connect(
 }
 
 /// Accepted, handshaken connections of `listener`: each handshake runs in its own task with
-/// a deadline (a client that never finishes one holds no accept slot); at most `max_conns`
-/// connections are open at once (beyond, new ones wait in the kernel's backlog), and at most
-/// `per_source` from one source (an IPv4 address, an IPv6 /64; 0: no such cap; beyond, a new
-/// one is closed at once). A connection whose first `opening` bytes ([`HTTP2_OPENING`],
-/// [`HTTP1_OPENING`]) do not come within [`HANDSHAKE_TIMEOUT`] of its handshake is closed
-/// (see [`crate::conn::Conn`]). The stream ends when its receiver is dropped, and then the
-/// listener is closed too.
+/// a deadline (a client that never finishes one holds no accept slot), bounded as
+/// [`crate::conn::incoming`] bounds connections: at most `max_conns` open at once, at most
+/// `per_source` from one source (0: no such cap), the first `opening` bytes
+/// ([`HTTP2_OPENING`], [`HTTP1_OPENING`]) within [`HANDSHAKE_TIMEOUT`] of the handshake.
 pub fn incoming(
     listener: TcpListener,
     cfg: Arc<ServerConfig>,
@@ -428,56 +497,16 @@ pub fn incoming(
 ) -> tokio_stream::wrappers::ReceiverStream<
     std::io::Result<crate::conn::Conn<tokio_rustls::server::TlsStream<TcpStream>>>,
 > {
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let limit = Arc::new(tokio::sync::Semaphore::new(max_conns.max(1)));
-    let sources = Arc::new(Sources::new(per_source));
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
-    tokio::spawn(async move {
-        loop {
-            let permit = tokio::select! {
-                _ = tx.closed() => return,
-                p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
-            };
-            let accepted = tokio::select! {
-                _ = tx.closed() => return,
-                a = listener.accept() => a,
-            };
-            let (tcp, peer) = match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of fds and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let source = match per_source {
-                0 => None,
-                _ => match sources.take(peer.ip()) {
-                    Some(s) => Some(s),
-                    None => {
-                        tracing::debug!(peer = %peer, per_source, "closing a connection over its source's cap");
-                        continue;
-                    }
-                },
-            };
-            let _ = tcp.set_nodelay(true);
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
-            tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(s)) => {
-                        let conn = crate::conn::Conn::new(s, permit)
-                            .with_source(source)
-                            .first_bytes_within(opening, HANDSHAKE_TIMEOUT);
-                        let _ = tx.send(Ok(conn)).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!(peer = %peer, "TLS handshake timed out"),
-                }
-            });
+    crate::conn::incoming(listener, max_conns, per_source, opening, move |tcp| {
+        let acceptor = acceptor.clone();
+        async move {
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(r) => r,
+                Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "TLS handshake timed out")),
+            }
         }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    })
 }
 
 #[cfg(test)]

@@ -30,8 +30,8 @@ const DEFAULT_TIMEOUT_S: u64 = 300;
 
 type Result<T> = std::result::Result<T, RestError>;
 
-pub async fn handle(gw: Arc<Gateway>, req: Request<Body>) -> Response {
-    match dispatch(&gw, req).await {
+pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, req: Request<Body>) -> Response {
+    match dispatch(&gw, caller, req).await {
         Ok(r) => r,
         Err(e) => e.response(),
     }
@@ -50,11 +50,11 @@ impl Call {
     }
 }
 
-async fn dispatch(gw: &Gateway, req: Request<Body>) -> Result<Response> {
+async fn dispatch(gw: &Gateway, caller: crate::Caller, req: Request<Body>) -> Result<Response> {
     let Some(key) = header(req.headers(), "x-api-key").map(str::to_string) else {
         return Err(RestError::unauthorized("no API key: set E2B_API_KEY to an opendsec token"));
     };
-    let client = gw.client(&key).map_err(RestError::from)?;
+    let client = gw.client(&key, caller).map_err(RestError::from)?;
     let query =
         req.uri().query().map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect()).unwrap_or_default();
     let idempotency_key = header(req.headers(), "idempotency-key").map(str::to_string);

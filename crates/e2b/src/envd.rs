@@ -53,7 +53,7 @@ fn basic_user(h: &HeaderMap) -> Result<String, ConnectError> {
     Ok(user.to_string())
 }
 
-pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Response {
+pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, id: String, req: Request<Body>) -> Response {
     let h = req.headers();
     let Some(token) = header(h, "x-access-token").map(str::to_string) else {
         return ConnectError::new(
@@ -66,7 +66,7 @@ pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Respons
         Ok(u) => u,
         Err(e) => return e.unary_response(),
     };
-    let client = match gw.client(&token) {
+    let client = match gw.client(&token, caller) {
         Ok(c) => c,
         Err(e) => return error::to_connect(&e).unary_response(),
     };

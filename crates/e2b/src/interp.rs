@@ -48,7 +48,7 @@ impl Ctx {
     }
 }
 
-pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Response {
+pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, id: String, req: Request<Body>) -> Response {
     let hs = req.headers();
     let token = header(hs, "x-access-token").or_else(|| header(hs, "e2b-traffic-access-token")).map(str::to_string);
     let Some(token) = token else {
@@ -57,7 +57,7 @@ pub async fn handle(gw: Arc<Gateway>, id: String, req: Request<Body>) -> Respons
             "no access token: connect to the sandbox through Sandbox.create or Sandbox.connect",
         );
     };
-    let client = match gw.client(&token) {
+    let client = match gw.client(&token, caller) {
         Ok(c) => c,
         Err(e) => return rest(StatusCode::UNAUTHORIZED, e.message),
     };

@@ -25,6 +25,7 @@ use opendsec_common::config::E2bConfig;
 use opendsec_common::grpc::PublicTls;
 
 mod api;
+mod callers;
 pub mod connect;
 mod envd;
 pub mod error;
@@ -66,12 +67,17 @@ pub(crate) struct Gateway {
     pub(crate) cfg: E2bConfig,
     client: Client,
     pub(crate) names: names::Cache,
+    callers: callers::Callers,
 }
 
+/// The client of one request (its address is named to the apiserver).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Caller(pub Option<std::net::IpAddr>);
+
 impl Gateway {
-    /// A client calling with `token`, on the shared connections.
-    pub(crate) fn client(&self, token: &str) -> Result<Client, opendsec_common::ApiError> {
-        self.client.with_token(token)
+    /// A client calling with `token` for `caller`, on the shared connections.
+    pub(crate) fn client(&self, token: &str, caller: Caller) -> Result<Client, opendsec_common::ApiError> {
+        self.client.with_token_for(token, caller.0)
     }
 
     /// The image a template id stands for.
@@ -91,87 +97,93 @@ impl Gateway {
 }
 
 /// Serves the gateway on `listener` until `shutdown` resolves.
+///
+/// Connections are bounded in all ([`opendsec_common::grpc::MAX_CONNECTIONS`]) and per source
+/// address (`e2b.max_connections_per_source`), must send their first bytes within seconds of
+/// opening, and are closed when waiting for a request's headers longer than
+/// `e2b.idle_timeout` (idle between requests, or sending them slowly). Streams (a background
+/// command, a watch) may stay open for hours: shutting down does not wait for them.
 pub async fn serve(
     opts: GatewayOptions,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), GatewayError> {
+    use opendsec_common::{conn, grpc, tls};
     let client = Client::new(&opts.apiserver_addrs, None, &opts.tls).map_err(GatewayError::Client)?;
-    let gw = Arc::new(Gateway { cfg: opts.config, client, names: names::Cache::default() });
+    let cfg = opts.config;
+    let per_source = cfg.max_connections_per_source as usize;
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(cfg.idle_timeout).keep_alive(true);
+    let callers = callers::Callers::new(&cfg.auth_failures);
+    let gw = Arc::new(Gateway { cfg, client, names: names::Cache::default(), callers });
     let app = axum::Router::new().fallback(move |req: Request<Body>| {
         let gw = gw.clone();
         async move { route(gw, req).await }
     });
-    // Streams (a background command, a watch) may stay open for hours: shutting down does
-    // not wait for them.
-    // Small messages (a stream's events, a unary answer) go out at once: with Nagle's
-    // algorithm each waited for the client's delayed acknowledgement (40 ms).
     let served = async move {
         match opts.serve_tls {
-            Some(creds) => axum::serve(TlsListener::new(listener, &creds)?, app).await,
+            Some(creds) => {
+                let incoming = tls::incoming(
+                    listener,
+                    creds.https_server_config(),
+                    grpc::MAX_CONNECTIONS,
+                    per_source,
+                    tls::HTTP1_OPENING,
+                );
+                accept(incoming, |c| c.get_ref().get_ref().0.peer_addr(), app, http).await
+            }
             None => {
-                use axum::serve::ListenerExt;
-                let listener = listener.tap_io(|tcp| {
-                    if let Err(e) = tcp.set_nodelay(true) {
-                        tracing::warn!(error = %e, "TCP_NODELAY on a gateway connection");
-                    }
+                let incoming = conn::incoming(listener, grpc::MAX_CONNECTIONS, per_source, tls::HTTP1_OPENING, |tcp| {
+                    std::future::ready(Ok(tcp))
                 });
-                axum::serve(listener, app).await
+                accept(incoming, |c| c.get_ref().peer_addr(), app, http).await
             }
         }
     };
     tokio::select! {
-        r = served => r.map_err(GatewayError::Serve),
+        () = served => Ok(()),
         () = shutdown => Ok(()),
     }
 }
 
-type TlsConn = opendsec_common::conn::Conn<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>;
+/// The address of the client a request came from (the gateway's own caller).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClientAddr(pub std::net::SocketAddr);
 
-/// HTTPS connections for axum: handshaken off the accept loop, bounded in number, cut when
-/// no request line follows the handshake in time ([`opendsec_common::tls::incoming`]), with
-/// TCP_NODELAY set.
-struct TlsListener {
-    local: std::net::SocketAddr,
-    incoming: tokio_stream::wrappers::ReceiverStream<std::io::Result<TlsConn>>,
-}
-
-impl TlsListener {
-    fn new(listener: tokio::net::TcpListener, creds: &Arc<opendsec_common::tls::Credentials>) -> std::io::Result<Self> {
-        use opendsec_common::tls;
-        let local = listener.local_addr()?;
-        let incoming = tls::incoming(
-            listener,
-            creds.https_server_config(),
-            opendsec_common::grpc::MAX_CONNECTIONS,
-            0,
-            tls::HTTP1_OPENING,
-        );
-        Ok(TlsListener { local, incoming })
-    }
-}
-
-impl axum::serve::Listener for TlsListener {
-    type Io = TlsConn;
-    type Addr = std::net::SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        use tokio_stream::StreamExt;
-        loop {
-            match self.incoming.next().await {
-                Some(Ok(c)) => {
-                    let peer = c.get_ref().get_ref().0.peer_addr().unwrap_or(self.local);
-                    return (c, peer);
-                }
-                Some(Err(e)) => tracing::debug!(error = %e, "a gateway connection failed"),
-                // The acceptor ended: its listener failed for good. Nothing more comes.
-                None => std::future::pending::<()>().await,
+/// Serves each connection of `incoming` with `app` in a task of its own, each request
+/// carrying its connection's [`ClientAddr`]. Returns when the acceptor ends (its listener
+/// failed for good).
+async fn accept<S, IO>(
+    mut incoming: S,
+    peer: fn(&IO) -> std::io::Result<std::net::SocketAddr>,
+    app: axum::Router,
+    http: hyper::server::conn::http1::Builder,
+) where
+    S: tokio_stream::Stream<Item = std::io::Result<IO>> + Unpin,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use tokio_stream::StreamExt;
+    while let Some(c) = incoming.next().await {
+        let io = match c {
+            Ok(io) => io,
+            Err(e) => {
+                tracing::debug!(error = %e, "a gateway connection failed");
+                continue;
             }
-        }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local)
+        };
+        let Ok(addr) = peer(&io) else { continue };
+        let app = app.clone();
+        let service = hyper::service::service_fn(move |mut req: Request<hyper::body::Incoming>| {
+            req.extensions_mut().insert(ClientAddr(addr));
+            let app = app.clone();
+            async move { tower::ServiceExt::oneshot(app, req.map(Body::new)).await }
+        });
+        let conn = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(peer = %addr, error = %e, "a gateway connection ended");
+            }
+        });
     }
 }
 
@@ -180,19 +192,48 @@ pub(crate) fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 async fn route(gw: Arc<Gateway>, req: Request<Body>) -> Response {
+    let ip = req.extensions().get::<ClientAddr>().map(|a| a.0.ip());
+    let key = callers::key_of(req.headers()).map(str::to_string);
+    let sandbox = header(req.headers(), "e2b-sandbox-id").is_some();
+    let now = std::time::Instant::now();
+    if let Some(ip) = ip
+        && let Some(left) = gw.callers.refused_for(ip, key.as_deref(), now)
+    {
+        let message = format!("too many failed authentications from {ip}; try again in {} s", left.as_secs().max(1));
+        return if sandbox {
+            connect::ConnectError::new(connect::Code::Unauthenticated, message).unary_response()
+        } else {
+            let mut e = error::RestError::unauthorized(message);
+            e.retry_after_s = Some(left.as_secs().max(1));
+            e.response()
+        };
+    }
+    let resp = dispatch(gw.clone(), Caller(ip), req).await;
+    if let Some(ip) = ip {
+        let status = resp.status();
+        if status == axum::http::StatusCode::UNAUTHORIZED {
+            gw.callers.record(ip, key.as_deref(), false, now);
+        } else if status.is_success() {
+            gw.callers.record(ip, key.as_deref(), true, now);
+        }
+    }
+    resp
+}
+
+async fn dispatch(gw: Arc<Gateway>, caller: Caller, req: Request<Body>) -> Response {
     let h = req.headers();
     match (header(h, "e2b-sandbox-id"), header(h, "e2b-sandbox-port")) {
         (Some(id), Some(port)) => {
             let (id, port) = (id.to_string(), port.to_string());
             match port.as_str() {
-                ENVD_PORT => envd::handle(gw, id, req).await,
-                CODE_INTERPRETER_PORT => interp::handle(gw, id, req).await,
+                ENVD_PORT => envd::handle(gw, caller, id, req).await,
+                CODE_INTERPRETER_PORT => interp::handle(gw, caller, id, req).await,
                 // The sandbox's own ports are not served through the gateway yet.
                 _ => error::port_not_open(&id, &port),
             }
         }
         (Some(_), None) => error::RestError::bad_request("Missing header: E2b-Sandbox-Port").response(),
         (None, Some(_)) => error::RestError::bad_request("Missing header: E2b-Sandbox-Id").response(),
-        (None, None) => api::handle(gw, req).await,
+        (None, None) => api::handle(gw, caller, req).await,
     }
 }

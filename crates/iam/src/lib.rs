@@ -498,6 +498,11 @@ impl Iam {
         self.read(State::epoch)
     }
 
+    /// The epoch, and what was taken away after `since` (`None`: not known; clear all).
+    pub fn epoch_since(&self, since: u64) -> (u64, Option<Vec<state::Revoked>>) {
+        self.read(|s| (s.epoch(), s.revoked_since(since)))
+    }
+
     /// Authenticates, authorizes `sandbox.create` and reserves the lease on the project and
     /// every ancestor in one command, bound to `edge`. An existing lease is rebound to `edge`,
     /// or, with `keep_existing`, left where it is and answered from memory without a command

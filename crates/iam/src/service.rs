@@ -340,8 +340,23 @@ impl IamRpc for IamService {
         ok(pb::SweepUnboundResponse { released })
     }
 
-    async fn get_epoch(&self, _req: Request<pb::GetEpochRequest>) -> Rpc<pb::GetEpochResponse> {
-        ok(pb::GetEpochResponse { epoch: self.iam.epoch() })
+    async fn get_epoch(&self, req: Request<pb::GetEpochRequest>) -> Rpc<pb::GetEpochResponse> {
+        use crate::state::Revoked;
+        use pb::revocation::What;
+        let (epoch, revoked) = self.iam.epoch_since(req.get_ref().since);
+        let complete = revoked.is_some();
+        let revoked = revoked
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| pb::Revocation {
+                what: Some(match r {
+                    Revoked::Token(id) => What::TokenId(id),
+                    Revoked::Principal(p) => What::Principal(p),
+                    Revoked::Project(p) => What::Project(p),
+                }),
+            })
+            .collect();
+        ok(pb::GetEpochResponse { epoch, complete, revoked })
     }
 
     async fn acquire_lock(&self, req: Request<pb::AcquireLockRequest>) -> Rpc<pb::AcquireLockResponse> {

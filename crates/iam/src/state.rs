@@ -61,6 +61,69 @@ pub struct State {
     pub(crate) usage: HashMap<String, Usage>,
     pub(crate) leases_by_edge: HashMap<String, BTreeSet<String>>,
     pub(crate) tokens_by_principal: BTreeMap<String, BTreeSet<String>>,
+    /// What each epoch bump since this state was loaded took away (not part of its value).
+    pub(crate) revocations: Revocations,
+}
+
+/// What a change that moved the security epoch took away, so that a cache drops just that
+/// rather than everything (a tenant revoking its own tokens must not empty every apiserver's
+/// caches).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Revoked {
+    /// A token (revoked, or scoped to a sandbox that ended).
+    Token(String),
+    /// A principal's identity or grants (deleted, or a grant revoked).
+    Principal(String),
+    /// A project and its subprojects (deleted, with its grants).
+    Project(String),
+}
+
+/// Revocations kept for apiservers to catch up on; an apiserver further behind clears all.
+const REVOCATIONS_KEPT: usize = 65_536;
+
+/// The revocations applied since the state was loaded, by epoch. Not part of the state's
+/// value: it is what this replica saw applied (a state rebuilt from rows starts it anew), so
+/// equality ignores it.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Revocations {
+    /// Epochs up to this one are not covered.
+    floor: u64,
+    events: std::collections::VecDeque<(u64, Revoked)>,
+}
+
+impl PartialEq for Revocations {
+    fn eq(&self, _: &Revocations) -> bool {
+        true
+    }
+}
+impl Eq for Revocations {}
+
+impl Revocations {
+    fn reset(&mut self, epoch: u64) {
+        self.floor = epoch;
+        self.events.clear();
+    }
+
+    fn push(&mut self, epoch: u64, r: Revoked) {
+        if self.events.len() >= REVOCATIONS_KEPT
+            && let Some((e, _)) = self.events.pop_front()
+        {
+            self.floor = self.floor.max(e);
+        }
+        self.events.push_back((epoch, r));
+    }
+
+    /// Everything taken away after epoch `since` up to `now`, or `None` when that is not known
+    /// (older than what is kept, or before this state was loaded).
+    fn since(&self, since: u64, now: u64) -> Option<Vec<Revoked>> {
+        if since >= now {
+            return Some(Vec::new());
+        }
+        if since < self.floor {
+            return None;
+        }
+        Some(self.events.iter().filter(|(e, _)| *e > since).map(|(_, r)| r.clone()).collect())
+    }
 }
 
 impl State {
@@ -99,6 +162,7 @@ impl State {
 
     /// Recomputes usage and the indexes from the persistent parts.
     pub(crate) fn rebuild_derived(&mut self) {
+        self.revocations.reset(self.meta.epoch);
         self.hash_key = token::from_hex(&self.meta.hash_key).unwrap_or_default();
         self.usage = self.projects.keys().map(|p| (p.clone(), Usage::default())).collect();
         self.leases_by_edge.clear();
@@ -154,6 +218,10 @@ impl State {
     }
     pub fn epoch(&self) -> u64 {
         self.meta.epoch
+    }
+    /// What was taken away after epoch `since` (see [`Revocations::since`]).
+    pub fn revoked_since(&self, since: u64) -> Option<Vec<Revoked>> {
+        self.revocations.since(since, self.meta.epoch)
     }
     pub fn bootstrapped(&self) -> bool {
         self.meta.bootstrapped
@@ -325,8 +393,12 @@ impl State {
         Ok(())
     }
 
-    fn bump_epoch(&mut self, w: &mut Vec<Write>) {
+    /// Moves the security epoch for what `revoked` names.
+    fn bump_epoch(&mut self, w: &mut Vec<Write>, revoked: impl IntoIterator<Item = Revoked>) {
         self.meta.epoch += 1;
+        for r in revoked {
+            self.revocations.push(self.meta.epoch, r);
+        }
         w.push(Write::Put(Row::Meta(self.meta.clone())));
     }
 }
@@ -642,7 +714,7 @@ fn delete_project(
     for g in removed {
         w.push(Write::Delete { table: Table::Grants, key: g.key() });
     }
-    st.bump_epoch(w);
+    st.bump_epoch(w, [Revoked::Project(path.into())]);
     Ok(Output::Done)
 }
 
@@ -692,7 +764,7 @@ fn delete_principal(
         let g = GrantRecord { principal: name.into(), project, permission };
         w.push(Write::Delete { table: Table::Grants, key: g.key() });
     }
-    st.bump_epoch(w);
+    st.bump_epoch(w, [Revoked::Principal(name.into())]);
     Ok(Output::Done)
 }
 
@@ -780,7 +852,7 @@ fn revoke_token(
     }
     t.revoked = true;
     w.push(Write::Put(Row::Token(t.clone())));
-    st.bump_epoch(w);
+    st.bump_epoch(w, [Revoked::Token(token_id.into())]);
     Ok(Output::Done)
 }
 
@@ -835,7 +907,7 @@ fn revoke_grant(
         }
     }
     w.push(Write::Delete { table: Table::Grants, key: g.key() });
-    st.bump_epoch(w);
+    st.bump_epoch(w, [Revoked::Principal(g.principal.clone())]);
     Ok(Output::Done)
 }
 

@@ -757,6 +757,44 @@ fn epoch_moves_only_when_access_can_shrink() {
 }
 
 #[test]
+fn each_epoch_bump_says_what_it_took_away() {
+    use crate::state::Revoked;
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    h.project("root/a/b", Quota::default());
+    let u = h.principal("user", "root/a");
+    h.grant("user", "root/a/b", "sandbox.view");
+    let e0 = h.st.epoch();
+    assert_eq!(h.st.revoked_since(e0), Some(vec![]));
+    h.run(Command::RevokeToken { actor: u.clone(), now_ms: h.now, token_id: u.token_id.clone() }).unwrap();
+    h.run(Command::RevokeGrant {
+        actor: Harness::admin(),
+        now_ms: h.now,
+        grant: GrantRecord { principal: "user".into(), project: "root/a/b".into(), permission: "sandbox.view".into() },
+    })
+    .unwrap();
+    h.run(Command::DeleteProject { actor: Harness::admin(), now_ms: h.now, path: "root/a/b".into() }).unwrap();
+    h.run(Command::DeletePrincipal { actor: Harness::admin(), now_ms: h.now, name: "user".into() }).unwrap();
+    assert_eq!(h.st.epoch(), e0 + 4);
+    assert_eq!(
+        h.st.revoked_since(e0),
+        Some(vec![
+            Revoked::Token(u.token_id.clone()),
+            Revoked::Principal("user".into()),
+            Revoked::Project("root/a/b".into()),
+            Revoked::Principal("user".into()),
+        ])
+    );
+    assert_eq!(h.st.revoked_since(e0 + 3), Some(vec![Revoked::Principal("user".into())]));
+    // A state loaded from its rows saw nothing applied: before its epoch, nothing is known
+    // (the caller clears everything).
+    let reloaded = State::from_rows(h.st.rows());
+    assert_eq!(reloaded, h.st);
+    assert_eq!(reloaded.revoked_since(e0), None);
+    assert_eq!(reloaded.revoked_since(e0 + 4), Some(vec![]));
+}
+
+#[test]
 fn reconcile_adopts_releases_and_respects_min_age() {
     let mut h = Harness::new();
     h.project("root/a", quota(Some(1000), None, None));

@@ -338,3 +338,45 @@ fn quota_is_never_over_committed_under_concurrent_creations() {
         .unwrap();
     rt.block_on(t.cluster.shutdown());
 }
+
+/// The caller address the E2B gateway names (`x-opendsec-client-addr`) is believed only from
+/// a connection with a gateway's certificate: anyone else naming one is counted, and paused,
+/// by its own address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_client_address_is_believed_only_from_a_gateway() {
+    let tc = start(1, |c| c.apiserver.auth_failures.max = 5).await;
+    let addr = tc.cluster.apiserver_addr.to_string();
+    let ca = std::fs::read(&tc.cluster.ca_path).unwrap();
+    let pki_dir = tc.cluster.config.pki_dir();
+    let gateway_id = opendsec_common::pki::Identity::new(opendsec_common::pki::Role::Gateway, "0").unwrap();
+    let gateway_creds = opendsec_common::tls::Credentials::in_dir(&pki_dir, &gateway_id).unwrap();
+    let as_gateway = opendsec_common::grpc::PublicTls::with_ca_as(&ca, None, Some(&gateway_creds)).unwrap();
+    let plain = opendsec_common::grpc::PublicTls::with_ca(&ca, None).unwrap();
+    let junk = "dsk.junk.0123456789abcdefghijklmnop";
+    let whoami = |c: opendsec_client::Client| async move { c.who_am_i(Default::default()).await };
+    let client = |tls: &opendsec_common::grpc::PublicTls, token: &str, from: &str| {
+        opendsec_client::Client::new(std::slice::from_ref(&addr), None, tls)
+            .unwrap()
+            .with_token_for(token, Some(from.parse().unwrap()))
+            .unwrap()
+            .with_retry_timeout(Duration::ZERO)
+    };
+
+    // As the gateway, failures named for 192.0.2.7 pause 192.0.2.7 only.
+    for _ in 0..5 {
+        assert_eq!(whoami(client(&as_gateway, junk, "192.0.2.7")).await.unwrap_err().reason, Reason::Unauthenticated);
+    }
+    let fresh = principal(&tc.admin, "bob", "root", &["sandbox.view"]).await;
+    let e = whoami(client(&as_gateway, &fresh, "192.0.2.7")).await.unwrap_err();
+    assert!(e.message.contains("too many failed authentications from 192.0.2.7"), "{e}");
+    whoami(client(&as_gateway, &fresh, "192.0.2.8")).await.expect("another client of the gateway");
+
+    // Without a gateway's certificate the header is ignored: the failures count against the
+    // caller's own address (loopback), whatever address it names.
+    for _ in 0..5 {
+        assert_eq!(whoami(client(&plain, junk, "192.0.2.9")).await.unwrap_err().reason, Reason::Unauthenticated);
+    }
+    let carol = principal(&tc.admin, "carol", "root", &["sandbox.view"]).await;
+    let e = whoami(client(&plain, &carol, "192.0.2.10")).await.unwrap_err();
+    assert!(e.message.contains("too many failed authentications from 127.0.0.1"), "{e}");
+}

@@ -57,7 +57,7 @@ async fn the_gateway_speaks_https_with_a_certificate_of_its_own() {
 
     // Another CA's client does not get through the handshake.
     let other = tempfile::tempdir().unwrap();
-    opendsec_common::pki::init_ca(other.path(), false).unwrap();
+    opendsec_common::pki::init_ca(other.path(), false, &Default::default()).unwrap();
     let stranger = tokio_rustls::TlsConnector::from(client_config(&other.path().join("ca.pem")));
     let tcp = TcpStream::connect(addr).await.unwrap();
     assert!(stranger.connect(ServerName::try_from("localhost").unwrap(), tcp).await.is_err());
@@ -82,7 +82,7 @@ async fn the_gateway_speaks_https_with_a_certificate_of_its_own() {
     let links = opendsec_common::grpc::Links::new(creds);
     let ch = links.channel(&tc.cluster.config.iam.addrs[0], Role::Iam, None).unwrap();
     let e = opendsec_proto::v1::iam_client::IamClient::new(ch)
-        .get_epoch(opendsec_proto::v1::GetEpochRequest {})
+        .get_epoch(opendsec_proto::v1::GetEpochRequest::default())
         .await
         .expect_err("a gateway may not call IAM");
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
@@ -102,5 +102,143 @@ async fn without_tls_the_gateway_speaks_plain_http_on_loopback() {
     let mut tcp = TcpStream::connect(addr).await.unwrap();
     tcp.write_all(&request("/v2/sandboxes", &tc.cluster.admin_token)).await.unwrap();
     let answer = read_all(&mut tcp).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
+/// Sends one keep-alive request on `s` and reads its whole answer (a JSON body of known
+/// length), leaving the connection open.
+async fn keep_alive_request(s: &mut (impl AsyncReadExt + AsyncWriteExt + Unpin), key: &str) -> String {
+    let req = format!("GET /v2/sandboxes HTTP/1.1\r\nHost: gateway\r\nX-API-Key: {key}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf)).await.expect("an answer").unwrap();
+        assert!(n > 0, "the connection closed before the answer: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got);
+        if let Some(head_end) = text.find("\r\n\r\n") {
+            let len = text[..head_end]
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>()))
+                .expect("a content-length")
+                .unwrap();
+            if got.len() >= head_end + 4 + len {
+                return text.into_owned();
+            }
+        }
+    }
+}
+
+/// Whether the server closes `s` within `within` (a read sees EOF or an error).
+async fn closed_within(s: &mut (impl AsyncReadExt + Unpin), within: Duration) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(tokio::time::timeout(within, s.read(&mut buf)).await, Ok(Ok(0)) | Ok(Err(_)))
+}
+
+/// One source may hold only so many connections to the gateway (`e2b.max_connections_per_source`),
+/// and a connection idle between requests, or sending its headers slowly, is closed after
+/// `e2b.idle_timeout`. Before, one client could hold all 16,384 of the gateway's connections,
+/// each for ever after its first 16 bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_bounds_connections_per_source_and_closes_idle_ones() {
+    let tc = common::start(1, |c| {
+        c.e2b.max_connections_per_source = 4;
+        c.e2b.idle_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let addr = tc.cluster.e2b_addr.expect("a gateway");
+    let tls = tokio_rustls::TlsConnector::from(client_config(&tc.cluster.ca_path));
+    let name = || ServerName::try_from("localhost").unwrap();
+    let key = tc.cluster.admin_token.clone();
+
+    // Four connections from 127.0.0.1 are served and stay open between requests.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut s = tls.connect(name(), TcpStream::connect(addr).await.unwrap()).await.unwrap();
+        assert!(keep_alive_request(&mut s, &key).await.starts_with("HTTP/1.1 200"));
+        held.push(s);
+    }
+    // A fifth from the same source is closed at once; one from another loopback address is not.
+    let fifth = tls.connect(name(), TcpStream::connect(addr).await.unwrap()).await;
+    match fifth {
+        Err(_) => {}
+        Ok(mut s) => assert!(closed_within(&mut s, Duration::from_secs(5)).await, "a fifth connection was kept"),
+    }
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let mut s = tls.connect(name(), other.connect(addr).await.unwrap()).await.unwrap();
+    assert!(keep_alive_request(&mut s, &key).await.starts_with("HTTP/1.1 200"));
+
+    // Idle past the timeout, every held connection is closed by the gateway, and their slots
+    // are free again.
+    for s in &mut held {
+        assert!(closed_within(s, Duration::from_secs(10)).await, "an idle keep-alive connection was kept");
+    }
+    let mut s = tls.connect(name(), TcpStream::connect(addr).await.unwrap()).await.unwrap();
+    assert!(keep_alive_request(&mut s, &key).await.starts_with("HTTP/1.1 200"));
+
+    // Headers sent a byte at a time, slower than the timeout allows, are cut off.
+    let mut slow = tls.connect(name(), TcpStream::connect(addr).await.unwrap()).await.unwrap();
+    let req = format!("GET /v2/sandboxes HTTP/1.1\r\nHost: gateway\r\nX-API-Key: {key}\r\n");
+    let started = std::time::Instant::now();
+    let mut cut = false;
+    for b in req.bytes().cycle() {
+        if slow.write_all(&[b]).await.is_err() || slow.flush().await.is_err() {
+            cut = true;
+            break;
+        }
+        if closed_within(&mut slow, Duration::from_millis(250)).await {
+            cut = true;
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "slow headers were never cut");
+    }
+    assert!(cut);
+}
+
+/// A TLS connection to the gateway from loopback address `from`.
+async fn connect_from(
+    tls: &tokio_rustls::TlsConnector,
+    addr: std::net::SocketAddr,
+    from: &str,
+) -> tokio_rustls::client::TlsStream<TcpStream> {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    tls.connect(ServerName::try_from("localhost").unwrap(), sock.connect(addr).await.unwrap()).await.unwrap()
+}
+
+/// 1,000 junk keys through the gateway from one client pause that client, at the gateway
+/// and at the apiserver (which learns the client's address from the gateway, believed only
+/// from a gateway's certificate), and nobody else: a fresh valid key from another client
+/// works at once, as does a key the flooding client used successfully before. Before, the
+/// apiserver counted every E2B caller as the gateway's own address and paused them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_guessing_keys_through_the_gateway_locks_out_only_itself() {
+    let tc = common::start(1, |_| {}).await;
+    let addr = tc.cluster.e2b_addr.expect("a gateway");
+    let tls = tokio_rustls::TlsConnector::from(client_config(&tc.cluster.ca_path));
+    let admin_key = tc.cluster.admin_token.clone();
+
+    // The attacker, on 127.0.0.2, first uses a key of its own that works.
+    let mut attacker = connect_from(&tls, addr, "127.0.0.2").await;
+    assert!(keep_alive_request(&mut attacker, &admin_key).await.starts_with("HTTP/1.1 200"));
+    // Then 1,000 junk keys, all refused.
+    for i in 0..1000 {
+        let junk = format!("dsk.junk{i}.0123456789abcdefghijklmnop");
+        let answer = keep_alive_request(&mut attacker, &junk).await;
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    }
+    // The attacker is paused: a new key of its own is refused without a word to the
+    // apiserver; the key that worked before still works (one address can be many clients).
+    let fresh = common::principal(&tc.admin, "eve", "root", &["sandbox.view"]).await;
+    let answer = keep_alive_request(&mut attacker, &fresh).await;
+    assert!(answer.starts_with("HTTP/1.1 401") && answer.contains("too many failed"), "{answer}");
+    assert!(keep_alive_request(&mut attacker, &admin_key).await.starts_with("HTTP/1.1 200"));
+
+    // Another client, with a key never seen before, is served at once.
+    let alice = common::principal(&tc.admin, "alice", "root", &["sandbox.view"]).await;
+    let mut other = connect_from(&tls, addr, "127.0.0.1").await;
+    let answer = keep_alive_request(&mut other, &alice).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }

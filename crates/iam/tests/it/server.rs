@@ -454,9 +454,9 @@ async fn grpc_admit_authenticate_and_revoke() {
     assert_eq!((who.principal.as_str(), who.project.as_str()), ("worker", "root/rl"));
     let me = admin.who_am_i(as_caller(&token, pb::WhoAmIRequest {})).await.unwrap().into_inner();
     assert_eq!(me.grants.len(), 1);
-    let e0 = iam.get_epoch(pb::GetEpochRequest {}).await.unwrap().into_inner().epoch;
+    let e0 = iam.get_epoch(pb::GetEpochRequest::default()).await.unwrap().into_inner().epoch;
     admin.revoke_token(as_caller(ADMIN_TOKEN, pb::RevokeTokenRequest { id: who.token_id.clone() })).await.unwrap();
-    let e1 = iam.get_epoch(pb::GetEpochRequest {}).await.unwrap().into_inner().epoch;
+    let e1 = iam.get_epoch(pb::GetEpochRequest::default()).await.unwrap().into_inner().epoch;
     assert!(e1 > e0, "revocation bumps the epoch ({e0} -> {e1})");
     let e = api(iam.authenticate(pb::AuthenticateRequest { token: token.clone() }).await.unwrap_err());
     assert_eq!(e.reason, Reason::Unauthenticated);
@@ -500,17 +500,17 @@ async fn grpc_admit_authenticate_and_revoke() {
     // certificate of another CA.
     let ch = grpc::channel(&server.addr).unwrap();
     let mut bare = pb::iam_client::IamClient::new(ch.clone());
-    assert!(bare.get_epoch(pb::GetEpochRequest {}).await.is_err());
+    assert!(bare.get_epoch(pb::GetEpochRequest::default()).await.is_err());
     let mut bare_admin = pb::admin_client::AdminClient::new(ch);
     assert!(bare_admin.who_am_i(as_caller(ADMIN_TOKEN, pb::WhoAmIRequest {})).await.is_err());
     let other = tempfile::tempdir().unwrap();
     let foreign = grpc::Links::new(creds(other.path(), Role::Apiserver, "0"));
     let mut c = pb::iam_client::IamClient::new(foreign.channel(&server.addr, Role::Iam, None).unwrap());
-    assert!(c.get_epoch(pb::GetEpochRequest {}).await.is_err());
+    assert!(c.get_epoch(pb::GetEpochRequest::default()).await.is_err());
     // A client checks the server too: IAM is not a watcher.
     let confused = grpc::Links::new(creds(&server.pki, Role::Apiserver, "0"));
     let mut c = pb::iam_client::IamClient::new(confused.channel(&server.addr, Role::Watcher, None).unwrap());
-    assert!(c.get_epoch(pb::GetEpochRequest {}).await.is_err());
+    assert!(c.get_epoch(pb::GetEpochRequest::default()).await.is_err());
     // With a certificate but without a bearer token on Admin: unauthenticated.
     let e = api(admin.who_am_i(pb::WhoAmIRequest {}).await.unwrap_err());
     assert_eq!(e.reason, Reason::Unauthenticated);
