@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use opendsec_common::ApiError;
 use sha2::{Digest, Sha256};
 
 /// Who a token belongs to (IAM's Authenticate answer).
@@ -30,6 +31,73 @@ pub struct Identity {
     pub token_id: String,
     /// Unix ms; 0 = never.
     pub expires_at_ms: i64,
+    /// A token IAM minted for one sandbox (`CreateSandboxTokens`) reaches only that one.
+    pub scope: Option<Scope>,
+}
+
+/// The sandbox a token is limited to, and what it may do there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scope {
+    pub lease: String,
+    pub kind: ScopeKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScopeKind {
+    /// Every Runtime call, and reading the sandbox.
+    Runtime,
+    /// The sandbox's ports: HTTP into it and its code contexts' management.
+    Traffic,
+}
+
+/// The methods a sandbox token may call, by kind (all on its own sandbox).
+const RUNTIME_SCOPED_SERVICES: &[&str] = &["/opendsec.v1.Runtime/"];
+const SCOPED_SANDBOX_READS: &[&str] =
+    &["/opendsec.v1.Sandboxes/GetSandbox", "/opendsec.v1.Sandboxes/GetSandboxMetrics"];
+const TRAFFIC_METHODS: &[&str] = &[
+    "/opendsec.v1.Runtime/HttpRequest",
+    "/opendsec.v1.Runtime/CreateCodeContext",
+    "/opendsec.v1.Runtime/ListCodeContexts",
+    "/opendsec.v1.Runtime/RestartCodeContext",
+    "/opendsec.v1.Runtime/RemoveCodeContext",
+    "/opendsec.v1.Sandboxes/GetSandbox",
+];
+
+impl Identity {
+    /// Whether the token may call the method at `path` at all (a sandbox token: only the calls
+    /// of its kind; checked before the request is decoded).
+    pub fn may_call(&self, path: &str) -> Result<(), ApiError> {
+        let Some(scope) = &self.scope else { return Ok(()) };
+        let allowed = match scope.kind {
+            ScopeKind::Runtime => {
+                RUNTIME_SCOPED_SERVICES.iter().any(|p| path.starts_with(p)) || SCOPED_SANDBOX_READS.contains(&path)
+            }
+            ScopeKind::Traffic => TRAFFIC_METHODS.contains(&path),
+        };
+        if allowed {
+            Ok(())
+        } else {
+            let kind = match scope.kind {
+                ScopeKind::Runtime => "runtime",
+                ScopeKind::Traffic => "traffic",
+            };
+            Err(ApiError::denied(format!(
+                "token {} is a sandbox's {kind} token: it may not call {}",
+                self.token_id,
+                path.rsplit('/').next().unwrap_or(path)
+            )))
+        }
+    }
+
+    /// Whether the token reaches sandbox `id` (a sandbox token: its own sandbox only; any
+    /// other answers as one that does not exist).
+    pub fn may_reach(&self, id: &str) -> Result<(), ApiError> {
+        let Some(scope) = &self.scope else { return Ok(()) };
+        match id.split_once('.') {
+            Some((_, lease)) if lease == scope.lease => Ok(()),
+            _ => Err(ApiError::new(opendsec_common::Reason::NotFound, format!("sandbox {id} not found"))),
+        }
+    }
 }
 
 /// The cache key of a token: its SHA-256, so no token is kept in memory longer than a call.
@@ -243,7 +311,36 @@ mod tests {
             project: project.into(),
             token_id: token_id.into(),
             expires_at_ms: exp,
+            scope: None,
         })
+    }
+
+    #[test]
+    fn a_sandbox_token_calls_only_its_kind_on_its_sandbox() {
+        let scoped = |kind| Identity { scope: Some(Scope { lease: "l1".into(), kind }), ..(*ident(0)).clone() };
+        let (rt, tr) = (scoped(ScopeKind::Runtime), scoped(ScopeKind::Traffic));
+        for path in ["/opendsec.v1.Runtime/Exec", "/opendsec.v1.Runtime/WriteFile", "/opendsec.v1.Sandboxes/GetSandbox"]
+        {
+            assert!(rt.may_call(path).is_ok(), "{path}");
+        }
+        for path in [
+            "/opendsec.v1.Sandboxes/ListSandboxes",
+            "/opendsec.v1.Sandboxes/CreateSandbox",
+            "/opendsec.v1.Sandboxes/StopSandbox",
+            "/opendsec.v1.Sandboxes/CreateSandboxTokens",
+            "/opendsec.v1.Admin/CreateToken",
+            "/opendsec.v1.Images/ListImages",
+        ] {
+            assert!(rt.may_call(path).is_err() && tr.may_call(path).is_err(), "{path}");
+        }
+        assert!(tr.may_call("/opendsec.v1.Runtime/HttpRequest").is_ok());
+        assert!(tr.may_call("/opendsec.v1.Runtime/CreateCodeContext").is_ok());
+        for path in ["/opendsec.v1.Runtime/Exec", "/opendsec.v1.Runtime/RunCode", "/opendsec.v1.Runtime/StartProcess"] {
+            assert!(tr.may_call(path).is_err(), "{path}");
+        }
+        assert!(rt.may_reach("edge-1.l1").is_ok() && rt.may_reach("edge-9.l1").is_ok());
+        assert_eq!(rt.may_reach("edge-1.l2").unwrap_err().reason, opendsec_common::Reason::NotFound);
+        assert!(ident(0).may_call("/opendsec.v1.Admin/CreateToken").is_ok() && ident(0).may_reach("e.x").is_ok());
     }
 
     #[test]

@@ -142,6 +142,7 @@ const METHODS: &[&str] = &[
     "RestartCodeContext",
     "RemoveCodeContext",
     "Watch",
+    "CreateSandboxTokens",
 ];
 
 /// The method of a gRPC path (`/opendsec.v1.Service/Method`), or "unknown".
@@ -349,7 +350,10 @@ where
             let admitted = match shared.admit_call(ip, token).await {
                 Ok(id) => {
                     call.principal = Some(id.principal.clone());
-                    shared.admit_decode(&id, method).await
+                    match id.may_call(req.uri().path()) {
+                        Ok(()) => shared.admit_decode(&id, method).await,
+                        Err(e) => Err(e),
+                    }
                 }
                 Err(e) => Err(e),
             };

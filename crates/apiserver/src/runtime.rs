@@ -195,6 +195,7 @@ async fn authorized(
     let mut edge = crate::moves::route(s, id)?;
     call.sandbox_id = Some(id.to_string());
     let (_, ident) = caller(s, call, md).await?;
+    ident.may_reach(id)?;
     let project = match projects.get(id) {
         Some(p) => p,
         None => {

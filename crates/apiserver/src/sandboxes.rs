@@ -101,6 +101,7 @@ async fn authorized_get(
     let (_, ident) = caller(s, call, md).await?;
     ids::split_sandbox_id(id)?;
     call.sandbox_id = Some(id.to_string());
+    ident.may_reach(id)?;
     let (edge, sb) = moves::follow(s, id, |edge| async move { forward::edge_get(s, &edge, id).await }).await?;
     let project = sb.spec.as_ref().map(|sp| sp.project.clone()).unwrap_or_default();
     if project.is_empty() {
@@ -531,6 +532,30 @@ impl Sandboxes for SandboxesService {
                     req,
                     |mut c, r| async move { c.save_session(r).await },
                 )
+                .await
+            })
+        })
+        .await
+    }
+
+    async fn create_sandbox_tokens(
+        &self,
+        request: Request<pb::CreateSandboxTokensRequest>,
+    ) -> Result<Response<pb::SandboxTokens>, Status> {
+        let (md, _, req) = request.into_parts();
+        run(&self.shared, "CreateSandboxTokens", move |s, call| {
+            Box::pin(async move {
+                // The sandbox must be one the caller operates (its project comes from its edge);
+                // IAM checks the permission again on the lease and mints for the caller.
+                let (_, sb) = authorized_get(s, call, &md, &req.sandbox_id, PERM_OPERATE).await?;
+                let (_, lease) = ids::split_sandbox_id(&req.sandbox_id)?;
+                let _ = sb;
+                let token = opendsec_common::grpc::bearer(&md)?.to_string();
+                let req = pb::MintSandboxTokensRequest { token, lease_id: lease.to_string() };
+                s.up.iam(|mut c| {
+                    let r = req.clone();
+                    async move { c.mint_sandbox_tokens(r).await }
+                })
                 .await
             })
         })

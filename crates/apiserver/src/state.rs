@@ -269,11 +269,20 @@ impl Shared {
         if resp.principal.is_empty() {
             return Err(ApiError::new(Reason::Unauthenticated, "token has no principal"));
         }
+        use crate::auth::{Scope, ScopeKind};
+        let scope = match pb::SandboxTokenKind::try_from(resp.scope_kind) {
+            _ if resp.scope_lease.is_empty() => None,
+            Ok(pb::SandboxTokenKind::Runtime) => Some(Scope { lease: resp.scope_lease, kind: ScopeKind::Runtime }),
+            Ok(pb::SandboxTokenKind::Traffic) => Some(Scope { lease: resp.scope_lease, kind: ScopeKind::Traffic }),
+            // A scope this apiserver does not know reaches nothing.
+            _ => return Err(ApiError::denied("a sandbox token of a kind this apiserver does not know")),
+        };
         let id = Arc::new(Identity {
             principal: resp.principal,
             project: resp.project,
             token_id: resp.token_id,
             expires_at_ms: resp.expires_at_ms,
+            scope,
         });
         self.auth.put_identity(generation, key, id.clone(), Instant::now());
         Ok(id)

@@ -97,7 +97,13 @@ impl Iam for FakeIam {
     ) -> Result<Response<pb::AuthenticateResponse>, Status> {
         self.st().authentications += 1;
         let (principal, project) = self.auth(&r.get_ref().token)?;
-        Ok(Response::new(pb::AuthenticateResponse { principal, project, token_id: "t".into(), expires_at_ms: 0 }))
+        Ok(Response::new(pb::AuthenticateResponse {
+            principal,
+            project,
+            token_id: "t".into(),
+            expires_at_ms: 0,
+            ..Default::default()
+        }))
     }
 
     async fn authorize(&self, r: Request<pb::AuthorizeRequest>) -> Result<Response<pb::AuthorizeResponse>, Status> {
@@ -206,6 +212,12 @@ impl Iam for FakeIam {
 
     async fn get_epoch(&self, _: Request<pb::GetEpochRequest>) -> Result<Response<pb::GetEpochResponse>, Status> {
         Ok(Response::new(pb::GetEpochResponse { epoch: self.st().epoch, ..Default::default() }))
+    }
+    async fn mint_sandbox_tokens(
+        &self,
+        _: Request<pb::MintSandboxTokensRequest>,
+    ) -> Result<Response<pb::SandboxTokens>, Status> {
+        Err(Status::unimplemented("not in the fake"))
     }
 
     async fn acquire_lock(

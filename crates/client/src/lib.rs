@@ -323,6 +323,17 @@ impl Client {
         .await
     }
 
+    /// The caller's tokens for sandbox `id` (the same each time): one for every Runtime call
+    /// on it, one for its ports only; both end with the sandbox.
+    pub async fn create_sandbox_tokens(&self, id: &str) -> Result<pb::SandboxTokens, ApiError> {
+        let req = pb::CreateSandboxTokensRequest { sandbox_id: id.to_string() };
+        self.call(const { retry::class("Sandboxes/CreateSandboxTokens") }, |ch| {
+            let req = req.clone();
+            async move { stub_s(ch).create_sandbox_tokens(req).await }
+        })
+        .await
+    }
+
     pub async fn get_sandbox(&self, id: &str) -> Result<pb::Sandbox, ApiError> {
         let req = pb::GetSandboxRequest { id: id.to_string() };
         self.call(const { retry::class("Sandboxes/GetSandbox") }, |ch| {

@@ -57,6 +57,12 @@ impl Sandboxes for Full {
     async fn save_session(&self, _: Request<pb::SaveSessionRequest>) -> Result<Response<pb::SessionSaved>, Status> {
         no()
     }
+    async fn create_sandbox_tokens(
+        &self,
+        _: Request<pb::CreateSandboxTokensRequest>,
+    ) -> Result<Response<pb::SandboxTokens>, Status> {
+        no()
+    }
     async fn get_sandbox(&self, _: Request<pb::GetSandboxRequest>) -> Result<Response<pb::Sandbox>, Status> {
         no()
     }

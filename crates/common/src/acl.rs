@@ -27,6 +27,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/AdmitMany", &[Apiserver]),
     ("/opendsec.v1.Iam/CheckEgress", &[Apiserver]),
     ("/opendsec.v1.Iam/GetEpoch", &[Apiserver]),
+    ("/opendsec.v1.Iam/MintSandboxTokens", &[Apiserver]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
     ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),
     ("/opendsec.v1.Iam/GetLease", &[Apiserver]),

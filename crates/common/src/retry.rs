@@ -88,6 +88,7 @@ pub const CALLS: &[(&str, CallClass)] = {
         ("Sandboxes/MoveSandbox", Repeat),
         ("Sandboxes/DrainEdge", Repeat),
         ("Sandboxes/SaveSession", Repeat),
+        ("Sandboxes/CreateSandboxTokens", Repeat),
         ("Admin/WhoAmI", Read),
         ("Admin/CreateProject", Once),
         ("Admin/GetProject", Read),

@@ -38,7 +38,6 @@ pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, req: Request<Body>)
 }
 
 struct Call {
-    key: String,
     client: Client,
     query: Vec<(String, String)>,
     idempotency_key: Option<String>,
@@ -58,7 +57,7 @@ async fn dispatch(gw: &Gateway, caller: crate::Caller, req: Request<Body>) -> Re
     let query =
         req.uri().query().map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect()).unwrap_or_default();
     let idempotency_key = header(req.headers(), "idempotency-key").map(str::to_string);
-    let call = Call { key, client, query, idempotency_key };
+    let call = Call { client, query, idempotency_key };
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_string();
     let body = read_body(req.into_body()).await?;
@@ -162,8 +161,12 @@ async fn fork(gw: &Gateway, call: &Call, id: &str, body: &[u8]) -> Result<Respon
             }
             (None, None) => Err(RestError::new(StatusCode::INTERNAL_SERVER_ERROR, "a fork answered nothing")),
         };
+        let made = match made {
+            Ok(sb) => sandbox_tokens(call, &sb.id).await.map(|t| (sb, t)),
+            Err(e) => Err(e),
+        };
         out.push(match made {
-            Ok(sb) => serde_json::json!({"sandbox": sandbox_answer(gw, &sb, &call.key)}),
+            Ok((sb, tokens)) => serde_json::json!({"sandbox": sandbox_answer(gw, &sb, &tokens)}),
             Err(e) => serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}}),
         });
     }
@@ -339,10 +342,31 @@ async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
         Reason::NotFound => RestError::not_found(format!("template {template:?}: {}", e.message)),
         _ => RestError::from(e),
     })?;
-    Ok(json(StatusCode::CREATED, &sandbox_answer(gw, &sb, &call.key)))
+    let tokens = match sandbox_tokens(call, &sb.id).await {
+        Ok(t) => t,
+        Err(e) => {
+            // Nobody could reach the sandbox without its tokens: it goes rather than idle
+            // until its timeout.
+            if let Err(stop) = call.client.stop_sandbox(&sb.id).await {
+                tracing::warn!(sandbox_id = %sb.id, error = %stop, "stopping a sandbox whose tokens were refused");
+            }
+            return Err(e);
+        }
+    };
+    Ok(json(StatusCode::CREATED, &sandbox_answer(gw, &sb, &tokens)))
 }
 
-fn sandbox_answer(gw: &Gateway, sb: &pb::Sandbox, key: &str) -> model::Sandbox {
+/// The sandbox's tokens for the caller (`CreateSandboxTokens`: the same on every call): what
+/// the SDK sends back on in-sandbox calls instead of the caller's API key, which no answer
+/// carries.
+async fn sandbox_tokens(call: &Call, id: &str) -> Result<pb::SandboxTokens> {
+    call.client.create_sandbox_tokens(id).await.map_err(|e| match e.reason {
+        Reason::NotFound | Reason::InvalidArgument => not_found(id),
+        _ => RestError::from(e),
+    })
+}
+
+fn sandbox_answer(gw: &Gateway, sb: &pb::Sandbox, tokens: &pb::SandboxTokens) -> model::Sandbox {
     let image = sb.spec.as_ref().map(|s| s.image.as_str()).unwrap_or_default();
     let template = gw.template_of(image);
     model::Sandbox {
@@ -351,10 +375,10 @@ fn sandbox_answer(gw: &Gateway, sb: &pb::Sandbox, key: &str) -> model::Sandbox {
         sandbox_id: sb.id.clone(),
         client_id: sb.edge.clone(),
         envd_version: ENVD_VERSION,
-        // The caller's own key, echoed: the SDK sends it back on every in-sandbox call, where
-        // it is the token those calls are made with.
-        envd_access_token: key.to_string(),
-        traffic_access_token: Some(key.to_string()),
+        // Tokens for this sandbox only: the SDK sends them back on every in-sandbox call,
+        // where they are the tokens those calls are made with.
+        envd_access_token: tokens.runtime_token.clone(),
+        traffic_access_token: Some(tokens.traffic_token.clone()),
         domain: None,
     }
 }
@@ -411,7 +435,8 @@ async fn live(call: &Call, id: &str) -> Result<pb::Sandbox> {
 
 async fn detail(gw: &Gateway, call: &Call, id: &str) -> Result<Response> {
     let sb = live(call, id).await?;
-    let d = detail_of(gw, &sb, Some(&call.key)).ok_or_else(|| not_found(id))?;
+    let tokens = sandbox_tokens(call, id).await?;
+    let d = detail_of(gw, &sb, Some(&tokens.runtime_token)).ok_or_else(|| not_found(id))?;
     Ok(json(StatusCode::OK, &d))
 }
 
@@ -499,7 +524,8 @@ async fn connect(gw: &Gateway, call: &Call, id: &str, body: &[u8]) -> Result<Res
         status = StatusCode::CREATED;
     }
     extend_to(call, &sb, t.timeout.unwrap_or(DEFAULT_TIMEOUT_S)).await?;
-    Ok(json(status, &sandbox_answer(gw, &sb, &call.key)))
+    let tokens = sandbox_tokens(call, id).await?;
+    Ok(json(status, &sandbox_answer(gw, &sb, &tokens)))
 }
 
 /// The sandbox's use now, as one SandboxMetric (E2B keeps a history; the gateway keeps

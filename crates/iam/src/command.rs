@@ -213,6 +213,23 @@ pub enum Command {
         project: String,
         name: String,
     },
+    /// The actor's tokens for the sandbox of `lease_id`, one of each kind (made unless it has
+    /// them already). A kind of its own: members before it cannot decode it (log format 3).
+    MintSandboxTokens {
+        actor: Actor,
+        now_ms: i64,
+        lease_id: String,
+        tokens: Vec<MintedToken>,
+    },
+}
+
+/// One token of [`Command::MintSandboxTokens`], as the proposer made it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MintedToken {
+    pub kind: crate::model::ScopeKind,
+    pub token_id: String,
+    /// HMAC-SHA256(hash_key, derived secret), hex ([`crate::token::derive_secret`]).
+    pub secret_hash: String,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -266,6 +283,7 @@ impl Command {
     pub fn log_format(&self) -> u32 {
         match self {
             Command::FencedReconcile { .. } | Command::FencedSweep { .. } => 2,
+            Command::MintSandboxTokens { .. } => 3,
             _ => 1,
         }
     }
@@ -296,6 +314,7 @@ impl Command {
             Command::AcquireLock { .. } => "acquire_lock",
             Command::PutPool { .. } => "put_pool",
             Command::DeletePool { .. } => "delete_pool",
+            Command::MintSandboxTokens { .. } => "mint_sandbox_tokens",
         }
     }
 }
@@ -403,10 +422,21 @@ pub enum Output {
     Principal(PrincipalRecord),
     Token(TokenRecord),
     Admitted(Admission),
-    Released { released: u32 },
-    Reconciled { adopted: u32, released: u32 },
-    Lock { acquired: bool, holder: String, expires_at_ms: i64 },
+    Released {
+        released: u32,
+    },
+    Reconciled {
+        adopted: u32,
+        released: u32,
+    },
+    Lock {
+        acquired: bool,
+        holder: String,
+        expires_at_ms: i64,
+    },
     Pool(PoolRecord),
+    /// A sandbox's tokens: kind -> token id.
+    SandboxTokens(std::collections::BTreeMap<crate::model::ScopeKind, String>),
 }
 
 /// What an Admit answers.

@@ -17,6 +17,9 @@ pub enum IamError {
     /// the caller said, so a denial does not reveal whether the target exists.
     #[error("permission denied: {principal} lacks {permission} on {target}")]
     PermissionDenied { principal: String, permission: String, target: String },
+    /// A token minted for one sandbox used for anything but that sandbox's calls.
+    #[error("token {0} acts on one sandbox only: it may not call this")]
+    SandboxToken(String),
     /// A sandbox asked for egress its project's (or an ancestor's) ceiling does not allow.
     #[error("egress rule {rule:?} is outside the egress ceiling of project {project}")]
     EgressCeiling { project: String, rule: String },
@@ -91,6 +94,7 @@ pub fn to_api(e: &IamError) -> ApiError {
         IamError::PermissionDenied { permission, .. } => {
             ApiError::new(Reason::PermissionDenied, msg).with("permission", permission.clone())
         }
+        IamError::SandboxToken(_) => ApiError::new(Reason::PermissionDenied, msg),
         IamError::EgressCeiling { project, rule } => {
             ApiError::new(Reason::PermissionDenied, msg).with("project", project.clone()).with("rule", rule.clone())
         }

@@ -485,7 +485,19 @@ impl Iam {
 
     // ----- Iam service -----
 
+    /// Who calls with `token`, for anything but one sandbox's calls: a token minted for a
+    /// sandbox is refused here.
     pub fn authenticate(&self, token: &str) -> Result<Authenticated, IamError> {
+        let who = self.authenticate_scoped(token)?;
+        if who.scope.is_some() {
+            return Err(IamError::SandboxToken(who.token_id));
+        }
+        Ok(who)
+    }
+
+    /// Who calls with `token`, sandbox tokens included (with their scope): what the
+    /// apiserver's `Authenticate` asks, which then holds such a token to its sandbox.
+    pub fn authenticate_scoped(&self, token: &str) -> Result<Authenticated, IamError> {
         let now = now_ms();
         self.read(|s| s.authenticate(token, now))
     }
@@ -758,6 +770,44 @@ impl Iam {
         };
         match self.execute(cmd).await? {
             Output::Token(rec) => Ok((token::format(&id, &secret), rec)),
+            o => Err(unexpected(o)),
+        }
+    }
+
+    /// The tokens of the sandbox of `lease_id` for the caller of `token` (made on first use,
+    /// the same ones after): `(runtime, traffic)`, each `dsk.<id>.<secret>`. The caller needs
+    /// `sandbox.operate` on the sandbox's project; the tokens act as its principal on that
+    /// sandbox only and end with it.
+    pub async fn mint_sandbox_tokens(&self, token: &str, lease_id: &str) -> Result<(String, String), IamError> {
+        let who = self.authenticate(token)?;
+        let key = self.read(|s| s.hash_key().to_vec());
+        let format = |ids: &std::collections::BTreeMap<model::ScopeKind, String>| {
+            let full = |k: model::ScopeKind| {
+                ids.get(&k).map(|id| token::format(id, &token::derive_secret(&key, id))).unwrap_or_default()
+            };
+            (full(model::ScopeKind::Runtime), full(model::ScopeKind::Traffic))
+        };
+        // Minted before (and still allowed): answered without a command.
+        let found = self.read(|s| {
+            let lease = s.leases.get(lease_id)?;
+            s.holds(&who.principal, "sandbox.operate", &lease.project)
+                .then(|| s.sandbox_tokens(lease_id, &who.principal))?
+        });
+        if let Some(ids) = found {
+            return Ok(format(&ids));
+        }
+        let tokens = model::ScopeKind::ALL
+            .into_iter()
+            .map(|kind| {
+                let id = token::new_id();
+                let secret_hash = token::hash_secret_hex(&key, &token::derive_secret(&key, &id));
+                command::MintedToken { kind, token_id: id, secret_hash }
+            })
+            .collect();
+        let cmd =
+            Command::MintSandboxTokens { actor: who.actor(), now_ms: now_ms(), lease_id: lease_id.into(), tokens };
+        match self.execute(cmd).await? {
+            Output::SandboxTokens(ids) => Ok(format(&ids)),
             o => Err(unexpected(o)),
         }
     }

@@ -208,6 +208,40 @@ pub struct TokenRecord {
     pub expires_at_ms: i64,
     #[serde(default)]
     pub revoked: bool,
+    /// A token IAM minted for one sandbox (`MintSandboxTokens`): it acts as its principal on
+    /// that sandbox only, and goes with the sandbox's lease. Not written when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<TokenScope>,
+}
+
+/// What a sandbox's token may reach.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenScope {
+    /// The sandbox's lease (a sandbox id is `<edge>.<lease>`).
+    pub lease: String,
+    pub kind: ScopeKind,
+}
+
+/// The two tokens E2B hands out for a sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScopeKind {
+    /// Every Runtime call on the sandbox, and reading the sandbox (E2B's `envdAccessToken`).
+    Runtime,
+    /// The sandbox's ports only: HTTP into it and its code contexts' management, not running
+    /// code (E2B's `trafficAccessToken`).
+    Traffic,
+}
+
+impl ScopeKind {
+    pub const ALL: [ScopeKind; 2] = [ScopeKind::Runtime, ScopeKind::Traffic];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ScopeKind::Runtime => "runtime",
+            ScopeKind::Traffic => "traffic",
+        }
+    }
 }
 
 impl TokenRecord {

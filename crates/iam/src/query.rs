@@ -11,7 +11,7 @@ use crate::backup::{BACKUP_VERSION, Snapshot};
 use crate::command::Actor;
 use crate::error::IamError;
 use crate::model::ProjectView;
-use crate::model::{GrantRecord, PrincipalRecord, TokenRecord, validate_permission};
+use crate::model::{GrantRecord, PrincipalRecord, TokenRecord, TokenScope, validate_permission};
 use crate::state::State;
 use crate::token;
 
@@ -23,6 +23,8 @@ pub struct Authenticated {
     pub token_id: String,
     /// 0 = never.
     pub expires_at_ms: i64,
+    /// The sandbox a token minted for one is limited to.
+    pub scope: Option<TokenScope>,
 }
 
 impl Authenticated {
@@ -59,11 +61,17 @@ impl State {
             .principals
             .get(&t.principal)
             .ok_or_else(|| unauthenticated(format!("principal {} of token {id} no longer exists", t.principal)))?;
+        if let Some(scope) = &t.scope
+            && !self.leases.contains_key(&scope.lease)
+        {
+            return Err(unauthenticated(format!("token {id} was for a sandbox that has ended")));
+        }
         Ok(Authenticated {
             principal: p.name.clone(),
             project: p.project.clone(),
             token_id: t.id.clone(),
             expires_at_ms: t.expires_at_ms,
+            scope: t.scope.clone(),
         })
     }
 
@@ -138,10 +146,11 @@ impl State {
         {
             return Err(IamError::NotFound { kind: "principal", name: principal.into() });
         }
+        // Sandbox tokens (one pair per sandbox) are the sandbox's, not the principal's to manage.
         let mut out: Vec<TokenRecord> = self
             .tokens_by_principal
             .get(principal)
-            .map(|ids| ids.iter().filter_map(|id| self.tokens.get(id)).cloned().collect())
+            .map(|ids| ids.iter().filter_map(|id| self.tokens.get(id)).filter(|t| t.scope.is_none()).cloned().collect())
             .unwrap_or_default();
         out.sort_by(|a, b| a.created_at_ms.cmp(&b.created_at_ms).then_with(|| a.id.cmp(&b.id)));
         Ok(out)

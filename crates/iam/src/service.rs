@@ -244,13 +244,32 @@ pub struct IamService {
 #[tonic::async_trait]
 impl IamRpc for IamService {
     async fn authenticate(&self, req: Request<pb::AuthenticateRequest>) -> Rpc<pb::AuthenticateResponse> {
-        let a = self.iam.authenticate(&req.get_ref().token).map_err(status)?;
+        let a = self.iam.authenticate_scoped(&req.get_ref().token).map_err(status)?;
+        let (scope_lease, scope_kind) = match a.scope {
+            Some(s) => {
+                let kind = match s.kind {
+                    crate::model::ScopeKind::Runtime => pb::SandboxTokenKind::Runtime,
+                    crate::model::ScopeKind::Traffic => pb::SandboxTokenKind::Traffic,
+                };
+                (s.lease, kind as i32)
+            }
+            None => (String::new(), pb::SandboxTokenKind::Unspecified as i32),
+        };
         ok(pb::AuthenticateResponse {
             principal: a.principal,
             project: a.project,
             token_id: a.token_id,
             expires_at_ms: a.expires_at_ms,
+            scope_lease,
+            scope_kind,
         })
+    }
+
+    async fn mint_sandbox_tokens(&self, req: Request<pb::MintSandboxTokensRequest>) -> Rpc<pb::SandboxTokens> {
+        let r = req.get_ref();
+        let (runtime_token, traffic_token) =
+            self.iam.mint_sandbox_tokens(&r.token, &r.lease_id).await.map_err(status)?;
+        ok(pb::SandboxTokens { runtime_token, traffic_token })
     }
 
     async fn authorize(&self, req: Request<pb::AuthorizeRequest>) -> Rpc<pb::AuthorizeResponse> {

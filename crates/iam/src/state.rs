@@ -24,11 +24,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use opendsec_common::ids::{self, ROOT_PROJECT, parent_project, project_chain, project_within};
 
 use crate::backup::Snapshot;
-use crate::command::{Actor, Admission, Command, LiveLease, Output, Row, Table, Write};
+use crate::command::{Actor, Admission, Command, LiveLease, MintedToken, Output, Row, Table, Write};
 use crate::error::IamError;
 use crate::model::{
     GrantRecord, LeaseRecord, LockRecord, Meta, PoolRecord, PrincipalRecord, ProjectRecord, ProjectView, QUOTA_KEYS,
-    Quota, Resources, TokenRecord, Usage, validate_permission,
+    Quota, Resources, ScopeKind, TokenRecord, TokenScope, Usage, validate_permission,
 };
 use crate::token;
 
@@ -61,8 +61,13 @@ pub struct State {
     pub(crate) usage: HashMap<String, Usage>,
     pub(crate) leases_by_edge: HashMap<String, BTreeSet<String>>,
     pub(crate) tokens_by_principal: BTreeMap<String, BTreeSet<String>>,
+    /// Lease -> the tokens scoped to it.
+    pub(crate) tokens_by_lease: HashMap<String, BTreeSet<String>>,
     /// What each epoch bump since this state was loaded took away (not part of its value).
     pub(crate) revocations: Revocations,
+    /// Tokens of leases released by the command being applied: [`apply`] moves the epoch
+    /// once for them when the command succeeds.
+    pub(crate) ended_tokens: Vec<String>,
 }
 
 /// What a change that moved the security epoch took away, so that a cache drops just that
@@ -176,8 +181,12 @@ impl State {
             self.leases_by_edge.entry(l.edge.clone()).or_default().insert(l.id.clone());
         }
         self.tokens_by_principal.clear();
+        self.tokens_by_lease.clear();
         for t in self.tokens.values() {
             self.tokens_by_principal.entry(t.principal.clone()).or_default().insert(t.id.clone());
+            if let Some(scope) = &t.scope {
+                self.tokens_by_lease.entry(scope.lease.clone()).or_default().insert(t.id.clone());
+            }
         }
     }
 
@@ -387,10 +396,25 @@ impl State {
         if t.expired_at(now_ms) {
             return Err(IamError::Unauthenticated(format!("token {id} has expired")));
         }
+        if t.scope.is_some() {
+            return Err(IamError::SandboxToken(id.clone()));
+        }
         if !self.principals.contains_key(&actor.principal) {
             return Err(IamError::Unauthenticated(format!("principal {} no longer exists", actor.principal)));
         }
         Ok(())
+    }
+
+    /// The live tokens `principal` was minted for lease `lease_id`, by kind, if it has both.
+    pub fn sandbox_tokens(&self, lease_id: &str, principal: &str) -> Option<BTreeMap<ScopeKind, String>> {
+        let mut found = BTreeMap::new();
+        for id in self.tokens_by_lease.get(lease_id)? {
+            let Some(t) = self.tokens.get(id) else { continue };
+            if let Some(scope) = t.scope.as_ref().filter(|_| t.principal == principal && !t.revoked) {
+                found.insert(scope.kind, t.id.clone());
+            }
+        }
+        (found.len() == ScopeKind::ALL.len()).then_some(found)
     }
 
     /// Moves the security epoch for what `revoked` names.
@@ -410,7 +434,13 @@ pub fn apply(st: &mut State, cmd: &Command) -> (Result<Output, IamError>, Vec<Wr
     let r = apply_inner(st, cmd, &mut w);
     if r.is_err() {
         debug_assert!(w.is_empty(), "a failed {} command produced writes", cmd.kind());
+        debug_assert!(st.ended_tokens.is_empty(), "a failed {} command ended tokens", cmd.kind());
         w.clear();
+        st.ended_tokens.clear();
+    } else if !st.ended_tokens.is_empty() {
+        // The tokens of sandboxes that ended: one epoch for all, naming each.
+        let ended = std::mem::take(&mut st.ended_tokens);
+        st.bump_epoch(&mut w, ended.into_iter().map(Revoked::Token));
     }
     (r, w)
 }
@@ -465,6 +495,9 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
             sweep_unbound(st, w, *now_ms, known_edges, *older_than_ms)
         }
         Command::AcquireLock { now_ms, name, holder, ttl_ms } => acquire_lock(st, w, *now_ms, name, holder, *ttl_ms),
+        Command::MintSandboxTokens { actor, now_ms, lease_id, tokens } => {
+            mint_sandbox_tokens(st, w, actor, *now_ms, lease_id, tokens)
+        }
     }
 }
 
@@ -542,6 +575,7 @@ fn bootstrap(
         created_at_ms: now_ms,
         expires_at_ms: 0,
         revoked: false,
+        scope: None,
     };
     st.projects.insert(root.path.clone(), root.clone());
     st.usage.insert(root.path.clone(), Usage::default());
@@ -799,10 +833,9 @@ fn create_token(
     if st.tokens.contains_key(token_id) {
         return Err(IamError::AlreadyExists { kind: "token", name: token_id.into() });
     }
-    let live = st
-        .tokens_by_principal
-        .get(principal)
-        .map_or(0, |ids| ids.iter().filter(|id| st.tokens.get(*id).is_some_and(|t| !t.revoked)).count());
+    let live = st.tokens_by_principal.get(principal).map_or(0, |ids| {
+        ids.iter().filter(|id| st.tokens.get(*id).is_some_and(|t| !t.revoked && t.scope.is_none())).count()
+    });
     if live >= MAX_TOKENS_PER_PRINCIPAL {
         return Err(IamError::InvalidState(format!(
             "principal {principal} already holds {live} tokens; revoke some first"
@@ -816,11 +849,70 @@ fn create_token(
         created_at_ms: now_ms,
         expires_at_ms,
         revoked: false,
+        scope: None,
     };
     st.tokens.insert(t.id.clone(), t.clone());
     st.tokens_by_principal.entry(principal.into()).or_default().insert(t.id.clone());
     w.push(Write::Put(Row::Token(t.clone())));
     Ok(Output::Token(t))
+}
+
+/// Mints the tokens of one sandbox for the actor's principal (`tokens`: kind, id and secret
+/// hash of each, made by the proposer), or finds the ones it minted before: the actor needs
+/// `sandbox.operate` on the lease's project. Each token acts as the principal on that sandbox
+/// only, and ends with its lease ([`State::release_lease`]).
+fn mint_sandbox_tokens(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    actor: &Actor,
+    now_ms: i64,
+    lease_id: &str,
+    tokens: &[MintedToken],
+) -> Result<Output, IamError> {
+    ids::validate_lease(lease_id).map_err(IamError::invalid)?;
+    st.check_actor(actor, now_ms)?;
+    let lease = st.leases.get(lease_id).ok_or_else(|| IamError::NotFound { kind: "sandbox", name: lease_id.into() })?;
+    let project = lease.project.clone();
+    // A caller who may not operate sandboxes there learns nothing of the lease either.
+    if !st.holds(&actor.principal, "sandbox.operate", &project) {
+        return Err(IamError::NotFound { kind: "sandbox", name: lease_id.into() });
+    }
+    if let Some(found) = st.sandbox_tokens(lease_id, &actor.principal) {
+        return Ok(Output::SandboxTokens(found));
+    }
+    let mut minted = Vec::new();
+    for kind in ScopeKind::ALL {
+        let m = tokens
+            .iter()
+            .find(|m| m.kind == kind)
+            .ok_or_else(|| IamError::InvalidArgument(format!("a {kind:?} token is missing from the command")))?;
+        if !token::valid_id(&m.token_id) || !token::is_hex32(&m.secret_hash) {
+            return Err(IamError::InvalidArgument("malformed token id or hash".into()));
+        }
+        if st.tokens.contains_key(&m.token_id) {
+            return Err(IamError::AlreadyExists { kind: "token", name: m.token_id.clone() });
+        }
+        minted.push(m);
+    }
+    let mut found = BTreeMap::new();
+    for m in minted {
+        let t = TokenRecord {
+            id: m.token_id.clone(),
+            principal: actor.principal.clone(),
+            secret_hash: m.secret_hash.clone(),
+            description: format!("sandbox {lease_id} ({})", m.kind.name()),
+            created_at_ms: now_ms,
+            expires_at_ms: 0,
+            revoked: false,
+            scope: Some(TokenScope { lease: lease_id.into(), kind: m.kind }),
+        };
+        st.tokens.insert(t.id.clone(), t.clone());
+        st.tokens_by_principal.entry(t.principal.clone()).or_default().insert(t.id.clone());
+        st.tokens_by_lease.entry(lease_id.into()).or_default().insert(t.id.clone());
+        w.push(Write::Put(Row::Token(t.clone())));
+        found.insert(m.kind, t.id);
+    }
+    Ok(Output::SandboxTokens(found))
 }
 
 fn revoke_token(
@@ -1036,14 +1128,17 @@ fn restore(
     }
     st.projects = snap.projects.iter().map(|p| (p.path.clone(), p.clone())).collect();
     st.principals = snap.principals.iter().map(|p| (p.name.clone(), p.clone())).collect();
-    st.tokens = snap.tokens.iter().map(|t| (t.id.clone(), t.clone())).collect();
+    // A backup holds no leases, so no sandbox's tokens either (one made by a release that
+    // had them is cut here).
+    let tokens: Vec<&TokenRecord> = snap.tokens.iter().filter(|t| t.scope.is_none()).collect();
+    st.tokens = tokens.iter().map(|t| (t.id.clone(), (*t).clone())).collect();
     st.grants.clear();
     for g in &snap.grants {
         st.grants.entry(g.principal.clone()).or_default().insert((g.project.clone(), g.permission.clone()));
     }
     w.extend(snap.projects.iter().cloned().map(|r| Write::Put(Row::Project(r))));
     w.extend(snap.principals.iter().cloned().map(|r| Write::Put(Row::Principal(r))));
-    w.extend(snap.tokens.iter().cloned().map(|r| Write::Put(Row::Token(r))));
+    w.extend(tokens.into_iter().cloned().map(|r| Write::Put(Row::Token(r))));
     w.extend(snap.grants.iter().cloned().map(|r| Write::Put(Row::Grant(r))));
     // Leases are kept (reconciliation owns them) except those whose project the backup does
     // not have: every lease's project must exist.

@@ -794,6 +794,71 @@ fn each_epoch_bump_says_what_it_took_away() {
     assert_eq!(reloaded.revoked_since(e0 + 4), Some(vec![]));
 }
 
+fn mint(h: &mut Harness, actor: &Actor, lease: &str, ids: [&str; 2]) -> Result<Output, IamError> {
+    use crate::command::MintedToken;
+    use crate::model::ScopeKind;
+    let tokens = [ScopeKind::Runtime, ScopeKind::Traffic]
+        .into_iter()
+        .zip(ids)
+        .map(|(kind, id)| MintedToken { kind, token_id: id.into(), secret_hash: hash_of(id) })
+        .collect();
+    h.run(Command::MintSandboxTokens { actor: actor.clone(), now_ms: h.now, lease_id: lease.into(), tokens })
+}
+
+#[test]
+fn a_sandbox_token_is_scoped_to_its_lease_and_ends_with_it() {
+    use crate::model::{ScopeKind, TokenScope};
+    use crate::state::Revoked;
+    let mut h = Harness::new();
+    h.project("root/a", Quota::default());
+    let u = h.principal("user", "root/a");
+    h.grant("user", "root/a", "sandbox.create");
+    h.admit(&u, "l1", "root/a", res(100, 1), "e1").unwrap();
+    // Without sandbox.operate: as if the sandbox did not exist.
+    assert_eq!(reason(&mint(&mut h, &u, "l1", ["rt1", "tr1"])), Reason::NotFound);
+    h.grant("user", "root/a", "sandbox.operate");
+    assert_eq!(reason(&mint(&mut h, &u, "nolease", ["rt1", "tr1"])), Reason::NotFound);
+    let Output::SandboxTokens(ids) = mint(&mut h, &u, "l1", ["rt1", "tr1"]).unwrap() else { panic!("tokens") };
+    assert_eq!((ids[&ScopeKind::Runtime].as_str(), ids[&ScopeKind::Traffic].as_str()), ("rt1", "tr1"));
+    // Asked again: the same tokens, nothing new.
+    let Output::SandboxTokens(again) = mint(&mut h, &u, "l1", ["rt2", "tr2"]).unwrap() else { panic!("tokens") };
+    assert_eq!(again, ids);
+    assert!(!h.st.tokens.contains_key("rt2"));
+
+    // The token knows its scope; it can change nothing in IAM, and is not listed.
+    let who = h.st.authenticate(&token::format("rt1", &secret_of("rt1")), h.now).unwrap();
+    assert_eq!(who.scope, Some(TokenScope { lease: "l1".into(), kind: ScopeKind::Runtime }));
+    let scoped = Actor { principal: "user".into(), token_id: "rt1".into() };
+    let r = h.run(Command::CreateProject {
+        actor: scoped.clone(),
+        now_ms: h.now,
+        path: "root/a/x".into(),
+        quota: Quota::default(),
+    });
+    assert_eq!(reason(&r), Reason::PermissionDenied);
+    assert_eq!(reason(&h.admit(&scoped, "l2", "root/a", res(1, 1), "e1")), Reason::PermissionDenied);
+    assert_eq!(reason(&mint(&mut h, &scoped, "l1", ["rt3", "tr3"])), Reason::PermissionDenied);
+    let user_who = h.st.authenticate(&token::format(&u.token_id, &secret_of(&u.token_id)), h.now).unwrap();
+    assert!(h.st.list_tokens(&user_who, "").unwrap().iter().all(|t| t.scope.is_none()));
+
+    // The lease released (the sandbox ended): the tokens are gone, named in the epoch's feed.
+    let e0 = h.st.epoch();
+    h.run(Command::ReleaseLeases { now_ms: h.now, lease_ids: vec!["l1".into()], edge: String::new() }).unwrap();
+    assert_eq!(h.st.epoch(), e0 + 1);
+    let mut ended = h.st.revoked_since(e0).unwrap();
+    ended.sort_by_key(|r| format!("{r:?}"));
+    assert_eq!(ended, vec![Revoked::Token("rt1".into()), Revoked::Token("tr1".into())]);
+    for id in ["rt1", "tr1"] {
+        assert_eq!(
+            to_api(&h.st.authenticate(&token::format(id, &secret_of(id)), h.now).unwrap_err()).reason,
+            Reason::Unauthenticated
+        );
+    }
+    // A lease that comes back under the same id has none of them.
+    h.admit(&u, "l1", "root/a", res(100, 1), "e1").unwrap();
+    assert!(!h.st.tokens_by_lease.contains_key("l1"));
+}
+
 #[test]
 fn reconcile_adopts_releases_and_respects_min_age() {
     let mut h = Harness::new();

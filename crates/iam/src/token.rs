@@ -48,6 +48,28 @@ pub fn new_secret() -> String {
     opendsec_common::grpc::random_secret(SECRET_LEN)
 }
 
+/// The secret of a token IAM mints for a sandbox, derived from the hash key and the token's
+/// id (HMAC-SHA256 under a label of its own, as 43 characters of [A-Za-z0-9]), so that every
+/// member gives the same token again for the same sandbox (E2B's `connect` answers the token
+/// its `create` did) while only its hash is stored.
+pub fn derive_secret(key: &[u8], token_id: &str) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut out = String::with_capacity(SECRET_LEN);
+    let mut counter = 0u8;
+    while out.len() < SECRET_LEN {
+        let block = hash_secret(key, &format!("opendsec sandbox token\0{token_id}\0{counter}"));
+        // 62 * 4 = 248 <= 255: bytes below it map evenly onto the alphabet.
+        for b in block.into_iter().filter(|b| *b < 248) {
+            if out.len() == SECRET_LEN {
+                break;
+            }
+            out.push(ALPHABET[(b % 62) as usize] as char);
+        }
+        counter = counter.wrapping_add(1);
+    }
+    out
+}
+
 /// A new HMAC key for token secrets, as hex.
 pub fn new_hash_key() -> String {
     let bytes: [u8; HASH_KEY_LEN] = rand::random();
@@ -124,6 +146,18 @@ mod tests {
         assert!(!verify(&key, "other-secret-0123456789", &h));
         assert!(!verify(&key, &secret, "zz"));
         assert!(valid_id(&id) && id.len() == ID_LEN && secret.len() == SECRET_LEN);
+    }
+
+    #[test]
+    fn derived_secrets_are_stable_per_key_and_id() {
+        let (k1, k2) = (from_hex(&new_hash_key()).unwrap(), from_hex(&new_hash_key()).unwrap());
+        let s = derive_secret(&k1, "abc");
+        assert_eq!(s.len(), SECRET_LEN);
+        assert!(s.bytes().all(|b| b.is_ascii_alphanumeric()));
+        assert_eq!(s, derive_secret(&k1, "abc"));
+        assert_ne!(s, derive_secret(&k1, "abd"));
+        assert_ne!(s, derive_secret(&k2, "abc"));
+        assert!(parse(&format("abc", &s)).is_some());
     }
 
     #[test]

@@ -380,3 +380,61 @@ async fn a_forwarded_client_address_is_believed_only_from_a_gateway() {
     let e = whoami(client(&plain, &carol, "192.0.2.10")).await.unwrap_err();
     assert!(e.message.contains("too many failed authentications from 127.0.0.1"), "{e}");
 }
+
+/// Tokens minted for one sandbox (`CreateSandboxTokens`, E2B's envd and traffic tokens): the
+/// runtime token reaches that sandbox's Runtime calls and reads it, the traffic token its
+/// ports only; neither lists, creates, stops or administers anything, another sandbox looks
+/// missing to both, and both stop working when the sandbox ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_tokens_reach_their_sandbox_only_and_end_with_it() {
+    let tc = start(1, |_| {}).await;
+    let key =
+        principal(&tc.admin, "alice", "root", &["sandbox.create", "sandbox.view", "sandbox.operate", "layer.use"])
+            .await;
+    let alice = client(&tc.cluster, &key).with_retry_timeout(Duration::ZERO);
+    let a = alice.create_sandbox(spec("root", 100, 64)).await.unwrap();
+    let b = alice.create_sandbox(spec("root", 100, 64)).await.unwrap();
+    let tokens = alice.create_sandbox_tokens(&a.id).await.unwrap();
+    assert_ne!(tokens.runtime_token, key);
+    assert_ne!(tokens.runtime_token, tokens.traffic_token);
+    // The same tokens every time (E2B's connect answers what its create did).
+    assert_eq!(alice.create_sandbox_tokens(&a.id).await.unwrap(), tokens);
+    let runtime = client(&tc.cluster, &tokens.runtime_token).with_retry_timeout(Duration::ZERO);
+    let traffic = client(&tc.cluster, &tokens.traffic_token).with_retry_timeout(Duration::ZERO);
+    let exec = |id: &str| pb::ExecRequest { sandbox_id: id.into(), command: "true".into(), ..Default::default() };
+    fn denied<T: std::fmt::Debug>(r: Result<T, opendsec_common::ApiError>) {
+        assert_eq!(r.unwrap_err().reason, Reason::PermissionDenied);
+    }
+
+    // Neither lists, creates, stops, mints or administers.
+    for c in [&runtime, &traffic] {
+        denied(c.list_sandboxes(pb::ListSandboxesRequest::default()).await);
+        denied(c.create_sandbox(spec("root", 100, 64)).await);
+        denied(c.stop_sandbox(&a.id).await);
+        denied(c.create_sandbox_tokens(&a.id).await);
+        denied(c.who_am_i(Default::default()).await);
+        denied(c.create_token(pb::CreateTokenRequest::default()).await);
+    }
+    // The traffic token does not run commands; the runtime token does, on its sandbox.
+    denied(traffic.exec(exec(&a.id)).await);
+    let e = runtime.exec(exec(&a.id)).await.expect_err("the sim backend runs no commands");
+    assert!(!matches!(e.reason, Reason::PermissionDenied | Reason::NotFound | Reason::Unauthenticated), "{e}");
+    assert_eq!(runtime.get_sandbox(&a.id).await.unwrap().id, a.id);
+    assert_eq!(traffic.get_sandbox(&a.id).await.unwrap().id, a.id);
+    // Another sandbox, even the same caller's, does not exist for them.
+    assert_eq!(runtime.exec(exec(&b.id)).await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(runtime.get_sandbox(&b.id).await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(traffic.get_sandbox(&b.id).await.unwrap_err().reason, Reason::NotFound);
+    // Someone who may not operate the sandbox gets no tokens for it.
+    let viewer = principal(&tc.admin, "vic", "root", &["sandbox.view"]).await;
+    let e = client(&tc.cluster, &viewer).create_sandbox_tokens(&a.id).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+
+    // The sandbox ends: its tokens stop working (within the epoch poll).
+    alice.stop_sandbox(&a.id).await.unwrap();
+    eventually("the runtime token refused", Duration::from_secs(10), || async {
+        runtime.get_sandbox(&a.id).await.is_err_and(|e| e.reason == Reason::Unauthenticated)
+    })
+    .await;
+    assert_eq!(traffic.get_sandbox(&a.id).await.unwrap_err().reason, Reason::Unauthenticated);
+}

@@ -169,6 +169,12 @@ impl Iam for FakeIam {
     async fn get_epoch(&self, _: Request<GetEpochRequest>) -> Result<Response<GetEpochResponse>, Status> {
         unimplemented()
     }
+    async fn mint_sandbox_tokens(
+        &self,
+        _: Request<opendsec_proto::v1::MintSandboxTokensRequest>,
+    ) -> Result<Response<opendsec_proto::v1::SandboxTokens>, Status> {
+        unimplemented()
+    }
     async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
         unimplemented()
     }

@@ -31,6 +31,19 @@ impl State {
         }
         self.unindex_edge(&l.edge, id);
         w.push(Write::Delete { table: Table::Leases, key: id.to_string() });
+        // The sandbox's tokens end with it ([`apply`] moves the epoch for them).
+        for t in self.tokens_by_lease.remove(id).unwrap_or_default() {
+            if let Some(rec) = self.tokens.remove(&t)
+                && let Some(set) = self.tokens_by_principal.get_mut(&rec.principal)
+            {
+                set.remove(&t);
+                if set.is_empty() {
+                    self.tokens_by_principal.remove(&rec.principal);
+                }
+            }
+            w.push(Write::Delete { table: Table::Tokens, key: t.clone() });
+            self.ended_tokens.push(t);
+        }
         true
     }
 

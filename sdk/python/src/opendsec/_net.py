@@ -48,6 +48,7 @@ CALLS: Dict[str, str] = {
     "Sandboxes/MoveSandbox": "repeat",
     "Sandboxes/DrainEdge": "repeat",
     "Sandboxes/SaveSession": "repeat",
+    "Sandboxes/CreateSandboxTokens": "repeat",
     "Admin/WhoAmI": "read",
     "Admin/CreateProject": "once",
     "Admin/GetProject": "read",

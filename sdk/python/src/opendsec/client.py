@@ -756,6 +756,15 @@ class AsyncClient:
         session. Retried."""
         return await self._unary("Sandboxes", "SaveSession", pb.SaveSessionRequest(id=sandbox_id))
 
+    async def create_sandbox_tokens(self, sandbox_id: str) -> pb.SandboxTokens:
+        """The caller's tokens for one sandbox, to hand to whoever should reach only it (a
+        browser, a helper process): ``runtime_token`` makes every Runtime call on it (shell,
+        files, processes, HTTP, code) and reads it; ``traffic_token`` reaches its ports only
+        (``http_request`` and code contexts' management, not running code). Both act as the
+        caller's principal, are the same on every call, and stop working when the sandbox
+        ends. Needs ``sandbox.operate``. Retried."""
+        return await self._unary("Sandboxes", "CreateSandboxTokens", pb.CreateSandboxTokensRequest(sandbox_id=sandbox_id))
+
     async def set_sandbox_timeout(
         self,
         sandbox_id: str,
