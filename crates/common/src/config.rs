@@ -828,8 +828,13 @@ pub struct NetworkConfig {
     /// Rule sets sandboxes name as `@name`.
     pub rule_sets: std::collections::BTreeMap<String, Vec<String>>,
     /// Networks inside the always-closed ranges (private, link-local, ...) that rules may
-    /// open, e.g. an internal package mirror's.
+    /// open, e.g. an internal package mirror's: only rules whose network lies within one
+    /// reach it (never `*` or a wider network), and a name resolving into one opens it only
+    /// when listed for it in `open_private_domains`.
     pub open_private: Vec<String>,
+    /// Per network of `open_private`: the domains whose DNS answers may open addresses in it
+    /// (for sandboxes whose rules allow the domain).
+    pub open_private_domains: std::collections::BTreeMap<String, Vec<String>>,
     /// DNS queries per second one sandbox may make, and the burst.
     pub dns_rate: f64,
     pub dns_burst: f64,
@@ -860,6 +865,7 @@ impl Default for NetworkConfig {
             ]
             .into(),
             open_private: Vec::new(),
+            open_private_domains: Default::default(),
             dns_rate: 100.0,
             dns_burst: 200.0,
             dns_ttl_min: Duration::from_secs(300),
@@ -898,8 +904,22 @@ impl NetworkConfig {
             Rule::parse(&format!("@{name}")).map_err(|e| invalid(&format!("network.rule_sets.{name}"), e.why))?;
             check(format!("network.rule_sets.{name}"), rules, false)?;
         }
+        let closed = crate::egress::always_closed();
         for (i, n) in self.open_private.iter().enumerate() {
-            Ipv4Net::parse(n).map_err(|e| invalid(&format!("network.open_private[{i}]"), e))?;
+            let field = format!("network.open_private[{i}]");
+            let net = Ipv4Net::parse(n).map_err(|e| invalid(&field, e))?;
+            if !closed.iter().any(|c| c.first() <= net.first() && net.last() <= c.last()) {
+                return Err(invalid(&field, "must lie inside one always-closed range (docs/network.md)"));
+            }
+        }
+        for (net, domains) in &self.open_private_domains {
+            let field = format!("network.open_private_domains.{net}");
+            if !self.open_private.contains(net) {
+                return Err(invalid(&field, "must name an entry of network.open_private"));
+            }
+            for (i, d) in domains.iter().enumerate() {
+                crate::egress::parse_domain(d).map_err(|e| invalid(&format!("{field}[{i}]"), e))?;
+            }
         }
         for (i, u) in self.upstream_dns.iter().enumerate() {
             let ok = u.parse::<std::net::SocketAddr>().is_ok() || u.parse::<std::net::IpAddr>().is_ok();
@@ -1217,6 +1237,12 @@ mod tests {
             (r#"{"images": {"max_depth": 0}}"#, "images.max_depth"),
             (r#"{"images": {"size": 1}}"#, "images"),
             (r#"{"e2b": {"listen": "localhost"}}"#, "e2b.listen"),
+            (r#"{"network": {"open_private": ["0.0.0.0/0"]}}"#, "network.open_private[0]"),
+            (r#"{"network": {"open_private": ["198.51.100.0/24"]}}"#, "network.open_private[0]"),
+            (
+                r#"{"network": {"open_private": ["10.0.0.0/24"], "open_private_domains": {"10.1.0.0/24": ["m.test"]}}}"#,
+                "network.open_private_domains.10.1.0.0/24",
+            ),
             // A move settled before IAM's reconciliation could release a lease bound to a
             // copy that never started would stop the only instance.
             (r#"{"edge": {"move_stale": "2m"}}"#, "edge.move_stale"),

@@ -31,6 +31,10 @@ pub const DNS: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
 /// rest (the edge's namespace routes everything there, and the world routes nowhere else).
 pub const METADATA: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 pub const PRIVATE: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+/// Azure's WireServer address and one of the benchmarking range (198.18/15): public-looking
+/// addresses a `*` rule must not reach either.
+pub const WIRESERVER: Ipv4Addr = Ipv4Addr::new(168, 63, 129, 16);
+pub const BENCHMARK: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
 /// UDP port on [`WEB_A`] whose server logs every datagram's text ([`World::udp_log`]).
 pub const UDP_LOG_PORT: u16 = 9;
 /// UDP port on [`WEB_A`] whose server answers a datagram with one every 50 ms for 20 s.
@@ -44,6 +48,10 @@ pub const ZONE: &[(&str, Ipv4Addr)] = &[
     ("secret.exfil.test", WEB_B),
     // A public name pointing into the metadata range (DNS rebinding).
     ("rebind.test", Ipv4Addr::new(169, 254, 169, 254)),
+    // Names pointing into the private range: one an operator lists for an opened range, one
+    // it does not (rebinding into the opened range).
+    ("mirror.test", PRIVATE),
+    ("private.test", PRIVATE),
 ];
 
 /// Runs a command; panics with its output if it fails.
@@ -96,11 +104,11 @@ impl World {
         inw(&["ip", "link", "set", "lo", "up"]);
         inw(&["ip", "addr", "add", &format!("{WORLD_GW}/24"), "dev", "w0"]);
         inw(&["ip", "link", "set", "w0", "up"]);
-        for a in [WEB_A, WEB_B, DNS, METADATA, PRIVATE] {
+        for a in [WEB_A, WEB_B, DNS, METADATA, PRIVATE, WIRESERVER, BENCHMARK] {
             inw(&["ip", "addr", "add", &format!("{a}/32"), "dev", "lo"]);
         }
         // Before anything is sent: the route to every test address is the test's own link.
-        for a in [WEB_A, WEB_B, DNS, METADATA, PRIVATE] {
+        for a in [WEB_A, WEB_B, DNS, METADATA, PRIVATE, WIRESERVER, BENCHMARK] {
             let r = sh(&["ip", "route", "get", &a.to_string()]);
             assert!(r.contains(&format!("dev {UPLINK}")), "route to the test world's {a}: {r}");
         }
@@ -122,7 +130,16 @@ impl World {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
             rt.block_on(async move {
                 let mut servers = Vec::new();
-                for (addr, port) in [(WEB_A, 80), (WEB_A, 8080), (WEB_B, 80), (METADATA, 80), (PRIVATE, 80)] {
+                let servers_at = [
+                    (WEB_A, 80),
+                    (WEB_A, 8080),
+                    (WEB_B, 80),
+                    (METADATA, 80),
+                    (PRIVATE, 80),
+                    (WIRESERVER, 80),
+                    (BENCHMARK, 80),
+                ];
+                for (addr, port) in servers_at {
                     let l = tokio::net::TcpListener::bind((addr, port)).await.expect("http bind");
                     servers.push(tokio::spawn(http(l)));
                 }

@@ -59,8 +59,12 @@ pub struct NetOptions {
     pub upstream: Vec<SocketAddr>,
     /// Rule sets named by `@name`.
     pub rule_sets: BTreeMap<String, Vec<Rule>>,
-    /// Ranges of the always-closed ones that rules may open.
+    /// Ranges of the always-closed ones that rules may open: only rules whose network lies
+    /// within one reach it ([`compile`]), and only answers for the domains listed with it
+    /// open addresses in it ([`Network::learn`](dns::DnsPolicy::learn)).
     pub open_private: Vec<Ipv4Net>,
+    /// The domains whose answers may open addresses in each opened range.
+    pub open_private_domains: Vec<(Ipv4Net, Vec<String>)>,
     /// Per sandbox: queries per second, and the burst.
     pub dns_rate: f64,
     pub dns_burst: f64,
@@ -117,12 +121,21 @@ pub struct Compiled {
 }
 
 /// Expands named sets and splits rules into boxes and domains. An unknown set name fails.
-pub fn compile(rules: &[Rule], sets: &BTreeMap<String, Vec<Rule>>) -> Result<Compiled, egress::EgressError> {
+/// A range the operator opened (`opened`) is reached only by a network that lies within it:
+/// `*` and wider networks are cut around it, so opening a range for one tenant's mirror opens
+/// it to nobody who did not name it.
+pub fn compile(
+    rules: &[Rule],
+    sets: &BTreeMap<String, Vec<Rule>>,
+    opened: &[Ipv4Net],
+) -> Result<Compiled, egress::EgressError> {
     let mut boxes = Vec::new();
     let mut domains = Vec::new();
     let add = |r: Rule, boxes: &mut Vec<Box3>, domains: &mut Vec<Rule>| match &r.target {
-        Target::Any => boxes.push(Box3::of_rule(0, u32::MAX, &r)),
-        Target::Network(n) => boxes.push(Box3::of_rule(n.first(), n.last(), &r)),
+        Target::Any => boxes.extend(clip(0, u32::MAX, opened).into_iter().map(|(a, b)| Box3::of_rule(a, b, &r))),
+        Target::Network(n) => {
+            boxes.extend(clip(n.first(), n.last(), opened).into_iter().map(|(a, b)| Box3::of_rule(a, b, &r)))
+        }
         Target::Domain(_) => domains.push(r),
         Target::Named(_) => {}
     };
@@ -144,6 +157,35 @@ pub fn compile(rules: &[Rule], sets: &BTreeMap<String, Vec<Rule>>) -> Result<Com
     domains.sort();
     domains.dedup();
     Ok(Compiled { boxes: boxes::disjoint(&boxes), domains })
+}
+
+/// The addresses `first..=last` a rule reaches: all of them when they lie within one opened
+/// range (the rule names it), else those outside every opened range.
+fn clip(first: u32, last: u32, opened: &[Ipv4Net]) -> Vec<(u32, u32)> {
+    if opened.iter().any(|o| o.first() <= first && last <= o.last()) {
+        return vec![(first, last)];
+    }
+    let mut out = vec![(first, last)];
+    for o in opened {
+        let (hs, he) = (o.first(), o.last());
+        out = out
+            .into_iter()
+            .flat_map(|(a, b)| {
+                if he < a || hs > b {
+                    return vec![(a, b)];
+                }
+                let mut v = Vec::new();
+                if hs > a {
+                    v.push((a, hs - 1));
+                }
+                if he < b {
+                    v.push((he + 1, b));
+                }
+                v
+            })
+            .collect();
+    }
+    out
 }
 
 /// `member` limited to what `outer` (the `@name` reference) allows; `None` if nothing is left.
@@ -215,6 +257,14 @@ pub fn options_from(
         .map(|(k, v)| Ok((k.clone(), v.iter().map(parse).collect::<Result<Vec<_>, _>>()?)))
         .collect::<Result<BTreeMap<_, _>, NetworkError>>()?;
     let open_private = cfg.open_private.iter().filter_map(|n| Ipv4Net::parse(n).ok()).collect();
+    let open_private_domains = cfg
+        .open_private_domains
+        .iter()
+        .filter_map(|(n, d)| {
+            let domains = d.iter().filter_map(|d| egress::parse_domain(d).ok()).collect();
+            Ipv4Net::parse(n).ok().map(|n| (n, domains))
+        })
+        .collect();
     let mut upstream: Vec<SocketAddr> = cfg
         .upstream_dns
         .iter()
@@ -235,6 +285,7 @@ pub fn options_from(
         upstream,
         rule_sets,
         open_private,
+        open_private_domains,
         dns_rate: cfg.dns_rate,
         dns_burst: cfg.dns_burst,
         dns_ttl_min: cfg.dns_ttl_min,
@@ -360,7 +411,7 @@ impl Network {
             if c.slot.0 == 0 || c.slot.0 > self.max_slot {
                 continue;
             }
-            let compiled = compile(&c.rules, &self.opts.rule_sets).unwrap_or_default();
+            let compiled = compile(&c.rules, &self.opts.rule_sets, &self.opts.open_private).unwrap_or_default();
             let (_, addr) = self.addrs(c.slot);
             let elems = table::box_elements(&compiled.boxes, None);
             sandboxes.push(table::SlotTable {
@@ -448,7 +499,7 @@ impl Network {
 
     /// Connects the sandbox in namespace `netns` on `slot` and applies `rules` (blocking).
     pub fn attach(&self, id: &str, slot: Slot, rules: &[Rule], netns: &Path) -> Result<(), NetworkError> {
-        let compiled = compile(rules, &self.opts.rule_sets)?;
+        let compiled = compile(rules, &self.opts.rule_sets, &self.opts.open_private)?;
         let (host_addr, addr) = self.addrs(slot);
         let ifname = self.ifname(slot);
         let mut rt = NlSocket::route()?;
@@ -498,7 +549,7 @@ impl Network {
     /// Replaces the rules of an attached sandbox in one transaction (blocking). Addresses it
     /// learned stay open only as far as the new rules still allow their names.
     pub fn update(&self, id: &str, rules: &[Rule]) -> Result<(), NetworkError> {
-        let compiled = compile(rules, &self.opts.rule_sets)?;
+        let compiled = compile(rules, &self.opts.rule_sets, &self.opts.open_private)?;
         let mut g = self.lock();
         let now = Instant::now();
         let Inner { nf, state } = &mut *g;
@@ -615,6 +666,18 @@ impl Network {
         self.lock().state.sandboxes.len()
     }
 
+    /// Whether an answer for `name` may open `ip`: always outside the opened ranges; inside
+    /// one, only for a domain listed with it.
+    fn may_learn(&self, name: &str, ip: Ipv4Addr) -> bool {
+        if !self.opts.open_private.iter().any(|o| o.contains(ip)) {
+            return true;
+        }
+        self.opts
+            .open_private_domains
+            .iter()
+            .any(|(net, domains)| net.contains(ip) && domains.iter().any(|d| egress::domain_within(name, d)))
+    }
+
     fn timeout_of(&self, ttl: u32) -> Duration {
         Duration::from_secs(u64::from(ttl)).clamp(self.opts.dns_ttl_min, self.opts.dns_ttl_max)
     }
@@ -669,7 +732,10 @@ impl dns::DnsPolicy for Network {
         let mut del = Vec::new();
         let mut add = Vec::new();
         let mut next: Vec<(Ipv4Addr, HashMap<String, Instant>, Vec<Element>)> = Vec::new();
-        let mut uniq: Vec<Ipv4Addr> = addrs.iter().copied().take(MAX_ADDRESSES_PER_ANSWER).collect();
+        // An answer pointing into an opened range opens nothing unless the operator listed the
+        // name for that range (else any allowed domain could rebind a sandbox into it).
+        let mut uniq: Vec<Ipv4Addr> =
+            addrs.iter().copied().take(MAX_ADDRESSES_PER_ANSWER).filter(|ip| self.may_learn(name, *ip)).collect();
         uniq.sort();
         uniq.dedup();
         let fresh = uniq.iter().filter(|ip| !a.learned.contains_key(ip)).count();
@@ -791,14 +857,32 @@ mod tests {
         let sets: BTreeMap<String, Vec<Rule>> =
             [("pypi".to_string(), vec![r("pypi.org"), r("files.pythonhosted.org:tcp/443"), r("192.0.2.0/24:udp")])]
                 .into();
-        let c = compile(&[r("@pypi:tcp/443"), r("203.0.113.0/24:tcp/80")], &sets).unwrap();
+        let c = compile(&[r("@pypi:tcp/443"), r("203.0.113.0/24:tcp/80")], &sets, &[]).unwrap();
         assert_eq!(c.domains, vec![r("files.pythonhosted.org:tcp/443"), r("pypi.org:tcp/443")]);
         assert_eq!(c.boxes.len(), 1, "the udp member is narrowed away: {:?}", c.boxes);
-        let e = compile(&[r("@npm")], &sets).unwrap_err();
+        let e = compile(&[r("@npm")], &sets, &[]).unwrap_err();
         assert!(e.why.contains("no rule set"), "{e}");
         // Overlapping rules become disjoint boxes.
-        let c = compile(&[r("*"), r("203.0.113.0/24:tcp/80")], &sets).unwrap();
+        let c = compile(&[r("*"), r("203.0.113.0/24:tcp/80")], &sets, &[]).unwrap();
         assert_eq!(c.boxes, vec![Box3 { addr: (0, u32::MAX), proto: (0, 255), port: (0, u16::MAX) }]);
+    }
+
+    #[test]
+    fn an_opened_range_is_reached_only_by_rules_within_it() {
+        let opened = [Ipv4Net::parse("10.0.0.0/24").unwrap()];
+        let sets: BTreeMap<String, Vec<Rule>> = [("wide".to_string(), vec![r("10.0.0.0/8")])].into();
+        let reaches = |rule: &str, addr: &str| {
+            let c = compile(&[r(rule)], &sets, &opened).unwrap();
+            let a = u32::from(addr.parse::<Ipv4Addr>().unwrap());
+            c.boxes.iter().any(|b| b.contains(a, 6, 80))
+        };
+        for wide in ["*", "0.0.0.0/0", "10.0.0.0/8", "10.0.0.0/23", "@wide"] {
+            assert!(!reaches(wide, "10.0.0.1"), "{wide} reached the opened range");
+        }
+        assert!(reaches("*", "198.51.100.10") && reaches("10.0.0.0/23", "10.0.1.1"));
+        for within in ["10.0.0.0/24", "10.0.0.1/32", "10.0.0.0/25:tcp/80"] {
+            assert!(reaches(within, "10.0.0.1"), "{within}");
+        }
     }
 
     #[test]

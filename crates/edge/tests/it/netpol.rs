@@ -16,7 +16,8 @@ use std::time::Duration;
 use opendsec_common::egress::{Ipv4Net, Rule};
 use opendsec_edge::netpol::{self, NetOptions, Network, Slot};
 use opendsec_testkit::netns::{
-    self, DNS, METADATA, PRIVATE, UDP_LOG_PORT, UDP_STREAM_PORT, UPLINK_ADDR, WEB_A, WEB_B, World,
+    self, BENCHMARK, DNS, METADATA, PRIVATE, UDP_LOG_PORT, UDP_STREAM_PORT, UPLINK_ADDR, WEB_A, WEB_B, WIRESERVER,
+    World,
 };
 use opendsec_testkit::{is_root, wait_for};
 
@@ -156,6 +157,11 @@ struct Env {
 /// The test's own namespace, the world, and a network on 10.88.0.0/16 whose upstream
 /// resolver is the world's DNS server.
 fn env() -> Env {
+    env_with(|_| {})
+}
+
+/// [`env`] with options changed by `tweak`.
+fn env_with(tweak: impl FnOnce(&mut NetOptions)) -> Env {
     assert!(is_root(), "this test needs root (CI runs as root)");
     netns::enter_private_namespace();
     let world = World::start();
@@ -169,11 +175,14 @@ fn env() -> Env {
         upstream: vec![(DNS, 53).into()],
         rule_sets: BTreeMap::from([("web".to_string(), vec![r("other.test:tcp/80")])]),
         open_private: Vec::new(),
+        open_private_domains: Vec::new(),
         dns_rate: 20.0,
         dns_burst: 20.0,
         dns_ttl_min: Duration::from_secs(60),
         dns_ttl_max: Duration::from_secs(3600),
     };
+    let mut opts = opts;
+    tweak(&mut opts);
     let net = Arc::new(Network::new(opts.clone()).expect("network"));
     net.recover(&[]).expect("table");
     let n = net.clone();
@@ -240,6 +249,8 @@ fn star_opens_public_addresses_only() {
     for (addr, port, what) in [
         (METADATA, 80, "the metadata address"),
         (PRIVATE, 80, "a private address"),
+        (WIRESERVER, 80, "Azure's WireServer"),
+        (BENCHMARK, 80, "the benchmarking range"),
         (UPLINK_ADDR, 7443, "the host's uplink address"),
         (host_end, 7443, "the host end of another sandbox's veth"),
         (e.net.dns_addr(), 7443, "the DNS address on another port"),
@@ -256,6 +267,47 @@ fn star_opens_public_addresses_only() {
     e.net.update("e.a", &[r("*"), r("rebind.test")]).unwrap();
     assert_eq!(a.dns("rebind.test", e.net.dns_addr()), format!("rcode=0 answers=1 ip={METADATA}"));
     assert!(a.get(METADATA, 80).starts_with("ERR"));
+}
+
+/// A private range the operator opened (an internal mirror's) is reached only by rules whose
+/// network lies within it, or through the names listed for it: never by `*`, a wider network,
+/// or another allowed name that resolves into it (rebinding). Before, opening it opened it to
+/// every sandbox of the edge through all three.
+#[test]
+fn an_opened_range_opens_only_for_rules_naming_it() {
+    let mirror = Ipv4Net::parse("10.0.0.0/24").unwrap();
+    let e = env_with(|o| {
+        o.open_private = vec![mirror];
+        o.open_private_domains = vec![(mirror, vec!["mirror.test".into()])];
+    });
+    let dns = e.net.dns_addr();
+    let (star, wide, named, listed) = (Ns::new(), Ns::new(), Ns::new(), Ns::new());
+    e.net.attach("e.star", Slot(1), &[r("*"), r("private.test")], star.path().as_ref()).unwrap();
+    e.net.attach("e.wide", Slot(2), &[r("0.0.0.0/0"), r("10.0.0.0/8")], wide.path().as_ref()).unwrap();
+    e.net.attach("e.named", Slot(3), &[r("10.0.0.0/24:tcp/80")], named.path().as_ref()).unwrap();
+    e.net.attach("e.listed", Slot(4), &[r("mirror.test")], listed.path().as_ref()).unwrap();
+
+    // `*` and wide networks reach the public world, not the opened range.
+    assert!(ok(&star.get(WEB_A, 80)) && ok(&wide.get(WEB_B, 80)));
+    assert!(star.get(PRIVATE, 80).starts_with("ERR"), "* reached the opened range");
+    assert!(wide.get(PRIVATE, 80).starts_with("ERR"), "0.0.0.0/0 or 10.0.0.0/8 reached the opened range");
+    // An allowed name resolving into it opens nothing there (it is not listed for the range).
+    assert_eq!(star.dns("private.test", dns), format!("rcode=0 answers=1 ip={PRIVATE}"));
+    assert!(star.get(PRIVATE, 80).starts_with("ERR"), "a rebinding answer opened the range");
+    // A rule naming it, and a name listed for it, do.
+    assert!(ok(&named.get(PRIVATE, 80)), "{}", named.get(PRIVATE, 80));
+    assert!(named.get(PRIVATE, 8080).starts_with("ERR"));
+    assert!(listed.get(PRIVATE, 80).starts_with("ERR"), "open before its lookup");
+    assert_eq!(listed.dns("mirror.test", dns), format!("rcode=0 answers=1 ip={PRIVATE}"));
+    assert!(ok(&listed.get(PRIVATE, 80)), "{}", listed.get(PRIVATE, 80));
+    // What the kernel holds for the first two: nothing of the range.
+    for slot in [1, 2] {
+        let (_, aset, rset) = netpol::table::slot_names(slot);
+        for set in [aset, rset] {
+            let listed = netns::sh(&["nft", "list", "set", "inet", e.net.table_name(), &set]);
+            assert!(!listed.contains("10.0.0."), "slot {slot} {set}: {listed}");
+        }
+    }
 }
 
 #[test]
