@@ -838,6 +838,20 @@ pub struct NetworkConfig {
     /// DNS queries per second one sandbox may make, and the burst.
     pub dns_rate: f64,
     pub dns_burst: f64,
+    /// Queries the edge's DNS proxy holds in flight, and TCP connections it holds open, all
+    /// sandboxes together; one tenant (top-level project) holds at most
+    /// `dns_tenant_share_percent` of each.
+    pub dns_in_flight: u32,
+    pub dns_tcp_connections: u32,
+    pub dns_tenant_share_percent: u32,
+    /// Connections one tenant's sandboxes on an edge may have open together (conntrack
+    /// entries), and new ones a second (each sandbox: 4,096 and 200).
+    pub max_conns_per_tenant: u32,
+    pub new_conns_per_tenant: u32,
+    /// New connections of sandboxes are refused while the host's conntrack table is fuller
+    /// than this percentage of `nf_conntrack_max` (0: never), so that sandboxes never take
+    /// the host's own connections from it.
+    pub conntrack_shed_percent: u32,
     /// Addresses learned from an answer stay open for its TTL, bounded by these.
     #[serde(with = "humantime_serde")]
     pub dns_ttl_min: Duration,
@@ -868,6 +882,12 @@ impl Default for NetworkConfig {
             open_private_domains: Default::default(),
             dns_rate: 100.0,
             dns_burst: 200.0,
+            dns_in_flight: 1024,
+            dns_tcp_connections: 256,
+            dns_tenant_share_percent: 25,
+            max_conns_per_tenant: 16384,
+            new_conns_per_tenant: 1000,
+            conntrack_shed_percent: 50,
             dns_ttl_min: Duration::from_secs(300),
             dns_ttl_max: Duration::from_secs(3600),
         }
@@ -926,6 +946,18 @@ impl NetworkConfig {
             if !ok {
                 return Err(invalid(&format!("network.upstream_dns[{i}]"), "must be an address or address:port"));
             }
+        }
+        if self.dns_in_flight == 0 || self.dns_tcp_connections == 0 {
+            return Err(invalid("network.dns_in_flight", "the DNS proxy needs at least one slot of each kind"));
+        }
+        if !(1..=100).contains(&self.dns_tenant_share_percent) {
+            return Err(invalid("network.dns_tenant_share_percent", "must be 1 to 100"));
+        }
+        if self.max_conns_per_tenant == 0 || self.new_conns_per_tenant == 0 {
+            return Err(invalid("network.max_conns_per_tenant", "conntrack bounds must be positive"));
+        }
+        if self.conntrack_shed_percent > 100 {
+            return Err(invalid("network.conntrack_shed_percent", "must be 0 to 100"));
         }
         if !(self.dns_rate > 0.0 && self.dns_burst >= 1.0) {
             return Err(invalid("network.dns_rate", "rate must be positive and burst at least 1"));

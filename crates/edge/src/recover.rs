@@ -87,6 +87,7 @@ impl Inner {
                 .map(|r| crate::netpol::Claim {
                     id: r.id.clone(),
                     slot: crate::netpol::Slot(r.net_slot),
+                    project: r.spec.project.clone(),
                     rules: r.spec.egress_rules(),
                 })
                 .collect();

@@ -40,6 +40,10 @@ pub const UDP_LOG_PORT: u16 = 9;
 /// UDP port on [`WEB_A`] whose server answers a datagram with one every 50 ms for 20 s.
 pub const UDP_STREAM_PORT: u16 = 7;
 
+/// A name the world's DNS server never answers (a lookup of it holds the edge's proxy until
+/// it gives up on the upstream).
+pub const BLACKHOLE: &str = "void.test";
+
 /// The world's names.
 pub const ZONE: &[(&str, Ipv4Addr)] = &[
     ("allowed.test", WEB_A),
@@ -285,8 +289,11 @@ async fn dns_udp(s: tokio::net::UdpSocket, log: Arc<Mutex<Vec<String>>>) {
     loop {
         let Ok((n, from)) = s.recv_from(&mut buf).await else { continue };
         if let Some((a, name)) = dns_answer(&buf[..n]) {
+            let silent = name == BLACKHOLE;
             log.lock().unwrap_or_else(|p| p.into_inner()).push(name);
-            let _ = s.send_to(&a, from).await;
+            if !silent {
+                let _ = s.send_to(&a, from).await;
+            }
         }
     }
 }
@@ -303,7 +310,14 @@ async fn dns_tcp(l: tokio::net::TcpListener, log: Arc<Mutex<Vec<String>>>) {
                     return;
                 }
                 let Some((a, name)) = dns_answer(&q) else { return };
+                let silent = name == BLACKHOLE;
                 log.lock().unwrap_or_else(|p| p.into_inner()).push(name);
+                if silent {
+                    // Held open, never answered, until the client goes.
+                    let mut rest = Vec::new();
+                    let _ = c.read_to_end(&mut rest).await;
+                    return;
+                }
                 let mut out = (a.len() as u16).to_be_bytes().to_vec();
                 out.extend_from_slice(&a);
                 if c.write_all(&out).await.is_err() {

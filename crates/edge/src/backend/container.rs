@@ -544,8 +544,11 @@ impl ContainerBackend {
     async fn attach(&self, sb: &SandboxRecord, pid: i32) -> Result<(), BackendError> {
         let Some(net) = self.opts.network.clone().filter(|_| sb.net_slot != 0) else { return Ok(()) };
         let (id, slot, rules) = (sb.id.clone(), Slot(sb.net_slot), sb.spec.egress_rules());
-        blocking(move || net.attach(&id, slot, &rules, Path::new(&format!("/proc/{pid}/ns/net"))).map_err(net_err))
-            .await
+        let project = sb.spec.project.clone();
+        blocking(move || {
+            net.attach(&id, slot, &project, &rules, Path::new(&format!("/proc/{pid}/ns/net"))).map_err(net_err)
+        })
+        .await
     }
 
     /// Disconnects a sandbox (idempotent), on a blocking thread.

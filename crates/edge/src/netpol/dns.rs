@@ -11,6 +11,11 @@
 //!   are forwarded.
 //! - Malformed or oversized queries are dropped; each sandbox has its own rate limit, so a
 //!   flood from one does not starve another.
+//! - The proxy's slots (queries in flight, TCP connections) are bounded per sandbox and per
+//!   tenant (top-level project, `network.dns_tenant_share_percent` of them), so one tenant's
+//!   sandboxes holding lookups of a name that never answers leave the rest to the others; a
+//!   query over its source's or tenant's share is dropped (the client retries), a TCP
+//!   connection closed.
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -28,20 +33,42 @@ pub const MAX_QUERY: usize = 1232;
 pub const MAX_UDP_ANSWER: usize = 1232;
 /// How long one upstream has to answer before the next is tried.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
-/// Queries in flight at once, all sandboxes together.
-const MAX_IN_FLIGHT: usize = 1024;
 /// An idle TCP connection is closed after this long.
 const TCP_IDLE: Duration = Duration::from_secs(10);
-/// TCP connections at once, all sandboxes together.
-const MAX_TCP: usize = 256;
-/// Queries in flight, and TCP connections, one sandbox may hold of those.
+/// Queries in flight, and TCP connections, one sandbox may hold.
 const MAX_IN_FLIGHT_PER_SOURCE: u32 = 32;
 const MAX_TCP_PER_SOURCE: u32 = 4;
+/// How long the TCP accept loop waits after an error (out of fds) before it accepts again.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How many queries and TCP connections the proxy holds at once, and each tenant's share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DnsSlots {
+    pub in_flight: u32,
+    pub tcp: u32,
+    /// Of each, the percentage one tenant (top-level project) may hold.
+    pub tenant_share_percent: u32,
+}
+
+impl Default for DnsSlots {
+    fn default() -> Self {
+        DnsSlots { in_flight: 1024, tcp: 256, tenant_share_percent: 25 }
+    }
+}
+
+impl DnsSlots {
+    fn tenant(&self, total: u32) -> u32 {
+        (u64::from(total) * u64::from(self.tenant_share_percent.clamp(1, 100)) / 100).max(1) as u32
+    }
+}
 
 /// What the proxy asks the network about a query's source.
 pub trait DnsPolicy: Send + Sync + 'static {
     /// Whether sandbox `src` may resolve `name`; `None` when no sandbox has that address.
     fn allowed(&self, src: Ipv4Addr, name: &str) -> Option<bool>;
+    /// The tenant (top-level project) of sandbox `src`; `None` when no sandbox has that
+    /// address.
+    fn tenant(&self, src: Ipv4Addr) -> Option<Arc<str>>;
     /// Lets sandbox `src` reach `addrs` (answers for `name`) for about `ttl` seconds.
     /// Blocking (one netlink batch).
     fn learn(&self, src: Ipv4Addr, name: &str, addrs: &[Ipv4Addr], ttl: u32) -> Result<(), String>;
@@ -82,6 +109,8 @@ pub struct DnsStats {
     pub forwarded: std::sync::atomic::AtomicU64,
     pub refused: std::sync::atomic::AtomicU64,
     pub dropped: std::sync::atomic::AtomicU64,
+    /// Queries and connections refused for their sandbox's or tenant's share of the slots.
+    pub shed: std::sync::atomic::AtomicU64,
 }
 
 /// The proxy.
@@ -91,9 +120,11 @@ pub struct DnsProxy {
     limiter: Limiter,
     in_flight: Arc<tokio::sync::Semaphore>,
     tcp_slots: Arc<tokio::sync::Semaphore>,
-    /// Each sandbox's share of those, so that one cannot hold them all.
+    /// Each sandbox's and each tenant's share of those, so that one cannot hold them all.
     in_flight_per_source: Arc<opendsec_common::bounds::PerKey>,
     tcp_per_source: Arc<opendsec_common::bounds::PerKey>,
+    in_flight_per_tenant: Arc<opendsec_common::bounds::PerKey>,
+    tcp_per_tenant: Arc<opendsec_common::bounds::PerKey>,
     pub stats: DnsStats,
 }
 
@@ -108,17 +139,52 @@ fn count(c: &std::sync::atomic::AtomicU64) {
 }
 
 impl DnsProxy {
-    pub fn new(upstream: Vec<SocketAddr>, policy: Arc<dyn DnsPolicy>, rate: f64, burst: f64) -> DnsProxy {
+    pub fn new(
+        upstream: Vec<SocketAddr>,
+        policy: Arc<dyn DnsPolicy>,
+        rate: f64,
+        burst: f64,
+        slots: DnsSlots,
+    ) -> DnsProxy {
+        use opendsec_common::bounds::PerKey;
         DnsProxy {
             upstream,
             policy,
             limiter: Limiter { rate, burst: burst.max(1.0), buckets: Mutex::new(HashMap::new()) },
-            in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_IN_FLIGHT)),
-            tcp_slots: Arc::new(tokio::sync::Semaphore::new(MAX_TCP)),
-            in_flight_per_source: opendsec_common::bounds::PerKey::new(MAX_IN_FLIGHT_PER_SOURCE),
-            tcp_per_source: opendsec_common::bounds::PerKey::new(MAX_TCP_PER_SOURCE),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(slots.in_flight.max(1) as usize)),
+            tcp_slots: Arc::new(tokio::sync::Semaphore::new(slots.tcp.max(1) as usize)),
+            in_flight_per_source: PerKey::new(MAX_IN_FLIGHT_PER_SOURCE),
+            tcp_per_source: PerKey::new(MAX_TCP_PER_SOURCE),
+            in_flight_per_tenant: PerKey::new(slots.tenant(slots.in_flight)),
+            tcp_per_tenant: PerKey::new(slots.tenant(slots.tcp)),
             stats: DnsStats::default(),
         }
+    }
+
+    /// Slots for one query or connection from `src`: its sandbox's, its tenant's, then the
+    /// proxy's (`None`: a share is full, or no sandbox has `src`).
+    fn take(
+        &self,
+        src: Ipv4Addr,
+        source: &Arc<opendsec_common::bounds::PerKey>,
+        tenant: &Arc<opendsec_common::bounds::PerKey>,
+        all: &Arc<tokio::sync::Semaphore>,
+    ) -> Option<(
+        opendsec_common::bounds::KeyPermit,
+        opendsec_common::bounds::KeyPermit,
+        tokio::sync::OwnedSemaphorePermit,
+    )> {
+        let Some(t) = self.policy.tenant(src) else {
+            count(&self.stats.dropped);
+            return None;
+        };
+        let taken = (|| {
+            Some((source.try_take(&src.to_string())?, tenant.try_take(&t)?, all.clone().try_acquire_owned().ok()?))
+        })();
+        if taken.is_none() {
+            count(&self.stats.shed);
+        }
+        taken
     }
 
     /// Serves queries on `udp` and `tcp` until `shutdown` resolves.
@@ -140,17 +206,14 @@ impl DnsProxy {
                     count(&me.stats.dropped);
                     continue;
                 }
-                let Some(mine) = me.in_flight_per_source.try_take(&src.ip().to_string()) else {
-                    count(&me.stats.dropped);
-                    continue;
-                };
-                let Ok(permit) = me.in_flight.clone().try_acquire_owned() else {
-                    count(&me.stats.dropped);
+                let Some(permits) =
+                    me.take(*src.ip(), &me.in_flight_per_source, &me.in_flight_per_tenant, &me.in_flight)
+                else {
                     continue;
                 };
                 let (me, u, q) = (me.clone(), u.clone(), buf[..n].to_vec());
                 tokio::spawn(async move {
-                    let _permit = (permit, mine);
+                    let _permits = permits;
                     if let Some(a) = me.answer(*src.ip(), &q, true).await {
                         let _ = u.send_to(&a, from).await;
                     }
@@ -160,13 +223,21 @@ impl DnsProxy {
         let me = self.clone();
         let tcp_loop = async move {
             loop {
-                let Ok((conn, from)) = tcp.accept().await else { continue };
+                let (conn, from) = match tcp.accept().await {
+                    Ok(c) => c,
+                    Err(_) => {
+                        // Out of fds and the like: back off instead of spinning.
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                        continue;
+                    }
+                };
                 let SocketAddr::V4(src) = from else { continue };
-                let Some(mine) = me.tcp_per_source.try_take(&src.ip().to_string()) else { continue };
-                let Ok(slot) = me.tcp_slots.clone().try_acquire_owned() else { continue };
+                let Some(permits) = me.take(*src.ip(), &me.tcp_per_source, &me.tcp_per_tenant, &me.tcp_slots) else {
+                    continue;
+                };
                 let me = me.clone();
                 tokio::spawn(async move {
-                    let _slot = (slot, mine);
+                    let _permits = permits;
                     me.serve_tcp(conn, *src.ip()).await;
                 });
             }
@@ -278,7 +349,9 @@ impl DnsProxy {
     }
 
     /// Asks the upstreams in turn; over TCP when the client used TCP or a UDP answer came
-    /// back truncated. Returns the raw answer (its id is ours, not the client's).
+    /// back truncated (a UDP query that timed out is not asked again over TCP: a name that
+    /// never answers holds its slot for one timeout per upstream, not two). Returns the raw
+    /// answer (its id is ours, not the client's).
     async fn forward(&self, msg: &Message, udp: bool) -> Option<Vec<u8>> {
         let mut q = Message::query();
         q.metadata.recursion_desired = true;
@@ -286,10 +359,13 @@ impl DnsProxy {
         let id = q.metadata.id;
         let bytes = q.to_vec().ok()?;
         for up in &self.upstream {
-            let got = if udp { udp_exchange(*up, &bytes, id).await } else { None };
-            let got = match got {
-                Some(a) if !truncated(&a) => Some(a),
-                _ => tcp_exchange(*up, &bytes, id).await,
+            let got = if udp {
+                match udp_exchange(*up, &bytes, id).await {
+                    Some(a) if truncated(&a) => tcp_exchange(*up, &bytes, id).await,
+                    got => got,
+                }
+            } else {
+                tcp_exchange(*up, &bytes, id).await
             };
             if got.is_some() {
                 return got;
@@ -357,6 +433,9 @@ mod tests {
     }
 
     impl DnsPolicy for Policy {
+        fn tenant(&self, src: Ipv4Addr) -> Option<Arc<str>> {
+            (src == Ipv4Addr::new(10, 88, 0, 3)).then(|| Arc::from("root/t"))
+        }
         fn allowed(&self, src: Ipv4Addr, name: &str) -> Option<bool> {
             (src == Ipv4Addr::new(10, 88, 0, 3)).then(|| opendsec_common::egress::domain_within(name, "allowed.test"))
         }
@@ -399,7 +478,7 @@ mod tests {
     async fn allowed_names_are_forwarded_and_learned_others_never_leave() {
         let (up, seen) = upstream().await;
         let policy = Arc::new(Policy::default());
-        let p = DnsProxy::new(vec![up], policy.clone(), 1000.0, 1000.0);
+        let p = DnsProxy::new(vec![up], policy.clone(), 1000.0, 1000.0, DnsSlots::default());
         let me = Ipv4Addr::new(10, 88, 0, 3);
         let a =
             Message::from_vec(&p.answer(me, &query("www.allowed.test.", RecordType::A), true).await.unwrap()).unwrap();

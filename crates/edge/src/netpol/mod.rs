@@ -32,6 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opendsec_common::egress::{self, Ipv4Net, Protocol, Rule, Target};
+use opendsec_common::ids;
 
 use boxes::Box3;
 use nl::{ElemOp, Element, NlError, NlSocket};
@@ -68,6 +69,14 @@ pub struct NetOptions {
     /// Per sandbox: queries per second, and the burst.
     pub dns_rate: f64,
     pub dns_burst: f64,
+    /// The DNS proxy's slots and each tenant's share of them.
+    pub dns_slots: dns::DnsSlots,
+    /// Connections one tenant's sandboxes may hold together, and new ones a second.
+    pub tenant_conns: u32,
+    pub tenant_rate: u32,
+    /// When sandboxes' new connections are refused: while the host's conntrack table is
+    /// fuller than this.
+    pub conntrack_shed: ShedAt,
     /// Learned addresses stay open for the answer's TTL, bounded by these.
     pub dns_ttl_min: Duration,
     pub dns_ttl_max: Duration,
@@ -110,6 +119,8 @@ pub struct Slot(pub u32);
 pub struct Claim {
     pub id: String,
     pub slot: Slot,
+    /// The sandbox's project (its tenant shares bounds with the tenant's other sandboxes).
+    pub project: String,
     pub rules: Vec<Rule>,
 }
 
@@ -212,18 +223,42 @@ struct Learned {
 struct Attached {
     slot: Slot,
     addr: Ipv4Addr,
+    /// The sandbox's top-level project.
+    tenant: Arc<str>,
     compiled: Compiled,
     allow: Vec<Element>,
     learned: HashMap<Ipv4Addr, Learned>,
+}
+
+/// A tenant with sandboxes on this edge: the index of its chain, and how many it has.
+#[derive(Debug, Clone, Copy)]
+struct TenantChain {
+    index: u32,
+    sandboxes: u32,
 }
 
 #[derive(Debug, Default)]
 struct State {
     sandboxes: HashMap<String, Attached>,
     by_addr: HashMap<Ipv4Addr, String>,
+    tenants: HashMap<Arc<str>, TenantChain>,
+    next_tenant: u32,
+    /// Whether the edge sheds new connections now (chain `shed` holds a drop).
+    shedding: bool,
     /// Reserved slots (attached or about to be).
     slots: BTreeSet<u32>,
     cursor: u32,
+}
+
+impl State {
+    /// The chain of `tenant`, made (its index chosen) if it has none: `(index, new)`.
+    fn tenant_chain(&mut self, tenant: &Arc<str>) -> (u32, bool) {
+        if let Some(t) = self.tenants.get(tenant) {
+            return (t.index, false);
+        }
+        self.next_tenant += 1;
+        (self.next_tenant, true)
+    }
 }
 
 #[derive(Debug)]
@@ -288,9 +323,47 @@ pub fn options_from(
         open_private_domains,
         dns_rate: cfg.dns_rate,
         dns_burst: cfg.dns_burst,
+        dns_slots: dns::DnsSlots {
+            in_flight: cfg.dns_in_flight,
+            tcp: cfg.dns_tcp_connections,
+            tenant_share_percent: cfg.dns_tenant_share_percent,
+        },
+        tenant_conns: cfg.max_conns_per_tenant,
+        tenant_rate: cfg.new_conns_per_tenant,
+        conntrack_shed: ShedAt::Percent(cfg.conntrack_shed_percent),
         dns_ttl_min: cfg.dns_ttl_min,
         dns_ttl_max: cfg.dns_ttl_max,
     })
+}
+
+/// Where the kernel tells the size and fill of this network namespace's conntrack table.
+const CONNTRACK_MAX: &str = "/proc/sys/net/netfilter/nf_conntrack_max";
+const CONNTRACK_COUNT: &str = "/proc/sys/net/netfilter/nf_conntrack_count";
+/// How often the edge looks at its host's conntrack table.
+const SHED_CHECK: Duration = Duration::from_millis(250);
+
+fn read_u64(path: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// How full the host's conntrack table may get before sandboxes' new connections are refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShedAt {
+    /// A percentage of `nf_conntrack_max` (0: never).
+    Percent(u32),
+    /// A number of entries (tests).
+    Entries(u64),
+}
+
+impl ShedAt {
+    /// The number of entries above which to shed now (`None`: never, or no conntrack yet).
+    fn limit(self) -> Option<u64> {
+        match self {
+            ShedAt::Percent(0) => None,
+            ShedAt::Percent(p) => read_u64(CONNTRACK_MAX).map(|m| m * u64::from(p.min(100)) / 100),
+            ShedAt::Entries(n) => Some(n),
+        }
+    }
 }
 
 /// The host's resolvers, from /etc/resolv.conf.
@@ -389,6 +462,8 @@ impl Network {
             local,
             closed,
             owner: opts.owner.clone(),
+            tenant_conns: opts.tenant_conns,
+            tenant_rate: opts.tenant_rate,
         };
         let max_slot = u32::try_from(subnet.size() / 2).unwrap_or(u32::MAX).saturating_sub(1);
         Ok(Network {
@@ -407,6 +482,8 @@ impl Network {
     pub fn recover(&self, claims: &[Claim]) -> Result<(), NetworkError> {
         let mut sandboxes = Vec::new();
         let mut attached = Vec::new();
+        // Only its tenant bookkeeping: the state is replaced whole below.
+        let mut tenants = State::default();
         for c in claims {
             if c.slot.0 == 0 || c.slot.0 > self.max_slot {
                 continue;
@@ -414,15 +491,21 @@ impl Network {
             let compiled = compile(&c.rules, &self.opts.rule_sets, &self.opts.open_private).unwrap_or_default();
             let (_, addr) = self.addrs(c.slot);
             let elems = table::box_elements(&compiled.boxes, None);
+            let tenant: Arc<str> = ids::tenant_of(&c.project).into();
+            let (index, _) = tenants.tenant_chain(&tenant);
+            tenants.tenants.entry(tenant.clone()).or_insert(TenantChain { index, sandboxes: 0 }).sandboxes += 1;
             sandboxes.push(table::SlotTable {
                 slot: c.slot.0,
                 ifname: self.ifname(c.slot),
                 addr,
                 mark: u32::from(addr),
                 allow: elems.clone(),
+                tenant_chain: table::tenant_chain(index),
             });
-            attached
-                .push((c.id.clone(), Attached { slot: c.slot, addr, compiled, allow: elems, learned: HashMap::new() }));
+            attached.push((
+                c.id.clone(),
+                Attached { slot: c.slot, addr, tenant, compiled, allow: elems, learned: HashMap::new() },
+            ));
         }
         if let Some(owner) = table_owner(&self.table.name)?
             && owner != self.table.owner
@@ -436,7 +519,7 @@ impl Network {
         load_table(&self.table.name, &table::script(&self.table, &sandboxes))?;
         {
             let mut g = self.lock();
-            g.state = State::default();
+            g.state = State { tenants: tenants.tenants, next_tenant: tenants.next_tenant, ..State::default() };
             for (id, a) in attached {
                 g.state.slots.insert(a.slot.0);
                 g.state.by_addr.insert(a.addr, id.clone());
@@ -467,9 +550,25 @@ impl Network {
         let udp = tokio::net::UdpSocket::bind(at).await.map_err(io("bind udp"))?;
         let tcp = tokio::net::TcpListener::bind(at).await.map_err(io("bind tcp"))?;
         let policy: Arc<dyn dns::DnsPolicy> = self.clone();
-        let proxy =
-            Arc::new(dns::DnsProxy::new(self.opts.upstream.clone(), policy, self.opts.dns_rate, self.opts.dns_burst));
+        let proxy = Arc::new(dns::DnsProxy::new(
+            self.opts.upstream.clone(),
+            policy,
+            self.opts.dns_rate,
+            self.opts.dns_burst,
+            self.opts.dns_slots,
+        ));
         *self.dns.lock().unwrap_or_else(|p| p.into_inner()) = Some(proxy.clone());
+        // The edge's bound on the host's conntrack table, while the network lives.
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SHED_CHECK).await;
+                let Some(net) = me.upgrade() else { return };
+                if let Err(e) = tokio::task::spawn_blocking(move || net.check_shed()).await.unwrap_or(Ok(())) {
+                    tracing::warn!(error = %e, "could not change whether the edge sheds new connections");
+                }
+            }
+        });
         Ok(tokio::spawn(proxy.serve(udp, tcp, shutdown)))
     }
 
@@ -498,7 +597,14 @@ impl Network {
     }
 
     /// Connects the sandbox in namespace `netns` on `slot` and applies `rules` (blocking).
-    pub fn attach(&self, id: &str, slot: Slot, rules: &[Rule], netns: &Path) -> Result<(), NetworkError> {
+    pub fn attach(
+        &self,
+        id: &str,
+        slot: Slot,
+        project: &str,
+        rules: &[Rule],
+        netns: &Path,
+    ) -> Result<(), NetworkError> {
         let compiled = compile(rules, &self.opts.rule_sets, &self.opts.open_private)?;
         let (host_addr, addr) = self.addrs(slot);
         let ifname = self.ifname(slot);
@@ -535,14 +641,39 @@ impl Network {
             &[table::chain_element(&ifname, addr, &replies)],
         ));
         let mut g = self.lock();
+        // Its tenant's chain (made with the tenant's first sandbox here), and its jump there.
+        let tenant: Arc<str> = ids::tenant_of(project).into();
+        let (index, new) = g.state.tenant_chain(&tenant);
+        let tchain = table::tenant_chain(index);
+        if new {
+            msgs.extend([
+                nl::new_chain(t, &tchain),
+                nl::drop_rule(t, &tchain, nl::DropWhen::CountOver(self.opts.tenant_conns)),
+                nl::drop_rule(
+                    t,
+                    &tchain,
+                    nl::DropWhen::RateOver {
+                        per_second: u64::from(self.opts.tenant_rate),
+                        burst: self.opts.tenant_rate.saturating_mul(2),
+                    },
+                ),
+            ]);
+        }
+        msgs.push(nl::set_elements(ElemOp::Add, t, table::TENANTS, &[table::chain_element(&ifname, addr, &tchain)]));
         if let Err(e) = g.nf.nf_batch(&format!("rules of {id}"), &msgs) {
             drop(g);
             let _ = link::delete(&mut rt, &ifname);
             return Err(e.into());
         }
+        g.state.tenants.entry(tenant.clone()).or_insert(TenantChain { index, sandboxes: 0 }).sandboxes += 1;
+        if new {
+            g.state.next_tenant = index;
+        }
         g.state.slots.insert(slot.0);
         g.state.by_addr.insert(addr, id.to_string());
-        g.state.sandboxes.insert(id.to_string(), Attached { slot, addr, compiled, allow, learned: HashMap::new() });
+        g.state
+            .sandboxes
+            .insert(id.to_string(), Attached { slot, addr, tenant, compiled, allow, learned: HashMap::new() });
         Ok(())
     }
 
@@ -604,7 +735,23 @@ impl Network {
             let t = &self.table.name;
             let (chain, aset, rset) = table::slot_names(slot.0);
             let replies = table::reply_chain(slot.0);
-            let msgs = vec![
+            // Its tenant's jump; the tenant's chain too when this was its last sandbox here.
+            let tenant = state.sandboxes.get(id).map(|a| a.tenant.clone());
+            let tchain =
+                tenant.as_ref().and_then(|t| state.tenants.get(t)).map(|c| (table::tenant_chain(c.index), c.sandboxes));
+            let mut msgs = Vec::new();
+            if let Some((tc, _)) = &tchain {
+                msgs.push(nl::set_elements(
+                    ElemOp::Delete,
+                    t,
+                    table::TENANTS,
+                    &[table::chain_element(&ifname, addr, tc)],
+                ));
+            }
+            if let Some((tc, 1)) = &tchain {
+                msgs.extend([nl::flush_chain(t, tc), nl::destroy_chain(t, tc)]);
+            }
+            msgs.extend([
                 nl::set_elements(ElemOp::Delete, t, table::CHAINS, &[table::chain_element(&ifname, addr, &chain)]),
                 nl::set_elements(
                     ElemOp::Delete,
@@ -624,8 +771,16 @@ impl Network {
                 nl::destroy_set(t, &rset),
                 nl::destroy_chain(t, &chain),
                 nl::destroy_chain(t, &replies),
-            ];
+            ]);
             nf.nf_batch(&format!("rules of {id}"), &msgs)?;
+            if let Some(tenant) = tenant
+                && let Some(c) = state.tenants.get_mut(&tenant)
+            {
+                c.sandboxes -= 1;
+                if c.sandboxes == 0 {
+                    state.tenants.remove(&tenant);
+                }
+            }
             state.sandboxes.remove(id);
             if state.by_addr.get(&addr).is_some_and(|o| o == id) {
                 state.by_addr.remove(&addr);
@@ -654,6 +809,42 @@ impl Network {
         let mut rt = NlSocket::route()?;
         link::remove_local_address(&mut rt, self.dns_addr())?;
         Ok(())
+    }
+
+    /// Sheds sandboxes' new connections while the host's conntrack table is fuller than
+    /// [`NetOptions::conntrack_shed`], and stops at nine tenths of that (blocking).
+    pub fn check_shed(&self) -> Result<(), NetworkError> {
+        let (Some(limit), Some(count)) = (self.opts.conntrack_shed.limit(), read_u64(CONNTRACK_COUNT)) else {
+            return Ok(());
+        };
+        let mut g = self.lock();
+        let shed = if g.state.shedding { count > limit * 9 / 10 } else { count > limit };
+        if shed == g.state.shedding {
+            return Ok(());
+        }
+        let t = &self.table.name;
+        let msgs = if shed {
+            vec![nl::flush_chain(t, table::SHED), nl::drop_rule(t, table::SHED, nl::DropWhen::Always)]
+        } else {
+            vec![nl::flush_chain(t, table::SHED)]
+        };
+        g.nf.nf_batch("the edge's shed chain", &msgs)?;
+        g.state.shedding = shed;
+        if shed {
+            tracing::warn!(
+                conntrack = count,
+                limit,
+                "the host's conntrack table is full: refusing sandboxes' new connections"
+            );
+        } else {
+            tracing::info!(conntrack = count, "sandboxes' new connections accepted again");
+        }
+        Ok(())
+    }
+
+    /// Whether the edge sheds sandboxes' new connections now.
+    pub fn shedding(&self) -> bool {
+        self.lock().state.shedding
     }
 
     /// The DNS proxy (its counters), once serving.
@@ -710,6 +901,12 @@ fn learned_elements(ip: Ipv4Addr, names: &HashMap<String, Instant>, domains: &[R
 }
 
 impl dns::DnsPolicy for Network {
+    fn tenant(&self, src: Ipv4Addr) -> Option<Arc<str>> {
+        let g = self.lock();
+        let id = g.state.by_addr.get(&src)?;
+        g.state.sandboxes.get(id).map(|a| a.tenant.clone())
+    }
+
     fn allowed(&self, src: Ipv4Addr, name: &str) -> Option<bool> {
         let g = self.lock();
         let id = g.state.by_addr.get(&src)?;

@@ -342,7 +342,18 @@ const NFTA_DATA_VERDICT: u16 = 2;
 const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 const NF_ACCEPT: u32 = 1;
+const NF_DROP: u32 = 0;
 const NFT_JUMP: i32 = -3;
+const NFTA_CONNLIMIT_COUNT: u16 = 1;
+const NFTA_CONNLIMIT_FLAGS: u16 = 2;
+const NFT_CONNLIMIT_F_INV: u32 = 1;
+const NFTA_LIMIT_RATE: u16 = 1;
+const NFTA_LIMIT_UNIT: u16 = 2;
+const NFTA_LIMIT_BURST: u16 = 3;
+const NFTA_LIMIT_TYPE: u16 = 4;
+const NFTA_LIMIT_FLAGS: u16 = 5;
+const NFT_LIMIT_PKTS: u32 = 0;
+const NFT_LIMIT_F_INV: u32 = 1;
 const NFTA_SET_TABLE: u16 = 1;
 const NFTA_SET_NAME: u16 = 2;
 const NFTA_SET_FLAGS: u16 = 3;
@@ -622,6 +633,55 @@ fn lookup_rule(table: &str, chain: &str, set: &str, set_id: u32, dir: Direction)
             attr(a, NFTA_IMMEDIATE_DREG, &be(0));
             nested(a, NFTA_IMMEDIATE_DATA, |a| {
                 nested(a, NFTA_DATA_VERDICT, |a| attr(a, NFTA_VERDICT_CODE, &be(NF_ACCEPT)));
+            });
+        });
+    });
+    nft_msg(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, a)
+}
+
+/// What a drop rule matches before it drops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropWhen {
+    /// Always (`drop`).
+    Always,
+    /// More than this many connections have passed the rule and are still open
+    /// (`ct count over N drop`): one count for every packet that reaches the rule.
+    CountOver(u32),
+    /// More than this many packets a second, with this burst (`limit rate over R/second
+    /// burst B packets drop`).
+    RateOver { per_second: u64, burst: u32 },
+}
+
+/// A rule appended to `chain` that drops what `when` says (see [`DropWhen`]).
+pub fn drop_rule(table: &str, chain: &str, when: DropWhen) -> NfMsg {
+    let mut a = Vec::new();
+    attr(&mut a, NFTA_RULE_TABLE, &cstr(table));
+    attr(&mut a, NFTA_RULE_CHAIN, &cstr(chain));
+    let expr = |a: &mut Vec<u8>, name: &str, data: &dyn Fn(&mut Vec<u8>)| {
+        nested(a, NFTA_LIST_ELEM, |a| {
+            attr(a, NFTA_EXPR_NAME, &cstr(name));
+            nested(a, NFTA_EXPR_DATA, |a| data(a));
+        });
+    };
+    nested(&mut a, NFTA_RULE_EXPRESSIONS, |a| {
+        match when {
+            DropWhen::Always => {}
+            DropWhen::CountOver(n) => expr(a, "connlimit", &|a| {
+                attr(a, NFTA_CONNLIMIT_COUNT, &n.to_be_bytes());
+                attr(a, NFTA_CONNLIMIT_FLAGS, &NFT_CONNLIMIT_F_INV.to_be_bytes());
+            }),
+            DropWhen::RateOver { per_second, burst } => expr(a, "limit", &|a| {
+                attr(a, NFTA_LIMIT_RATE, &per_second.to_be_bytes());
+                attr(a, NFTA_LIMIT_UNIT, &1u64.to_be_bytes());
+                attr(a, NFTA_LIMIT_BURST, &burst.to_be_bytes());
+                attr(a, NFTA_LIMIT_TYPE, &NFT_LIMIT_PKTS.to_be_bytes());
+                attr(a, NFTA_LIMIT_FLAGS, &NFT_LIMIT_F_INV.to_be_bytes());
+            }),
+        }
+        expr(a, "immediate", &|a| {
+            attr(a, NFTA_IMMEDIATE_DREG, &0u32.to_be_bytes());
+            nested(a, NFTA_IMMEDIATE_DATA, |a| {
+                nested(a, NFTA_DATA_VERDICT, |a| attr(a, NFTA_VERDICT_CODE, &NF_DROP.to_be_bytes()));
             });
         });
     });

@@ -12,6 +12,13 @@
 //! deletion walk all of them). Established connections pass through the same checks: taking
 //! a rule back cuts its connections at the next packet. New connections towards a sandbox are
 //! dropped on every path (forward from anywhere, output from the host); replies pass.
+//!
+//! Conntrack is bounded three ways, for new connections only (chain `limits`): per sandbox
+//! (connections open and new ones a second, dynamic sets keyed by source address), per
+//! tenant (`tenants` maps a sandbox's (veth, address) to a jump into chain `t_<n>` of its
+//! top-level project, whose `ct count` and rate rules count every sandbox of that tenant
+//! together), and per edge (chain `shed`, which the edge fills with a drop while the host's
+//! conntrack table is fuller than `network.conntrack_shed_percent`).
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -30,6 +37,15 @@ pub const NEW_CONN_RATE: u32 = 200;
 /// The maps every sandbox has an element in.
 pub const SANDBOXES: &str = "sandboxes";
 pub const CHAINS: &str = "jumps";
+/// (veth, address) -> a jump into the sandbox's tenant's chain ([`tenant_chain`]).
+pub const TENANTS: &str = "tenants";
+/// The chain that drops every new connection of a sandbox while the edge sheds load.
+pub const SHED: &str = "shed";
+
+/// The name of a tenant's chain on this edge (its index in the edge's table).
+pub fn tenant_chain(index: u32) -> String {
+    format!("t_{index:x}")
+}
 /// (veth, address) -> the sandbox's reply chain, for packets towards it.
 pub const REPLY_CHAINS: &str = "replies";
 
@@ -53,6 +69,8 @@ pub struct SlotTable {
     pub addr: Ipv4Addr,
     pub mark: u32,
     pub allow: Vec<Element>,
+    /// Its tenant's chain ([`tenant_chain`]).
+    pub tenant_chain: String,
 }
 
 /// The fixed facts the table is made from.
@@ -76,6 +94,9 @@ pub struct TableSpec {
     /// Who owns the table (the table's comment): an edge finding another owner's table under
     /// its name refuses to touch it.
     pub owner: String,
+    /// Connections one tenant's sandboxes may have open together, and new ones a second.
+    pub tenant_conns: u32,
+    pub tenant_rate: u32,
 }
 
 fn ip(a: u32) -> Ipv4Addr {
@@ -101,6 +122,7 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     let _ = writeln!(s, "  map {SANDBOXES} {{ type ifname . ipv4_addr : mark; }}");
     let _ = writeln!(s, "  map {CHAINS} {{ type ifname . ipv4_addr : verdict; }}");
     let _ = writeln!(s, "  map {REPLY_CHAINS} {{ type ifname . ipv4_addr : verdict; }}");
+    let _ = writeln!(s, "  map {TENANTS} {{ type ifname . ipv4_addr : verdict; }}");
     let local: Vec<(u32, u32)> = t.local.iter().map(|l| (l.first(), l.last())).collect();
     let _ = writeln!(
         s,
@@ -131,9 +153,13 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     oifname "{p}*" ct state established oifname . ip daddr vmap @{REPLY_CHAINS}
     oifname "{p}*" drop
   }}
+  chain {SHED} {{
+  }}
   chain limits {{
-    ct state new add @conns {{ ip saddr ct count over {max_conns} }} drop
     ct state new update @new_rate {{ ip saddr limit rate over {new_rate}/second burst {new_burst} packets }} drop
+    ct state new add @conns {{ ip saddr ct count over {max_conns} }} drop
+    ct state new iifname . ip saddr vmap @{TENANTS}
+    ct state new jump {SHED}
   }}
   chain egress {{
     meta nfproto != ipv4 drop
@@ -180,7 +206,21 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
         new_rate = NEW_CONN_RATE,
         new_burst = NEW_CONN_RATE * 2,
     );
-    // Per-sandbox chains, sets and elements, for a rebuild from records.
+    // The tenants' chains, then per-sandbox chains, sets and elements, for a rebuild from
+    // records.
+    let mut tenants: Vec<&str> = sandboxes.iter().map(|sb| sb.tenant_chain.as_str()).collect();
+    tenants.sort_unstable();
+    tenants.dedup();
+    for c in tenants {
+        let _ = writeln!(s, "add chain inet {n} {c}");
+        let _ = writeln!(s, "add rule inet {n} {c} ct count over {} drop", t.tenant_conns);
+        let _ = writeln!(
+            s,
+            "add rule inet {n} {c} limit rate over {}/second burst {} packets drop",
+            t.tenant_rate,
+            t.tenant_rate.saturating_mul(2)
+        );
+    }
     let boxes = "type ipv4_addr . inet_proto . inet_service";
     for sb in sandboxes {
         let (chain, allow, learned) = slot_names(sb.slot);
@@ -201,6 +241,8 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
         let _ = writeln!(s, "add element inet {n} {SANDBOXES} {{ \"{ifname}\" . {addr} : {:#x} }}", sb.mark);
         let _ = writeln!(s, "add element inet {n} {CHAINS} {{ \"{ifname}\" . {addr} : jump {chain} }}");
         let _ = writeln!(s, "add element inet {n} {REPLY_CHAINS} {{ \"{ifname}\" . {addr} : jump {replies} }}");
+        let tc = &sb.tenant_chain;
+        let _ = writeln!(s, "add element inet {n} {TENANTS} {{ \"{ifname}\" . {addr} : jump {tc} }}");
     }
     s
 }

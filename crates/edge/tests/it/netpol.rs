@@ -58,6 +58,57 @@ try:
         for i in range(int(sys.argv[3])):
             s.sendto(q, (sys.argv[2], 53))
         print("flooded")
+    elif cmd == "hold":
+        # Keeps lookups of a name that never answers in flight: a new query (new id) every
+        # 5 ms for the given seconds, answers never read.
+        import time
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        name, server, end = sys.argv[2], sys.argv[3], time.time() + float(sys.argv[4])
+        qname = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+        i = 0
+        while time.time() < end:
+            i += 1
+            s.sendto(struct.pack(">HHHHHH", i & 0xffff, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1), (server, 53))
+            time.sleep(0.005)
+        print("held")
+    elif cmd == "lookups":
+        # n lookups one after another, each timed; prints the p99 in ms and how many failed.
+        import time
+        name, server, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        qname = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(1.0)
+        times, failed = [], 0
+        for i in range(n):
+            t0 = time.monotonic()
+            s.sendto(struct.pack(">HHHHHH", i, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 1, 1), (server, 53))
+            try:
+                while True:
+                    r = s.recv(4096)
+                    if struct.unpack(">H", r[:2])[0] == i: break
+                times.append((time.monotonic() - t0) * 1000)
+            except socket.timeout:
+                failed += 1
+        times.sort()
+        p99 = times[max(0, int(len(times) * 0.99) - 1)] if times else -1
+        print("p99_ms=%.1f failed=%d" % (p99, failed))
+    elif cmd == "conns":
+        # Opens n connections (GET /stream), holds them the given seconds; prints how many
+        # were established and streaming.
+        import time
+        ok, held = 0, []
+        for _ in range(int(sys.argv[4])):
+            try:
+                c = socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=1)
+                c.sendall(b"GET /stream HTTP/1.0\r\n\r\n")
+                c.settimeout(1)
+                if c.recv(64):
+                    ok += 1
+                    held.append(c)
+            except OSError:
+                pass
+        print("open=%d" % ok, flush=True)
+        time.sleep(float(sys.argv[5]))
     elif cmd == "udpstream":
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.settimeout(30)
@@ -71,7 +122,7 @@ try:
         for line in f:
             print(line.decode().strip(), flush=True)
 except Exception as e:
-    print("ERR %s" % type(e).__name__)
+    print("ERR %s %s" % (type(e).__name__, e))
 "#;
 
 /// A stand-in sandbox: a process in a network namespace of its own.
@@ -178,6 +229,10 @@ fn env_with(tweak: impl FnOnce(&mut NetOptions)) -> Env {
         open_private_domains: Vec::new(),
         dns_rate: 20.0,
         dns_burst: 20.0,
+        dns_slots: netpol::dns::DnsSlots::default(),
+        tenant_conns: 16384,
+        tenant_rate: 1000,
+        conntrack_shed: netpol::ShedAt::Percent(0),
         dns_ttl_min: Duration::from_secs(60),
         dns_ttl_max: Duration::from_secs(3600),
     };
@@ -199,7 +254,9 @@ fn rules_open_what_they_name_and_nothing_else() {
     let e = env();
     let sb = Ns::new();
     let (_, me) = e.net.addrs(Slot(1));
-    e.net.attach("e.s1", Slot(1), &[r("198.51.100.10/32:tcp/80"), r("allowed.test")], sb.path().as_ref()).unwrap();
+    e.net
+        .attach("e.s1", Slot(1), "root/t", &[r("198.51.100.10/32:tcp/80"), r("allowed.test")], sb.path().as_ref())
+        .unwrap();
     let dns = e.net.dns_addr();
 
     // The operator can read the sandbox's rules with nft (docs/network.md, debugging).
@@ -238,8 +295,8 @@ fn rules_open_what_they_name_and_nothing_else() {
 fn star_opens_public_addresses_only() {
     let e = env();
     let (a, b) = (Ns::new(), Ns::new());
-    e.net.attach("e.a", Slot(1), &[r("*")], a.path().as_ref()).unwrap();
-    e.net.attach("e.b", Slot(2), &[r("*")], b.path().as_ref()).unwrap();
+    e.net.attach("e.a", Slot(1), "root/t", &[r("*")], a.path().as_ref()).unwrap();
+    e.net.attach("e.b", Slot(2), "root/t", &[r("*")], b.path().as_ref()).unwrap();
     let (host_end, b_addr) = e.net.addrs(Slot(2));
     // A listener on the edge's own addresses (where the edge's and apiserver's ports live).
     let l = e.rt.block_on(tokio::net::TcpListener::bind("0.0.0.0:7443")).unwrap();
@@ -282,10 +339,10 @@ fn an_opened_range_opens_only_for_rules_naming_it() {
     });
     let dns = e.net.dns_addr();
     let (star, wide, named, listed) = (Ns::new(), Ns::new(), Ns::new(), Ns::new());
-    e.net.attach("e.star", Slot(1), &[r("*"), r("private.test")], star.path().as_ref()).unwrap();
-    e.net.attach("e.wide", Slot(2), &[r("0.0.0.0/0"), r("10.0.0.0/8")], wide.path().as_ref()).unwrap();
-    e.net.attach("e.named", Slot(3), &[r("10.0.0.0/24:tcp/80")], named.path().as_ref()).unwrap();
-    e.net.attach("e.listed", Slot(4), &[r("mirror.test")], listed.path().as_ref()).unwrap();
+    e.net.attach("e.star", Slot(1), "root/t", &[r("*"), r("private.test")], star.path().as_ref()).unwrap();
+    e.net.attach("e.wide", Slot(2), "root/t", &[r("0.0.0.0/0"), r("10.0.0.0/8")], wide.path().as_ref()).unwrap();
+    e.net.attach("e.named", Slot(3), "root/t", &[r("10.0.0.0/24:tcp/80")], named.path().as_ref()).unwrap();
+    e.net.attach("e.listed", Slot(4), "root/t", &[r("mirror.test")], listed.path().as_ref()).unwrap();
 
     // `*` and wide networks reach the public world, not the opened range.
     assert!(ok(&star.get(WEB_A, 80)) && ok(&wide.get(WEB_B, 80)));
@@ -310,11 +367,115 @@ fn an_opened_range_opens_only_for_rules_naming_it() {
     }
 }
 
+/// One tenant's sandboxes holding lookups of a name that never answers take at most their
+/// tenant's share of the DNS proxy's slots: another tenant's lookups are all answered, p99
+/// under 50 ms (issue 39). Before, the slots were shared by all sandboxes of the edge, and 6
+/// sandboxes of one tenant (32 each) held all 128 of them, so every other lookup was dropped.
+#[test]
+fn a_tenant_flooding_the_dns_proxy_leaves_another_tenants_lookups_fast() {
+    let e = env_with(|o| {
+        o.dns_slots = netpol::dns::DnsSlots { in_flight: 128, tcp: 32, tenant_share_percent: 50 };
+        o.dns_rate = 1000.0;
+        o.dns_burst = 1000.0;
+    });
+    let dns = e.net.dns_addr();
+    let flooders: Vec<Ns> = (0..6).map(|_| Ns::new()).collect();
+    for (i, f) in flooders.iter().enumerate() {
+        e.net
+            .attach(&format!("e.a{i}"), Slot(i as u32 + 1), "root/a", &[r("*"), r("void.test")], f.path().as_ref())
+            .unwrap();
+    }
+    let b = Ns::new();
+    e.net.attach("e.b", Slot(10), "root/b/x", &[r("other.test")], b.path().as_ref()).unwrap();
+
+    let mut holding: Vec<Child> = flooders
+        .iter()
+        .map(|f| f.cmd(&["python3", "-c", CLIENT, "hold", netns::BLACKHOLE, &dns.to_string(), "8"]).spawn().unwrap())
+        .collect();
+    let proxy = e.net.dns_proxy().unwrap();
+    let shed = || proxy.stats.shed.load(std::sync::atomic::Ordering::Relaxed);
+    wait_for("tenant a at its share of the proxy", Duration::from_secs(5), || shed() > 0);
+
+    let out = b.client(&["lookups", "other.test", &dns.to_string(), "200"]);
+    let p99: f64 =
+        out.split_whitespace().find_map(|w| w.strip_prefix("p99_ms=")).and_then(|v| v.parse().ok()).unwrap_or(-1.0);
+    assert!(out.ends_with("failed=0"), "tenant b lost lookups while a flooded: {out}");
+    assert!((0.0..50.0).contains(&p99), "tenant b's lookups slowed down: {out}");
+    assert!(e.world.dns_saw(netns::BLACKHOLE), "a's lookups did go upstream");
+    for h in &mut holding {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+}
+
+/// Conntrack is bounded per tenant (all its sandboxes on the edge together) and per edge (no
+/// new connection while the host's table is fuller than the edge allows), besides per
+/// sandbox. Before, only each sandbox was bounded (4,096), so a tenant with many sandboxes,
+/// or all sandboxes together, could fill the host's table.
+#[test]
+fn conntrack_is_bounded_per_tenant_and_per_edge() {
+    let e = env_with(|o| {
+        o.tenant_conns = 12;
+        o.conntrack_shed = netpol::ShedAt::Entries(40);
+    });
+    let (a1, a2, b, c) = (Ns::new(), Ns::new(), Ns::new(), Ns::new());
+    for (i, (ns, project)) in
+        [(&a1, "root/a"), (&a2, "root/a/sub"), (&b, "root/b"), (&c, "root/c")].into_iter().enumerate()
+    {
+        e.net.attach(&format!("e.{i}"), Slot(i as u32 + 1), project, &[r("*")], ns.path().as_ref()).unwrap();
+    }
+    let web = WEB_A.to_string();
+    let hold = |ns: &Ns, n: &str| {
+        let mut child = ns
+            .cmd(&["python3", "-u", "-c", CLIENT, "conns", &web, "80", n, "30"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+        (child, line.trim().to_string())
+    };
+    // Tenant a: 8 from one sandbox, then only 4 of 8 from its other (12 in all).
+    let (mut h1, got1) = hold(&a1, "8");
+    let (mut h2, got2) = hold(&a2, "8");
+    assert_eq!((got1.as_str(), got2.as_str()), ("open=8", "open=4"), "tenant a's bound");
+    // Tenant b is not held back by a.
+    let (mut h3, got3) = hold(&b, "10");
+    assert_eq!(got3, "open=10");
+
+    // The edge: past 40 entries in the host's table, no sandbox opens a connection.
+    let (mut h4, got4) = hold(&c, "10");
+    assert_eq!(got4, "open=10");
+    let count = || {
+        std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count").unwrap().trim().parse::<u64>().unwrap()
+    };
+    let extra = Ns::new();
+    e.net.attach("e.extra", Slot(9), "root/d", &[r("*")], extra.path().as_ref()).unwrap();
+    if count() <= 40 {
+        let (mut h5, _) = hold(&extra, "10");
+        wait_for("more than 40 entries", Duration::from_secs(5), || count() > 40);
+        let _ = h5.kill();
+    }
+    wait_for("the edge shedding", Duration::from_secs(5), || e.net.shedding());
+    assert!(e.net.shedding());
+    assert!(extra.get(WEB_B, 80).starts_with("ERR"), "a new connection while the edge sheds");
+    // Once the table empties (the sandboxes end: their entries go with them), it takes them again.
+    for h in [&mut h1, &mut h2, &mut h3, &mut h4] {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+    for (i, slot) in [(0, 1), (1, 2), (2, 3), (3, 4)] {
+        e.net.detach(&format!("e.{i}"), Slot(slot)).unwrap();
+    }
+    wait_for("the edge accepting again", Duration::from_secs(5), || !e.net.shedding());
+    assert!(ok(&extra.get(WEB_B, 80)), "{}", extra.get(WEB_B, 80));
+}
+
 #[test]
 fn forged_sources_are_dropped() {
     let e = env();
     let sb = Ns::new();
-    e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
+    e.net.attach("e.s1", Slot(1), "root/t", &[r("*")], sb.path().as_ref()).unwrap();
     let (_, me) = e.net.addrs(Slot(1));
     // The sandbox's own address: the datagram arrives (the check can see it).
     sb.client(&["udp", &WEB_A.to_string(), &UDP_LOG_PORT.to_string(), "honest", &me.to_string()]);
@@ -332,7 +493,7 @@ fn forged_sources_are_dropped() {
 fn updates_cut_established_connections_and_open_new_ones() {
     let e = env();
     let sb = Ns::new();
-    e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
+    e.net.attach("e.s1", Slot(1), "root/t", &[r("*")], sb.path().as_ref()).unwrap();
     let mut stream = sb
         .cmd(&["python3", "-u", "-c", CLIENT, "stream", &WEB_A.to_string(), "80"])
         .stdout(Stdio::piped())
@@ -368,8 +529,8 @@ fn updates_cut_established_connections_and_open_new_ones() {
 fn named_sets_and_a_dns_flood_leave_others_served() {
     let e = env();
     let (a, b) = (Ns::new(), Ns::new());
-    e.net.attach("e.a", Slot(1), &[r("allowed.test")], a.path().as_ref()).unwrap();
-    e.net.attach("e.b", Slot(2), &[r("@web")], b.path().as_ref()).unwrap();
+    e.net.attach("e.a", Slot(1), "root/t", &[r("allowed.test")], a.path().as_ref()).unwrap();
+    e.net.attach("e.b", Slot(2), "root/t", &[r("@web")], b.path().as_ref()).unwrap();
     let dns = e.net.dns_addr();
     // The flood from a: far more than its burst.
     assert_eq!(a.client(&["flood", &dns.to_string(), "3000"]), "flooded");
@@ -395,10 +556,14 @@ fn leftovers(net: &Network) -> (usize, usize, usize) {
         .lines()
         .filter(|l| {
             let l = l.trim();
-            l.starts_with("chain s_") || l.starts_with("chain i_") || l.starts_with("set a_") || l.starts_with("set r_")
+            l.starts_with("chain s_")
+                || l.starts_with("chain i_")
+                || l.starts_with("chain t_")
+                || l.starts_with("set a_")
+                || l.starts_with("set r_")
         })
         .count();
-    let in_maps: usize = ["sandboxes", "jumps", "replies"]
+    let in_maps: usize = ["sandboxes", "jumps", "replies", "tenants"]
         .iter()
         .map(|m| netns::sh(&["nft", "list", "map", "inet", net.table_name(), m]).matches("elements = {").count())
         .sum();
@@ -424,13 +589,19 @@ fn a_thousand_create_stop_cycles_leave_nothing() {
         let slot = e.net.reserve().unwrap();
         let id = format!("e.c{i}");
         e.net
-            .attach(&id, slot, &[r("*"), r("allowed.test:tcp/443"), r("203.0.113.0/24:udp/53-60")], path.as_ref())
+            .attach(
+                &id,
+                slot,
+                "root/t",
+                &[r("*"), r("allowed.test:tcp/443"), r("203.0.113.0/24:udp/53-60")],
+                path.as_ref(),
+            )
             .unwrap();
         e.net.detach(&id, slot).unwrap();
     }
     // And one with live connections in conntrack when it stops.
     let slot = e.net.reserve().unwrap();
-    e.net.attach("e.live", slot, &[r("*")], sb.path().as_ref()).unwrap();
+    e.net.attach("e.live", slot, "root/t", &[r("*")], sb.path().as_ref()).unwrap();
     assert!(ok(&sb.get(WEB_A, 80)));
     assert_eq!(sb.dns("www.allowed.test", e.net.dns_addr()), "rcode=3 answers=0 ip=-");
     assert!(leftovers(&e.net).2 > 0, "the connection shows in conntrack");
@@ -446,7 +617,7 @@ fn large_element_sets_go_in_several_messages_of_one_batch() {
     // 64 rules: networks on distinct ports, and one domain.
     let mut rs: Vec<Rule> = (0..63).map(|i| r(&format!("198.51.100.{i}/32:tcp/{}", 1000 + i))).collect();
     rs.push(r("allowed.test"));
-    e.net.attach("e.big", Slot(1), &rs, sb.path().as_ref()).unwrap();
+    e.net.attach("e.big", Slot(1), "root/t", &rs, sb.path().as_ref()).unwrap();
     // 640 learned addresses (32 per answer at most), then a change of rules, then a stop:
     // each is one batch of several messages.
     use opendsec_edge::netpol::dns::DnsPolicy;
@@ -482,7 +653,7 @@ fn an_edge_never_takes_over_another_owners_table() {
     assert!(matches!(err, netpol::NetworkError::SubnetInUse { .. }), "{err}");
     // The first edge's table is untouched.
     let sb = Ns::new();
-    e.net.attach("e.s1", Slot(1), &[r("*")], sb.path().as_ref()).unwrap();
+    e.net.attach("e.s1", Slot(1), "root/t", &[r("*")], sb.path().as_ref()).unwrap();
     assert!(ok(&sb.get(WEB_A, 80)));
 }
 
@@ -492,7 +663,12 @@ fn a_restart_rebuilds_every_slot_from_the_records() {
     // Slot names spell no nft keyword (slot 0xdd once made a set called `add`).
     let claims: Vec<netpol::Claim> = [0xdd_u32, 0xadd, 0xfe, 1]
         .into_iter()
-        .map(|s| netpol::Claim { id: format!("e.c{s}"), slot: Slot(s), rules: vec![r("203.0.113.0/24:tcp/80")] })
+        .map(|s| netpol::Claim {
+            id: format!("e.c{s}"),
+            slot: Slot(s),
+            project: format!("root/t{}", s % 2),
+            rules: vec![r("203.0.113.0/24:tcp/80")],
+        })
         .collect();
     e.net.recover(&claims).unwrap();
     assert_eq!(e.net.attached(), 4);
@@ -506,7 +682,7 @@ fn a_restart_rebuilds_every_slot_from_the_records() {
     // An edge that stops with its sandboxes takes its network off the host; with one still
     // attached it leaves it.
     let sb = Ns::new();
-    e.net.attach("e.kept", Slot(3), &[r("*")], sb.path().as_ref()).unwrap();
+    e.net.attach("e.kept", Slot(3), "root/t", &[r("*")], sb.path().as_ref()).unwrap();
     e.net.shutdown().unwrap();
     assert!(netns::sh(&["nft", "list", "tables"]).contains(e.net.table_name()));
     e.net.detach("e.kept", Slot(3)).unwrap();
@@ -533,7 +709,7 @@ fn count_lines(mut child: Child) -> (Child, Arc<std::sync::atomic::AtomicUsize>)
 fn taking_a_rule_back_stops_replies_too() {
     let e = env();
     let sb = Ns::new();
-    e.net.attach("e.s1", Slot(1), &[r("198.51.100.0/24:udp")], sb.path().as_ref()).unwrap();
+    e.net.attach("e.s1", Slot(1), "root/t", &[r("198.51.100.0/24:udp")], sb.path().as_ref()).unwrap();
     // One datagram out, a stream of them back: the sandbox never sends again, so only the
     // replies' own check can stop them.
     let child = sb

@@ -403,7 +403,8 @@ impl VmBackend {
                 let ns = net::netns_of(&d)?;
                 let out = match &network {
                     Some(n) => {
-                        n.attach(&sid, slot, &rules, &net::path_of(&ns)).map_err(super::container::net_err)?;
+                        n.attach(&sid, slot, &project, &rules, &net::path_of(&ns))
+                            .map_err(super::container::net_err)?;
                         Some((n.addrs(slot).1, n.dns_addr()))
                     }
                     None => None,
