@@ -147,25 +147,75 @@ pub fn manifest_from_request(
     })
 }
 
-/// Writes a manifest (refusing an existing name unless `replace`) and clears the cache.
+/// Writes a manifest (refusing an existing name unless `replace`) and clears the cache. The
+/// image is charged to its project's `store_bytes` first (IAM: the layers and snapshot files
+/// it names, with their sizes, each distinct one counted once in the project and each
+/// ancestor): past a limit it is `quota_exceeded` and nothing is written. A crash between the
+/// charge and the write over-counts until the name is deleted or published again.
 async fn publish(s: &Shared, m: Manifest, replace: bool) -> Result<pb::Image, ApiError> {
     let store = s.images.store.clone();
-    let m = blocking(move || {
-        let r = ImageRef::new(&m.project, &m.repo, &m.tag)?;
+    let mc = m.clone();
+    let parts = blocking(move || {
+        let r = ImageRef::new(&mc.project, &mc.repo, &mc.tag)?;
         if !replace && store.has_image(&r) {
             return Err(StoreError::ImageExists(r.to_string()).into());
         }
+        let mut parts = Vec::with_capacity(mc.layers.len() + 1);
+        for l in &mc.layers {
+            parts.push(pb::StoredPart { id: l.to_string(), bytes: store.layer_meta(l)?.size_bytes });
+        }
+        if !mc.vm_snapshot.is_empty() {
+            let bytes = store.vm_snapshot(&mc.vm_snapshot)?.bytes;
+            parts.push(pb::StoredPart { id: format!("vm:{}", mc.vm_snapshot), bytes });
+        }
+        Ok::<_, ImageError>(parts)
+    })
+    .await?;
+    let (project, name) = (m.project.clone(), format!("{}:{}", m.repo, m.tag));
+    let charge = pb::ChargeImageRequest { project: project.clone(), name: name.clone(), parts };
+    s.up.iam(|mut c| {
+        let r = charge.clone();
+        async move { c.charge_image(r).await }
+    })
+    .await?;
+    let store = s.images.store.clone();
+    let written = blocking(move || {
         gc::publish_manifest(&store, &m)?;
         // Whoever may use this image's project may now use its layers.
         for l in &m.layers {
             store.add_layer_user(l, &m.project)?;
         }
-        Ok(m)
+        Ok::<_, ImageError>(m)
     })
-    .await?;
+    .await;
+    let m = match written {
+        Ok(m) => m,
+        Err(e) => {
+            // Nothing written: the charge goes (a replaced image's stays over-counted until
+            // it is published or deleted again).
+            if !replace {
+                uncharge(s, &project, &name).await;
+            }
+            return Err(e.into());
+        }
+    };
     s.images.invalidate();
     tracing::info!(image = %format!("{}//{}:{}", m.project, m.repo, m.tag), layers = m.layers.len(), "image published");
     Ok(to_proto(&m))
+}
+
+/// Takes an image's store charge away (best effort: a failure over-counts, and is logged).
+async fn uncharge(s: &Shared, project: &str, name: &str) {
+    let req = pb::UnchargeImageRequest { project: project.to_string(), name: name.to_string() };
+    let r =
+        s.up.iam(|mut c| {
+            let r = req.clone();
+            async move { c.uncharge_image(r).await }
+        })
+        .await;
+    if let Err(e) = r {
+        tracing::warn!(project, image = name, error = %e, "could not take an image's store charge away");
+    }
 }
 
 /// Finds a source image; "not found" names where a search looked.
@@ -325,7 +375,14 @@ async fn delete_image(
     let r = ImageRef::parse(&project, &req.name).map_err(ImageError::from)?;
     s.authorize(&ident.principal, PERM_PUBLISH, &project).await?;
     let store = s.images.store.clone();
-    blocking(move || store.delete_manifest(&r).map_err(ImageError::from)).await?;
+    let name = format!("{}:{}", r.repo, r.tag);
+    let deleted: Result<(), ApiError> =
+        blocking(move || store.delete_manifest(&r).map_err(ImageError::from)).await.map_err(ApiError::from);
+    // Gone (now, or before): its store charge goes too.
+    if deleted.as_ref().is_ok() || deleted.as_ref().is_err_and(|e| e.reason == opendsec_common::Reason::NotFound) {
+        uncharge(s, &project, &name).await;
+    }
+    deleted?;
     s.images.invalidate();
     Ok(pb::DeleteImageResponse {})
 }

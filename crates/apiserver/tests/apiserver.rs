@@ -219,6 +219,18 @@ impl Iam for FakeIam {
     ) -> Result<Response<pb::SandboxTokens>, Status> {
         Err(Status::unimplemented("not in the fake"))
     }
+    async fn charge_image(
+        &self,
+        _: Request<pb::ChargeImageRequest>,
+    ) -> Result<Response<pb::ChargeImageResponse>, Status> {
+        Ok(Response::new(pb::ChargeImageResponse {}))
+    }
+    async fn uncharge_image(
+        &self,
+        _: Request<pb::UnchargeImageRequest>,
+    ) -> Result<Response<pb::ChargeImageResponse>, Status> {
+        Ok(Response::new(pb::ChargeImageResponse {}))
+    }
 
     async fn acquire_lock(
         &self,

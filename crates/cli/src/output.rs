@@ -106,7 +106,15 @@ pub(crate) fn sandbox_line(s: &pb::Sandbox) -> String {
 
 /// Projects with `used/limit` per quota key (`-`: no limit on the chain).
 pub(crate) fn usage_table(projects: &[pb::Project]) -> Table {
-    let mut t = Table::new(&["PROJECT", "SANDBOXES", "CPU (millicores)", "MEMORY (MiB)", "DISK (MiB)", "GPUS"]);
+    let mut t = Table::new(&[
+        "PROJECT",
+        "SANDBOXES",
+        "CPU (millicores)",
+        "MEMORY (MiB)",
+        "DISK (MiB)",
+        "GPUS",
+        "STORE (bytes)",
+    ]);
     for p in projects {
         let q = p.effective.unwrap_or_default();
         let u = p.usage.unwrap_or_default();
@@ -120,6 +128,7 @@ pub(crate) fn usage_table(projects: &[pb::Project]) -> Table {
             c(u.memory_mb, q.memory_mb),
             c(u.disk_mb, q.disk_mb),
             c(u.gpus, q.gpus),
+            c(u.store_bytes, q.store_bytes),
         ]);
     }
     t
@@ -138,7 +147,7 @@ pub(crate) fn project_text(p: &pb::Project) -> String {
         ),
     };
     let text = format!(
-        "{}\n  cpu_millis {} / {}\n  memory_mb  {} / {}\n  disk_mb    {} / {}\n  gpus       {} / {}\n  sandboxes  {} / {}",
+        "{}\n  cpu_millis  {} / {}\n  memory_mb   {} / {}\n  disk_mb     {} / {}\n  gpus        {} / {}\n  sandboxes   {} / {}\n  store_bytes {} / {}",
         p.path,
         u.cpu_millis,
         lim(q.cpu_millis),
@@ -149,7 +158,9 @@ pub(crate) fn project_text(p: &pb::Project) -> String {
         u.gpus,
         lim(q.gpus),
         u.sandboxes,
-        lim(q.sandboxes)
+        lim(q.sandboxes),
+        u.store_bytes,
+        lim(q.store_bytes)
     );
     text + &ceiling
 }

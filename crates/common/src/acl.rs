@@ -28,6 +28,8 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/CheckEgress", &[Apiserver]),
     ("/opendsec.v1.Iam/GetEpoch", &[Apiserver]),
     ("/opendsec.v1.Iam/MintSandboxTokens", &[Apiserver]),
+    ("/opendsec.v1.Iam/ChargeImage", &[Apiserver]),
+    ("/opendsec.v1.Iam/UnchargeImage", &[Apiserver]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
     ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),
     ("/opendsec.v1.Iam/GetLease", &[Apiserver]),

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::backup::Snapshot;
 use crate::error::IamError;
 use crate::model::{
-    GrantRecord, LeaseRecord, LockRecord, Meta, PoolRecord, PrincipalRecord, ProjectRecord, Quota, Resources,
-    TokenRecord,
+    GrantRecord, ImageCharge, LeaseRecord, LockRecord, Meta, PoolRecord, PrincipalRecord, ProjectRecord, Quota,
+    Resources, TokenRecord,
 };
 
 /// The encoding version written by [`Command::encode`].
@@ -213,6 +213,19 @@ pub enum Command {
         project: String,
         name: String,
     },
+    /// An image published (or replaced) in the store: charged to its project's `store_bytes`
+    /// (and its ancestors'), all or nothing. Sent by the apiserver before it writes the
+    /// manifest. Log format 3.
+    ChargeImage {
+        now_ms: i64,
+        charge: ImageCharge,
+    },
+    /// An image deleted from the store: its charge goes (nothing if it had none).
+    UnchargeImage {
+        now_ms: i64,
+        project: String,
+        name: String,
+    },
     /// The actor's tokens for the sandbox of `lease_id`, one of each kind (made unless it has
     /// them already). A kind of its own: members before it cannot decode it (log format 3).
     MintSandboxTokens {
@@ -283,7 +296,7 @@ impl Command {
     pub fn log_format(&self) -> u32 {
         match self {
             Command::FencedReconcile { .. } | Command::FencedSweep { .. } => 2,
-            Command::MintSandboxTokens { .. } => 3,
+            Command::MintSandboxTokens { .. } | Command::ChargeImage { .. } | Command::UnchargeImage { .. } => 3,
             _ => 1,
         }
     }
@@ -315,6 +328,8 @@ impl Command {
             Command::PutPool { .. } => "put_pool",
             Command::DeletePool { .. } => "delete_pool",
             Command::MintSandboxTokens { .. } => "mint_sandbox_tokens",
+            Command::ChargeImage { .. } => "charge_image",
+            Command::UnchargeImage { .. } => "uncharge_image",
         }
     }
 }
@@ -330,10 +345,11 @@ pub enum Table {
     Locks,
     Meta,
     Pools,
+    Images,
 }
 
 impl Table {
-    pub const ALL: [Table; 8] = [
+    pub const ALL: [Table; 9] = [
         Table::Projects,
         Table::Principals,
         Table::Tokens,
@@ -342,6 +358,7 @@ impl Table {
         Table::Locks,
         Table::Meta,
         Table::Pools,
+        Table::Images,
     ];
 
     /// The table `name` names, if any.
@@ -359,6 +376,7 @@ impl Table {
             Table::Locks => "locks",
             Table::Meta => "meta",
             Table::Pools => "pools",
+            Table::Images => "images",
         }
     }
 }
@@ -377,6 +395,7 @@ pub enum Row {
     Lock(LockRecord),
     Meta(Meta),
     Pool(Box<PoolRecord>),
+    Image(ImageCharge),
 }
 
 impl Row {
@@ -390,6 +409,7 @@ impl Row {
             Row::Lock(_) => Table::Locks,
             Row::Meta(_) => Table::Meta,
             Row::Pool(_) => Table::Pools,
+            Row::Image(_) => Table::Images,
         }
     }
 
@@ -403,6 +423,7 @@ impl Row {
             Row::Lock(r) => r.name.clone(),
             Row::Meta(_) => META_KEY.to_string(),
             Row::Pool(r) => r.key(),
+            Row::Image(r) => r.key(),
         }
     }
 }

@@ -812,6 +812,16 @@ impl Iam {
         }
     }
 
+    /// Charges an image to its project's `store_bytes` (replacing a charge of the same name).
+    pub async fn charge_image(&self, charge: model::ImageCharge) -> Result<(), IamError> {
+        self.done(Command::ChargeImage { now_ms: now_ms(), charge }).await
+    }
+
+    /// Takes an image's charge away (none: nothing to do).
+    pub async fn uncharge_image(&self, project: &str, name: &str) -> Result<(), IamError> {
+        self.done(Command::UnchargeImage { now_ms: now_ms(), project: project.into(), name: name.into() }).await
+    }
+
     pub fn list_tokens(&self, who: &Authenticated, principal: &str) -> Result<Vec<TokenRecord>, IamError> {
         self.read(|s| s.list_tokens(who, principal))
     }

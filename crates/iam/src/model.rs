@@ -46,8 +46,9 @@ pub const MAX_MEMORY_MB: u64 = 16 * 1024 * 1024;
 pub const MAX_DISK_MB: u64 = 64 * 1024 * 1024;
 pub const MAX_GPUS: u64 = 64;
 
-/// The quota keys, in the order they are checked and reported.
-pub const QUOTA_KEYS: [&str; 5] = ["cpu_millis", "memory_mb", "disk_mb", "gpus", "sandboxes"];
+/// The quota keys, in the order they are checked and reported. `store_bytes` counts the
+/// image store (layers of the images a project published, each once), not leases.
+pub const QUOTA_KEYS: [&str; 6] = ["cpu_millis", "memory_mb", "disk_mb", "gpus", "sandboxes", "store_bytes"];
 
 /// What a project sets for itself; `None` inherits the parent's value (unlimited at the root).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,16 +63,18 @@ pub struct Quota {
     pub gpus: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sandboxes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store_bytes: Option<u64>,
 }
 
 impl Quota {
     /// The keys in [`QUOTA_KEYS`] order.
-    pub fn values(&self) -> [Option<u64>; 5] {
-        [self.cpu_millis, self.memory_mb, self.disk_mb, self.gpus, self.sandboxes]
+    pub fn values(&self) -> [Option<u64>; 6] {
+        [self.cpu_millis, self.memory_mb, self.disk_mb, self.gpus, self.sandboxes, self.store_bytes]
     }
 
-    pub fn from_values(v: [Option<u64>; 5]) -> Quota {
-        Quota { cpu_millis: v[0], memory_mb: v[1], disk_mb: v[2], gpus: v[3], sandboxes: v[4] }
+    pub fn from_values(v: [Option<u64>; 6]) -> Quota {
+        Quota { cpu_millis: v[0], memory_mb: v[1], disk_mb: v[2], gpus: v[3], sandboxes: v[4], store_bytes: v[5] }
     }
 
     pub fn validate(&self) -> Result<(), IamError> {
@@ -96,16 +99,27 @@ pub struct Usage {
     pub disk_mb: u64,
     pub gpus: u64,
     pub sandboxes: u64,
+    /// Bytes of the store's layers the project's and its subprojects' images name, each
+    /// distinct layer once (derived from image charges, not leases).
+    #[serde(default)]
+    pub store_bytes: u64,
 }
 
 impl Usage {
-    pub fn values(&self) -> [u64; 5] {
-        [self.cpu_millis, self.memory_mb, self.disk_mb, self.gpus, self.sandboxes]
+    pub fn values(&self) -> [u64; 6] {
+        [self.cpu_millis, self.memory_mb, self.disk_mb, self.gpus, self.sandboxes, self.store_bytes]
     }
 
     /// What one lease counts: its resources and one sandbox.
     pub fn of(r: &Resources) -> Usage {
-        Usage { cpu_millis: r.cpu_millis, memory_mb: r.memory_mb, disk_mb: r.disk_mb, gpus: r.gpus, sandboxes: 1 }
+        Usage {
+            cpu_millis: r.cpu_millis,
+            memory_mb: r.memory_mb,
+            disk_mb: r.disk_mb,
+            gpus: r.gpus,
+            sandboxes: 1,
+            store_bytes: 0,
+        }
     }
 
     pub fn add(&mut self, o: &Usage) {
@@ -116,6 +130,7 @@ impl Usage {
         self.disk_mb = self.disk_mb.saturating_add(o.disk_mb);
         self.gpus = self.gpus.saturating_add(o.gpus);
         self.sandboxes = self.sandboxes.saturating_add(o.sandboxes);
+        self.store_bytes = self.store_bytes.saturating_add(o.store_bytes);
     }
 
     pub fn sub(&mut self, o: &Usage) {
@@ -124,6 +139,7 @@ impl Usage {
         self.disk_mb = self.disk_mb.saturating_sub(o.disk_mb);
         self.gpus = self.gpus.saturating_sub(o.gpus);
         self.sandboxes = self.sandboxes.saturating_sub(o.sandboxes);
+        self.store_bytes = self.store_bytes.saturating_sub(o.store_bytes);
     }
 
     pub fn is_zero(&self) -> bool {
@@ -172,6 +188,36 @@ impl Resources {
         }
         Ok(())
     }
+}
+
+/// What one image of the store costs its project: the layers (and a microVM snapshot's
+/// files) it names, by id, with their sizes. A project's `store_bytes` is the sum over the
+/// distinct ids its and its subprojects' images name: a layer named by many images (forks of
+/// one base, re-tags) counts once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageCharge {
+    pub project: String,
+    /// `repo:tag`.
+    pub name: String,
+    pub parts: Vec<StoredPart>,
+}
+
+/// One layer or snapshot file set of the store, as an image names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredPart {
+    pub id: String,
+    pub bytes: u64,
+}
+
+impl ImageCharge {
+    pub fn key(&self) -> String {
+        image_key(&self.project, &self.name)
+    }
+}
+
+/// The store row key of image `name` of `project`.
+pub fn image_key(project: &str, name: &str) -> String {
+    format!("{project}//{name}")
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

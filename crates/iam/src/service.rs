@@ -64,7 +64,14 @@ async fn admit(iam: &Iam, r: pb::AdmitRequest) -> Result<pb::AdmitResponse, IamE
 
 pub fn quota_from_pb(q: Option<pb::Quota>) -> Quota {
     let q = q.unwrap_or_default();
-    Quota { cpu_millis: q.cpu_millis, memory_mb: q.memory_mb, disk_mb: q.disk_mb, gpus: q.gpus, sandboxes: q.sandboxes }
+    Quota {
+        cpu_millis: q.cpu_millis,
+        memory_mb: q.memory_mb,
+        disk_mb: q.disk_mb,
+        gpus: q.gpus,
+        sandboxes: q.sandboxes,
+        store_bytes: q.store_bytes,
+    }
 }
 
 pub fn quota_to_pb(q: &Quota) -> pb::Quota {
@@ -74,6 +81,7 @@ pub fn quota_to_pb(q: &Quota) -> pb::Quota {
         disk_mb: q.disk_mb,
         gpus: q.gpus,
         sandboxes: q.sandboxes,
+        store_bytes: q.store_bytes,
     }
 }
 
@@ -84,6 +92,7 @@ pub fn usage_to_pb(u: &Usage) -> pb::Usage {
         disk_mb: u.disk_mb,
         gpus: u.gpus,
         sandboxes: u.sandboxes,
+        store_bytes: u.store_bytes,
     }
 }
 
@@ -263,6 +272,20 @@ impl IamRpc for IamService {
             scope_lease,
             scope_kind,
         })
+    }
+
+    async fn charge_image(&self, req: Request<pb::ChargeImageRequest>) -> Rpc<pb::ChargeImageResponse> {
+        let r = req.into_inner();
+        let parts = r.parts.into_iter().map(|p| crate::model::StoredPart { id: p.id, bytes: p.bytes }).collect();
+        let charge = crate::model::ImageCharge { project: r.project, name: r.name, parts };
+        self.iam.charge_image(charge).await.map_err(status)?;
+        ok(pb::ChargeImageResponse {})
+    }
+
+    async fn uncharge_image(&self, req: Request<pb::UnchargeImageRequest>) -> Rpc<pb::ChargeImageResponse> {
+        let r = req.get_ref();
+        self.iam.uncharge_image(&r.project, &r.name).await.map_err(status)?;
+        ok(pb::ChargeImageResponse {})
     }
 
     async fn mint_sandbox_tokens(&self, req: Request<pb::MintSandboxTokensRequest>) -> Rpc<pb::SandboxTokens> {

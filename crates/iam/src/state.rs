@@ -14,6 +14,7 @@
 //! - nobody grants or revokes a permission they do not hold themselves;
 //! - every change that can take access away bumps the security epoch.
 
+mod images;
 mod leases;
 
 pub use leases::validate_admit;
@@ -57,12 +58,16 @@ pub struct State {
     pub(crate) locks: BTreeMap<String, LockRecord>,
     /// `<project>//<name>` -> pool.
     pub(crate) pools: BTreeMap<String, PoolRecord>,
+    /// `<project>//<repo:tag>` -> what the image costs the store.
+    pub(crate) images: BTreeMap<String, crate::model::ImageCharge>,
     // Derived.
     pub(crate) usage: HashMap<String, Usage>,
     pub(crate) leases_by_edge: HashMap<String, BTreeSet<String>>,
     pub(crate) tokens_by_principal: BTreeMap<String, BTreeSet<String>>,
     /// Lease -> the tokens scoped to it.
     pub(crate) tokens_by_lease: HashMap<String, BTreeSet<String>>,
+    /// Project -> store part id -> (images of its subtree naming it, its bytes).
+    pub(crate) stored: HashMap<String, HashMap<String, (u32, u64)>>,
     /// What each epoch bump since this state was loaded took away (not part of its value).
     pub(crate) revocations: Revocations,
     /// Tokens of leases released by the command being applied: [`apply`] moves the epoch
@@ -158,6 +163,9 @@ impl State {
                 Row::Pool(r) => {
                     st.pools.insert(r.key(), *r);
                 }
+                Row::Image(r) => {
+                    st.images.insert(r.key(), r);
+                }
                 Row::Meta(m) => st.meta = m,
             }
         }
@@ -180,6 +188,11 @@ impl State {
             }
             self.leases_by_edge.entry(l.edge.clone()).or_default().insert(l.id.clone());
         }
+        self.stored.clear();
+        let images: Vec<crate::model::ImageCharge> = self.images.values().cloned().collect();
+        for c in &images {
+            self.count_image(c, true);
+        }
         self.tokens_by_principal.clear();
         self.tokens_by_lease.clear();
         for t in self.tokens.values() {
@@ -200,6 +213,7 @@ impl State {
         rows.extend(self.leases.values().cloned().map(Row::Lease));
         rows.extend(self.locks.values().cloned().map(Row::Lock));
         rows.extend(self.pools.values().cloned().map(|p| Row::Pool(Box::new(p))));
+        rows.extend(self.images.values().cloned().map(Row::Image));
         rows
     }
 
@@ -278,7 +292,7 @@ impl State {
 
     /// The limits in force: own values, else the nearest ancestor's.
     pub fn effective_quota(&self, path: &str) -> Quota {
-        let mut vals = [None; 5];
+        let mut vals = [None; 6];
         for q in project_chain(path) {
             if let Some(rec) = self.projects.get(q) {
                 for (v, own) in vals.iter_mut().zip(rec.quota.values()) {
@@ -498,6 +512,8 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         Command::MintSandboxTokens { actor, now_ms, lease_id, tokens } => {
             mint_sandbox_tokens(st, w, actor, *now_ms, lease_id, tokens)
         }
+        Command::ChargeImage { now_ms: _, charge } => images::charge_image(st, w, charge),
+        Command::UnchargeImage { now_ms: _, project, name } => images::uncharge_image(st, w, project, name),
     }
 }
 
@@ -724,6 +740,9 @@ fn delete_project(
     }
     if let Some(p) = st.pools.values().find(|p| p.project == path) {
         return Err(IamError::InvalidState(format!("project {path} still has pool {}", p.name)));
+    }
+    if st.has_images(path) {
+        return Err(IamError::InvalidState(format!("project {path} still has images in the store")));
     }
     st.projects.remove(path);
     st.usage.remove(path);
@@ -1148,6 +1167,14 @@ fn restore(
     for id in orphans {
         st.leases.remove(&id);
         w.push(Write::Delete { table: Table::Leases, key: id });
+    }
+    // Image charges follow the store, not the backup: kept, except those whose project the
+    // backup does not have.
+    let orphans: Vec<String> =
+        st.images.values().filter(|c| !st.projects.contains_key(&c.project)).map(|c| c.key()).collect();
+    for key in orphans {
+        st.images.remove(&key);
+        w.push(Write::Delete { table: Table::Images, key });
     }
     // Pools: replaced by the backup's; a backup from before pools keeps those there are,
     // except those whose project it does not have. Templates are kept canonical.

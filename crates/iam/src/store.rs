@@ -83,6 +83,7 @@ pub fn encode_row(row: &Row) -> Result<String, IamError> {
         Row::Lock(r) => ser(t, r),
         Row::Meta(r) => ser(t, r),
         Row::Pool(r) => ser(t, r.as_ref()),
+        Row::Image(r) => ser(t, r),
     }
 }
 
@@ -109,6 +110,7 @@ pub fn decode_row(table: Table, key: &str, value: &str) -> Result<Row, IamError>
         Table::Locks => Row::Lock(de(table, key, value)?),
         Table::Meta => Row::Meta(de(table, key, value)?),
         Table::Pools => Row::Pool(Box::new(de(table, key, value)?)),
+        Table::Images => Row::Image(de(table, key, value)?),
     })
 }
 

@@ -200,13 +200,21 @@ impl Harness {
     }
 }
 
-/// Usage of every project equals the sum over the leases within it; every lease's project exists.
+/// Usage of every project equals the sum over the leases within it, and its store bytes the
+/// sum over the distinct parts its images name; every lease's project exists.
 fn check_usage(st: &State) {
     for p in st.projects() {
         let mut sum = Usage::default();
         for l in st.leases().filter(|l| project_within(&l.project, &p.path)) {
             sum.add(&Usage::of(&l.resources));
         }
+        let parts: BTreeMap<&str, u64> = st
+            .images
+            .values()
+            .filter(|c| project_within(&c.project, &p.path))
+            .flat_map(|c| c.parts.iter().map(|x| (x.id.as_str(), x.bytes)))
+            .collect();
+        sum.store_bytes = parts.values().sum();
         assert_eq!(st.usage(&p.path), Some(sum), "usage of {}", p.path);
     }
     for l in st.leases() {
@@ -857,6 +865,45 @@ fn a_sandbox_token_is_scoped_to_its_lease_and_ends_with_it() {
     // A lease that comes back under the same id has none of them.
     h.admit(&u, "l1", "root/a", res(100, 1), "e1").unwrap();
     assert!(!h.st.tokens_by_lease.contains_key("l1"));
+}
+
+#[test]
+fn store_bytes_count_each_part_once_and_refuse_past_the_limit() {
+    use crate::model::{ImageCharge, StoredPart};
+    let mut h = Harness::new();
+    h.project("root/a", Quota { store_bytes: Some(100), ..Quota::default() });
+    h.project("root/a/x", Quota::default());
+    h.project("root/a/y", Quota::default());
+    let img = |project: &str, name: &str, parts: &[(&str, u64)]| ImageCharge {
+        project: project.into(),
+        name: name.into(),
+        parts: parts.iter().map(|(id, bytes)| StoredPart { id: (*id).into(), bytes: *bytes }).collect(),
+    };
+    let charge = |h: &mut Harness, c: ImageCharge| h.run(Command::ChargeImage { now_ms: h.now, charge: c });
+    let used = |h: &Harness, p: &str| h.st.usage[p].store_bytes;
+    charge(&mut h, img("root/a/x", "base:1", &[("l1", 40), ("l2", 20)])).unwrap();
+    // A sibling naming l1 pays for it too; their parent counts it once.
+    charge(&mut h, img("root/a/y", "app:1", &[("l1", 40), ("l3", 10), ("l3", 10)])).unwrap();
+    assert_eq!((used(&h, "root/a/x"), used(&h, "root/a/y"), used(&h, "root/a"), used(&h, "root")), (60, 50, 70, 70));
+    // Past root/a's 100: refused, nothing changed.
+    let r = charge(&mut h, img("root/a/x", "big:1", &[("l4", 31)]));
+    assert_eq!(reason(&r), Reason::QuotaExceeded);
+    assert_eq!(used(&h, "root/a"), 70);
+    charge(&mut h, img("root/a/x", "big:1", &[("l4", 30)])).unwrap();
+    assert_eq!(used(&h, "root/a"), 100);
+    // Replacing an image swaps its parts (what it no longer names is given back).
+    charge(&mut h, img("root/a/x", "big:1", &[("l1", 40)])).unwrap();
+    assert_eq!(used(&h, "root/a"), 70);
+    // Deleting gives back what nothing else names; deleting twice is no error.
+    for _ in 0..2 {
+        h.run(Command::UnchargeImage { now_ms: h.now, project: "root/a/y".into(), name: "app:1".into() }).unwrap();
+    }
+    assert_eq!((used(&h, "root/a/y"), used(&h, "root/a")), (0, 60));
+    // A project holding images is not deleted.
+    let r = h.run(Command::DeleteProject { actor: Harness::admin(), now_ms: h.now, path: "root/a/x".into() });
+    assert_eq!(reason(&r), Reason::InvalidState);
+    // What the writes rebuild (the harness checks every command) holds the usage too.
+    assert_eq!(State::from_rows(h.st.rows()).usage["root/a"].store_bytes, 60);
 }
 
 #[test]

@@ -129,6 +129,11 @@ pub fn rss_mib() -> u64 {
 /// Puts a one-file layer (id: the byte `n` repeated) in `store` as an import for `project`
 /// leaves it; returns its id. What is in it does not matter to the API.
 pub fn put_layer(store: &opendsec_images::Store, n: u8, project: &str) -> String {
+    put_layer_sized(store, n, project, 1)
+}
+
+/// [`put_layer`] whose metadata says it holds `size_bytes` (what the store quota counts).
+pub fn put_layer_sized(store: &opendsec_images::Store, n: u8, project: &str, size_bytes: u64) -> String {
     use opendsec_images::{LayerId, LayerMeta};
     let id = LayerId::from_digest(&[n; 32]);
     let pending = store.begin_layer().expect("begin a layer");
@@ -136,7 +141,7 @@ pub fn put_layer(store: &opendsec_images::Store, n: u8, project: &str) -> String
     let meta = LayerMeta {
         v: 1,
         id: id.clone(),
-        size_bytes: 1,
+        size_bytes,
         entries: 1,
         created_at_ms: 1,
         source: "test".into(),

@@ -418,6 +418,9 @@ pub struct QuotaArgs {
     pub gpus: Option<u64>,
     #[arg(long)]
     pub sandboxes: Option<u64>,
+    /// Bytes of the image store the project's images may take (each distinct layer once).
+    #[arg(long)]
+    pub store_bytes: Option<u64>,
 }
 
 impl QuotaArgs {
@@ -428,6 +431,7 @@ impl QuotaArgs {
             disk_mb: self.disk,
             gpus: self.gpus,
             sandboxes: self.sandboxes,
+            store_bytes: self.store_bytes,
         }
     }
 }

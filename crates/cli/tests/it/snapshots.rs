@@ -333,3 +333,49 @@ async fn a_fork_makes_independent_copies_and_each_is_charged() {
         admin.stop_sandbox(&sb.id).await.unwrap();
     }
 }
+
+/// Snapshots and forks are charged to the project's `store_bytes` like any image it
+/// publishes: once the project's images (each distinct layer once) would pass the limit, a
+/// snapshot and a fork are `quota_exceeded` and publish nothing. Before, repeated snapshots
+/// of a full disk grew the shared store without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_forks_stop_at_the_store_quota() {
+    let f = fixture().await;
+    let mut rt = runtime(&f.cluster.ca_path, &f.addr, &f.cluster.admin_token);
+    let admin = f.admin.clone();
+    admin.create_project(pb::CreateProjectRequest { path: "root/s".into(), quota: None }).await.unwrap();
+    let mut spec = container_spec("busybox", 64, 64);
+    spec.project = "root/s".into();
+    let src = admin.create_sandbox(spec).await.unwrap();
+    let write = |name: &str| format!("dd if=/dev/urandom of=/{name} bs=1k count=600 2>/dev/null");
+    assert_eq!(exec_in(&mut rt, &src.id, "main", &write("one")).await.exit_code, 0);
+    admin.create_snapshot(&src.id, "s:one", false).await.unwrap();
+    let project = |admin: &opendsec_client::Client| {
+        let admin = admin.clone();
+        async move { admin.get_project(pb::GetProjectRequest { path: "root/s".into() }).await.unwrap() }
+    };
+    let used = project(&admin).await.usage.unwrap().store_bytes;
+    assert!(used > 600 << 10, "the snapshot's 600 KiB and the image's layers: {used}");
+    // The limit leaves 300 KiB: a snapshot of another 600 KiB, or a fork (whose snapshot
+    // carries it too), does not fit.
+    let quota = pb::Quota { store_bytes: Some(used + (300 << 10)), ..Default::default() };
+    admin.set_quota(pb::SetQuotaRequest { path: "root/s".into(), quota: Some(quota) }).await.unwrap();
+    assert_eq!(exec_in(&mut rt, &src.id, "main", &write("two")).await.exit_code, 0);
+    let e = admin.create_snapshot(&src.id, "s:two", false).await.unwrap_err();
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+    let e = match admin.fork_sandbox(fork(&src.id, 2)).await {
+        Err(e) => e,
+        Ok(s) => {
+            let (copies, failed) = collect(s).await;
+            assert!(copies.is_empty(), "a fork past the store quota made copies");
+            opendsec_common::ApiError::new(Reason::parse(&failed[0].reason).unwrap(), failed[0].message.clone())
+        }
+    };
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+    let get = pb::GetImageRequest { project: "root/s".into(), name: "s:two".into() };
+    assert_eq!(admin.get_image(get).await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(project(&admin).await.usage.unwrap().store_bytes, used, "nothing more charged");
+    // The sandbox runs on.
+    assert_eq!(exec_in(&mut rt, &src.id, "main", "rm /two").await.exit_code, 0);
+    admin.stop_sandbox(&src.id).await.unwrap();
+}

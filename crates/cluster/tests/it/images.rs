@@ -273,3 +273,61 @@ async fn a_project_made_again_under_a_deleted_name_inherits_no_images_or_layers(
     assert_eq!(e.unwrap_err().reason, Reason::NotFound);
     t.cluster.shutdown().await;
 }
+
+/// The image store's quota: each image a project publishes is charged with the layers it
+/// names, each distinct layer once in the project and each ancestor; past `store_bytes` a
+/// registration or a composition is `quota_exceeded` and nothing is written; deleting gives
+/// the bytes back. Before, publishing had no bound at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_bytes_bounds_what_a_project_publishes() {
+    let t = start(1, |_| {}).await;
+    let quota = pb::Quota { store_bytes: Some(100), ..Default::default() };
+    project(&t.admin, "root/q", quota).await;
+    project(&t.admin, "root/q/sub", pb::Quota::default()).await;
+    let store = Store::open(t.cluster.config.image_store_dir()).unwrap();
+    let (a, b, c) = (
+        opendsec_testkit::put_layer_sized(&store, 31, "root/q", 60),
+        opendsec_testkit::put_layer_sized(&store, 32, "root/q", 30),
+        opendsec_testkit::put_layer_sized(&store, 33, "root/q", 60),
+    );
+    let used = |u: pb::Usage| u.store_bytes;
+
+    t.admin.register_image(register("root/q", "one:1", &[&a])).await.unwrap();
+    // The same layer again, in another image, a subproject's, and composed: counted once.
+    t.admin.register_image(register("root/q", "again:1", &[&a])).await.unwrap();
+    t.admin.register_image(register("root/q/sub", "mine:1", &[&a, &b])).await.unwrap();
+    let compose = pb::ComposeImageRequest {
+        project: "root/q".into(),
+        name: "both:1".into(),
+        sources: vec!["one:1".into(), "root/q/sub//mine:1".into()],
+        replace: false,
+    };
+    t.admin.compose_image(compose).await.unwrap();
+    assert_eq!(used(usage(&t.admin, "root/q").await), 90);
+    assert_eq!(used(usage(&t.admin, "root/q/sub").await), 90);
+    assert_eq!(used(usage(&t.admin, "root").await), 90);
+    // A new 60-byte layer would take root/q to 150: refused, and no image of that name.
+    let e = t.admin.register_image(register("root/q/sub", "more:1", &[&c])).await.unwrap_err();
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+    assert_eq!(e.metadata.get("key").map(String::as_str), Some("store_bytes"), "{e:?}");
+    let get = |name: &str| pb::GetImageRequest { project: "root/q/sub".into(), name: name.into() };
+    assert_eq!(t.admin.get_image(get("more:1")).await.unwrap_err().reason, Reason::NotFound);
+    assert_eq!(used(usage(&t.admin, "root/q").await), 90);
+    // Deleting gives back what no other image names: b goes with mine:1 and both:1.
+    for (p, n) in [("root/q/sub", "mine:1"), ("root/q", "both:1")] {
+        t.admin.delete_image(pb::DeleteImageRequest { project: p.into(), name: n.into() }).await.unwrap();
+    }
+    assert_eq!(used(usage(&t.admin, "root/q").await), 60);
+    // a is still named (one:1, again:1): c still does not fit; with a gone, it does.
+    assert_eq!(
+        t.admin.register_image(register("root/q/sub", "more:1", &[&c])).await.unwrap_err().reason,
+        Reason::QuotaExceeded
+    );
+    for n in ["one:1", "again:1"] {
+        t.admin.delete_image(pb::DeleteImageRequest { project: "root/q".into(), name: n.into() }).await.unwrap();
+    }
+    assert_eq!(used(usage(&t.admin, "root/q").await), 0);
+    t.admin.register_image(register("root/q/sub", "more:1", &[&c])).await.unwrap();
+    assert_eq!(used(usage(&t.admin, "root/q").await), 60);
+    t.cluster.shutdown().await;
+}

@@ -175,6 +175,18 @@ impl Iam for FakeIam {
     ) -> Result<Response<opendsec_proto::v1::SandboxTokens>, Status> {
         unimplemented()
     }
+    async fn charge_image(
+        &self,
+        _: Request<opendsec_proto::v1::ChargeImageRequest>,
+    ) -> Result<Response<opendsec_proto::v1::ChargeImageResponse>, Status> {
+        unimplemented()
+    }
+    async fn uncharge_image(
+        &self,
+        _: Request<opendsec_proto::v1::UnchargeImageRequest>,
+    ) -> Result<Response<opendsec_proto::v1::ChargeImageResponse>, Status> {
+        unimplemented()
+    }
     async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
         unimplemented()
     }

@@ -57,7 +57,7 @@ WRITE_CHUNK_BYTES = 1024 * 1024
 #: A quota: ``{"sandboxes": 100, "cpu_millis": 64000, ...}`` or a ``pb.Quota``.
 QuotaLike = Union[Mapping[str, int], Any]
 
-_QUOTA_KEYS = ("cpu_millis", "memory_mb", "disk_mb", "gpus", "sandboxes")
+_QUOTA_KEYS = ("cpu_millis", "memory_mb", "disk_mb", "gpus", "sandboxes", "store_bytes")
 
 
 def _quota(q: QuotaLike) -> Any:
