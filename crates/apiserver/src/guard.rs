@@ -205,8 +205,10 @@ impl Shared {
             Ok(t) => self.authenticate(&t).await,
             Err(e) => Err(e),
         };
+        // A refused sandbox token answers not_found (its sandbox ended) but counts as a failure.
+        let refused = |e: &ApiError| e.reason == Reason::Unauthenticated || e.metadata.contains_key("token_refused");
         if let (Err(e), Some(ip)) = (&result, ip)
-            && e.reason == Reason::Unauthenticated
+            && refused(e)
             && self.failures.failed(ip, now)
         {
             tracing::warn!(source = %ip, "pausing authentication from a source with too many failures");

@@ -237,7 +237,21 @@ impl Shared {
     }
 
     /// Who the bearer token belongs to (cached; see [`crate::auth`]).
+    /// Who `token` is (cached). A sandbox's token whose sandbox ended answers `not_found`
+    /// ("the sandbox of this token has ended"), as a call on the gone sandbox would, not
+    /// `unauthenticated` (E2B's SDK then sees the sandbox as not running): its id is gone
+    /// with the sandbox's lease, and its shape says what it was.
     pub async fn authenticate(&self, token: &str) -> Result<Arc<Identity>, ApiError> {
+        self.authenticate_inner(token).await.map_err(|e| {
+            if e.reason == Reason::Unauthenticated && opendsec_common::config::is_sandbox_token_shape(token) {
+                ApiError::new(Reason::NotFound, "the sandbox of this token has ended").with("token_refused", "true")
+            } else {
+                e
+            }
+        })
+    }
+
+    async fn authenticate_inner(&self, token: &str) -> Result<Arc<Identity>, ApiError> {
         let key = token_key(token);
         if let Some(id) = self.auth.get_identity(&key, Instant::now(), time::now_ms()) {
             self.metrics.cache("authn", true);

@@ -1211,6 +1211,17 @@ pub fn parse_token_shape(token: &str) -> Option<(&str, &str)> {
     (id_ok && secret_ok).then_some((id, secret))
 }
 
+/// The length of the ids IAM gives the tokens it mints for one sandbox
+/// (`CreateSandboxTokens`); other generated ids are 16 characters.
+pub const SANDBOX_TOKEN_ID_LEN: usize = 20;
+
+/// Whether `token` has the shape of a sandbox's token (its id's length): one whose id is not
+/// known any more is for a sandbox that ended, which callers answer as the sandbox being gone
+/// (`not_found`, E2B's 502) rather than as a bad token.
+pub fn is_sandbox_token_shape(token: &str) -> bool {
+    parse_token_shape(token).is_some_and(|(id, _)| id.len() == SANDBOX_TOKEN_ID_LEN)
+}
+
 /// Whether `s` is a full PCI address, `dddd:bb:dd.f` in hex.
 pub fn pci_address(s: &str) -> bool {
     let b = s.as_bytes();

@@ -65,6 +65,11 @@ impl Members {
 
     /// A new template (revision) or size. Idle members of other revisions are marked to
     /// stop; starting ones are stopped when they come up ([`Members::started`]).
+    /// How many idle members of the current revision the plan keeps.
+    pub fn target(&self) -> u32 {
+        self.target
+    }
+
     pub fn set_template(&mut self, revision: &str, target: u32) {
         self.revision = revision.to_string();
         self.target = target;
@@ -181,6 +186,60 @@ impl Members {
     pub fn stale(&self) -> usize {
         self.members.values().filter(|m| m.revision != self.revision).count()
     }
+}
+
+/// One pool's ask of an edge's pool share: its tenant (top-level project), the room one
+/// member takes in each dimension (CPU, memory, disk, GPUs, sandboxes), and how many members
+/// it wants (`size_per_edge`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShareAsk {
+    pub tenant: String,
+    pub key: String,
+    pub per_member: [u64; 5],
+    pub size: u32,
+}
+
+/// How many idle members each pool keeps on an edge whose pools may hold `share` (per
+/// dimension): every pool its size while the tenants together fit; beyond, the share is split
+/// between tenants max-min fairly in each dimension (a tenant asking less than an equal part
+/// gets all it asks; what it leaves goes to the others), and each tenant's pools are scaled
+/// down by the part of its ask it got in its tightest dimension. So one tenant's large pool
+/// never takes the share from another's (issue 39), and more pools or subprojects get a tenant
+/// nothing more. Pure: the edge applies it to IAM's pools at each refresh.
+pub fn fair_targets(share: [u64; 5], asks: &[ShareAsk]) -> BTreeMap<String, u32> {
+    let mut demand: BTreeMap<&str, [u64; 5]> = BTreeMap::new();
+    for a in asks {
+        let d = demand.entry(a.tenant.as_str()).or_default();
+        for (i, v) in a.per_member.iter().enumerate() {
+            d[i] = d[i].saturating_add(v.saturating_mul(u64::from(a.size)));
+        }
+    }
+    // Each tenant's part of its ask, the least over the dimensions it asks in (as a fraction
+    // num/den, kept exact).
+    let mut part: BTreeMap<&str, (u64, u64)> = demand.keys().map(|t| (*t, (1, 1))).collect();
+    for dim in 0..5 {
+        let mut asking: Vec<(&str, u64)> = demand.iter().map(|(t, d)| (*t, d[dim])).filter(|(_, d)| *d > 0).collect();
+        asking.sort_by_key(|(_, d)| *d);
+        let mut left = share[dim];
+        let n = asking.len();
+        for (i, (tenant, want)) in asking.into_iter().enumerate() {
+            let equal = left / (n - i) as u64;
+            let got = want.min(equal);
+            left -= got;
+            let (num, den) = part[tenant];
+            // got/want < num/den: this dimension is tighter.
+            if u128::from(got) * u128::from(den) < u128::from(num) * u128::from(want) {
+                part.insert(tenant, (got, want));
+            }
+        }
+    }
+    asks.iter()
+        .map(|a| {
+            let (num, den) = part.get(a.tenant.as_str()).copied().unwrap_or((1, 1));
+            let target = (u128::from(a.size) * u128::from(num) / u128::from(den.max(1))) as u32;
+            (a.key.clone(), target.min(a.size))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -318,5 +377,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_pool_share_is_split_fairly_between_tenants() {
+        let ask = |tenant: &str, key: &str, cpu: u64, size: u32| ShareAsk {
+            tenant: tenant.into(),
+            key: key.into(),
+            per_member: [cpu, 100, 0, 0, 1],
+            size,
+        };
+        let share = [10_000, 1_000_000, 0, 0, 1_000];
+        // Within the share: everyone gets its size.
+        let t = fair_targets(share, &[ask("root/a", "a1", 1000, 4), ask("root/b", "b1", 1000, 4)]);
+        assert_eq!((t["a1"], t["b1"]), (4, 4));
+        // A greedy tenant is cut to what others leave it; the modest one gets all it asks.
+        let t = fair_targets(share, &[ask("root/a", "a1", 1000, 1000), ask("root/b", "b1", 1000, 2)]);
+        assert_eq!((t["a1"], t["b1"]), (8, 2));
+        // Three equal greedy tenants: equal parts; more pools of one tenant get it nothing more.
+        let t = fair_targets(
+            share,
+            &[
+                ask("root/a", "a1", 1000, 100),
+                ask("root/a", "a2", 1000, 100),
+                ask("root/b", "b1", 1000, 100),
+                ask("root/c", "c1", 1000, 100),
+            ],
+        );
+        // (Each pool is rounded down: a's two pools share a's third.)
+        assert!((2..=3).contains(&(t["a1"] + t["a2"])), "{t:?}");
+        assert_eq!((t["b1"], t["c1"]), (3, 3));
+        // The tightest dimension decides (here the count of sandboxes, not CPU).
+        let t =
+            fair_targets([1_000_000, 1_000_000, 0, 0, 10], &[ask("root/a", "a1", 1, 100), ask("root/b", "b1", 1, 100)]);
+        assert_eq!((t["a1"], t["b1"]), (5, 5));
     }
 }

@@ -799,7 +799,7 @@ impl Iam {
         let tokens = model::ScopeKind::ALL
             .into_iter()
             .map(|kind| {
-                let id = token::new_id();
+                let id = token::new_sandbox_token_id();
                 let secret_hash = token::hash_secret_hex(&key, &token::derive_secret(&key, &id));
                 command::MintedToken { kind, token_id: id, secret_hash }
             })

@@ -43,6 +43,17 @@ pub fn new_id() -> String {
     (0..ID_LEN).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
 }
 
+/// A new random id for a sandbox's token: [`opendsec_common::config::SANDBOX_TOKEN_ID_LEN`]
+/// characters of [a-z0-9], so that a caller can tell such a token from others by its shape.
+pub fn new_sandbox_token_id() -> String {
+    use rand::RngExt;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..opendsec_common::config::SANDBOX_TOKEN_ID_LEN)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect()
+}
+
 /// A new random secret: 43 characters of [A-Za-z0-9] (about 256 bits).
 pub fn new_secret() -> String {
     opendsec_common::grpc::random_secret(SECRET_LEN)

@@ -354,3 +354,46 @@ async fn pools_refuse_other_tenants_contradicting_specs_and_pools_over_quota() {
     let e = admin.create_pool(pb::CreatePoolRequest { pool: Some(bad) }).await.unwrap_err();
     assert_eq!(e.reason, Reason::InvalidArgument, "{e}");
 }
+
+/// The edge's pool share (`edge.pool_share_percent`) is split between tenants: one tenant's
+/// huge pool no longer takes it all, a modest tenant's pool gets what it asks. Before, pools
+/// filled the share first come first served, and the second tenant's pool stayed empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_pool_does_not_take_the_edges_pool_share() {
+    let f = fixture_with(|c| {
+        pools_config(c);
+        // The share: 2,000 millicores, four members of 500.
+        c.edge.capacity.cpu_millis = 4000;
+        c.edge.pool_share_percent = 50;
+    })
+    .await;
+    let admin = f.admin.clone();
+    for project in ["root/a", "root/b"] {
+        admin.create_project(pb::CreateProjectRequest { path: project.into(), quota: None }).await.unwrap();
+    }
+    let in_project =
+        |project: &str, name: &str, size: u32| pb::Pool { project: project.into(), ..pool(name, size, &[]) };
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(in_project("root/a", "greedy", 1000)) }).await.unwrap();
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(in_project("root/b", "modest", 1)) }).await.unwrap();
+    let status = |project: &'static str, name: &'static str| {
+        let admin = admin.clone();
+        async move {
+            let p = admin.get_pool(pb::GetPoolRequest { project: project.into(), name: name.into() }).await.unwrap();
+            p.edges.into_iter().find(|e| e.edge == EDGE).unwrap_or_default()
+        }
+    };
+    // b asks for one: it gets it; a gets the rest of the share, not its thousand.
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let (a, b) = (status("root/a", "greedy").await, status("root/b", "modest").await);
+        if b.idle == 1 && a.idle == 3 {
+            assert_eq!((a.target, b.target), (3, 1));
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "a: {a:?}\nb: {b:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for (project, name) in [("root/a", "greedy"), ("root/b", "modest")] {
+        admin.delete_pool(pb::DeletePoolRequest { project: project.into(), name: name.into() }).await.unwrap();
+    }
+}

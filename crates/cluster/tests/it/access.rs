@@ -430,11 +430,14 @@ async fn sandbox_tokens_reach_their_sandbox_only_and_end_with_it() {
     let e = client(&tc.cluster, &viewer).create_sandbox_tokens(&a.id).await.unwrap_err();
     assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
 
-    // The sandbox ends: its tokens stop working (within the epoch poll).
+    // The sandbox ends: its tokens stop working (within the epoch poll), and say so as the
+    // sandbox being gone; they still count as failed authentications.
     alice.stop_sandbox(&a.id).await.unwrap();
     eventually("the runtime token refused", Duration::from_secs(10), || async {
-        runtime.get_sandbox(&a.id).await.is_err_and(|e| e.reason == Reason::Unauthenticated)
+        runtime.get_sandbox(&a.id).await.is_err_and(|e| e.metadata.contains_key("token_refused"))
     })
     .await;
-    assert_eq!(traffic.get_sandbox(&a.id).await.unwrap_err().reason, Reason::Unauthenticated);
+    let e = traffic.get_sandbox(&a.id).await.unwrap_err();
+    assert_eq!((e.reason, e.message.as_str()), (Reason::NotFound, "the sandbox of this token has ended"));
+    assert!(tokens.runtime_token.split('.').nth(1).is_some_and(|id| id.len() == 20), "a sandbox token's shape");
 }

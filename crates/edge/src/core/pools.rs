@@ -232,6 +232,14 @@ impl Inner {
         });
     }
 
+    /// What members together may hold: `edge.pool_share_percent` of the edge's capacity (CPU,
+    /// memory, disk, GPUs, sandboxes).
+    pub(crate) fn pool_share(&self) -> [u64; 5] {
+        let share = |v: u64| v.saturating_mul(u64::from(self.cfg.pool_share_percent)) / 100;
+        let c = &self.capacity;
+        [share(c.cpu_millis), share(c.memory_mb), share(c.disk_mb), share(c.gpus), share(u64::from(c.max_sandboxes))]
+    }
+
     /// What members hold (for capacity checks; call with the table's lock held).
     pub(crate) fn pool_used(&self) -> Totals {
         self.pools().used
@@ -246,15 +254,32 @@ impl Inner {
         let pools = if self.draining() { &[] } else { pools };
         g.refreshed = true;
         let mut seen = HashSet::new();
+        // What each pool keeps here: its size, split fairly between tenants past the share.
+        let asks: Vec<crate::pool::ShareAsk> = pools
+            .iter()
+            .filter_map(|p| {
+                let t = p.template.as_ref()?;
+                self.warm_backend(&t.backend)?;
+                let r = t.resources.unwrap_or_default();
+                Some(crate::pool::ShareAsk {
+                    tenant: opendsec_common::ids::tenant_of(&p.project).to_string(),
+                    key: pool_key(&p.project, &p.name),
+                    per_member: [u64::from(r.cpu_millis), r.memory_mb, r.disk_mb, u64::from(r.gpus), 1],
+                    size: p.size_per_edge,
+                })
+            })
+            .collect();
+        let targets = crate::pool::fair_targets(self.pool_share(), &asks);
         for p in pools {
             let Some(t) = p.template.as_ref() else { continue };
             if self.warm_backend(&t.backend).is_none() {
                 continue;
             }
             let key = pool_key(&p.project, &p.name);
+            let target = targets.get(&key).copied().unwrap_or(p.size_per_edge);
             // The revision is derived here from the template, never taken on trust.
             let revision = template_of(p).revision();
-            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&revision, p.size_per_edge));
+            let e = g.entries.entry(key.clone()).or_insert_with(|| Entry::new(&revision, target));
             if e.members.revision() != revision {
                 // A new template: its starts get a fresh chance.
                 e.failures = 0;
@@ -263,7 +288,7 @@ impl Inner {
                     e.stale_since = Some(Instant::now());
                 }
             }
-            e.members.set_template(&revision, p.size_per_edge);
+            e.members.set_template(&revision, target);
             e.pool = Some(p.clone());
             seen.insert(key);
         }
@@ -486,14 +511,13 @@ impl Inner {
             admission::check_capacity(&self.capacity, &t.used().plus(p.used), rec.resources())
                 .map_err(|r| StartError::NoRoom(r.to_string()))?;
             // And members together hold at most `edge.pool_share_percent` of the edge.
-            let share = |v: u64| v.saturating_mul(u64::from(self.cfg.pool_share_percent)) / 100;
-            let c = &self.capacity;
+            let [cpu, mem, disk, gpus, n] = self.pool_share();
             let pool_cap = crate::admission::Capacity {
-                cpu_millis: share(c.cpu_millis),
-                memory_mb: share(c.memory_mb),
-                disk_mb: share(c.disk_mb),
-                gpus: share(c.gpus),
-                max_sandboxes: u32::try_from(share(u64::from(c.max_sandboxes))).unwrap_or(u32::MAX),
+                cpu_millis: cpu,
+                memory_mb: mem,
+                disk_mb: disk,
+                gpus,
+                max_sandboxes: u32::try_from(n).unwrap_or(u32::MAX),
             };
             admission::check_capacity(&pool_cap, &p.used, rec.resources()).map_err(|r| {
                 StartError::NoRoom(format!("pool members' share of the edge (edge.pool_share_percent): {r}"))
@@ -670,7 +694,9 @@ impl Inner {
                     project: p.project.clone(),
                     name: p.name.clone(),
                     revision: e.members.revision().to_string(),
-                    target: p.size_per_edge,
+                    // What this edge keeps: the pool's size, or its tenant's fair part of the
+                    // edge's pool share when tenants together ask for more.
+                    target: e.members.target(),
                     idle: e.members.idle() as u32,
                     starting: e.members.count(MemberState::Starting) as u32,
                     stale: stale as u32,
