@@ -89,6 +89,16 @@ impl Identity {
         }
     }
 
+    /// What the per-caller bounds (calls in flight, Runtime calls) count this caller as: its
+    /// principal, or for a sandbox's token that token's sandbox, so that whoever holds one
+    /// sandbox's token cannot use up the principal's slots for all its other calls.
+    pub fn bounds_key(&self) -> String {
+        match &self.scope {
+            Some(s) => format!("{}@{}", self.principal, s.lease),
+            None => self.principal.clone(),
+        }
+    }
+
     /// Whether the token reaches sandbox `id` (a sandbox token: its own sandbox only; any
     /// other answers as one that does not exist).
     pub fn may_reach(&self, id: &str) -> Result<(), ApiError> {
@@ -137,20 +147,38 @@ struct Inner {
     refused: HashMap<TokenKey, Instant>,
 }
 
+/// More revocations than this in one poll clear the caches rather than walk them.
+const MAX_TARGETED: usize = 256;
+
 impl Inner {
-    /// Drops the cached answers `r` makes stale.
-    fn drop_revoked(&mut self, r: &Revocation) {
+    /// Drops the cached answers `revoked` makes stale: one pass over each cache for all of
+    /// them (a burst of revocations costs two walks, not one per revocation).
+    fn drop_revoked(&mut self, revoked: &[Revocation]) {
         use opendsec_common::ids::project_within;
-        match r {
-            Revocation::Token(id) => self.authn.retain(|_, (i, _)| i.token_id != *id),
-            Revocation::Principal(p) => {
-                self.authn.retain(|_, (i, _)| i.principal != *p);
-                self.authz.retain(|(principal, _, _), _| principal != p);
+        use std::collections::HashSet;
+        let mut tokens = HashSet::new();
+        let mut principals = HashSet::new();
+        let mut projects = Vec::new();
+        for r in revoked {
+            match r {
+                Revocation::Token(id) => {
+                    tokens.insert(id.as_str());
+                }
+                Revocation::Principal(p) => {
+                    principals.insert(p.as_str());
+                }
+                Revocation::Project(p) => projects.push(p.as_str()),
             }
-            Revocation::Project(path) => {
-                self.authn.retain(|_, (i, _)| !project_within(&i.project, path));
-                self.authz.retain(|(_, _, project), _| !project_within(project, path));
-            }
+        }
+        let in_projects = |p: &str| projects.iter().any(|root| project_within(p, root));
+        self.authn.retain(|_, (i, _)| {
+            !tokens.contains(i.token_id.as_str())
+                && !principals.contains(i.principal.as_str())
+                && !in_projects(&i.project)
+        });
+        if !principals.is_empty() || !projects.is_empty() {
+            self.authz
+                .retain(|(principal, _, project), _| !principals.contains(principal.as_str()) && !in_projects(project));
         }
     }
 }
@@ -273,11 +301,7 @@ impl AuthCache {
         g.epoch = Some(epoch);
         g.generation += 1;
         match revoked {
-            Some(list) if !first => {
-                for r in list {
-                    g.drop_revoked(r);
-                }
-            }
+            Some(list) if !first && list.len() <= MAX_TARGETED => g.drop_revoked(list),
             _ => {
                 g.authn.clear();
                 g.authz.clear();

@@ -219,7 +219,7 @@ impl Shared {
     /// What an admitted call may do before its message is decoded: a slot among its
     /// principal's calls in flight, and for `Restore` the right to restore.
     async fn admit_decode(&self, id: &Identity, method: &str) -> Result<opendsec_common::bounds::KeyPermit, ApiError> {
-        let permit = self.calls.try_take(&id.principal).ok_or_else(|| {
+        let permit = self.calls.try_take(&id.bounds_key()).ok_or_else(|| {
             ApiError::new(
                 Reason::RateLimited,
                 format!("{} has {} calls in flight already", id.principal, self.cfg.max_calls_per_principal),

@@ -160,24 +160,11 @@ async fn publish(s: &Shared, m: Manifest, replace: bool) -> Result<pb::Image, Ap
         if !replace && store.has_image(&r) {
             return Err(StoreError::ImageExists(r.to_string()).into());
         }
-        let mut parts = Vec::with_capacity(mc.layers.len() + 1);
-        for l in &mc.layers {
-            parts.push(pb::StoredPart { id: l.to_string(), bytes: store.layer_meta(l)?.size_bytes });
-        }
-        if !mc.vm_snapshot.is_empty() {
-            let bytes = store.vm_snapshot(&mc.vm_snapshot)?.bytes;
-            parts.push(pb::StoredPart { id: format!("vm:{}", mc.vm_snapshot), bytes });
-        }
-        Ok::<_, ImageError>(parts)
+        parts_of(&store, &mc)
     })
     .await?;
     let (project, name) = (m.project.clone(), format!("{}:{}", m.repo, m.tag));
-    let charge = pb::ChargeImageRequest { project: project.clone(), name: name.clone(), parts };
-    s.up.iam(|mut c| {
-        let r = charge.clone();
-        async move { c.charge_image(r).await }
-    })
-    .await?;
+    charge(s, &project, &name, parts.clone()).await?;
     let store = s.images.store.clone();
     let written = blocking(move || {
         gc::publish_manifest(&store, &m)?;
@@ -185,11 +172,15 @@ async fn publish(s: &Shared, m: Manifest, replace: bool) -> Result<pb::Image, Ap
         for l in &m.layers {
             store.add_layer_user(l, &m.project)?;
         }
-        Ok::<_, ImageError>(m)
+        // Two publications of one name at once (on this apiserver or another) may be charged
+        // in one order and written in the other: what the store holds now is what counts.
+        let now = store.read_manifest(&ImageRef::new(&m.project, &m.repo, &m.tag)?)?;
+        let parts_now = parts_of(&store, &now)?;
+        Ok::<_, ImageError>((m, now, parts_now))
     })
     .await;
-    let m = match written {
-        Ok(m) => m,
+    let (m, now, parts_now) = match written {
+        Ok(w) => w,
         Err(e) => {
             // Nothing written: the charge goes (a replaced image's stays over-counted until
             // it is published or deleted again).
@@ -199,9 +190,53 @@ async fn publish(s: &Shared, m: Manifest, replace: bool) -> Result<pb::Image, Ap
             return Err(e.into());
         }
     };
+    if parts_now != parts {
+        // Another publication's manifest won: charge it. Past the quota, it goes.
+        if let Err(e) = charge(s, &project, &name, parts_now).await {
+            let store = s.images.store.clone();
+            let gone = blocking(move || {
+                let r = ImageRef::new(&now.project, &now.repo, &now.tag)?;
+                if store.read_manifest(&r).is_ok_and(|held| held == now) {
+                    store.delete_manifest(&r)?;
+                }
+                Ok::<_, ImageError>(())
+            })
+            .await;
+            if let Err(g) = gone {
+                tracing::warn!(project, image = name, error = %g, "could not remove an image over the store quota");
+            }
+            uncharge(s, &project, &name).await;
+            s.images.invalidate();
+            return Err(e);
+        }
+    }
     s.images.invalidate();
     tracing::info!(image = %format!("{}//{}:{}", m.project, m.repo, m.tag), layers = m.layers.len(), "image published");
     Ok(to_proto(&m))
+}
+
+/// The parts of the store manifest `m` names, with their sizes (what its charge counts).
+fn parts_of(store: &Store, m: &Manifest) -> Result<Vec<pb::StoredPart>, ImageError> {
+    let mut parts = Vec::with_capacity(m.layers.len() + 1);
+    for l in &m.layers {
+        parts.push(pb::StoredPart { id: l.to_string(), bytes: store.layer_meta(l)?.size_bytes });
+    }
+    if !m.vm_snapshot.is_empty() {
+        let bytes = store.vm_snapshot(&m.vm_snapshot)?.bytes;
+        parts.push(pb::StoredPart { id: format!("vm:{}", m.vm_snapshot), bytes });
+    }
+    Ok(parts)
+}
+
+/// Charges an image to its project's `store_bytes` (`quota_exceeded` past a limit).
+async fn charge(s: &Shared, project: &str, name: &str, parts: Vec<pb::StoredPart>) -> Result<(), ApiError> {
+    let req = pb::ChargeImageRequest { project: project.to_string(), name: name.to_string(), parts };
+    s.up.iam(|mut c| {
+        let r = req.clone();
+        async move { c.charge_image(r).await }
+    })
+    .await
+    .map(|_| ())
 }
 
 /// Takes an image's store charge away (best effort: a failure over-counts, and is logged).

@@ -184,14 +184,15 @@ fn exec_limit(timeout_ms: u64, edge_timeout: Duration) -> Option<Duration> {
 }
 
 /// Validates the id, authenticates the caller and authorizes `sandbox.operate` on the
-/// sandbox's project; returns the sandbox's edge and project.
+/// sandbox's project; returns the sandbox's edge and project, and what the caller's bounds
+/// count it as ([`crate::auth::Identity::bounds_key`]).
 async fn authorized(
     s: &Shared,
     projects: &ProjectCache,
     call: &mut Call,
     md: &MetadataMap,
     id: &str,
-) -> Result<(String, String), ApiError> {
+) -> Result<(String, String, String), ApiError> {
     let mut edge = crate::moves::route(s, id)?;
     call.sandbox_id = Some(id.to_string());
     let (_, ident) = caller(s, call, md).await?;
@@ -212,7 +213,7 @@ async fn authorized(
     };
     call.project = Some(project.clone());
     s.authorize(&ident.principal, PERM_OPERATE, &project).await?;
-    Ok((edge, project))
+    Ok((edge, project, ident.bounds_key()))
 }
 
 /// A client of an edge's Runtime service, its unary answers metered.
@@ -264,8 +265,7 @@ impl RuntimeService {
             Box::pin(async move {
                 let id = req.sandbox_id().to_string();
                 req.answer_bytes()?;
-                let (_, project) = authorized(s, &projects, call, &md, &id).await?;
-                let principal = call.principal.clone().unwrap_or_default();
+                let (_, project, principal) = authorized(s, &projects, call, &md, &id).await?;
                 let _in_flight = s.runtime_calls.try_take(&principal).ok_or_else(|| {
                     ApiError::new(
                         Reason::RateLimited,
@@ -367,7 +367,7 @@ async fn write_file(
         .map_err(|st| ApiError::from_status(&st))?
         .ok_or_else(|| ApiError::invalid("empty WriteFile stream: the first message names the sandbox and path"))?;
     let id = first.sandbox_id.clone();
-    let (_, project) = authorized(s, projects, call, &md, &id).await?;
+    let (_, project, _) = authorized(s, projects, call, &md, &id).await?;
     let metadata = to_edge((), &project)?.into_parts().0;
     // Messages read past the first, over every attempt: an upload that read any cannot start
     // again.

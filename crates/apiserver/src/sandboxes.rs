@@ -144,6 +144,18 @@ async fn take_snapshot(
     // use that image, as a creation from it would need (publishing is not enough).
     images::check_image(s, &ident.principal, sb.spec.as_ref().unwrap_or(&pb::SandboxSpec::default())).await?;
     let target = images::snapshot_target(s, &project, name).await?;
+    // The store quota before the sandbox is frozen and its disk copied: what its disk holds
+    // now must fit (a refused snapshot would otherwise still write a layer, left for GC).
+    let mreq = forward::to_edge(pb::GetSandboxMetricsRequest { id: sb.id.clone() }, &project)?;
+    let disk = forward::edge_forward(s, edge, |mut c| async move { c.get_sandbox_metrics(mreq).await })
+        .await
+        .map_or(0, |m| m.disk_used_bytes);
+    let room = pb::StoreRoomRequest { project: project.clone(), bytes: disk };
+    s.up.iam(|mut c| {
+        let r = room.clone();
+        async move { c.store_room(r).await }
+    })
+    .await?;
     let ereq = forward::to_edge(pb::EdgeSnapshotRequest { id: sb.id.clone(), pack_diff }, &project)?;
     let mut c = s.up.edge(edge, &s.edge_addr(edge)?)?;
     let taken = forward::within(edge, Some(SNAPSHOT_TIMEOUT), async move { c.create_snapshot(ereq).await }).await?;

@@ -231,6 +231,9 @@ impl Iam for FakeIam {
     ) -> Result<Response<pb::ChargeImageResponse>, Status> {
         Ok(Response::new(pb::ChargeImageResponse {}))
     }
+    async fn store_room(&self, _: Request<pb::StoreRoomRequest>) -> Result<Response<pb::ChargeImageResponse>, Status> {
+        Ok(Response::new(pb::ChargeImageResponse {}))
+    }
 
     async fn acquire_lock(
         &self,

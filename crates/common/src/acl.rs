@@ -30,6 +30,7 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/MintSandboxTokens", &[Apiserver]),
     ("/opendsec.v1.Iam/ChargeImage", &[Apiserver]),
     ("/opendsec.v1.Iam/UnchargeImage", &[Apiserver]),
+    ("/opendsec.v1.Iam/StoreRoom", &[Apiserver]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
     ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),
     ("/opendsec.v1.Iam/GetLease", &[Apiserver]),

@@ -37,8 +37,10 @@ impl FailureTracker {
         self.sources.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How much longer `ip` stays paused (None: not paused).
+    /// How much longer `ip` stays paused (None: not paused). Sources are IPv4 addresses and
+    /// IPv6 /64s (one host's usual allocation), as connections are counted.
     pub fn paused(&self, ip: IpAddr, now: Instant) -> Option<Duration> {
+        let ip = crate::conn::Sources::source_of(ip);
         let until = self.lock().get(&ip)?.paused_until?;
         (until > now).then(|| until - now)
     }
@@ -48,6 +50,7 @@ impl FailureTracker {
         if self.max == 0 {
             return false;
         }
+        let ip = crate::conn::Sources::source_of(ip);
         let mut map = self.lock();
         if map.len() >= MAX_SOURCES && !map.contains_key(&ip) {
             let window = self.window;
@@ -55,11 +58,12 @@ impl FailureTracker {
                 now.saturating_duration_since(s.window_start) < window || s.paused_until.is_some_and(|u| u > now)
             });
             if map.len() >= MAX_SOURCES {
-                // Flooded from more addresses than we track: forget the oldest half.
+                // Flooded from more addresses than we track: forget the oldest half of those
+                // not paused (a flood never lifts a pause).
                 let mut starts: Vec<Instant> = map.values().map(|s| s.window_start).collect();
                 starts.sort();
                 let cut = starts[starts.len() / 2];
-                map.retain(|_, s| s.window_start > cut);
+                map.retain(|_, s| s.window_start > cut || s.paused_until.is_some_and(|u| u > now));
             }
         }
         let s = map.entry(ip).or_insert(Source { window_start: now, failures: 0, paused_until: None });
@@ -98,5 +102,11 @@ mod tests {
             assert!(!t.failed(b, t0 + Duration::from_secs(6 * i)));
         }
         assert!(!FailureTracker::new(0, Duration::from_secs(1), Duration::from_secs(1)).failed(a, t0));
+        // An IPv6 host is one source across its /64.
+        let v6 = FailureTracker::new(2, Duration::from_secs(10), Duration::from_secs(30));
+        v6.failed("2001:db8::1".parse().unwrap(), t0);
+        assert!(v6.failed("2001:db8::2".parse().unwrap(), t0));
+        assert!(v6.paused("2001:db8::ffff".parse().unwrap(), t0).is_some());
+        assert!(v6.paused("2001:db8:0:1::1".parse().unwrap(), t0).is_none());
     }
 }

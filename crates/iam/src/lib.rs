@@ -791,7 +791,7 @@ impl Iam {
         let found = self.read(|s| {
             let lease = s.leases.get(lease_id)?;
             s.holds(&who.principal, "sandbox.operate", &lease.project)
-                .then(|| s.sandbox_tokens(lease_id, &who.principal))?
+                .then(|| s.sandbox_tokens(lease_id, &who.actor()))?
         });
         if let Some(ids) = found {
             return Ok(format(&ids));
@@ -815,6 +815,11 @@ impl Iam {
     /// Charges an image to its project's `store_bytes` (replacing a charge of the same name).
     pub async fn charge_image(&self, charge: model::ImageCharge) -> Result<(), IamError> {
         self.done(Command::ChargeImage { now_ms: now_ms(), charge }).await
+    }
+
+    /// `quota_exceeded` unless `bytes` more fit in the project's `store_bytes` (a read).
+    pub fn store_room(&self, project: &str, bytes: u64) -> Result<(), IamError> {
+        self.read(|s| s.store_room(project, bytes))
     }
 
     /// Takes an image's charge away (none: nothing to do).

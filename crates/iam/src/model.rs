@@ -266,6 +266,10 @@ pub struct TokenScope {
     /// The sandbox's lease (a sandbox id is `<edge>.<lease>`).
     pub lease: String,
     pub kind: ScopeKind,
+    /// The token it was minted with: it works only while that one does (revoked, expired or
+    /// gone, the sandbox's token is too).
+    #[serde(default)]
+    pub parent: String,
 }
 
 /// The two tokens E2B hands out for a sandbox.

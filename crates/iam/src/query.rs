@@ -61,10 +61,15 @@ impl State {
             .principals
             .get(&t.principal)
             .ok_or_else(|| unauthenticated(format!("principal {} of token {id} no longer exists", t.principal)))?;
-        if let Some(scope) = &t.scope
-            && !self.leases.contains_key(&scope.lease)
-        {
-            return Err(unauthenticated(format!("token {id} was for a sandbox that has ended")));
+        if let Some(scope) = &t.scope {
+            if !self.leases.contains_key(&scope.lease) {
+                return Err(unauthenticated(format!("token {id} was for a sandbox that has ended")));
+            }
+            // A sandbox's token works only while the token it was minted with does.
+            let parent_ok = self.tokens.get(&scope.parent).is_some_and(|p| !p.revoked && !p.expired_at(now_ms));
+            if !scope.parent.is_empty() && !parent_ok {
+                return Err(unauthenticated(format!("token {id} was minted with a token that no longer works")));
+            }
         }
         Ok(Authenticated {
             principal: p.name.clone(),

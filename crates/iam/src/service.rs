@@ -282,6 +282,12 @@ impl IamRpc for IamService {
         ok(pb::ChargeImageResponse {})
     }
 
+    async fn store_room(&self, req: Request<pb::StoreRoomRequest>) -> Rpc<pb::ChargeImageResponse> {
+        let r = req.get_ref();
+        self.iam.store_room(&r.project, r.bytes).map_err(status)?;
+        ok(pb::ChargeImageResponse {})
+    }
+
     async fn uncharge_image(&self, req: Request<pb::UnchargeImageRequest>) -> Rpc<pb::ChargeImageResponse> {
         let r = req.get_ref();
         self.iam.uncharge_image(&r.project, &r.name).await.map_err(status)?;
@@ -386,6 +392,9 @@ impl IamRpc for IamService {
         use crate::state::Revoked;
         use pb::revocation::What;
         let (epoch, revoked) = self.iam.epoch_since(req.get_ref().since);
+        // Past this many, the answer says "clear everything" rather than grow without bound.
+        const MAX_REVOCATIONS_ANSWERED: usize = 4096;
+        let revoked = revoked.filter(|r| r.len() <= MAX_REVOCATIONS_ANSWERED);
         let complete = revoked.is_some();
         let revoked = revoked
             .unwrap_or_default()

@@ -419,12 +419,14 @@ impl State {
         Ok(())
     }
 
-    /// The live tokens `principal` was minted for lease `lease_id`, by kind, if it has both.
-    pub fn sandbox_tokens(&self, lease_id: &str, principal: &str) -> Option<BTreeMap<ScopeKind, String>> {
+    /// The live tokens `actor` (its principal, with the token it calls with) was minted for
+    /// lease `lease_id`, by kind, if it has both.
+    pub fn sandbox_tokens(&self, lease_id: &str, actor: &Actor) -> Option<BTreeMap<ScopeKind, String>> {
         let mut found = BTreeMap::new();
         for id in self.tokens_by_lease.get(lease_id)? {
             let Some(t) = self.tokens.get(id) else { continue };
-            if let Some(scope) = t.scope.as_ref().filter(|_| t.principal == principal && !t.revoked) {
+            let mine = |s: &&TokenScope| t.principal == actor.principal && s.parent == actor.token_id && !t.revoked;
+            if let Some(scope) = t.scope.as_ref().filter(mine) {
                 found.insert(scope.kind, t.id.clone());
             }
         }
@@ -896,9 +898,11 @@ fn mint_sandbox_tokens(
     if !st.holds(&actor.principal, "sandbox.operate", &project) {
         return Err(IamError::NotFound { kind: "sandbox", name: lease_id.into() });
     }
-    if let Some(found) = st.sandbox_tokens(lease_id, &actor.principal) {
+    if let Some(found) = st.sandbox_tokens(lease_id, actor) {
         return Ok(Output::SandboxTokens(found));
     }
+    // They live no longer than the token they are minted with.
+    let expires_at_ms = st.tokens.get(&actor.token_id).map_or(0, |t| t.expires_at_ms);
     let mut minted = Vec::new();
     for kind in ScopeKind::ALL {
         let m = tokens
@@ -921,9 +925,9 @@ fn mint_sandbox_tokens(
             secret_hash: m.secret_hash.clone(),
             description: format!("sandbox {lease_id} ({})", m.kind.name()),
             created_at_ms: now_ms,
-            expires_at_ms: 0,
+            expires_at_ms,
             revoked: false,
-            scope: Some(TokenScope { lease: lease_id.into(), kind: m.kind }),
+            scope: Some(TokenScope { lease: lease_id.into(), kind: m.kind, parent: actor.token_id.clone() }),
         };
         st.tokens.insert(t.id.clone(), t.clone());
         st.tokens_by_principal.entry(t.principal.clone()).or_default().insert(t.id.clone());
@@ -963,7 +967,17 @@ fn revoke_token(
     }
     t.revoked = true;
     w.push(Write::Put(Row::Token(t.clone())));
-    st.bump_epoch(w, [Revoked::Token(token_id.into())]);
+    // The sandbox tokens minted with it stop with it (authentication checks the parent).
+    let owner = t.principal.clone();
+    let children: Vec<Revoked> = st
+        .tokens_by_principal
+        .get(&owner)
+        .into_iter()
+        .flatten()
+        .filter(|id| st.tokens.get(*id).and_then(|c| c.scope.as_ref()).is_some_and(|s| s.parent == token_id))
+        .map(|id| Revoked::Token(id.clone()))
+        .collect();
+    st.bump_epoch(w, std::iter::once(Revoked::Token(token_id.into())).chain(children));
     Ok(Output::Done)
 }
 

@@ -835,7 +835,10 @@ fn a_sandbox_token_is_scoped_to_its_lease_and_ends_with_it() {
 
     // The token knows its scope; it can change nothing in IAM, and is not listed.
     let who = h.st.authenticate(&token::format("rt1", &secret_of("rt1")), h.now).unwrap();
-    assert_eq!(who.scope, Some(TokenScope { lease: "l1".into(), kind: ScopeKind::Runtime }));
+    assert_eq!(
+        who.scope,
+        Some(TokenScope { lease: "l1".into(), kind: ScopeKind::Runtime, parent: u.token_id.clone() })
+    );
     let scoped = Actor { principal: "user".into(), token_id: "rt1".into() };
     let r = h.run(Command::CreateProject {
         actor: scoped.clone(),
@@ -849,13 +852,37 @@ fn a_sandbox_token_is_scoped_to_its_lease_and_ends_with_it() {
     let user_who = h.st.authenticate(&token::format(&u.token_id, &secret_of(&u.token_id)), h.now).unwrap();
     assert!(h.st.list_tokens(&user_who, "").unwrap().iter().all(|t| t.scope.is_none()));
 
+    // Another token of the same principal gets tokens of its own; revoking it ends them
+    // (named in the feed), and leaves the first pair alone.
+    let u2 = h.token_for("user");
+    let Output::SandboxTokens(other) = mint(&mut h, &u2, "l1", ["rt5", "tr5"]).unwrap() else { panic!("tokens") };
+    assert_ne!(other, ids);
+    let e = h.st.epoch();
+    h.run(Command::RevokeToken { actor: u2.clone(), now_ms: h.now, token_id: u2.token_id.clone() }).unwrap();
+    let mut gone = h.st.revoked_since(e).unwrap();
+    gone.sort_by_key(|r| format!("{r:?}"));
+    assert_eq!(
+        gone,
+        vec![Revoked::Token("rt5".into()), Revoked::Token(u2.token_id.clone()), Revoked::Token("tr5".into())]
+    );
+    assert!(h.st.authenticate(&token::format("rt5", &secret_of("rt5")), h.now).is_err());
+    assert!(h.st.authenticate(&token::format("rt1", &secret_of("rt1")), h.now).is_ok());
+
     // The lease released (the sandbox ended): the tokens are gone, named in the epoch's feed.
     let e0 = h.st.epoch();
     h.run(Command::ReleaseLeases { now_ms: h.now, lease_ids: vec!["l1".into()], edge: String::new() }).unwrap();
     assert_eq!(h.st.epoch(), e0 + 1);
     let mut ended = h.st.revoked_since(e0).unwrap();
     ended.sort_by_key(|r| format!("{r:?}"));
-    assert_eq!(ended, vec![Revoked::Token("rt1".into()), Revoked::Token("tr1".into())]);
+    assert_eq!(
+        ended,
+        vec![
+            Revoked::Token("rt1".into()),
+            Revoked::Token("rt5".into()),
+            Revoked::Token("tr1".into()),
+            Revoked::Token("tr5".into())
+        ]
+    );
     for id in ["rt1", "tr1"] {
         assert_eq!(
             to_api(&h.st.authenticate(&token::format(id, &secret_of(id)), h.now).unwrap_err()).reason,

@@ -18,7 +18,9 @@
 //! tenant (`tenants` maps a sandbox's (veth, address) to a jump into chain `t_<n>` of its
 //! top-level project, whose `ct count` and rate rules count every sandbox of that tenant
 //! together), and per edge (chain `shed`, which the edge fills with a drop while the host's
-//! conntrack table is fuller than `network.conntrack_shed_percent`).
+//! conntrack table is fuller than `network.conntrack_shed_percent`; lookups at the edge's DNS
+//! proxy are not shed). Closed TCP connections of sandboxes leave conntrack after 10 s
+//! (`sandbox_tcp`), so what a tenant's bounded rate of new ones leaves behind is bounded too.
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -41,6 +43,10 @@ pub const CHAINS: &str = "jumps";
 pub const TENANTS: &str = "tenants";
 /// The chain that drops every new connection of a sandbox while the edge sheds load.
 pub const SHED: &str = "shed";
+
+/// The conntrack timeout policy of sandboxes' TCP connections, and how long a closed one stays.
+pub const TCP_TIMEOUTS: &str = "sandbox_tcp";
+const CLOSED_SECS: u32 = 10;
 
 /// The name of a tenant's chain on this edge (its index in the edge's table).
 pub fn tenant_chain(index: u32) -> String {
@@ -140,6 +146,13 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     }
     // Per-sandbox bounds on conntrack: connections open at once, and new ones per second
     // (closed TCP connections linger in conntrack; the rate bounds what they can fill).
+    // Sandboxes' closed TCP connections linger in the host's conntrack table 10 s, not the
+    // kernel's 120 s: what a tenant's new connections a second can leave behind is bounded by
+    // that (a tenant's `ct count` does not see closed ones).
+    let _ = writeln!(
+        s,
+        "  ct timeout {TCP_TIMEOUTS} {{ protocol tcp; l3proto ip; policy = {{ time_wait: {CLOSED_SECS}, close: {CLOSED_SECS} }}; }}"
+    );
     let _ = writeln!(s, "  set conns {{ type ipv4_addr; flags dynamic; size 65536; }}");
     let _ = writeln!(s, "  set new_rate {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; size 65536; }}");
     let _ = writeln!(s, "  set dns_tcp_rate {{ type ipv4_addr; flags dynamic,timeout; timeout 60s; size 65536; }}");
@@ -159,7 +172,8 @@ pub fn script(t: &TableSpec, sandboxes: &[SlotTable]) -> String {
     ct state new update @new_rate {{ ip saddr limit rate over {new_rate}/second burst {new_burst} packets }} drop
     ct state new add @conns {{ ip saddr ct count over {max_conns} }} drop
     ct state new iifname . ip saddr vmap @{TENANTS}
-    ct state new jump {SHED}
+    ct state new ip daddr != {dns} jump {SHED}
+    ct state new meta l4proto tcp ct timeout set "{TCP_TIMEOUTS}"
   }}
   chain egress {{
     meta nfproto != ipv4 drop

@@ -187,6 +187,12 @@ impl Iam for FakeIam {
     ) -> Result<Response<opendsec_proto::v1::ChargeImageResponse>, Status> {
         unimplemented()
     }
+    async fn store_room(
+        &self,
+        _: Request<opendsec_proto::v1::StoreRoomRequest>,
+    ) -> Result<Response<opendsec_proto::v1::ChargeImageResponse>, Status> {
+        unimplemented()
+    }
     async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
         unimplemented()
     }

@@ -60,6 +60,26 @@ impl State {
             .fold(0u64, u64::saturating_add)
     }
 
+    /// `quota_exceeded` unless `bytes` more fit in `project`'s `store_bytes` and every
+    /// ancestor's.
+    pub fn store_room(&self, project: &str, bytes: u64) -> Result<(), IamError> {
+        ids::validate_project(project).map_err(IamError::invalid)?;
+        for q in project_chain(project) {
+            let Some(limit) = self.projects.get(q).and_then(|p| p.quota.store_bytes) else { continue };
+            let used = self.usage.get(q).map_or(0, |u| u.store_bytes);
+            if bytes > 0 && used.saturating_add(bytes) > limit {
+                return Err(IamError::QuotaExceeded {
+                    project: q.to_string(),
+                    key: "store_bytes",
+                    limit,
+                    used,
+                    requested: bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the project still has images charged to it.
     pub(crate) fn has_images(&self, project: &str) -> bool {
         let prefix = image_key(project, "");
