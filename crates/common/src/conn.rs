@@ -1,7 +1,7 @@
 //! Accepted connections and what bounds them: each holds a slot of its server's connection
 //! limit and of its source's (an IPv4 address, an IPv6 /64) until it closes, and may be cut
 //! when its peer's first bytes do not come in time. Used by the TLS acceptor
-//! ([`crate::tls::incoming`]) for every server.
+//! (the TLS acceptor wraps [`incoming`]) for every server.
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -185,12 +185,15 @@ impl Sources {
     }
 }
 
+/// How long a connection's opening (a TLS handshake) and then its first bytes may take.
+pub const OPENING_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Accepted connections of `listener`, each made ready by `open` (a TLS handshake, or
 /// nothing) in a task of its own (a client that never finishes holds no accept slot): at most
 /// `max_conns` open at once (beyond, new ones wait in the kernel's backlog), and at most
 /// `per_source` from one source (an IPv4 address, an IPv6 /64; 0: no such cap; beyond, a new
 /// one is closed at once). A connection whose first `opening` bytes do not come within
-/// [`crate::tls::HANDSHAKE_TIMEOUT`] of its opening is closed ([`Conn::first_bytes_within`]).
+/// [`OPENING_TIMEOUT`] of its opening is closed ([`Conn::first_bytes_within`]).
 /// TCP_NODELAY is set on each. The stream ends when its receiver is dropped, and then the
 /// listener is closed too.
 pub fn incoming<S, F, Fut>(
@@ -244,7 +247,7 @@ where
                     Ok(s) => {
                         let conn = Conn::new(s, permit)
                             .with_source(source)
-                            .first_bytes_within(opening, crate::tls::HANDSHAKE_TIMEOUT);
+                            .first_bytes_within(opening, OPENING_TIMEOUT);
                         let _ = tx.send(Ok(conn)).await;
                     }
                     Err(e) => tracing::debug!(peer = %peer, error = %e, "opening a connection failed"),

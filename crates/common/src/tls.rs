@@ -33,7 +33,7 @@ use crate::pki::{Identity, Role};
 const RELOAD_CHECK: Duration = Duration::from_secs(1);
 /// A TLS handshake must complete within this, and so must a connection's opening bytes after
 /// it.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HANDSHAKE_TIMEOUT: Duration = crate::conn::OPENING_TIMEOUT;
 /// What an HTTP/2 client sends first: the 24-byte preface and its SETTINGS frame's 9-byte
 /// header.
 pub const HTTP2_OPENING: usize = 24 + 9;
