@@ -245,9 +245,8 @@ where
             tokio::spawn(async move {
                 match opened.await {
                     Ok(s) => {
-                        let conn = Conn::new(s, permit)
-                            .with_source(source)
-                            .first_bytes_within(opening, OPENING_TIMEOUT);
+                        let conn =
+                            Conn::new(s, permit).with_source(source).first_bytes_within(opening, OPENING_TIMEOUT);
                         let _ = tx.send(Ok(conn)).await;
                     }
                     Err(e) => tracing::debug!(peer = %peer, error = %e, "opening a connection failed"),
