@@ -44,13 +44,19 @@ async fn agent_with(extra: &[&str]) -> (Agent, RuntimeClient<Channel>) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    // The socket's file appears at bind, a moment before the agent listens on it: connect
+    // until it answers.
+    let mut c = None;
     for _ in 0..500 {
-        if sock.exists() {
+        if sock.exists()
+            && let Ok(client) = unix_client(sock.clone()).await
+        {
+            c = Some(client);
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let c = unix_client(sock).await.unwrap();
+    let c = c.expect("the agent listens on its socket within 5 s");
     (Agent { child, dir }, c)
 }
 
