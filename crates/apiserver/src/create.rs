@@ -144,6 +144,12 @@ pub async fn create_one(
             edge: placed.edge.clone(),
             keep_existing,
             egress: spec.network.as_ref().map(|n| n.egress.clone()).unwrap_or_default(),
+            // A claim on the edge that has idle members: the new lease takes over one
+            // member's charge there (IAM releases that member's lease in the same command).
+            pool: match &warm {
+                Some(w) if *w == placed.edge => format!("{}//{}", spec.project, spec.pool),
+                _ => String::new(),
+            },
         };
         let asked = Instant::now();
         let admitted = shared.admits.admit(admit).await;

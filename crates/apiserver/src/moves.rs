@@ -209,6 +209,7 @@ async fn rebind(s: &Shared, token: &str, lease: &str, spec: &pb::SandboxSpec, ed
         edge: edge.to_string(),
         keep_existing: false,
         egress: spec.network.as_ref().map(|n| n.egress.clone()).unwrap_or_default(),
+        pool: String::new(),
     };
     let a =
         s.up.iam(|mut c| {

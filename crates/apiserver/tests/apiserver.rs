@@ -141,6 +141,7 @@ impl Iam for FakeIam {
                 existing: true,
                 edge,
                 bound_at_ms,
+                member_lease: String::new(),
             }));
         }
         s.admits.push((r.lease_id.clone(), r.edge.clone()));
@@ -158,7 +159,14 @@ impl Iam for FakeIam {
                 ..Default::default()
             },
         );
-        Ok(Response::new(pb::AdmitResponse { principal, rebound, existing: false, edge, bound_at_ms: 0 }))
+        Ok(Response::new(pb::AdmitResponse {
+            principal,
+            rebound,
+            existing: false,
+            edge,
+            bound_at_ms: 0,
+            member_lease: String::new(),
+        }))
     }
 
     async fn admit_many(&self, r: Request<pb::AdmitManyRequest>) -> Result<Response<pb::AdmitManyResponse>, Status> {
@@ -232,6 +240,12 @@ impl Iam for FakeIam {
         Ok(Response::new(pb::ChargeImageResponse {}))
     }
     async fn store_room(&self, _: Request<pb::StoreRoomRequest>) -> Result<Response<pb::ChargeImageResponse>, Status> {
+        Ok(Response::new(pb::ChargeImageResponse {}))
+    }
+    async fn admit_member(
+        &self,
+        _: Request<pb::AdmitMemberRequest>,
+    ) -> Result<Response<pb::ChargeImageResponse>, Status> {
         Ok(Response::new(pb::ChargeImageResponse {}))
     }
 

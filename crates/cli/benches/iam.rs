@@ -101,6 +101,7 @@ async fn admit(iam: &mut IamClient<Channel>, lease: &str) -> Result<(), tonic::S
         edge: "bench".into(),
         keep_existing: false,
         egress: vec![],
+        pool: String::new(),
     })
     .await
     .map(|_| ())

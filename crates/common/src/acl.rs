@@ -31,6 +31,8 @@ pub const TABLE: &[(&str, &[Role])] = &[
     ("/opendsec.v1.Iam/ChargeImage", &[Apiserver]),
     ("/opendsec.v1.Iam/UnchargeImage", &[Apiserver]),
     ("/opendsec.v1.Iam/StoreRoom", &[Apiserver]),
+    // Edges charge pool members on themselves only (checked by the handler).
+    ("/opendsec.v1.Iam/AdmitMember", &[Edge]),
     // Edges release only leases bound to themselves (checked by the handler with `Peer`).
     ("/opendsec.v1.Iam/ReleaseLeases", &[Apiserver, Edge]),
     ("/opendsec.v1.Iam/GetLease", &[Apiserver]),

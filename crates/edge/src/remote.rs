@@ -97,6 +97,30 @@ impl Remote {
         Err(last)
     }
 
+    /// Charges an idle member of pool `pool` of `project` (lease `lease`) like a sandbox of the
+    /// project, bound to this edge (`quota_exceeded` past a limit).
+    pub async fn admit_member(
+        &self,
+        lease: &str,
+        project: &str,
+        pool: &str,
+        resources: opendsec_proto::v1::Resources,
+    ) -> Result<(), ApiError> {
+        let req = opendsec_proto::v1::AdmitMemberRequest {
+            edge: self.edge.clone(),
+            lease_id: lease.to_string(),
+            project: project.to_string(),
+            pool: pool.to_string(),
+            resources: Some(resources),
+        };
+        self.call_iam("AdmitMember", |mut c| {
+            let req = req.clone();
+            async move { c.admit_member(req).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
     /// Releases leases in one call, only those IAM binds to this edge (a lease rebound to
     /// another edge meanwhile is not ours to free); returns how many IAM released.
     pub async fn release(&self, leases: &[String]) -> Result<u32, ApiError> {

@@ -35,6 +35,9 @@ pub struct LiveLease {
     #[serde(default)]
     pub principal: String,
     pub resources: Resources,
+    /// An idle pool member's (`<project>//<name>`). Not written when empty.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pool: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,6 +140,11 @@ pub enum Command {
         /// project and its ancestors. Not written when empty.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         egress: Vec<String>,
+        /// The pool (`<project>//<name>`) whose idle member on `edge` the sandbox will be
+        /// made from: a new lease takes over the charge of one member lease of that pool
+        /// there (released in the same command). Not written when empty (log format 3).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        pool: String,
     },
     SetEgressCeiling {
         actor: Actor,
@@ -212,6 +220,16 @@ pub enum Command {
         now_ms: i64,
         project: String,
         name: String,
+    },
+    /// An edge starting an idle member of pool `pool` (`<project>//<name>`): its lease,
+    /// charged to the pool's project like a sandbox's, bound to the edge. Log format 3.
+    AdmitMember {
+        now_ms: i64,
+        edge: String,
+        lease_id: String,
+        project: String,
+        pool: String,
+        resources: Resources,
     },
     /// An image published (or replaced) in the store: charged to its project's `store_bytes`
     /// (and its ancestors'), all or nothing. Sent by the apiserver before it writes the
@@ -296,7 +314,11 @@ impl Command {
     pub fn log_format(&self) -> u32 {
         match self {
             Command::FencedReconcile { .. } | Command::FencedSweep { .. } => 2,
-            Command::MintSandboxTokens { .. } | Command::ChargeImage { .. } | Command::UnchargeImage { .. } => 3,
+            Command::MintSandboxTokens { .. }
+            | Command::ChargeImage { .. }
+            | Command::UnchargeImage { .. }
+            | Command::AdmitMember { .. } => 3,
+            Command::Admit { pool, .. } if !pool.is_empty() => 3,
             _ => 1,
         }
     }
@@ -329,6 +351,7 @@ impl Command {
             Command::DeletePool { .. } => "delete_pool",
             Command::MintSandboxTokens { .. } => "mint_sandbox_tokens",
             Command::ChargeImage { .. } => "charge_image",
+            Command::AdmitMember { .. } => "admit_member",
             Command::UnchargeImage { .. } => "uncharge_image",
         }
     }
@@ -469,6 +492,8 @@ pub struct Admission {
     pub rebound: bool,
     /// The lease existed and `keep_existing` left it where it was.
     pub existing: bool,
+    /// The pool member lease whose charge the new lease took over (empty: none).
+    pub member_lease: String,
     /// Where the lease is bound after the call.
     pub edge: String,
     pub bound_at_ms: i64,

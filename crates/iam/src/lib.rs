@@ -530,6 +530,7 @@ impl Iam {
         edge: &str,
         keep_existing: bool,
         egress: Vec<String>,
+        pool: &str,
     ) -> Result<Admission, IamError> {
         let who = self.authenticate(token)?;
         state::validate_admit(lease_id, project, &resources, edge)?;
@@ -550,6 +551,7 @@ impl Iam {
             edge: edge.into(),
             keep_existing,
             egress,
+            pool: pool.into(),
         };
         match self.execute(cmd).await? {
             Output::Admitted(a) => Ok(a),
@@ -810,6 +812,26 @@ impl Iam {
             Output::SandboxTokens(ids) => Ok(format(&ids)),
             o => Err(unexpected(o)),
         }
+    }
+
+    /// An edge's idle member of pool `pool` of `project`, charged like a sandbox of it.
+    pub async fn admit_member(
+        &self,
+        edge: &str,
+        lease_id: &str,
+        project: &str,
+        pool: &str,
+        resources: Resources,
+    ) -> Result<(), IamError> {
+        let cmd = Command::AdmitMember {
+            now_ms: now_ms(),
+            edge: edge.into(),
+            lease_id: lease_id.into(),
+            project: project.into(),
+            pool: pool.into(),
+            resources,
+        };
+        self.done(cmd).await
     }
 
     /// Charges an image to its project's `store_bytes` (replacing a charge of the same name).

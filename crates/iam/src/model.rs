@@ -325,6 +325,11 @@ pub struct LeaseRecord {
     pub resources: Resources,
     pub created_at_ms: i64,
     pub bound_at_ms: i64,
+    /// An idle member of a warm pool (`<project>//<name>`): charged to the project like a
+    /// sandbox while it waits, its lease the edge's (it releases it when the member goes).
+    /// Not written when empty.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pool: String,
 }
 
 /// A warm pool: members started ahead of time from `template` on every edge that offers its

@@ -50,13 +50,15 @@ async fn admit(iam: &Iam, r: pb::AdmitRequest) -> Result<pb::AdmitResponse, IamE
         .as_ref()
         .map(resources_from_pb)
         .ok_or_else(|| IamError::InvalidArgument("resources are required".into()))?;
-    let a = iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing, rule_texts(&r.egress)).await?;
+    let egress = rule_texts(&r.egress);
+    let a = iam.admit(&r.token, &r.lease_id, &r.project, res, &r.edge, r.keep_existing, egress, &r.pool).await?;
     Ok(pb::AdmitResponse {
         principal: a.principal,
         rebound: a.rebound,
         existing: a.existing,
         edge: a.edge,
         bound_at_ms: a.bound_at_ms,
+        member_lease: a.member_lease,
     })
 }
 
@@ -347,6 +349,20 @@ impl IamRpc for IamService {
         ok(pb::ReleaseLeasesResponse { released })
     }
 
+    async fn admit_member(&self, req: Request<pb::AdmitMemberRequest>) -> Rpc<pb::ChargeImageResponse> {
+        // An edge charges members on itself only.
+        opendsec_common::acl::require_self(&req, Role::Edge, &req.get_ref().edge, &[]).map_err(|e| e.to_status())?;
+        let r = req.into_inner();
+        let res = r
+            .resources
+            .as_ref()
+            .map(resources_from_pb)
+            .ok_or_else(|| IamError::InvalidArgument("resources are required".into()))
+            .map_err(status)?;
+        self.iam.admit_member(&r.edge, &r.lease_id, &r.project, &r.pool, res).await.map_err(status)?;
+        ok(pb::ChargeImageResponse {})
+    }
+
     async fn get_lease(&self, req: Request<pb::GetLeaseRequest>) -> Rpc<pb::GetLeaseResponse> {
         let lease = self.iam.get_lease(&req.get_ref().lease_id).map_err(status)?;
         ok(pb::GetLeaseResponse { found: lease.is_some(), lease: lease.as_ref().map(lease_to_pb) })
@@ -376,6 +392,7 @@ impl IamRpc for IamService {
                 lease_id: l.lease_id,
                 project: l.project,
                 principal: l.principal,
+                pool: l.pool,
             })
             .collect();
         let (adopted, released) = self.iam.reconcile(&r.edge, &r.holder, r.read_at_ms, live).await.map_err(status)?;

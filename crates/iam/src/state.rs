@@ -66,6 +66,8 @@ pub struct State {
     pub(crate) tokens_by_principal: BTreeMap<String, BTreeSet<String>>,
     /// Lease -> the tokens scoped to it.
     pub(crate) tokens_by_lease: HashMap<String, BTreeSet<String>>,
+    /// (edge, pool key) -> its idle members' leases, oldest first.
+    pub(crate) members: HashMap<(String, String), BTreeSet<(i64, String)>>,
     /// Project -> store part id -> (images of its subtree naming it, its bytes).
     pub(crate) stored: HashMap<String, HashMap<String, (u32, u64)>>,
     /// What each epoch bump since this state was loaded took away (not part of its value).
@@ -179,7 +181,11 @@ impl State {
         self.hash_key = token::from_hex(&self.meta.hash_key).unwrap_or_default();
         self.usage = self.projects.keys().map(|p| (p.clone(), Usage::default())).collect();
         self.leases_by_edge.clear();
+        self.members.clear();
         for l in self.leases.values() {
+            if !l.pool.is_empty() {
+                self.members.entry((l.edge.clone(), l.pool.clone())).or_default().insert((l.bound_at_ms, l.id.clone()));
+            }
             let u = Usage::of(&l.resources);
             for q in project_chain(&l.project) {
                 if let Some(x) = self.usage.get_mut(q) {
@@ -485,8 +491,11 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         Command::Grant { actor, now_ms, grant } => add_grant(st, w, actor, *now_ms, grant),
         Command::RevokeGrant { actor, now_ms, grant } => revoke_grant(st, w, actor, *now_ms, grant),
         Command::Restore { actor, now_ms, snapshot } => restore(st, w, actor, *now_ms, snapshot),
-        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress } => {
-            admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing, egress)
+        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress, pool } => {
+            admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing, egress, pool)
+        }
+        Command::AdmitMember { now_ms, edge, lease_id, project, pool, resources } => {
+            leases::admit_member(st, w, *now_ms, edge, lease_id, project, pool, resources)
         }
         Command::SetEgressCeiling { actor, now_ms, path, ceiling } => {
             set_egress_ceiling(st, w, actor, *now_ms, path, ceiling.as_deref())

@@ -176,6 +176,7 @@ impl Harness {
             edge: edge.into(),
             keep_existing,
             egress: Vec::new(),
+            pool: String::new(),
         })
     }
 
@@ -384,7 +385,14 @@ fn readmitting_a_lease_only_rebinds_it() {
 }
 
 fn admitted(principal: &str, rebound: bool, existing: bool, edge: &str, bound_at_ms: i64) -> Output {
-    Output::Admitted(Admission { principal: principal.into(), rebound, existing, edge: edge.into(), bound_at_ms })
+    Output::Admitted(Admission {
+        principal: principal.into(),
+        rebound,
+        existing,
+        edge: edge.into(),
+        bound_at_ms,
+        member_lease: String::new(),
+    })
 }
 
 #[test]
@@ -439,6 +447,7 @@ fn keep_admit(actor: &Actor, lease: &str, now_ms: i64) -> Command {
         edge: "e9".into(),
         keep_existing: true,
         egress: Vec::new(),
+        pool: String::new(),
     }
 }
 
@@ -950,6 +959,7 @@ fn reconcile_adopts_releases_and_respects_min_age() {
         project: project.into(),
         principal: "user".into(),
         resources: res(cpu, 1),
+        pool: String::new(),
     };
     let r = h
         .run(Command::FencedReconcile {
@@ -1048,8 +1058,13 @@ fn reconcile_is_fenced_by_the_lock_and_ages_leases_when_the_list_was_read() {
     h.admit(&a, "kept", "root", res(1, 1), "e1").unwrap();
     h.tick(120_000);
     h.lock_for("w2", 15_000);
-    let found =
-        LiveLease { lease_id: "found".into(), project: "root".into(), principal: "".into(), resources: res(1, 1) };
+    let found = LiveLease {
+        lease_id: "found".into(),
+        project: "root".into(),
+        principal: "".into(),
+        resources: res(1, 1),
+        pool: String::new(),
+    };
     let cmd = Command::FencedReconcile {
         now_ms: h.now,
         edge: "e1".into(),
@@ -1208,6 +1223,7 @@ fn commands_round_trip_through_their_encoding() {
             project: "root".into(),
             principal: "".into(),
             resources: res(1, 2),
+            pool: String::new(),
         }],
         min_age_ms: 60_000,
         holder: "watcher-1".into(),
@@ -1235,6 +1251,7 @@ fn golden_encodings_still_decode() {
             edge: "sim-001".into(),
             keep_existing: false,
             egress: Vec::new(),
+            pool: String::new(),
         }
     );
     // Fields added later are left out when unset, so such commands still encode the same.
@@ -1612,6 +1629,7 @@ fn egress_ceilings_bound_the_project_and_its_subprojects() {
             edge: "e1".into(),
             keep_existing: false,
             egress: egress.iter().map(|s| s.to_string()).collect(),
+            pool: String::new(),
         })
     };
     // Only the project's admins set it; a bad rule is refused.
@@ -1770,4 +1788,117 @@ fn backups_carry_pools_and_older_backups_keep_them() {
     bad.pools.as_mut().unwrap().push(pool("root/none", "z", "x", 1));
     let r = h.run(Command::Restore { actor: Harness::admin(), now_ms: h.now, snapshot: bad });
     assert!(r.is_err());
+}
+
+#[test]
+fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
+    let mut h = Harness::new();
+    h.project("root/a", quota(None, None, Some(3)));
+    h.project("root/b", quota(None, None, Some(3)));
+    let now = h.now;
+    h.run(Command::PutPool { actor: Harness::admin(), now_ms: now, pool: pool("root/a", "py", "x", 2), create: true })
+        .unwrap();
+    let member = |h: &mut Harness, edge: &str, lease: &str| {
+        let now = h.now;
+        h.run(Command::AdmitMember {
+            now_ms: now,
+            edge: edge.into(),
+            lease_id: lease.into(),
+            project: "root/a".into(),
+            pool: "py".into(),
+            resources: res(1000, 256),
+        })
+    };
+    // Members on two edges are charged like sandboxes: the quota bounds them over all edges.
+    member(&mut h, "e1", "m1").unwrap();
+    h.tick(1);
+    member(&mut h, "e1", "m2").unwrap();
+    h.tick(1);
+    member(&mut h, "e2", "m3").unwrap();
+    assert_eq!(h.usage("root/a").sandboxes, 3);
+    assert_eq!(reason(&member(&mut h, "e2", "m4")), Reason::QuotaExceeded);
+    // Again on the same edge: nothing changes; elsewhere, or a sandbox's lease, or no such pool: refused.
+    member(&mut h, "e1", "m1").unwrap();
+    assert_eq!(reason(&member(&mut h, "e2", "m1")), Reason::AlreadyExists);
+    let u = h.principal("u", "root/a");
+    h.grant("u", "root/a", "sandbox.create");
+    assert_eq!(reason(&h.admit(&u, "m1", "root/a", res(1000, 256), "e1")), Reason::AlreadyExists);
+    let now = h.now;
+    let nopool = Command::AdmitMember {
+        now_ms: now,
+        edge: "e1".into(),
+        lease_id: "m9".into(),
+        project: "root/b".into(),
+        pool: "py".into(),
+        resources: res(1, 1),
+    };
+    assert_eq!(reason(&h.run(nopool)), Reason::NotFound);
+    assert_eq!(h.usage("root/b").sandboxes, 0);
+
+    // A plain creation finds the quota full of members.
+    assert_eq!(reason(&h.admit(&u, "s0", "root/a", res(1000, 256), "e1")), Reason::QuotaExceeded);
+    let claim = |h: &mut Harness, lease: &str, edge: &str, project: &str, r: Resources| {
+        let now = h.now;
+        h.run(Command::Admit {
+            actor: u.clone(),
+            now_ms: now,
+            lease_id: lease.into(),
+            project: project.into(),
+            resources: r,
+            edge: edge.into(),
+            keep_existing: false,
+            egress: Vec::new(),
+            pool: "root/a//py".into(),
+        })
+    };
+    // A claim on e1 takes over the oldest member's charge there.
+    match claim(&mut h, "s1", "e1", "root/a", res(1000, 256)).unwrap() {
+        Output::Admitted(a) => assert_eq!(a.member_lease, "m1"),
+        o => panic!("{o:?}"),
+    }
+    assert!(h.st.lease("m1").is_none());
+    assert_eq!(h.usage("root/a").sandboxes, 3);
+    // Resources other than the members': no member's charge moves (and the quota is full).
+    assert_eq!(reason(&claim(&mut h, "s2", "e1", "root/a", res(2000, 256))), Reason::QuotaExceeded);
+    match claim(&mut h, "s2", "e1", "root/a", res(1000, 256)).unwrap() {
+        Output::Admitted(a) => assert_eq!(a.member_lease, "m2"),
+        o => panic!("{o:?}"),
+    }
+    // No member left on e1: a claim there is charged on its own, past the quota: refused,
+    // and the member on e2 keeps its charge.
+    assert_eq!(reason(&claim(&mut h, "s3", "e1", "root/a", res(1000, 256))), Reason::QuotaExceeded);
+    assert!(h.st.lease("m3").is_some());
+    // The edge releases a member that goes; the charge goes with it.
+    assert_eq!(h.release_on(&["m3"], "e2"), 1);
+    assert_eq!(h.usage("root/a").sandboxes, 2);
+
+    // Reconciliation adopts a member an edge reports (with its pool) back into the index a
+    // claim swaps from.
+    h.tick(120_000);
+    h.lock_for("w1", 15_000);
+    let now = h.now;
+    let live = |id: &str, pool: &str| LiveLease {
+        lease_id: id.into(),
+        project: "root/a".into(),
+        principal: String::new(),
+        resources: res(1000, 256),
+        pool: pool.into(),
+    };
+    let r = h
+        .run(Command::FencedReconcile {
+            now_ms: now,
+            edge: "e2".into(),
+            live: vec![live("m5", "root/a//py")],
+            min_age_ms: 60_000,
+            holder: "w1".into(),
+            read_at_ms: now,
+        })
+        .unwrap();
+    assert_eq!(r, Output::Reconciled { adopted: 1, released: 0 });
+    assert_eq!(h.st.lease("m5").unwrap().pool, "root/a//py");
+    match claim(&mut h, "s4", "e2", "root/a", res(1000, 256)).unwrap() {
+        Output::Admitted(a) => assert_eq!(a.member_lease, "m5"),
+        o => panic!("{o:?}"),
+    }
+    assert_eq!(h.usage("root/a").sandboxes, 3);
 }

@@ -318,6 +318,7 @@ async fn run(iam: &mut IamClient<Channel>, key: u64, input: &In) -> Result<Out, 
                     edge: EDGES[*e as usize].into(),
                     keep_existing: *keep,
                     egress: vec![],
+                    pool: String::new(),
                 })
                 .await?
                 .into_inner();

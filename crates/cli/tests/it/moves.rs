@@ -345,6 +345,7 @@ impl Driver {
                 edge: to.into(),
                 keep_existing: false,
                 egress: Vec::new(),
+                pool: String::new(),
             })
             .await
             .unwrap()

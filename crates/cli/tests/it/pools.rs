@@ -397,3 +397,49 @@ async fn one_tenants_pool_does_not_take_the_edges_pool_share() {
         admin.delete_pool(pb::DeletePoolRequest { project: project.into(), name: name.into() }).await.unwrap();
     }
 }
+
+/// Idle members are charged to their pool's project like sandboxes (issue 39): a pool of two
+/// per edge on two edges in a project whose quota is three sandboxes holds three members in
+/// all, never four; a plain creation finds the quota full, a claim takes a member's charge
+/// over; members that go give their charge back. Before, members held no lease and the
+/// project's usage stayed at nothing while four ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_members_are_charged_to_their_project_over_every_edge() {
+    let f = fixture_edges(2, pools_config).await;
+    let admin = f.admin.clone();
+    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
+    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
+    let p = pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) };
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(p) }).await.unwrap();
+    let idle = || async {
+        let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
+        p.edges.iter().map(|e| e.idle).sum::<u32>()
+    };
+    let used = || async {
+        let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
+        u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
+    };
+    until_async(|| async { idle().await == 3 }).await;
+    assert_eq!(used().await, 3, "three idle members, three charged");
+    // The fourth member never starts: its charge is refused round after round.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!((idle().await, used().await), (3, 3));
+
+    // A plain creation in the project finds its quota held by the members.
+    let mut spec = container_spec("busybox:latest", 64, 64);
+    spec.project = "root/q".into();
+    let e = admin.create_sandbox(spec).await.unwrap_err();
+    assert_eq!(e.reason, Reason::QuotaExceeded, "{e}");
+    // A claim takes one member's charge over: the quota still holds three in all.
+    let sb = admin.create_sandbox(pb::SandboxSpec { project: "root/q".into(), ..claim("warm") }).await.unwrap();
+    until_async(|| async { idle().await == 2 }).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!((idle().await, used().await), (2, 3), "no refill past the quota");
+    // The sandbox stops: its charge goes, and a member takes it.
+    admin.stop_sandbox(&sb.id).await.unwrap();
+    until_async(|| async { idle().await == 3 }).await;
+    assert_eq!(used().await, 3);
+    // The pool goes: its members' charges go with them.
+    admin.delete_pool(pb::DeletePoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
+    until_async(|| async { used().await == 0 }).await;
+}

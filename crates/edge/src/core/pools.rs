@@ -11,8 +11,12 @@
 //!   member's record goes, so after a crash a member is the pool's or a sandbox's, never both
 //!   and never lost: recovery drops the member records that sandbox records name;
 //! - members hold room on the edge like sandboxes (capacity checks and the reported
-//!   allocation count them) but no lease: IAM never hears of them and no quota is charged
-//!   until a claim, which is charged like any creation;
+//!   allocation count them), and a lease of their own in IAM, charged to the pool's project
+//!   like a sandbox (`AdmitMember`, before the member's container exists; the edge reports it
+//!   live, and releases it when the member goes, claimed or stopped): a tenant's members on
+//!   every edge together never hold more than its quota. A claim's own lease takes over one
+//!   member's charge on that edge in IAM (the apiserver's Admit names the pool), so a pool
+//!   sized to the whole quota can still be claimed;
 //! - lock order: the table's, then the pools'.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -92,6 +96,8 @@ pub(crate) struct Pools {
     /// recovered from before the restart are kept whatever their pool's size (IAM may be
     /// unreachable in a cluster-wide restart).
     refreshed: bool,
+    /// The members whose lease IAM holds (charged), by id, as the edge reports them live.
+    pub(crate) charged: BTreeMap<String, opendsec_proto::v1::LiveLease>,
 }
 
 pub(crate) fn pool_key(project: &str, name: &str) -> String {
@@ -115,6 +121,22 @@ fn take_locked(g: &mut Pools, key: &str, revision: &str) -> Option<Arc<SandboxRe
     // The refill is started once the claim is done (`create`): starting a member takes the
     // CPU a claim needs.
     records.remove(&id)
+}
+
+/// How the edge reports a charged member to IAM (reconciliation keeps or adopts its lease).
+fn member_live(
+    rec: &SandboxRecord,
+    project: &str,
+    pool: &str,
+    resources: opendsec_proto::v1::Resources,
+) -> opendsec_proto::v1::LiveLease {
+    opendsec_proto::v1::LiveLease {
+        lease_id: rec.lease_id.clone(),
+        project: project.to_string(),
+        principal: String::new(),
+        resources: Some(resources),
+        pool: format!("{project}//{pool}"),
+    }
 }
 
 /// A pool's template as members are started from it.
@@ -179,8 +201,12 @@ impl Inner {
         take_locked(&mut g, &key, &revision)
     }
 
-    /// A claimed member's record is no longer needed (the sandbox's record names it).
+    /// A claimed member's record is no longer needed (the sandbox's record names it). Its
+    /// own lease is released (queued: a claim's lease took its charge over, or it stopped).
     pub(crate) async fn forget_member(&self, member: &SandboxRecord) {
+        if self.pools().charged.remove(&member.id).is_some() {
+            self.releases.push(member.lease_id.clone());
+        }
         let store = self.member_store.clone();
         let lease = member.lease_id.clone();
         match tokio::task::spawn_blocking(move || store.remove(&lease)).await {
@@ -220,7 +246,13 @@ impl Inner {
     pub(crate) fn discard_member_later(&self, member: Arc<SandboxRecord>) {
         let (backend, store) = (self.backend(&member.spec.backend).cloned(), self.member_store.clone());
         // (Its room is given back at once: for the moment the stop takes, a dead member's.)
-        self.pools().used.sub(member.resources());
+        {
+            let mut g = self.pools();
+            g.used.sub(member.resources());
+            if g.charged.remove(&member.id).is_some() {
+                self.releases.push(member.lease_id.clone());
+            }
+        }
         tokio::spawn(async move {
             if let Some(b) = backend
                 && let Err(e) = b.stop(&member).await
@@ -555,6 +587,20 @@ impl Inner {
             release();
             return Err(e.into());
         }
+        // Charged to the pool's project before its container exists (its record does: a crash
+        // from here leaves a record whose lease the restart releases or adopts).
+        if self.remote.has_iam() {
+            let res = rec.resources().to_proto();
+            if let Err(e) = self.remote.admit_member(&rec.lease_id, &pool.project, &pool.name, res).await {
+                unreserve(&rec);
+                release();
+                self.forget_member(&rec).await;
+                // Over the quota (the tenant's sandboxes and members hold it), or IAM not
+                // reachable: no room for it now, tried again next round.
+                return Err(StartError::NoRoom(format!("charging the member: {e}")));
+            }
+            self.pools().charged.insert(rec.id.clone(), member_live(&rec, &pool.project, &pool.name, res));
+        }
         let created = match self.closing.load(Ordering::Relaxed) {
             true => Err(crate::backend::BackendError::unavailable("the edge is stopping")),
             false => backend.create(&rec).await,
@@ -660,12 +706,19 @@ impl Inner {
             match adopted {
                 Ok(()) => {
                     let mut g = self.pools();
-                    let Pools { entries, records, used, .. } = &mut *g;
+                    let Pools { entries, records, used, charged, .. } = &mut *g;
                     let e = entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool_revision, 0));
                     e.members.starting(&rec.id, &rec.pool_revision);
                     e.members.started(&rec.id);
                     used.add(rec.resources());
                     kept.push(rec.id.clone());
+                    // Reported live: IAM keeps (or adopts back) its charge.
+                    if self.remote.has_iam() {
+                        let res = rec.resources().to_proto();
+                        let (project, name) = rec.pool.rsplit_once('/').unwrap_or(("", ""));
+                        let live = member_live(&rec, project, name, res);
+                        charged.insert(rec.id.clone(), live);
+                    }
                     records.insert(rec.id.clone(), Arc::new(rec));
                 }
                 Err(why) => {

@@ -27,15 +27,20 @@ impl Inner {
                 if include_leases { t.records().filter(|r| r.state.is_live()).cloned().collect() } else { Vec::new() };
             (t.used().plus(self.pool_used()), live, t.moved_in())
         };
-        let leases = live
+        let mut leases: Vec<LiveLease> = live
             .iter()
             .map(|r| LiveLease {
                 lease_id: r.lease_id.clone(),
                 project: r.spec.project.clone(),
                 principal: r.principal.clone(),
                 resources: Some(r.resources().to_proto()),
+                pool: String::new(),
             })
             .collect();
+        // Idle pool members hold leases too (charged to their pools' projects).
+        if include_leases {
+            leases.extend(self.pools().charged.values().cloned());
+        }
         let share = |used: u64, cap: u64| if cap == 0 { 0.0 } else { (used as f64 / cap as f64).min(1.0) };
         let reports: Option<Vec<_>> = self.backends.iter().map(|b| b.usage()).collect();
         let (cpu_use, memory_use) = match reports {

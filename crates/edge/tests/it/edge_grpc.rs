@@ -193,6 +193,12 @@ impl Iam for FakeIam {
     ) -> Result<Response<opendsec_proto::v1::ChargeImageResponse>, Status> {
         unimplemented()
     }
+    async fn admit_member(
+        &self,
+        _: Request<opendsec_proto::v1::AdmitMemberRequest>,
+    ) -> Result<Response<opendsec_proto::v1::ChargeImageResponse>, Status> {
+        Ok(Response::new(opendsec_proto::v1::ChargeImageResponse {}))
+    }
     async fn acquire_lock(&self, _: Request<AcquireLockRequest>) -> Result<Response<AcquireLockResponse>, Status> {
         unimplemented()
     }

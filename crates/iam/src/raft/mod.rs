@@ -231,9 +231,17 @@ impl Replica {
                 cmd.kind()
             )));
         }
+        let mut cmd = cmd;
         let format = cmd.log_format();
-        if format > 1 {
-            self.refuse_while_a_member_is_behind(cmd.kind(), format)?;
+        if format > 1
+            && let Err(e) = self.refuse_while_a_member_is_behind(cmd.kind(), format)
+        {
+            // A claim's Admit goes as a plain one (charged on its own, the member keeping its
+            // charge until the edge releases it); anything else waits for the upgrade.
+            match &mut cmd {
+                Command::Admit { pool, .. } if !pool.is_empty() && !matches!(e, IamError::NotLeader(_)) => pool.clear(),
+                _ => return Err(e),
+            }
         }
         let r = self.raft.get().client_write(cmd).await.map_err(write_err)?;
         r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?

@@ -17,6 +17,9 @@ impl State {
             }
         }
         self.leases_by_edge.entry(l.edge.clone()).or_default().insert(l.id.clone());
+        if !l.pool.is_empty() {
+            self.members.entry((l.edge.clone(), l.pool.clone())).or_default().insert((l.bound_at_ms, l.id.clone()));
+        }
         w.push(Write::Put(Row::Lease(l.clone())));
         self.leases.insert(l.id.clone(), l);
     }
@@ -30,6 +33,15 @@ impl State {
             }
         }
         self.unindex_edge(&l.edge, id);
+        if !l.pool.is_empty() {
+            let k = (l.edge.clone(), l.pool.clone());
+            if let Some(m) = self.members.get_mut(&k) {
+                m.remove(&(l.bound_at_ms, id.to_string()));
+                if m.is_empty() {
+                    self.members.remove(&k);
+                }
+            }
+        }
         w.push(Write::Delete { table: Table::Leases, key: id.to_string() });
         // The sandbox's tokens end with it ([`apply`] moves the epoch for them).
         for t in self.tokens_by_lease.remove(id).unwrap_or_default() {
@@ -114,6 +126,10 @@ impl State {
             return Err(IamError::NotFound { kind: "project", name: project.into() });
         }
         let Some(existing) = self.leases.get(lease_id) else { return Ok(None) };
+        // A pool member's lease is its edge's: no creation takes it over by its id.
+        if !existing.pool.is_empty() {
+            return Err(IamError::AlreadyExists { kind: "lease", name: lease_id.into() });
+        }
         if keep_existing && existing.principal != principal {
             return Err(IamError::AlreadyExists { kind: "lease", name: lease_id.into() });
         }
@@ -131,6 +147,7 @@ impl State {
             existing: true,
             edge: existing.edge.clone(),
             bound_at_ms: existing.bound_at_ms,
+            member_lease: String::new(),
         }))
     }
 }
@@ -147,6 +164,7 @@ pub(super) fn admit(
     edge: &str,
     keep_existing: bool,
     egress: &[String],
+    pool: &str,
 ) -> Result<Output, IamError> {
     validate_admit(lease_id, project, resources, edge)?;
     st.check_actor(actor, now_ms)?;
@@ -170,9 +188,30 @@ pub(super) fn admit(
             existing: false,
             edge: edge.into(),
             bound_at_ms: now_ms,
+            member_lease: String::new(),
         }));
     }
-    st.check_quota(project, &Usage::of(resources))?;
+    // A claim of a pool member: the sandbox's lease takes over the charge of one idle
+    // member's lease of that pool on that edge (the oldest), so that a pool sized to the
+    // whole quota can still be claimed. Only a member of the same project and resources.
+    let member = st
+        .members
+        .get(&(edge.to_string(), pool.to_string()))
+        .and_then(|m| m.iter().next())
+        .map(|(_, id)| id.clone())
+        .filter(|id| st.leases.get(id).is_some_and(|l| l.project == project && l.resources == *resources));
+    let before = member.as_ref().and_then(|id| st.leases.get(id).cloned());
+    if let Some(id) = &member {
+        st.release_lease(id, w);
+    }
+    if let Err(e) = st.check_quota(project, &Usage::of(resources)) {
+        // Nothing changes on a refusal: the member keeps its lease.
+        if let Some(l) = before {
+            w.clear();
+            st.insert_lease(l, &mut Vec::new());
+        }
+        return Err(e);
+    }
     st.insert_lease(
         LeaseRecord {
             id: lease_id.into(),
@@ -182,6 +221,7 @@ pub(super) fn admit(
             resources: *resources,
             created_at_ms: now_ms,
             bound_at_ms: now_ms,
+            pool: String::new(),
         },
         w,
     );
@@ -191,7 +231,53 @@ pub(super) fn admit(
         existing: false,
         edge: edge.into(),
         bound_at_ms: now_ms,
+        member_lease: member.unwrap_or_default(),
     }))
+}
+
+/// An edge starting an idle member of pool `pool` (`<project>//<name>`): its lease, charged
+/// to the pool's project like a sandbox's (quota_exceeded past a limit), bound to the edge.
+/// Admitting the same member again on the same edge changes nothing.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn admit_member(
+    st: &mut State,
+    w: &mut Vec<Write>,
+    now_ms: i64,
+    edge: &str,
+    lease_id: &str,
+    project: &str,
+    pool: &str,
+    resources: &Resources,
+) -> Result<Output, IamError> {
+    ids::validate_lease(lease_id).map_err(IamError::invalid)?;
+    ids::validate_edge(edge).map_err(IamError::invalid)?;
+    resources.validate()?;
+    let key = crate::model::pool_key(project, pool);
+    if st.pool(project, pool).is_none() {
+        return Err(IamError::NotFound { kind: "pool", name: key });
+    }
+    if let Some(l) = st.leases.get(lease_id) {
+        return if l.edge == edge && l.pool == key {
+            Ok(Output::Done)
+        } else {
+            Err(IamError::AlreadyExists { kind: "lease", name: lease_id.into() })
+        };
+    }
+    st.check_quota(project, &Usage::of(resources))?;
+    st.insert_lease(
+        LeaseRecord {
+            id: lease_id.into(),
+            project: project.into(),
+            principal: String::new(),
+            edge: edge.into(),
+            resources: *resources,
+            created_at_ms: now_ms,
+            bound_at_ms: now_ms,
+            pool: key,
+        },
+        w,
+    );
+    Ok(Output::Done)
 }
 
 /// Releases the leases named (unknown ones are skipped); with an edge, only those bound to it.
@@ -255,6 +341,7 @@ pub(super) fn reconcile(
                 resources: l.resources,
                 created_at_ms: now_ms,
                 bound_at_ms: now_ms,
+                pool: l.pool.clone(),
             },
             w,
         );

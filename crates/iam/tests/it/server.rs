@@ -68,9 +68,9 @@ async fn state_survives_a_reopen() {
     iam.create_project(&admin, "root/a", Quota { cpu_millis: Some(10_000), ..Quota::default() }).await.unwrap();
     iam.create_project(&admin, "root/a/b", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
-    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1", false, Vec::new()).await.unwrap();
-    iam.admit(&token, "lease-2", "root/a", res(2000), "e2", false, Vec::new()).await.unwrap();
-    iam.admit(&token, "lease-3", "root/a", res(500), "e2", false, Vec::new()).await.unwrap();
+    iam.admit(&token, "lease-1", "root/a/b", res(1000), "e1", false, Vec::new(), "").await.unwrap();
+    iam.admit(&token, "lease-2", "root/a", res(2000), "e2", false, Vec::new(), "").await.unwrap();
+    iam.admit(&token, "lease-3", "root/a", res(500), "e2", false, Vec::new(), "").await.unwrap();
     assert_eq!(iam.release_leases(vec!["lease-3".into()], "").await.unwrap(), 1);
     iam.acquire_lock("leader", "w1", 10_000).await.unwrap();
     let before = snapshot(&iam);
@@ -97,7 +97,7 @@ async fn a_lone_command_is_committed_by_its_caller_and_a_crowd_by_the_commit_thr
     // commits it on its own thread.
     let (callers, thread) = iam.commits_made();
     for i in 0..50 {
-        iam.admit(&token, &format!("one-{i}"), "root/p", res(10), "e1", false, Vec::new()).await.unwrap();
+        iam.admit(&token, &format!("one-{i}"), "root/p", res(10), "e1", false, Vec::new(), "").await.unwrap();
     }
     let (callers_after, thread_after) = iam.commits_made();
     assert_eq!((callers_after - callers, thread_after - thread), (50, 0));
@@ -106,7 +106,7 @@ async fn a_lone_command_is_committed_by_its_caller_and_a_crowd_by_the_commit_thr
     for i in 0..400 {
         let (iam, token) = (iam.clone(), token.clone());
         tasks.spawn(async move {
-            iam.admit(&token, &format!("many-{i}"), "root/p", res(10), "e1", false, Vec::new()).await.unwrap();
+            iam.admit(&token, &format!("many-{i}"), "root/p", res(10), "e1", false, Vec::new(), "").await.unwrap();
         });
     }
     while let Some(r) = tasks.join_next().await {
@@ -117,11 +117,12 @@ async fn a_lone_command_is_committed_by_its_caller_and_a_crowd_by_the_commit_thr
     assert!(callers_end - callers_after + thread_end - thread_after < 400, "and was committed in batches");
     // A leader that goes away before it commits (its caller's future dropped right after it
     // queued): the commit thread commits for it, and the next command is not left waiting.
-    let gone = futures::FutureExt::now_or_never(iam.admit(&token, "gone", "root/p", res(10), "e1", false, Vec::new()));
+    let gone =
+        futures::FutureExt::now_or_never(iam.admit(&token, "gone", "root/p", res(10), "e1", false, Vec::new(), ""));
     assert!(gone.is_none(), "the leader waits for what is made ready with it");
     tokio::time::timeout(
         Duration::from_secs(10),
-        iam.admit(&token, "next", "root/p", res(10), "e1", false, Vec::new()),
+        iam.admit(&token, "next", "root/p", res(10), "e1", false, Vec::new(), ""),
     )
     .await
     .expect("the next command was left waiting")
@@ -145,7 +146,7 @@ async fn concurrent_admits_are_group_committed() {
         .map(|i| {
             let (iam, token) = (iam.clone(), token.clone());
             tokio::spawn(async move {
-                iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1", false, Vec::new()).await
+                iam.admit(&token, &format!("l{i}"), "root/load", res(10), "e1", false, Vec::new(), "").await
             })
         })
         .collect();
@@ -177,17 +178,17 @@ async fn a_kept_lease_is_answered_without_a_command() {
     iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
     let other = user_with_token(&iam, &admin, "other", "root/a").await;
-    let first = iam.admit(&token, "lease-1", "root/a", res(100), "e1", true, Vec::new()).await.unwrap();
+    let first = iam.admit(&token, "lease-1", "root/a", res(100), "e1", true, Vec::new(), "").await.unwrap();
     assert_eq!((first.existing, first.edge.as_str()), (false, "e1"));
     let applied = snapshot(&iam).meta().applied_index;
-    let again = iam.admit(&token, "lease-1", "root/a", res(100), "e2", true, Vec::new()).await.unwrap();
+    let again = iam.admit(&token, "lease-1", "root/a", res(100), "e2", true, Vec::new(), "").await.unwrap();
     assert_eq!((again.existing, again.edge.as_str(), again.bound_at_ms), (true, "e1", first.bound_at_ms));
-    let e = iam.admit(&other, "lease-1", "root/a", res(100), "e2", true, Vec::new()).await.unwrap_err();
+    let e = iam.admit(&other, "lease-1", "root/a", res(100), "e2", true, Vec::new(), "").await.unwrap_err();
     assert_eq!(reason(&e), Reason::AlreadyExists);
     assert_eq!(snapshot(&iam).meta().applied_index, applied, "no command was committed");
     assert_eq!(iam.get_lease("lease-1").unwrap().unwrap().edge, "e1");
     // GetLeases, in request order, unknown ids left out; too many ids at once are refused.
-    iam.admit(&token, "lease-2", "root/a", res(100), "e2", false, Vec::new()).await.unwrap();
+    iam.admit(&token, "lease-2", "root/a", res(100), "e2", false, Vec::new(), "").await.unwrap();
     let ids = ["lease-2", "x", "lease-1"].map(String::from);
     let got: Vec<String> = iam.get_leases(&ids).unwrap().into_iter().map(|l| l.id).collect();
     assert_eq!(got, ["lease-2", "lease-1"]);
@@ -209,6 +210,7 @@ async fn reconcile_and_sweep_go_through_the_store() {
         project: "root".into(),
         principal: String::new(),
         resources: res(5),
+        pool: String::new(),
     }];
     // Only for the reconcile lock's holder; without a holder, not at all.
     let e = iam.reconcile("e9", "w1", 0, live.clone()).await.unwrap_err();
@@ -218,7 +220,7 @@ async fn reconcile_and_sweep_go_through_the_store() {
     assert!(iam.acquire_lock(opendsec_common::RECONCILE_LOCK, "w1", 60_000).await.unwrap().0);
     assert_eq!(iam.reconcile("e9", "w1", 0, live).await.unwrap(), (1, 0));
     assert_eq!(iam.reconcile("e9", "w1", 0, vec![]).await.unwrap(), (0, 1));
-    let a = iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone", false, Vec::new()).await.unwrap();
+    let a = iam.admit(ADMIN_TOKEN, "x1", "root", res(5), "gone", false, Vec::new(), "").await.unwrap();
     assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("admin", false, false, "gone"));
     assert_eq!(reason(&iam.sweep_unbound(vec!["e9".into()], 0, "w2").await.unwrap_err()), Reason::InvalidState);
     assert_eq!(reason(&iam.sweep_unbound(vec!["e9".into()], 0, "").await.unwrap_err()), Reason::InvalidArgument);
@@ -233,7 +235,7 @@ async fn restore_round_trip() {
     let admin = iam.authenticate(ADMIN_TOKEN).unwrap();
     iam.create_project(&admin, "root/a", Quota::default()).await.unwrap();
     let token = user_with_token(&iam, &admin, "worker", "root/a").await;
-    iam.admit(&token, "lease-1", "root/a", res(100), "e1", false, Vec::new()).await.unwrap();
+    iam.admit(&token, "lease-1", "root/a", res(100), "e1", false, Vec::new(), "").await.unwrap();
     let backup = iam.backup(&admin).unwrap();
 
     iam.create_project(&admin, "root/later", Quota::default()).await.unwrap();
@@ -332,6 +334,7 @@ async fn grpc_admit_many_answers_each_item_on_its_own() {
         edge: "e1".into(),
         keep_existing: false,
         egress: Vec::new(),
+        pool: String::new(),
     };
     let items = vec![
         item(ADMIN_TOKEN, "many-1"),
@@ -416,6 +419,7 @@ async fn grpc_admit_authenticate_and_revoke() {
         edge: edge.into(),
         keep_existing: false,
         egress: Vec::new(),
+        pool: String::new(),
     };
     let a = iam.admit(admit("lease-1", "e1")).await.unwrap().into_inner();
     assert_eq!((a.principal.as_str(), a.rebound, a.existing, a.edge.as_str()), ("worker", false, false, "e1"));

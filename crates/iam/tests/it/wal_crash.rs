@@ -54,7 +54,7 @@ async fn writer() {
                     }
                     let lease = format!("r{run}-t{t}-{i}");
                     println!("start admit {lease}");
-                    iam.admit(&token, &lease, PROJECT, res(), "e1", false, Vec::new()).await.unwrap();
+                    iam.admit(&token, &lease, PROJECT, res(), "e1", false, Vec::new(), "").await.unwrap();
                     println!("acked admit {lease}");
                     mine.push(lease);
                 }
