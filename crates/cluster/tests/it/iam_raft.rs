@@ -440,6 +440,34 @@ async fn fenced_reconciliations_wait_until_every_member_reads_them() {
             r => panic!("{kind} proposed while member {other} reads an older log: {r:?}"),
         }
     }
+    // An edge's charge of a pool member waits too; a claim's Admit goes as a plain one (its
+    // own charge, no member's moved).
+    let res = opendsec_iam::Resources { cpu_millis: 1, memory_mb: 1, disk_mb: 1, gpus: 0 };
+    let member = Command::AdmitMember {
+        now_ms: now(),
+        edge: "edge-none".into(),
+        lease_id: "format-member".into(),
+        project: "root".into(),
+        pool: "warm".into(),
+        resources: res,
+    };
+    assert!(matches!(replica.execute(member).await, Err(opendsec_iam::IamError::InvalidState(_))));
+    let (token_id, _) = opendsec_common::config::parse_token_shape(&t.cluster.admin_token).unwrap();
+    let claim = Command::Admit {
+        actor: opendsec_iam::Actor { principal: "admin".into(), token_id: token_id.into() },
+        now_ms: now(),
+        lease_id: "format-claim".into(),
+        project: "root".into(),
+        resources: res,
+        edge: "edge-none".into(),
+        keep_existing: false,
+        egress: Vec::new(),
+        pool: "root//warm".into(),
+    };
+    match replica.execute(claim).await {
+        Ok(Output::Admitted(a)) => assert_eq!(a.member_lease, ""),
+        r => panic!("a claim's admit while member {other} reads an older log: {r:?}"),
+    }
     // A member that does not lead refuses as Raft would (its caller goes to the leader).
     assert!(matches!(old.execute(reconcile()).await, Err(opendsec_iam::IamError::NotLeader(_))));
     // What every release reads goes on.
