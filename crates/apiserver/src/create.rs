@@ -158,7 +158,7 @@ pub async fn create_one(
         }
         // Only the first Admit may find an earlier attempt; later ones rebind what it reserved.
         keep_existing = false;
-        let principal = match admitted {
+        let (principal, member_lease) = match admitted {
             Ok(a) if a.existing => {
                 shared.placement_done(placed.overlay_id, false);
                 match existing(shared, &lease, &a.edge, a.bound_at_ms).await? {
@@ -166,7 +166,7 @@ pub async fn create_one(
                     None => continue, // nothing made it to an edge: admit again, rebinding
                 }
             }
-            Ok(a) => a.principal,
+            Ok(a) => (a.principal, a.member_lease),
             Err(e) => {
                 shared.placement_done(placed.overlay_id, false);
                 if attempt > 0 {
@@ -181,6 +181,7 @@ pub async fn create_one(
             principal,
             pool_revision: pool_revision.to_string(),
             moved_in: None,
+            member_lease,
         };
         let asked = Instant::now();
         let result = shared.edge_creates.create(&placed.edge, &placed.addr, req).await;

@@ -136,6 +136,7 @@ pub(crate) async fn move_sandbox(
         principal: out.principal.clone(),
         pool_revision: String::new(),
         moved_in: out.moved_in.clone(),
+        member_lease: String::new(),
     };
     let created = match s.up.edge(to, &to_addr) {
         Ok(mut c) => forward::edge_call(s, to, c.create_sandbox(create)).await,

@@ -209,6 +209,7 @@ mod tests {
             principal: "alice".into(),
             pool_revision: String::new(),
             moved_in: None,
+            member_lease: String::new(),
             spec: Some(SandboxSpec {
                 project: "root/a".into(),
                 backend: "sim".into(),

@@ -117,11 +117,16 @@ impl Members {
 
     /// Takes an idle member of the current revision (the first by id), or counts a miss.
     pub fn claim(&mut self) -> Option<String> {
-        let id = self
-            .members
-            .iter()
-            .find(|(_, m)| m.state == MemberState::Idle && m.revision == self.revision)
-            .map(|(id, _)| id.clone());
+        self.claim_preferring(None)
+    }
+
+    /// [`Members::claim`], taking member `prefer` when it is one of those.
+    pub fn claim_preferring(&mut self, prefer: Option<&str>) -> Option<String> {
+        let takeable = |m: &Member| m.state == MemberState::Idle && m.revision == self.revision;
+        let id = prefer
+            .filter(|id| self.members.get(*id).is_some_and(takeable))
+            .map(str::to_string)
+            .or_else(|| self.members.iter().find(|(_, m)| takeable(m)).map(|(id, _)| id.clone()));
         match &id {
             Some(id) => {
                 self.members.remove(id);

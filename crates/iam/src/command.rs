@@ -140,10 +140,23 @@ pub enum Command {
         /// project and its ancestors. Not written when empty.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         egress: Vec<String>,
-        /// The pool (`<project>//<name>`) whose idle member on `edge` the sandbox will be
-        /// made from: a new lease takes over the charge of one member lease of that pool
-        /// there (released in the same command). Not written when empty (log format 3).
-        #[serde(default, skip_serializing_if = "String::is_empty")]
+    },
+    /// An [`Command::Admit`] of a sandbox to be made from an idle member of pool `pool`
+    /// (`<project>//<name>`) on `edge`: a new lease takes over the charge of one idle member
+    /// lease of that pool there, of the same project and resources (released in the same
+    /// command). A kind of its own, so that a member on an older release stops short of it
+    /// rather than apply it as a plain admit. Log format 4.
+    AdmitClaim {
+        actor: Actor,
+        now_ms: i64,
+        lease_id: String,
+        project: String,
+        resources: Resources,
+        edge: String,
+        #[serde(default, skip_serializing_if = "is_false")]
+        keep_existing: bool,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        egress: Vec<String>,
         pool: String,
     },
     SetEgressCeiling {
@@ -222,7 +235,7 @@ pub enum Command {
         name: String,
     },
     /// An edge starting an idle member of pool `pool` (`<project>//<name>`): its lease,
-    /// charged to the pool's project like a sandbox's, bound to the edge. Log format 3.
+    /// charged to the pool's project like a sandbox's, bound to the edge. Log format 4.
     AdmitMember {
         now_ms: i64,
         edge: String,
@@ -313,12 +326,11 @@ impl Command {
     /// [`crate::raft::net::LOG_FORMAT`]).
     pub fn log_format(&self) -> u32 {
         match self {
+            Command::MintSandboxTokens { .. } | Command::ChargeImage { .. } | Command::UnchargeImage { .. } => 3,
+            Command::AdmitMember { .. } | Command::AdmitClaim { .. } => 4,
+            // Adopting a pool member's lease (as such) is read by format 4 only.
+            Command::FencedReconcile { live, .. } if live.iter().any(|l| !l.pool.is_empty()) => 4,
             Command::FencedReconcile { .. } | Command::FencedSweep { .. } => 2,
-            Command::MintSandboxTokens { .. }
-            | Command::ChargeImage { .. }
-            | Command::UnchargeImage { .. }
-            | Command::AdmitMember { .. } => 3,
-            Command::Admit { pool, .. } if !pool.is_empty() => 3,
             _ => 1,
         }
     }
@@ -340,6 +352,7 @@ impl Command {
             Command::RevokeGrant { .. } => "revoke_grant",
             Command::Restore { .. } => "restore",
             Command::Admit { .. } => "admit",
+            Command::AdmitClaim { .. } => "admit_claim",
             Command::SetEgressCeiling { .. } => "set_egress_ceiling",
             Command::ReleaseLeases { .. } => "release_leases",
             Command::Reconcile { .. } => "reconcile",

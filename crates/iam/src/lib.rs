@@ -542,16 +542,21 @@ impl Iam {
         if let Some(kept) = kept {
             return Ok(kept);
         }
-        let cmd = Command::Admit {
-            actor: who.actor(),
-            now_ms: now_ms(),
-            lease_id: lease_id.into(),
-            project: project.into(),
-            resources,
-            edge: edge.into(),
-            keep_existing,
-            egress,
-            pool: pool.into(),
+        let (actor, now_ms, lease_id, project, edge) =
+            (who.actor(), now_ms(), lease_id.to_string(), project.to_string(), edge.to_string());
+        let cmd = match pool {
+            "" => Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress },
+            pool => Command::AdmitClaim {
+                actor,
+                now_ms,
+                lease_id,
+                project,
+                resources,
+                edge,
+                keep_existing,
+                egress,
+                pool: pool.into(),
+            },
         };
         match self.execute(cmd).await? {
             Output::Admitted(a) => Ok(a),

@@ -491,7 +491,10 @@ fn apply_inner(st: &mut State, cmd: &Command, w: &mut Vec<Write>) -> Result<Outp
         Command::Grant { actor, now_ms, grant } => add_grant(st, w, actor, *now_ms, grant),
         Command::RevokeGrant { actor, now_ms, grant } => revoke_grant(st, w, actor, *now_ms, grant),
         Command::Restore { actor, now_ms, snapshot } => restore(st, w, actor, *now_ms, snapshot),
-        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress, pool } => {
+        Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress } => {
+            admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing, egress, "")
+        }
+        Command::AdmitClaim { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress, pool } => {
             admit(st, w, actor, *now_ms, lease_id, project, resources, edge, *keep_existing, egress, pool)
         }
         Command::AdmitMember { now_ms, edge, lease_id, project, pool, resources } => {

@@ -176,7 +176,6 @@ impl Harness {
             edge: edge.into(),
             keep_existing,
             egress: Vec::new(),
-            pool: String::new(),
         })
     }
 
@@ -447,7 +446,6 @@ fn keep_admit(actor: &Actor, lease: &str, now_ms: i64) -> Command {
         edge: "e9".into(),
         keep_existing: true,
         egress: Vec::new(),
-        pool: String::new(),
     }
 }
 
@@ -1251,7 +1249,6 @@ fn golden_encodings_still_decode() {
             edge: "sim-001".into(),
             keep_existing: false,
             egress: Vec::new(),
-            pool: String::new(),
         }
     );
     // Fields added later are left out when unset, so such commands still encode the same.
@@ -1629,7 +1626,6 @@ fn egress_ceilings_bound_the_project_and_its_subprojects() {
             edge: "e1".into(),
             keep_existing: false,
             egress: egress.iter().map(|s| s.to_string()).collect(),
-            pool: String::new(),
         })
     };
     // Only the project's admins set it; a bad rule is refused.
@@ -1792,6 +1788,7 @@ fn backups_carry_pools_and_older_backups_keep_them() {
 
 #[test]
 fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
+    const MEMBER: Resources = Resources { cpu_millis: 1000, memory_mb: 256, disk_mb: 512, gpus: 0 };
     let mut h = Harness::new();
     h.project("root/a", quota(None, None, Some(3)));
     h.project("root/b", quota(None, None, Some(3)));
@@ -1806,7 +1803,7 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
             lease_id: lease.into(),
             project: "root/a".into(),
             pool: "py".into(),
-            resources: res(1000, 256),
+            resources: MEMBER,
         })
     };
     // Members on two edges are charged like sandboxes: the quota bounds them over all edges.
@@ -1822,7 +1819,7 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
     assert_eq!(reason(&member(&mut h, "e2", "m1")), Reason::AlreadyExists);
     let u = h.principal("u", "root/a");
     h.grant("u", "root/a", "sandbox.create");
-    assert_eq!(reason(&h.admit(&u, "m1", "root/a", res(1000, 256), "e1")), Reason::AlreadyExists);
+    assert_eq!(reason(&h.admit(&u, "m1", "root/a", MEMBER, "e1")), Reason::AlreadyExists);
     let now = h.now;
     let nopool = Command::AdmitMember {
         now_ms: now,
@@ -1834,12 +1831,23 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
     };
     assert_eq!(reason(&h.run(nopool)), Reason::NotFound);
     assert_eq!(h.usage("root/b").sandboxes, 0);
+    // Only the template's resources are a member's.
+    let now = h.now;
+    let bigger = Command::AdmitMember {
+        now_ms: now,
+        edge: "e1".into(),
+        lease_id: "m8".into(),
+        project: "root/a".into(),
+        pool: "py".into(),
+        resources: Resources { memory_mb: 100_000, ..MEMBER },
+    };
+    assert_eq!(reason(&h.run(bigger)), Reason::InvalidArgument);
 
     // A plain creation finds the quota full of members.
-    assert_eq!(reason(&h.admit(&u, "s0", "root/a", res(1000, 256), "e1")), Reason::QuotaExceeded);
+    assert_eq!(reason(&h.admit(&u, "s0", "root/a", MEMBER, "e1")), Reason::QuotaExceeded);
     let claim = |h: &mut Harness, lease: &str, edge: &str, project: &str, r: Resources| {
         let now = h.now;
-        h.run(Command::Admit {
+        h.run(Command::AdmitClaim {
             actor: u.clone(),
             now_ms: now,
             lease_id: lease.into(),
@@ -1852,7 +1860,7 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
         })
     };
     // A claim on e1 takes over the oldest member's charge there.
-    match claim(&mut h, "s1", "e1", "root/a", res(1000, 256)).unwrap() {
+    match claim(&mut h, "s1", "e1", "root/a", MEMBER).unwrap() {
         Output::Admitted(a) => assert_eq!(a.member_lease, "m1"),
         o => panic!("{o:?}"),
     }
@@ -1860,13 +1868,13 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
     assert_eq!(h.usage("root/a").sandboxes, 3);
     // Resources other than the members': no member's charge moves (and the quota is full).
     assert_eq!(reason(&claim(&mut h, "s2", "e1", "root/a", res(2000, 256))), Reason::QuotaExceeded);
-    match claim(&mut h, "s2", "e1", "root/a", res(1000, 256)).unwrap() {
+    match claim(&mut h, "s2", "e1", "root/a", MEMBER).unwrap() {
         Output::Admitted(a) => assert_eq!(a.member_lease, "m2"),
         o => panic!("{o:?}"),
     }
     // No member left on e1: a claim there is charged on its own, past the quota: refused,
     // and the member on e2 keeps its charge.
-    assert_eq!(reason(&claim(&mut h, "s3", "e1", "root/a", res(1000, 256))), Reason::QuotaExceeded);
+    assert_eq!(reason(&claim(&mut h, "s3", "e1", "root/a", MEMBER)), Reason::QuotaExceeded);
     assert!(h.st.lease("m3").is_some());
     // The edge releases a member that goes; the charge goes with it.
     assert_eq!(h.release_on(&["m3"], "e2"), 1);
@@ -1881,7 +1889,7 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
         lease_id: id.into(),
         project: "root/a".into(),
         principal: String::new(),
-        resources: res(1000, 256),
+        resources: MEMBER,
         pool: pool.into(),
     };
     let r = h
@@ -1896,9 +1904,61 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
         .unwrap();
     assert_eq!(r, Output::Reconciled { adopted: 1, released: 0 });
     assert_eq!(h.st.lease("m5").unwrap().pool, "root/a//py");
-    match claim(&mut h, "s4", "e2", "root/a", res(1000, 256)).unwrap() {
+    match claim(&mut h, "s4", "e2", "root/a", MEMBER).unwrap() {
         Output::Admitted(a) => assert_eq!(a.member_lease, "m5"),
         o => panic!("{o:?}"),
     }
     assert_eq!(h.usage("root/a").sandboxes, 3);
+
+    // The quota lowered under what is held: a claim still takes a member's charge over (no
+    // usage changes), so the project drains as members go instead of locking up.
+    let now = h.now;
+    h.run(Command::AdmitMember {
+        now_ms: now,
+        edge: "e2".into(),
+        lease_id: "m6".into(),
+        project: "root/a".into(),
+        pool: "py".into(),
+        resources: MEMBER,
+    })
+    .unwrap_err();
+    h.release_on(&["s4"], "e2");
+    h.run(Command::AdmitMember {
+        now_ms: now,
+        edge: "e2".into(),
+        lease_id: "m6".into(),
+        project: "root/a".into(),
+        pool: "py".into(),
+        resources: MEMBER,
+    })
+    .unwrap();
+    let now = h.now;
+    h.run(Command::SetQuota {
+        actor: Harness::admin(),
+        now_ms: now,
+        path: "root/a".into(),
+        quota: quota(None, None, Some(1)),
+    })
+    .unwrap();
+    match claim(&mut h, "s5", "e2", "root/a", MEMBER).unwrap() {
+        Output::Admitted(a) => assert_eq!(a.member_lease, "m6"),
+        o => panic!("{o:?}"),
+    }
+    assert_eq!(h.usage("root/a").sandboxes, 3);
+    // A reconciliation naming a pool that is not the lease's project's adopts a plain lease.
+    h.tick(120_000);
+    h.lock_for("w1", 15_000);
+    let now = h.now;
+    let r = h
+        .run(Command::FencedReconcile {
+            now_ms: now,
+            edge: "e3".into(),
+            live: vec![live("m7", "root/b//py")],
+            min_age_ms: 60_000,
+            holder: "w1".into(),
+            read_at_ms: now,
+        })
+        .unwrap();
+    assert_eq!(r, Output::Reconciled { adopted: 1, released: 0 });
+    assert_eq!(h.st.lease("m7").unwrap().pool, "");
 }

@@ -360,6 +360,7 @@ impl Driver {
             principal: out.principal.clone(),
             pool_revision: String::new(),
             moved_in: out.moved_in.clone(),
+            member_lease: String::new(),
         };
         self.edge(to).create_sandbox(Self::req(q)).await.unwrap().into_inner()
     }

@@ -405,7 +405,14 @@ async fn one_tenants_pool_does_not_take_the_edges_pool_share() {
 /// project's usage stayed at nothing while four ran.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_members_are_charged_to_their_project_over_every_edge() {
-    let f = fixture_edges(2, pools_config).await;
+    // The watcher reconciles often, with little age: what the edges report live (their
+    // members' leases) must agree with what IAM charges, round after round.
+    let f = fixture_edges(2, |c| {
+        pools_config(c);
+        c.iam.reconcile_min_age = Duration::from_millis(500);
+        c.watcher.reconcile_interval = Duration::from_millis(300);
+    })
+    .await;
     let admin = f.admin.clone();
     let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
     admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
@@ -433,13 +440,77 @@ async fn idle_members_are_charged_to_their_project_over_every_edge() {
     // A claim takes one member's charge over: the quota still holds three in all.
     let sb = admin.create_sandbox(pb::SandboxSpec { project: "root/q".into(), ..claim("warm") }).await.unwrap();
     until_async(|| async { idle().await == 2 }).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Through several reconciliations: the claimed member's lease is not reported (nor adopted
+    // back), the moved charge is not charged twice.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!((idle().await, used().await), (2, 3), "no refill past the quota");
     // The sandbox stops: its charge goes, and a member takes it.
     admin.stop_sandbox(&sb.id).await.unwrap();
     until_async(|| async { idle().await == 3 }).await;
-    assert_eq!(used().await, 3);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!((idle().await, used().await), (3, 3));
+    // Claims on both edges, one after another, each stopped: the quota is never passed, and
+    // nothing is left charged.
+    for _ in 0..4 {
+        let sb = admin.create_sandbox(pb::SandboxSpec { project: "root/q".into(), ..claim("warm") }).await.unwrap();
+        admin.stop_sandbox(&sb.id).await.unwrap();
+        assert!(used().await <= 3, "past the quota");
+    }
+    until_async(|| async { idle().await == 3 }).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!((idle().await, used().await), (3, 3));
     // The pool goes: its members' charges go with them.
     admin.delete_pool(pb::DeletePoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
     until_async(|| async { used().await == 0 }).await;
+}
+
+/// Members an edge finds at its restart are charged again, not trusted: the watcher released
+/// a lost edge's leases (members' too) and another edge's members and a sandbox took the quota
+/// meanwhile; the restarted edge's members are refused their charge and stopped. Before, the
+/// edge reported them live, the reconciliation adopted them, and the project held more than
+/// its quota (the same holds for members of a release that charged none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_found_at_a_restart_are_charged_again_or_stopped() {
+    let mut f = fixture_edges(2, |c| {
+        pools_config(c);
+        c.iam.reconcile_min_age = Duration::from_millis(500);
+        c.watcher.reconcile_interval = Duration::from_millis(300);
+        c.watcher.lost_edge_grace = Duration::from_secs(1);
+    })
+    .await;
+    let admin = f.admin.clone();
+    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
+    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
+    let p = pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) };
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(p) }).await.unwrap();
+    let idle_on = |edge: &'static str| {
+        let admin = admin.clone();
+        async move {
+            let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
+            p.edges.iter().find(|e| e.edge == edge).map(|e| e.idle).unwrap_or(0)
+        }
+    };
+    let used = || async {
+        let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
+        u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
+    };
+    until_async(|| async { idle_on(EDGE).await + idle_on("edge-001").await == 3 }).await;
+    until_async(|| async { idle_on(EDGE).await > 0 }).await;
+    let kept = idle_on(EDGE).await;
+
+    // The edge goes away with its members running; the watcher gives its leases back.
+    f.cluster.stop_edge(EDGE).await.unwrap();
+    assert_eq!(member_dirs(&f), kept as usize, "the members outlive their edge");
+    until_async(|| async { idle_on("edge-001").await == 2 && used().await == 2 }).await;
+    let mut spec = container_spec("busybox:latest", 64, 64);
+    spec.project = "root/q".into();
+    admin.create_sandbox(spec).await.unwrap();
+    assert_eq!(used().await, 3);
+
+    // Back: its members are refused their charge (the quota is full) and stopped.
+    f.cluster.start_edge(EDGE).await.unwrap();
+    f.cluster.wait_ready(Duration::from_secs(30)).await.unwrap();
+    until("the restarted edge's members are stopped", Duration::from_secs(60), || member_dirs(&f) == 0).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!((used().await, idle_on(EDGE).await, member_dirs(&f)), (3, 0, 0));
 }

@@ -453,7 +453,7 @@ async fn fenced_reconciliations_wait_until_every_member_reads_them() {
     };
     assert!(matches!(replica.execute(member).await, Err(opendsec_iam::IamError::InvalidState(_))));
     let (token_id, _) = opendsec_common::config::parse_token_shape(&t.cluster.admin_token).unwrap();
-    let claim = Command::Admit {
+    let claim = Command::AdmitClaim {
         actor: opendsec_iam::Actor { principal: "admin".into(), token_id: token_id.into() },
         now_ms: now(),
         lease_id: "format-claim".into(),
@@ -468,6 +468,30 @@ async fn fenced_reconciliations_wait_until_every_member_reads_them() {
         Ok(Output::Admitted(a)) => assert_eq!(a.member_lease, ""),
         r => panic!("a claim's admit while member {other} reads an older log: {r:?}"),
     }
+    // A reconciliation reporting a member's lease, while a member reads format 2 (fenced
+    // reconciliations, not pools): it adopts it as a plain lease, which that member reads.
+    old.who.announce_format(2);
+    eventually("the older member's answers", Duration::from_secs(10), heard(2)).await;
+    let with_member = Command::FencedReconcile {
+        now_ms: now(),
+        edge: "edge-none".into(),
+        live: vec![opendsec_iam::LiveLease {
+            lease_id: "format-member".into(),
+            project: "root".into(),
+            principal: String::new(),
+            resources: res,
+            pool: "root//warm".into(),
+        }],
+        min_age_ms: 0,
+        holder: holder.clone(),
+        read_at_ms: now(),
+    };
+    match replica.execute(with_member).await {
+        Ok(Output::Reconciled { adopted, .. }) => assert_eq!(adopted, 1),
+        r => panic!("a reconciliation naming a member while member {other} reads format 2: {r:?}"),
+    }
+    old.who.announce_format(1);
+    eventually("the older member's answers", Duration::from_secs(10), heard(1)).await;
     // A member that does not lead refuses as Raft would (its caller goes to the leader).
     assert!(matches!(old.execute(reconcile()).await, Err(opendsec_iam::IamError::NotLeader(_))));
     // What every release reads goes on.

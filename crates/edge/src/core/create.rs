@@ -76,7 +76,7 @@ impl Inner {
             // A sandbox moving in brings its own file system; one restoring a session needs its
             // files under it before it starts.
             _ if req.moved_in.is_some() || spec.session.is_some() => None,
-            (false, Some(_)) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision),
+            (false, Some(_)) => self.claim_member(&spec.project, &spec.pool, &req.pool_revision, &req.member_lease),
             // `fncall` without a pool: a member of a pool with exactly this template, if any.
             (true, Some(_)) => self.claim_matching(spec),
         };

@@ -98,6 +98,8 @@ pub(crate) struct Pools {
     refreshed: bool,
     /// The members whose lease IAM holds (charged), by id, as the edge reports them live.
     pub(crate) charged: BTreeMap<String, opendsec_proto::v1::LiveLease>,
+    /// Leases of members to charge again (`Inner::recharge_members`).
+    recharge: Vec<String>,
 }
 
 pub(crate) fn pool_key(project: &str, name: &str) -> String {
@@ -109,18 +111,26 @@ fn project_of(key: &str) -> &str {
     key.rsplit_once('/').map_or("", |(p, _)| p)
 }
 
-/// [`Inner::claim_member`] under the pools' lock.
-fn take_locked(g: &mut Pools, key: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
-    let Pools { entries, records, .. } = g;
+/// [`Inner::claim_member`] under the pools' lock: the member whose lease is `prefer_lease`
+/// when it is idle, else another. The member leaves `charged`: its lease is to be released
+/// (by the caller) whatever becomes of it.
+fn take_locked(g: &mut Pools, key: &str, revision: &str, prefer_lease: &str) -> Option<Arc<SandboxRecord>> {
+    let Pools { entries, records, charged, .. } = g;
     let e = entries.get_mut(key)?;
     if revision.is_empty() || e.members.revision() != revision {
         e.members.misses += 1;
         return None;
     }
-    let id = e.members.claim()?;
+    let prefer = match prefer_lease {
+        "" => None,
+        lease => records.values().find(|r| r.lease_id == lease && r.pool == key).map(|r| r.id.clone()),
+    };
+    let id = e.members.claim_preferring(prefer.as_deref())?;
     // The refill is started once the claim is done (`create`): starting a member takes the
     // CPU a claim needs.
-    records.remove(&id)
+    let rec = records.remove(&id)?;
+    charged.remove(&id);
+    Some(rec)
 }
 
 /// How the edge reports a charged member to IAM (reconciliation keeps or adopts its lease).
@@ -159,8 +169,29 @@ impl Inner {
     /// counts a miss. The member leaves the pool; its room stays counted as the pool's until
     /// the sandbox's record takes it (`take_room`) or the member is stopped (`discard_member`):
     /// a running container is always counted. The caller makes it a sandbox or stops it.
-    pub(crate) fn claim_member(&self, project: &str, pool: &str, revision: &str) -> Option<Arc<SandboxRecord>> {
-        take_locked(&mut self.pools(), &pool_key(project, pool), revision)
+    ///
+    /// `moved_lease` is the member lease whose charge IAM moved to the creation's lease: that
+    /// member is taken if it is idle. Otherwise it is charged again (`recharge_members`). The
+    /// member taken, whichever it is, has its own lease released: the sandbox's lease holds
+    /// its charge now.
+    pub(crate) fn claim_member(
+        &self,
+        project: &str,
+        pool: &str,
+        revision: &str,
+        moved_lease: &str,
+    ) -> Option<Arc<SandboxRecord>> {
+        let mut g = self.pools();
+        let taken = take_locked(&mut g, &pool_key(project, pool), revision, moved_lease);
+        if !moved_lease.is_empty() && taken.as_ref().is_none_or(|m| m.lease_id != moved_lease) {
+            g.recharge.push(moved_lease.to_string());
+            self.pool_wake.notify_one();
+        }
+        drop(g);
+        if let Some(m) = &taken {
+            self.releases.push(m.lease_id.clone());
+        }
+        taken
     }
 
     /// A `fncall` creation naming no pool takes an idle member of a pool of its project whose
@@ -198,7 +229,12 @@ impl Inner {
             .iter()
             .find(|(k, e)| project_of(k) == spec.project && e.members.revision() == revision && e.members.idle() > 0)
             .map(|(k, _)| k.clone())?;
-        take_locked(&mut g, &key, &revision)
+        let taken = take_locked(&mut g, &key, &revision, "");
+        drop(g);
+        if let Some(m) = &taken {
+            self.releases.push(m.lease_id.clone());
+        }
+        taken
     }
 
     /// A claimed member's record is no longer needed (the sandbox's record names it). Its
@@ -706,18 +742,21 @@ impl Inner {
             match adopted {
                 Ok(()) => {
                     let mut g = self.pools();
-                    let Pools { entries, records, used, charged, .. } = &mut *g;
+                    let Pools { entries, records, used, charged, recharge, .. } = &mut *g;
                     let e = entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool_revision, 0));
                     e.members.starting(&rec.id, &rec.pool_revision);
                     e.members.started(&rec.id);
                     used.add(rec.resources());
                     kept.push(rec.id.clone());
-                    // Reported live: IAM keeps (or adopts back) its charge.
+                    // Reported live (a reconciliation must not release its lease meanwhile),
+                    // and charged again: a member from a release that charged none, or whose
+                    // charge went while the edge was down, is charged now or retired.
                     if self.remote.has_iam() {
                         let res = rec.resources().to_proto();
                         let (project, name) = rec.pool.rsplit_once('/').unwrap_or(("", ""));
                         let live = member_live(&rec, project, name, res);
                         charged.insert(rec.id.clone(), live);
+                        recharge.push(rec.lease_id.clone());
                     }
                     records.insert(rec.id.clone(), Arc::new(rec));
                 }
@@ -731,6 +770,42 @@ impl Inner {
             }
         }
         kept
+    }
+
+    /// Charges again the members queued for it (recovered after a restart, or one whose charge
+    /// a claim moved while another member was handed out). IAM refusing (over the quota, its
+    /// pool gone) retires the member: it is stopped next round, never handed out uncharged.
+    /// IAM unreachable: tried again next round.
+    pub(crate) async fn recharge_members(&self) {
+        let todo = std::mem::take(&mut self.pools().recharge);
+        let mut again = Vec::new();
+        for lease in todo {
+            let found = self.pools().records.values().find(|r| r.lease_id == lease).cloned();
+            // Gone meanwhile (claimed, stopped): its lease went with it.
+            let Some(rec) = found else { continue };
+            let (project, name) = rec.pool.rsplit_once('/').unwrap_or(("", ""));
+            let res = rec.resources().to_proto();
+            match self.remote.admit_member(&rec.lease_id, project, name, res).await {
+                Ok(()) => {
+                    self.pools().charged.insert(rec.id.clone(), member_live(&rec, project, name, res));
+                }
+                Err(e)
+                    if opendsec_common::retry::try_elsewhere(e.reason)
+                        || e.reason == opendsec_common::Reason::DeadlineExceeded =>
+                {
+                    again.push(lease)
+                }
+                Err(e) => {
+                    tracing::info!(member = %rec.id, reason = %e.reason, error = %e.message, "a pool member is not charged; retiring it");
+                    let mut g = self.pools();
+                    g.charged.remove(&rec.id);
+                    if let Some(en) = g.entries.get_mut(&rec.pool) {
+                        en.members.retire(&rec.id);
+                    }
+                }
+            }
+        }
+        self.pools().recharge.extend(again);
     }
 
     /// The pools as the watcher hears of them.
@@ -786,6 +861,9 @@ pub(crate) async fn pool_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<b
                     last_refresh = Some(Instant::now());
                 }
             }
+        }
+        if inner.remote.has_iam() {
+            inner.recharge_members().await;
         }
         inner.pool_round();
         tokio::select! {

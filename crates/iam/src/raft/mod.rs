@@ -236,12 +236,32 @@ impl Replica {
         if format > 1
             && let Err(e) = self.refuse_while_a_member_is_behind(cmd.kind(), format)
         {
-            // A claim's Admit goes as a plain one (charged on its own, the member keeping its
-            // charge until the edge releases it); anything else waits for the upgrade.
-            match &mut cmd {
-                Command::Admit { pool, .. } if !pool.is_empty() && !matches!(e, IamError::NotLeader(_)) => pool.clear(),
-                _ => return Err(e),
+            // A claim's admit goes as a plain one (charged on its own, the member keeping its
+            // charge until the edge releases it); a reconciliation adopts members' leases as
+            // plain ones; anything else waits for the upgrade.
+            if matches!(e, IamError::NotLeader(_)) {
+                return Err(e);
             }
+            cmd = match cmd {
+                Command::AdmitClaim {
+                    actor,
+                    now_ms,
+                    lease_id,
+                    project,
+                    resources,
+                    edge,
+                    keep_existing,
+                    egress,
+                    ..
+                } => Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress },
+                Command::FencedReconcile { now_ms, edge, mut live, min_age_ms, holder, read_at_ms } if format > 2 => {
+                    live.iter_mut().for_each(|l| l.pool.clear());
+                    let cmd = Command::FencedReconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms };
+                    self.refuse_while_a_member_is_behind(cmd.kind(), cmd.log_format())?;
+                    cmd
+                }
+                _ => return Err(e),
+            };
         }
         let r = self.raft.get().client_write(cmd).await.map_err(write_err)?;
         r.data.0.ok_or(IamError::Invariant("an applied command left no answer"))?

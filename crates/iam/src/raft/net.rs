@@ -48,12 +48,13 @@ const FORMAT: &str = "x-opendsec-iam-log-format";
 
 /// What this release reads in the log, said in every reply. 1: what the releases before this
 /// number read. 2: the fenced reconciliations ([`crate::command::Command::FencedReconcile`]
-/// and `FencedSweep`). 3: sandbox tokens ([`crate::command::Command::MintSandboxTokens`]). A
+/// and `FencedSweep`). 3: sandbox tokens ([`crate::command::Command::MintSandboxTokens`]) and the store's charges.
+/// 4: pool members' leases (`AdmitMember`, `AdmitClaim`, reconciliations naming pools). A
 /// member that cannot decode an entry stops short of it until it is
 /// upgraded (it never applies an entry another way); so that a rolling upgrade does not stop
 /// members that way, a leader does not propose an entry of a format
 /// ([`crate::command::Command::log_format`]) that a member last answered it with a lower one.
-pub const LOG_FORMAT: u32 = 3;
+pub const LOG_FORMAT: u32 = 4;
 
 /// What a member says and checks about itself in Raft messages.
 #[derive(Clone)]

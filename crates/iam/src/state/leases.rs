@@ -192,25 +192,21 @@ pub(super) fn admit(
         }));
     }
     // A claim of a pool member: the sandbox's lease takes over the charge of one idle
-    // member's lease of that pool on that edge (the oldest), so that a pool sized to the
-    // whole quota can still be claimed. Only a member of the same project and resources.
-    let member = st
-        .members
-        .get(&(edge.to_string(), pool.to_string()))
-        .and_then(|m| m.iter().next())
-        .map(|(_, id)| id.clone())
-        .filter(|id| st.leases.get(id).is_some_and(|l| l.project == project && l.resources == *resources));
-    let before = member.as_ref().and_then(|id| st.leases.get(id).cloned());
-    if let Some(id) = &member {
-        st.release_lease(id, w);
-    }
-    if let Err(e) = st.check_quota(project, &Usage::of(resources)) {
-        // Nothing changes on a refusal: the member keeps its lease.
-        if let Some(l) = before {
-            w.clear();
-            st.insert_lease(l, &mut Vec::new());
+    // member's lease of that pool on that edge (the oldest of the same project and
+    // resources), so that a pool sized to the whole quota can still be claimed. The swap
+    // changes no usage, so it is not checked against the quota: a project over it (a quota
+    // lowered) still claims, and drains as its members go.
+    let member = st.members.get(&(edge.to_string(), pool.to_string())).and_then(|m| {
+        m.iter()
+            .map(|(_, id)| id)
+            .find(|id| st.leases.get(*id).is_some_and(|l| l.project == project && l.resources == *resources))
+            .cloned()
+    });
+    match &member {
+        Some(id) => {
+            st.release_lease(id, w);
         }
-        return Err(e);
+        None => st.check_quota(project, &Usage::of(resources))?,
     }
     st.insert_lease(
         LeaseRecord {
@@ -253,8 +249,17 @@ pub(super) fn admit_member(
     ids::validate_edge(edge).map_err(IamError::invalid)?;
     resources.validate()?;
     let key = crate::model::pool_key(project, pool);
-    if st.pool(project, pool).is_none() {
+    let Some(p) = st.pool(project, pool) else {
         return Err(IamError::NotFound { kind: "pool", name: key });
+    };
+    // A member is started from the template: other resources are not a member's (an edge
+    // cannot charge a project for what its pool would never start).
+    let t = &p.template;
+    let want = Resources { cpu_millis: t.cpu_millis.into(), memory_mb: t.memory_mb, disk_mb: t.disk_mb, gpus: 0 };
+    if *resources != want {
+        return Err(IamError::InvalidArgument(format!(
+            "a member of pool {key} has its template's resources ({want:?}), not {resources:?}"
+        )));
     }
     if let Some(l) = st.leases.get(lease_id) {
         return if l.edge == edge && l.pool == key {
@@ -341,7 +346,12 @@ pub(super) fn reconcile(
                 resources: l.resources,
                 created_at_ms: now_ms,
                 bound_at_ms: now_ms,
-                pool: l.pool.clone(),
+                // A member's lease only of an existing pool of its own project (else a plain
+                // one: it is charged all the same, and released when the edge stops reporting it).
+                pool: match l.pool.split_once("//") {
+                    Some((p, n)) if p == l.project && st.pool(p, n).is_some() => l.pool.clone(),
+                    _ => String::new(),
+                },
             },
             w,
         );
