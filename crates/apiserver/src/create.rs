@@ -102,12 +102,24 @@ pub async fn create_one(
     prefer: Option<&str>,
 ) -> Result<pb::Sandbox, ApiError> {
     let started = Instant::now();
+    let members_on = |skip: &HashSet<String>| {
+        crate::pools::edge_with_members(shared, &spec.project, &spec.pool, pool_revision, skip)
+    };
     let warm = match (prefer, spec.pool.is_empty()) {
-        (None, false) => crate::pools::edge_with_members(shared, &spec.project, &spec.pool, pool_revision),
+        (None, false) => members_on(&HashSet::new()),
         _ => None,
     };
     let claim = warm.is_some();
-    let prefer = prefer.or(warm.as_deref());
+    let mut prefer: Option<String> = prefer.map(str::to_string).or(warm);
+    // A claim: the new lease takes over the charge of one of the pool's members on the edge
+    // placed on, if IAM knows one there (IAM's members are current, the snapshot's idle counts
+    // a moment late), releasing that member's lease in the same command. Not a creation that
+    // restores a session: the edge makes those cold.
+    let claim_pool = match spec.pool.is_empty() || spec.session.is_some() {
+        true => String::new(),
+        false => format!("{}//{}", spec.project, spec.pool),
+    };
+    let mut admitted_once = false;
     // A lease the client chose may be a retry of an earlier attempt: the first Admit leaves an
     // existing lease where it is, so the sandbox that attempt created is found, not doubled.
     let mut keep_existing = given_lease.is_some();
@@ -119,7 +131,7 @@ pub async fn create_one(
     let max_attempts = shared.cfg.placement.max_attempts.max(1);
     let mut attempt = 0;
     while attempt < max_attempts {
-        let placed = match shared.place(&spec.backend, resources, &tried, prefer, claim) {
+        let placed = match shared.place(&spec.backend, resources, &tried, prefer.as_deref(), claim) {
             Ok(p) => p,
             Err(e) => match last_refusal {
                 // Out of edges to try: the lease was admitted, give it back.
@@ -144,12 +156,7 @@ pub async fn create_one(
             edge: placed.edge.clone(),
             keep_existing,
             egress: spec.network.as_ref().map(|n| n.egress.clone()).unwrap_or_default(),
-            // A claim on the edge that has idle members: the new lease takes over one
-            // member's charge there (IAM releases that member's lease in the same command).
-            pool: match &warm {
-                Some(w) if *w == placed.edge => format!("{}//{}", spec.project, spec.pool),
-                _ => String::new(),
-            },
+            pool: claim_pool.clone(),
         };
         let asked = Instant::now();
         let admitted = shared.admits.admit(admit).await;
@@ -166,7 +173,23 @@ pub async fn create_one(
                     None => continue, // nothing made it to an edge: admit again, rebinding
                 }
             }
-            Ok(a) => (a.principal, a.member_lease),
+            Ok(a) => {
+                admitted_once = true;
+                (a.principal, a.member_lease)
+            }
+            // A claim at a full quota, on an edge where IAM knows no member of the pool (the
+            // snapshot showed idle members a moment late): another edge that has some may.
+            Err(e) if e.reason == Reason::QuotaExceeded && !claim_pool.is_empty() && !admitted_once => {
+                shared.placement_done(placed.overlay_id, false);
+                tried.insert(placed.edge);
+                prefer = members_on(&tried);
+                if prefer.is_none() {
+                    return Err(e);
+                }
+                last_refusal = Some(e);
+                attempt += 1;
+                continue;
+            }
             Err(e) => {
                 shared.placement_done(placed.overlay_id, false);
                 if attempt > 0 {

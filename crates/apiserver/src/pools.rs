@@ -118,11 +118,17 @@ pub fn fill(spec: &pb::SandboxSpec, pool: &pb::Pool) -> Result<pb::SandboxSpec, 
 }
 
 /// The healthy edge that reported the most idle members of `project/name` at `revision`.
-pub fn edge_with_members(s: &Shared, project: &str, name: &str, revision: &str) -> Option<String> {
+pub fn edge_with_members(
+    s: &Shared,
+    project: &str,
+    name: &str,
+    revision: &str,
+    skip: &std::collections::HashSet<String>,
+) -> Option<String> {
     let snap = s.snapshot();
     snap.edges
         .iter()
-        .filter(|e| e.healthy && !e.draining)
+        .filter(|e| e.healthy && !e.draining && !skip.contains(&e.name))
         .filter_map(|e| {
             let idle = e
                 .pools

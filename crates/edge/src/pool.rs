@@ -110,6 +110,11 @@ impl Members {
         }
     }
 
+    /// Member `id`'s state, if it is still the pool's (not claimed, not gone).
+    pub fn state_of(&self, id: &str) -> Option<MemberState> {
+        self.members.get(id).map(|m| m.state)
+    }
+
     /// Member `id` failed to start, or was stopped, or died: it is gone.
     pub fn gone(&mut self, id: &str) {
         self.members.remove(id);

@@ -449,9 +449,12 @@ async fn idle_members_are_charged_to_their_project_over_every_edge() {
     until_async(|| async { idle().await == 3 }).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!((idle().await, used().await), (3, 3));
-    // Claims on both edges, one after another, each stopped: the quota is never passed, and
-    // nothing is left charged.
+    // Claims one after another, each stopped once the members are back: the quota is never
+    // passed, and nothing is left charged. (A claim at a full quota is admitted when the edge
+    // it is placed on has a member whose charge it takes over: not in the moment after a stop,
+    // before the edge has given the sandbox's lease back and refilled.)
     for _ in 0..4 {
+        until_async(|| async { idle().await == 3 }).await;
         let sb = admin.create_sandbox(pb::SandboxSpec { project: "root/q".into(), ..claim("warm") }).await.unwrap();
         admin.stop_sandbox(&sb.id).await.unwrap();
         assert!(used().await <= 3, "past the quota");

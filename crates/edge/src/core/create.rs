@@ -35,6 +35,11 @@ impl Inner {
     }
 
     pub(crate) async fn create(&self, req: EdgeCreateRequest) -> Result<Sandbox, EdgeError> {
+        // IAM moved this member's charge to the creation's lease: it is not charged any more,
+        // whatever becomes of this creation (charged again unless it is the one taken).
+        if !req.member_lease.is_empty() {
+            self.uncharge_named(&req.member_lease);
+        }
         if self.closing.load(Ordering::Relaxed) {
             return Err(EdgeError::ShuttingDown { edge: self.name.clone() });
         }

@@ -21,6 +21,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use opendsec_common::Reason;
 use opendsec_common::pool::PoolTemplate;
 use opendsec_proto::v1::{Pool, PoolStatus};
 
@@ -98,8 +99,8 @@ pub(crate) struct Pools {
     refreshed: bool,
     /// The members whose lease IAM holds (charged), by id, as the edge reports them live.
     pub(crate) charged: BTreeMap<String, opendsec_proto::v1::LiveLease>,
-    /// Leases of members to charge again (`Inner::recharge_members`).
-    recharge: Vec<String>,
+    /// Members to charge again (`Inner::recharge_members`): id, lease, pool key.
+    recharge: Vec<(String, String, String)>,
 }
 
 pub(crate) fn pool_key(project: &str, name: &str) -> String {
@@ -170,10 +171,9 @@ impl Inner {
     /// the sandbox's record takes it (`take_room`) or the member is stopped (`discard_member`):
     /// a running container is always counted. The caller makes it a sandbox or stops it.
     ///
-    /// `moved_lease` is the member lease whose charge IAM moved to the creation's lease: that
-    /// member is taken if it is idle. Otherwise it is charged again (`recharge_members`). The
-    /// member taken, whichever it is, has its own lease released: the sandbox's lease holds
-    /// its charge now.
+    /// `moved_lease` is the member lease whose charge IAM moved to the creation's lease
+    /// ([`Inner::uncharge_named`]): that member is taken if it is idle. The member taken,
+    /// whichever it is, has its own lease released: the sandbox's lease holds its charge now.
     pub(crate) fn claim_member(
         &self,
         project: &str,
@@ -181,17 +181,27 @@ impl Inner {
         revision: &str,
         moved_lease: &str,
     ) -> Option<Arc<SandboxRecord>> {
-        let mut g = self.pools();
-        let taken = take_locked(&mut g, &pool_key(project, pool), revision, moved_lease);
-        if !moved_lease.is_empty() && taken.as_ref().is_none_or(|m| m.lease_id != moved_lease) {
-            g.recharge.push(moved_lease.to_string());
-            self.pool_wake.notify_one();
-        }
-        drop(g);
+        let taken = take_locked(&mut self.pools(), &pool_key(project, pool), revision, moved_lease);
         if let Some(m) = &taken {
             self.releases.push(m.lease_id.clone());
         }
         taken
+    }
+
+    /// IAM moved the charge of the member whose lease is `lease` to a creation's lease: the
+    /// member is no longer reported as charged, and is charged again (`recharge_members`)
+    /// unless the creation takes it first. Every creation naming one does this first, on
+    /// every path (one that goes cold, or is refused, leaves the member uncharged otherwise).
+    pub(crate) fn uncharge_named(&self, lease: &str) {
+        let mut g = self.pools();
+        let found = g.charged.iter().find(|(_, l)| l.lease_id == lease).map(|(id, l)| (id.clone(), l.pool.clone()));
+        if let Some((id, pool)) = found {
+            g.charged.remove(&id);
+            let key = pool.split_once("//").map(|(p, n)| pool_key(p, n)).unwrap_or_default();
+            g.recharge.push((id, lease.to_string(), key));
+            drop(g);
+            self.pool_wake.notify_one();
+        }
     }
 
     /// A `fncall` creation naming no pool takes an idle member of a pool of its project whose
@@ -742,21 +752,19 @@ impl Inner {
             match adopted {
                 Ok(()) => {
                     let mut g = self.pools();
-                    let Pools { entries, records, used, charged, recharge, .. } = &mut *g;
+                    let Pools { entries, records, used, recharge, .. } = &mut *g;
                     let e = entries.entry(rec.pool.clone()).or_insert_with(|| Entry::new(&rec.pool_revision, 0));
                     e.members.starting(&rec.id, &rec.pool_revision);
                     e.members.started(&rec.id);
                     used.add(rec.resources());
                     kept.push(rec.id.clone());
-                    // Reported live (a reconciliation must not release its lease meanwhile),
-                    // and charged again: a member from a release that charged none, or whose
-                    // charge went while the edge was down, is charged now or retired.
+                    // Charged again before it is reported live: a member of a release that
+                    // charged none, or whose charge went while the edge was down (the watcher
+                    // gives a lost edge's leases back), is charged now or retired. (A lease
+                    // IAM still holds is kept by the charge, or released by a reconciliation
+                    // meanwhile and charged anew.)
                     if self.remote.has_iam() {
-                        let res = rec.resources().to_proto();
-                        let (project, name) = rec.pool.rsplit_once('/').unwrap_or(("", ""));
-                        let live = member_live(&rec, project, name, res);
-                        charged.insert(rec.id.clone(), live);
-                        recharge.push(rec.lease_id.clone());
+                        recharge.push((rec.id.clone(), rec.lease_id.clone(), rec.pool.clone()));
                     }
                     records.insert(rec.id.clone(), Arc::new(rec));
                 }
@@ -772,37 +780,64 @@ impl Inner {
         kept
     }
 
-    /// Charges again the members queued for it (recovered after a restart, or one whose charge
-    /// a claim moved while another member was handed out). IAM refusing (over the quota, its
-    /// pool gone) retires the member: it is stopped next round, never handed out uncharged.
-    /// IAM unreachable: tried again next round.
+    /// Charges again the members queued for it (found at a restart, or one whose charge a
+    /// claim moved while the creation did not take it), reporting each live only once IAM
+    /// holds its charge. IAM refusing (over the quota, its pool gone) retires the member: it
+    /// is stopped next round. Anything else (IAM unreachable, or refusing a log entry while an
+    /// upgrade is under way), and members still starting: tried again next round. A member
+    /// claimed or stopped while its charge was on the way has it released.
     pub(crate) async fn recharge_members(&self) {
         let todo = std::mem::take(&mut self.pools().recharge);
+        if todo.is_empty() {
+            return;
+        }
+        // Members handed out meanwhile give their charges back first: at a full quota, the
+        // member charged again takes the room of the one claimed.
+        let _ = self.flush_releases().await;
         let mut again = Vec::new();
-        for lease in todo {
-            let found = self.pools().records.values().find(|r| r.lease_id == lease).cloned();
-            // Gone meanwhile (claimed, stopped): its lease went with it.
-            let Some(rec) = found else { continue };
+        for (id, lease, key) in todo {
+            let found = {
+                let g = self.pools();
+                match g.records.get(&id) {
+                    Some(r) => Some(r.clone()),
+                    None if g.entries.get(&key).and_then(|e| e.members.state_of(&id)).is_some() => None,
+                    // Gone (claimed, stopped): its lease went with it.
+                    None => continue,
+                }
+            };
+            // Still starting: its turn comes once it is idle.
+            let Some(rec) = found else {
+                again.push((id, lease, key));
+                continue;
+            };
             let (project, name) = rec.pool.rsplit_once('/').unwrap_or(("", ""));
             let res = rec.resources().to_proto();
             match self.remote.admit_member(&rec.lease_id, project, name, res).await {
                 Ok(()) => {
-                    self.pools().charged.insert(rec.id.clone(), member_live(&rec, project, name, res));
-                }
-                Err(e)
-                    if opendsec_common::retry::try_elsewhere(e.reason)
-                        || e.reason == opendsec_common::Reason::DeadlineExceeded =>
-                {
-                    again.push(lease)
-                }
-                Err(e) => {
-                    tracing::info!(member = %rec.id, reason = %e.reason, error = %e.message, "a pool member is not charged; retiring it");
                     let mut g = self.pools();
-                    g.charged.remove(&rec.id);
-                    if let Some(en) = g.entries.get_mut(&rec.pool) {
-                        en.members.retire(&rec.id);
+                    if g.records.contains_key(&id) {
+                        g.charged.insert(id, member_live(&rec, project, name, res));
+                    } else {
+                        drop(g);
+                        self.releases.push(lease);
                     }
                 }
+                Err(e)
+                    if matches!(
+                        e.reason,
+                        Reason::QuotaExceeded
+                            | Reason::NotFound
+                            | Reason::InvalidArgument
+                            | Reason::AlreadyExists
+                            | Reason::PermissionDenied
+                    ) =>
+                {
+                    tracing::info!(member = %id, reason = %e.reason, error = %e.message, "a pool member is not charged; retiring it");
+                    if let Some(en) = self.pools().entries.get_mut(&key) {
+                        en.members.retire(&id);
+                    }
+                }
+                Err(_) => again.push((id, lease, key)),
             }
         }
         self.pools().recharge.extend(again);
