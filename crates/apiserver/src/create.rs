@@ -134,7 +134,9 @@ pub async fn create_one(
         let placed = match shared.place(&spec.backend, resources, &tried, prefer.as_deref(), claim) {
             Ok(p) => p,
             Err(e) => match last_refusal {
-                // Out of edges to try: the lease was admitted, give it back.
+                // Out of edges to try: the lease was admitted, give it back (a claim refused
+                // on every edge with members was never admitted: nothing to give back).
+                Some(refusal) if !admitted_once => return Err(refusal),
                 Some(refusal) => return Err(give_up(shared, &lease, refusal).await),
                 // A retry under the caller's lease: an earlier attempt may have made the
                 // sandbox on an edge that cannot be placed on now (restarting). `no_capacity`
@@ -163,8 +165,11 @@ pub async fn create_one(
         if admitted.is_ok() {
             shared.metrics.admit_seconds.observe(asked.elapsed().as_secs_f64());
         }
-        // Only the first Admit may find an earlier attempt; later ones rebind what it reserved.
-        keep_existing = false;
+        // Only the first Admit that admits may find an earlier attempt; later ones rebind what
+        // it reserved.
+        if admitted.is_ok() {
+            keep_existing = false;
+        }
         let (principal, member_lease) = match admitted {
             Ok(a) if a.existing => {
                 shared.placement_done(placed.overlay_id, false);
@@ -192,7 +197,7 @@ pub async fn create_one(
             }
             Err(e) => {
                 shared.placement_done(placed.overlay_id, false);
-                if attempt > 0 {
+                if admitted_once {
                     release(shared, &lease).await;
                 }
                 return Err(e);
@@ -236,6 +241,7 @@ pub async fn create_one(
         }
     }
     match last_refusal {
+        Some(refusal) if !admitted_once => Err(refusal),
         Some(refusal) => Err(give_up(shared, &lease, refusal).await),
         None => {
             release(shared, &lease).await;

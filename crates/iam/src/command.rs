@@ -328,7 +328,7 @@ impl Command {
         match self {
             Command::MintSandboxTokens { .. } | Command::ChargeImage { .. } | Command::UnchargeImage { .. } => 3,
             Command::AdmitMember { .. } | Command::AdmitClaim { .. } => 4,
-            // Adopting a pool member's lease (as such) is read by format 4 only.
+            // Members' leases reported (kept, never adopted) are read by format 4 only.
             Command::FencedReconcile { live, .. } if live.iter().any(|l| !l.pool.is_empty()) => 4,
             Command::FencedReconcile { .. } | Command::FencedSweep { .. } => 2,
             _ => 1,

@@ -1880,8 +1880,8 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
     assert_eq!(h.release_on(&["m3"], "e2"), 1);
     assert_eq!(h.usage("root/a").sandboxes, 2);
 
-    // Reconciliation adopts a member an edge reports (with its pool) back into the index a
-    // claim swaps from.
+    // Reconciliation keeps a member's lease an edge reports, but never adopts one IAM does
+    // not hold (that would skip the quota): the edge charges it again.
     h.tick(120_000);
     h.lock_for("w1", 15_000);
     let now = h.now;
@@ -1902,8 +1902,33 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
             read_at_ms: now,
         })
         .unwrap();
-    assert_eq!(r, Output::Reconciled { adopted: 1, released: 0 });
-    assert_eq!(h.st.lease("m5").unwrap().pool, "root/a//py");
+    assert_eq!(r, Output::Reconciled { adopted: 0, released: 0 });
+    assert!(h.st.lease("m5").is_none());
+    let now = h.now;
+    h.run(Command::AdmitMember {
+        now_ms: now,
+        edge: "e2".into(),
+        lease_id: "m5".into(),
+        project: "root/a".into(),
+        pool: "py".into(),
+        resources: MEMBER,
+    })
+    .unwrap();
+    // Reported, it is kept (a member not reported is released like any lease).
+    h.tick(120_000);
+    h.lock_for("w1", 15_000);
+    let now = h.now;
+    let r = h
+        .run(Command::FencedReconcile {
+            now_ms: now,
+            edge: "e2".into(),
+            live: vec![live("m5", "root/a//py")],
+            min_age_ms: 60_000,
+            holder: "w1".into(),
+            read_at_ms: now,
+        })
+        .unwrap();
+    assert_eq!(r, Output::Reconciled { adopted: 0, released: 0 });
     match claim(&mut h, "s4", "e2", "root/a", MEMBER).unwrap() {
         Output::Admitted(a) => assert_eq!(a.member_lease, "m5"),
         o => panic!("{o:?}"),
@@ -1945,20 +1970,4 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
         o => panic!("{o:?}"),
     }
     assert_eq!(h.usage("root/a").sandboxes, 3);
-    // A reconciliation naming a pool that is not the lease's project's adopts a plain lease.
-    h.tick(120_000);
-    h.lock_for("w1", 15_000);
-    let now = h.now;
-    let r = h
-        .run(Command::FencedReconcile {
-            now_ms: now,
-            edge: "e3".into(),
-            live: vec![live("m7", "root/b//py")],
-            min_age_ms: 60_000,
-            holder: "w1".into(),
-            read_at_ms: now,
-        })
-        .unwrap();
-    assert_eq!(r, Output::Reconciled { adopted: 1, released: 0 });
-    assert_eq!(h.st.lease("m7").unwrap().pool, "");
 }

@@ -517,3 +517,69 @@ async fn members_found_at_a_restart_are_charged_again_or_stopped() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!((used().await, idle_on(EDGE).await, member_dirs(&f)), (3, 0, 0));
 }
+
+/// A claim whose Admit moved a member's charge but never reached the member's edge (the
+/// apiserver died, or the edge refused and the sandbox went elsewhere): the edge finds IAM no
+/// longer holds its member's lease and charges it again, quota checked; at a full quota the
+/// member is retired. Before, the member ran on uncharged (or, adopted back by a
+/// reconciliation, past the quota).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_charge_a_lost_claim_took_is_charged_again_or_retired() {
+    let f = fixture_edges(2, |c| {
+        pools_config(c);
+        c.iam.reconcile_min_age = Duration::from_millis(500);
+        c.watcher.reconcile_interval = Duration::from_millis(300);
+    })
+    .await;
+    let admin = f.admin.clone();
+    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
+    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
+    let p = pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) };
+    let template = p.template.clone().unwrap();
+    admin.create_pool(pb::CreatePoolRequest { pool: Some(p) }).await.unwrap();
+    let idle_on = |edge: &'static str| {
+        let admin = admin.clone();
+        async move {
+            let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
+            p.edges.iter().find(|e| e.edge == edge).map(|e| e.idle).unwrap_or(0)
+        }
+    };
+    let used = || async {
+        let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
+        u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
+    };
+    until_async(|| async { idle_on(EDGE).await + idle_on("edge-001").await == 3 }).await;
+    until_async(|| async { idle_on(EDGE).await > 0 }).await;
+    let kept = idle_on(EDGE).await as usize;
+    assert_eq!(used().await, 3);
+
+    // As the apiserver would: a claim's Admit on this edge, and then nothing reaches the edge.
+    let links = f.cluster.apiserver_links().unwrap();
+    let ch = links.channel(&f.cluster.config.iam.addrs[0], opendsec_common::pki::Role::Iam, None).unwrap();
+    let mut iam = pb::iam_client::IamClient::new(ch);
+    let a = iam
+        .admit(pb::AdmitRequest {
+            token: f.cluster.admin_token.clone(),
+            lease_id: "lost-claim".into(),
+            project: "root/q".into(),
+            resources: template.resources,
+            edge: EDGE.into(),
+            keep_existing: false,
+            egress: Vec::new(),
+            pool: "root/q//warm".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!a.member_lease.is_empty(), "a member's charge moved: {a:?}");
+    // The edge charges that member again: refused (the lost claim holds the quota), retired.
+    until("the member is retired", Duration::from_secs(60), || member_dirs(&f) == kept - 1).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!((used().await, member_dirs(&f)), (3, kept - 1));
+    // The claim's lease given back: the pool refills to the quota, every member charged.
+    let r = pb::ReleaseLeasesRequest { lease_ids: vec!["lost-claim".into()], edge: String::new() };
+    iam.release_leases(r).await.unwrap();
+    until_async(|| async { idle_on(EDGE).await + idle_on("edge-001").await == 3 }).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!((used().await, idle_on(EDGE).await + idle_on("edge-001").await), (3, 3));
+}

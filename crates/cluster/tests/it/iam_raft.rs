@@ -469,19 +469,29 @@ async fn fenced_reconciliations_wait_until_every_member_reads_them() {
         r => panic!("a claim's admit while member {other} reads an older log: {r:?}"),
     }
     // A reconciliation reporting a member's lease, while a member reads format 2 (fenced
-    // reconciliations, not pools): it adopts it as a plain lease, which that member reads.
+    // reconciliations, not pools): it goes without the member's lease (an older member would
+    // adopt it), and the plain leases in it are adopted.
     old.who.announce_format(2);
     eventually("the older member's answers", Duration::from_secs(10), heard(2)).await;
     let with_member = Command::FencedReconcile {
         now_ms: now(),
         edge: "edge-none".into(),
-        live: vec![opendsec_iam::LiveLease {
-            lease_id: "format-member".into(),
-            project: "root".into(),
-            principal: String::new(),
-            resources: res,
-            pool: "root//warm".into(),
-        }],
+        live: vec![
+            opendsec_iam::LiveLease {
+                lease_id: "format-member".into(),
+                project: "root".into(),
+                principal: String::new(),
+                resources: res,
+                pool: "root//warm".into(),
+            },
+            opendsec_iam::LiveLease {
+                lease_id: "format-plain".into(),
+                project: "root".into(),
+                principal: String::new(),
+                resources: res,
+                pool: String::new(),
+            },
+        ],
         min_age_ms: 0,
         holder: holder.clone(),
         read_at_ms: now(),

@@ -795,7 +795,8 @@ impl Inner {
         // member charged again takes the room of the one claimed.
         let _ = self.flush_releases().await;
         let mut again = Vec::new();
-        for (id, lease, key) in todo {
+        let mut todo = todo.into_iter();
+        for (id, lease, key) in todo.by_ref() {
             let found = {
                 let g = self.pools();
                 match g.records.get(&id) {
@@ -837,10 +838,46 @@ impl Inner {
                         en.members.retire(&id);
                     }
                 }
-                Err(_) => again.push((id, lease, key)),
+                // IAM unreachable (or refusing while an upgrade is under way): the rest wait
+                // for the next round too, rather than each wait out its own timeout.
+                Err(_) => {
+                    again.push((id, lease, key));
+                    break;
+                }
             }
         }
+        again.extend(todo);
         self.pools().recharge.extend(again);
+    }
+
+    /// The members reported charged whose lease IAM does not hold here any more (a claim moved
+    /// its charge while the member's own charge was on its way, a reconciliation or sweep gave
+    /// it back while the edge was cut off): charged again, with the quota checked, or retired.
+    /// One GetLeases call per round.
+    pub(crate) async fn verify_charges(&self) {
+        let charged: Vec<(String, String, String)> = {
+            let g = self.pools();
+            g.charged
+                .iter()
+                .map(|(id, l)| {
+                    let key = l.pool.split_once("//").map(|(p, n)| pool_key(p, n)).unwrap_or_default();
+                    (id.clone(), l.lease_id.clone(), key)
+                })
+                .collect()
+        };
+        if charged.is_empty() {
+            return;
+        }
+        let leases: Vec<String> = charged.iter().map(|(_, l, _)| l.clone()).collect();
+        let Ok(bindings) = self.remote.lease_bindings(&leases).await else { return };
+        let mut g = self.pools();
+        for ((id, lease, key), b) in charged.into_iter().zip(bindings) {
+            if b != crate::remote::LeaseBinding::Here && g.charged.get(&id).is_some_and(|l| l.lease_id == lease) {
+                tracing::info!(member = %id, binding = ?b, "a pool member's charge is not IAM's here; charging it again");
+                g.charged.remove(&id);
+                g.recharge.push((id, lease, key));
+            }
+        }
     }
 
     /// The pools as the watcher hears of them.
@@ -898,6 +935,7 @@ pub(crate) async fn pool_loop(inner: Arc<Inner>, mut shutdown: watch::Receiver<b
             }
         }
         if inner.remote.has_iam() {
+            inner.verify_charges().await;
             inner.recharge_members().await;
         }
         inner.pool_round();

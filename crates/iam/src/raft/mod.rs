@@ -237,8 +237,9 @@ impl Replica {
             && let Err(e) = self.refuse_while_a_member_is_behind(cmd.kind(), format)
         {
             // A claim's admit goes as a plain one (charged on its own, the member keeping its
-            // charge until the edge releases it); a reconciliation adopts members' leases as
-            // plain ones; anything else waits for the upgrade.
+            // charge until the edge releases it); a reconciliation leaves members' leases out
+            // (an older member would adopt them: IAM may release them, and the edges charge
+            // their members again once the upgrade is done); anything else waits for it.
             if matches!(e, IamError::NotLeader(_)) {
                 return Err(e);
             }
@@ -255,7 +256,7 @@ impl Replica {
                     ..
                 } => Command::Admit { actor, now_ms, lease_id, project, resources, edge, keep_existing, egress },
                 Command::FencedReconcile { now_ms, edge, mut live, min_age_ms, holder, read_at_ms } if format > 2 => {
-                    live.iter_mut().for_each(|l| l.pool.clear());
+                    live.retain(|l| l.pool.is_empty());
                     let cmd = Command::FencedReconcile { now_ms, edge, live, min_age_ms, holder, read_at_ms };
                     self.refuse_while_a_member_is_behind(cmd.kind(), cmd.log_format())?;
                     cmd

@@ -336,6 +336,12 @@ pub(super) fn reconcile(
             // rebound them, and the other edge's reconciliation decides.
             continue;
         }
+        // A pool member's lease is reported (so it is not released) but never adopted: a
+        // member is optional, and adopting one skips the quota. The edge finds IAM does not
+        // hold it and charges it again, quota checked (`AdmitMember`), or retires it.
+        if !l.pool.is_empty() {
+            continue;
+        }
         // Adoption never fails on quota: the sandbox exists whether or not it fits.
         st.insert_lease(
             LeaseRecord {
@@ -346,12 +352,7 @@ pub(super) fn reconcile(
                 resources: l.resources,
                 created_at_ms: now_ms,
                 bound_at_ms: now_ms,
-                // A member's lease only of an existing pool of its own project (else a plain
-                // one: it is charged all the same, and released when the edge stops reporting it).
-                pool: match l.pool.split_once("//") {
-                    Some((p, n)) if p == l.project && st.pool(p, n).is_some() => l.pool.clone(),
-                    _ => String::new(),
-                },
+                pool: String::new(),
             },
             w,
         );
