@@ -398,6 +398,38 @@ async fn one_tenants_pool_does_not_take_the_edges_pool_share() {
     }
 }
 
+/// Two edges offering `fncall`, a project `root/q` allowed 3 sandboxes and its pool `warm`
+/// of 2 members per edge, the watcher reconciling every 300 ms leases older than `min_age`.
+async fn quota_pool(min_age: Duration, tweak: impl FnOnce(&mut opendsec_common::config::Config)) -> Fixture {
+    let f = fixture_edges(2, |c| {
+        pools_config(c);
+        c.iam.reconcile_min_age = min_age;
+        c.watcher.reconcile_interval = Duration::from_millis(300);
+        tweak(c);
+    })
+    .await;
+    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
+    f.admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
+    f.admin.create_pool(pb::CreatePoolRequest { pool: Some(quota_pool_spec()) }).await.unwrap();
+    f
+}
+
+fn quota_pool_spec() -> pb::Pool {
+    pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) }
+}
+
+/// Idle members of `root/q`'s pool on `edge` (every edge: `None`), as GetPool shows them.
+async fn q_idle(admin: &opendsec_client::Client, edge: Option<&str>) -> u32 {
+    let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
+    p.edges.iter().filter(|e| edge.is_none_or(|n| e.edge == n)).map(|e| e.idle).sum()
+}
+
+/// The sandboxes (members included) `root/q` is charged for.
+async fn q_used(admin: &opendsec_client::Client) -> u64 {
+    let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
+    u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
+}
+
 /// Idle members are charged to their pool's project like sandboxes (issue 39): a pool of two
 /// per edge on two edges in a project whose quota is three sandboxes holds three members in
 /// all, never four; a plain creation finds the quota full, a claim takes a member's charge
@@ -407,25 +439,10 @@ async fn one_tenants_pool_does_not_take_the_edges_pool_share() {
 async fn idle_members_are_charged_to_their_project_over_every_edge() {
     // The watcher reconciles often, with little age: what the edges report live (their
     // members' leases) must agree with what IAM charges, round after round.
-    let f = fixture_edges(2, |c| {
-        pools_config(c);
-        c.iam.reconcile_min_age = Duration::from_millis(500);
-        c.watcher.reconcile_interval = Duration::from_millis(300);
-    })
-    .await;
+    let f = quota_pool(Duration::from_millis(500), |_| {}).await;
     let admin = f.admin.clone();
-    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
-    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
-    let p = pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) };
-    admin.create_pool(pb::CreatePoolRequest { pool: Some(p) }).await.unwrap();
-    let idle = || async {
-        let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
-        p.edges.iter().map(|e| e.idle).sum::<u32>()
-    };
-    let used = || async {
-        let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
-        u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
-    };
+    let idle = || q_idle(&admin, None);
+    let used = || q_used(&admin);
     until_async(|| async { idle().await == 3 }).await;
     assert_eq!(used().await, 3, "three idle members, three charged");
     // The fourth member never starts: its charge is refused round after round.
@@ -474,29 +491,10 @@ async fn idle_members_are_charged_to_their_project_over_every_edge() {
 /// its quota (the same holds for members of a release that charged none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_found_at_a_restart_are_charged_again_or_stopped() {
-    let mut f = fixture_edges(2, |c| {
-        pools_config(c);
-        c.iam.reconcile_min_age = Duration::from_millis(500);
-        c.watcher.reconcile_interval = Duration::from_millis(300);
-        c.watcher.lost_edge_grace = Duration::from_secs(1);
-    })
-    .await;
+    let mut f = quota_pool(Duration::from_millis(500), |c| c.watcher.lost_edge_grace = Duration::from_secs(1)).await;
     let admin = f.admin.clone();
-    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
-    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
-    let p = pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) };
-    admin.create_pool(pb::CreatePoolRequest { pool: Some(p) }).await.unwrap();
-    let idle_on = |edge: &'static str| {
-        let admin = admin.clone();
-        async move {
-            let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
-            p.edges.iter().find(|e| e.edge == edge).map(|e| e.idle).unwrap_or(0)
-        }
-    };
-    let used = || async {
-        let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
-        u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
-    };
+    let idle_on = |edge: &'static str| q_idle(&admin, Some(edge));
+    let used = || q_used(&admin);
     until_async(|| async { idle_on(EDGE).await + idle_on("edge-001").await == 3 }).await;
     until_async(|| async { idle_on(EDGE).await > 0 }).await;
     let kept = idle_on(EDGE).await;
@@ -525,31 +523,13 @@ async fn members_found_at_a_restart_are_charged_again_or_stopped() {
 /// reconciliation, past the quota).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_whose_charge_a_lost_claim_took_is_charged_again_or_retired() {
-    let f = fixture_edges(2, |c| {
-        pools_config(c);
-        // The lost claim's lease is released by a reconciliation only after this age: the
-        // member is charged again (and refused) before.
-        c.iam.reconcile_min_age = Duration::from_secs(10);
-        c.watcher.reconcile_interval = Duration::from_millis(300);
-    })
-    .await;
+    // The lost claim's lease is released by a reconciliation only after this age: the member
+    // is charged again (and refused) before.
+    let f = quota_pool(Duration::from_secs(10), |_| {}).await;
     let admin = f.admin.clone();
-    let quota = pb::Quota { sandboxes: Some(3), ..Default::default() };
-    admin.create_project(pb::CreateProjectRequest { path: "root/q".into(), quota: Some(quota) }).await.unwrap();
-    let p = pb::Pool { project: "root/q".into(), ..pool("warm", 2, &[]) };
-    let template = p.template.clone().unwrap();
-    admin.create_pool(pb::CreatePoolRequest { pool: Some(p) }).await.unwrap();
-    let idle_on = |edge: &'static str| {
-        let admin = admin.clone();
-        async move {
-            let p = admin.get_pool(pb::GetPoolRequest { project: "root/q".into(), name: "warm".into() }).await.unwrap();
-            p.edges.iter().find(|e| e.edge == edge).map(|e| e.idle).unwrap_or(0)
-        }
-    };
-    let used = || async {
-        let u = admin.get_usage(pb::GetUsageRequest { project: "root/q".into() }).await.unwrap();
-        u.projects.iter().find(|p| p.path == "root/q").and_then(|p| p.usage).unwrap_or_default().sandboxes
-    };
+    let template = quota_pool_spec().template.unwrap();
+    let idle_on = |edge: &'static str| q_idle(&admin, Some(edge));
+    let used = || q_used(&admin);
     until_async(|| async { idle_on(EDGE).await + idle_on("edge-001").await == 3 }).await;
     until_async(|| async { idle_on(EDGE).await > 0 }).await;
     let kept = idle_on(EDGE).await as usize;
