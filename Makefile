@@ -3,8 +3,9 @@ CARGO ?= cargo
 
 .PHONY: setup build test verify fmt lint fuzz demo bench bench-scale bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b bench-iam agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
 
-# System packages the tests use (a local OCI registry, image tools, busybox for test images).
-APT_PACKAGES = make nftables iproute2 systemd docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod
+# System packages the tests use (a local OCI registry, image tools, busybox for test images;
+# libnss-myhostname makes every *.localhost name the loopback address: E2B sandbox hosts).
+APT_PACKAGES = make nftables iproute2 systemd docker-registry skopeo umoci busybox-static apache2-utils e2fsprogs debootstrap runc python3-venv qemu-system-x86 erofs-utils cpio kmod libnss-myhostname
 
 setup:
 	@if dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then echo "system packages present"; else \

@@ -82,7 +82,8 @@ E2B_URL=$(sed -n 's/^  e2b gateway: *//p' "$STATE/cluster.log")
   printf 'export OPENDSEC_CA=%q\n' "$STATE/pki/ca.pem"
   printf 'export OPENDSEC_IMAGE_STORE=%q\n' "$STATE/images"
   printf 'export E2B_API_URL=%q E2B_SANDBOX_URL=%q\n' "$E2B_URL" "$E2B_URL"
-  printf 'export E2B_API_KEY="$(cat %q)"\n' "$STATE/admin.token"
+  # The admin token as an E2B key (e2b_ + hex), the shape every E2B SDK release accepts.
+  printf 'export E2B_API_KEY="$(cat %q)"\n' "$STATE/admin.e2b-key"
   # The gateway speaks HTTPS with the cluster's certificate: E2B's Python SDK trusts the
   # file in SSL_CERT_FILE (the system's CAs and the cluster's), Node adds NODE_EXTRA_CA_CERTS.
   printf 'export SSL_CERT_FILE=%q NODE_EXTRA_CA_CERTS=%q\n' "$STATE/pki/trust-bundle.pem" "$STATE/pki/ca.pem"

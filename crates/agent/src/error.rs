@@ -32,6 +32,10 @@ pub enum AgentError {
     Session(String, String),
     #[error("http request: {0}")]
     Http(String),
+    /// Nothing accepts connections on the port (a closed port is the sandbox's state, not an
+    /// agent or node that cannot serve: retrying at once does not help).
+    #[error("nothing listens on port {0} in the sandbox")]
+    PortClosed(u16),
     #[error("not supported yet: {0}")]
     Unsupported(&'static str),
 }
@@ -67,6 +71,7 @@ impl From<AgentError> for tonic::Status {
             AgentError::Spawn { .. } | AgentError::Shell(_) => tonic::Status::internal(msg),
             AgentError::Session(..) => tonic::Status::unavailable(msg),
             AgentError::Http(_) => tonic::Status::unavailable(msg),
+            AgentError::PortClosed(_) => tonic::Status::failed_precondition(msg),
             AgentError::Kernel(_) => tonic::Status::failed_precondition(msg),
             AgentError::Unsupported(_) => tonic::Status::unimplemented(msg),
         }

@@ -97,9 +97,10 @@ async fn exchange(
     request: http::Request<Full<Bytes>>,
     max_body: u64,
 ) -> Result<HttpRequestResponse, AgentError> {
-    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .map_err(|e| AgentError::Http(format!("connect to port {port}: {e}")))?;
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => AgentError::PortClosed(port),
+        _ => AgentError::Http(format!("connect to port {port}: {e}")),
+    })?;
     let (mut send, conn) = hyper::client::conn::http1::Builder::new()
         .max_buf_size(MAX_HEAD)
         .handshake::<_, Full<Bytes>>(TokioIo::new(tcp))

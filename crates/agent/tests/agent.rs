@@ -502,9 +502,11 @@ async fn http_request_inside() {
     let e = c.http_request(HttpRequestRequest { timeout_ms: 500, ..req(port, "GET") }).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
     assert!(e.message().contains("timed out"), "{e:?}");
-    // Nobody listening.
+    // Nobody listening: the sandbox's state (a port not open), not an agent that cannot serve.
     let free = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap().local_addr().unwrap().port();
-    assert_eq!(c.http_request(req(free, "GET")).await.unwrap_err().code(), tonic::Code::Unavailable);
+    let e = c.http_request(req(free, "GET")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains(&format!("nothing listens on port {free}")), "{e:?}");
 }
 
 #[tokio::test]

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use opendsec_common::grpc::CLIENT_ADDR_HEADER;
+use opendsec_common::grpc::{CLIENT_ADDR_HEADER, PUBLIC_TRAFFIC_HEADER};
 use opendsec_common::pki::Role;
 use opendsec_common::{ApiError, Reason, time};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
@@ -173,6 +173,31 @@ fn source<B>(req: &http::Request<B>) -> Option<IpAddr> {
         return forwarded().or(conn);
     }
     conn
+}
+
+/// A call an E2B gateway makes for nobody ([`PUBLIC_TRAFFIC_HEADER`]): an `HttpRequest`
+/// into a sandbox whose traffic is public. The guard puts it in the request's extensions;
+/// the Runtime service checks the sandbox's spec.
+#[derive(Clone, Copy, Debug)]
+pub struct PublicCaller;
+
+/// The principal audit lines and bounds name a [`PublicCaller`] by.
+pub const PUBLIC_PRINCIPAL: &str = "public";
+
+/// Whether `req` is a public call: the header, on `HttpRequest`, with no token, from a
+/// gateway's certificate. The header on any other call, or from anyone else, is refused.
+fn public_call<B>(req: &http::Request<B>, method: &str) -> Result<bool, ApiError> {
+    if !req.headers().contains_key(PUBLIC_TRAFFIC_HEADER) {
+        return Ok(false);
+    }
+    let gateway = opendsec_common::acl::identity_of(req).is_some_and(|id| id.role == Role::Gateway);
+    if gateway && method == "HttpRequest" && !req.headers().contains_key("authorization") {
+        return Ok(true);
+    }
+    Err(ApiError::new(
+        Reason::Unauthenticated,
+        format!("{PUBLIC_TRAFFIC_HEADER} is an E2B gateway's, for HttpRequest without a token only"),
+    ))
 }
 
 /// The bearer token of the request's headers (as `grpc::bearer` reads metadata).
@@ -349,14 +374,29 @@ where
             let paused = ip.is_some_and(|ip| shared.failures.paused(ip, Instant::now()).is_some());
             let method = method_of(req.uri().path());
             let mut call = crate::state::Call::new(method);
-            let admitted = match shared.admit_call(ip, token).await {
-                Ok(id) => {
-                    call.principal = Some(id.principal.clone());
-                    match id.may_call(req.uri().path()) {
-                        Ok(()) => shared.admit_decode(&id, method).await,
-                        Err(e) => Err(e),
-                    }
+            let mut req = req;
+            let admitted = match public_call(&req, method) {
+                Ok(true) => {
+                    // Nobody's call: it counts against its client's address (the gateway
+                    // names it), and the Runtime service checks the sandbox is public.
+                    call.principal = Some(PUBLIC_PRINCIPAL.to_string());
+                    req.extensions_mut().insert(PublicCaller);
+                    let key = format!("{PUBLIC_PRINCIPAL}@{}", ip.map(|i| i.to_string()).unwrap_or_default());
+                    shared.calls.try_take(&key).ok_or_else(|| {
+                        ApiError::new(Reason::RateLimited, format!("{key} has too many calls in flight already"))
+                            .with("retry_after_ms", BUSY_RETRY_AFTER_MS.to_string())
+                    })
                 }
+                Ok(false) => match shared.admit_call(ip, token).await {
+                    Ok(id) => {
+                        call.principal = Some(id.principal.clone());
+                        match id.may_call(req.uri().path()) {
+                            Ok(()) => shared.admit_decode(&id, method).await,
+                            Err(e) => Err(e),
+                        }
+                    }
+                    Err(e) => Err(e),
+                },
                 Err(e) => Err(e),
             };
             match admitted {

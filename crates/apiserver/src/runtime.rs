@@ -40,6 +40,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::call::{PERM_OPERATE, caller, run};
 use crate::forward::{self, to_edge};
+use crate::guard::{PUBLIC_PRINCIPAL, PublicCaller};
 use crate::state::{Call, Shared};
 
 /// Sandboxes whose project one apiserver remembers.
@@ -186,15 +187,30 @@ fn exec_limit(timeout_ms: u64, edge_timeout: Duration) -> Option<Duration> {
 /// Validates the id, authenticates the caller and authorizes `sandbox.operate` on the
 /// sandbox's project; returns the sandbox's edge and project, and what the caller's bounds
 /// count it as ([`crate::auth::Identity::bounds_key`]).
+///
+/// A public call ([`PublicCaller`]: an E2B gateway's `HttpRequest` for nobody) needs no token
+/// but a sandbox whose spec has `public_traffic`, read from its edge each time (one that is
+/// not public answers `permission_denied`); it counts against that sandbox's calls in flight.
 async fn authorized(
     s: &Shared,
     projects: &ProjectCache,
     call: &mut Call,
     md: &MetadataMap,
     id: &str,
+    public: Option<PublicCaller>,
 ) -> Result<(String, String, String), ApiError> {
     let mut edge = crate::moves::route(s, id)?;
     call.sandbox_id = Some(id.to_string());
+    if public.is_some() {
+        call.principal = Some(PUBLIC_PRINCIPAL.to_string());
+        let (_, sb) = crate::moves::follow(s, id, |edge| async move { forward::edge_get(s, &edge, id).await }).await?;
+        let spec = sb.spec.unwrap_or_default();
+        if !spec.public_traffic {
+            return Err(ApiError::denied(format!("sandbox {id}'s traffic is not public: a token is needed")));
+        }
+        call.project = Some(spec.project.clone());
+        return Ok((edge, spec.project, format!("{PUBLIC_PRINCIPAL}@{id}")));
+    }
     let (_, ident) = caller(s, call, md).await?;
     ident.may_reach(id)?;
     let project = match projects.get(id) {
@@ -259,13 +275,14 @@ impl RuntimeService {
         F: Fn(EdgeRuntime, Request<Q>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Response<T>, Status>> + Send,
     {
-        let (md, _, req) = request.into_parts();
+        let (md, ext, req) = request.into_parts();
+        let public = ext.get::<PublicCaller>().copied();
         let projects = self.projects.clone();
         let (answer, meter) = run(&self.shared, method, move |s, call| {
             Box::pin(async move {
                 let id = req.sandbox_id().to_string();
                 req.answer_bytes()?;
-                let (_, project, principal) = authorized(s, &projects, call, &md, &id).await?;
+                let (_, project, principal) = authorized(s, &projects, call, &md, &id, public).await?;
                 let _in_flight = s.runtime_calls.try_take(&principal).ok_or_else(|| {
                     ApiError::new(
                         Reason::RateLimited,
@@ -367,7 +384,7 @@ async fn write_file(
         .map_err(|st| ApiError::from_status(&st))?
         .ok_or_else(|| ApiError::invalid("empty WriteFile stream: the first message names the sandbox and path"))?;
     let id = first.sandbox_id.clone();
-    let (_, project, _) = authorized(s, projects, call, &md, &id).await?;
+    let (_, project, _) = authorized(s, projects, call, &md, &id, None).await?;
     let metadata = to_edge((), &project)?.into_parts().0;
     // Messages read past the first, over every attempt: an upload that read any cannot start
     // again.

@@ -46,7 +46,7 @@ pub const ENV_PROJECT: &str = "OPENDSEC_PROJECT";
 /// Attaches `authorization: Bearer <token>` to every call, and the address of the client a
 /// gateway calls for ([`grpc::CLIENT_ADDR_HEADER`]), if any.
 #[derive(Debug, Clone)]
-pub struct Bearer(Option<AsciiMetadataValue>, Option<AsciiMetadataValue>);
+pub struct Bearer(Option<AsciiMetadataValue>, Option<AsciiMetadataValue>, bool);
 
 impl Interceptor for Bearer {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
@@ -55,6 +55,9 @@ impl Interceptor for Bearer {
         }
         if let Some(v) = &self.1 {
             req.metadata_mut().insert(grpc::CLIENT_ADDR_HEADER, v.clone());
+        }
+        if self.2 {
+            req.metadata_mut().insert(grpc::PUBLIC_TRAFFIC_HEADER, AsciiMetadataValue::from_static("1"));
         }
         Ok(req)
     }
@@ -104,7 +107,7 @@ impl Client {
                 addrs,
                 channels,
                 next: AtomicUsize::new(rand::random::<u32>() as usize),
-                bearer: Bearer(bearer, None),
+                bearer: Bearer(bearer, None, false),
                 policy: Policy::DEFAULT,
             }),
         })
@@ -152,10 +155,26 @@ impl Client {
             addrs: self.inner.addrs.clone(),
             channels: self.inner.channels.clone(),
             next: AtomicUsize::new(self.inner.next.fetch_add(1, Ordering::Relaxed)),
-            bearer: Bearer(Some(bearer), addr),
+            bearer: Bearer(Some(bearer), addr, false),
             policy: self.inner.policy,
         };
         Ok(Client { inner: Arc::new(inner) })
+    }
+
+    /// The same connections, calling for nobody on behalf of the client at `addr`
+    /// ([`grpc::PUBLIC_TRAFFIC_HEADER`]): an E2B gateway reaching the ports of sandboxes
+    /// whose traffic is public. Only `HttpRequest` is served so, and only from a gateway's
+    /// certificate.
+    pub fn public_for(&self, addr: Option<std::net::IpAddr>) -> Client {
+        let addr = addr.and_then(|a| a.to_string().parse().ok());
+        let inner = Inner {
+            addrs: self.inner.addrs.clone(),
+            channels: self.inner.channels.clone(),
+            next: AtomicUsize::new(self.inner.next.fetch_add(1, Ordering::Relaxed)),
+            bearer: Bearer(None, addr, true),
+            policy: self.inner.policy,
+        };
+        Client { inner: Arc::new(inner) }
     }
 
     pub fn addrs(&self) -> &[String] {

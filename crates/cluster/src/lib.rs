@@ -123,6 +123,8 @@ pub struct Cluster {
     pub e2b_addr: Option<SocketAddr>,
     pub admin_token: String,
     pub admin_token_path: PathBuf,
+    /// The admin token as an E2B API key (`E2B_API_KEY`).
+    pub admin_e2b_key_path: PathBuf,
     /// The CA file clients of the public API trust (`OPENDSEC_CA`).
     pub ca_path: PathBuf,
     /// The system's CAs and the cluster's in one file, for clients that take only one trust
@@ -230,6 +232,7 @@ impl Cluster {
             e2b_addr: e2b_l.as_ref().map(local),
             admin_token: toks.admin_token,
             admin_token_path: toks.admin_token_path,
+            admin_e2b_key_path: toks.admin_e2b_key_path,
             ca_path: config.tls_ca(),
             trust_bundle_path: None,
             renewer,

@@ -26,7 +26,13 @@ pub enum TokenError {
 pub struct Tokens {
     pub admin_token: String,
     pub admin_token_path: PathBuf,
+    /// The same token as an E2B API key (`e2b_` + hex, [`opendsec_common::config::e2b_key`]),
+    /// beside it: what `E2B_API_KEY` is set to, so that every E2B SDK release takes it.
+    pub admin_e2b_key_path: PathBuf,
 }
+
+/// The administrator's token as an E2B API key, in the state directory.
+pub const ADMIN_E2B_KEY_FILE: &str = "admin.e2b-key";
 
 /// A new administrator token `dsk.<16 id chars>.<43 secret chars>`.
 pub fn new_token() -> String {
@@ -54,7 +60,9 @@ pub fn resolve(config: &Config) -> Result<Tokens, TokenError> {
         write_secret(&admin_token_path, &config.iam.admin_token)?;
         config.iam.admin_token.clone()
     };
-    Ok(Tokens { admin_token, admin_token_path })
+    let admin_e2b_key_path = admin_token_path.with_file_name(ADMIN_E2B_KEY_FILE);
+    write_secret(&admin_e2b_key_path, &opendsec_common::config::e2b_key(&admin_token))?;
+    Ok(Tokens { admin_token, admin_token_path, admin_e2b_key_path })
 }
 
 fn read_or_create(path: &Path, make: impl FnOnce() -> String) -> Result<String, TokenError> {

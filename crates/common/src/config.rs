@@ -112,6 +112,13 @@ pub struct E2bConfig {
     /// pause it at the gateway; the apiserver counts them per caller too, from the address the
     /// gateway passes on.
     pub auth_failures: AuthFailureConfig,
+    /// The domain sandbox hosts are under, as E2B's SDKs reach it (`<port>-<id>.<domain>`:
+    /// `get_host(port)`, and envd's URL when `E2B_SANDBOX_URL` is not set), with `:port`
+    /// unless it is 443. Every name under it must reach the gateway (a wildcard DNS record)
+    /// and be on its certificate. Empty: `sandbox.localhost:<the gateway's port>` (every
+    /// `*.localhost` name is the loopback address where `libnss-myhostname` is installed, as
+    /// `make setup` does).
+    pub domain: String,
 }
 
 impl Default for E2bConfig {
@@ -132,6 +139,7 @@ impl Default for E2bConfig {
             max_connections_per_source: 1024,
             idle_timeout: Duration::from_secs(60),
             auth_failures: AuthFailureConfig::default(),
+            domain: String::new(),
         }
     }
 }
@@ -1211,6 +1219,38 @@ pub fn parse_token_shape(token: &str) -> Option<(&str, &str)> {
     (id_ok && secret_ok).then_some((id, secret))
 }
 
+/// A token in the shape E2B's SDKs check their API key against (`e2b_` and lowercase hex:
+/// SDKs up to 2.45 refuse anything else before sending it): `e2b_` and the hex of the token's
+/// bytes. Only an encoding: it is as secret as the token, and works wherever the token does
+/// through the E2B gateway.
+pub fn e2b_key(token: &str) -> String {
+    let mut out = String::with_capacity(4 + token.len() * 2);
+    out.push_str(E2B_KEY_PREFIX);
+    for b in token.bytes() {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
+pub const E2B_KEY_PREFIX: &str = "e2b_";
+
+/// The token an E2B-shaped key ([`e2b_key`]) stands for, or `None` when `key` is not one
+/// (then it is used as it is: an opendsec token given to E2B's SDK verbatim).
+pub fn token_of_e2b_key(key: &str) -> Option<String> {
+    let hex = key.strip_prefix(E2B_KEY_PREFIX)?;
+    if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 1024 {
+        return None;
+    }
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    };
+    let bytes: Option<Vec<u8>> = hex.as_bytes().chunks(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect();
+    let token = String::from_utf8(bytes?).ok()?;
+    parse_token_shape(&token).is_some().then_some(token)
+}
+
 /// The length of the ids IAM gives the tokens it mints for one sandbox
 /// (`CreateSandboxTokens`); other generated ids are 16 characters.
 pub const SANDBOX_TOKEN_ID_LEN: usize = 20;
@@ -1324,6 +1364,19 @@ mod tests {
             ["", "dsk.", "dsk.a.short", "xsk.a.0123456789abcdef", "dsk.A.0123456789abcdef", "dsk.a.0123456789abcdef!"]
         {
             assert!(parse_token_shape(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn e2b_keys_are_tokens_in_the_shape_e2b_sdks_check() {
+        let token = "dsk.abc123.0123456789abcdef_XYZ-";
+        let key = e2b_key(token);
+        // E2B's SDKs (up to 2.45) accept only `^e2b_[0-9a-f]+$`.
+        assert!(key.starts_with("e2b_") && key[4..].bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+        assert_eq!(token_of_e2b_key(&key).as_deref(), Some(token));
+        // Not keys of ours: E2B's own, odd or upper-case hex, hex of something not a token.
+        for other in [token, "e2b_", "e2b_0", "e2b_ZZ", "e2b_4142", &key.to_uppercase(), &e2b_key("not a token")] {
+            assert_eq!(token_of_e2b_key(other), None, "{other}");
         }
     }
 }

@@ -159,6 +159,12 @@ pub fn tls_channel(
 /// counts failed authentications against that address instead of the gateway's own.
 pub const CLIENT_ADDR_HEADER: &str = "x-opendsec-client-addr";
 
+/// The header with which the E2B gateway makes an `HttpRequest` for nobody (a request to a
+/// sandbox host that brought no token): the apiserver takes such a call only from a
+/// connection whose client certificate says `gateway`, without a token, and only for a
+/// sandbox whose spec has `public_traffic`; to every other sandbox it answers `not_found`.
+pub const PUBLIC_TRAFFIC_HEADER: &str = "x-opendsec-public-traffic";
+
 /// How a client reaches the public API.
 #[derive(Clone)]
 pub enum PublicTls {

@@ -358,9 +358,12 @@ pub struct Names {
     pub ips: Vec<IpAddr>,
 }
 
+/// The names of the sandbox hosts under a gateway's default domain (E2B's `get_host`).
+pub const GATEWAY_SANDBOX_HOSTS: &str = "*.sandbox.localhost";
+
 /// The names a leaf of `role` carries besides `extra`: an apiserver's [`PUBLIC_NAME`] and
-/// `localhost`; a gateway's `localhost` and the loopback addresses (E2B's SDKs dial it by
-/// address). An apiserver's carries no address: its clients check [`PUBLIC_NAME`] whatever
+/// `localhost`; a gateway's `localhost`, [`GATEWAY_SANDBOX_HOSTS`] and the loopback addresses
+/// (E2B's SDKs dial it by address). An apiserver's carries no address: its clients check [`PUBLIC_NAME`] whatever
 /// address they dial, and gRPC's TLS in the Python SDK (BoringSSL) refuses a leaf with an
 /// address under a CA with name constraints ("unsupported name constraint type").
 pub fn default_names(role: Role, extra: &Names) -> Names {
@@ -373,6 +376,8 @@ pub fn default_names(role: Role, extra: &Names) -> Names {
     }
     if role == Role::Gateway {
         n.ips = vec![IpAddr::from([127, 0, 0, 1]), IpAddr::from(std::net::Ipv6Addr::LOCALHOST)];
+        // Sandbox hosts under the gateway's default domain (`<port>-<id>.sandbox.localhost`).
+        n.dns.push(GATEWAY_SANDBOX_HOSTS.into());
     }
     for d in &extra.dns {
         if !n.dns.contains(d) {

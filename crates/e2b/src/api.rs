@@ -61,7 +61,13 @@ async fn dispatch(gw: &Gateway, caller: crate::Caller, req: Request<Body>) -> Re
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_string();
     let body = read_body(req.into_body()).await?;
-    let segs: Vec<&str> = path.split('/').skip(1).collect();
+    let mut segs: Vec<&str> = path.split('/').skip(1).collect();
+    // Sandbox ids as E2B shows them (`<edge>-<lease>`) stand for opendsec's (`<edge>.<lease>`).
+    let at = if segs.first() == Some(&"v2") { 2 } else { 1 };
+    let id = segs.get(at).filter(|_| segs.get(at - 1) == Some(&"sandboxes")).map(|i| crate::host::opendsec_id(i));
+    if let Some(id) = &id {
+        segs[at] = id.as_str();
+    }
     match (&method, segs.as_slice()) {
         (&Method::POST, ["sandboxes"] | ["v2", "sandboxes"]) => create(gw, &call, &body).await,
         (&Method::GET, ["v2", "sandboxes"]) => list(gw, &call, true).await,
@@ -291,9 +297,10 @@ fn egress_of(allow_internet: Option<bool>, net: Option<&model::Network>) -> Resu
 }
 
 /// A lease id from E2B's idempotency key (`[a-z0-9-]{1,255}`): the key itself when it is a
-/// valid lease id, else a digest of it.
+/// valid lease id without a dash (so that the sandbox's E2B id is one a host name can hold,
+/// [`crate::host`]), else a digest of it.
 fn lease_of(key: &str) -> String {
-    if opendsec_common::ids::validate_lease(key).is_ok() {
+    if opendsec_common::ids::validate_lease(key).is_ok() && !key.contains('-') {
         return key.to_string();
     }
     use sha2::Digest;
@@ -329,6 +336,8 @@ async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
         ttl_running_stop_s: timeout,
         ttl_max_s: timeout,
         network: egress.map(|egress| pb::NetworkSpec { egress }),
+        // E2B's default: a sandbox's ports answer anyone who has its host name.
+        public_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic).unwrap_or(true),
         ..Default::default()
     };
     let sb = match &call.idempotency_key {
@@ -372,14 +381,14 @@ fn sandbox_answer(gw: &Gateway, sb: &pb::Sandbox, tokens: &pb::SandboxTokens) ->
     model::Sandbox {
         alias: gw.cfg.templates.contains_key(&template).then(|| template.clone()),
         template_id: template,
-        sandbox_id: sb.id.clone(),
+        sandbox_id: crate::host::e2b_id(&sb.id),
         client_id: sb.edge.clone(),
         envd_version: ENVD_VERSION,
         // Tokens for this sandbox only: the SDK sends them back on every in-sandbox call,
         // where they are the tokens those calls are made with.
         envd_access_token: tokens.runtime_token.clone(),
         traffic_access_token: Some(tokens.traffic_token.clone()),
-        domain: None,
+        domain: Some(gw.domain.clone()),
     }
 }
 
@@ -400,7 +409,7 @@ fn detail_of(gw: &Gateway, sb: &pb::Sandbox, key: Option<&str>) -> Option<model:
     Some(model::SandboxDetail {
         alias: gw.cfg.templates.contains_key(&template).then(|| template.clone()),
         template_id: template,
-        sandbox_id: sb.id.clone(),
+        sandbox_id: crate::host::e2b_id(&sb.id),
         client_id: sb.edge.clone(),
         started_at: model::rfc3339(sb.created_at_ms),
         end_at: model::rfc3339(sb.expires_at_ms),
@@ -411,7 +420,7 @@ fn detail_of(gw: &Gateway, sb: &pb::Sandbox, key: Option<&str>) -> Option<model:
         state,
         metadata: spec.labels,
         envd_access_token: key.map(str::to_string),
-        domain: None,
+        domain: Some(gw.domain.clone()),
     })
 }
 
@@ -667,7 +676,11 @@ mod tests {
 
     #[test]
     fn idempotency_keys_become_lease_ids() {
-        assert_eq!(lease_of("job-1"), "job-1");
+        assert_eq!(lease_of("job1"), "job1");
+        // A dash would make the sandbox's E2B id ambiguous: digested.
+        let dashed = lease_of("job-1");
+        assert!(!dashed.contains('-') && opendsec_common::ids::validate_lease(&dashed).is_ok());
+        assert_eq!(dashed, lease_of("job-1"));
         let long = "a".repeat(200);
         let l = lease_of(&long);
         assert_eq!(l.len(), 32);

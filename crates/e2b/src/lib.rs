@@ -30,9 +30,11 @@ pub mod connect;
 mod envd;
 pub mod error;
 mod files;
+pub mod host;
 mod interp;
 mod model;
 mod names;
+mod ports;
 mod sandbox;
 
 /// The envd version reported: the SDK gates features on it, and everything it gates up to
@@ -65,6 +67,8 @@ pub enum GatewayError {
 
 pub(crate) struct Gateway {
     pub(crate) cfg: E2bConfig,
+    /// The domain of sandbox hosts the answers name ([`host::domain`]).
+    pub(crate) domain: String,
     client: Client,
     pub(crate) names: names::Cache,
     callers: callers::Callers,
@@ -75,9 +79,20 @@ pub(crate) struct Gateway {
 pub(crate) struct Caller(pub Option<std::net::IpAddr>);
 
 impl Gateway {
-    /// A client calling with `token` for `caller`, on the shared connections.
+    /// A client calling with `token` for `caller`, on the shared connections. A key in the
+    /// shape E2B's SDKs check (`e2b_` + hex, `opendsecctl token create --e2b`) is the token it
+    /// encodes.
     pub(crate) fn client(&self, token: &str, caller: Caller) -> Result<Client, opendsec_common::ApiError> {
-        self.client.with_token_for(token, caller.0)
+        match opendsec_common::config::token_of_e2b_key(token) {
+            Some(t) => self.client.with_token_for(&t, caller.0),
+            None => self.client.with_token_for(token, caller.0),
+        }
+    }
+
+    /// A client calling for nobody, for `caller` (an `HttpRequest` into a sandbox whose
+    /// traffic is public: the apiserver checks that it is).
+    pub(crate) fn public_client(&self, caller: Caller) -> Client {
+        self.client.public_for(caller.0)
     }
 
     /// The image a template id stands for.
@@ -115,7 +130,9 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(cfg.idle_timeout).keep_alive(true);
     let callers = callers::Callers::new(&cfg.auth_failures);
-    let gw = Arc::new(Gateway { cfg, client, names: names::Cache::default(), callers });
+    let port = listener.local_addr().map_err(GatewayError::Serve)?.port();
+    let domain = host::domain(&cfg.domain, port);
+    let gw = Arc::new(Gateway { cfg, domain, client, names: names::Cache::default(), callers });
     let app = axum::Router::new().fallback(move |req: Request<Body>| {
         let gw = gw.clone();
         async move { route(gw, req).await }
@@ -220,20 +237,25 @@ async fn route(gw: Arc<Gateway>, req: Request<Body>) -> Response {
     resp
 }
 
+/// Routes a request as E2B's edge proxy does: by the `E2b-Sandbox-Id` and `E2b-Sandbox-Port`
+/// headers, else by a sandbox host (`<port>-<id>.<domain>`), else to the REST API.
 async fn dispatch(gw: Arc<Gateway>, caller: Caller, req: Request<Body>) -> Response {
     let h = req.headers();
-    match (header(h, "e2b-sandbox-id"), header(h, "e2b-sandbox-port")) {
-        (Some(id), Some(port)) => {
-            let (id, port) = (id.to_string(), port.to_string());
-            match port.as_str() {
-                ENVD_PORT => envd::handle(gw, caller, id, req).await,
-                CODE_INTERPRETER_PORT => interp::handle(gw, caller, id, req).await,
-                // The sandbox's own ports are not served through the gateway yet.
-                _ => error::port_not_open(&id, &port),
-            }
-        }
-        (Some(_), None) => error::RestError::bad_request("Missing header: E2b-Sandbox-Port").response(),
-        (None, Some(_)) => error::RestError::bad_request("Missing header: E2b-Sandbox-Id").response(),
-        (None, None) => api::handle(gw, caller, req).await,
+    let (id, port) = match (header(h, "e2b-sandbox-id"), header(h, "e2b-sandbox-port")) {
+        (Some(id), Some(port)) => (host::opendsec_id(id), port.to_string()),
+        (Some(_), None) => return error::RestError::bad_request("Missing header: E2b-Sandbox-Port").response(),
+        (None, Some(_)) => return error::RestError::bad_request("Missing header: E2b-Sandbox-Id").response(),
+        (None, None) => match host::target(h) {
+            Some((port, id)) => (id, port.to_string()),
+            None => return api::handle(gw, caller, req).await,
+        },
+    };
+    match port.as_str() {
+        ENVD_PORT => envd::handle(gw, caller, id, req).await,
+        CODE_INTERPRETER_PORT => interp::handle(gw, caller, id, req).await,
+        _ => match port.parse::<u16>() {
+            Ok(p) if p != 0 => ports::handle(gw, caller, id, p, req).await,
+            _ => error::RestError::bad_request(format!("bad E2b-Sandbox-Port {port:?}")).response(),
+        },
     }
 }

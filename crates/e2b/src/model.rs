@@ -322,14 +322,10 @@ pub struct EntryInfo {
     pub is_symlink: bool,
 }
 
-/// Go's `os.FileMode` bits for a type and permission bits (what envd reports).
-pub fn go_mode(kind: FileKind, perm: u32) -> u32 {
-    let perm = perm & 0o777;
-    match kind {
-        FileKind::Dir => 0x8000_0000 | perm,
-        FileKind::Symlink => 0x0800_0000 | perm,
-        FileKind::File | FileKind::Other => perm,
-    }
+/// The `mode` envd reports: the permission bits only (Go's `FileMode.Perm()`), whatever the
+/// type; the type is in `type` and in `permissions`' first letter.
+pub fn go_mode(_kind: FileKind, perm: u32) -> u32 {
+    perm & 0o777
 }
 
 /// Go's `FileMode.String()` for the same: `-rw-r--r--`, `drwxr-xr-x`, `Lrwxrwxrwx`.
@@ -419,7 +415,9 @@ mod tests {
 
     #[test]
     fn modes_and_permissions_are_go_file_modes() {
-        assert_eq!(go_mode(FileKind::Dir, 0o755), 0x8000_01ed);
+        // E2B's suites: a directory's mode is 0o755, a file's 0o644.
+        assert_eq!(go_mode(FileKind::Dir, 0o755), 0o755);
+        assert_eq!(go_mode(FileKind::Symlink, 0o777), 0o777);
         assert_eq!(go_permissions(FileKind::Dir, 0o755), "drwxr-xr-x");
         assert_eq!(go_permissions(FileKind::File, 0o644), "-rw-r--r--");
         assert_eq!(go_permissions(FileKind::Symlink, 0o777), "Lrwxrwxrwx");

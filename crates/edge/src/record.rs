@@ -147,6 +147,10 @@ pub struct SpecRecord {
     /// A full VM boots the image's own init (`spec.full_init`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub full_init: bool,
+    /// The sandbox's ports answer HTTP without a token through an E2B gateway
+    /// (`spec.public_traffic`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub public_traffic: bool,
 }
 
 /// A session sync as stored: its name in the project and the absolute paths it saves.
@@ -180,6 +184,7 @@ impl SpecRecord {
             pool: spec.pool.clone(),
             session: spec.session.as_ref().map(|s| SessionRecord { name: s.name.clone(), paths: s.paths.clone() }),
             full_init: spec.full_init,
+            public_traffic: spec.public_traffic,
         }
     }
 
@@ -214,6 +219,7 @@ impl SpecRecord {
                 .as_ref()
                 .map(|s| opendsec_proto::v1::SessionSync { name: s.name.clone(), paths: s.paths.clone() }),
             full_init: self.full_init,
+            public_traffic: self.public_traffic,
         }
     }
 }
@@ -1131,6 +1137,7 @@ mod tests {
                 pool: String::new(),
                 session: None,
                 full_init: false,
+                public_traffic: false,
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,

@@ -76,7 +76,9 @@ class LocalCluster:
                 if line.startswith("  export E2B_API_URL="):
                     pairs = (w.split("=", 1) for w in line.split()[1:] if "=" in w)
                     env = {k: v for k, v in pairs if k != "E2B_API_KEY"}
-                    env["E2B_API_KEY"] = self.token
+                    # The admin token as an E2B key (e2b_ + hex): the shape every E2B SDK
+                    # release accepts, with its key check on.
+                    env["E2B_API_KEY"] = (self.state / "admin.e2b-key").read_text().strip()
                     return env
             time.sleep(0.1)
         raise RuntimeError("cluster up printed no E2B gateway:\n" + self.log())

@@ -495,6 +495,10 @@ pub enum TokenCmd {
         ttl: u64,
         #[arg(long, default_value = "")]
         description: String,
+        /// Print the token as an E2B API key (`e2b_` + hex), the shape E2B's SDKs up to 2.45
+        /// check before sending it; the E2B gateway takes it as the token.
+        #[arg(long)]
+        e2b: bool,
     },
     List {
         #[arg(long)]
@@ -644,6 +648,7 @@ impl SpecArgs {
             network: network_of(&self.allow, self.no_egress)?,
             session: self.session.as_ref().map(|name| pb::SessionSync { name: name.clone(), paths: self.sync.clone() }),
             full_init: self.full_init,
+            public_traffic: false,
         })
     }
 }

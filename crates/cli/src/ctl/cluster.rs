@@ -68,7 +68,7 @@ pub(crate) async fn cluster_up(
         };
         println!(
             "  export E2B_API_URL={u} E2B_SANDBOX_URL={u} E2B_API_KEY=$(cat {}){trust}",
-            cluster.admin_token_path.display()
+            cluster.admin_e2b_key_path.display()
         );
     }
     if keep_sandboxes {

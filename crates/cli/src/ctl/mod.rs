@@ -206,7 +206,7 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
             }
         },
         Command::Token(cmd) => match cmd {
-            TokenCmd::Create { principal, ttl, description } => {
+            TokenCmd::Create { principal, ttl, description, e2b } => {
                 let r = client
                     .create_token(pb::CreateTokenRequest {
                         principal: principal.unwrap_or_default(),
@@ -215,7 +215,8 @@ async fn api(client: &Client, out: &Out, project: Option<String>, command: Comma
                     })
                     .await?;
                 let info = r.info.clone().unwrap_or_default();
-                out.print(json!({"token": r.token, "info": j::of(&info)}), || r.token.clone());
+                let token = if e2b { opendsec_common::config::e2b_key(&r.token) } else { r.token.clone() };
+                out.print(json!({"token": token, "info": j::of(&info)}), || token.clone());
                 Ok(())
             }
             TokenCmd::List { principal } => {

@@ -441,3 +441,45 @@ async fn sandbox_tokens_reach_their_sandbox_only_and_end_with_it() {
     assert_eq!((e.reason, e.message.as_str()), (Reason::NotFound, "the sandbox of this token has ended"));
     assert!(tokens.runtime_token.split('.').nth(1).is_some_and(|id| id.len() == 20), "a sandbox token's shape");
 }
+
+/// A call for nobody ([`opendsec_common::grpc::PUBLIC_TRAFFIC_HEADER`], E2B's public ports):
+/// taken only from a gateway's certificate, only for `HttpRequest` without a token, and only
+/// into a sandbox whose spec has `public_traffic`; refused from anyone else, on any other
+/// method, and with a token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_gateway_reaches_only_public_sandboxes_for_nobody() {
+    let tc = start(1, |_| {}).await;
+    let addr = tc.cluster.apiserver_addr.to_string();
+    let ca = std::fs::read(&tc.cluster.ca_path).unwrap();
+    let gateway_id = opendsec_common::pki::Identity::new(opendsec_common::pki::Role::Gateway, "0").unwrap();
+    let gateway_creds = opendsec_common::tls::Credentials::in_dir(&tc.cluster.config.pki_dir(), &gateway_id).unwrap();
+    let as_gateway = opendsec_common::grpc::PublicTls::with_ca_as(&ca, None, Some(&gateway_creds)).unwrap();
+    let plain = opendsec_common::grpc::PublicTls::with_ca(&ca, None).unwrap();
+    let base = |tls: &opendsec_common::grpc::PublicTls| {
+        opendsec_client::Client::new(std::slice::from_ref(&addr), None, tls).unwrap().with_retry_timeout(Duration::ZERO)
+    };
+    let admin = client(&tc.cluster, &tc.cluster.admin_token).with_retry_timeout(Duration::ZERO);
+    let public = admin.create_sandbox(pb::SandboxSpec { public_traffic: true, ..spec("root", 100, 64) }).await.unwrap();
+    let private = admin.create_sandbox(spec("root", 100, 64)).await.unwrap();
+    let http = |id: &str| pb::HttpRequestRequest { sandbox_id: id.into(), port: 8080, ..Default::default() };
+    let nobody = base(&as_gateway).public_for(Some("192.0.2.7".parse().unwrap()));
+
+    // The gateway, for nobody: a private sandbox is refused before anything is sent to it; a
+    // public one gets through authorization to its edge (a sim sandbox has no port to answer:
+    // whatever the edge says, it is not a refusal of the caller).
+    let e = nobody.http_request(http(&private.id)).await.unwrap_err();
+    assert_eq!(e.reason, Reason::PermissionDenied, "{e}");
+    if let Err(e) = nobody.http_request(http(&public.id)).await {
+        assert!(!matches!(e.reason, Reason::PermissionDenied | Reason::Unauthenticated), "{e}");
+    }
+    assert_eq!(nobody.http_request(http("edge-000.nosuch")).await.unwrap_err().reason, Reason::NotFound);
+    // Nothing else is served for nobody.
+    let e = nobody.get_sandbox(&public.id).await.unwrap_err();
+    assert_eq!(e.reason, Reason::Unauthenticated, "{e}");
+    let exec = pb::ExecRequest { sandbox_id: public.id.clone(), command: "true".into(), ..Default::default() };
+    assert_eq!(nobody.exec(exec).await.unwrap_err().reason, Reason::Unauthenticated);
+    assert_eq!(nobody.list_sandboxes(Default::default()).await.unwrap_err().reason, Reason::Unauthenticated);
+    // From anyone but a gateway, the header opens nothing, not even a public sandbox.
+    let e = base(&plain).public_for(None).http_request(http(&public.id)).await.unwrap_err();
+    assert_eq!(e.reason, Reason::Unauthenticated, "{e}");
+}

@@ -1,0 +1,125 @@
+"""What E2B's own test suites expect of the gateway beyond the core calls (issue 40): API keys
+in E2B's shape, sandbox ids and hosts as E2B makes them, a sandbox's ports at
+``get_host(port)``, public and private."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxNetworkOpts
+
+# A small server for the port tests: echoes the method, path, one header and the body.
+ECHO_SERVER = r"""
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def _answer(self):
+        n = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(n)
+        out = f"{self.command} {self.path} x-probe={self.headers.get('x-probe')} host={self.headers.get('host')} ".encode() + body
+        self.send_response(201)
+        self.send_header("x-served-by", "echo")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+    do_GET = do_POST = do_PUT = _answer
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def serve_echo(sbx: Sandbox, port: int) -> str:
+    sbx.files.write("/tmp/echo.py", ECHO_SERVER)
+    sbx.commands.run(f"python3 /tmp/echo.py {port}", background=True, timeout=0)
+    url = f"https://{sbx.get_host(port)}"
+    for _ in range(100):
+        r = httpx.get(url, headers={"e2b-traffic-access-token": sbx.traffic_access_token})
+        if r.status_code == 201:
+            return url
+        time.sleep(0.1)
+    raise AssertionError(f"the echo server did not come up: {r.status_code} {r.text}")
+
+
+def test_keys_in_e2b_shape_work_and_opendsecctl_mints_them(gateway):
+    # What make up and cluster up give E2B_API_KEY: the shape SDKs up to 2.45 insist on.
+    assert re.fullmatch(r"e2b_[0-9a-f]+", os.environ["E2B_API_KEY"])
+    minted = gateway.ctl("token", "create", "--e2b", "--description", "e2b-shaped")["token"]
+    assert re.fullmatch(r"e2b_[0-9a-f]+", minted)
+    sbx = Sandbox.create(template="base", timeout=60, api_key=minted)
+    try:
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+        assert any(s.sandbox_id == sbx.sandbox_id for s in Sandbox.list(api_key=minted).next_items())
+    finally:
+        sbx.kill()
+    # A key in E2B's shape that stands for no token of ours is refused, as any bad key.
+    r = httpx.get(f"{gateway.url}/v2/sandboxes", headers={"x-api-key": "e2b_" + "0" * 40})
+    assert r.status_code == 401, r.text
+
+
+def test_sandbox_ids_are_host_labels_and_both_forms_reach_the_sandbox(gateway):
+    sbx = Sandbox.create(template="base", timeout=60)
+    try:
+        # E2B's ids carry no dot ([C 16]): `<edge>-<lease>`, a DNS label.
+        assert re.fullmatch(r"[a-z0-9-]+", sbx.sandbox_id), sbx.sandbox_id
+        dotted = gateway.ctl("sandbox", "get", sbx.sandbox_id.rsplit("-", 1)[0] + "." + sbx.sandbox_id.rsplit("-", 1)[1])
+        assert dotted["id"].replace(".", "-") == sbx.sandbox_id
+        # Either form finds it through the gateway.
+        assert Sandbox.get_info(dotted["id"]).sandbox_id == sbx.sandbox_id
+        assert Sandbox.connect(dotted["id"]).commands.run("echo ok").stdout == "ok\n"
+        # The create answer names the domain of its hosts.
+        assert sbx.sandbox_domain and sbx.get_host(8000) == f"8000-{sbx.sandbox_id}.{sbx.sandbox_domain}"
+    finally:
+        sbx.kill()
+
+
+def test_get_host_reaches_a_public_sandbox_port_without_a_token(gateway):
+    sbx = Sandbox.create(template="base", timeout=120)
+    other = Sandbox.create(template="base", timeout=120, network=SandboxNetworkOpts(allow_public_traffic=False))
+    try:
+        url = serve_echo(sbx, 8001)
+        # E2B's default: public, no token needed (what a browser opening the preview sends).
+        r = httpx.post(f"{url}/some/path?q=1", content=b"payload", headers={"x-probe": "p1"})
+        assert r.status_code == 201, r.text
+        assert r.text == "POST /some/path?q=1 x-probe=p1 host=127.0.0.1:8001 payload"
+        assert r.headers["x-served-by"] == "echo"
+        # The gateway's tokens never reach the sandbox's server.
+        r = httpx.get(url, headers={"x-api-key": "k", "x-access-token": "t", "e2b-traffic-access-token": sbx.traffic_access_token})
+        assert r.status_code == 201
+        # Headers route as hosts do (the SDK's shape), for any port.
+        r = httpx.get(gateway.url + "/h", headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8001"})
+        assert r.status_code == 201 and r.text.startswith("GET /h ")
+        # A port nothing serves: E2B's "port is not open" (502).
+        r = httpx.get(f"https://{sbx.get_host(8999)}")
+        assert r.status_code == 502 and "port is not open" in r.json()["message"]
+        # Another sandbox's traffic token does not reach this one (502, as if it did not exist).
+        r = httpx.get(url, headers={"e2b-traffic-access-token": other.traffic_access_token})
+        assert r.status_code == 502 and "not found" in r.json()["message"]
+        # No such sandbox.
+        r = httpx.get(url.replace(sbx.sandbox_id, sbx.sandbox_id[:-4] + "0000"))
+        assert r.status_code == 502
+        # A WebSocket is refused with a clear answer, for now.
+        r = httpx.get(url, headers={"upgrade": "websocket", "connection": "upgrade"})
+        assert r.status_code == 501
+    finally:
+        sbx.kill()
+        other.kill()
+
+
+def test_a_private_sandbox_port_needs_its_traffic_token(gateway):
+    sbx = Sandbox.create(template="base", timeout=120, network=SandboxNetworkOpts(allow_public_traffic=False))
+    try:
+        assert sbx.traffic_access_token
+        url = serve_echo(sbx, 8002)
+        r = httpx.get(url)
+        assert r.status_code == 403, r.text
+        r = httpx.get(url, headers={"e2b-traffic-access-token": sbx.traffic_access_token})
+        assert r.status_code == 201
+    finally:
+        sbx.kill()
+    # Ended: gone for everyone.
+    r = httpx.get(url, headers={"e2b-traffic-access-token": sbx.traffic_access_token})
+    assert r.status_code in (401, 502), r.text
