@@ -123,3 +123,49 @@ def test_a_private_sandbox_port_needs_its_traffic_token(gateway):
     # Ended: gone for everyone.
     r = httpx.get(url, headers={"e2b-traffic-access-token": sbx.traffic_access_token})
     assert r.status_code in (401, 502), r.text
+
+
+def wait_state(sbx: Sandbox, state, within: float = 30):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if sbx.get_info().state == state:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{sbx.sandbox_id} did not become {state}: {sbx.get_info().state}")
+
+
+def test_auto_pause_pauses_at_the_timeout_and_waits_for_connect(gateway):
+    from e2b import SandboxState
+
+    sbx = Sandbox.create(template="base", timeout=3, lifecycle={"on_timeout": "pause"})
+    try:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        h = sbx.commands.run("sleep 600", background=True, timeout=0)
+        wait_state(sbx, SandboxState.PAUSED)
+        # Not resumed by calls (E2B's default without autoResume): it waits for connect.
+        assert sbx.is_running() is False
+        with pytest.raises(Exception):
+            sbx.files.read("/home/user/kept.txt")
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+        back = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert back.files.read("/home/user/kept.txt") == "kept"
+        assert h.pid in [p.pid for p in back.commands.list()]  # memory kept: its processes too
+        # set_timeout(0) pauses it again at once (not a kill).
+        back.set_timeout(0)
+        wait_state(back, SandboxState.PAUSED)
+    finally:
+        sbx.kill()
+
+
+def test_auto_resume_wakes_a_paused_sandbox_on_a_request_to_its_port(gateway):
+    from e2b import SandboxState
+
+    sbx = Sandbox.create(template="base", timeout=5, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        url = serve_echo(sbx, 8003)
+        wait_state(sbx, SandboxState.PAUSED)
+        r = httpx.get(url, timeout=30)
+        assert r.status_code == 201, r.text
+        assert sbx.get_info().state == SandboxState.RUNNING
+    finally:
+        sbx.kill()

@@ -119,6 +119,10 @@ pub struct E2bConfig {
     /// `*.localhost` name is the loopback address where `libnss-myhostname` is installed, as
     /// `make setup` does).
     pub domain: String,
+    /// An auto-pausing sandbox's (E2B's `autoPause`) lifetime, and how long it is kept
+    /// paused: its timeout pauses it, and these end it. Within the apiserver's TTL maximum.
+    #[serde(with = "humantime_serde")]
+    pub auto_pause_lifetime: Duration,
 }
 
 impl Default for E2bConfig {
@@ -140,6 +144,7 @@ impl Default for E2bConfig {
             idle_timeout: Duration::from_secs(60),
             auth_failures: AuthFailureConfig::default(),
             domain: String::new(),
+            auto_pause_lifetime: Duration::from_secs(24 * 3600),
         }
     }
 }

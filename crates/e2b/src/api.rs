@@ -311,9 +311,16 @@ fn lease_of(key: &str) -> String {
 async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
     let req: NewSandbox = parse(body)?;
     let template = if req.template_id.is_empty() { "base".to_string() } else { req.template_id.clone() };
-    if req.auto_pause == Some(true) {
+    let auto_pause = req.auto_pause == Some(true);
+    let auto_resume = match &req.auto_resume {
+        None | Some(serde_json::Value::Null) => false,
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(serde_json::Value::Object(o)) => o.get("enabled").and_then(serde_json::Value::as_bool).unwrap_or(false),
+        Some(other) => return Err(RestError::bad_request(format!("autoResume {other} is not {{\"enabled\": bool}}"))),
+    };
+    if auto_pause && req.auto_pause_memory == Some(false) && auto_resume {
         return Err(RestError::bad_request(
-            "autoPause is not supported yet: a sandbox whose timeout runs out is stopped",
+            "autoResume cannot be combined with autoPauseMemory false: a file-system-only pause is resumed by connect",
         ));
     }
     if req.mcp.as_ref().is_some_and(|m| !m.is_null()) || req.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
@@ -334,7 +341,13 @@ async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
         labels: req.metadata.unwrap_or_default(),
         user: gw.cfg.default_user.clone(),
         ttl_running_stop_s: timeout,
-        ttl_max_s: timeout,
+        // An auto-pausing sandbox pauses when its timeout runs out (the idle TTL, which calls
+        // do not extend); its lifetime and paused TTL are the gateway's `auto_pause_lifetime`.
+        ttl_max_s: if auto_pause { gw.cfg.auto_pause_lifetime.as_secs().max(timeout) } else { timeout },
+        ttl_paused_s: if auto_pause { gw.cfg.auto_pause_lifetime.as_secs() } else { 0 },
+        pause_on_timeout: auto_pause,
+        // As in E2B, a paused sandbox waits for connect unless it auto-resumes.
+        manual_resume: !auto_resume,
         network: egress.map(|egress| pb::NetworkSpec { egress }),
         // E2B's default: a sandbox's ports answer anyone who has its host name.
         public_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic).unwrap_or(true),
@@ -466,10 +479,12 @@ fn now_ms() -> i64 {
 async fn set_end(call: &Call, sb: &pb::Sandbox, secs: u64) -> std::result::Result<pb::Sandbox, ApiError> {
     let secs = secs.max(1);
     let lived_ms = (now_ms() - sb.created_at_ms).max(0) as u64;
+    // An auto-pausing sandbox's timeout is its idle TTL only (the lifetime cap would stop it).
+    let pauses = sb.spec.as_ref().is_some_and(|s| s.pause_on_timeout);
     let req = pb::SetSandboxTimeoutRequest {
         id: sb.id.clone(),
         ttl_running_stop_s: Some(secs),
-        ttl_max_s: Some(lived_ms.div_ceil(1000).saturating_add(secs)),
+        ttl_max_s: (!pauses).then(|| lived_ms.div_ceil(1000).saturating_add(secs)),
         ttl_paused_s: None,
     };
     call.client.set_sandbox_timeout(req).await

@@ -75,7 +75,8 @@ pub fn json_error(status: StatusCode, message: &str) -> Response {
 /// What E2B's edge proxy answers for a sandbox that is unknown, killed or paused; the SDK turns
 /// "was not found" into `SandboxNotRunningException` (and `is_running()` into false).
 pub fn sandbox_not_found(id: &str) -> Response {
-    let body = serde_json::json!({"sandboxId": id, "message": "The sandbox was not found", "code": 502});
+    let body =
+        serde_json::json!({"sandboxId": crate::host::e2b_id(id), "message": "The sandbox was not found", "code": 502});
     let mut r = connect::json_response(StatusCode::BAD_GATEWAY, &body);
     r.headers_mut().insert("content-type", HeaderValue::from_static("application/json; charset=utf-8"));
     r
@@ -84,7 +85,7 @@ pub fn sandbox_not_found(id: &str) -> Response {
 /// What the proxy answers for a port nothing serves (`SandboxUnreachableException`).
 pub fn port_not_open(id: &str, port: &str) -> Response {
     let body = serde_json::json!({
-        "sandboxId": id,
+        "sandboxId": crate::host::e2b_id(id),
         "message": format!("The sandbox is running but port is not open (port {port})"),
         "code": 502,
     });

@@ -16,6 +16,8 @@ pub struct NewSandbox {
     pub template_id: String,
     pub timeout: Option<u64>,
     pub auto_pause: Option<bool>,
+    /// Whether an auto-pause keeps memory (E2B's default) or the file system only.
+    pub auto_pause_memory: Option<bool>,
     pub auto_resume: Option<serde_json::Value>,
     #[serde(rename = "allow_internet_access")]
     pub allow_internet_access: Option<bool>,

@@ -26,13 +26,17 @@ impl Ctx {
         if self.user.is_empty() { "e2b".to_string() } else { format!("e2b-{}", self.user) }
     }
 
-    /// Whether the sandbox is gone for this caller (unknown, not theirs, stopped, failed):
-    /// then E2B's proxy answer, 502 "The sandbox was not found", is the right one.
+    /// Whether the sandbox is gone for this caller (unknown, not theirs, stopped, failed, or
+    /// paused: a call fails in a paused sandbox only when it waits for connect): then E2B's
+    /// proxy answer, 502 "The sandbox was not found", is the right one.
     pub async fn gone(&self) -> bool {
         match self.client.get_sandbox(&self.id).await {
             Ok(sb) => {
                 use pb::SandboxState as S;
-                matches!(S::try_from(sb.state), Ok(S::Stopping | S::Stopped | S::Failed | S::Unspecified) | Err(_))
+                matches!(
+                    S::try_from(sb.state),
+                    Ok(S::Stopping | S::Stopped | S::Failed | S::Unspecified | S::Pausing | S::Paused) | Err(_)
+                )
             }
             Err(e) => matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied),
         }

@@ -151,6 +151,13 @@ pub struct SpecRecord {
     /// (`spec.public_traffic`).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub public_traffic: bool,
+    /// Paused, not stopped, when the idle TTL runs out, which calls do not extend
+    /// (`spec.pause_on_timeout`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub pause_on_timeout: bool,
+    /// Runtime calls do not resume it when paused (`spec.manual_resume`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub manual_resume: bool,
 }
 
 /// A session sync as stored: its name in the project and the absolute paths it saves.
@@ -185,6 +192,8 @@ impl SpecRecord {
             session: spec.session.as_ref().map(|s| SessionRecord { name: s.name.clone(), paths: s.paths.clone() }),
             full_init: spec.full_init,
             public_traffic: spec.public_traffic,
+            pause_on_timeout: spec.pause_on_timeout,
+            manual_resume: spec.manual_resume,
         }
     }
 
@@ -220,6 +229,8 @@ impl SpecRecord {
                 .map(|s| opendsec_proto::v1::SessionSync { name: s.name.clone(), paths: s.paths.clone() }),
             full_init: self.full_init,
             public_traffic: self.public_traffic,
+            pause_on_timeout: self.pause_on_timeout,
+            manual_resume: self.manual_resume,
         }
     }
 }
@@ -1138,6 +1149,8 @@ mod tests {
                 session: None,
                 full_init: false,
                 public_traffic: false,
+                pause_on_timeout: false,
+                manual_resume: false,
             },
             state: SandboxStatus::Paused,
             created_at_ms: 1_700_000_000_000,

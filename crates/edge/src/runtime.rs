@@ -97,6 +97,10 @@ impl Inner {
         Inner::check_not_moving(&rec)?;
         match (rec.state, kind) {
             (SandboxStatus::Running, _) => {}
+            // Resumed only by ResumeSandbox (`spec.manual_resume`): a call finds it paused.
+            (SandboxStatus::Paused | SandboxStatus::Pausing, CallKind::Call) if rec.spec.manual_resume => {
+                return Err(EdgeError::InvalidState { id: rec.id.clone(), state: rec.state, op: "run calls in it" });
+            }
             (SandboxStatus::Paused | SandboxStatus::Pausing | SandboxStatus::Resuming, CallKind::Call) => {
                 // In its own task, as every lifecycle operation: a caller that goes away must
                 // not cut the resume short between its record writes and the backend call.

@@ -31,8 +31,9 @@ pub fn deadlines(rec: &SandboxRecord) -> impl Iterator<Item = Deadline> {
 /// of `rec.last_active_ms` and `active_ms` (runtime calls are counted in memory).
 pub fn deadlines_active(rec: &SandboxRecord, active_ms: i64) -> impl Iterator<Item = Deadline> {
     use SandboxStatus::*;
-    let last_active = rec.last_active_ms.max(active_ms);
     let s = &rec.spec;
+    // A sandbox that pauses on its timeout counts no calls: its timeout is a deadline.
+    let last_active = if s.pause_on_timeout { rec.last_active_ms } else { rec.last_active_ms.max(active_ms) };
     let idle = matches!(rec.state, Creating | Running | Pausing) && s.ttl_running_stop_s > 0;
     let paused = matches!(rec.state, Paused | Resuming) && s.ttl_paused_s > 0;
     let max = rec.state.is_live() && s.ttl_max_s > 0;
@@ -93,6 +94,15 @@ mod tests {
         assert_eq!(expired_active(&r, 1_100_000, 1_100_000), Some(end_reason::TTL_MAX));
         // Older activity than the record's changes nothing.
         assert_eq!(expired_active(&r, 1_060_000, 1), Some(end_reason::TTL_RUNNING_STOP));
+    }
+
+    #[test]
+    fn a_sandbox_that_pauses_on_its_timeout_counts_no_activity() {
+        let mut r = rec(SandboxStatus::Running, 10, 100, 0);
+        r.spec.pause_on_timeout = true;
+        // Calls in flight or just ended do not push the timeout (E2B's timeout is a deadline).
+        assert_eq!(expired_active(&r, 1_060_000, 1_060_000), Some(end_reason::TTL_RUNNING_STOP));
+        assert_eq!(expires_at_ms_active(&r, 1_055_000), 1_060_000);
     }
     use crate::record::{RECORD_VERSION, SpecRecord};
 

@@ -648,7 +648,8 @@ impl SpecArgs {
             network: network_of(&self.allow, self.no_egress)?,
             session: self.session.as_ref().map(|name| pb::SessionSync { name: name.clone(), paths: self.sync.clone() }),
             full_init: self.full_init,
-            public_traffic: false,
+            // Made through the E2B gateway (its traffic and pause options).
+            ..Default::default()
         })
     }
 }

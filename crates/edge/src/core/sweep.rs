@@ -130,6 +130,14 @@ impl Inner {
         if rec.moved.is_moving() || !rec.moved.moved_to.is_empty() {
             return;
         }
+        // Idle, and asked to pause rather than stop then (E2B's autoPause).
+        if reason == end_reason::TTL_RUNNING_STOP && rec.spec.pause_on_timeout && rec.state.can_pause() {
+            tracing::debug!(sandbox_id = %rec.id, "idle sandbox paused");
+            if let Err(e) = self.pause_locked(&rec).await {
+                tracing::warn!(lease_id = %lease, error = %e, "pausing an idle sandbox failed; will retry");
+            }
+            return;
+        }
         tracing::debug!(sandbox_id = %rec.id, reason, "sandbox expired");
         if let Err(e) = self.stop_locked(rec, reason, Release::Yes).await {
             tracing::warn!(lease_id = %lease, error = %e, "stopping an expired sandbox failed; will retry");
