@@ -2,8 +2,9 @@
 # Builds the root file systems of the E2B gateway's default templates from Debian packages,
 # once each: cached under a content-keyed directory (the key hashes this script, so changing
 # what goes in makes new ones), reused by later runs. Prints the root file system's path.
-#   base              e2b-base: Debian bookworm with bash, python3, curl, git and the `user`
-#                     account (uid 1000, home /home/user) E2B's templates have
+#   base              e2b-base: Debian bookworm with bash, python3 (also as `python`), curl,
+#                     git, sudo and the `user` account (uid 1000, home /home/user, sudo
+#                     without a password) E2B's templates have
 #   code-interpreter  code-interpreter-v1: that plus python3-ipykernel, matplotlib, numpy,
 #                     pandas (the Jupyter kernel the code interpreter runs), installed with
 #                     apt inside the new root (debootstrap's own resolver cannot take them)
@@ -11,7 +12,7 @@
 # usage: scripts/e2b-images.sh base|code-interpreter [--path]
 set -euo pipefail
 which="${1:-}"
-pkgs="bash,python3,curl,git,procps,ca-certificates,less"
+pkgs="bash,python3,python-is-python3,curl,git,procps,ca-certificates,less,sudo"
 case "$which" in
   base) extra="" ;;
   code-interpreter) extra="python3-ipykernel python3-matplotlib python3-numpy python3-pandas" ;;
@@ -42,8 +43,10 @@ if [ -n "$extra" ]; then
   chroot "$dir/rootfs" apt-get clean
   : >"$dir/rootfs/etc/resolv.conf"
 fi
-# E2B's `user`: uid 1000, a home of its own, bash as its shell.
+# E2B's `user`: uid 1000, a home of its own, bash as its shell, sudo without a password.
 chroot "$dir/rootfs" useradd --create-home --uid 1000 --user-group --shell /bin/bash user
+echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' >"$dir/rootfs/etc/sudoers.d/user"
+chmod 0440 "$dir/rootfs/etc/sudoers.d/user"
 rm -rf "$dir/rootfs/var/cache/apt/archives/"*.deb "$dir/rootfs/var/lib/apt/lists/"*
 touch "$dir/complete"
 echo "$dir/rootfs"

@@ -169,3 +169,88 @@ def test_auto_resume_wakes_a_paused_sandbox_on_a_request_to_its_port(gateway):
         assert sbx.get_info().state == SandboxState.RUNNING
     finally:
         sbx.kill()
+
+
+def test_the_base_template_has_python_and_passwordless_sudo(gateway):
+    with Sandbox.create(template="base", timeout=60) as sbx:
+        assert sbx.commands.run("python -c 'print(6*7)'").stdout == "42\n"
+        assert sbx.commands.run("sudo -n whoami").stdout == "root\n"
+        # Root through sudo is the sandbox's root: its capabilities stop at the sandbox's
+        # bounding set, and the seccomp filter still refuses what no sandbox may do.
+        r = sbx.commands.run("sudo -n grep -E '^(CapBnd|NoNewPrivs)' /proc/self/status")
+        bnd = int(r.stdout.split("CapBnd:")[1].split()[0], 16)
+        assert bnd & (1 << 21) == 0, r.stdout  # no CAP_SYS_ADMIN
+        r = sbx.commands.run("sudo -n mount -t tmpfs x /mnt 2>&1; echo rc=$?")
+        assert "rc=0" not in r.stdout, r.stdout
+        r = sbx.commands.run("sudo -n unshare -U true 2>&1; echo rc=$?")
+        assert "rc=0" not in r.stdout, r.stdout
+
+
+def test_files_are_described_as_envd_does(gateway):
+    with Sandbox.create(template="base", timeout=60) as sbx:
+        for d in ["t/b", "t/a", "t/a/z", "t/a-b"]:
+            sbx.files.make_dir(d)
+        sbx.files.write("t/a/f.txt", "x")
+        # A walk of the tree, each directory's entries by name.
+        got = [e.path for e in sbx.files.list("t", depth=3)]
+        base = "/home/user/t"
+        assert got == [f"{base}/a", f"{base}/a/f.txt", f"{base}/a/z", f"{base}/a-b", f"{base}/b"], got
+        assert [e.mode for e in sbx.files.list("t")] == [0o755, 0o755, 0o755]
+        # A symlink: the type of its target and the target's absolute path.
+        sbx.commands.run("ln -s f.txt link && ln -s /nowhere dangling", cwd="/home/user/t/a")
+        info = sbx.files.get_info("t/a/link")
+        assert (info.type.value, info.symlink_target) == ("file", f"{base}/a/f.txt")
+        info = sbx.files.get_info("t/a/dangling")
+        assert info.symlink_target == "/nowhere"
+
+
+def test_lists_are_newest_first_paged_and_filtered_by_start(gateway):
+    from e2b import SandboxQuery, SandboxState
+
+    tag = {"parity-list": str(time.time_ns())}
+    first = Sandbox.create(template="base", timeout=120, metadata=tag)
+    second = Sandbox.create(template="base", timeout=120, metadata=tag)
+    try:
+        second.pause()
+        q = SandboxQuery(metadata=tag)
+        assert [s.sandbox_id for s in Sandbox.list(query=q).next_items()] == [second.sandbox_id, first.sandbox_id]
+        asc = Sandbox.list(query=q, order="asc").next_items()
+        assert [s.sandbox_id for s in asc] == [first.sandbox_id, second.sandbox_id]
+        pages = Sandbox.list(query=SandboxQuery(metadata=tag, state=[SandboxState.RUNNING, SandboxState.PAUSED]), limit=1)
+        p1 = pages.next_items()
+        assert [s.sandbox_id for s in p1] == [second.sandbox_id] and pages.has_next
+        p2 = pages.next_items()
+        assert [s.sandbox_id for s in p2] == [first.sandbox_id] and not pages.has_next
+        started = first.get_info().started_at
+        ids = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata=tag, started_after=started)).next_items()]
+        assert first.sandbox_id in ids  # inclusive
+        later = second.get_info().started_at
+        ids = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata=tag, started_after=later)).next_items()]
+        assert first.sandbox_id not in ids or first.get_info().started_at >= later
+        r = httpx.get(f"{gateway.url}/v2/sandboxes?nextToken=junk", headers={"x-api-key": gateway.key})
+        assert r.status_code == 400
+    finally:
+        first.kill()
+        second.kill()
+
+
+def test_commands_end_as_envd_ends_them(gateway):
+    from e2b import TimeoutException
+
+    with Sandbox.create(template="base", timeout=60) as sbx:
+        # Past its timeout: the caller's timeout, not an exit code.
+        with pytest.raises(TimeoutException):
+            sbx.commands.run("sleep 10", timeout=2)
+        # Killed by the user: an exit.
+        h = sbx.commands.run("sleep 60", background=True)
+        assert sbx.commands.kill(h.pid)
+        with pytest.raises(Exception) as e:
+            h.wait()
+        assert "TimeoutException" not in type(e.value).__name__
+    # The sandbox killed under a running command: E2B's "killed or reached its end of life".
+    sbx = Sandbox.create(template="base", timeout=60)
+    h = sbx.commands.run("sleep 60", background=True)
+    sbx.kill()
+    with pytest.raises(TimeoutException) as e:
+        h.wait()
+    assert "killed or reached its end of life" in str(e.value)

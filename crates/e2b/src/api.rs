@@ -627,6 +627,14 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Sandboxes a list answers at most, after filters (E2B's SDK pages by `limit`).
+const MAX_LISTED: usize = 10_000;
+
+/// E2B's list: newest first (`order=asc` oldest first), filtered by metadata, state,
+/// template and `startedAfter` (inclusive), paged by `limit` with a cursor in `nextToken`
+/// (`<created ms>.<id>` of the last sandbox given). Sandboxes are ordered by creation across
+/// edges, which opendsec's own list (by id) is not, so the gateway reads every match and
+/// sorts: at most [`MAX_LISTED`] of them.
 async fn list(gw: &Gateway, call: &Call, v2: bool) -> Result<Response> {
     let labels = call.param("metadata").map(metadata_filter).unwrap_or_default();
     let states = states_of(call.param("state"))?;
@@ -640,40 +648,61 @@ async fn list(gw: &Gateway, call: &Call, v2: bool) -> Result<Response> {
         ),
         None => None,
     };
-    let page_size = match call.param("limit") {
-        Some(l) => {
-            l.parse::<u32>().map_err(|_| RestError::bad_request(format!("limit {l:?} is not a number")))?.clamp(1, 1000)
-        }
+    let limit = match call.param("limit") {
+        Some(l) => l
+            .parse::<usize>()
+            .map_err(|_| RestError::bad_request(format!("limit {l:?} is not a number")))?
+            .clamp(1, 1000),
         None => 100,
+    };
+    let ascending = match call.param("order") {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(o) => return Err(RestError::bad_request(format!("order {o:?} is not asc or desc"))),
+    };
+    let cursor = match call.param("nextToken") {
+        Some(t) => {
+            Some(cursor_of(t).ok_or_else(|| RestError::bad_request(format!("nextToken {t:?} is not one of ours")))?)
+        }
+        None => None,
     };
     let keep = |sb: &pb::Sandbox| {
         let spec = sb.spec.as_ref();
         let image = spec.map(|s| s.image.as_str()).unwrap_or_default();
         template.as_ref().is_none_or(|t| gw.image_of(t) == image || t == image)
-            && started_after.is_none_or(|after| sb.created_at_ms > after)
+            && started_after.is_none_or(|after| sb.created_at_ms >= after)
     };
-    let req = pb::ListSandboxesRequest {
-        states,
-        labels,
-        page_size,
-        page_token: call.param("nextToken").unwrap_or_default().to_string(),
-        ..Default::default()
-    };
-    let (sandboxes, next) = if v2 {
-        let page = call.client.list_sandboxes(req).await?;
-        (page.sandboxes, page.next_page_token)
-    } else {
-        (call.client.list_all_sandboxes(req).await?, String::new())
-    };
-    let items: Vec<model::SandboxDetail> =
-        sandboxes.iter().filter(|s| keep(s)).filter_map(|s| detail_of(gw, s, None)).collect();
+    let req = pb::ListSandboxesRequest { states, labels, page_size: 1000, ..Default::default() };
+    let mut all: Vec<pb::Sandbox> =
+        call.client.list_all_sandboxes(req).await?.into_iter().filter(|s| keep(s)).collect();
+    let key = |s: &pb::Sandbox| (s.created_at_ms, s.id.clone());
+    all.sort_by_key(key);
+    if !ascending {
+        all.reverse();
+    }
+    all.truncate(MAX_LISTED);
+    let after = |s: &pb::Sandbox| cursor.as_ref().is_none_or(|c| if ascending { key(s) > *c } else { key(s) < *c });
+    let rest: Vec<&pb::Sandbox> = all.iter().filter(|s| after(s)).collect();
+    // The v1 list has no pages: everything.
+    let page: Vec<&pb::Sandbox> = if v2 { rest.iter().take(limit).copied().collect() } else { rest.clone() };
+    let next =
+        (v2 && rest.len() > page.len()).then(|| page.last().map(|s| format!("{}.{}", s.created_at_ms, s.id))).flatten();
+    let items: Vec<model::SandboxDetail> = page.iter().filter_map(|s| detail_of(gw, s, None)).collect();
     let mut r = json(StatusCode::OK, &items);
-    if !next.is_empty()
+    if let Some(next) = next
         && let Ok(v) = HeaderValue::from_str(&next)
     {
         r.headers_mut().insert("x-next-token", v);
     }
     Ok(r)
+}
+
+/// The (created ms, id) a `nextToken` names.
+fn cursor_of(token: &str) -> Option<(i64, String)> {
+    let (ms, id) = token.split_once('.')?;
+    let ms = ms.parse::<i64>().ok()?;
+    opendsec_common::ids::split_sandbox_id(id).ok()?;
+    Some((ms, id.to_string()))
 }
 
 #[cfg(test)]

@@ -140,6 +140,18 @@ where
     r
 }
 
+/// [`stream_response`] whose stream may fail: the connection is then broken off mid-body (no
+/// end of stream), which the SDK takes as a dropped connection (E2B's answer when the
+/// sandbox under a stream dies: the SDK then probes its health).
+pub fn stream_response_fallible<S>(frames: S) -> Response
+where
+    S: Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+{
+    let mut r = Response::new(Body::from_stream(frames));
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(STREAM_CONTENT_TYPE));
+    r
+}
+
 /// Splits envelopes off a growing buffer.
 #[derive(Debug, Default)]
 pub struct Decoder {

@@ -156,6 +156,12 @@ fn selector(s: Option<model::Selector>) -> Result<pb::ProcessSelector, ConnectEr
     Ok(pb::ProcessSelector { by: Some(by) })
 }
 
+/// How close to a stream's timeout a killed process's exit counts as the timeout's.
+const TIMEOUT_SLACK: Duration = Duration::from_millis(250);
+
+/// SIGKILL, the signal the agent ends a process past its timeout with.
+const SIGKILL: i32 = 9;
+
 #[derive(Clone, Copy)]
 struct StreamOpts {
     timeout: Option<Duration>,
@@ -207,7 +213,7 @@ async fn start(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
             ..Default::default()
         })
         .await?;
-    Ok(process_stream(pid, events, is_pty, opts))
+    Ok(process_stream(ctx, pid, events, is_pty, opts))
 }
 
 async fn connect_process(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
@@ -223,7 +229,7 @@ async fn connect_process(ctx: &Ctx, msg: &[u8], opts: StreamOpts) -> R {
         })
         .await?;
     // A terminal's output comes back as `pty` data, as it went out.
-    Ok(process_stream(info.pid, events, info.pty, StreamOpts { timeout: None, ..opts }))
+    Ok(process_stream(ctx, info.pid, events, info.pty, StreamOpts { timeout: None, ..opts }))
 }
 
 /// The process a selector names (running or kept after its exit), or not_found.
@@ -246,13 +252,35 @@ async fn find(ctx: &Ctx, sel: &pb::ProcessSelector) -> Result<pb::ProcessInfo, F
 
 /// Start's and Connect's answer: `start`, then data and keepalives, then `end`, then the end
 /// of the stream. The caller's disconnect drops the upstream stream only; the process runs on.
-fn process_stream(pid: u32, mut events: tonic::Streaming<pb::ProcessEvent>, pty: bool, opts: StreamOpts) -> Response {
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
+///
+/// When the sandbox itself ends under the stream (killed, or its time ran out), the
+/// connection is broken off, as E2B's is when its sandbox goes: the SDK then finds the
+/// sandbox gone and raises its "killed or reached its end of life" timeout.
+fn process_stream(
+    ctx: &Ctx,
+    pid: u32,
+    mut events: tonic::Streaming<pb::ProcessEvent>,
+    pty: bool,
+    opts: StreamOpts,
+) -> Response {
+    let (client, id) = (ctx.client.clone(), ctx.id.clone());
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
-        let send = |ev: Event| connect::message(&EventMessage { event: ev });
+        let send = |ev: Event| Ok(connect::message(&EventMessage { event: ev }));
+        // The sandbox ended under the stream: break the connection off.
+        let cut_if_gone = || async {
+            if crate::sandbox::sandbox_gone(&client, &id).await {
+                let _ =
+                    tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the sandbox ended"))).await;
+                true
+            } else {
+                false
+            }
+        };
         if tx.send(send(Event::Start { pid })).await.is_err() {
             return;
         }
+        let deadline = opts.timeout.map(|t| tokio::time::Instant::now() + t);
         let expired = opts.expiry();
         tokio::pin!(expired);
         loop {
@@ -270,25 +298,42 @@ fn process_stream(pid: u32, mut events: tonic::Streaming<pb::ProcessEvent>, pty:
                         send(Event::Data(data))
                     }
                     Some(Ok(pb::ProcessEvent { kind: Some(pb::process_event::Kind::Exit(x)) })) => {
+                        // Killed by the agent at the stream's timeout (the same instant as
+                        // ours, give or take): the caller's timeout, as envd reports it.
+                        let at_deadline = deadline.is_some_and(|d| tokio::time::Instant::now() + TIMEOUT_SLACK >= d);
+                        if x.signal == SIGKILL && at_deadline {
+                            let e = ConnectError::new(Code::DeadlineExceeded, "the process ran past its timeout and was killed");
+                            let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
+                            return;
+                        }
+                        if x.signal == SIGKILL && cut_if_gone().await {
+                            return;
+                        }
                         let _ = tx.send(send(Event::End(End::of(x.exit_code, x.signal)))).await;
-                        let _ = tx.send(connect::end_stream(None)).await;
+                        let _ = tx.send(Ok(connect::end_stream(None))).await;
                         return;
                     }
                     Some(Ok(_)) => continue,
                     Some(Err(status)) => {
+                        if cut_if_gone().await {
+                            return;
+                        }
                         let e = error::to_connect(&ApiError::from_status(&status));
-                        let _ = tx.send(connect::end_stream(Some(&e))).await;
+                        let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
                         return;
                     }
                     None => {
+                        if cut_if_gone().await {
+                            return;
+                        }
                         let e = ConnectError::new(Code::Unavailable, "the process's output ended without its exit");
-                        let _ = tx.send(connect::end_stream(Some(&e))).await;
+                        let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
                         return;
                     }
                 },
                 () = &mut expired => {
                     let e = ConnectError::new(Code::DeadlineExceeded, "the process ran past its timeout and was killed");
-                    let _ = tx.send(connect::end_stream(Some(&e))).await;
+                    let _ = tx.send(Ok(connect::end_stream(Some(&e)))).await;
                     return;
                 }
                 () = tick => send(Event::Keepalive {}),
@@ -300,7 +345,7 @@ fn process_stream(pid: u32, mut events: tonic::Streaming<pb::ProcessEvent>, pty:
             }
         }
     });
-    connect::stream_response(ReceiverStream::new(rx))
+    connect::stream_response_fallible(ReceiverStream::new(rx))
 }
 
 async fn list(ctx: &Ctx) -> R {
@@ -459,8 +504,41 @@ fn entry_with(info: &pb::FileInfo, names: &crate::names::Names) -> EntryInfo {
 
 async fn stat(ctx: &Ctx, msg: &[u8]) -> R {
     let req: model::PathRequest = connect::decode(msg)?;
-    let info = stat_of(ctx, &req.path).await?;
+    let info = followed(ctx, stat_of(ctx, &req.path).await?).await;
     Ok(connect::unary_ok(&json!({"entry": entry(ctx, &info).await})))
+}
+
+/// A symlink as envd describes it: the type of what it points to and that target's absolute
+/// path (a link that points nowhere, or too far, stays a symlink with its own target).
+async fn followed(ctx: &Ctx, info: pb::FileInfo) -> pb::FileInfo {
+    if info.r#type != pb::FileType::Symlink as i32 || info.symlink_target.is_empty() {
+        return info;
+    }
+    let dir = info.path.rsplit_once('/').map_or("/", |(d, _)| if d.is_empty() { "/" } else { d });
+    let target = absolute(dir, &info.symlink_target);
+    match stat_of(ctx, &target).await {
+        Ok(t) if t.r#type != pb::FileType::Symlink as i32 => {
+            pb::FileInfo { r#type: t.r#type, symlink_target: t.path, ..info }
+        }
+        // A chain of links: envd resolves it whole; one more step is as far as this goes.
+        Ok(_) | Err(_) => pb::FileInfo { symlink_target: target, ..info },
+    }
+}
+
+/// `target` (absolute, or relative to `dir`) with `.` and `..` taken out.
+fn absolute(dir: &str, target: &str) -> String {
+    let joined = if target.starts_with('/') { target.to_string() } else { format!("{dir}/{target}") };
+    let mut parts: Vec<&str> = Vec::new();
+    for p in joined.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    format!("/{}", parts.join("/"))
 }
 
 async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
@@ -494,7 +572,7 @@ async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
                 }
                 out.push(entry_with(&e, &names));
                 if out.len() >= MAX_LIST_ENTRIES {
-                    return Ok(connect::unary_ok(&json!({"entries": out})));
+                    return Ok(listed(out));
                 }
             }
         }
@@ -503,7 +581,14 @@ async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
         }
         level = next;
     }
-    Ok(connect::unary_ok(&json!({"entries": out})))
+    Ok(listed(out))
+}
+
+/// A listing in envd's order: a walk of the tree, each directory's entries by name, each
+/// directory followed by what is in it.
+fn listed(mut out: Vec<EntryInfo>) -> Response {
+    out.sort_by(|a, b| a.path.split('/').cmp(b.path.split('/')));
+    connect::unary_ok(&json!({"entries": out}))
 }
 
 async fn make_dir(ctx: &Ctx, msg: &[u8]) -> R {
@@ -722,5 +807,34 @@ mod tests {
         assert_eq!(basic_user(&h).unwrap_err().code, Code::Unauthenticated);
         h.insert("authorization", "Bearer x".parse().unwrap());
         assert!(basic_user(&h).is_err());
+    }
+
+    #[test]
+    fn link_targets_are_made_absolute() {
+        assert_eq!(absolute("/home/user/d", "test.txt"), "/home/user/d/test.txt");
+        assert_eq!(absolute("/home/user/d", "../x/./y"), "/home/user/x/y");
+        assert_eq!(absolute("/a", "/etc/passwd"), "/etc/passwd");
+        assert_eq!(absolute("/", "../../.."), "/");
+    }
+
+    #[test]
+    fn listings_walk_the_tree_in_name_order() {
+        let e = |p: &str| EntryInfo {
+            name: p.rsplit('/').next().unwrap().into(),
+            kind: "file",
+            path: p.into(),
+            size: "0".into(),
+            mode: 0,
+            permissions: String::new(),
+            owner: String::new(),
+            group: String::new(),
+            modified_time: String::new(),
+            symlink_target: None,
+            is_symlink: false,
+        };
+        let mut v = vec![e("/d/subdir2"), e("/d/a-b"), e("/d/subdir1/x"), e("/d/a"), e("/d/a/z"), e("/d/subdir1")];
+        v.sort_by(|a, b| a.path.split('/').cmp(b.path.split('/')));
+        let order: Vec<&str> = v.iter().map(|x| x.path.as_str()).collect();
+        assert_eq!(order, ["/d/a", "/d/a/z", "/d/a-b", "/d/subdir1", "/d/subdir1/x", "/d/subdir2"]);
     }
 }

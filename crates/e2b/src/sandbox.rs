@@ -30,16 +30,7 @@ impl Ctx {
     /// paused: a call fails in a paused sandbox only when it waits for connect): then E2B's
     /// proxy answer, 502 "The sandbox was not found", is the right one.
     pub async fn gone(&self) -> bool {
-        match self.client.get_sandbox(&self.id).await {
-            Ok(sb) => {
-                use pb::SandboxState as S;
-                matches!(
-                    S::try_from(sb.state),
-                    Ok(S::Stopping | S::Stopped | S::Failed | S::Unspecified | S::Pausing | S::Paused) | Err(_)
-                )
-            }
-            Err(e) => matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied),
-        }
+        sandbox_gone(&self.client, &self.id).await
     }
 
     /// A failed call's answer: the proxy's 502 when the sandbox is gone, else the Connect
@@ -69,6 +60,20 @@ impl Ctx {
             return Failure::Connect(ConnectError::new(Code::NotFound, e.message));
         }
         Failure::Api(e)
+    }
+}
+
+/// [`Ctx::gone`] for any holder of a client.
+pub(crate) async fn sandbox_gone(client: &Client, id: &str) -> bool {
+    match client.get_sandbox(id).await {
+        Ok(sb) => {
+            use pb::SandboxState as S;
+            matches!(
+                S::try_from(sb.state),
+                Ok(S::Stopping | S::Stopped | S::Failed | S::Unspecified | S::Pausing | S::Paused) | Err(_)
+            )
+        }
+        Err(e) => matches!(e.reason, Reason::NotFound | Reason::InvalidArgument | Reason::PermissionDenied),
     }
 }
 

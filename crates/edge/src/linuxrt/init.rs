@@ -22,7 +22,8 @@
 //! the host's), read-only sys, the sandbox's own cgroup (read-only), caller bind mounts,
 //! pivot_root, network sysctls, masked and read-only paths, hostname, loopback, rlimits,
 //! oom_score_adj; then into the user namespace (setns, ids 0), `/etc/hosts`, stdio,
-//! capabilities, seccomp (last: it forbids mount), exec.
+//! seccomp (after the last mount, which it forbids; before the capabilities go, so that it
+//! needs no `no_new_privs`), capabilities, exec.
 //!
 //! Invariant: this code runs single-threaded (it is entered first thing in `main`, before any
 //! runtime starts), which is what makes `fork` and `setns` into a user namespace sound.
@@ -357,14 +358,16 @@ fn pid1(
     step!("hosts", write_hosts(&cfg.hostname));
     step!("stdio", stdio());
     step!("fds", pass_fds(cfg.listen_fd));
-    step!("capabilities", drop_caps());
     let argv: Result<Vec<CString>, _> = cfg.argv.iter().map(|a| CString::new(a.as_str())).collect();
     let env: Result<Vec<CString>, _> = cfg.env.iter().map(|a| CString::new(a.as_str())).collect();
     let (argv, env) = match (argv, env) {
         (Ok(a), Ok(e)) if !a.is_empty() => (a, e),
         _ => return ("exec", "argv empty or with NUL bytes".into()),
     };
+    // While CAP_SYS_ADMIN is still held (in the sandbox's user namespace): a filter installed
+    // so needs no `no_new_privs`, and setuid programs inside keep working (Docker's way).
     step!("seccomp", super::seccomp::install(progs));
+    step!("capabilities", drop_caps());
     match nix::unistd::execve(&argv[0], &argv, &env) {
         Err(e) => ("exec", format!("{}: {e}", cfg.argv[0])),
         Ok(never) => match never {},

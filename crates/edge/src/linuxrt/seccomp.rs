@@ -392,10 +392,29 @@ pub fn compile() -> Result<Vec<BpfProgram>, SeccompError> {
     }
 }
 
-/// Installs compiled filters on the calling thread, in order (sets no_new_privs).
+/// Installs compiled filters on the calling thread, in order, without setting `no_new_privs`
+/// (as Docker does): the caller must hold `CAP_SYS_ADMIN` in its user namespace, so it runs
+/// before the capabilities are dropped. Setuid programs in the sandbox (`sudo`, which E2B's
+/// templates give their user) then work, gaining at most the bounding set's capabilities,
+/// over the sandbox's own namespaces.
 pub fn install(progs: &[BpfProgram]) -> Result<(), SeccompError> {
     for p in progs {
-        seccompiler::apply_filter(p).map_err(|e| SeccompError::Install(e.to_string()))?;
+        install_one(p)?;
+    }
+    Ok(())
+}
+
+#[allow(unsafe_code)]
+fn install_one(prog: &BpfProgram) -> Result<(), SeccompError> {
+    const SECCOMP_SET_MODE_FILTER: libc::c_ulong = 1;
+    let len = u16::try_from(prog.len()).map_err(|_| SeccompError::Install("filter too long".into()))?;
+    // seccompiler's instructions have the kernel's `struct sock_filter` layout.
+    let fprog = libc::sock_fprog { len, filter: prog.as_ptr() as *mut libc::sock_filter };
+    // SAFETY: `fprog` points at `prog`'s instructions, alive for the call; the kernel copies
+    // the program and keeps no pointer into our memory.
+    let rc = unsafe { libc::syscall(libc::SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0 as libc::c_ulong, &fprog) };
+    if rc != 0 {
+        return Err(SeccompError::Install(std::io::Error::last_os_error().to_string()));
     }
     Ok(())
 }
