@@ -254,3 +254,60 @@ def test_commands_end_as_envd_ends_them(gateway):
     with pytest.raises(TimeoutException) as e:
         h.wait()
     assert "killed or reached its end of life" in str(e.value)
+
+
+def test_file_metadata_is_kept_as_xattrs(gateway):
+    with Sandbox.create(template="base", timeout=60) as sbx:
+        w = sbx.files.write("m.txt", "x", metadata={"Author": "mish", "purpose": "upload"})
+        assert w.metadata == {"author": "mish", "purpose": "upload"}  # keys are header names
+        assert sbx.files.get_info("m.txt").metadata == {"author": "mish", "purpose": "upload"}
+        # Stored as the file's user.e2b.* attributes, visible from inside.
+        r = sbx.commands.run("python3 -c \"import os; print(os.getxattr('/home/user/m.txt', 'user.e2b.author'))\"")
+        assert r.stdout == "b'mish'\n"
+        assert [e.metadata for e in sbx.files.list(".") if e.name == "m.txt"] == [{"author": "mish", "purpose": "upload"}]
+        assert sbx.files.rename("m.txt", "n.txt").metadata == {"author": "mish", "purpose": "upload"}
+        # Overwriting without metadata clears it; other user xattrs stay.
+        sbx.commands.run("python3 -c \"import os; os.setxattr('/home/user/n.txt', 'user.other', b'kept')\"")
+        assert sbx.files.write("n.txt", "y").metadata is None
+        assert sbx.files.get_info("n.txt").metadata is None
+        r = sbx.commands.run("python3 -c \"import os; print(os.listxattr('/home/user/n.txt'))\"")
+        assert r.stdout == "['user.other']\n"
+        # A value that is not printable ASCII is refused before anything is written.
+        h = {"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "49983", "x-access-token": sbx._envd_access_token,
+             "x-metadata-bad": "café".encode()}
+        r = httpx.post(f"{gateway.url}/files?path=/home/user/refused.txt", headers=h, files={"file": b"z"})
+        assert r.status_code == 400, r.text
+        assert not sbx.files.exists("refused.txt")
+
+
+def test_a_watch_sees_an_upload_as_envd_reports_it(gateway):
+    from e2b import FilesystemEventType
+
+    with Sandbox.create(template="base", timeout=60) as sbx:
+        sbx.files.make_dir("w")
+        h = sbx.files.watch_dir("w")
+        sbx.files.write("w/f.txt", "x")
+        deadline = time.monotonic() + 5
+        events = []
+        while time.monotonic() < deadline and len(events) < 3:
+            events += h.get_new_events()
+            time.sleep(0.1)
+        h.stop()
+        kinds = [e.type for e in events]
+        assert set(kinds) == {FilesystemEventType.CREATE, FilesystemEventType.CHMOD, FilesystemEventType.WRITE}, kinds
+
+
+def test_metrics_answer_within_their_range_and_snapshots_by_sandbox(gateway):
+    import datetime
+
+    with Sandbox.create(template="base", timeout=60) as sbx:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        assert len(sbx.get_metrics(start=now - datetime.timedelta(minutes=1), end=now)) == 1
+        old = now - datetime.timedelta(hours=1)
+        assert sbx.get_metrics(start=old, end=old + datetime.timedelta(minutes=30)) == []
+        snap = sbx.create_snapshot()
+        try:
+            ids = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()]
+            assert snap.snapshot_id in ids
+        finally:
+            Sandbox.delete_snapshot(snap.snapshot_id)

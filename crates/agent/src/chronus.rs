@@ -580,12 +580,14 @@ impl Runtime for ChronusService {
     }
 
     async fn list_dir(&self, r: Request<ListDirRequest>) -> Result<Response<ListDirResponse>, Status> {
-        let entries = files::list(&self.0.cwd(), &r.into_inner().path).await?;
+        let r = r.into_inner();
+        let entries = files::list(&self.0.cwd(), &r.path, r.xattrs).await?;
         Ok(Response::new(ListDirResponse { entries }))
     }
 
     async fn stat(&self, r: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
-        Ok(Response::new(files::stat(&self.0.cwd(), &r.into_inner().path).await?))
+        let r = r.into_inner();
+        Ok(Response::new(files::stat(&self.0.cwd(), &r.path, r.xattrs).await?))
     }
 
     async fn make_dir(&self, r: Request<MakeDirRequest>) -> Result<Response<MakeDirResponse>, Status> {

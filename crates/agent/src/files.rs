@@ -82,6 +82,7 @@ pub async fn write(cwd: &Path, staging: &Path, mut s: Streaming<WriteFileRequest
     {
         return Err(not_regular("write", &p).into());
     }
+    check_xattrs(&first.xattrs)?;
     let stage = staging.join(format!("upload-{:016x}", rand::random::<u64>()));
     let result = async {
         let mut st = tokio::fs::OpenOptions::new()
@@ -117,6 +118,7 @@ pub async fn write(cwd: &Path, staging: &Path, mut s: Streaming<WriteFileRequest
             tokio::fs::create_dir_all(parent).await.map_err(|e| AgentError::fs("mkdir", parent, e))?;
         }
         let mode = if first.mode == 0 { 0o644 } else { first.mode & 0o7777 };
+        let existed = tokio::fs::symlink_metadata(&p).await.is_ok();
         let mut f = tokio::fs::OpenOptions::new()
             .write(true)
             .create(true)
@@ -132,7 +134,9 @@ pub async fn write(cwd: &Path, staging: &Path, mut s: Streaming<WriteFileRequest
         if !md.is_file() {
             return Err(not_regular("write", &p).into());
         }
-        if first.mode != 0 && md.permissions().mode() & 0o7777 != mode {
+        // A new file gets exactly its mode, whatever the umask (set as envd's uploads set it,
+        // so a watcher sees the same create, attribute change and write).
+        if !existed || (first.mode != 0 && md.permissions().mode() & 0o7777 != mode) {
             f.set_permissions(std::fs::Permissions::from_mode(mode))
                 .await
                 .map_err(|e| AgentError::fs("chmod", &p, e))?;
@@ -140,6 +144,9 @@ pub async fn write(cwd: &Path, staging: &Path, mut s: Streaming<WriteFileRequest
         let mut src = tokio::fs::File::open(&stage).await.map_err(|e| AgentError::fs("stage", &p, e))?;
         tokio::io::copy(&mut src, &mut f).await.map_err(|e| AgentError::fs("write", &p, e))?;
         f.flush().await.map_err(|e| AgentError::fs("write", &p, e))?;
+        if !first.clear_xattrs.is_empty() || !first.xattrs.is_empty() {
+            set_user_xattrs(&f, &first.clear_xattrs, &first.xattrs).map_err(|e| AgentError::fs("setxattr", &p, e))?;
+        }
         Ok::<u64, tonic::Status>(n)
     }
     .await;
@@ -172,27 +179,116 @@ fn info(path: &Path, md: &std::fs::Metadata) -> FileInfo {
         } else {
             String::new()
         },
+        xattrs: Default::default(),
     }
 }
 
-pub async fn stat(cwd: &Path, path: &str) -> Result<FileInfo, AgentError> {
+pub async fn stat(cwd: &Path, path: &str, with_xattrs: bool) -> Result<FileInfo, AgentError> {
     let p = resolve(cwd, path)?;
     let md = tokio::fs::symlink_metadata(&p).await.map_err(|e| AgentError::fs("stat", &p, e))?;
-    Ok(info(&p, &md))
+    let mut i = info(&p, &md);
+    if with_xattrs {
+        i.xattrs = user_xattrs(&p);
+    }
+    Ok(i)
 }
 
-pub async fn list(cwd: &Path, path: &str) -> Result<Vec<FileInfo>, AgentError> {
+pub async fn list(cwd: &Path, path: &str, with_xattrs: bool) -> Result<Vec<FileInfo>, AgentError> {
     let p = resolve(cwd, if path.is_empty() { "." } else { path })?;
     let mut rd = tokio::fs::read_dir(&p).await.map_err(|e| AgentError::fs("list", &p, e))?;
     let mut out = vec![];
     while let Some(e) = rd.next_entry().await.map_err(|e| AgentError::fs("list", &p, e))? {
         let ep = e.path();
         if let Ok(md) = tokio::fs::symlink_metadata(&ep).await {
-            out.push(info(&ep, &md));
+            let mut i = info(&ep, &md);
+            if with_xattrs {
+                i.xattrs = user_xattrs(&ep);
+            }
+            out.push(i);
         }
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// Extended attributes a file gets or reports at most, and their bounds.
+const MAX_XATTRS: usize = 64;
+const MAX_XATTR_NAME: usize = 200;
+const MAX_XATTR_VALUE: usize = 4096;
+const USER: &str = "user.";
+
+fn check_xattrs(x: &std::collections::HashMap<String, String>) -> Result<(), AgentError> {
+    if x.len() > MAX_XATTRS {
+        return Err(AgentError::Invalid(format!("at most {MAX_XATTRS} xattrs per file")));
+    }
+    for (k, v) in x {
+        if k.is_empty() || k.len() > MAX_XATTR_NAME || k.contains('\0') {
+            return Err(AgentError::Invalid(format!("bad xattr name {:?}", k.chars().take(64).collect::<String>())));
+        }
+        if v.len() > MAX_XATTR_VALUE {
+            return Err(AgentError::Invalid(format!("xattr {k:?}: value over {MAX_XATTR_VALUE} bytes")));
+        }
+    }
+    Ok(())
+}
+
+/// Removes the file's `user.<clear>*` attributes (none for an empty `clear`), then sets
+/// `set` as `user.<name>`, on the open file.
+fn set_user_xattrs(
+    f: &tokio::fs::File,
+    clear: &str,
+    set: &std::collections::HashMap<String, String>,
+) -> std::io::Result<()> {
+    use rustix::fs::{XattrFlags, fremovexattr, fsetxattr};
+    if !clear.is_empty() {
+        let prefix = format!("{USER}{clear}");
+        for name in xattr_names(|buf| rustix::fs::flistxattr(f, buf))? {
+            if name.starts_with(&prefix) {
+                fremovexattr(f, name.as_str()).map_err(std::io::Error::from)?;
+            }
+        }
+    }
+    for (k, v) in set {
+        fsetxattr(f, format!("{USER}{k}").as_str(), v.as_bytes(), XattrFlags::empty()).map_err(std::io::Error::from)?;
+    }
+    Ok(())
+}
+
+/// The names a `listxattr` call gives (grown until they fit, within bounds).
+fn xattr_names(list: impl Fn(&mut [u8]) -> rustix::io::Result<usize>) -> std::io::Result<Vec<String>> {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match list(&mut buf) {
+            Ok(n) => {
+                buf.truncate(n);
+                return Ok(buf
+                    .split(|b| *b == 0)
+                    .filter(|n| !n.is_empty())
+                    .map(|n| String::from_utf8_lossy(n).into_owned())
+                    .collect());
+            }
+            Err(rustix::io::Errno::RANGE) if buf.len() < (1 << 16) => buf.resize(buf.len() * 4, 0),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// A file's `user.` attributes (not following a symlink), names without `user.`; none when
+/// the file system has none, or they cannot be read.
+fn user_xattrs(p: &Path) -> std::collections::HashMap<String, String> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(names) = xattr_names(|buf| rustix::fs::llistxattr(p, buf)) else { return out };
+    for name in names.into_iter().filter(|n| n.starts_with(USER)) {
+        if out.len() >= MAX_XATTRS {
+            break;
+        }
+        let mut val = vec![0u8; MAX_XATTR_VALUE];
+        if let Ok(n) = rustix::fs::lgetxattr(p, name.as_str(), &mut val) {
+            val.truncate(n);
+            out.insert(name[USER.len()..].to_string(), String::from_utf8_lossy(&val).into_owned());
+        }
+    }
+    out
 }
 
 pub async fn mkdir(cwd: &Path, path: &str, parents: bool, mode: u32) -> Result<(), AgentError> {

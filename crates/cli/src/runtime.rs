@@ -477,6 +477,7 @@ pub async fn cp(client: &Client, out: &Out, a: CpArgs) -> Result<(), CtlError> {
                 user,
                 make_parents: true,
                 finish: false,
+                ..Default::default()
             };
             (upload(client, local, first).await?, false)
         }

@@ -189,7 +189,7 @@ async fn list_snapshots(call: &Call) -> Result<Response> {
             .filter(|l| (1..=1000).contains(l))
             .ok_or_else(|| RestError::bad_request(format!("limit must be 1..=1000, got {l:?}")))?,
     };
-    let source = call.param("sandboxID").map(|s| format!("snapshot:{s}"));
+    let source = call.param("sandboxID").map(|s| format!("snapshot:{}", crate::host::opendsec_id(s)));
     let list = call.client.list_images(pb::ListImagesRequest { project: String::new(), recursive: false }).await?;
     let mut snaps: Vec<pb::Image> = list
         .images
@@ -577,7 +577,19 @@ async fn metrics(call: &Call, id: &str) -> Result<Response> {
         "diskUsed": m.disk_used_bytes,
         "diskTotal": m.disk_total_bytes,
     });
-    Ok(json(StatusCode::OK, &vec![one]))
+    // `start` and `end` (unix seconds) bound the points answered: the one point there is
+    // (now) only when it lies within them.
+    let bound = |name: &str| -> Result<Option<i64>> {
+        call.param(name)
+            .map(|v| v.parse::<i64>().map_err(|_| RestError::bad_request(format!("{name} {v:?} is not unix seconds"))))
+            .transpose()
+    };
+    let (start, end) = (bound("start")?, bound("end")?);
+    let at_s = m.at_ms / 1000;
+    // The SDK's bounds are second-precision and a range ending "now" is asked before the
+    // point is taken: within E2B's collection step (5 s) of `end` counts as in.
+    let inside = start.is_none_or(|s| at_s >= s) && end.is_none_or(|e| at_s <= e.saturating_add(5));
+    Ok(json(StatusCode::OK, &if inside { vec![one] } else { vec![] }))
 }
 
 async fn network(call: &Call, id: &str, body: &[u8]) -> Result<Response> {

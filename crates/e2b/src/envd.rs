@@ -499,6 +499,11 @@ fn entry_with(info: &pb::FileInfo, names: &crate::names::Names) -> EntryInfo {
         modified_time: model::rfc3339(info.modified_ms),
         symlink_target: (!info.symlink_target.is_empty()).then(|| info.symlink_target.clone()),
         is_symlink: kind == FileKind::Symlink,
+        metadata: info
+            .xattrs
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix(files::METADATA_XATTRS)?.to_string(), v.clone())))
+            .collect(),
     }
 }
 
@@ -559,6 +564,7 @@ async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
                 session_id: ctx.session(),
                 path: dir,
                 user: ctx.user.clone(),
+                xattrs: true,
             };
             let entries = match ctx.client.list_dir(req).await {
                 Ok(r) => r.entries,
@@ -831,6 +837,7 @@ mod tests {
             modified_time: String::new(),
             symlink_target: None,
             is_symlink: false,
+            metadata: Default::default(),
         };
         let mut v = vec![e("/d/subdir2"), e("/d/a-b"), e("/d/subdir1/x"), e("/d/a"), e("/d/a/z"), e("/d/subdir1")];
         v.sort_by(|a, b| a.path.split('/').cmp(b.path.split('/')));

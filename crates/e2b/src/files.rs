@@ -2,6 +2,7 @@
 //! per file named by its raw filename, or one octet-stream body, gzip allowed) and
 //! `GET /health`. Uploads are streamed to the agent and only land when complete.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -125,8 +126,34 @@ async fn read(ctx: &Ctx, path: &str) -> Response {
     r
 }
 
-/// Writes one file from `data`: the upload lands only if every chunk arrived.
-async fn put<S>(ctx: &Ctx, path: &str, data: S) -> Result<serde_json::Value, Response>
+/// The prefix of E2B's file metadata among a file's `user.` extended attributes.
+pub(crate) const METADATA_XATTRS: &str = "e2b.";
+
+/// E2B's file metadata of an upload: its `X-Metadata-<key>` headers (keys lowercase, as
+/// header names are), values printable ASCII.
+fn metadata_of(h: &axum::http::HeaderMap) -> Result<HashMap<String, String>, Response> {
+    let mut out = HashMap::new();
+    for (name, value) in h {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else { continue };
+        let value = value.to_str().ok().filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b))).ok_or_else(|| {
+            rest(StatusCode::BAD_REQUEST, format!("metadata {key:?}: values must be printable ASCII"))
+        })?;
+        if key.is_empty() {
+            return Err(rest(StatusCode::BAD_REQUEST, "a metadata key is empty"));
+        }
+        out.insert(key.to_string(), value.to_string());
+    }
+    Ok(out)
+}
+
+/// Writes one file from `data`: the upload lands only if every chunk arrived. Its metadata
+/// replaces what the file had (an upload without any clears it, as envd does).
+async fn put<S>(
+    ctx: &Ctx,
+    path: &str,
+    data: S,
+    metadata: &HashMap<String, String>,
+) -> Result<serde_json::Value, Response>
 where
     S: Stream<Item = Result<Bytes, String>> + Send + 'static,
 {
@@ -136,6 +163,8 @@ where
         path: user_path(path),
         user: ctx.user.clone(),
         make_parents: true,
+        xattrs: metadata.iter().map(|(k, v)| (format!("{METADATA_XATTRS}{k}"), v.clone())).collect(),
+        clear_xattrs: METADATA_XATTRS.to_string(),
         ..Default::default()
     };
     let id = ctx.id.clone();
@@ -162,7 +191,11 @@ where
         }
     };
     let name = abs.rsplit('/').next().unwrap_or_default().to_string();
-    Ok(json!({"path": abs, "name": name, "type": "file"}))
+    let mut out = json!({"path": abs, "name": name, "type": "file"});
+    if !metadata.is_empty() {
+        out["metadata"] = json!(metadata);
+    }
+    Ok(out)
 }
 
 /// Chunks of at most [`CHUNK`] bytes (gRPC messages stay small whatever the client sends).
@@ -189,6 +222,10 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
         }
         Err(e) => return rest(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
+    let metadata = match metadata_of(req.headers()) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
     let ctype = header(req.headers(), "content-type").unwrap_or_default().to_string();
     let gzip = header(req.headers(), "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
     let mut written = Vec::new();
@@ -258,7 +295,8 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
                 }
                 None
             };
-            let (bad, r) = tokio::join!(pump, put(ctx, &target, tokio_stream::wrappers::ReceiverStream::new(rx)));
+            let (bad, r) =
+                tokio::join!(pump, put(ctx, &target, tokio_stream::wrappers::ReceiverStream::new(rx), &metadata));
             in_part.store(false, Ordering::Relaxed);
             // A body that broke off is the client's error (and wrote nothing).
             if let Some(e) = bad {
@@ -294,7 +332,7 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
             };
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, String>>(4);
             let inflating = tokio::task::spawn_blocking(move || inflate(&compressed, &tx));
-            let r = put(ctx, &p, tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+            let r = put(ctx, &p, tokio_stream::wrappers::ReceiverStream::new(rx), &metadata).await;
             if let Ok(Some(e)) = inflating.await {
                 return rest(StatusCode::BAD_REQUEST, e);
             }
@@ -302,7 +340,7 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
         } else {
             let data = req.into_body().into_data_stream().map(|c| c.map_err(|e| e.to_string()));
             let (data, reader) = feed(data);
-            let r = put(ctx, &p, data).await;
+            let r = put(ctx, &p, data, &metadata).await;
             if r.is_err() {
                 // Answer only once the client stopped sending (within bounds): a client still
                 // writing its body when the connection closes sees a broken pipe, not the

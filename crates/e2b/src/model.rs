@@ -322,6 +322,9 @@ pub struct EntryInfo {
     pub symlink_target: Option<String>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub is_symlink: bool,
+    /// E2B's file metadata (the file's `user.e2b.*` attributes).
+    #[serde(skip_serializing_if = "HashMap::is_empty")]
+    pub metadata: HashMap<String, String>,
 }
 
 /// The `mode` envd reports: the permission bits only (Go's `FileMode.Perm()`), whatever the

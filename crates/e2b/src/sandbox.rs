@@ -114,6 +114,8 @@ pub(crate) async fn stat_of(ctx: &Ctx, path: &str) -> Result<pb::FileInfo, ApiEr
         session_id: ctx.session(),
         path: user_path(path),
         user: ctx.user.clone(),
+        // E2B's file metadata rides on every description of a file.
+        xattrs: true,
     };
     ctx.client.stat(req).await
 }
