@@ -52,8 +52,10 @@ def test_stdout_streams_through_callbacks_as_it_comes(gateway):
 
 def test_env_vars_hold_for_one_run(gateway):
     with CodeSandbox.create() as ci:
-        assert ci.run_code("import os; os.environ.get('MYV')", envs={"MYV": "v1"}).text == "'v1'"
-        assert ci.run_code("import os; repr(os.environ.get('MYV'))").text == "'None'"
+        # A string result's text is the string (E2B's display), not its repr.
+        assert ci.run_code("import os; os.environ.get('MYV')", envs={"MYV": "v1"}).text == "v1"
+        assert ci.run_code("import os; repr(os.environ.get('MYV'))").text == "None"
+        assert ci.run_code("['a']").text == "['a']"  # only a quoted text loses its quotes
 
 
 def test_contexts_python_and_bash(gateway):
@@ -62,7 +64,7 @@ def test_contexts_python_and_bash(gateway):
         assert (ctx.language, ctx.cwd) == ("python", "/tmp")
         ci.run_code("y = 5", context=ctx)
         assert ci.run_code("y", context=ctx).text == "5"
-        assert ci.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert ci.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"
         assert ci.run_code("y").error.name == "NameError"  # not in the default context
         assert ctx.id in [c.id for c in ci.list_code_contexts()]
         ci.restart_code_context(ctx)
@@ -75,6 +77,10 @@ def test_contexts_python_and_bash(gateway):
         assert ci.run_code("echo $PWD $Q", context=b).logs.stdout == ["/tmp 1\n"]
         assert ci.run_code("exit 4", context=b).error is not None
         assert ci.run_code("echo hi", language="bash").logs.stdout == ["hi\n"]
+        # A run's envs hold for that run only; what the code exports stays.
+        b2 = ci.create_code_context(language="bash")
+        assert ci.run_code("echo $V; export W=2", context=b2, envs={"V": "it's 1"}).logs.stdout == ["it's 1\n"]
+        assert ci.run_code("echo ${V:-unset} $W", context=b2).logs.stdout == ["unset 2\n"]
 
 
 def test_a_timeout_interrupts_the_run_and_the_kernel_lives_on(gateway):
@@ -84,6 +90,19 @@ def test_a_timeout_interrupts_the_run_and_the_kernel_lives_on(gateway):
             ci.run_code("import time; time.sleep(60)", timeout=2)
         # Interrupted, not restarted: the state is still there.
         assert ci.run_code("z", timeout=60).text == "7"
+
+
+def test_a_run_whose_sandbox_is_killed_says_so(gateway):
+    import threading
+
+    ci = CodeSandbox.create()
+    timer = threading.Timer(2.0, ci.kill)
+    timer.start()
+    try:
+        with pytest.raises(TimeoutException, match="sandbox was killed while the request was in progress"):
+            ci.run_code("import time; time.sleep(120)", timeout=120)
+    finally:
+        timer.cancel()
 
 
 def test_async_code_interpreter(gateway):

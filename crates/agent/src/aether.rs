@@ -264,12 +264,15 @@ impl Aether {
     ) -> Result<(), AgentError> {
         let n = c.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
         let mut s = self.session(&c.session(), &c.user).await?;
+        // A run's variables hold for that run only (E2B's scoping); what the code itself
+        // exports or `cd`s stays, as in any shell.
+        let command = crate::contexts::scoped_env(&req.env, &req.code)?;
         // The context's directory on its first run; afterwards wherever its `cd`s left it.
         let exec = ExecRequest {
             session_id: c.session(),
-            command: req.code,
+            command,
             timeout_ms: req.timeout_ms,
-            env: req.env,
+            env: Default::default(),
             cwd: if n == 1 { c.cwd.clone() } else { String::new() },
             ..Default::default()
         };

@@ -124,9 +124,43 @@ impl Contexts {
     }
 }
 
+/// `code` for a bash context with `env` set around it: each variable's old value (or its
+/// absence) is put back after the code, whatever it exited with, and its exit status is kept.
+pub fn scoped_env(env: &HashMap<String, String>, code: &str) -> Result<String, AgentError> {
+    if env.is_empty() {
+        return Ok(code.to_string());
+    }
+    let mut names: Vec<&String> = env.keys().collect();
+    names.sort();
+    for n in &names {
+        let ok = n.bytes().next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !ok {
+            return Err(AgentError::Invalid(format!("env name {n:?} is not a shell variable name")));
+        }
+    }
+    let list = names.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(" ");
+    let quote = |v: &str| format!("'{}'", v.replace('\'', "'\\''"));
+    let sets = names.iter().map(|n| format!("{n}={}", quote(&env[n.as_str()]))).collect::<Vec<_>>().join(" ");
+    Ok(format!(
+        "__od_saved=$(declare -p {list} 2>/dev/null); export {sets}\n{code}\n__od_rc=$?; unset {list}; eval \"$__od_saved\"; unset __od_saved; (exit $__od_rc)"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runs_variables_hold_for_that_run_only() {
+        let env = HashMap::from([("FOO".to_string(), "new 'q' $x".to_string()), ("BAR".to_string(), "b".into())]);
+        let run = scoped_env(&env, "echo \"$FOO $BAR\"; export MINE=1; false").unwrap();
+        let script = format!("FOO=old; export FOO\n{run}\necho \"rc=$? $FOO ${{BAR-unset}} $MINE\"");
+        let out = std::process::Command::new("bash").arg("-c").arg(&script).output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "new 'q' $x b\nrc=1 old unset 1\n");
+        assert!(scoped_env(&HashMap::from([("A B".to_string(), String::new())]), "true").is_err());
+        assert_eq!(scoped_env(&HashMap::new(), "echo").unwrap(), "echo");
+    }
 
     #[test]
     fn languages_parse_and_name_their_default() {

@@ -133,8 +133,13 @@ fn result_line(r: &pb::CodeResult) -> Value {
         // Jupyter may split text into lines (a list of strings).
         let v = match v {
             Value::Array(parts) if key != "json" => Value::String(parts.iter().filter_map(Value::as_str).collect()),
+            v => v,
+        };
+        let v = match v {
             // Base64 images may carry line breaks.
             Value::String(s) if matches!(key, "png" | "jpeg" | "pdf") => Value::String(s.replace('\n', "")),
+            // A text in quotes (a string's repr) loses them, as E2B's code interpreter shows it.
+            Value::String(s) if key == "text" => Value::String(unquoted(&s).to_string()),
             v => v,
         };
         line[key] = v;
@@ -143,6 +148,12 @@ fn result_line(r: &pb::CodeResult) -> Value {
         line["extra"] = Value::Object(extra);
     }
     line
+}
+
+/// `s` without the quotes around it, if it starts and ends with the same one.
+fn unquoted(s: &str) -> &str {
+    let b = s.as_bytes();
+    if b.len() >= 2 && (b[0] == b'\'' || b[0] == b'"') && b[b.len() - 1] == b[0] { &s[1..s.len() - 1] } else { s }
 }
 
 async fn execute(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
@@ -178,14 +189,35 @@ async fn execute(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
         }
         other => other,
     };
-    let lines = futures::stream::iter(first).chain(events).map(|ev| match ev {
-        Ok(ev) => line_of(ev),
-        Err(s) => Some(json!({"type": "error", "name": "ExecutionError", "value": s.message(), "traceback": ""})),
+    // A run whose sandbox ended under it breaks the connection off, as E2B's does (the SDK
+    // then finds the sandbox gone and says it was killed); other failures are error lines.
+    let (client, id) = (call.client.clone(), call.id.clone());
+    let lines = futures::stream::iter(first).chain(events).then(move |ev| {
+        let (client, id) = (client.clone(), id.clone());
+        async move {
+            match ev {
+                Ok(ev) => Ok(line_of(ev)),
+                Err(_) if crate::sandbox::sandbox_gone(&client, &id).await => {
+                    Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the sandbox ended"))
+                }
+                Err(s) => {
+                    Ok(Some(json!({"type": "error", "name": "ExecutionError", "value": s.message(), "traceback": ""})))
+                }
+            }
+        }
     });
+    let end = futures::stream::once(async { Ok(Bytes::from_static(b"{\"type\":\"end_of_execution\"}\n")) });
+    // Nothing follows a broken-off run (not even its end line).
     let lines = lines
-        .filter_map(|l| async move { l.map(|l| Bytes::from(format!("{l}\n"))) })
-        .chain(futures::stream::once(async { Bytes::from_static(b"{\"type\":\"end_of_execution\"}\n") }));
-    let mut r = Response::new(Body::from_stream(lines.map(Ok::<_, std::convert::Infallible>)));
+        .filter_map(|l| async move { l.map(|l| l.map(|l| Bytes::from(format!("{l}\n")))).transpose() })
+        .scan(false, |broken, l| {
+            let out = if *broken { None } else { Some(l) };
+            if matches!(out, Some(Err(_))) {
+                *broken = true;
+            }
+            std::future::ready(out)
+        });
+    let mut r = Response::new(Body::from_stream(lines.chain(end)));
     r.headers_mut().insert(h::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
 }
@@ -269,6 +301,11 @@ mod tests {
         assert_eq!(l["html"], "<b>x</b>");
         assert_eq!(l["is_main_result"], true);
         assert_eq!(l["extra"]["application/vnd.custom"]["a"], 1);
+        // A string's repr shows as the string.
+        for (plain, shown) in [("'x y'", "x y"), ("\"q\"", "q"), ("('a', 'b')", "('a', 'b')"), ("'", "'"), ("''", "")] {
+            let r = pb::CodeResult { data_json: json!({"text/plain": plain}).to_string(), main: true };
+            assert_eq!(result_line(&r)["text"], shown, "{plain}");
+        }
     }
 
     #[test]
