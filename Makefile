@@ -1,7 +1,7 @@
 # One entry point for what CI runs. `make setup verify` = exactly what CI runs.
 CARGO ?= cargo
 
-.PHONY: setup build test verify fmt lint fuzz demo bench bench-scale bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b bench-iam agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
+.PHONY: setup build test verify fmt lint fuzz demo e2b-upstream bench bench-scale bench-container bench-network bench-snapshot bench-pool bench-vm bench-sdk bench-e2b bench-iam agent images vm-kernel s3-server sdk-test sdk-venv e2b-images e2b-test up down
 
 # System packages the tests use (a local OCI registry, image tools, busybox for test images;
 # libnss-myhostname makes every *.localhost name the loopback address: E2B sandbox hosts).
@@ -70,6 +70,15 @@ e2b-test: agent e2b-images
 	  npm install --silent --no-audit --no-fund $(E2B_JS_SDKS)
 	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl E2B_JS_MODULES=$(CURDIR)/$(E2B_JS)/node_modules \
 	  $(E2B_VENV)/bin/pytest -q tests/e2b
+
+# E2B's own Python suites against a local cluster's gateway (docs/e2b.md): needs checkouts of
+# github.com/e2b-dev/E2B and github.com/e2b-dev/code-interpreter, which CI cannot fetch.
+POINT ?= pinned
+e2b-upstream: agent e2b-images
+	$(CARGO) build -p opendsec-cli
+	@[ -n "$(E2B_SRC)" ] && [ -n "$(E2B_CI_SRC)" ] || { echo "set E2B_SRC and E2B_CI_SRC to checkouts of e2b-dev/E2B and e2b-dev/code-interpreter" >&2; exit 2; }
+	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl python3 tests/e2b/upstream/run.py \
+	  --e2b-src $(E2B_SRC) --ci-src $(E2B_CI_SRC) --point $(POINT)
 
 lint:
 	$(CARGO) fmt --all -- --check

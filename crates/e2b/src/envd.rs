@@ -593,8 +593,12 @@ async fn list_dir(ctx: &Ctx, msg: &[u8]) -> R {
 /// A listing in envd's order: a walk of the tree, each directory's entries by name, each
 /// directory followed by what is in it.
 fn listed(mut out: Vec<EntryInfo>) -> Response {
-    out.sort_by(|a, b| a.path.split('/').cmp(b.path.split('/')));
+    walk_order(&mut out);
     connect::unary_ok(&json!({"entries": out}))
+}
+
+fn walk_order(entries: &mut [EntryInfo]) {
+    entries.sort_by(|a, b| a.path.split('/').cmp(b.path.split('/')));
 }
 
 async fn make_dir(ctx: &Ctx, msg: &[u8]) -> R {
@@ -839,8 +843,8 @@ mod tests {
             is_symlink: false,
             metadata: Default::default(),
         };
-        let mut v = vec![e("/d/subdir2"), e("/d/a-b"), e("/d/subdir1/x"), e("/d/a"), e("/d/a/z"), e("/d/subdir1")];
-        v.sort_by(|a, b| a.path.split('/').cmp(b.path.split('/')));
+        let mut v = [e("/d/subdir2"), e("/d/a-b"), e("/d/subdir1/x"), e("/d/a"), e("/d/a/z"), e("/d/subdir1")];
+        walk_order(&mut v);
         let order: Vec<&str> = v.iter().map(|x| x.path.as_str()).collect();
         assert_eq!(order, ["/d/a", "/d/a/z", "/d/a-b", "/d/subdir1", "/d/subdir1/x", "/d/subdir2"]);
     }

@@ -131,15 +131,17 @@ pub(crate) const METADATA_XATTRS: &str = "e2b.";
 
 /// E2B's file metadata of an upload: its `X-Metadata-<key>` headers (keys lowercase, as
 /// header names are), values printable ASCII.
-fn metadata_of(h: &axum::http::HeaderMap) -> Result<HashMap<String, String>, Response> {
+fn metadata_of(h: &axum::http::HeaderMap) -> Result<HashMap<String, String>, String> {
     let mut out = HashMap::new();
     for (name, value) in h {
         let Some(key) = name.as_str().strip_prefix("x-metadata-") else { continue };
-        let value = value.to_str().ok().filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b))).ok_or_else(|| {
-            rest(StatusCode::BAD_REQUEST, format!("metadata {key:?}: values must be printable ASCII"))
-        })?;
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| format!("metadata {key:?}: values must be printable ASCII"))?;
         if key.is_empty() {
-            return Err(rest(StatusCode::BAD_REQUEST, "a metadata key is empty"));
+            return Err("a metadata key is empty".into());
         }
         out.insert(key.to_string(), value.to_string());
     }
@@ -224,7 +226,7 @@ async fn write(ctx: &Ctx, path: Option<String>, req: Request<Body>) -> Response 
     }
     let metadata = match metadata_of(req.headers()) {
         Ok(m) => m,
-        Err(r) => return r,
+        Err(m) => return rest(StatusCode::BAD_REQUEST, m),
     };
     let ctype = header(req.headers(), "content-type").unwrap_or_default().to_string();
     let gzip = header(req.headers(), "content-encoding").is_some_and(|e| e.eq_ignore_ascii_case("gzip"));
