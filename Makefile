@@ -56,6 +56,11 @@ E2B_VENV ?= target/e2b-venv
 E2B_PY_SDKS = e2b==2.63.0 e2b-code-interpreter==2.11.5
 E2B_JS_SDKS = e2b@2.51.0 @e2b/code-interpreter@2.8.0
 E2B_JS = target/e2b-js
+# The version matrix (tests/e2b/test_versions.py): the oldest releases we support (their key
+# check refuses anything but e2b_ + hex) and the newest; the newest JavaScript is E2B_JS_SDKS.
+E2B_PY_OLD = e2b==2.40.0 e2b-code-interpreter==2.8.0
+E2B_PY_NEW = e2b==2.64.0 e2b-code-interpreter==2.11.5
+E2B_JS_OLD = e2b@2.10.1 @e2b/code-interpreter@2.0.0
 e2b-images:
 	./scripts/e2b-images.sh base >/dev/null
 	./scripts/e2b-images.sh code-interpreter >/dev/null
@@ -68,6 +73,10 @@ e2b-test: agent e2b-images
 	@command -v npm >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null; }
 	mkdir -p $(E2B_JS) && cd $(E2B_JS) && { [ -f package.json ] || echo '{"private": true}' >package.json; } && \
 	  npm install --silent --no-audit --no-fund $(E2B_JS_SDKS)
+	python3 -m venv $(E2B_VENV)-old && $(E2B_VENV)-old/bin/pip install -q $(E2B_PY_OLD)
+	python3 -m venv $(E2B_VENV)-new && $(E2B_VENV)-new/bin/pip install -q $(E2B_PY_NEW)
+	mkdir -p $(E2B_JS)-old && cd $(E2B_JS)-old && { [ -f package.json ] || echo '{"private": true}' >package.json; } && \
+	  npm install --silent --no-audit --no-fund $(E2B_JS_OLD)
 	OPENDSECCTL=$(CURDIR)/target/debug/opendsecctl E2B_JS_MODULES=$(CURDIR)/$(E2B_JS)/node_modules \
 	  $(E2B_VENV)/bin/pytest -q tests/e2b
 

@@ -20,8 +20,12 @@ class H(http.server.BaseHTTPRequestHandler):
         n = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(n)
         out = f"{self.command} {self.path} x-probe={self.headers.get('x-probe')} host={self.headers.get('host')} ".encode() + body
-        self.send_response(201)
+        if self.path == "/keys":
+            seen = [h for h in ("x-api-key", "x-access-token", "e2b-traffic-access-token", "x-hop") if self.headers.get(h)]
+            out = " ".join(seen).encode()
+        self.send_response(401 if self.path == "/401" else 201)
         self.send_header("x-served-by", "echo")
+        self.send_header("set-cookie", "a=1; Domain=.sandbox.localhost; Path=/")
         self.send_header("content-length", str(len(out)))
         self.end_headers()
         self.wfile.write(out)
@@ -86,9 +90,19 @@ def test_get_host_reaches_a_public_sandbox_port_without_a_token(gateway):
         assert r.status_code == 201, r.text
         assert r.text == "POST /some/path?q=1 x-probe=p1 host=127.0.0.1:8001 payload"
         assert r.headers["x-served-by"] == "echo"
-        # The gateway's tokens never reach the sandbox's server.
-        r = httpx.get(url, headers={"x-api-key": "k", "x-access-token": "t", "e2b-traffic-access-token": sbx.traffic_access_token})
-        assert r.status_code == 201
+        # The gateway's tokens never reach the sandbox's server, nor headers its Connection
+        # names; an X-API-Key is the app's own (never taken as a token).
+        h = {"x-api-key": "k", "x-access-token": "t", "e2b-traffic-access-token": sbx.traffic_access_token,
+             "x-hop": "1", "connection": "x-hop"}
+        r = httpx.get(f"{url}/keys", headers=h)
+        assert (r.status_code, r.text) == (201, "x-api-key"), r.text
+        assert httpx.get(f"{url}/keys", headers={"x-api-key": "not-a-token"}).status_code == 201
+        # A cookie stays on the sandbox's own host (every sandbox shares the domain).
+        assert r.headers["set-cookie"] == "a=1; Path=/"
+        # A sandbox answering 401 is its own business: its visitors are never paused for it.
+        for _ in range(80):
+            assert httpx.get(f"{url}/401").status_code == 401
+        assert httpx.get(f"{gateway.url}/v2/sandboxes", headers={"x-api-key": gateway.key}).status_code == 200
         # Headers route as hosts do (the SDK's shape), for any port.
         r = httpx.get(gateway.url + "/h", headers={"e2b-sandbox-id": sbx.sandbox_id, "e2b-sandbox-port": "8001"})
         assert r.status_code == 201 and r.text.startswith("GET /h ")

@@ -179,7 +179,11 @@ fn source<B>(req: &http::Request<B>) -> Option<IpAddr> {
 /// into a sandbox whose traffic is public. The guard puts it in the request's extensions;
 /// the Runtime service checks the sandbox's spec.
 #[derive(Clone, Copy, Debug)]
-pub struct PublicCaller;
+pub struct PublicCaller {
+    /// The client the gateway names: calls into sandboxes that are not public, or not there,
+    /// count as failed authentications against it.
+    pub ip: Option<IpAddr>,
+}
 
 /// The principal audit lines and bounds name a [`PublicCaller`] by.
 pub const PUBLIC_PRINCIPAL: &str = "public";
@@ -376,11 +380,15 @@ where
             let mut call = crate::state::Call::new(method);
             let mut req = req;
             let admitted = match public_call(&req, method) {
+                Ok(true) if paused => Err(ApiError::new(
+                    Reason::Unauthenticated,
+                    "too many calls into sandboxes that are not public from this address; try again later",
+                )),
                 Ok(true) => {
                     // Nobody's call: it counts against its client's address (the gateway
                     // names it), and the Runtime service checks the sandbox is public.
                     call.principal = Some(PUBLIC_PRINCIPAL.to_string());
-                    req.extensions_mut().insert(PublicCaller);
+                    req.extensions_mut().insert(PublicCaller { ip });
                     let key = format!("{PUBLIC_PRINCIPAL}@{}", ip.map(|i| i.to_string()).unwrap_or_default());
                     shared.calls.try_take(&key).ok_or_else(|| {
                         ApiError::new(Reason::RateLimited, format!("{key} has too many calls in flight already"))

@@ -201,12 +201,22 @@ async fn authorized(
 ) -> Result<(String, String, String), ApiError> {
     let mut edge = crate::moves::route(s, id)?;
     call.sandbox_id = Some(id.to_string());
-    if public.is_some() {
+    if let Some(p) = public {
         call.principal = Some(PUBLIC_PRINCIPAL.to_string());
-        let (_, sb) = crate::moves::follow(s, id, |edge| async move { forward::edge_get(s, &edge, id).await }).await?;
+        // A sandbox that is not there, or not public, counts as a failed authentication of
+        // the client: nobody may probe ids for free.
+        let refuse = |e: ApiError| {
+            if let Some(ip) = p.ip {
+                s.failures.failed(ip, std::time::Instant::now());
+            }
+            e
+        };
+        let (_, sb) = crate::moves::follow(s, id, |edge| async move { forward::edge_get(s, &edge, id).await })
+            .await
+            .map_err(|e| if e.reason == Reason::NotFound { refuse(e) } else { e })?;
         let spec = sb.spec.unwrap_or_default();
         if !spec.public_traffic {
-            return Err(ApiError::denied(format!("sandbox {id}'s traffic is not public: a token is needed")));
+            return Err(refuse(ApiError::denied(format!("sandbox {id}'s traffic is not public: a token is needed"))));
         }
         call.project = Some(spec.project.clone());
         return Ok((edge, spec.project, format!("{PUBLIC_PRINCIPAL}@{id}")));

@@ -157,22 +157,29 @@ impl Sources {
         Sources { cap, open: Default::default() }
     }
 
-    /// The source an address counts as: itself for IPv4, its /64 for IPv6 (one host's
-    /// usual allocation).
+    /// The source an address counts as: [`source_of`].
     pub(crate) fn source_of(ip: std::net::IpAddr) -> std::net::IpAddr {
-        use std::net::{IpAddr, Ipv6Addr};
-        match ip {
-            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-                Some(v4) => IpAddr::V4(v4),
-                None => {
-                    let s = v6.segments();
-                    IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
-                }
-            },
-            v4 => v4,
-        }
+        source_of(ip)
     }
+}
 
+/// The source an address counts as in every per-source bound: itself for IPv4, its /64 for
+/// IPv6 (one host's usual allocation).
+pub fn source_of(ip: std::net::IpAddr) -> std::net::IpAddr {
+    use std::net::{IpAddr, Ipv6Addr};
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+        v4 => v4,
+    }
+}
+
+impl Sources {
     pub(crate) fn take(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<SourceSlot> {
         let ip = Sources::source_of(ip);
         let mut m = self.open.lock().unwrap_or_else(|p| p.into_inner());

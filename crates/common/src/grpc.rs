@@ -162,7 +162,8 @@ pub const CLIENT_ADDR_HEADER: &str = "x-opendsec-client-addr";
 /// The header with which the E2B gateway makes an `HttpRequest` for nobody (a request to a
 /// sandbox host that brought no token): the apiserver takes such a call only from a
 /// connection whose client certificate says `gateway`, without a token, and only for a
-/// sandbox whose spec has `public_traffic`; to every other sandbox it answers `not_found`.
+/// sandbox whose spec has `public_traffic` (another answers `permission_denied`, one that is
+/// not there `not_found`; both count as failed authentications of the client it names).
 pub const PUBLIC_TRAFFIC_HEADER: &str = "x-opendsec-public-traffic";
 
 /// How a client reaches the public API.

@@ -40,7 +40,8 @@ pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, req: Request<Body>)
 struct Call {
     client: Client,
     query: Vec<(String, String)>,
-    idempotency_key: Option<String>,
+    /// The lease an `Idempotency-Key` stands for ([`lease_of`]).
+    idempotency_lease: Option<String>,
 }
 
 impl Call {
@@ -56,8 +57,9 @@ async fn dispatch(gw: &Gateway, caller: crate::Caller, req: Request<Body>) -> Re
     let client = gw.client(&key, caller).map_err(RestError::from)?;
     let query =
         req.uri().query().map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect()).unwrap_or_default();
-    let idempotency_key = header(req.headers(), "idempotency-key").map(str::to_string);
-    let call = Call { client, query, idempotency_key };
+    let token = opendsec_common::config::token_of_e2b_key(&key).unwrap_or_else(|| key.clone());
+    let idempotency_lease = header(req.headers(), "idempotency-key").map(|k| lease_of(&token, k));
+    let call = Call { client, query, idempotency_lease };
     let method = req.method().clone();
     let path = req.uri().path().trim_end_matches('/').to_string();
     let body = read_body(req.into_body()).await?;
@@ -296,16 +298,16 @@ fn egress_of(allow_internet: Option<bool>, net: Option<&model::Network>) -> Resu
     Ok(Some(out))
 }
 
-/// A lease id from E2B's idempotency key (`[a-z0-9-]{1,255}`): the key itself when it is a
-/// valid lease id without a dash (so that the sandbox's E2B id is one a host name can hold,
-/// [`crate::host`]), else a digest of it.
-fn lease_of(key: &str) -> String {
-    if opendsec_common::ids::validate_lease(key).is_ok() && !key.contains('-') {
-        return key.to_string();
-    }
+/// The lease id an E2B idempotency key stands for: a digest of the caller's token and the
+/// key, so that a retry with the same token gets the same sandbox, and nobody can name (and,
+/// its traffic being public by default, reach) a sandbox by guessing its key.
+fn lease_of(token: &str, key: &str) -> String {
     use sha2::Digest;
-    let d = sha2::Sha256::digest(key.as_bytes());
-    d.iter().take(16).map(|b| format!("{b:02x}")).collect()
+    let mut h = sha2::Sha256::new();
+    h.update(token.as_bytes());
+    h.update([0u8]);
+    h.update(key.as_bytes());
+    h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
 async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
@@ -353,9 +355,9 @@ async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {
         public_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic).unwrap_or(true),
         ..Default::default()
     };
-    let sb = match &call.idempotency_key {
-        Some(k) => {
-            let r = pb::CreateSandboxRequest { spec: Some(spec), lease_id: lease_of(k) };
+    let sb = match &call.idempotency_lease {
+        Some(lease) => {
+            let r = pb::CreateSandboxRequest { spec: Some(spec), lease_id: lease.clone() };
             call.client.create_sandbox_with(r).await
         }
         None => call.client.create_sandbox(spec).await,
@@ -732,16 +734,15 @@ mod tests {
 
     #[test]
     fn idempotency_keys_become_lease_ids() {
-        assert_eq!(lease_of("job1"), "job1");
-        // A dash would make the sandbox's E2B id ambiguous: digested.
-        let dashed = lease_of("job-1");
-        assert!(!dashed.contains('-') && opendsec_common::ids::validate_lease(&dashed).is_ok());
-        assert_eq!(dashed, lease_of("job-1"));
-        let long = "a".repeat(200);
-        let l = lease_of(&long);
+        let l = lease_of("dsk.a.secret", "job1");
         assert_eq!(l.len(), 32);
-        assert!(opendsec_common::ids::validate_lease(&l).is_ok());
-        assert_eq!(l, lease_of(&long));
+        assert!(opendsec_common::ids::validate_lease(&l).is_ok() && !l.contains('-'));
+        // The same for the same caller; another caller's (or no) knowledge of the key names
+        // another lease.
+        assert_eq!(l, lease_of("dsk.a.secret", "job1"));
+        assert_ne!(l, lease_of("dsk.b.secret", "job1"));
+        assert_ne!(l, lease_of("dsk.a.secret", "job2"));
+        assert_ne!(l, "job1");
     }
 
     #[test]

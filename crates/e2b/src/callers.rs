@@ -31,12 +31,12 @@ pub(crate) struct Callers {
     known: Mutex<HashMap<[u8; 32], Instant>>,
 }
 
-/// The key a request authenticates with, from the header its route uses: in-sandbox, its
-/// access token (or the traffic token the code interpreter sends); on the REST API, its API
-/// key. (A key in another header would let a paused caller pass with a key it knows while
+/// The key a request authenticates with, from the header its route uses (as routing decided
+/// it, by header or by host): in-sandbox, its access token (or the traffic token the code
+/// interpreter sends); on the REST API, its API key. (A key in another header would let a paused caller pass with a key it knows while
 /// its calls are made with guesses.)
-pub(crate) fn key_of(h: &HeaderMap) -> Option<&str> {
-    if crate::header(h, "e2b-sandbox-id").is_some() {
+pub(crate) fn key_of(h: &HeaderMap, in_sandbox: bool) -> Option<&str> {
+    if in_sandbox {
         ["x-access-token", "e2b-traffic-access-token"].into_iter().find_map(|n| crate::header(h, n))
     } else {
         crate::header(h, "x-api-key")

@@ -29,21 +29,27 @@ pub fn opendsec_id(id: &str) -> String {
     }
 }
 
-/// The sandbox and port a request's host names, `<port>-<id>.<domain>`: the left-most label
-/// of the host (as E2B's proxy reads it), whatever the domain. `None`: not a sandbox host
-/// (an address, `localhost`, the API's own name), so the REST API's.
-pub fn target(h: &HeaderMap) -> Option<(u16, String)> {
+/// The sandbox and port a request's host names, `<port>-<id>.<domain>` (the left-most label,
+/// as E2B's proxy reads it) under the gateway's `domain` only. `None`: not a sandbox host (an
+/// address, `localhost`, the API's own name, a name under another domain), so the REST API's.
+pub fn target(h: &HeaderMap, domain: &str) -> Option<(u16, String)> {
     let host = crate::header(h, "host")?;
-    parse(host)
+    parse(host, domain)
 }
 
-fn parse(host: &str) -> Option<(u16, String)> {
+/// A host name without its port (`None`: an IPv6 address, never a sandbox host).
+fn name_of(host: &str) -> Option<&str> {
     if host.starts_with('[') {
-        return None; // an IPv6 address
+        return None;
     }
-    let name = host.rsplit_once(':').map_or(host, |(n, _)| n);
+    Some(host.rsplit_once(':').map_or(host, |(n, _)| n))
+}
+
+fn parse(host: &str, domain: &str) -> Option<(u16, String)> {
+    let name = name_of(host)?.trim_end_matches('.').to_ascii_lowercase();
+    let domain = name_of(domain)?.trim_end_matches('.').to_ascii_lowercase();
     let (label, rest) = name.split_once('.')?;
-    if rest.is_empty() {
+    if rest != domain {
         return None;
     }
     let (port, id) = label.split_once('-')?;
@@ -51,7 +57,7 @@ fn parse(host: &str) -> Option<(u16, String)> {
         return None;
     }
     let port = port.parse::<u16>().ok().filter(|p| *p != 0)?;
-    let id = opendsec_id(&id.to_ascii_lowercase());
+    let id = opendsec_id(id);
     opendsec_common::ids::split_sandbox_id(&id).ok()?;
     Some((port, id))
 }
@@ -90,22 +96,27 @@ mod tests {
     #[test]
     fn sandbox_hosts_name_a_port_and_a_sandbox() {
         let id = "edge-000.0196f0c2a1b2c3d4e5f6a7b8";
+        let d = "sandbox.localhost:8443";
         let host = format!("8001-{}.sandbox.localhost:8443", e2b_id(id));
-        assert_eq!(parse(&host), Some((8001, id.to_string())));
-        assert_eq!(parse(&format!("49983-{}.E2B.example.com", e2b_id(id))), Some((49983, id.to_string())));
+        assert_eq!(parse(&host, d), Some((8001, id.to_string())));
+        let e2b = "E2B.example.com";
+        assert_eq!(parse(&format!("49983-{}.e2b.EXAMPLE.com.", e2b_id(id)), e2b), Some((49983, id.to_string())));
         for not in [
             "127.0.0.1:8443",
             "localhost:8443",
             "[::1]:8443",
+            "sandbox.localhost:8443",
             "api.sandbox.localhost",
-            "8001-edge-000-0196.",
-            "0-edge-000-0196f0c2a1b2c3d4e5f6a7b8.x",
-            "99999-edge-000-0196f0c2a1b2c3d4e5f6a7b8.x",
-            "x1-edge-000-0196f0c2a1b2c3d4e5f6a7b8.x",
-            "8001-UPPER_.x",
-            "8001-.x",
+            "0-edge-000-0196f0c2a1b2c3d4e5f6a7b8.sandbox.localhost",
+            "99999-edge-000-0196f0c2a1b2c3d4e5f6a7b8.sandbox.localhost",
+            "x1-edge-000-0196f0c2a1b2c3d4e5f6a7b8.sandbox.localhost",
+            "8001-UPPER_.sandbox.localhost",
+            "8001-.sandbox.localhost",
+            // Under another name (a rebinding page's, a deeper one): not ours.
+            "8001-edge-000-0196f0c2a1b2c3d4e5f6a7b8.attacker.example",
+            "8001-edge-000-0196f0c2a1b2c3d4e5f6a7b8.x.sandbox.localhost",
         ] {
-            assert_eq!(parse(not), None, "{not}");
+            assert_eq!(parse(not, d), None, "{not}");
         }
     }
 

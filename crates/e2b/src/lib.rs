@@ -44,6 +44,10 @@ pub const ENVD_VERSION: &str = "0.6.4";
 pub const ENVD_PORT: &str = "49983";
 pub const CODE_INTERPRETER_PORT: &str = "49999";
 
+/// Bytes answers from sandbox ports may hold at once, per client address and in all.
+const PORT_ANSWERS_PER_SOURCE: usize = 128 << 20;
+const PORT_ANSWERS_TOTAL: usize = 1 << 30;
+
 /// What a gateway needs to run.
 #[derive(Debug, Clone)]
 pub struct GatewayOptions {
@@ -72,6 +76,8 @@ pub(crate) struct Gateway {
     client: Client,
     pub(crate) names: names::Cache,
     callers: callers::Callers,
+    /// What answers from sandbox ports may hold at once.
+    pub(crate) ports: Arc<ports::Budget>,
 }
 
 /// The client of one request (its address is named to the apiserver).
@@ -132,7 +138,8 @@ pub async fn serve(
     let callers = callers::Callers::new(&cfg.auth_failures);
     let port = listener.local_addr().map_err(GatewayError::Serve)?.port();
     let domain = host::domain(&cfg.domain, port);
-    let gw = Arc::new(Gateway { cfg, domain, client, names: names::Cache::default(), callers });
+    let ports = ports::Budget::new(PORT_ANSWERS_PER_SOURCE, PORT_ANSWERS_TOTAL);
+    let gw = Arc::new(Gateway { cfg, domain, client, names: names::Cache::default(), callers, ports });
     let app = axum::Router::new().fallback(move |req: Request<Body>| {
         let gw = gw.clone();
         async move { route(gw, req).await }
@@ -208,16 +215,53 @@ pub(crate) fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name).and_then(|v| v.to_str().ok()).map(str::trim).filter(|v| !v.is_empty())
 }
 
+/// Where a request goes, decided as E2B's edge proxy decides: by the `E2b-Sandbox-Id` and
+/// `E2b-Sandbox-Port` headers, else by a sandbox host (`<port>-<id>.<domain>`), else the REST
+/// API.
+enum Target {
+    Rest,
+    Envd(String),
+    Interp(String),
+    /// A sandbox's own port: its answers are the sandbox's, not the gateway's.
+    Port(String, u16),
+    Bad(String),
+}
+
+fn target_of(h: &HeaderMap, domain: &str) -> Target {
+    let (id, port) = match (header(h, "e2b-sandbox-id"), header(h, "e2b-sandbox-port")) {
+        (Some(id), Some(port)) => (host::opendsec_id(id), port.to_string()),
+        (Some(_), None) => return Target::Bad("Missing header: E2b-Sandbox-Port".into()),
+        (None, Some(_)) => return Target::Bad("Missing header: E2b-Sandbox-Id".into()),
+        (None, None) => match host::target(h, domain) {
+            Some((port, id)) => (id, port.to_string()),
+            None => return Target::Rest,
+        },
+    };
+    match port.as_str() {
+        ENVD_PORT => Target::Envd(id),
+        CODE_INTERPRETER_PORT => Target::Interp(id),
+        _ => match port.parse::<u16>() {
+            Ok(p) if p != 0 => Target::Port(id, p),
+            _ => Target::Bad(format!("bad E2b-Sandbox-Port {port:?}")),
+        },
+    }
+}
+
 async fn route(gw: Arc<Gateway>, req: Request<Body>) -> Response {
     let ip = req.extensions().get::<ClientAddr>().map(|a| a.0.ip());
-    let key = callers::key_of(req.headers()).map(str::to_string);
-    let sandbox = header(req.headers(), "e2b-sandbox-id").is_some();
+    let target = target_of(req.headers(), &gw.domain);
+    // A sandbox port's answers are its server's: they say nothing of the caller's key (a
+    // sandbox answering 401 must not pause its visitors), and nothing there is paused.
+    let counted = !matches!(target, Target::Port(..) | Target::Bad(_));
+    let in_sandbox = matches!(target, Target::Envd(_) | Target::Interp(_));
+    let key = callers::key_of(req.headers(), in_sandbox).map(str::to_string);
     let now = std::time::Instant::now();
-    if let Some(ip) = ip
+    if counted
+        && let Some(ip) = ip
         && let Some(left) = gw.callers.refused_for(ip, key.as_deref(), now)
     {
         let message = format!("too many failed authentications from {ip}; try again in {} s", left.as_secs().max(1));
-        return if sandbox {
+        return if in_sandbox {
             connect::ConnectError::new(connect::Code::Unauthenticated, message).unary_response()
         } else {
             let mut e = error::RestError::unauthorized(message);
@@ -225,8 +269,15 @@ async fn route(gw: Arc<Gateway>, req: Request<Body>) -> Response {
             e.response()
         };
     }
-    let resp = dispatch(gw.clone(), Caller(ip), req).await;
-    if let Some(ip) = ip {
+    let caller = Caller(ip);
+    let resp = match target {
+        Target::Rest => api::handle(gw.clone(), caller, req).await,
+        Target::Envd(id) => envd::handle(gw.clone(), caller, id, req).await,
+        Target::Interp(id) => interp::handle(gw.clone(), caller, id, req).await,
+        Target::Port(id, port) => ports::handle(gw.clone(), caller, id, port, req).await,
+        Target::Bad(m) => error::RestError::bad_request(m).response(),
+    };
+    if counted && let Some(ip) = ip {
         let status = resp.status();
         if status == axum::http::StatusCode::UNAUTHORIZED {
             gw.callers.record(ip, key.as_deref(), false, now);
@@ -235,27 +286,4 @@ async fn route(gw: Arc<Gateway>, req: Request<Body>) -> Response {
         }
     }
     resp
-}
-
-/// Routes a request as E2B's edge proxy does: by the `E2b-Sandbox-Id` and `E2b-Sandbox-Port`
-/// headers, else by a sandbox host (`<port>-<id>.<domain>`), else to the REST API.
-async fn dispatch(gw: Arc<Gateway>, caller: Caller, req: Request<Body>) -> Response {
-    let h = req.headers();
-    let (id, port) = match (header(h, "e2b-sandbox-id"), header(h, "e2b-sandbox-port")) {
-        (Some(id), Some(port)) => (host::opendsec_id(id), port.to_string()),
-        (Some(_), None) => return error::RestError::bad_request("Missing header: E2b-Sandbox-Port").response(),
-        (None, Some(_)) => return error::RestError::bad_request("Missing header: E2b-Sandbox-Id").response(),
-        (None, None) => match host::target(h) {
-            Some((port, id)) => (id, port.to_string()),
-            None => return api::handle(gw, caller, req).await,
-        },
-    };
-    match port.as_str() {
-        ENVD_PORT => envd::handle(gw, caller, id, req).await,
-        CODE_INTERPRETER_PORT => interp::handle(gw, caller, id, req).await,
-        _ => match port.parse::<u16>() {
-            Ok(p) if p != 0 => ports::handle(gw, caller, id, p, req).await,
-            _ => error::RestError::bad_request(format!("bad E2b-Sandbox-Port {port:?}")).response(),
-        },
-    }
 }

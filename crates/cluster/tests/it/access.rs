@@ -448,7 +448,7 @@ async fn sandbox_tokens_reach_their_sandbox_only_and_end_with_it() {
 /// method, and with a token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_gateway_reaches_only_public_sandboxes_for_nobody() {
-    let tc = start(1, |_| {}).await;
+    let tc = start(1, |c| c.apiserver.auth_failures.max = 8).await;
     let addr = tc.cluster.apiserver_addr.to_string();
     let ca = std::fs::read(&tc.cluster.ca_path).unwrap();
     let gateway_id = opendsec_common::pki::Identity::new(opendsec_common::pki::Role::Gateway, "0").unwrap();
@@ -482,4 +482,18 @@ async fn only_a_gateway_reaches_only_public_sandboxes_for_nobody() {
     // From anyone but a gateway, the header opens nothing, not even a public sandbox.
     let e = base(&plain).public_for(None).http_request(http(&public.id)).await.unwrap_err();
     assert_eq!(e.reason, Reason::Unauthenticated, "{e}");
+
+    // Probing ids for nobody is paid for: sandboxes that are not public, or not there, count
+    // as failed authentications of the client the gateway names, which is then paused (and
+    // no one else is).
+    let prober = base(&as_gateway).public_for(Some("192.0.2.9".parse().unwrap()));
+    for i in 0..8 {
+        let id = if i % 2 == 0 { private.id.clone() } else { format!("edge-000.nosuch{i}") };
+        assert!(prober.http_request(http(&id)).await.is_err());
+    }
+    let e = prober.http_request(http(&public.id)).await.unwrap_err();
+    assert_eq!(e.reason, Reason::Unauthenticated, "{e}");
+    if let Err(e) = nobody.http_request(http(&public.id)).await {
+        assert!(!matches!(e.reason, Reason::PermissionDenied | Reason::Unauthenticated), "{e}");
+    }
 }

@@ -131,12 +131,17 @@ impl Inner {
             return;
         }
         // Idle, and asked to pause rather than stop then (E2B's autoPause).
+        let mut rec = rec;
         if reason == end_reason::TTL_RUNNING_STOP && rec.spec.pause_on_timeout && rec.state.can_pause() {
             tracing::debug!(sandbox_id = %rec.id, "idle sandbox paused");
-            if let Err(e) = self.pause_locked(&rec).await {
-                tracing::warn!(lease_id = %lease, error = %e, "pausing an idle sandbox failed; will retry");
+            let Err(e) = self.pause_locked(&rec).await else { return };
+            // Its time is up either way: one that cannot be paused is stopped, not left
+            // running until its lifetime.
+            tracing::warn!(lease_id = %lease, error = %e, "pausing a sandbox at its timeout failed; stopping it");
+            match self.table().rec(lease) {
+                Some(r) if r.state.can_pause() => rec = r,
+                _ => return,
             }
-            return;
         }
         tracing::debug!(sandbox_id = %rec.id, reason, "sandbox expired");
         if let Err(e) = self.stop_locked(rec, reason, Release::Yes).await {

@@ -366,6 +366,11 @@ fn pid1(
     };
     // While CAP_SYS_ADMIN is still held (in the sandbox's user namespace): a filter installed
     // so needs no `no_new_privs`, and setuid programs inside keep working (Docker's way).
+    // Without a user namespace a setuid program would be the host's root: then
+    // `no_new_privs` is set and setuid programs gain nothing.
+    if userns.is_none() {
+        step!("no_new_privs", rustix::thread::set_no_new_privs(true).map_err(std::io::Error::from));
+    }
     step!("seccomp", super::seccomp::install(progs));
     step!("capabilities", drop_caps());
     match nix::unistd::execve(&argv[0], &argv, &env) {
