@@ -12,6 +12,8 @@ passes or fails on nothing but errors (``make bench-e2b``).
   ``start_process(["/bin/bash", "-l", "-c", "true"])`` then its exit): the last pair is the
   gateway's own cost;
 - ``run_code("1+1")`` round trips (code interpreter, a warm kernel);
+- a sandbox's port: E2B ``get_host(port)`` through the gateway (public traffic), beside
+  opendsec's ``http_request`` and beside ``curl`` to 127.0.0.1 inside the sandbox (the floor);
 - file write and read of ``--file-mib`` MiB through E2B's SDK, beside opendsec's SDK.
 
 Published E2B figures for comparison: ~150 ms creation, 0.44 s time to interactive
@@ -127,6 +129,29 @@ def run(args: argparse.Namespace, cl: LocalCluster) -> None:
 
             same_as_gateway()
             show("opendsec  start_process(bash -l -c true) + wait  (the gateway's path)", timed(args.calls, same_as_gateway))
+
+            # A sandbox's port: E2B's get_host (the gateway, for nobody: public traffic)
+            # beside opendsec's http_request (a token), and curl inside the sandbox to
+            # 127.0.0.1 (the server's own time: the floor).
+            import httpx
+
+            s.commands.run("python3 -m http.server 8100", background=True, timeout=0)
+            sb.start_process(["python3", "-m", "http.server", "8100"], user="user")
+            url = f"https://{s.get_host(8100)}/"
+            for _ in range(100):
+                try:
+                    if httpx.get(url).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            with httpx.Client() as hc:
+                show("E2B SDK   GET https://get_host(8100)/  (gateway, keep-alive)", timed(args.calls, lambda: hc.get(url)))
+            sb.http_request(8100)
+            show("opendsec  http_request(8100, '/')", timed(args.calls, lambda: sb.http_request(8100)))
+            loop = f"for i in $(seq {args.calls}); do curl -s -o /dev/null -w '%{{time_total}}\\n' http://127.0.0.1:8100/; done"
+            inside = [float(x) * 1e3 for x in s.commands.run(loop, timeout=0).stdout.split()]
+            show("curl inside the sandbox, http://127.0.0.1:8100/  (the floor)", inside)
 
             data = os.urandom(args.file_mib << 20)
             mib = args.file_mib
