@@ -269,7 +269,7 @@ pub fn scoped_lease_id(project: &str, key: &str) -> String {
     h.update((project.len() as u64).to_le_bytes());
     h.update(project.as_bytes());
     h.update(key.as_bytes());
-    h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect()
+    opendsec_common::hex::to_hex(&h.finalize()[..12])
 }
 
 /// The spec of each patched item of a batch (the shared spec with the patch's env and labels

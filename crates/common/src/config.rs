@@ -1229,12 +1229,7 @@ pub fn parse_token_shape(token: &str) -> Option<(&str, &str)> {
 /// bytes. Only an encoding: it is as secret as the token, and works wherever the token does
 /// through the E2B gateway.
 pub fn e2b_key(token: &str) -> String {
-    let mut out = String::with_capacity(4 + token.len() * 2);
-    out.push_str(E2B_KEY_PREFIX);
-    for b in token.bytes() {
-        out.push_str(&format!("{b:02x}"));
-    }
-    out
+    format!("{E2B_KEY_PREFIX}{}", crate::hex::to_hex(token.as_bytes()))
 }
 
 pub const E2B_KEY_PREFIX: &str = "e2b_";
@@ -1243,16 +1238,10 @@ pub const E2B_KEY_PREFIX: &str = "e2b_";
 /// (then it is used as it is: an opendsec token given to E2B's SDK verbatim).
 pub fn token_of_e2b_key(key: &str) -> Option<String> {
     let hex = key.strip_prefix(E2B_KEY_PREFIX)?;
-    if hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 1024 {
+    if hex.len() > 1024 {
         return None;
     }
-    let digit = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        _ => None,
-    };
-    let bytes: Option<Vec<u8>> = hex.as_bytes().chunks(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect();
-    let token = String::from_utf8(bytes?).ok()?;
+    let token = String::from_utf8(crate::hex::from_hex(hex)?).ok()?;
     parse_token_shape(&token).is_some().then_some(token)
 }
 

@@ -13,6 +13,7 @@ pub mod conn;
 pub mod egress;
 pub mod fsperm;
 pub mod grpc;
+pub mod hex;
 pub mod http;
 pub mod ids;
 pub mod periodic;

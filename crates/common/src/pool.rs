@@ -55,7 +55,7 @@ impl PoolTemplate {
     /// The template's revision: the hex sha256 of its canonical JSON.
     pub fn revision(&self) -> String {
         let json = serde_json::to_vec(&self.canonical()).expect("a template always encodes");
-        Sha256::digest(&json).iter().map(|b| format!("{b:02x}")).collect()
+        crate::hex::to_hex(&Sha256::digest(&json))
     }
 }
 
@@ -110,7 +110,7 @@ mod tests {
         // Golden: the revision is part of what edges and IAM agree on across versions.
         let t = PoolTemplate { image: "busybox:latest".into(), backend: "fncall".into(), ..Default::default() };
         let json = r#"{"image":"busybox:latest","backend":"fncall","cpu_millis":0,"memory_mb":0,"disk_mb":0,"env":{},"egress":[],"user":"","workdir":""}"#;
-        let want: String = Sha256::digest(json.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+        let want = crate::hex::to_hex(&Sha256::digest(json.as_bytes()));
         assert_eq!(t.revision(), want);
     }
 }

@@ -307,7 +307,7 @@ fn lease_of(token: &str, key: &str) -> String {
     h.update(token.as_bytes());
     h.update([0u8]);
     h.update(key.as_bytes());
-    h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect()
+    opendsec_common::hex::to_hex(&h.finalize()[..16])
 }
 
 async fn create(gw: &Gateway, call: &Call, body: &[u8]) -> Result<Response> {

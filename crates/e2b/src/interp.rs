@@ -206,17 +206,10 @@ async fn execute(gw: &Gateway, call: &Call, body: &[u8]) -> Response {
             }
         }
     });
+    // (hyper breaks the connection off at the first error and reads no further: nothing,
+    // not even the end line, follows a broken-off run.)
     let end = futures::stream::once(async { Ok(Bytes::from_static(b"{\"type\":\"end_of_execution\"}\n")) });
-    // Nothing follows a broken-off run (not even its end line).
-    let lines = lines
-        .filter_map(|l| async move { l.map(|l| l.map(|l| Bytes::from(format!("{l}\n")))).transpose() })
-        .scan(false, |broken, l| {
-            let out = if *broken { None } else { Some(l) };
-            if matches!(out, Some(Err(_))) {
-                *broken = true;
-            }
-            std::future::ready(out)
-        });
+    let lines = lines.filter_map(|l| async move { l.map(|l| l.map(|l| Bytes::from(format!("{l}\n")))).transpose() });
     let mut r = Response::new(Body::from_stream(lines.chain(end)));
     r.headers_mut().insert(h::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r

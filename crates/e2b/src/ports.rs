@@ -12,8 +12,8 @@
 //!   refused (403, as E2B's proxy answers) for any other.
 //! - Bodies are whole messages both ways, bounded: a request by what one Runtime message may
 //!   carry ([`MAX_REQUEST`], read within [`BODY_READ`]), an answer by [`MAX_ANSWER`] (a larger
-//!   one is 502, not cut). What answers hold while their clients read them is bounded per
-//!   client address and in all ([`Budget`]): past it, 503.
+//!   one is 502, not cut). What exchanges hold, from the request's first byte until the client
+//!   has read the answer, is bounded per client address and in all ([`Budget`]): past it, 503.
 //! - The headers that name the hop (connection, framing, those `Connection` lists, proxy
 //!   authorization, the gateway's own routing and tokens) are not passed on; the agent sends
 //!   `Host: 127.0.0.1:<port>`. A cookie the sandbox sets is kept to its own host (`Domain=` is
@@ -58,9 +58,10 @@ const HOP: &[&str] = &[
     "proxy-authenticate",
 ];
 
-/// Bytes that answers from sandbox ports may hold at once: per client address and in all. A
-/// request reserves [`MAX_ANSWER`] while it is made, then what its answer holds until the
-/// client has taken it (the reservation goes with the last reference to the bytes).
+/// Bytes that exchanges with sandbox ports may hold at once: per client address and in all. A
+/// request reserves room for its body and the largest answer before reading anything, then
+/// keeps what its answer holds until the client has taken it (the reservation goes with the
+/// last reference to the bytes).
 #[derive(Debug)]
 pub(crate) struct Budget {
     per_source: usize,
@@ -94,18 +95,7 @@ impl Budget {
         }
         Some(Reserved { budget: self.clone(), source: src, bytes })
     }
-}
 
-impl Reserved {
-    /// Keeps `bytes` of the reservation (an answer smaller than the most it could have been).
-    fn shrink(&mut self, bytes: usize) {
-        let give = self.bytes.saturating_sub(bytes);
-        self.budget.give_back(self.source, give);
-        self.bytes -= give;
-    }
-}
-
-impl Budget {
     fn give_back(&self, source: Option<std::net::IpAddr>, bytes: usize) {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         g.0 = g.0.saturating_sub(bytes);
@@ -117,6 +107,15 @@ impl Budget {
                 g.1.remove(&s);
             }
         }
+    }
+}
+
+impl Reserved {
+    /// Keeps `bytes` of the reservation (an answer smaller than the most it could have been).
+    fn shrink(&mut self, bytes: usize) {
+        let give = self.bytes.saturating_sub(bytes);
+        self.budget.give_back(self.source, give);
+        self.bytes -= give;
     }
 }
 
@@ -180,6 +179,14 @@ pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, id: String, port: u
         .filter(|(n, _)| !HOP.contains(&n.as_str()) && !listed.iter().any(|l| l == n.as_str()))
         .filter_map(|(n, v)| Some(pb::HttpHeader { name: n.as_str().to_string(), value: v.to_str().ok()?.to_string() }))
         .collect();
+    // Room for the whole exchange before any of it is read: the request's body, then the
+    // answer's.
+    let Some(mut reserved) = gw.ports.take(caller.0, MAX_REQUEST + MAX_ANSWER) else {
+        let mut r =
+            json_error(StatusCode::SERVICE_UNAVAILABLE, "too many requests to sandbox ports in flight; try again");
+        r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+        return r;
+    };
     let body =
         match tokio::time::timeout(BODY_READ, http_body_util::Limited::new(req.into_body(), MAX_REQUEST).collect())
             .await
@@ -188,12 +195,6 @@ pub async fn handle(gw: Arc<Gateway>, caller: crate::Caller, id: String, port: u
             Ok(Err(e)) => return json_error(StatusCode::PAYLOAD_TOO_LARGE, &format!("request body: {e}")),
             Err(_) => return json_error(StatusCode::REQUEST_TIMEOUT, "the request body did not arrive in time"),
         };
-    let Some(mut reserved) = gw.ports.take(caller.0, MAX_ANSWER) else {
-        let mut r =
-            json_error(StatusCode::SERVICE_UNAVAILABLE, "too many answers from sandbox ports in flight; try again");
-        r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
-        return r;
-    };
     let call = pb::HttpRequestRequest {
         sandbox_id: id.clone(),
         port: u32::from(port),

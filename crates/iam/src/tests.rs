@@ -1882,27 +1882,29 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
 
     // Reconciliation keeps a member's lease an edge reports, but never adopts one IAM does
     // not hold (that would skip the quota): the edge charges it again.
-    h.tick(120_000);
-    h.lock_for("w1", 15_000);
-    let now = h.now;
-    let live = |id: &str, pool: &str| LiveLease {
-        lease_id: id.into(),
-        project: "root/a".into(),
-        principal: String::new(),
-        resources: MEMBER,
-        pool: pool.into(),
-    };
-    let r = h
-        .run(Command::FencedReconcile {
+    // A reconciliation of e2, two minutes on, which reports member m5 of pool py.
+    let reconcile_m5 = |h: &mut Harness| {
+        h.tick(120_000);
+        h.lock_for("w1", 15_000);
+        let now = h.now;
+        let live = LiveLease {
+            lease_id: "m5".into(),
+            project: "root/a".into(),
+            principal: String::new(),
+            resources: MEMBER,
+            pool: "root/a//py".into(),
+        };
+        h.run(Command::FencedReconcile {
             now_ms: now,
             edge: "e2".into(),
-            live: vec![live("m5", "root/a//py")],
+            live: vec![live],
             min_age_ms: 60_000,
             holder: "w1".into(),
             read_at_ms: now,
         })
-        .unwrap();
-    assert_eq!(r, Output::Reconciled { adopted: 0, released: 0 });
+        .unwrap()
+    };
+    assert_eq!(reconcile_m5(&mut h), Output::Reconciled { adopted: 0, released: 0 });
     assert!(h.st.lease("m5").is_none());
     let now = h.now;
     h.run(Command::AdmitMember {
@@ -1915,20 +1917,7 @@ fn idle_pool_members_are_charged_and_a_claim_takes_a_charge_over() {
     })
     .unwrap();
     // Reported, it is kept (a member not reported is released like any lease).
-    h.tick(120_000);
-    h.lock_for("w1", 15_000);
-    let now = h.now;
-    let r = h
-        .run(Command::FencedReconcile {
-            now_ms: now,
-            edge: "e2".into(),
-            live: vec![live("m5", "root/a//py")],
-            min_age_ms: 60_000,
-            holder: "w1".into(),
-            read_at_ms: now,
-        })
-        .unwrap();
-    assert_eq!(r, Output::Reconciled { adopted: 0, released: 0 });
+    assert_eq!(reconcile_m5(&mut h), Output::Reconciled { adopted: 0, released: 0 });
     match claim(&mut h, "s4", "e2", "root/a", MEMBER).unwrap() {
         Output::Admitted(a) => assert_eq!(a.member_lease, "m5"),
         o => panic!("{o:?}"),

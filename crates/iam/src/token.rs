@@ -113,29 +113,7 @@ pub fn verify(key: &[u8], secret: &str, stored_hex: &str) -> bool {
     stored.len() == got.len() && bool::from(stored.as_slice().ct_eq(&got))
 }
 
-pub fn to_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
-    s
-}
-
-pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    fn nibble(c: u8) -> Option<u8> {
-        match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            _ => None,
-        }
-    }
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    s.as_bytes().chunks(2).map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?)).collect()
-}
+pub use opendsec_common::hex::{from_hex, to_hex};
 
 /// Whether `s` is the hex of exactly 32 bytes (a hash key or a secret hash).
 pub fn is_hex32(s: &str) -> bool {

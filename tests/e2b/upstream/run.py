@@ -121,6 +121,8 @@ def main() -> None:
     cluster = LocalCluster(ctl, ("container",), prefix="opendsec-e2b-upstream.")
     results = {}
     try:
+        # Hermetic: the sandboxes have loopback only, whatever a test asks of their network.
+        assert json.loads((cluster.state / "config.json").read_text())["network"]["enabled"] is False
         env0 = cluster.e2b_env()
         cluster.import_rootfs(images["base"], "e2b-base:latest")
         cluster.import_rootfs(images["code-interpreter"], "code-interpreter-v1:latest", timeout=600)
